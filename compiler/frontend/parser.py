@@ -322,6 +322,8 @@ class _Builder:
                 val = self.name(c[0])
             elif d == "lanes_prop":
                 val = int(c[0])
+            elif d == "shared_prop":
+                val = self.name(c[0])
             elif d == "efficiency_prop":
                 val = self.number_quantity(c[0], "%" if len(c) > 1 else None)
             else:  # pragma: no cover
@@ -383,11 +385,11 @@ class _Builder:
         c = t.children
         sp = self.span(t)
         if verb in ("send", "pull", "copy"):
-            sel, src, dst = c
-            return ast.Action(verb, self.selection(sel), (self.bufref(src),), self.bufref(dst), None, None, sp)
+            sel, srcs, dst = c
+            return ast.Action(verb, self.selection(sel), self.bufrefs(srcs), self.bufref(dst), None, None, sp)
         if verb == "permute":
-            *srcs, dst = c
-            return ast.Action(verb, None, tuple(self.bufref(s) for s in srcs), self.bufref(dst), None, None, sp)
+            srcs, dst = c
+            return ast.Action(verb, None, self.bufrefs(srcs), self.bufref(dst), None, None, sp)
         if verb == "reduce":
             src, dst = c
             return ast.Action(verb, None, (self.bufref(src),), self.bufref(dst), None, None, sp)
@@ -412,6 +414,9 @@ class _Builder:
             member = self.name(c.children[1]) if len(c.children) > 1 else None
             terms.append((op, ast.RankTerm(base, member, self.span(c))))
         return ast.RankSet(tuple(terms), self.span(t))
+
+    def bufrefs(self, t: Tree) -> tuple[ast.BufRef, ...]:
+        return tuple(self.bufref(b) for b in t.children)
 
     def bufref(self, t: Tree) -> ast.BufRef:
         if len(t.children) == 1:

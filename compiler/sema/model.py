@@ -148,6 +148,10 @@ class LinkInfo:
     pairs: frozenset[tuple[int, int]]  # symmetric; empty for local links
     relation_text: str
     span: Span
+    # `shared per card`: one physical port per instance of that level/group, shared by every
+    # rank pair whose sending rank lies in it (a NIC per card serving both dies).  None: each
+    # rank has its own port.
+    shared_per: str | None = None
 
     def connects(self, a: int, b: int) -> bool:
         if self.kind == "local":

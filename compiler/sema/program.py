@@ -171,9 +171,16 @@ class _ProgramResolver:
                 self.err(dst.span, "a pull writes the executing rank's own buffer",
                          f"to write '{dst.text()}', use 'send ... to {dst.text()}'")
                 return
-            if not remote_src:
-                self.err(srcs[0].span, f"a pull reads another rank's buffer: write '<relation>.{srcs[0].buffer.name}'",
+            local_src = [x for x in srcs if x.relation is None]
+            if local_src:
+                self.err(local_src[0].span,
+                         f"a pull reads another rank's buffer: write '<relation>.{local_src[0].buffer.name}'",
                          "for a local move use 'copy'")
+                return
+            rels = {x.relation.name for x in srcs}
+            if len(rels) > 1:
+                self.err(a.span, f"a pull reads from one relation at a time, not from {', '.join(sorted(rels))}",
+                         "split it into one pull per relation")
                 return
             st.relation = remote_src[0].relation
             if not self._far_ok(remote_src[0]):

@@ -471,6 +471,14 @@ class _TopologyResolver:
                 ok = False
             else:
                 eff = q.value / 100.0
+        shared = None
+        if "shared" in props:
+            sc = props["shared"].value
+            if sc.text not in self.space.level_index and sc.text not in self.space.groups:
+                self.diags.error(sc.span, f"unknown level or group '{sc.text}'",
+                                 *_maybe(did_you_mean(sc.text, self.space.scope_names())))
+                ok = False
+            shared = sc.text
         pairs: frozenset[tuple[int, int]] = frozenset()
         rel_text = ""
         if kind == "local":
@@ -493,7 +501,7 @@ class _TopologyResolver:
                     rel_text = _rel_text(expr)
         if not ok:
             return None
-        return model.LinkInfo(lk.name.text, kind, bw, lat, engine, lanes, eff, pairs, rel_text, lk.span)
+        return model.LinkInfo(lk.name.text, kind, bw, lat, engine, lanes, eff, pairs, rel_text, lk.span, shared)
 
 
 # --------------------------------------------------------------------------- helpers

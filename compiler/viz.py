@@ -1,0 +1,162 @@
+"""`epcc viz`: the schedule DAG as a graphviz picture.
+
+Steps are nodes, grouped into clusters by the tier of the machine they run across (on one rank,
+between the ranks of a card, a VNode, a node, ...: the smallest level or group that contains
+every pair of ranks the step moves data between).  Solid edges are data dependencies (labelled
+with the buffer), dashed edges explicit `after` orderings, dotted lines `parallel with` hints.
+Node colours give the link kind (p2p / d2d / rdma / local); labels give the expected volume.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import graphviz
+
+from .analysis.flow import FlowAnalysis
+from .diagnostics import CompileError, Diagnostic
+from .sema import model
+
+KIND_COLOR = {"p2p": "#1f77b4", "d2d": "#9467bd", "rdma": "#d62728", "local": "#2ca02c", None: "#7f7f7f"}
+KIND_FILL = {"p2p": "#dbe9f6", "d2d": "#ece2f4", "rdma": "#f9dcdc", "local": "#dff1df", None: "#eeeeee"}
+FORMATS = ("svg", "png", "dot", "pdf")
+
+
+def tier(sched: model.Schedule, st: model.Step) -> str:
+    """Smallest level/group holding every (src, dst) pair of the step, as a cluster label."""
+    space = sched.topology.space
+    if st.verb == "exchange":
+        return "metadata"
+    pairs = [(a, b) for r in range(space.num_ranks) for a, b in st.flows(r)]
+    if all(a == b for a, b in pairs):
+        return f"on each {space.rank_level.name}"
+    # Scopes from innermost to outermost: levels and groups ordered by depth.
+    scopes: list[tuple[float, str]] = [(lv.depth, lv.name) for lv in space.levels]
+    scopes += [(g.depth - 0.5, g.name) for g in space.groups.values()]
+    for _, name in sorted(scopes, reverse=True):
+        if all(space.scope_key(a, name) == space.scope_key(b, name) for a, b in pairs):
+            return f"within a {name}"
+    return f"across {space.levels[0].name}s"
+
+
+def _mb(x: float) -> str:
+    return f"{x / 1e6:.1f} MB" if x >= 1e5 else f"{x / 1e3:.1f} KB"
+
+
+def build_graph(sched: model.Schedule) -> graphviz.Digraph:
+    flows = FlowAnalysis(sched)
+    g = graphviz.Digraph(name=sched.name, graph_attr={
+        "rankdir": "LR", "fontname": "Helvetica", "fontsize": "11", "compound": "true",
+        "label": _title(sched), "labelloc": "t", "newrank": "true",
+    }, node_attr={"fontname": "Helvetica", "fontsize": "10", "shape": "box", "style": "rounded,filled"},
+        edge_attr={"fontname": "Helvetica", "fontsize": "9"})
+    prog = sched.dispatch
+    g.node("input", "input\n(own tokens)", shape="cylinder", fillcolor="#ffffff")
+    g.node("output", "output\n(expert-major)", shape="cylinder", fillcolor="#ffffff")
+    clusters: dict[str, list[model.Step]] = {}
+    for st in prog.steps:
+        clusters.setdefault(tier(sched, st), []).append(st)
+    for i, (label, steps) in enumerate(clusters.items()):
+        # Local steps bracket the pipeline (first reorder, last permute): no box around them.
+        local = label.startswith("on each")
+        with g.subgraph(name=f"{'group' if local else 'cluster'}_{i}") as c:
+            c.attr(label=label, style="dashed", color="#999999", fontcolor="#555555")
+            for st in steps:
+                c.node(st.name, _node_label(sched, st, flows), fillcolor=KIND_FILL[_kind(st)],
+                       color=KIND_COLOR[_kind(st)], penwidth="1.5", tooltip=f"{sched.path}:{st.span.line}")
+    writers: dict[str, list[str]] = {}
+    for st in prog.steps:
+        for src in st.sources:
+            b = src.buffer.name
+            if b == "input":
+                g.edge("input", st.name, color="#555555")
+        for d in st.data_deps:
+            bufs = sorted({s.buffer.name for s in st.sources} & {prog.step(d).dest.buffer.name})
+            g.edge(d, st.name, label=", ".join(bufs), color="#555555")
+        for d in st.after:
+            if d not in st.data_deps:
+                g.edge(d, st.name, style="dashed", color="#aa5500", label="after")
+        for p in st.parallel:
+            if st.name < p or st.name not in prog.step(p).parallel:
+                g.edge(st.name, p, style="dotted", dir="none", color="#888888", constraint="false", label="parallel")
+        if st.dest is not None:
+            writers.setdefault(st.dest.buffer.name, []).append(st.name)
+    for w in writers.get("output", []):
+        g.edge(w, "output", color="#555555")
+    _legend(g)
+    return g
+
+
+def _kind(st: model.Step) -> str | None:
+    return st.link.kind if st.link else None
+
+
+def _title(sched: model.Schedule) -> str:
+    t = sched.topology
+    wl = sched.workload
+    head = sched.title or sched.name
+    return (f"{head}\n{t.num_ranks} ranks, {wl.tokens} tokens/rank x {wl.hidden} {wl.dtype}, "
+            f"top-{wl.topk} of {wl.experts}; volumes: expected bytes per rank, uniform routing")
+
+
+def _node_label(sched: model.Schedule, st: model.Step, flows: FlowAnalysis) -> str:
+    lines = [st.name if not st.title else f"{st.name}: {st.title}", st.describe()]
+    v = flows.volumes[st.name]
+    if st.verb == "exchange":
+        lines.append(f"metadata {_mb(v.max_bytes)}")
+    else:
+        link = st.link
+        via = f"{link.kind} '{link.name}'" if link else "no link (free)"
+        fan = max((len(pf) for pf in v.per_flow), default=1)
+        per = max((c for pf in v.per_flow for (_, _, c) in pf), default=0.0) * sched.workload.bytes_per_token
+        vol = _mb(v.max_bytes)
+        if fan > 1:
+            vol += f" ({fan} x {_mb(per)})"
+        lines.append(f"{via}: {vol}")
+    opts = []
+    if st.chunk_tokens:
+        opts.append(f"chunk {st.chunk_tokens} tok")
+    if st.chunk_bytes:
+        opts.append(f"chunk {st.chunk_bytes} B")
+    if st.depth:
+        opts.append(f"depth {st.depth}")
+    if st.order:
+        opts.append(st.order)
+    if opts:
+        lines.append(", ".join(opts))
+    lines.append(f"line {st.span.line}")
+    return "\n".join(lines)
+
+
+def _legend(g: graphviz.Digraph) -> None:
+    with g.subgraph(name="cluster_legend") as c:
+        c.attr(label="link kind", style="solid", color="#cccccc")
+        prev = None
+        for kind in ("p2p", "d2d", "rdma", "local"):
+            n = f"legend_{kind}"
+            c.node(n, kind, fillcolor=KIND_FILL[kind], color=KIND_COLOR[kind], fontsize="9", width="0.6", height="0.3")
+            if prev:
+                c.edge(prev, n, style="invis")
+            prev = n
+
+
+def render(sched: model.Schedule, out: str) -> Path:
+    """Write the DAG to `out` (.svg, .png, .pdf or .dot).  Raises CompileError on user errors."""
+    path = Path(out)
+    fmt = path.suffix.lstrip(".").lower()
+    if fmt not in FORMATS:
+        raise CompileError([Diagnostic("error", f"{out}: unknown picture format '.{fmt}'; use one of "
+                                                f"{', '.join('.' + f for f in FORMATS)}", None)])
+    g = build_graph(sched)
+    if path.parent and not path.parent.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "dot":
+        path.write_text(g.source, encoding="utf-8")
+        return path
+    if shutil.which("dot") is None:
+        raise CompileError([Diagnostic("error", "graphviz's 'dot' program is not installed; install Debian's "
+                                                "'graphviz' (scripts/setup.sh does) or write a .dot file", None)])
+    data = g.pipe(format=fmt)
+    path.write_bytes(data)
+    return path

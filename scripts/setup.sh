@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Sets up everything epcc needs, idempotently; safe to re-run (`make setup`).
+#
+#   1. .venv/ at the repo root (python3 >= 3.10), with `pip install -e '.[test]'`.
+#      Re-installed only when pyproject.toml / setup.py change (stamp file
+#      .venv/.epcc-stamp holds their hash).
+#   2. Graphviz's `dot` (Debian package graphviz) if it is not on PATH; also
+#      cmake and a C compiler if missing.
+#   3. The native parts (CMakeLists.txt), configured and built in build/native.
+#
+# Environment: EPCC_PYTHON=/path/to/python3 picks the interpreter for the venv.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+VENV="$ROOT/.venv"
+STAMP="$VENV/.epcc-stamp"
+BUILD="$ROOT/build/native"
+
+say() { printf '==> %s\n' "$*"; }
+die() { printf 'setup.sh: error: %s\n' "$*" >&2; exit 1; }
+
+# ---- system packages (apt-get) ----------------------------------------------
+APT_UPDATED=0
+apt_install() {
+    local sudo=""
+    if ! command -v apt-get >/dev/null 2>&1; then
+        die "need Debian package(s) '$*' but apt-get is not available; install them by other means and re-run"
+    fi
+    if [ "$(id -u)" -ne 0 ]; then
+        command -v sudo >/dev/null 2>&1 || die "need Debian package(s) '$*': not root and no sudo; install them and re-run"
+        sudo="sudo"
+    fi
+    if [ "$APT_UPDATED" -eq 0 ]; then
+        say "apt-get update"
+        $sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+            || die "apt-get update failed; install '$*' by hand and re-run"
+        APT_UPDATED=1
+    fi
+    say "apt-get install $*"
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null \
+        || die "apt-get install $* failed; install it by hand and re-run"
+}
+
+missing=()
+command -v dot   >/dev/null 2>&1 || missing+=(graphviz)
+command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+command -v make  >/dev/null 2>&1 || missing+=(make)
+{ command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1; } || missing+=(gcc libc6-dev)
+if [ "${#missing[@]}" -gt 0 ]; then
+    apt_install "${missing[@]}"
+fi
+command -v dot >/dev/null 2>&1 || die "'dot' is still not on PATH after installing graphviz"
+say "graphviz: $(dot -V 2>&1)"
+
+# ---- Python venv ------------------------------------------------------------
+py_ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' >/dev/null 2>&1; }
+
+find_python() {
+    local cand
+    for cand in ${EPCC_PYTHON:-} python3 python3.13 python3.12 python3.11 python3.10; do
+        if command -v "$cand" >/dev/null 2>&1 && py_ok "$cand"; then
+            command -v "$cand"
+            return 0
+        fi
+    done
+    return 1
+}
+
+if [ -x "$VENV/bin/python" ] && ! py_ok "$VENV/bin/python"; then
+    say ".venv is broken or too old; recreating it"
+    rm -rf "$VENV"
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+    PY="$(find_python)" || die "need python3 >= 3.10 (set EPCC_PYTHON=/path/to/python3)"
+    say "creating .venv with $PY ($("$PY" --version 2>&1))"
+    "$PY" -m venv "$VENV" || die "'$PY -m venv' failed (on Debian: apt-get install python3-venv)"
+fi
+
+# The stamp covers what decides the installed set, and where the repo is
+# (the editable install points at this checkout).
+install_inputs() { local f; for f in pyproject.toml setup.py; do if [ -f "$f" ]; then cat "$f"; fi; done; }
+want_stamp="$(install_inputs | sha256sum | cut -d' ' -f1) $ROOT"
+have_stamp="$(cat "$STAMP" 2>/dev/null || true)"
+if [ "$want_stamp" = "$have_stamp" ] && [ -x "$VENV/bin/epcc" ]; then
+    say "python packages up to date ($VENV)"
+else
+    rm -f "$STAMP"
+    say "upgrading pip in .venv"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+    say "pip install -e '.[test]' (a fresh venv downloads the MLIR/LLVM wheels: ~1 GB installed)"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]'
+    [ -x "$VENV/bin/epcc" ] || die "installed, but there is no .venv/bin/epcc"
+    (cd / && "$VENV/bin/python" -c 'import epcc, epcc.dialect') \
+        || die "installed, but 'import epcc, epcc.dialect' fails"
+    printf '%s\n' "$want_stamp" > "$STAMP"
+    say "python packages installed"
+fi
+
+# ---- native parts -------------------------------------------------------------
+# Configuring every time is cheap once cached, and picks up a venv made after
+# the first configure (the ir_verify test depends on it).
+say "cmake configure + build -> build/native"
+mkdir -p "$BUILD"
+cmake -S "$ROOT" -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$BUILD/setup-configure.log" 2>&1 \
+    || { cat "$BUILD/setup-configure.log" >&2; die "cmake configure failed"; }
+cmake --build "$BUILD" --parallel "$(nproc 2>/dev/null || echo 2)" >"$BUILD/setup-build.log" 2>&1 \
+    || { cat "$BUILD/setup-build.log" >&2; die "native build failed"; }
+
+say "setup done: $VENV/bin/epcc, $BUILD"
