@@ -1,0 +1,1 @@
+"""Lowering of the checked schedule model to the `epcc` MLIR dialect (ops.py builds, emit.py lowers)."""
