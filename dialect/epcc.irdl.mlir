@@ -133,6 +133,9 @@ irdl.dialect @epcc {
   // efficiency.  `pairs` is every (a, b) rank pair the link joins, flattened
   // as a0, b0, a1, b1, ... in ascending order (symmetric; empty for local
   // links); `connects` is the relation expression it was declared with.
+  // `shared_per` names the level or group with one port per instance ("" =
+  // a port per rank): e.g. "card" for a NIC serving both dies of a card, "gpu"
+  // for an NVSwitch port that all of a GPU's peers share.
   irdl.operation @link {
     %sym_name = irdl.base "#builtin.string"
     %k_p2p = irdl.is "p2p"
@@ -154,10 +157,12 @@ irdl.dialect @epcc {
     %efficiency = irdl.base "#builtin.float"
     %connects = irdl.base "#builtin.string"
     %pairs = irdl.base "#builtin.dense_array"
+    %shared_per = irdl.base "#builtin.string"
     irdl.attributes {
       "sym_name" = %sym_name, "kind" = %kind, "bandwidth_Bps" = %bandwidth,
       "latency_s" = %latency, "engine" = %engine, "lanes" = %lanes,
-      "efficiency" = %efficiency, "connects" = %connects, "pairs" = %pairs
+      "efficiency" = %efficiency, "connects" = %connects, "pairs" = %pairs,
+      "shared_per" = %shared_per
     }
   }
 

@@ -105,7 +105,8 @@ class _Emitter:
                 for lk in sorted(t.links.values(), key=lambda lk: lk.span):
                     ops.link(lk.name, lk.kind, bandwidth_Bps=lk.bandwidth, latency_s=lk.latency,
                              engine=lk.engine, lanes=lk.lanes, efficiency=lk.efficiency,
-                             connects=lk.relation_text, pairs=lk.pairs, loc=span_loc(lk.span))
+                             connects=lk.relation_text, pairs=lk.pairs, shared_per=lk.shared_per,
+                             loc=span_loc(lk.span))
 
     def _workload(self, w: model.Workload) -> None:
         ops.workload(tokens=w.tokens, hidden=w.hidden, dtype=w.dtype, topk=w.topk, experts=w.experts,

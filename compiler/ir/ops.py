@@ -195,8 +195,12 @@ def relation(name: str, text: str, targets: Sequence[Sequence[int]], *, loc: ir.
 
 
 def link(name: str, kind: str, *, bandwidth_Bps: float, latency_s: float, engine: str, lanes: int,
-         efficiency: float, connects: str, pairs: Iterable[tuple[int, int]], loc: ir.Location) -> ir.Operation:
-    """`pairs` is flattened in ascending order, so equal link sets print equally."""
+         efficiency: float, connects: str, pairs: Iterable[tuple[int, int]], shared_per: str | None = None,
+         loc: ir.Location) -> ir.Operation:
+    """`pairs` is flattened in ascending order, so equal link sets print equally.
+
+    `shared_per` ("" when not shared): one port per instance of that level/group, shared by the
+    flows of all its ranks (a NIC per card, an NVSwitch port per GPU)."""
     flat = [x for pair in sorted(pairs) for x in pair]
     return _create(LINK, {
         SYM_NAME: _str(name),
@@ -208,6 +212,7 @@ def link(name: str, kind: str, *, bandwidth_Bps: float, latency_s: float, engine
         "efficiency": _f64(efficiency),
         "connects": _str(connects),
         "pairs": _i64s(flat),
+        "shared_per": _str(shared_per or ""),
     }, loc)
 
 

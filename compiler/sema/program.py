@@ -151,6 +151,17 @@ class _ProgramResolver:
         dst = self._bufaccess(a.dest)
         if any(x is None for x in srcs) or dst is None:
             return
+        seen_src: dict[str, model.BufAccess] = {}
+        for x in srcs:
+            if x.text() in seen_src:
+                self.err(x.span, f"step '{st.name}' reads '{x.text()}' twice; its tokens would be moved twice",
+                         Note("first listed here", seen_src[x.text()].span))
+                return
+            seen_src[x.text()] = x
+        if verb == "permute" and dst.buffer.role != "sink":
+            self.err(dst.span, f"permute writes expert-major rows into 'output', not into '{dst.text()}'",
+                     "to move tokens into a staging buffer, use 'copy' (local) or 'send'/'pull'")
+            return
         st.sources, st.dest = tuple(srcs), dst
         # Which side is remote.
         remote_src = [x for x in srcs if x.relation is not None]
@@ -462,8 +473,17 @@ class _ProgramResolver:
     def _dataflow(self, steps: list[model.Step], by_name: dict[str, ast.Step]) -> None:
         names = {s.name: s for s in steps}
         writers: dict[str, list[model.Step]] = {}
+        exchanges: list[model.Step] = []
         for s in steps:
-            deps: list[str] = []
+            # Data steps need the counts/layout that earlier metadata exchanges produce.
+            deps: list[str] = [] if s.verb == "exchange" else [x.name for x in exchanges]
+            if s.verb == "exchange":
+                data_before = [t for t in steps if t.index < s.index and t.verb != "exchange"]
+                if data_before:
+                    self.diags.warning(s.span, f"metadata exchange '{s.name}' comes after data step "
+                                               f"'{data_before[0].name}', which cannot use its {s.exchange_what}",
+                                       "exchange metadata first; later data steps wait for it")
+                exchanges.append(s)
             for src in s.sources:
                 buf = src.buffer
                 if buf.role == "staging":

@@ -90,6 +90,9 @@ def resolve_workload(w: ast.Workload, topo: model.Topology | None, diags: Diagno
                 ok = False
             elif ok and num_ranks and experts % num_ranks == 0:
                 per_scope = experts // space.scope_instances(scope)
+                if node_limit >= space.scope_instances(scope):
+                    diags.warning(it.span, f"node_limit {node_limit} never binds: there are only "
+                                           f"{space.scope_instances(scope)} {scope} instances")
                 if node_limit * per_scope < topk:
                     diags.error(it.span,
                                 f"node_limit {node_limit} over '{scope}' leaves {node_limit * per_scope} experts "

@@ -165,7 +165,7 @@ module {
   %sel = "epcc.select"() {mode = "for", ranks = "peer"} : () -> !epcc.sel
   %push = "epcc.transfer"(%input, %output, %sel) {after = [], chunk_bytes = 0 : i64, chunk_tokens = 128 : i64, dedup = "rank", depth = 4 : i64, direction = "push", engine = "sm", link = "nvlink", link_kind = "p2p", operandSegmentSizes = array<i32: 1, 1, 1, 0>, order = "", parallel = [], relation = "peer", sms = 24 : i64, src_relations = [""], step = "push", title = ""} : (!epcc.buf, !epcc.buf, !epcc.sel) -> !epcc.event
   %keep = "epcc.permute"(%input, %output, %push) {after = [], chunk_bytes = 0 : i64, chunk_tokens = 128 : i64, depth = 4 : i64, engine = "sm", link = "hbm", operandSegmentSizes = array<i32: 1, 1, 1>, order = "", parallel = [], sms = 0 : i64, step = "keep", title = ""} : (!epcc.buf, !epcc.buf, !epcc.event) -> !epcc.event
-  "epcc.link"() {bandwidth_Bps = 1.5e11 : f64, connects = "peer", efficiency = 1.0 : f64, engine = "sm", kind = "p2p", lanes = 1 : i64, latency_s = 3.0e-06 : f64, pairs = array<i64: 0, 1, 1, 0>, sym_name = "nvlink"} : () -> ()
+  "epcc.link"() {bandwidth_Bps = 1.5e11 : f64, connects = "peer", efficiency = 1.0 : f64, engine = "sm", kind = "p2p", lanes = 1 : i64, latency_s = 3.0e-06 : f64, pairs = array<i64: 0, 1, 1, 0>, shared_per = "", sym_name = "nvlink"} : () -> ()
 }
 """
 
