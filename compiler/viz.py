@@ -72,7 +72,11 @@ def build_graph(sched: model.Schedule) -> graphviz.Digraph:
             if b == "input":
                 g.edge("input", st.name, color="#555555")
         for d in st.data_deps:
-            bufs = sorted({s.buffer.name for s in st.sources} & {prog.step(d).dest.buffer.name})
+            dep = prog.step(d)
+            if dep.verb == "exchange":  # the layout must be known before data moves
+                g.edge(d, st.name, style="dashed", color="#888888", label=dep.exchange_what)
+                continue
+            bufs = sorted({s.buffer.name for s in st.sources} & {dep.dest.buffer.name})
             g.edge(d, st.name, label=", ".join(bufs), color="#555555")
         for d in st.after:
             if d not in st.data_deps:

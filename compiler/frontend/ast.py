@@ -23,7 +23,7 @@ class Name:
 class Quantity:
     """`20 GB/s`: a value and its unit as written (unit None when missing)."""
 
-    value: float
+    value: int | float
     is_int: bool
     unit: str | None
     span: Span
@@ -187,6 +187,7 @@ class Topology:
     tables: tuple[Table, ...]
     links: tuple[Link, ...]
     span: Span
+    extra_ranks: tuple[Name, ...] = ()  # `rank` given more than once (an error)
 
 
 # --------------------------------------------------------------------------- workload

@@ -21,7 +21,7 @@ from . import ast
 TOKEN_WORDS = {
     "NAME": "a name",
     "INT": "an integer",
-    "DECIMAL": "a number",
+    "DECIMAL": "a decimal number",
     "STRING": "a quoted string",
     "ALL_TOKENS": "'all tokens'",
     "$END": "end of file",
@@ -45,6 +45,8 @@ def read_source(path: str) -> str:
         raise CompileError([Diagnostic("error", f"{path}: is a directory, not a .sched file", None)]) from None
     except OSError as e:
         raise CompileError([Diagnostic("error", f"{path}: cannot read: {e.strerror}", None)]) from None
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff") and b"\x00" in data[2:64]:
+        raise CompileError([Diagnostic("error", f"{path}: the file is UTF-16 encoded; save it as UTF-8", None)])
     if b"\x00" in data:
         raise CompileError([Diagnostic("error", f"{path}: binary file (contains NUL bytes); expected .sched text", None)])
     try:
@@ -106,7 +108,11 @@ def _word(term: str) -> str:
 
 
 def _expected_words(expected: set[str]) -> list[str]:
-    words = sorted({_word(t) for t in expected})
+    words = {_word(t) for t in expected}
+    if {"an integer", "a decimal number"} <= words:
+        words -= {"an integer", "a decimal number"}
+        words.add("a number")
+    words = sorted(words)
     # Keywords first, then classes ('a name', ...), end of file last.
     return sorted(words, key=lambda w: (w == "end of file", not w.startswith("'"), w))
 
@@ -131,6 +137,10 @@ def _syntax_error(e: UnexpectedInput, text: str, path: str) -> Diagnostic:
         line, col = _end_position(text)
         return Diagnostic("error", f"unexpected end of file; expected {_one_of(_expected_words(set(e.expected)))}",
                           Span.point(path, line, col))
+    if isinstance(e, UnexpectedToken) and str(e.token) == "." and e.token.start_pos is not None:
+        dec = _decimal_at(text, e.token.start_pos, e.token.line, e.token.column, path)
+        if dec is not None:
+            return dec
     if isinstance(e, UnexpectedToken):
         tok = e.token
         expected_terms = set(e.accepts or e.expected) if getattr(e, "accepts", None) else set(e.expected)
@@ -145,13 +155,40 @@ def _syntax_error(e: UnexpectedInput, text: str, path: str) -> Diagnostic:
     if isinstance(e, UnexpectedCharacters):
         ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else ""
         span = Span.point(path, e.line, e.column)
-        expected = _expected_words(set(e.allowed or ()))
+        # What the parser (not just the lexer state) accepts here.
+        allowed = set(e.allowed or ())
+        ip = getattr(e, "interactive_parser", None)
+        if ip is not None:
+            try:
+                allowed = {t for t in ip.accepts() if t != "$END"} or allowed
+            except Exception:  # the lexer's list is still a fine answer
+                pass
+        expected = _expected_words(allowed)
+        dec = _decimal_at(text, e.pos_in_stream, e.line, e.column, path)
+        if dec is not None:
+            return dec
+        if ch == '"':
+            return Diagnostic("error", "unterminated string: a quoted string must end on the same line", span)
         what = f"character {ch!r}" if ch.isprintable() else f"character U+{ord(ch):04X}"
         msg = f"unexpected {what}"
         if expected:
             msg += f"; expected {_one_of(expected)}"
         return Diagnostic("error", msg, span)
     return Diagnostic("error", f"syntax error: {e}", Span.point(path, getattr(e, "line", 1), getattr(e, "column", 1)))
+
+
+def _decimal_at(text: str, pos: int, line: int, col: int, path: str) -> Diagnostic | None:
+    """`topk 2.5`: a decimal point inside a number where the grammar wants a whole number."""
+    if not (0 < pos < len(text) - 1 and text[pos] == "." and text[pos - 1].isdigit() and text[pos + 1].isdigit()):
+        return None
+    start, end = pos, pos + 1
+    while start > 0 and text[start - 1].isdigit():
+        start -= 1
+    while end < len(text) and text[end].isdigit():
+        end += 1
+    c0 = col - (pos - start)
+    return Diagnostic("error", f"'{text[start:end]}' is not a whole number; a whole number is expected here",
+                      Span(path, line, c0, line, c0 + end - start))
 
 
 def _show_token(tok: Token) -> str:
@@ -169,9 +206,9 @@ def _one_of(words: list[str]) -> str:
         return "nothing more"
     if len(words) == 1:
         return words[0]
-    if len(words) <= 8:
+    if len(words) <= 14:
         return "one of " + ", ".join(words[:-1]) + " or " + words[-1]
-    return "one of " + ", ".join(words[:8]) + ", ..."
+    return "one of " + ", ".join(words[:14]) + ", ..."
 
 
 def _end_position(text: str) -> tuple[int, int]:
@@ -220,7 +257,8 @@ class _Builder:
             elif kind == "combine_reverse":
                 revs.append(ast.CombineReverse(self.name(item.children[0]), self.span(item)))
         lines = text.splitlines() or [""]
-        whole = Span(self.path, 1, 1, len(lines), len(lines[-1]) + 1)
+        last = max((i for i, ln in enumerate(lines) if ln.strip()), default=0)
+        whole = Span(self.path, 1, 1, last + 1, len(lines[last].rstrip()) + 1)
         return ast.File(self.path, tuple(sched), tuple(topos), tuple(wls), tuple(progs), tuple(revs), whole)
 
     # -- topology
@@ -229,6 +267,7 @@ class _Builder:
         levels: list[ast.Level] = []
         levels_span = None
         rank = None
+        extra_ranks: list[ast.Name] = []
         groups, rels, tables, links = [], [], [], []
         for it in tree.children[1:]:
             d = it.data
@@ -239,7 +278,10 @@ class _Builder:
                     n, c = spec.children
                     levels.append(ast.Level(self.name(n), int(c), self.span(c), self.span(spec)))
             elif d == "rank_decl":
-                rank = self.name(it.children[0])
+                if rank is None:
+                    rank = self.name(it.children[0])
+                else:
+                    extra_ranks.append(self.name(it.children[0]))
             elif d == "group_decl":
                 n, size, lvl = it.children
                 groups.append(ast.Group(self.name(n), int(size), self.span(size), self.name(lvl), self.span(it)))
@@ -251,7 +293,7 @@ class _Builder:
             elif d == "link_decl":
                 links.append(self.link(it))
         return ast.Topology(name, tuple(levels), levels_span, rank, tuple(groups), tuple(rels), tuple(tables),
-                            tuple(links), self.span(tree))
+                            tuple(links), self.span(tree), tuple(extra_ranks))
 
     def rel_expr(self, tree: Tree) -> ast.RelExpr:
         return ast.RelExpr(tuple(self.rel_alt(a) for a in tree.children), self.span(tree))
@@ -339,10 +381,10 @@ class _Builder:
             u = t.children[1]
             unit = "/".join(str(x) for x in u.children)
             unit_span = self.span(u)
-        return ast.Quantity(float(num), num.type == "INT", unit, self.span(t), unit_span)
+        return ast.Quantity(_number(num), num.type == "INT", unit, self.span(t), unit_span)
 
     def number_quantity(self, num: Token, unit: str | None) -> ast.Quantity:
-        return ast.Quantity(float(num), num.type == "INT", unit, self.span(num), None)
+        return ast.Quantity(_number(num), num.type == "INT", unit, self.span(num), None)
 
     # -- workload
     def workload(self, t: Tree) -> ast.Workload:
@@ -444,6 +486,11 @@ class _Builder:
         if d == "dedup_opt":
             return ast.StepOpt("dedup", self.name(c[0]), sp)
         raise AssertionError(d)  # pragma: no cover
+
+
+def _number(tok: Token) -> int | float:
+    """Integers stay exact (Python ints); decimals are floats."""
+    return int(tok) if tok.type == "INT" else float(tok)
 
 
 def _unquote(tok: Token) -> str:

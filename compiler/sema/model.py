@@ -170,6 +170,10 @@ class Topology:
     relations: Mapping[str, RelationInfo]
     links: Mapping[str, LinkInfo]
     span: Span
+    # Relations and links that were declared but whose declaration has errors (already
+    # reported): later uses stay silent instead of calling them unknown.
+    broken_relations: frozenset[str] = frozenset()
+    broken_links: frozenset[str] = frozenset()
 
     @property
     def num_ranks(self) -> int:

@@ -12,7 +12,7 @@ from typing import Callable
 from ..diagnostics import DiagnosticBag, Note, Span, did_you_mean
 from ..frontend import ast
 from . import model
-from .units import parse_size
+from .units import number_text, parse_size
 
 BUILTINS = {
     "dispatch": {"input": "source", "output": "sink"},
@@ -31,6 +31,8 @@ VERBS_BY_KIND = {
 EXCHANGE_WHAT = ("counts", "routing", "layout")
 DEDUP = ("rank", "none")
 _DEFAULTABLE = ("chunk", "depth", "sms", "dedup")
+MAX_DEPTH = 1 << 16
+MAX_SMS = 4096
 
 
 def resolve_program(p: ast.Program, topo: model.Topology, wl: model.Workload | None,
@@ -47,6 +49,7 @@ class _ProgramResolver:
         self.diags = diags
         self.buffers: dict[str, model.BufferInfo] = {}
         self.buffer_ast: dict[str, ast.Buffer] = {}
+        self.broken_buffers: set[str] = set()
 
     def err(self, span: Span, msg: str, *notes) -> None:
         self.diags.error(span, msg, *notes)
@@ -93,6 +96,7 @@ class _ProgramResolver:
         if b.capacity is not None:
             res = parse_size(b.capacity, "a buffer capacity", self.diags)
             if res is None:
+                self.broken_buffers.add(name)
                 return
             toks, byts = res
         self.buffer_ast[name] = b
@@ -124,44 +128,45 @@ class _ProgramResolver:
             self.err(a.span, f"'{verb}' belongs in {other}, not in {self.kind}", hint)
             return None
         st = model.Step(s.name.text, s.title, verb, s.span, index)
-        if verb == "exchange":
-            self._exchange(st, a)
-        else:
-            self._transfer(st, a)
-        self._options(st, s, defaults)
-        if any(d.severity == "error" for d in self.diags.items[n_err:]):
+        ok = self._exchange(st, a) if verb == "exchange" else self._transfer(st, a)
+        # Links are checked against the step's rank pairs: only once the step itself resolved.
+        self._options(st, s, defaults, resolve_link=ok)
+        if not ok or any(d.severity == "error" for d in self.diags.items[n_err:]):
             return None
         return st
 
-    def _exchange(self, st: model.Step, a: ast.Action) -> None:
+    def _exchange(self, st: model.Step, a: ast.Action) -> bool:
         if a.what.text not in EXCHANGE_WHAT:
             self.err(a.what.span, f"cannot exchange '{a.what.text}'", *_maybe(did_you_mean(a.what.text, EXCHANGE_WHAT)),
                      f"exchangeable metadata: {', '.join(EXCHANGE_WHAT)}")
-            return
+            return False
         st.exchange_what = a.what.text
         st.exchange_peers = self._rankset(a.peers, far=None)
-        if st.exchange_peers is not None:
-            if not any(st.exchange_peers.evaluate(r, None) - {r} for r in range(self.space.num_ranks)):
-                self.err(a.peers.span, f"'{st.exchange_peers.text}' names no rank but the executing one; "
-                                       f"there is nothing to exchange")
+        if st.exchange_peers is None:
+            return False
+        if not any(st.exchange_peers.evaluate(r, None) - {r} for r in range(self.space.num_ranks)):
+            self.err(a.peers.span, f"'{st.exchange_peers.text}' names no rank but the executing one; "
+                                   f"there is nothing to exchange")
+            return False
+        return True
 
-    def _transfer(self, st: model.Step, a: ast.Action) -> None:
+    def _transfer(self, st: model.Step, a: ast.Action) -> bool:
         verb = st.verb
         srcs = [self._bufaccess(b) for b in a.sources]
         dst = self._bufaccess(a.dest)
         if any(x is None for x in srcs) or dst is None:
-            return
+            return False
         seen_src: dict[str, model.BufAccess] = {}
         for x in srcs:
             if x.text() in seen_src:
                 self.err(x.span, f"step '{st.name}' reads '{x.text()}' twice; its tokens would be moved twice",
                          Note("first listed here", seen_src[x.text()].span))
-                return
+                return False
             seen_src[x.text()] = x
         if verb == "permute" and dst.buffer.role != "sink":
             self.err(dst.span, f"permute writes expert-major rows into 'output', not into '{dst.text()}'",
                      "to move tokens into a staging buffer, use 'copy' (local) or 'send'/'pull'")
-            return
+            return False
         st.sources, st.dest = tuple(srcs), dst
         # Which side is remote.
         remote_src = [x for x in srcs if x.relation is not None]
@@ -169,55 +174,58 @@ class _ProgramResolver:
             if remote_src:
                 self.err(remote_src[0].span, "a send reads the executing rank's own buffer",
                          f"to read '{remote_src[0].text()}', use 'pull ... from {remote_src[0].text()} into ...'")
-                return
+                return False
             if dst.relation is None:
                 self.err(dst.span, f"a send writes another rank's buffer: write '<relation>.{dst.buffer.name}'",
                          "for a local move use 'copy'")
-                return
+                return False
             st.relation = dst.relation
             if not self._far_ok(dst):
-                return
+                return False
         elif verb == "pull":
             if dst.relation is not None:
                 self.err(dst.span, "a pull writes the executing rank's own buffer",
                          f"to write '{dst.text()}', use 'send ... to {dst.text()}'")
-                return
+                return False
             local_src = [x for x in srcs if x.relation is None]
             if local_src:
                 self.err(local_src[0].span,
                          f"a pull reads another rank's buffer: write '<relation>.{local_src[0].buffer.name}'",
                          "for a local move use 'copy'")
-                return
+                return False
             rels = {x.relation.name for x in srcs}
             if len(rels) > 1:
                 self.err(a.span, f"a pull reads from one relation at a time, not from {', '.join(sorted(rels))}",
                          "split it into one pull per relation")
-                return
+                return False
             st.relation = remote_src[0].relation
             if not self._far_ok(remote_src[0]):
-                return
+                return False
         else:
             for x in srcs + [dst]:
                 if x.relation is not None:
                     self.err(x.span, f"'{verb}' works on the executing rank's own buffers",
                              "move data between ranks with send or pull")
-                    return
+                    return False
         # Roles of built-in buffers.
         for x in srcs:
             if x.buffer.role == "sink":
                 self.err(x.span, f"'{x.buffer.name}' is where {self.kind} delivers ({BUILTIN_DOC[(self.kind, x.buffer.name)]}); "
                                  f"it cannot be read in {self.kind}", "stage data through a buffer of your own")
-                return
+                return False
         if dst.buffer.role == "source":
             self.err(dst.span, f"'{dst.buffer.name}' is read-only in {self.kind} ({BUILTIN_DOC[(self.kind, dst.buffer.name)]})")
-            return
+            return False
         far = st.relation
         if a.selection is not None:
             st.selection = self._selection(a.selection, far)
             if st.selection is None:
-                return
+                return False
         if dst.buffer.role == "sink":
+            n_err = len(self.diags.items)
             self._check_sink_selection(st, a)
+            return len(self.diags.items) == n_err
+        return True
 
     def _far_ok(self, acc: model.BufAccess) -> bool:
         r = acc.relation.self_pair()
@@ -258,6 +266,8 @@ class _ProgramResolver:
             rel = self._relation_name(b.rel)
             if rel is None:
                 return None
+        if b.buf.text in self.broken_buffers:
+            return None  # declared, but its declaration is wrong: already reported there
         if b.buf.text not in self.buffers:
             cands = list(self.buffers)
             notes = list(_maybe(did_you_mean(b.buf.text, cands)))
@@ -269,6 +279,8 @@ class _ProgramResolver:
 
     def _relation_name(self, n: ast.Name) -> model.RelationInfo | None:
         rels = self.topo.relations
+        if n.text in self.topo.broken_relations:
+            return None  # declared, but its declaration is wrong: already reported there
         if n.text not in rels:
             self.err(n.span, f"unknown relation '{n.text}'", *_maybe(did_you_mean(n.text, rels)))
             return None
@@ -318,10 +330,13 @@ class _ProgramResolver:
         member = None
         if t.member is not None:
             member = t.member.text
-            if member not in scopes and member not in rels:
+            if member not in scopes and member not in rels and member not in self.topo.broken_relations:
                 self.err(t.member.span, f"unknown level, group or relation '{member}'",
                          *_maybe(did_you_mean(member, scopes + list(rels))))
                 return None
+        broken = self.topo.broken_relations
+        if base in broken or (member is not None and member in broken):
+            return None  # a broken relation: already reported at its declaration
         pick = self._member_fn(member)
         if base == "me":
             return lambda r, f: pick(r)
@@ -359,7 +374,7 @@ class _ProgramResolver:
         return lambda q: space.members(q, member)
 
     # ------------------------------------------------------------------ options
-    def _options(self, st: model.Step, s: ast.Step, defaults: dict[str, ast.StepOpt]) -> None:
+    def _options(self, st: model.Step, s: ast.Step, defaults: dict[str, ast.StepOpt], resolve_link: bool) -> None:
         given: dict[str, ast.StepOpt] = {}
         for o in s.opts:
             if o.key in given:
@@ -377,10 +392,14 @@ class _ProgramResolver:
             elif key == "depth":
                 if o.value < 1:
                     self.err(o.span, f"pipeline depth must be at least 1, not {o.value}")
+                elif o.value > MAX_DEPTH:
+                    self.err(o.span, f"pipeline depth {number_text(o.value)} is out of range (at most {MAX_DEPTH})")
                 st.depth = o.value
             elif key == "sms":
                 if o.value < 1:
                     self.err(o.span, f"a step needs at least 1 SM, not {o.value}")
+                elif o.value > MAX_SMS:
+                    self.err(o.span, f"{number_text(o.value)} SMs is out of range (at most {MAX_SMS})")
                 st.sms = o.value
             elif key == "dedup":
                 if o.value.text not in DEDUP:
@@ -393,13 +412,16 @@ class _ProgramResolver:
                 st.after = tuple(n.text for n in o.value)
             elif key == "parallel":
                 st.parallel = tuple(n.text for n in o.value)
-        self._link(st, given.get("over"))
+        if resolve_link:
+            self._link(st, given.get("over"))
 
     def _link(self, st: model.Step, over: ast.StepOpt | None) -> None:
         links = self.topo.links
         local = st.verb in ("copy", "permute", "reduce")
         if over is not None:
             name = over.value
+            if name.text in self.topo.broken_links:
+                return  # the link's declaration is wrong: already reported there
             if name.text not in links:
                 self.err(name.span, f"unknown link '{name.text}'", *_maybe(did_you_mean(name.text, links)))
                 return

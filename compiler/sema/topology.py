@@ -18,10 +18,11 @@ from typing import Callable
 from ..diagnostics import DiagnosticBag, Note, Span, did_you_mean
 from ..frontend import ast
 from . import model
-from .units import parse_quantity
+from .units import number_text, parse_quantity
 
 MAX_RANKS = 4096
-MAX_RELATION_WORK = 20_000_000  # candidate far ranks examined per relation, over all ranks
+MAX_LANES = 1024
+MAX_RELATION_WORK = 2_000_000  # candidate far ranks examined per relation, over all ranks (EP1024 all-to-all)
 
 
 class _Abort(Exception):
@@ -44,6 +45,8 @@ class _TopologyResolver:
         self.table_maps: dict[tuple[str, str], list[int]] = {}
         self.rel_ast: dict[str, ast.Relation] = {}
         self.relations: dict[str, model.RelationInfo] = {}
+        self.broken: set[str] = set()  # relations
+        self.broken_links: set[str] = set()
         self._resolving: list[str] = []
 
     # ------------------------------------------------------------------ levels & groups
@@ -62,7 +65,8 @@ class _TopologyResolver:
         for name in self.rel_ast:
             self._relation(name)
         links = self._links()
-        return model.Topology(self.t.name.text, space, dict(self.relations), links, self.t.span)
+        return model.Topology(self.t.name.text, space, dict(self.relations), links, self.t.span,
+                              frozenset(self.broken), frozenset(self.broken_links))
 
     def _duplicate(self, what: str, name: ast.Name, first: ast.Name) -> None:
         self.diags.error(name.span, f"duplicate {what} '{name.text}'", ast_note("first defined here", first.span))
@@ -92,6 +96,8 @@ class _TopologyResolver:
         if total > MAX_RANKS:
             self.diags.error(t.levels_span, f"the levels give {total} ranks; epcc supports at most {MAX_RANKS}")
             raise _Abort
+        for extra in t.extra_ranks:
+            self.diags.error(extra.span, "the rank level is given twice", ast_note("first given here", t.rank.span))
         if t.rank is None:
             self.diags.error(t.name.span, f"topology '{t.name.text}' does not say which level is an EP rank",
                              f"add 'rank {levels[-1].name}'")
@@ -179,10 +185,13 @@ class _TopologyResolver:
     def _relation(self, name: str) -> model.RelationInfo | None:
         if name in self.relations:
             return self.relations[name]
+        if name in self.broken:
+            return None  # already reported
         r = self.rel_ast[name]
         if name in self._resolving:
             cycle = " -> ".join(self._resolving[self._resolving.index(name):] + [name])
             self.diags.error(r.name.span, f"relation '{name}' is defined in terms of itself ({cycle})")
+            self.broken.add(name)
             return None
         self._resolving.append(name)
         try:
@@ -190,9 +199,11 @@ class _TopologyResolver:
         finally:
             self._resolving.pop()
         if targets is None:
+            self.broken.add(name)
             return None
         if not any(targets):
             self.diags.error(r.expr.span, f"relation '{name}' pairs nothing: no rank has a partner under these rules")
+            self.broken.add(name)
             return None
         info = model.RelationInfo(name, tuple(tuple(sorted(t)) for t in targets), _rel_text(r.expr), r.span)
         self.relations[name] = info
@@ -228,6 +239,8 @@ class _TopologyResolver:
         n = space.num_ranks
         if isinstance(alt, ast.RelName):
             nm = alt.name.text
+            if nm in self.broken and nm not in self._resolving:
+                return None  # broken: reported at its declaration
             if nm not in self.rel_ast:
                 self.diags.error(alt.name.span, f"unknown relation '{nm}'",
                                  *_maybe(did_you_mean(nm, list(self.rel_ast) + space.scope_names())))
@@ -411,6 +424,8 @@ class _TopologyResolver:
             info = self._link(lk)
             if info is not None:
                 links[lk.name.text] = info
+            else:
+                self.broken_links.add(lk.name.text)
         return links
 
     def _link(self, lk: ast.Link) -> model.LinkInfo | None:
@@ -459,6 +474,9 @@ class _TopologyResolver:
             lanes = props["lanes"].value
             if lanes < 1:
                 self.diags.error(props["lanes"].span, f"a link needs at least 1 lane, not {lanes}")
+                ok = False
+            elif lanes > MAX_LANES:
+                self.diags.error(props["lanes"].span, f"{number_text(lanes)} lanes is out of range (at most {MAX_LANES})")
                 ok = False
         eff = 1.0
         if "efficiency" in props:
@@ -516,7 +534,7 @@ def _maybe(x):
 
 
 def _num(q: ast.Quantity) -> str:
-    return str(int(q.value)) if q.value == int(q.value) else str(q.value)
+    return number_text(q.value)
 
 
 _OPS: dict[str, Callable[[int, int], int]] = {

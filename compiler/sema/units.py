@@ -19,6 +19,21 @@ SIZE = {"B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KiB": 1024, "MiB": 10
 TOKENS = ("token", "tokens")
 
 _TABLES = {"bandwidth": BANDWIDTH, "latency": TIME}
+_LIMIT = {"bandwidth": 1e15, "latency": 3600.0}  # 1 PB/s; an hour
+_LIMIT_TEXT = {"bandwidth": "1000 TB/s", "latency": "3600 s"}
+MAX_SIZE = 1 << 40  # tokens or bytes in a chunk or capacity
+
+
+def number_text(v: int | float) -> str:
+    """A number as written, shortened when it is absurdly long."""
+    if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+        return "(a number too large to represent)"
+    s = str(v) if isinstance(v, int) else (str(int(v)) if v.is_integer() else str(v))
+    return s if len(s) <= 24 else f"{s[:6]}...({len(s)} digits)"
+
+
+def _finite(v: float, limit: float) -> bool:
+    return v == v and v <= limit
 _EXAMPLE = {"bandwidth": "20 GB/s", "latency": "2 us"}
 
 
@@ -28,6 +43,9 @@ def parse_quantity(q: ast.Quantity, kind: str, diags: DiagnosticBag) -> float | 
     if q.unit is None:
         diags.error(q.span, f"{kind} needs a unit, e.g. '{_EXAMPLE[kind]}'",
                     f"units: {', '.join(table)}")
+        return None
+    if q.unit in table and not _finite(q.value * table[q.unit] if q.value < 1e300 else float("inf"), _LIMIT[kind]):
+        diags.error(q.span, f"{kind} {number_text(q.value)} {q.unit} is out of range (at most {_LIMIT_TEXT[kind]})")
         return None
     if q.unit not in table:
         fix = _case_fix(q.unit, table)
@@ -44,6 +62,9 @@ def parse_size(q: ast.Quantity, what: str, diags: DiagnosticBag) -> tuple[int | 
     """A chunk or capacity: (tokens, None) or (None, bytes).  None after an error."""
     if q.unit is None:
         diags.error(q.span, f"{what} needs a unit: tokens or bytes, e.g. '128 tokens' or '4 MiB'")
+        return None
+    if q.value > MAX_SIZE:
+        diags.error(q.span, f"{what} of {number_text(q.value)} {q.unit or ''} is out of range (at most {MAX_SIZE})")
         return None
     if q.unit in TOKENS:
         if not q.is_int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..diagnostics import DiagnosticBag, Note, did_you_mean
 from ..frontend import ast
 from . import model
+from .units import number_text
 
 _REQUIRED = ("tokens", "hidden", "dtype", "topk", "experts")
 
@@ -22,6 +23,13 @@ def resolve_workload(w: ast.Workload, topo: model.Topology | None, diags: Diagno
     if missing:
         return None
     ok = True
+    for key, limit in _LIMITS.items():
+        it = items.get(key)
+        if it is not None and isinstance(it.values[0], int) and it.values[0] > limit:
+            diags.error(it.span, f"{key} {number_text(it.values[0])} is out of range (at most {limit})")
+            ok = False
+    if not ok:
+        return None
     tokens = items["tokens"].values[0]
     if len(items["tokens"].values) > 1:
         per = items["tokens"].values[1]
@@ -111,6 +119,8 @@ def resolve_workload(w: ast.Workload, topo: model.Topology | None, diags: Diagno
     return model.Workload(tokens, hidden, dt.text, topk, experts, placement, node_limit, scope, weights,
                           topo.num_ranks, w.span)
 
+
+_LIMITS = {"tokens": 1 << 24, "hidden": 1 << 20, "topk": 1024, "experts": 1 << 16, "node_limit": 1 << 16}
 
 _EXAMPLES = {
     "tokens": "add e.g. 'tokens 4096 per rank'",
