@@ -6,11 +6,12 @@
     model  the checked schedule: ranks, relations, links, steps with their dependencies (sema)
     mlir   the `epcc` dialect IR, verified by MLIR against dialect/epcc.irdl.mlir
 
-Later passes register themselves after `mlir` (compiler/passes).
+    <pass>  after `mlir`, one stage per pass of compiler/passes (PIPELINE order): the IR after it
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -18,6 +19,7 @@ from .diagnostics import SourceMap
 from .frontend import ast as ast_mod
 from .frontend.parser import parse_file
 from .sema import model
+from .passes import PIPELINE, PassContext, PassOptions, run_pipeline
 from .sema.check import analyze
 
 
@@ -27,6 +29,9 @@ class Compilation:
 
     path: str
     sources: SourceMap = field(default_factory=SourceMap)
+    options: "PassOptions" = None  # type: ignore[assignment]
+    print_after: Callable[[str, str], None] | None = None  # (pass name, IR text), for --print-ir-after-all
+    passes: "PassContext | None" = None
     ast: ast_mod.File | None = None
     schedule: model.Schedule | None = None
     warnings: list = field(default_factory=list)
@@ -48,6 +53,9 @@ def _parse(c: Compilation) -> None:
 
 def _sema(c: Compilation) -> None:
     c.schedule, c.warnings = analyze(c.ast)
+    if c.options is not None and c.options.tokens is not None:
+        wl = dataclasses.replace(c.schedule.workload, tokens=c.options.tokens)
+        c.schedule = dataclasses.replace(c.schedule, workload=wl)
 
 
 def _mlir(c: Compilation) -> None:
@@ -64,19 +72,40 @@ def _show_mlir(c: Compilation) -> str:
     return print_module(c.module)
 
 
+def _pass_stage(name: str) -> Callable[[Compilation], None]:
+    def run_passes(c: Compilation) -> None:
+        from .ir.emit import print_module, verify
+
+        if c.passes is None:
+            c.passes = PassContext(c.schedule, c.options or PassOptions())
+        done = c.passes.results.setdefault("_done", [])
+
+        def after(pass_name: str, module) -> None:
+            verify(module, what=f"the IR after pass '{pass_name}'")
+            done.append(pass_name)
+            if c.print_after is not None:
+                c.print_after(pass_name, print_module(module))
+
+        run_pipeline(c.module, c.passes, until=name, after_each=after, start=len(done))
+
+    return run_passes
+
+
 STAGES: list[Stage] = [
     Stage("ast", _parse, lambda c: ast_mod.dump(c.ast), "the parsed file"),
     Stage("model", _sema, lambda c: describe_schedule(c.schedule), "the checked schedule"),
     Stage("mlir", _mlir, _show_mlir, "epcc dialect IR (verified)"),
-]
+] + [Stage(p, _pass_stage(p), _show_mlir, f"the IR after pass {p}") for p in PIPELINE]
 
 
 def stage_names() -> list[str]:
     return [s.name for s in STAGES]
 
 
-def run(path: str, until: str = STAGES[-1].name, sources: SourceMap | None = None) -> Compilation:
-    c = Compilation(path, sources or SourceMap())
+def run(path: str, until: str = STAGES[-1].name, sources: SourceMap | None = None,
+        options: PassOptions | None = None,
+        print_after: Callable[[str, str], None] | None = None) -> Compilation:
+    c = Compilation(path, sources or SourceMap(), options or PassOptions(), print_after)
     for st in STAGES:
         st.run(c)
         if st.name == until:

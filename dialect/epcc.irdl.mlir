@@ -511,4 +511,31 @@ irdl.dialect @epcc {
       "depth" = %depth
     }
   }
+
+  // One role of a fused kernel or proxy loop (kernel formation puts these in
+  // the `builtin.module` containers marked epcc.kind = "kernel" | "proxy" |
+  // "dma"): the threads that run step `step` as a `role` (sender, puller,
+  // forwarder, permuter, reducer, copier, metadata, rdma_poster), on SMs
+  // [sm_begin, sm_end) of the kernel's persistent grid with `warps` warps per
+  // SM, driven by `engine`.  Proxy and DMA roles use no SMs (0, 0).
+  irdl.operation @role {
+    %step = irdl.base "#builtin.string"
+    %r_send = irdl.is "sender"
+    %r_pull = irdl.is "puller"
+    %r_fwd = irdl.is "forwarder"
+    %r_perm = irdl.is "permuter"
+    %r_red = irdl.is "reducer"
+    %r_copy = irdl.is "copier"
+    %r_meta = irdl.is "metadata"
+    %r_rdma = irdl.is "rdma_poster"
+    %role = irdl.any_of(%r_send, %r_pull, %r_fwd, %r_perm, %r_red, %r_copy, %r_meta, %r_rdma)
+    %sm_begin = irdl.base "#builtin.integer"
+    %sm_end = irdl.base "#builtin.integer"
+    %warps = irdl.base "#builtin.integer"
+    %engine = irdl.base "#builtin.string"
+    irdl.attributes {
+      "step" = %step, "role" = %role, "sm_begin" = %sm_begin, "sm_end" = %sm_end,
+      "warps" = %warps, "engine" = %engine
+    }
+  }
 }

@@ -45,6 +45,7 @@ EXCHANGE = "epcc.exchange"
 SIGNAL = "epcc.signal"
 WAIT = "epcc.wait"
 CHUNK_LOOP = "epcc.chunk_loop"
+ROLE = "epcc.role"
 
 #: The step ops: one per step of a program, each returning an !epcc.event.
 STEP_OPS = (TRANSFER, COPY, PERMUTE, REDUCE, EXCHANGE)
@@ -70,7 +71,7 @@ KIND_ATTR = "epcc.kind"
 
 TOPOLOGY_MODULE = "topology"
 LINKS_MODULE = "links"
-CODE_KINDS = ("kernel", "proxy")
+CODE_KINDS = ("kernel", "proxy", "dma")
 
 ORDER_NONE = ""
 
@@ -379,6 +380,19 @@ def chunk_loop(*, step: str, chunks: int, chunk_tokens: int, depth: int, loc: ir
         "chunks": _i64(chunks),
         "chunk_tokens": _i64(chunk_tokens),
         "depth": _i64(depth),
+    }, loc)
+
+
+def role(*, step: str, role: str, sm_begin: int, sm_end: int, warps: int, engine: str,
+         loc: ir.Location) -> ir.Operation:
+    """One role of a fused kernel or proxy loop: who runs `step`, on which SMs."""
+    return _create(ROLE, {
+        "step": _str(step),
+        "role": _str(role),
+        "sm_begin": _i64(sm_begin),
+        "sm_end": _i64(sm_end),
+        "warps": _i64(warps),
+        "engine": _str(engine),
     }, loc)
 
 

@@ -1,0 +1,139 @@
+"""kernel-formation: group steps into fused kernels with SM roles, proxy loops and DMA queues.
+
+Per program, the steps become:
+
+* `<program>_meta`: a small kernel for the metadata exchanges (the layout must be complete
+  before data moves: DeepEP's notify_dispatch);
+* `<program>_kernel`: ONE persistent kernel for every step driven by GPU threads (engines sm,
+  spc, tma), each step a *role* on its own range of SMs, so the phases of the schedule run
+  concurrently inside one launch (Hybrid-EP's warp-specialised blocks, DeepEP's channels);
+* `<program>_proxy`: the host proxy loop that posts the RDMA writes of steps on a NIC;
+* `<program>_dma`: copy-engine / DMA work (engines ce, dma).
+
+SMs.  A step that names `sms N` gets N.  The others share what is left of the kernel's budget
+(`DEFAULT_SMS`, or more if the named ones need it) in proportion to their estimated time
+(overlap-schedule), at least one SM each.  Roles are laid out on consecutive SM ranges.
+Metadata kernels get `META_SMS`.
+
+IR: one `builtin.module @<name> attributes {epcc.kind = "kernel" | "proxy" | "dma"}` per group,
+holding an `epcc.role` per step, at the location of the step.
+"""
+
+from __future__ import annotations
+
+from mlir import ir
+
+from ..ir import ops, query
+from ..plan import KernelPlan, Plan, PlanStep, RolePlan
+from . import Pass, PassContext, register
+
+DEFAULT_SMS = 24
+META_SMS = 2  # counting and exchanging counts is latency-bound: a couple of SMs
+WARPS_PER_SM = 8
+THREAD_ENGINES = ("sm", "spc", "tma")
+
+
+def role_of(ps: PlanStep, verb_of_dispatch: str | None) -> str:
+    verb = ps.verb if ps.reverse_of is None else verb_of_dispatch or ps.verb
+    if ps.verb == "exchange":
+        return "metadata"
+    if ps.link_kind == "rdma":
+        return "rdma_poster"
+    if ps.reverse_of is not None:
+        return "reducer" if ps.verb in ("reduce",) else "sender"
+    return {"send": "sender", "pull": "puller", "copy": "copier", "permute": "permuter",
+            "reduce": "reducer"}.get(verb, "forwarder")
+
+
+def split_sms(steps: list[PlanStep], times: dict[str, float], budget: int | None) -> dict[str, int]:
+    named = {s.name: s.sms for s in steps if s.sms}
+    free = [s for s in steps if not s.sms]
+    total = budget if budget is not None else max(DEFAULT_SMS, sum(named.values()) + len(free))
+    rest = max(total - sum(named.values()), len(free))
+    out = dict(named)
+    if free:
+        weight = {s.name: max(times.get(s.name, 0.0), 1e-9) for s in free}
+        wsum = sum(weight.values())
+        shares = {n: max(1, int(rest * w / wsum)) for n, w in weight.items()}
+        # Hand out what rounding left, to the longest steps first.
+        left = rest - sum(shares.values())
+        for n in sorted(weight, key=lambda n: -weight[n]):
+            if left <= 0:
+                break
+            shares[n] += 1
+            left -= 1
+        out.update(shares)
+    return out
+
+
+@register
+class KernelFormation(Pass):
+    name = "kernel-formation"
+    description = "fuse thread-driven steps into one persistent kernel per program; proxy loops; SM roles"
+
+    def run(self, module, ctx: PassContext) -> None:
+        sched = ctx.schedule
+        plan: Plan = ctx.get("plan")
+        overlap = ctx.results.get("overlap", {})
+        links = sched.topology.links
+        kernels: list[KernelPlan] = []
+        for program in ("dispatch", "combine"):
+            steps = plan.program_steps(program)
+            if not steps:
+                continue
+            times = overlap.get(program, ({}, {}, {}))[0]
+            groups: dict[str, list[PlanStep]] = {"meta": [], "kernel": [], "proxy": [], "dma": []}
+            for s in steps:
+                engine = links[s.link].engine if s.link in links else "sm"
+                if s.verb == "exchange":
+                    groups["meta"].append(s)
+                elif s.link_kind == "rdma" or engine in ("nic", "proxy"):
+                    groups["proxy"].append(s)
+                elif engine in ("ce", "dma"):
+                    groups["dma"].append(s)
+                else:
+                    groups["kernel"].append(s)
+            for g, members in groups.items():
+                if not members:
+                    continue
+                kind = {"meta": "kernel", "kernel": "kernel", "proxy": "proxy", "dma": "dma"}[g]
+                kp = KernelPlan(f"{program}_{g}", kind, program, 0)
+                if g == "meta":
+                    sms = {s.name: s.sms or META_SMS for s in members}
+                elif kind == "kernel":
+                    sms = split_sms(members, times, None)
+                else:
+                    sms = {}
+                at = 0
+                for s in members:
+                    engine = links[s.link].engine if s.link in links else "sm"
+                    ds_verb = sched.dispatch.step(s.reverse_of).verb if s.reverse_of else None
+                    n_sm = sms.get(s.name, 0)
+                    kp.roles.append(RolePlan(s.name, role_of(s, ds_verb), at, at + n_sm,
+                                             WARPS_PER_SM if n_sm else 0, engine))
+                    at += n_sm
+                kp.sms = at
+                kernels.append(kp)
+        plan.kernels = kernels
+        self._emit(module, ctx, kernels)
+
+    def _emit(self, module, ctx: PassContext, kernels: list[KernelPlan]) -> None:
+        with ir.InsertionPoint(query.body(module)):
+            for kp in kernels:
+                loc = self._loc(module, kp.program, kp.roles[0].step) or module.location
+                km = ops.code_module(kp.name, kp.kind, loc=loc)
+                query.annotate(km.operation, "sms", kp.sms)
+                query.annotate(km.operation, "program", kp.program)
+                with ir.InsertionPoint(km.body):
+                    for r in kp.roles:
+                        ops.role(step=r.step, role=r.role, sm_begin=r.sm_begin, sm_end=r.sm_end, warps=r.warps,
+                                 engine=r.engine, loc=self._loc(module, kp.program, r.step) or loc)
+        ctx.results["kernels"] = kernels
+
+    @staticmethod
+    def _loc(module, program: str, step: str):
+        prog = query.program_module(module, program)
+        if prog is None:
+            return None
+        op = query.step_ops(prog).get(step)
+        return op.location if op is not None else None

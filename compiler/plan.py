@@ -1,0 +1,133 @@
+"""The execution plan: what the passes decide, in a form the simulator and backends consume.
+
+A :class:`Plan` is plain data (JSON-serialisable, no MLIR): the bundle carries it to machines
+that run schedules without MLIR installed.  Passes fill it in stages:
+
+* route analysis: one :class:`PlanStep` per step with its :class:`Flow` list (who moves how many
+  bytes to whom over which resources) under the chosen routing distribution;
+* derive-combine: the combine steps;
+* chunk-and-pipeline: `chunk_bytes`, `num_chunks`, `depth`, and which dependencies may be
+  pipelined chunk by chunk;
+* overlap scheduling: `priority` (lower runs first on a shared resource) and `engine_slot`;
+* buffer allocation: `buffers` with their sizes and the formula behind each size.
+
+Resources are named strings: `link:<name>:<port>:out|in` for a link port, `hbm:<rank>` for a
+rank's local memory, with capacities in bytes/s in `Plan.resources`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Flow:
+    """Bytes one executing rank moves from `src` to `dst` in one step."""
+
+    rank: int
+    src: int
+    dst: int
+    bytes: float
+    resources: tuple[str, ...]
+    latency_s: float = 0.0
+
+
+@dataclass
+class PlanStep:
+    name: str
+    program: str  # dispatch | combine
+    verb: str
+    link: str | None
+    link_kind: str | None
+    deps: tuple[str, ...]  # steps that must finish (or, if pipelined, progress) first
+    flows: list[Flow] = field(default_factory=list)
+    title: str | None = None
+    line: int = 0  # DSL line, carried to emitted code
+    chunk_bytes: float | None = None
+    num_chunks: int = 1
+    depth: int = 1
+    pipelined_deps: tuple[str, ...] = ()  # deps this step may follow chunk by chunk
+    priority: int = 0
+    order: str | None = None  # first | last (user hint)
+    sms: int | None = None
+    reverse_of: str | None = None  # combine steps derived from a dispatch step
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(f.bytes for f in self.flows)
+
+    def max_rank_bytes(self) -> float:
+        per: dict[int, float] = {}
+        for f in self.flows:
+            per[f.rank] = per.get(f.rank, 0.0) + f.bytes
+        return max(per.values(), default=0.0)
+
+
+@dataclass
+class BufferPlan:
+    program: str
+    name: str
+    bytes_per_rank: int
+    formula: str  # how the size was computed, in words and numbers
+    worst_case_bytes: int | None = None
+
+
+@dataclass
+class RolePlan:
+    step: str
+    role: str  # sender | puller | forwarder | permuter | reducer | copier | metadata | rdma_poster
+    sm_begin: int
+    sm_end: int
+    warps: int
+    engine: str
+
+
+@dataclass
+class KernelPlan:
+    """A fused persistent kernel ("kernel"), a host proxy loop ("proxy"), or copy-engine work ("dma")."""
+
+    name: str
+    kind: str
+    program: str
+    sms: int
+    roles: list[RolePlan] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    schedule: str
+    num_ranks: int
+    routing: str
+    bytes_per_token: int
+    steps: list[PlanStep] = field(default_factory=list)
+    resources: dict[str, float] = field(default_factory=dict)  # bytes/s
+    buffers: list[BufferPlan] = field(default_factory=list)
+    kernels: list[KernelPlan] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def step(self, name: str, program: str = "dispatch") -> PlanStep:
+        for s in self.steps:
+            if s.name == name and s.program == program:
+                return s
+        raise KeyError(f"{program}.{name}")
+
+    def program_steps(self, program: str) -> list[PlanStep]:
+        return [s for s in self.steps if s.program == program]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        d: dict[str, Any] = json.loads(text)
+        steps = []
+        for s in d.pop("steps"):
+            flows = [Flow(**{**f, "resources": tuple(f["resources"])}) for f in s.pop("flows")]
+            for k in ("deps", "pipelined_deps"):
+                s[k] = tuple(s[k])
+            steps.append(PlanStep(**s, flows=flows))
+        buffers = [BufferPlan(**b) for b in d.pop("buffers")]
+        kernels = [KernelPlan(**{**k, "roles": [RolePlan(**r) for r in k["roles"]]}) for k in d.pop("kernels", [])]
+        return Plan(**d, steps=steps, buffers=buffers, kernels=kernels)
