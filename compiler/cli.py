@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--emit", choices=pipeline.stage_names(), metavar="STAGE",
                    help="print this stage and stop: " + ", ".join(
                        f"{s.name} ({s.help})" for s in pipeline.STAGES))
+    c.add_argument("--print-ir-after-all", action="store_true",
+                   help="print the IR after every pass (to stdout, each after a '// IR after <pass>' line)")
+    _plan_options(c)
     c.set_defaults(func=cmd_compile)
 
     c = sub.add_parser("viz", help="draw the schedule DAG with graphviz",
@@ -53,7 +56,44 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("file", metavar="FILE", help="the .sched file")
     c.add_argument("-o", "--output", metavar="OUT", required=True, help="picture to write: .svg, .png, .pdf or .dot")
     c.set_defaults(func=cmd_viz)
+
+    c = sub.add_parser("simulate", help="simulate a schedule's plan: step times, link busy time, bottleneck",
+                       description="Build the plan (the pass pipeline as far as its passes exist), run the fluid "
+                                   "discrete-event simulator over it (max-min fair link sharing, chunk pipelining, "
+                                   "latency; the model: compiler/sim/__init__.py) and print per-step start/end, "
+                                   "busy time per link class, the bottleneck, the total with overlap and the serial "
+                                   "sum, in ms.")
+    c.add_argument("file", metavar="FILE", help="the .sched file")
+    _plan_options(c)
+    c.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    c.add_argument("--gantt", metavar="OUT.svg", help="also draw a Gantt chart of the steps into this SVG file")
+    c.set_defaults(func=cmd_simulate)
     return p
+
+
+def _plan_options(c: argparse.ArgumentParser) -> None:
+    c.add_argument("--routing", default="uniform", metavar="uniform|zipf:S|FILE.npy",
+                   help="routing distribution: uniform (exact), zipf:S (expert popularity ~ 1/rank^S, sampled), "
+                        "or a .npy file of top-k indices [N, k] or expert popularity [E] (default: uniform)")
+    c.add_argument("--tokens", metavar="N", help="tokens per rank (default: the workload's)")
+
+
+def _options(args):
+    """PassOptions from --routing/--tokens; a bad value is a user error (exit 1)."""
+    from .diagnostics import Diagnostic
+    from .passes import PassOptions
+
+    tokens = None
+    if args.tokens is not None:
+        try:
+            tokens = int(args.tokens)
+        except ValueError:
+            raise CompileError([Diagnostic("error", f"--tokens {args.tokens}: expected a whole number of tokens per "
+                                                    f"rank, e.g. --tokens 4096", None)]) from None
+        if tokens <= 0:
+            raise CompileError([Diagnostic("error", f"--tokens {args.tokens}: tokens per rank must be at least 1",
+                                           None)])
+    return PassOptions(routing=args.routing, tokens=tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,16 +134,23 @@ def cmd_check(args) -> int:
 
 def cmd_compile(args) -> int:
     until = args.emit or pipeline.STAGES[-1].name
-    c = pipeline.run(args.file, until, args.sources)
+
+    def print_after(name: str, text: str) -> None:
+        sys.stdout.write(f"// IR after {name}\n{text}")
+
+    c = pipeline.run(args.file, until, args.sources, _options(args),
+                     print_after if args.print_ir_after_all else None)
     _warn(c)
     if args.emit:
-        sys.stdout.write(pipeline.show(c, args.emit).rstrip("\n") + "\n")
+        if not args.print_ir_after_all:
+            sys.stdout.write(pipeline.show(c, args.emit).rstrip("\n") + "\n")
         return EXIT_OK
     out = Path(args.output or Path("build") / c.schedule.name)
     out.mkdir(parents=True, exist_ok=True)
-    ir_text = pipeline.show(c, "mlir")
     ir_file = out / f"{c.schedule.name}.mlir"
-    ir_file.write_text(ir_text, encoding="utf-8")
+    ir_file.write_text(pipeline.show(c, until), encoding="utf-8")
+    plan = c.passes.get("plan")
+    (out / "plan.json").write_text(plan.to_json() + "\n", encoding="utf-8")
     src = Path(args.file).read_bytes()
     manifest = {
         "epcc_version": __version__,
@@ -111,11 +158,12 @@ def cmd_compile(args) -> int:
         "source": str(args.file),
         "source_sha256": hashlib.sha256(src).hexdigest(),
         "num_ranks": c.schedule.topology.num_ranks,
+        "routing": plan.routing,
         "stages": [s.name for s in pipeline.STAGES],
-        "files": {"ir": ir_file.name},
+        "files": {"ir": ir_file.name, "plan": "plan.json"},
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    print(f"{args.file}: compiled to {out}/ ({ir_file.name}, manifest.json)")
+    print(f"{args.file}: compiled to {out}/ ({ir_file.name}, plan.json, manifest.json)")
     return EXIT_OK
 
 
@@ -126,6 +174,40 @@ def cmd_viz(args) -> int:
     _warn(c)
     path = render(c.schedule, args.output)
     print(f"{args.file}: DAG written to {path}")
+    return EXIT_OK
+
+
+def cmd_simulate(args) -> int:
+    from .diagnostics import Diagnostic
+    from .sim import SimulationError, build_plan, simulate
+    from .sim.gantt import write_svg
+    from .sim.report import table, to_dict
+
+    def bad(msg: str) -> CompileError:
+        return CompileError([Diagnostic("error", msg, None)])
+
+    options = _options(args)
+    tokens = options.tokens
+    if args.gantt and not args.gantt.lower().endswith(".svg"):
+        raise bad(f"--gantt {args.gantt}: the Gantt chart is written as SVG; name the file *.svg")
+    built = build_plan(args.file, options, args.sources)
+    _warn(built.compilation)
+    try:
+        res = simulate(built.plan)
+    except SimulationError as e:
+        raise bad(f"{args.file}: cannot simulate the plan: {e}") from None
+    if args.gantt:
+        try:
+            write_svg(res, args.gantt)
+        except OSError as e:
+            raise bad(f"--gantt {args.gantt}: cannot write the chart: {e.strerror or e}") from None
+    if args.json:
+        d = to_dict(res, built.passes_run, tokens if tokens is not None else built.schedule.workload.tokens)
+        print(json.dumps(d, indent=1))
+    else:
+        print(table(res, built.passes_run))
+        if args.gantt:
+            print(f"Gantt chart written to {args.gantt}")
     return EXIT_OK
 
 

@@ -1,0 +1,209 @@
+"""simulate(plan) -> SimResult: per program, step timings, resource and link-class busy times,
+bottleneck, makespan with overlap and the serial sum (the model: sim/__init__.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..plan import Plan, PlanStep
+from .engine import ResourceStat, SimOptions, StepTiming, _Engine, program_steps, step_alone
+
+PROGRAM_ORDER = ("dispatch", "combine")
+
+
+@dataclass
+class LinkClassStat:
+    name: str  # the link's name in the schedule (blink, nic, hbm, ...)
+    kind: str | None  # p2p | d2d | rdma | local
+    busiest: str  # the resource instance with the most work
+    work_s: float  # that instance's bytes / capacity: the class's busy time
+    active_s: float  # the longest wall time any instance carried traffic
+    bytes: float  # all instances
+    instances: int
+
+
+@dataclass
+class Bottleneck:
+    link_class: str
+    kind: str | None
+    resource: str
+    work_s: float
+    makespan_s: float
+
+    @property
+    def utilisation(self) -> float:
+        return self.work_s / self.makespan_s if self.makespan_s > 0 else 0.0
+
+    def describe(self) -> str:
+        return (f"{self.link_class} ({self.kind or '-'}; busiest instance {self.resource}): busy "
+                f"{self.work_s * 1e3:.3f} ms of {self.makespan_s * 1e3:.3f} ms = {self.utilisation * 100:.0f} %")
+
+
+@dataclass
+class ProgramResult:
+    program: str
+    steps: list[StepTiming]
+    makespan_s: float
+    serial_s: float
+    resources: dict[str, ResourceStat]
+    link_classes: dict[str, LinkClassStat]
+    bottleneck: Bottleneck | None
+    critical_path: list[str]
+    events: int
+
+    def step(self, name: str) -> StepTiming:
+        for s in self.steps:
+            if s.name == name:
+                return s
+        raise KeyError(f"{self.program}.{name}")
+
+
+@dataclass
+class SimResult:
+    schedule: str
+    routing: str
+    num_ranks: int
+    programs: dict[str, ProgramResult] = field(default_factory=dict)
+    options: SimOptions = field(default_factory=SimOptions)
+
+    @property
+    def total_s(self) -> float:
+        """Dispatch and combine back to back (expert compute between them is not modelled)."""
+        return sum(p.makespan_s for p in self.programs.values())
+
+    @property
+    def serial_s(self) -> float:
+        return sum(p.serial_s for p in self.programs.values())
+
+    @property
+    def steps(self) -> list[StepTiming]:
+        return [s for p in self.programs.values() for s in p.steps]
+
+    def step(self, name: str, program: str = "dispatch") -> StepTiming:
+        return self.programs[program].step(name)
+
+    @property
+    def bottleneck(self) -> Bottleneck | None:
+        """Over the programs together: the link class with the most busy time in all of them."""
+        if not self.programs:
+            return None
+        if len(self.programs) == 1:
+            return next(iter(self.programs.values())).bottleneck
+        work: dict[tuple[str, str | None], dict[str, float]] = {}
+        for p in self.programs.values():
+            for r in p.resources.values():
+                d = work.setdefault((r.link_class, r.link_kind), {})
+                d[r.name] = d.get(r.name, 0.0) + r.work_s
+        best = None
+        for (cls, kind), per in work.items():
+            res, w = max(per.items(), key=lambda kv: (kv[1], kv[0]))
+            if best is None or (w, cls) > (best.work_s, best.link_class):
+                best = Bottleneck(cls, kind, res, w, self.total_s)
+        return best
+
+    def link_busy_s(self) -> dict[str, float]:
+        """Per link class, over all programs: the busiest instance's bytes / capacity."""
+        per: dict[str, dict[str, float]] = {}
+        for p in self.programs.values():
+            for r in p.resources.values():
+                d = per.setdefault(r.link_class, {})
+                d[r.name] = d.get(r.name, 0.0) + r.work_s
+        return {cls: max(d.values()) for cls, d in per.items()}
+
+
+def link_class_of(resource: str, steps_using: list[PlanStep]) -> tuple[str, str | None]:
+    """`link:<name>:...` -> name; `hbm:<rank>` -> the local link its steps name (hbm by default)."""
+    kinds = [s.link_kind for s in steps_using if s.link_kind]
+    kind = kinds[0] if kinds else None
+    if resource.startswith("link:"):
+        return resource.split(":")[1], kind
+    links = sorted({s.link for s in steps_using if s.link})
+    return ("/".join(links) if links else resource.split(":")[0]), (kind or "local")
+
+
+def simulate_program(plan: Plan, program: str, steps: list[PlanStep], opts: SimOptions,
+                     other_names: set[str]) -> ProgramResult:
+    eng = _Engine(steps, plan.resources, opts, other_names).run()
+    timings: list[StepTiming] = []
+    for i, s in enumerate(steps):
+        timings.append(StepTiming(
+            s.name, s.program, s.verb, s.link, s.link_kind, tuple(s.deps), tuple(s.pipelined_deps),
+            float(eng.ready_t[i]), float(eng.start_t[i]), float(eng.end_t[i]), s.total_bytes,
+            s.max_rank_bytes(), max(1, int(s.num_chunks or 1)), eng.chunk_times(i),
+            step_alone(s, plan.resources, opts),
+            moves_bytes=any(f.resources and f.bytes > 0 for f in s.flows)))
+    makespan = max((t.end_s for t in timings), default=0.0)
+    serial = sum(t.alone_s for t in timings)
+
+    users: dict[str, list[PlanStep]] = {}
+    for s in steps:
+        for f in s.flows:
+            for r in f.resources:
+                lst = users.setdefault(r, [])
+                if not lst or lst[-1] is not s:
+                    lst.append(s)
+    resources: dict[str, ResourceStat] = {}
+    for j, name in enumerate(eng.res_names):
+        cls, kind = link_class_of(name, users.get(name, []))
+        resources[name] = ResourceStat(name, cls, kind, float(eng.cap[j]), float(eng.res_bytes[j]),
+                                       float(eng.res_active[j]))
+    classes: dict[str, LinkClassStat] = {}
+    for r in sorted(resources.values(), key=lambda r: r.name):
+        lc = classes.get(r.link_class)
+        if lc is None:
+            classes[r.link_class] = LinkClassStat(r.link_class, r.link_kind, r.name, r.work_s, r.active_s, r.bytes, 1)
+            continue
+        lc.instances += 1
+        lc.bytes += r.bytes
+        lc.active_s = max(lc.active_s, r.active_s)
+        if r.work_s > lc.work_s * (1 + 1e-9):
+            lc.busiest, lc.work_s = r.name, r.work_s
+    bottleneck = None
+    if classes:
+        lc = max(classes.values(), key=lambda c: (c.work_s, c.active_s, c.name))
+        bottleneck = Bottleneck(lc.name, lc.kind, lc.busiest, lc.work_s, makespan)
+
+    # Critical path: from the last step to finish, back through the dependency that ended last.
+    path: list[str] = []
+    by_name = {t.name: t for t in timings}
+    if timings:
+        cur = max(timings, key=lambda t: (t.end_s, -timings.index(t)))
+        while cur is not None:
+            path.append(cur.name)
+            cur.critical = True
+            preds = [by_name[d] for d in cur.deps if d in by_name]
+            cur = max(preds, key=lambda t: t.end_s) if preds else None
+        path.reverse()
+    return ProgramResult(program, timings, makespan, serial, resources, classes, bottleneck, path, eng.events)
+
+
+def simulate(plan: Plan, opts: SimOptions | None = None) -> SimResult:
+    """Simulate every program of the plan (dispatch, then combine if present), each from t = 0."""
+    opts = opts or SimOptions()
+    res = SimResult(plan.schedule, plan.routing, plan.num_ranks, options=opts)
+    progs = program_steps(plan)
+    order = [p for p in PROGRAM_ORDER if p in progs] + sorted(p for p in progs if p not in PROGRAM_ORDER)
+    for p in order:
+        others = {s.name for q, ss in progs.items() if q != p for s in ss}
+        res.programs[p] = simulate_program(plan, p, progs[p], opts, others)
+    return res
+
+
+def simulate_subset(plan: Plan, names: list[str] | tuple[str, ...], program: str = "dispatch",
+                    opts: SimOptions | None = None) -> ProgramResult:
+    """A group of steps with the machine to themselves (e.g. one phase of a seed's estimate):
+    dependencies on steps outside the group count as done; those inside are kept (pipelined or
+    not, as the plan says)."""
+    import dataclasses
+
+    opts = opts or SimOptions()
+    wanted = set(names)
+    steps = [s for s in plan.steps if s.program == program and s.name in wanted]
+    missing = wanted - {s.name for s in steps}
+    if missing:
+        raise KeyError(f"no step(s) {', '.join(sorted(missing))} in {program}")
+    sub = [dataclasses.replace(s, deps=tuple(d for d in s.deps if d in wanted),
+                               pipelined_deps=tuple(d for d in s.pipelined_deps if d in wanted)) for s in steps]
+    others = {s.name for s in plan.steps if s.program == program and s.name not in wanted}
+    p = dataclasses.replace(plan, steps=sub)
+    return simulate_program(p, program, sub, opts, others)

@@ -1,0 +1,112 @@
+"""`epcc simulate`: the table, --json, --gantt, and its errors (exit 1 for bad values, 2 for usage)."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from epcc.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+EP16 = str(REPO / "schedules" / "ubbv2_ep16.sched")
+H200 = str(REPO / "schedules" / "h200x4.sched")
+
+
+def run(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_table(capsys):
+    code, out, err = run(["simulate", EP16], capsys)
+    assert code == 0, err
+    assert "schedule ubbv2_ep16: 16 ranks" in out
+    assert "plan after passes: instantiate, route-analysis" in out
+    for needle in ("step", "start", "end", "MB/rank", "GB/s", "fwd1", "blink", "link busy", "bottleneck: blink",
+                   "critical path:", "dispatch: total", "serial sum"):
+        assert needle in out, needle
+    # The reorder row: 58.98 MB per rank at the HBM's 200 GB/s.
+    row = next(l for l in out.splitlines() if l.lstrip("* ").startswith("reorder"))
+    assert "58.98" in row and "200.0" in row
+
+
+def test_json(capsys):
+    code, out, err = run(["simulate", H200, "--json"], capsys)
+    assert code == 0, err
+    d = json.loads(out)  # ONE object
+    for key in ("total_ms", "serial_ms", "bottleneck", "steps", "routing", "link_busy_ms"):
+        assert key in d, key
+    assert d["routing"].startswith("uniform")
+    assert d["tokens"] == 4096
+    push = next(s for s in d["steps"] if s["name"] == "push" and s["program"] == "dispatch")
+    assert set(push) >= {"name", "program", "link", "start_ms", "end_ms", "bytes"}
+    assert push["link"] == "nvlink" and push["end_ms"] > push["start_ms"]
+    assert d["bottleneck"]["link_class"] == "nvlink"
+    assert 0 < d["bottleneck"]["utilisation"] <= 1
+    assert d["total_ms"] == pytest.approx(sum(p["total_ms"] for p in d["programs"].values()))
+    assert d["total_ms"] <= d["serial_ms"] + 1e-9
+    assert d["link_busy_ms"]["nvlink"] > 0
+
+
+def test_tokens_and_routing_change_the_plan(capsys, tmp_path):
+    _, out, _ = run(["simulate", H200, "--json"], capsys)
+    base = json.loads(out)
+    _, out, _ = run(["simulate", H200, "--json", "--tokens", "2048"], capsys)
+    half = json.loads(out)
+    assert half["tokens"] == 2048
+    assert half["total_ms"] == pytest.approx(base["total_ms"] / 2, rel=0.05)
+    _, out, _ = run(["simulate", H200, "--json", "--routing", "zipf:1.2"], capsys)
+    assert json.loads(out)["routing"].startswith("zipf:1.2")
+    pop = tmp_path / "pop.npy"
+    np.save(pop, np.linspace(1, 2, 256))
+    code, out, err = run(["simulate", H200, "--json", "--routing", str(pop)], capsys)
+    assert code == 0, err
+    assert "popularity pop.npy" in json.loads(out)["routing"]
+
+
+def test_gantt(capsys, tmp_path):
+    svg = tmp_path / "g.svg"
+    code, out, err = run(["simulate", EP16, "--gantt", str(svg)], capsys)
+    assert code == 0, err
+    assert f"Gantt chart written to {svg}" in out
+    root = ET.parse(svg).getroot()  # well-formed XML
+    assert root.tag.endswith("svg")
+    text = svg.read_text()
+    for needle in ("time (ms)", "fwd1 (blink)", "dispatch", "combine", "critical path", "#1f77b4"):
+        assert needle in text, needle
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--routing", "zipf:abc"], "the Zipf exponent must be a number"),
+    (["--routing", "pareto"], "expected 'uniform', 'zipf:S' or a .npy file"),
+    (["--routing", "/nonexistent/r.npy"], "no such file"),
+    (["--tokens", "0"], "tokens per rank must be at least 1"),
+    (["--tokens", "-5"], "tokens per rank must be at least 1"),
+    (["--tokens", "many"], "expected a whole number of tokens per rank"),
+    (["--gantt", "chart.png"], "name the file *.svg"),
+])
+def test_bad_values_exit_1(capsys, argv, msg):
+    code, out, err = run(["simulate", H200] + argv, capsys)
+    assert code == 1
+    assert msg in err
+    assert out == ""
+
+
+def test_missing_file_exits_1(capsys, tmp_path):
+    code, _, err = run(["simulate", str(tmp_path / "none.sched")], capsys)
+    assert code == 1
+    assert "error" in err
+
+
+def test_bad_usage_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["simulate"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", H200, "--frobnicate"])
+    assert e.value.code == 2
