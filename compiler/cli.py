@@ -55,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
                                    "data and order dependencies, colours for link kinds, expected volumes.")
     c.add_argument("file", metavar="FILE", help="the .sched file")
     c.add_argument("-o", "--output", metavar="OUT", required=True, help="picture to write: .svg, .png, .pdf or .dot")
+    c.add_argument("--scheduled", action="store_true",
+                   help="draw the scheduled plan instead: overlap groups from the simulation, chunks, SM roles, "
+                        "pipelined dependencies and the critical path")
+    _plan_options(c)
     c.set_defaults(func=cmd_viz)
 
     c = sub.add_parser("simulate", help="simulate a schedule's plan: step times, link busy time, bottleneck",
@@ -168,9 +172,17 @@ def cmd_compile(args) -> int:
 
 
 def cmd_viz(args) -> int:
-    from .viz import render
+    from .viz import render, render_scheduled
 
-    c = pipeline.run(args.file, "model", args.sources)
+    if args.scheduled:
+        from .sim import build_plan, simulate
+
+        built = build_plan(args.file, _options(args), args.sources)
+        _warn(built.compilation)
+        path = render_scheduled(built, simulate(built.plan), args.output)
+        print(f"{args.file}: scheduled DAG written to {path}")
+        return EXIT_OK
+    c = pipeline.run(args.file, "model", args.sources, _options(args))
     _warn(c)
     path = render(c.schedule, args.output)
     print(f"{args.file}: DAG written to {path}")

@@ -147,12 +147,15 @@ def _legend(g: graphviz.Digraph) -> None:
 
 def render(sched: model.Schedule, out: str) -> Path:
     """Write the DAG to `out` (.svg, .png, .pdf or .dot).  Raises CompileError on user errors."""
+    return _write(build_graph(sched), out)
+
+
+def _write(g: graphviz.Digraph, out: str) -> Path:
     path = Path(out)
     fmt = path.suffix.lstrip(".").lower()
     if fmt not in FORMATS:
         raise CompileError([Diagnostic("error", f"{out}: unknown picture format '.{fmt}'; use one of "
                                                 f"{', '.join('.' + f for f in FORMATS)}", None)])
-    g = build_graph(sched)
     if path.parent and not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "dot":
@@ -164,3 +167,79 @@ def render(sched: model.Schedule, out: str) -> Path:
     data = g.pipe(format=fmt)
     path.write_bytes(data)
     return path
+
+
+# --------------------------------------------------------------------------- scheduled view
+
+
+def overlap_groups(steps) -> list[list]:
+    """Steps whose simulated [start, end] intervals overlap, transitively: the phases that run at once."""
+    order = sorted(steps, key=lambda s: (s.start_s, s.end_s))
+    groups: list[list] = []
+    end = None
+    for s in order:
+        if groups and s.start_s < end:
+            groups[-1].append(s)
+            end = max(end, s.end_s)
+        else:
+            groups.append([s])
+            end = s.end_s
+    return groups
+
+
+def build_scheduled_graph(built, res) -> graphviz.Digraph:
+    """The plan as the compiler scheduled it: per program, overlap groups (steps that run at the
+    same time in the simulation), each step with its chunking, SM role and simulated interval;
+    pipelined dependencies dashed ("chunk by chunk"), the critical path in red."""
+    plan = built.plan
+    g = graphviz.Digraph(name=f"{plan.schedule}_scheduled", graph_attr={
+        "rankdir": "LR", "fontname": "Helvetica", "fontsize": "11", "compound": "true", "newrank": "true",
+        "label": (f"{plan.schedule}: scheduled plan, {plan.routing}; total {res.total_s * 1e3:.3f} ms "
+                  f"(serial {res.serial_s * 1e3:.3f} ms); red: critical path"), "labelloc": "t",
+    }, node_attr={"fontname": "Helvetica", "fontsize": "10", "shape": "box", "style": "rounded,filled"},
+        edge_attr={"fontname": "Helvetica", "fontsize": "9"})
+    roles = {(k.program, r.step): (k.name, r) for k in plan.kernels for r in k.roles}
+    for program, pres in res.programs.items():
+        psteps = {s.name: s for s in plan.program_steps(program)}
+        crit = set(pres.critical_path)
+        crit_edges = set(zip(pres.critical_path, pres.critical_path[1:]))
+        with g.subgraph(name=f"cluster_{program}") as pc:
+            pc.attr(label=f"{program}: {pres.makespan_s * 1e3:.3f} ms", style="solid", color="#666666")
+            for gi, members in enumerate(overlap_groups(pres.steps)):
+                t0 = min(s.start_s for s in members) * 1e3
+                t1 = max(s.end_s for s in members) * 1e3
+                with pc.subgraph(name=f"cluster_{program}_g{gi}") as c:
+                    c.attr(label=f"overlap group {gi + 1}: {t0:.3f}-{t1:.3f} ms", style="dashed", color="#999999",
+                           fontcolor="#555555")
+                    for st in members:
+                        ps = psteps[st.name]
+                        kind = ps.link_kind
+                        lines = [st.name + (f" ({ps.reverse_of})" if ps.reverse_of and ps.reverse_of != st.name else ""),
+                                 f"{kind or 'no link'} '{ps.link}'" if ps.link else "metadata",
+                                 f"{_mb(st.max_rank_bytes)} / rank"]
+                        if ps.verb != "exchange":
+                            lines.append(f"{ps.num_chunks} chunks x {_mb(ps.chunk_bytes or 0)}, depth {ps.depth}")
+                        kr = roles.get((program, st.name))
+                        if kr:
+                            kname, r = kr
+                            sm = f", SMs {r.sm_begin}-{r.sm_end - 1}" if r.sm_end > r.sm_begin else ""
+                            lines.append(f"{kname}: {r.role}{sm}")
+                        lines.append(f"{st.start_s * 1e3:.3f}-{st.end_s * 1e3:.3f} ms")
+                        on_path = st.name in crit
+                        c.node(f"{program}.{st.name}", "\n".join(lines), fillcolor=KIND_FILL[kind],
+                               color="#d62728" if on_path else KIND_COLOR[kind], penwidth="3" if on_path else "1.2")
+            for st in pres.steps:
+                for d in st.deps:
+                    if d not in psteps:
+                        continue
+                    on_path = (d, st.name) in crit_edges
+                    pipelined = d in st.pipelined_deps
+                    g.edge(f"{program}.{d}", f"{program}.{st.name}", style="dashed" if pipelined else "solid",
+                           color="#d62728" if on_path else "#555555", penwidth="2.5" if on_path else "1",
+                           label="chunk by chunk" if pipelined else "")
+    _legend(g)
+    return g
+
+
+def render_scheduled(built, res, out: str) -> Path:
+    return _write(build_scheduled_graph(built, res), out)

@@ -28,7 +28,7 @@ from . import Pass, PassContext, register
 
 
 def _mb(b: float) -> str:
-    return f"{b / 1e6:.1f} MB" if b >= 1e5 else f"{b / 1e3:.1f} KB"
+    return f"{b / 1e6:.1f} MB" if b >= 1e6 else f"{b / 1e3:.1f} KB"
 
 
 @register

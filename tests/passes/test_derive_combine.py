@@ -349,15 +349,14 @@ combine reverse of dispatch
 
 
 def test_ep256_scale(tmp_path):
+    """EP256 (32 nodes x 8 GPUs) verifies and derives its combine; its compile time is measured
+    by bench/compile_time.py, not asserted here."""
     p = tmp_path / "ep256.sched"
     p.write_text(ep256_text(), encoding="utf-8")
-    t0 = time.perf_counter()
     c, ctx = compile_to(p)
-    took = time.perf_counter() - t0
     v = ctx.results["verification"]
     assert v["dispatch_ok"] and v["combine_ok"] and v["pairs"] == 256 * 256
     disp = query.program_module(c.module.operation, "dispatch")
     assert disp.attributes["epcc.verified"].value == \
         "exactly-once: 256 homes x 256 destinations, 65536 destination patterns checked"
     assert len(ctx.results["plan"].program_steps("combine")) == 5
-    assert took < 10.0, f"route-analysis + verify-delivery + derive-combine took {took:.1f} s at EP256"
