@@ -32,6 +32,10 @@ class Flow:
     bytes: float
     resources: tuple[str, ...]
     latency_s: float = 0.0
+    # The selection this flow applies, evaluated: a token moves if its destination ranks hit
+    # this set (None: every token in the source buffers).  Writes into `output` select the
+    # receiver and place one row per (token, receiver's expert).
+    select: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -53,6 +57,10 @@ class PlanStep:
     order: str | None = None  # first | last (user hint)
     sms: int | None = None
     reverse_of: str | None = None  # combine steps derived from a dispatch step
+    reverse_source: str | None = None  # ... and the dispatch source buffer whose copies they return
+    weighted: bool = False  # a combine step that applies the routing weights (reads expert outputs)
+    src_buffers: tuple[str, ...] = ()  # buffers the step reads (on the flow's src rank)
+    dst_buffer: str | None = None  # buffer it writes (on the flow's dst rank)
 
     @property
     def total_bytes(self) -> float:
@@ -96,6 +104,23 @@ class KernelPlan:
 
 
 @dataclass
+class WorkloadPlan:
+    """What the runtime needs of the workload (no MLIR, no model)."""
+
+    tokens: int
+    hidden: int
+    dtype: str
+    topk: int
+    experts: int
+    placement: str  # blocked | strided
+    weights_travel: bool
+
+    def rank_of_expert(self, e: int, num_ranks: int) -> int:
+        epr = self.experts // num_ranks
+        return e // epr if self.placement == "blocked" else e % num_ranks
+
+
+@dataclass
 class Plan:
     schedule: str
     num_ranks: int
@@ -106,6 +131,8 @@ class Plan:
     buffers: list[BufferPlan] = field(default_factory=list)
     kernels: list[KernelPlan] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    workload: WorkloadPlan | None = None
+    rank_names: list[str] = field(default_factory=list)  # "rank 3 (node 0, gpu 3)", for messages
 
     def step(self, name: str, program: str = "dispatch") -> PlanStep:
         for s in self.steps:
@@ -124,10 +151,14 @@ class Plan:
         d: dict[str, Any] = json.loads(text)
         steps = []
         for s in d.pop("steps"):
-            flows = [Flow(**{**f, "resources": tuple(f["resources"])}) for f in s.pop("flows")]
-            for k in ("deps", "pipelined_deps"):
-                s[k] = tuple(s[k])
+            flows = [Flow(**{**f, "resources": tuple(f["resources"]),
+                             "select": None if f.get("select") is None else tuple(f["select"])})
+                     for f in s.pop("flows")]
+            for k in ("deps", "pipelined_deps", "src_buffers"):
+                s[k] = tuple(s.get(k, ()))
             steps.append(PlanStep(**s, flows=flows))
         buffers = [BufferPlan(**b) for b in d.pop("buffers")]
         kernels = [KernelPlan(**{**k, "roles": [RolePlan(**r) for r in k["roles"]]}) for k in d.pop("kernels", [])]
-        return Plan(**d, steps=steps, buffers=buffers, kernels=kernels)
+        wl = d.pop("workload", None)
+        return Plan(**d, steps=steps, buffers=buffers, kernels=kernels,
+                    workload=WorkloadPlan(**wl) if wl else None)

@@ -207,7 +207,8 @@ def derived_plan_steps(sched: model.Schedule, cops: list[CombineOp], adj: Adjoin
         link = st.link
         ps = PlanStep(op.name, "combine", op.verb, link.name if link else None, link.kind if link else None,
                       op.deps, title=st.title, line=st.span.line, order=FLIP_ORDER[st.order], sms=st.sms,
-                      depth=st.depth or 1, reverse_of=st.name)
+                      depth=st.depth or 1, reverse_of=st.name, reverse_source=op.source, weighted=bool(op.weighted),
+                      src_buffers=(op.src_buffer,), dst_buffer=op.dst_buffer)
         _flows(ps, plan, link, space, adj.volumes[op.name].per_flow, bpt, link.latency if link else 0.0)
         plan.steps.append(ps)
 

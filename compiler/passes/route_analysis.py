@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..analysis.flow import FlowAnalysis
 from ..analysis.routing import make_routing
 from ..ir import query
-from ..plan import Flow, Plan, PlanStep
+from ..plan import Flow, Plan, PlanStep, WorkloadPlan
 from ..sema import model
 from . import Pass, PassContext, register
 
@@ -28,17 +28,33 @@ def link_resources(link: model.LinkInfo, space: model.RankSpace, src: int, dst: 
     return (f"link:{link.name}:{src}>{dst}",)
 
 
+def flow_selection(st: model.Step, r: int, src: int, dst: int) -> tuple[int, ...] | None:
+    """The rank set a flow selects by, evaluated (None: all tokens of the source buffers)."""
+    if st.verb == "permute":
+        return (dst,)
+    sel = st.selection
+    if sel is None or sel.mode == "all":
+        return None
+    far = dst if st.verb == "send" else (src if st.verb == "pull" else None)
+    return tuple(sorted(sel.ranks.evaluate(r, far)))
+
+
 def build_plan(sched: model.Schedule, flow: FlowAnalysis) -> Plan:
     topo = sched.topology
     space = topo.space
     wl = sched.workload
-    plan = Plan(sched.name, topo.num_ranks, flow.routing.describe(), wl.bytes_per_token)
+    plan = Plan(sched.name, topo.num_ranks, flow.routing.describe(), wl.bytes_per_token,
+                workload=WorkloadPlan(wl.tokens, wl.hidden, wl.dtype, wl.topk, wl.experts, wl.placement,
+                                      wl.weights_travel),
+                rank_names=[space.describe(r) for r in range(topo.num_ranks)])
     max_latency = max((l.latency for l in topo.links.values()), default=0.0)
     for st in sched.dispatch.steps:
         vol = flow.volumes[st.name]
         link = st.link
         ps = PlanStep(st.name, "dispatch", st.verb, link.name if link else None, link.kind if link else None,
-                      st.deps, title=st.title, line=st.span.line, order=st.order, sms=st.sms, depth=st.depth or 1)
+                      st.deps, title=st.title, line=st.span.line, order=st.order, sms=st.sms, depth=st.depth or 1,
+                      src_buffers=tuple(s.buffer.name for s in st.sources),
+                      dst_buffer=st.dest.buffer.name if st.dest is not None else None)
         for r in range(topo.num_ranks):
             if st.verb == "exchange":
                 per_peer = vol.bytes[r] / max(len(vol.per_flow[r]), 1)
@@ -51,7 +67,8 @@ def build_plan(sched: model.Schedule, flow: FlowAnalysis) -> Plan:
                 nbytes = copies * wl.bytes_per_token
                 res = link_resources(link, space, src, dst, r) if link else ()
                 plan.resources.update((x, link.effective_bandwidth) for x in res)
-                ps.flows.append(Flow(r, src, dst, nbytes, res, link.latency if link else 0.0))
+                ps.flows.append(Flow(r, src, dst, nbytes, res, link.latency if link else 0.0,
+                                     select=flow_selection(st, r, src, dst)))
         plan.steps.append(ps)
     return plan
 
