@@ -26,6 +26,7 @@ from mlir import ir
 from ..ir import ops, query
 from ..plan import KernelPlan, Plan, PlanStep, RolePlan
 from . import Pass, PassContext, register
+from .overlap_schedule import step_times
 
 DEFAULT_SMS = 24
 META_SMS = 2  # counting and exchanging counts is latency-bound: a couple of SMs
@@ -74,14 +75,13 @@ class KernelFormation(Pass):
     def run(self, module, ctx: PassContext) -> None:
         sched = ctx.schedule
         plan: Plan = ctx.get("plan")
-        overlap = ctx.results.get("overlap", {})
         links = sched.topology.links
         kernels: list[KernelPlan] = []
         for program in ("dispatch", "combine"):
             steps = plan.program_steps(program)
             if not steps:
                 continue
-            times = overlap.get(program, ({}, {}, {}))[0]
+            times = step_times(ctx, program)
             groups: dict[str, list[PlanStep]] = {"meta": [], "kernel": [], "proxy": [], "dma": []}
             for s in steps:
                 engine = links[s.link].engine if s.link in links else "sm"

@@ -24,6 +24,11 @@ from ..plan import Plan, PlanStep
 from . import Pass, PassContext, register
 
 
+def step_times(ctx: PassContext, program: str) -> dict[str, float]:
+    """Estimated seconds of every step of `program` alone (empty before this pass ran)."""
+    return ctx.results.get("overlap", {}).get(program, ({}, {}, {}))[0]
+
+
 def step_time(ps: PlanStep, capacity: dict[str, float]) -> float:
     """Seconds a step takes alone: its busiest resource, plus chunk latency not hidden by depth."""
     load: dict[str, float] = defaultdict(float)

@@ -31,6 +31,7 @@ from ..ir import ops, query
 from ..plan import Plan, PlanStep
 from ..sema import model
 from . import Pass, PassContext, register
+from .overlap_schedule import step_times
 
 MIN_TIMEOUT_NS = 1_000_000_000
 TIMEOUT_FACTOR = 100
@@ -95,7 +96,6 @@ class SyncInsertion(Pass):
     def run(self, module, ctx: PassContext) -> None:
         sched = ctx.schedule
         plan: Plan = ctx.get("plan")
-        overlap = ctx.results.get("overlap", {})
         n = sched.topology.num_ranks
         tables = relation_tables(module)
         report = {}
@@ -104,7 +104,7 @@ class SyncInsertion(Pass):
             prog_op = query.program_module(module, program)
             if not psteps or prog_op is None:
                 continue
-            times = overlap.get(program, ({}, {}, {}))[0]
+            times = step_times(ctx, program)
             step_ops = query.step_ops(prog_op)
             producers: dict[str, _Producer] = {}
             waits: list[tuple[_Producer, PlanStep]] = []
