@@ -72,7 +72,42 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     c.add_argument("--gantt", metavar="OUT.svg", help="also draw a Gantt chart of the steps into this SVG file")
     c.set_defaults(func=cmd_simulate)
+
+    c = sub.add_parser("run", help="run a schedule's dispatch and combine on a backend; check them against the oracle",
+                       description="Compile FILE (or load a compiled plan.json), build deterministic inputs (routing, "
+                                   "weights, payload rows, expert outputs), compute the token-level layout "
+                                   "(docs/runtime.md), execute dispatch and combine on the backend and compare with "
+                                   "the NumPy oracle: dispatch bit-exact (rows, order, counts, weights), combine "
+                                   "within bf16 tolerance.  Prints one summary line; exit status 1 on a mismatch, "
+                                   "with the first differing rank, token and expert.",
+                       epilog="Inputs are [ranks x tokens x row bytes] in memory: use --tokens and --hidden for "
+                              "quick runs of the large schedules.")
+    c.add_argument("file", metavar="FILE", help="the .sched file, or a plan.json written by 'epcc compile'")
+    c.add_argument("--backend", default="cpu", choices=sorted(RUN_BACKENDS), metavar="|".join(sorted(RUN_BACKENDS)),
+                   help="where to execute: " + "; ".join(f"{k}: {v[1]}" for k, v in sorted(RUN_BACKENDS.items()))
+                        + " (default: cpu)")
+    c.add_argument("--routing", default="uniform", metavar="uniform|zipf:S|one-hot|empty|no-remote|FILE.npy",
+                   help="the tokens' top-k experts: uniform; zipf:S (expert popularity ~ 1/rank^S); one-hot (all "
+                        "of a token's experts on one rank); empty (only the first half of the ranks receive); "
+                        "no-remote (experts on the token's own rank); or a .npy file of top-k indices [R, T, k] or "
+                        "[R*T, k] (-1: empty slot).  The compiler plans volumes with uniform routing unless zipf:S "
+                        "(default: uniform)")
+    c.add_argument("--tokens", metavar="N", help="tokens per rank (default: the workload's)")
+    c.add_argument("--hidden", metavar="N", help="hidden size (default: the workload's; fp8 needs a multiple of 128)")
+    c.add_argument("--seed", metavar="N", default="0", help="seed of every random input (default: 0)")
+    c.set_defaults(func=cmd_run)
     return p
+
+
+# `epcc run` backends: name -> (module, description).  A backend module provides
+#   run_dispatch(plan, layout, x_rows: list[np.ndarray [T, row_bytes] uint8]) -> list[np.ndarray [n_d, row_bytes] uint8]
+#   run_combine(plan, layout, y: list[np.ndarray [n_d, hidden] uint16 (bf16)]) -> list[np.ndarray [T, hidden] float32]
+RUN_BACKENDS = {
+    "cpu": ("epcc.backends.cpu", "the CPU backend (backends/cpu: the layout lowered to LLVM IR, JIT-compiled, every "
+                                 "rank's roles as threads)"),
+    "reference": ("epcc.runtime.reference", "the NumPy reference executor (runtime/reference.py: copies applied one "
+                                            "after another; a debugging backend)"),
+}
 
 
 def _plan_options(c: argparse.ArgumentParser) -> None:
@@ -97,7 +132,17 @@ def _options(args):
         if tokens <= 0:
             raise CompileError([Diagnostic("error", f"--tokens {args.tokens}: tokens per rank must be at least 1",
                                            None)])
-    return PassOptions(routing=args.routing, tokens=tokens)
+    hidden = None
+    if getattr(args, "hidden", None) is not None:
+        try:
+            hidden = int(args.hidden)
+        except ValueError:
+            raise CompileError([Diagnostic("error", f"--hidden {args.hidden}: expected a whole number of channels, "
+                                                    f"e.g. --hidden 256", None)]) from None
+        if hidden <= 0:
+            raise CompileError([Diagnostic("error", f"--hidden {args.hidden}: the hidden size must be at least 1",
+                                           None)])
+    return PassOptions(routing=args.routing, tokens=tokens, hidden=hidden)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,6 +265,224 @@ def cmd_simulate(args) -> int:
         print(table(res, built.passes_run))
         if args.gantt:
             print(f"Gantt chart written to {args.gantt}")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- epcc run
+
+
+def _user_error(msg: str) -> CompileError:
+    from .diagnostics import Diagnostic
+
+    return CompileError([Diagnostic("error", msg, None)])
+
+
+def _load_plan_json(path: str):
+    from .plan import Plan
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise _user_error(f"{path}: no such file") from None
+    except OSError as e:
+        raise _user_error(f"{path}: cannot read it: {e.strerror or e}") from None
+    try:
+        plan = Plan.from_json(text)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _user_error(f"{path}: not a plan written by 'epcc compile' ({type(e).__name__}: {e})") from None
+    if plan.workload is None:
+        raise _user_error(f"{path}: the plan has no workload (written by an older epcc? recompile the schedule)")
+    return plan
+
+
+def _load_backend(name: str):
+    import importlib
+
+    module, _ = RUN_BACKENDS[name]
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # ImportError, or the backend's own import-time failure
+        return None, f"backend '{name}' is not available: importing {module} failed: {type(e).__name__}: {e}"
+    missing = [f for f in ("run_dispatch", "run_combine") if not callable(getattr(mod, f, None))]
+    if missing:
+        return None, f"backend '{name}' ({module}) does not provide {' and '.join(missing)}"
+    return mod, None
+
+
+def _token_text(names: list[str], h: int, t: int) -> str:
+    return f"token {t} of {names[h] if 0 <= h < len(names) else f'rank {h}'}"
+
+
+def _dispatch_difference(layout, got_rows, want, names: list[str]) -> str | None:
+    """The first difference between what the backend and layout delivered and the oracle, in words."""
+    import numpy as np
+
+    E = layout.experts
+    for d, w in enumerate(want):
+        rank = names[d]
+        got_src = layout.entries.get(("output", d), np.zeros((0, 3), np.int64))
+        if not np.array_equal(got_src, w.src):
+            gk = got_src[:, 0] * (layout.tokens * E) + got_src[:, 1] * E + got_src[:, 2]
+            wk = w.src[:, 0] * (layout.tokens * E) + w.src[:, 1] * E + w.src[:, 2]
+            missing = np.flatnonzero(~np.isin(wk, gk))
+            if missing.size:
+                h, t, e = (int(v) for v in w.src[missing[0]])
+                more = f" ({missing.size - 1} more rows missing)" if missing.size > 1 else ""
+                return f"{rank} never receives {_token_text(names, h, t)} for expert {e}{more}"
+            extra = np.flatnonzero(~np.isin(gk, wk))
+            if extra.size:
+                h, t, e = (int(v) for v in got_src[extra[0]])
+                return f"{rank} receives {_token_text(names, h, t)} for expert {e}, which is not routed there"
+            if gk.size != wk.size:
+                u, cnt = np.unique(gk, return_counts=True)
+                k = int(u[cnt > 1][0])
+                h, t, e = k // (layout.tokens * E), (k // E) % layout.tokens, k % E
+                return f"{rank} receives {_token_text(names, h, t)} for expert {e} {int(cnt[cnt > 1][0])} times"
+            i = int(np.flatnonzero(gk != wk)[0])
+            h, t, e = (int(v) for v in got_src[i])
+            h2, t2, e2 = (int(v) for v in w.src[i])
+            return (f"{rank}: output row {i} holds {_token_text(names, h, t)} for expert {e}; the documented order "
+                    f"(local expert, home rank, token) puts {_token_text(names, h2, t2)} for expert {e2} there")
+        if not np.array_equal(layout.recv_counts[d], w.counts):
+            return f"{rank}: rows per local expert {layout.recv_counts[d].tolist()}, expected {w.counts.tolist()}"
+        rows = np.asarray(got_rows[d]) if d < len(got_rows) else None
+        if rows is None or rows.dtype != np.uint8 or rows.shape != w.rows.shape:
+            what = "nothing" if rows is None else f"{rows.dtype} {list(rows.shape)}"
+            return f"{rank}: the backend returned {what} for output, expected uint8 {list(w.rows.shape)}"
+        bad = np.flatnonzero((rows != w.rows).any(axis=1))
+        if bad.size:
+            i = int(bad[0])
+            h, t, e = (int(v) for v in w.src[i])
+            byte = int(np.flatnonzero(rows[i] != w.rows[i])[0])
+            more = f" ({bad.size - 1} more rows differ)" if bad.size > 1 else ""
+            return (f"{rank}: output row {i} ({_token_text(names, h, t)}, expert {e}) differs from the token's "
+                    f"payload from byte {byte} on{more}")
+        gw = layout.output_weights[d] if d < len(layout.output_weights) else None
+        if gw is None or gw.shape != w.weights.shape or \
+                not np.array_equal(gw.astype(np.float32).view(np.uint32), w.weights.view(np.uint32)):
+            i = 0 if gw is None or gw.shape != w.weights.shape else \
+                int(np.flatnonzero(gw.astype(np.float32).view(np.uint32) != w.weights.view(np.uint32))[0])
+            h, t, e = (int(v) for v in w.src[i]) if w.src.shape[0] else (0, 0, 0)
+            return f"{rank}: output row {i} ({_token_text(names, h, t)}, expert {e}) carries the wrong routing weight"
+    return None
+
+
+def cmd_run(args) -> int:
+    import time
+
+    import numpy as np
+
+    from epcc.runtime import inputs, oracle
+    from epcc.runtime.layout import compute_layout
+
+    timings: dict[str, float] = {}
+
+    def timed(name, fn, *a):
+        t0 = time.perf_counter()
+        out = fn(*a)
+        timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+        return out
+
+    try:
+        seed = int(args.seed)
+    except ValueError:
+        raise _user_error(f"--seed {args.seed}: expected a whole number, e.g. --seed 0") from None
+    if seed < 0:
+        raise _user_error(f"--seed {args.seed}: the seed must be >= 0")
+    try:
+        inputs.check_spec(args.routing)
+    except ValueError as e:
+        raise _user_error(f"--{e}") from None
+    options = _options(args)  # validates --tokens and --hidden
+    if args.file.endswith(".json"):
+        if options.hidden is not None:
+            raise _user_error(f"--hidden {args.hidden}: {args.file} is a compiled plan, whose hidden size is fixed; "
+                              f"compile the .sched with --hidden instead")
+        plan = timed("load", _load_plan_json, args.file)
+        tokens = options.tokens if options.tokens is not None else plan.workload.tokens
+        schedule = plan.schedule
+    else:
+        # The compiler models uniform and zipf routings; for the others its expected volumes
+        # (which the layout does not use) are those of uniform routing.
+        options.routing = args.routing if args.routing == "uniform" or args.routing.startswith("zipf:") else "uniform"
+        c = timed("compile", pipeline.run, args.file, pipeline.STAGES[-1].name, args.sources, options)
+        _warn(c)
+        plan = c.passes.get("plan")
+        tokens = c.schedule.workload.tokens
+        schedule = c.schedule.name
+    wl = plan.workload
+    R = plan.num_ranks
+    names = list(plan.rank_names) or [f"rank {r}" for r in range(R)]
+    try:
+        routing = timed("inputs", inputs.make_routing, args.routing, R, tokens, wl.topk, wl.experts, wl.placement,
+                        seed)
+        weights = timed("inputs", inputs.make_weights, routing.topk_idx, seed)
+        x = timed("inputs", inputs.make_x_rows, R, tokens, wl.hidden, wl.dtype, seed)
+    except ValueError as e:
+        raise _user_error(f"--routing {args.routing}: {e}") from None
+    try:
+        layout = timed("layout", compute_layout, plan, routing.topk_idx, weights)
+    except ValueError as e:
+        raise _user_error(f"{args.file}: cannot lay out the plan: {e}") from None
+    backend, why = _load_backend(args.backend)
+    if backend is None:
+        print(f"epcc: error: {why}\nepcc: note: '--backend reference' runs the NumPy reference executor",
+              file=sys.stderr)
+        return EXIT_USER
+    head = (f"{schedule}: {R} ranks x {tokens} tokens, hidden {wl.hidden} {wl.dtype}, top-{wl.topk} of {wl.experts}, "
+            f"routing {routing.describe()}, seed {seed}, backend {args.backend}")
+
+    def times() -> str:
+        order = ["compile", "load", "inputs", "layout", "dispatch", "combine", "oracle"]
+        return ", ".join(f"{k} {timings[k] * 1e3:.1f} ms" for k in order if k in timings)
+
+    def backend_failed(phase: str, e: BaseException) -> int:
+        if os.environ.get("EPCC_DEBUG"):
+            traceback.print_exc()
+        print(f"{head}: {phase} FAILED; {times()}")
+        print(f"epcc: error: backend '{args.backend}' failed in {phase}: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_USER
+
+    try:
+        got = timed("dispatch", backend.run_dispatch, plan, layout, [x[r] for r in range(R)])
+    except Exception as e:
+        return backend_failed("dispatch", e)
+    want = timed("oracle", oracle.dispatch_oracle, routing.topk_idx, wl.experts, wl.placement, x, weights)
+    rows = [int(w.rows.shape[0]) for w in want]
+    recv = f"{sum(rows)} rows received ({min(rows)}..{max(rows)} per rank)"
+    diff = _dispatch_difference(layout, got, want, names)
+    if diff is not None:
+        print(f"{head}: {recv}; dispatch MISMATCH, combine not run; {times()}")
+        print(f"epcc: error: dispatch differs from the oracle: {diff}", file=sys.stderr)
+        return EXIT_USER
+    y = timed("inputs", inputs.make_expert_outputs, rows, wl.hidden, seed)
+    try:
+        res = timed("combine", backend.run_combine, plan, layout, y)
+    except Exception as e:
+        return backend_failed("combine", e)
+    ref, mag = timed("oracle", lambda: oracle.combine_oracle(routing.topk_idx, wl.experts, wl.placement, weights, y,
+                                                             wl.hidden, return_abs=True))
+    shape = (tokens, wl.hidden)
+    if len(res) != R or any(np.asarray(r).shape != shape for r in res):
+        print(f"{head}: {recv}; dispatch OK; combine MISMATCH; {times()}")
+        print(f"epcc: error: backend '{args.backend}' returned combine results of shapes "
+              f"{[list(np.asarray(r).shape) for r in res]}, expected {R} x {list(shape)}", file=sys.stderr)
+        return EXIT_USER
+    got_all = np.stack([np.asarray(r, dtype=np.float32) for r in res])
+    chk = oracle.compare_combine(got_all, ref, mag, wl.topk)
+    rel_mag = np.abs(got_all.astype(np.float64) - ref) / np.where(mag > 0, mag, 1.0)
+    err = f"max |error| {float(rel_mag.max()) if rel_mag.size else 0.0:.1e} of sum|w*y|, "
+    err += f"max {chk.max_ulp} bf16 ulp" if chk.max_ulp <= oracle.MAX_ULP else (
+        f"{chk.beyond_ulp} of {ref.size} values beyond {oracle.MAX_ULP} bf16 ulp (sums that cancel: within the fp32 "
+        f"reordering bound)")
+    if not chk.ok:
+        h, t, ch = chk.first_bad
+        experts = [int(e) for e in routing.topk_idx[h, t] if e >= 0]
+        print(f"{head}: {recv}; dispatch OK (bit-exact); combine MISMATCH ({err}); {times()}")
+        print(f"epcc: error: combine differs from the oracle: {_token_text(names, h, t)} (experts {experts}), "
+              f"channel {ch}: got {chk.got:.6g}, expected {chk.want:.6g}", file=sys.stderr)
+        return EXIT_USER
+    print(f"{head}: {recv}; dispatch OK (bit-exact); combine OK ({err}); {times()}")
     return EXIT_OK
 
 

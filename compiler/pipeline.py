@@ -56,6 +56,16 @@ def _sema(c: Compilation) -> None:
     if c.options is not None and c.options.tokens is not None:
         wl = dataclasses.replace(c.schedule.workload, tokens=c.options.tokens)
         c.schedule = dataclasses.replace(c.schedule, workload=wl)
+    hidden = getattr(c.options, "hidden", None) if c.options is not None else None
+    if hidden is not None:
+        wl = c.schedule.workload
+        if wl.dtype == "fp8" and hidden % model.FP8_SCALE_GROUP:
+            from .diagnostics import CompileError, Diagnostic
+
+            raise CompileError([Diagnostic(
+                "error", f"--hidden {hidden}: {c.schedule.name} dispatches fp8, which needs a hidden size divisible "
+                         f"by {model.FP8_SCALE_GROUP} (one scale per {model.FP8_SCALE_GROUP} channels)", None)])
+        c.schedule = dataclasses.replace(c.schedule, workload=dataclasses.replace(wl, hidden=hidden))
 
 
 def _mlir(c: Compilation) -> None:

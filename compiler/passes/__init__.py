@@ -28,6 +28,7 @@ from ..sema import model
 class PassOptions:
     routing: str = "uniform"  # uniform | zipf:S | FILE.npy
     tokens: int | None = None  # override the workload's tokens per rank
+    hidden: int | None = None  # override the workload's hidden size (epcc run --hidden)
 
 
 @dataclass

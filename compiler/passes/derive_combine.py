@@ -69,7 +69,7 @@ from ..ir.emit import span_loc, verify
 from ..plan import Flow, Plan, PlanStep
 from ..sema import model
 from . import Pass, PassContext, register
-from .route_analysis import link_resources
+from .route_analysis import flow_selection, link_resources
 from .verify_delivery import ExactlyOnce, TooComplex, dest_text, join_and, report, times_text
 
 FLIP_ORDER = {"first": "last", "last": "first", None: None}
@@ -221,7 +221,11 @@ def written_plan_steps(sched: model.Schedule, cf: WrittenCombine, plan: Plan) ->
         link = st.link
         v = cf.volumes[st.name]
         ps = PlanStep(st.name, "combine", st.verb, link.name if link else None, link.kind if link else None,
-                      st.deps, title=st.title, line=st.span.line, order=st.order, sms=st.sms, depth=st.depth or 1)
+                      st.deps, title=st.title, line=st.span.line, order=st.order, sms=st.sms, depth=st.depth or 1,
+                      src_buffers=tuple(s.buffer.name for s in st.sources),
+                      dst_buffer=st.dest.buffer.name if st.dest is not None else None,
+                      # A written combine applies the routing weights where it reduces expert outputs.
+                      weighted=st.verb == "reduce" and any(s.buffer.name == "output" for s in st.sources))
         if st.verb == "exchange":
             for r in range(space.num_ranks):
                 per_peer = v.bytes[r] / max(len(v.per_flow[r]), 1)
@@ -231,6 +235,13 @@ def written_plan_steps(sched: model.Schedule, cf: WrittenCombine, plan: Plan) ->
                     ps.flows.append(Flow(r, src, dst, per_peer, res, link.latency if link else max_latency))
         else:
             _flows(ps, plan, link, space, v.per_flow, bpt, link.latency if link else 0.0)
+            for f in ps.flows:
+                if st.verb == "reduce":
+                    # `reduce B into result` takes the executing rank's own tokens (sema); into a
+                    # partial buffer, every home's.
+                    f.select = (f.rank,) if st.dest.buffer.role == "sink" else None
+                else:  # `tokens of S`: partials of tokens whose home rank is in S
+                    f.select = flow_selection(st, f.rank, f.src, f.dst)
         plan.steps.append(ps)
 
 
