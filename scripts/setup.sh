@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything epcc needs, idempotently; safe to re-run (`make setup`).
 #
-#   1. .venv/ at the repo root (python3 >= 3.10), with `pip install -e '.[test]'`.
+#   1. .venv/ at the repo root (python3 >= 3.10), with `pip install -e '.[test,runtime]'`.
 #      Re-installed only when pyproject.toml / setup.py change (stamp file
 #      .venv/.epcc-stamp holds their hash).
 #   2. Graphviz's `dot` (Debian package graphviz) if it is not on PATH; also
@@ -89,8 +89,8 @@ else
     rm -f "$STAMP"
     say "upgrading pip in .venv"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
-    say "pip install -e '.[test]' (a fresh venv downloads the MLIR/LLVM wheels: ~1 GB installed)"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test]'
+    say "pip install -e '.[test,runtime]' (a fresh venv downloads the MLIR/LLVM wheels and torch: ~2 GB installed)"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,runtime]'
     [ -x "$VENV/bin/epcc" ] || die "installed, but there is no .venv/bin/epcc"
     (cd / && "$VENV/bin/python" -c 'import epcc, epcc.dialect') \
         || die "installed, but 'import epcc, epcc.dialect' fails"

@@ -1,0 +1,174 @@
+"""epcc.runtime.Buffer over torch.distributed (gloo), one process per rank, on the CPU backend.
+
+Each test compiles a small bundle, spawns R processes that each dispatch and combine their own
+tokens through it, and compares with the NumPy oracle (which every process can compute, since
+all inputs are derived from one seed).  Argument errors must name the argument.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from epcc.cli import main as epcc_main  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+ONE_HOP = """\
+topology t {{
+  levels node 1, gpu {r}
+  rank gpu
+  relation peer = other gpu
+  link nv p2p {{ connects peer  bandwidth 450 GB/s  shared per gpu  latency 3 us }}
+  link hbm local {{ bandwidth 3000 GB/s }}
+}}
+workload {{ tokens {t}  hidden {h}  dtype {dtype}  topk {k}  experts {e} blocked  weights travel }}
+dispatch {{
+  defaults chunk 16 tokens depth 2
+  step meta: exchange counts with all
+  step push: send tokens for peer from input to peer.output over nv
+  step keep: permute input into output
+}}
+combine reverse of dispatch
+"""
+
+
+def compile_bundle(tmp_path: Path, text: str) -> Path:
+    src = tmp_path / "s.sched"
+    src.write_text(text, encoding="utf-8")
+    out = tmp_path / "bundle"
+    assert epcc_main(["compile", str(src), "-o", str(out)]) == 0
+    return out
+
+
+def _inputs(rank: int, ranks: int, tokens: int, hidden: int, topk: int, experts: int, seed: int):
+    g = np.random.default_rng(seed * 1000 + rank)
+    idx = np.stack([g.choice(experts, size=topk, replace=False) for _ in range(tokens)]).astype(np.int64)
+    idx[g.random(idx.shape) < 0.05] = -1  # some empty slots
+    w = g.random((tokens, topk)).astype(np.float32)
+    x = torch.from_numpy(g.standard_normal((tokens, hidden)).astype(np.float32)).to(torch.bfloat16)
+    return x, torch.from_numpy(idx), torch.from_numpy(w)
+
+
+def _worker(rank: int, ranks: int, bundle: str, store: str, result_dir: str, shape: dict) -> None:
+    from epcc.runtime.buffer import Buffer
+    from epcc.runtime.oracle import combine_oracle, compare_combine, dispatch_oracle
+
+    path = Path(result_dir) / f"rank{rank}.txt"
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks)
+        t, h, k, e = shape["tokens"], shape["hidden"], shape["topk"], shape["experts"]
+        buf = Buffer(None, bundle)
+        for seed in (1, 2):  # twice: the second call reuses the peer buffers
+            ins = [_inputs(r, ranks, t, h, k, e, seed) for r in range(ranks)]
+            x, idx, w = ins[rank]
+            recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(x, idx, w)
+            rows = np.stack([i[0].view(torch.uint8).numpy() for i in ins])
+            idx_all = np.stack([i[1].numpy() for i in ins])
+            w_all = np.stack([i[2].numpy() for i in ins])
+            want = dispatch_oracle(idx_all, e, "blocked", rows, w_all)[rank]
+            assert np.array_equal(recv_x.view(torch.uint8).numpy(), want.rows), "dispatch rows differ"
+            assert np.array_equal(recv_idx.numpy(), want.src[:, 2]), "dispatch experts differ"
+            assert np.array_equal(recv_w.numpy(), want.weights), "dispatch weights differ"
+            assert counts == [int(c) for c in want.counts], "per-expert counts differ"
+            y = (recv_x.float() * 0.5 + 1).to(torch.bfloat16)  # a stand-in expert
+            got = buf.combine(y, handle)
+            ys = [None] * ranks
+            dist.all_gather_object(ys, y.view(torch.int16).numpy().view(np.uint16))
+            ref, mag = combine_oracle(idx_all, e, "blocked", w_all, ys, h, return_abs=True)
+            check = compare_combine(got.float().numpy(), ref[rank], mag[rank], k)
+            assert check.ok, f"combine differs: {check}"
+        buf.close()
+        dist.destroy_process_group()
+        path.write_text("ok")
+    except BaseException:
+        path.write_text(traceback.format_exc())
+
+
+def _spawn(tmp_path: Path, ranks: int, bundle: Path, shape: dict) -> None:
+    store = tmp_path / "store"
+    results = tmp_path / "results"
+    results.mkdir()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_worker, args=(ranks, str(bundle), str(store), str(results), shape), nprocs=ranks, join=True)
+    for r in range(ranks):
+        text = (results / f"rank{r}.txt").read_text()
+        assert text == "ok", f"rank {r}:\n{text}"
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_dispatch_combine_match_oracle(tmp_path, ranks):
+    shape = dict(tokens=48, hidden=256, topk=min(4, ranks * 2), experts=ranks * 4)
+    bundle = compile_bundle(tmp_path, ONE_HOP.format(r=ranks, t=shape["tokens"], h=shape["hidden"], dtype="bf16",
+                                                     k=shape["topk"], e=shape["experts"]))
+    _spawn(tmp_path, ranks, bundle, shape)
+
+
+def test_two_hop_schedule_through_staging(tmp_path):
+    """h200x4_2vnode's plan (RDMA-class hop to the same-index GPU, NVLink forward), scaled down."""
+    text = (ROOT / "schedules" / "h200x4_2vnode.sched").read_text()
+    text = text.replace("tokens 4096 per rank", "tokens 40 per rank").replace("hidden 7168", "hidden 256")
+    shape = dict(tokens=40, hidden=256, topk=8, experts=256)
+    bundle = compile_bundle(tmp_path, text)
+    _spawn(tmp_path, 4, bundle, shape)
+
+
+def _arg_worker(rank: int, bundle: str, store: str, result_dir: str) -> None:
+    from epcc.runtime.buffer import Buffer
+
+    out = []
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+        buf = Buffer(None, bundle)
+        x = torch.zeros(8, 256, dtype=torch.bfloat16)
+        idx = torch.zeros(8, 4, dtype=torch.int64)
+        idx[:] = torch.arange(4)
+        cases = [
+            (lambda: buf.dispatch(x.float(), idx), "dispatch: x must be torch.bfloat16, not torch.float32"),
+            (lambda: buf.dispatch(x[:, :128], idx), "dispatch: x must have shape [*, 256], got [8, 128]"),
+            (lambda: buf.dispatch(x, idx[:, :2]), "dispatch: topk_idx must have shape [8, 4], got [8, 2]"),
+            (lambda: buf.dispatch(x, idx.float()), "dispatch: topk_idx must be int64 or int32, not torch.float32"),
+            (lambda: buf.dispatch(x, idx + 100), "dispatch: topk_idx values must lie in [-1, 7] (-1: no expert)"),
+            (lambda: buf.get_dispatch_layout(idx, 16),
+             "get_dispatch_layout: num_experts is 16, but the bundle was compiled for 8 experts"),
+            (lambda: buf.combine(x, None), "combine: handle must be the handle dispatch returned, not NoneType"),
+        ]
+        for fn, msg in cases:
+            try:
+                fn()
+                out.append(f"no error for: {msg}")
+            except (TypeError, ValueError) as e:
+                if str(e) != msg:
+                    out.append(f"expected {msg!r}, got {str(e)!r}")
+        buf.close()
+        dist.destroy_process_group()
+        (Path(result_dir) / f"rank{rank}.txt").write_text("\n".join(out) or "ok")
+    except BaseException:
+        (Path(result_dir) / f"rank{rank}.txt").write_text(traceback.format_exc())
+
+
+def test_bad_arguments_name_the_argument(tmp_path):
+    bundle = compile_bundle(tmp_path, ONE_HOP.format(r=2, t=8, h=256, dtype="bf16", k=4, e=8))
+    results = tmp_path / "results"
+    results.mkdir()
+    mp.spawn(_arg_worker, args=(str(bundle), str(tmp_path / "store"), str(results)), nprocs=2, join=True)
+    for r in range(2):
+        assert (results / f"rank{r}.txt").read_text() == "ok"
+
+
+def test_bundle_for_another_group_size_is_refused(tmp_path):
+    from epcc.runtime.buffer import BundleError, _load_bundle
+
+    bundle = compile_bundle(tmp_path, ONE_HOP.format(r=2, t=8, h=256, dtype="bf16", k=4, e=8))
+    plan, _ = _load_bundle(bundle)
+    assert plan.num_ranks == 2
+    with pytest.raises(BundleError, match="not an epcc bundle"):
+        _load_bundle(tmp_path)
