@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                        f"{s.name} ({s.help})" for s in pipeline.STAGES))
     c.add_argument("--print-ir-after-all", action="store_true",
                    help="print the IR after every pass (to stdout, each after a '// IR after <pass>' line)")
+    c.add_argument("--target", choices=["cuda"], metavar="TARGET",
+                   help="also generate device code: cuda (persistent sm_90a kernels, host launcher and launch "
+                        "manifest in DIR/cuda/; see backends/cuda)")
     _plan_options(c)
     c.set_defaults(func=cmd_compile)
 
@@ -213,6 +216,15 @@ def cmd_compile(args) -> int:
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     print(f"{args.file}: compiled to {out}/ ({ir_file.name}, plan.json, manifest.json)")
+    if getattr(args, "target", None) == "cuda":
+        from .backends.cuda import CudaCodegenError, emit
+        from .diagnostics import Diagnostic
+
+        try:
+            written = emit(plan, out / "cuda", source=str(args.file))
+        except CudaCodegenError as e:
+            raise CompileError([Diagnostic("error", f"--target cuda: {e}", None)]) from None
+        print(f"{args.file}: CUDA sources in {out}/cuda/ ({', '.join(p.name for p in written)})")
     return EXIT_OK
 
 

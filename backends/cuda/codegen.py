@@ -1,0 +1,424 @@
+"""CUDA code generation: a plan's kernels as table-driven persistent kernels for sm_90a.
+
+Every decision is made here, in Python; the templates (templates/*.cu.j2) only lay out text.
+
+* One persistent kernel per program (`epcc_<schedule>_<program>_kernel`), launched
+  cooperatively so every block is resident: blocks are split into roles by the plan's SM ranges
+  (`RolePlan.sm_begin/sm_end`, one block per SM), `blockIdx.x` selects the role, the role's
+  warps split each chunk's rows (one row per warp at a time).
+* DMA roles (plan kind `dma`: copy-engine / D2D steps) are lowered as extra roles of the same
+  kernel, `dma_blocks` blocks each, appended after the SM roles: SM copies standing in for the
+  copy engine.  The targets of such steps are peers of the same node, mapped through CUDA IPC,
+  so an SM can do the copy; the copy-engine lowering (cudaMemcpyAsync batches triggered by the
+  counters) comes with the RDMA issue.
+* Proxy roles (plan kind `proxy`: RDMA steps) with `rdma="emulate"` are lowered the same way,
+  `proxy_blocks` blocks each, paced to the link's bandwidth from the plan: valid when every rank
+  is in one CUDA IPC domain (h200x4_2vnode: two virtual nodes on one box).  With
+  `rdma="external"` they are left out of the kernel (`not_lowered` in the manifest): a host
+  proxy must post them and bump their counters (the RDMA issue); the SM roles still wait on
+  those counters.  The default, `auto`, emulates for plans of at most 8 ranks (one HGX box)
+  and leaves RDMA to the proxy above that (dgx_h800_2node, ocs_ep16, ubbv2_ep32).
+* Metadata exchanges (`exchange` steps, the `<program>_meta` kernels) are not lowered: in this
+  version the host computes the layout (runtime/layout.py) from the all-gathered routing and
+  uploads the tables, which is what the metadata step provides.
+* Combine ends with a small conversion kernel (`..._combine_finish_kernel`): the home partials
+  (`result`, fp32) to bf16, launched on the same stream after the main kernel.
+
+Row operations: dispatch copies wire rows (`row_bytes`) with the widest access that divides the
+row (16 B for bf16 rows of a hidden size divisible by 8, and for fp8 rows of a hidden size
+divisible by 128): rows are packed at a pitch of `row_bytes`, so a wider access would be
+misaligned on every other row.  Combine accumulates with fp32 atomic adds (`red.add.v4.f32`
+where the hidden size allows): weighted steps `w * bf16 -> f32`, the others fp32 partials.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import jinja2
+
+from epcc import __version__ as EPCC_VERSION
+from epcc.plan import KernelPlan, Plan, PlanStep, RolePlan
+from . import tables
+
+TARGET_ARCH = "sm_90a"
+GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
+NVCC_FLAGS = ["-O3", "-std=c++17", GENCODE, "-Xcompiler", "-fPIC"]
+HEADER_FILE = "epcc_cuda_device.cuh"
+STEP_NAME_BYTES = 48
+MAX_SLEEP_NS = 1024
+FINISH_BLOCK = 256
+_TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+_ENV = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(str(_TEMPLATES)),
+    undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    keep_trailing_newline=True,
+    autoescape=False,
+)
+
+
+class CudaCodegenError(ValueError):
+    """The plan cannot be lowered to CUDA (no workload, no kernels, an unknown step kind)."""
+
+
+ONE_IPC_DOMAIN_RANKS = 8  # an HGX box: the most GPUs that can map each other's memory over NVLink
+
+
+@dataclass
+class CudaOptions:
+    # emulate: proxy (RDMA) roles as paced SM roles over peer memory; external: a host proxy
+    # posts them; auto: emulate when the plan has at most ONE_IPC_DOMAIN_RANKS ranks.
+    rdma: str = "auto"
+    dma_blocks: int = 2  # blocks per DMA role (SM stand-in for the copy engine)
+    proxy_blocks: int = 4  # blocks per emulated RDMA role
+    pace_rdma: bool = True  # emulated RDMA roles keep to the link's bandwidth
+    copy_unroll: int = 8  # loads in flight per lane, dispatch row copies
+    accum_unroll: int = 4  # loads in flight per lane, combine accumulates
+
+
+@dataclass
+class RoleSpec:
+    index: int
+    step: str
+    title: str | None
+    line: int
+    role: str  # the plan's role (sender, permuter, ...)
+    engine: str
+    lowered: str  # sm | dma-on-sm | rdma-on-sm
+    block_begin: int
+    block_end: int
+    plan_sms: tuple[int, int] | None
+    warps: int
+    op: str  # copy | accum_weighted | accum
+    op_type: str  # the C++ row operation
+    access_bytes: int
+    unroll: int
+    verb: str
+    link: str | None
+    link_kind: str | None
+    src_buffers: list[str]
+    dst_buffer: str | None
+    bytes_per_s: float | None  # pacing (emulated links), None: full speed
+    fn: str
+    comment: list[str] = field(default_factory=list)
+    summary: str = ""
+
+    @property
+    def blocks(self) -> int:
+        return self.block_end - self.block_begin
+
+    @property
+    def rate(self) -> str:
+        if not self.bytes_per_s:
+            return "0.f"
+        g = f"{self.bytes_per_s / 1e9:.6g}"  # bytes per ns = GB/s
+        return g + ("f" if any(ch in g for ch in ".e") else ".f")
+
+
+@dataclass
+class FinishSpec:
+    name: str
+    launch_fn: str
+    block: int
+
+
+@dataclass
+class KernelSpec:
+    program: str
+    name: str
+    file: str
+    launch_fn: str
+    occupancy_fn: str
+    grid: int
+    block: int
+    roles: list[RoleSpec]
+    not_lowered: list[dict]
+    finish: FinishSpec | None
+
+
+@dataclass
+class CudaBundle:
+    """The generated sources (file name -> text) and the launch manifest."""
+
+    files: dict[str, str]
+    manifest: dict
+    kernels: list[KernelSpec]
+
+    def write(self, out_dir: str | Path) -> list[Path]:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name, text in self.files.items():
+            p = out / name
+            p.write_text(text, encoding="utf-8")
+            written.append(p)
+        return written
+
+
+def ident(name: str) -> str:
+    """A C identifier from a step or schedule name ('final.sendbuf' -> 'final_sendbuf')."""
+    s = re.sub(r"[^0-9A-Za-z_]", "_", name)
+    return s if s and not s[0].isdigit() else "_" + s
+
+
+def _c_string(s: str) -> str:
+    return s.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _widest(n: int, widths: tuple[int, ...]) -> int:
+    return next(w for w in widths if n % w == 0)
+
+
+def wire_row_bytes(plan: Plan) -> int:
+    """The dispatch wire row (payload only: the routing weights travel on the host's side)."""
+    wl = plan.workload
+    if wl.dtype == "fp8":
+        return wl.hidden + (wl.hidden // 128) * 4
+    return 2 * wl.hidden
+
+
+def _link_rate(plan: Plan, link: str | None) -> float | None:
+    if not link:
+        return None
+    rates = [v for k, v in plan.resources.items() if k.startswith(f"link:{link}:")]
+    return min(rates) if rates else None
+
+
+def _buffers(plan: Plan, program: str) -> list[dict]:
+    """Buffer ids of a program: dispatch `input`, `output`, then the staging buffers in order
+    of appearance; combine `output` (bf16 expert outputs), `result`, then the partials."""
+    fixed = ["input", "output"] if program == "dispatch" else ["output", "result"]
+    names = list(fixed)
+    for s in plan.program_steps(program):
+        for b in (*s.src_buffers, s.dst_buffer):
+            if b and b not in names:
+                names.append(b)
+    out = []
+    for n in names:
+        rows = "wire" if program == "dispatch" else ("bf16" if n == "output" else "f32")
+        out.append({"name": n, "rows": rows})
+    return out
+
+
+def _op(plan: Plan, step: PlanStep, opts: CudaOptions) -> tuple[str, str, int, int]:
+    """(op, C++ type, access bytes, unroll) of a step's row operation."""
+    hidden = plan.workload.hidden
+    if step.program == "dispatch":
+        v = _widest(wire_row_bytes(plan), (16, 8, 4, 2, 1))
+        return "copy", f"epcc::CopyRows<{v}, {opts.copy_unroll}>", v, opts.copy_unroll
+    if step.weighted:
+        e = _widest(hidden, (8, 4, 2, 1))
+        return "accum_weighted", f"epcc::AccumWeightedBf16<{e}, {opts.accum_unroll}>", 2 * e, opts.accum_unroll
+    e = _widest(hidden, (4, 2, 1))
+    return "accum", f"epcc::AccumF32<{e}, {opts.accum_unroll}>", 4 * e, opts.accum_unroll
+
+
+def _op_words(plan: Plan, op: str, access: int, unroll: int) -> str:
+    if op == "copy":
+        return (f"wire rows of {wire_row_bytes(plan)} B copied, {access}-byte accesses, "
+                f"{unroll} loads in flight per lane")
+    if op == "accum_weighted":
+        return (f"fp32 partial += weight * bf16 expert output ({plan.workload.hidden} channels), "
+                f"{access}-byte loads, atomic fp32 adds")
+    return f"fp32 partial += fp32 partial ({plan.workload.hidden} channels), {access}-byte loads, atomic fp32 adds"
+
+
+def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelSpec | None:
+    sched = ident(plan.schedule)
+    groups: dict[str, list[tuple[KernelPlan, RolePlan]]] = {"kernel": [], "dma": [], "proxy": [], "meta": []}
+    for kp in plan.kernels:
+        if kp.program != program:
+            continue
+        for r in kp.roles:
+            step = plan.step(r.step, program)
+            if step.verb == "exchange" or r.role == "metadata":
+                groups["meta"].append((kp, r))
+            elif kp.kind in ("kernel", "dma", "proxy"):
+                groups[kp.kind].append((kp, r))
+            else:
+                raise CudaCodegenError(f"{program} kernel '{kp.name}' has kind '{kp.kind}', which the CUDA "
+                                       f"backend does not know")
+    not_lowered = [{"program": program, "step": r.step, "kind": "metadata",
+                    "reason": "metadata exchange: the host computes the layout (runtime/layout.py) and uploads "
+                              "the tables"} for _, r in groups["meta"]]
+    lowered: list[tuple[RolePlan, str]] = [(r, "sm") for _, r in groups["kernel"]]
+    lowered += [(r, "dma-on-sm") for _, r in groups["dma"]]
+    for _, r in groups["proxy"]:
+        if opts.rdma == "emulate":
+            lowered.append((r, "rdma-on-sm"))
+        else:
+            not_lowered.append({"program": program, "step": r.step, "kind": "rdma",
+                                "reason": "RDMA: posted by a host proxy (not in this version); the SM roles wait "
+                                          "on its counters"})
+    if not lowered:
+        return None
+    roles: list[RoleSpec] = []
+    at = 0
+    used = set()
+    # SM roles keep the plan's SM ranges (one block per SM); the others follow.
+    for r, how in lowered:
+        step = plan.step(r.step, program)
+        if how == "sm":
+            if r.sm_end <= r.sm_begin:
+                raise CudaCodegenError(f"{program} step '{r.step}' has no SMs in the plan")
+            begin, end = r.sm_begin, r.sm_end
+            plan_sms = (r.sm_begin, r.sm_end)
+        else:
+            n = opts.dma_blocks if how == "dma-on-sm" else opts.proxy_blocks
+            begin, end = at, at + n
+            plan_sms = None
+        at = max(at, end)
+        warps = r.warps or 8
+        op, op_type, access, unroll = _op(plan, step, opts)
+        rate = _link_rate(plan, step.link) if how == "rdma-on-sm" and opts.pace_rdma else None
+        fn = f"epcc_{sched}_{program}_{ident(r.step)}"
+        while fn in used:
+            fn += "_"
+        used.add(fn)
+        roles.append(RoleSpec(index=len(roles), step=r.step, title=step.title, line=step.line, role=r.role,
+                              engine=r.engine, lowered=how, block_begin=begin, block_end=end, plan_sms=plan_sms,
+                              warps=warps, op=op, op_type=op_type, access_bytes=access, unroll=unroll,
+                              verb=step.verb, link=step.link, link_kind=step.link_kind,
+                              src_buffers=list(step.src_buffers), dst_buffer=step.dst_buffer, bytes_per_s=rate,
+                              fn=fn))
+    roles.sort(key=lambda x: x.block_begin)
+    for i, rs in enumerate(roles):
+        rs.index = i
+        if i and rs.block_begin != roles[i - 1].block_end:
+            raise CudaCodegenError(f"{program}: roles '{roles[i - 1].step}' and '{rs.step}' do not tile the blocks "
+                                   f"([{roles[i - 1].block_begin}, {roles[i - 1].block_end}) then "
+                                   f"[{rs.block_begin}, {rs.block_end}))")
+    if roles[0].block_begin != 0:
+        raise CudaCodegenError(f"{program}: the first role starts at SM {roles[0].block_begin}, not 0")
+    for rs in roles:
+        title = f" ({rs.title})" if rs.title else ""
+        where = (f"blocks [{rs.block_begin}, {rs.block_end}) = plan SMs [{rs.plan_sms[0]}, {rs.plan_sms[1]})"
+                 if rs.plan_sms else f"blocks [{rs.block_begin}, {rs.block_end}) (the plan gives it no SMs)")
+        how = {"sm": "", "dma-on-sm": "; copy-engine step run by SMs in this version",
+               "rdma-on-sm": "; RDMA emulated by SMs over peer memory" + (
+                   f", paced to {rs.bytes_per_s / 1e9:g} GB/s" if rs.bytes_per_s else "")}[rs.lowered]
+        moves = f"{', '.join(rs.src_buffers) or '?'} -> {rs.dst_buffer or '?'}"
+        rs.comment = [
+            f"step '{rs.step}'{title}, {source}:{rs.line}",
+            f"  {rs.role} on {where}, {rs.warps} warps, engine {rs.engine}{how}",
+            f"  {rs.verb} over link '{rs.link or '?'}' ({rs.link_kind or '?'}): {moves}",
+            f"  {_op_words(plan, rs.op, rs.access_bytes, rs.unroll)}",
+        ]
+        rs.summary = f"{rs.role}, {rs.verb} {moves}" + ("" if rs.lowered == "sm" else f" [{rs.lowered}]")
+    block = 32 * max(rs.warps for rs in roles)
+    name = f"epcc_{sched}_{program}_kernel"
+    finish = None
+    if program == "combine":
+        finish = FinishSpec(f"epcc_{sched}_combine_finish_kernel", f"epcc_{sched}_combine_finish_launch",
+                            FINISH_BLOCK)
+    return KernelSpec(program=program, name=name, file=f"{plan.schedule}_{program}.cu",
+                      launch_fn=f"epcc_{sched}_{program}_launch", occupancy_fn=f"epcc_{sched}_{program}_occupancy",
+                      grid=roles[-1].block_end, block=block, roles=roles, not_lowered=not_lowered, finish=finish)
+
+
+def _structs() -> list[dict]:
+    out = []
+    for name, (doc, _) in tables.STRUCTS.items():
+        fields = [{"name": f, "ctype": ct, "offset": off, "doc": c} for f, ct, off, c in tables.struct_layout(name)]
+        out.append({"name": name, "doc": doc, "fields": fields, "size": tables.dtype(name).itemsize})
+    return out
+
+
+def generate(plan: Plan, source: str | None = None, options: CudaOptions | None = None) -> CudaBundle:
+    """The CUDA sources and launch manifest of a final plan (after kernel formation)."""
+    opts = options or CudaOptions()
+    if opts.rdma not in ("auto", "emulate", "external"):
+        raise CudaCodegenError(f"rdma must be 'auto', 'emulate' or 'external', not {opts.rdma!r}")
+    if opts.rdma == "auto":
+        opts = replace(opts, rdma="emulate" if plan.num_ranks <= ONE_IPC_DOMAIN_RANKS else "external")
+    if plan.workload is None:
+        raise CudaCodegenError("the plan has no workload (compiled by an older epcc?): recompile it")
+    if not plan.kernels:
+        raise CudaCodegenError("the plan has no kernels: run the whole pipeline (kernel-formation)")
+    source = source or f"{plan.schedule}.sched"
+    sched = ident(plan.schedule)
+    kernels = [k for k in (_kernel(plan, p, source, opts) for p in tables.PROGRAMS) if k is not None]
+    if not kernels:
+        raise CudaCodegenError("the plan has no step a GPU kernel runs")
+    files: dict[str, str] = {}
+    common = dict(version=EPCC_VERSION, source=source, schedule=plan.schedule, header_file=HEADER_FILE)
+    files[HEADER_FILE] = _ENV.get_template("device.cu.j2").render(
+        **common, table_version=tables.TABLE_VERSION, table_magic=tables.TABLE_MAGIC,
+        row_buf_shift=tables.ROW_BUF_SHIFT, structs=_structs(), step_name_bytes=STEP_NAME_BYTES,
+        max_sleep_ns=MAX_SLEEP_NS)
+    for k in kernels:
+        files[k.file] = _ENV.get_template("program.cu.j2").render(**common, k=k)
+    buffers = {p: _buffers(plan, p) for p in tables.PROGRAMS}
+    by_program = {k.program: k for k in kernels}
+    launcher_file = f"{plan.schedule}_launcher.cu"
+    library = f"libepcc_{plan.schedule}.so"
+    progs = []
+    for i, p in enumerate(tables.PROGRAMS):
+        k = by_program.get(p)
+        progs.append({
+            "index": i, "name": p, "kernel": k, "buffers": buffers[p],
+            "result_buffer": next((j for j, b in enumerate(buffers[p]) if b["name"] == "result"), -1),
+            "step_crcs": [tables.step_crc(r.step) for r in k.roles] if k else [],
+            "row_bytes_multiple": (max([r.access_bytes for r in k.roles if r.op == "copy"] or [1]) if k else 1),
+            "hidden_multiple": (max([r.access_bytes // (2 if r.op == "accum_weighted" else 4)
+                                     for r in k.roles if r.op != "copy"] or [1]) if k else 1),
+        })
+    files[launcher_file] = _ENV.get_template("launcher.cu.j2").render(
+        **common, sched=sched, num_ranks=plan.num_ranks, programs=progs, table_version=tables.TABLE_VERSION,
+        step_name_bytes=STEP_NAME_BYTES)
+    sources = [k.file for k in kernels] + [launcher_file]
+    manifest = {
+        "format": "epcc-cuda-manifest",
+        "table_version": tables.TABLE_VERSION,
+        "epcc_version": EPCC_VERSION,
+        "schedule": plan.schedule,
+        "source": source,
+        "num_ranks": plan.num_ranks,
+        "target": TARGET_ARCH,
+        "workload": {"hidden": plan.workload.hidden, "dtype": plan.workload.dtype, "tokens": plan.workload.tokens,
+                     "topk": plan.workload.topk, "experts": plan.workload.experts,
+                     "row_bytes": wire_row_bytes(plan)},
+        "options": asdict(opts),
+        "build": {
+            "library": library,
+            "sources": sources,
+            "headers": [HEADER_FILE],
+            "command": ["nvcc", *NVCC_FLAGS, "-shared", "-o", library, *sources],
+        },
+        "buffers": buffers,
+        "flags": {"regions": list(tables.PROGRAMS), "words_per_region": "flag_capacity (>= 1 + 2 x layout flags)",
+                  "barrier_word": 0, "flag_word": "1 + (epoch % 2) * ((flag_capacity - 1) // 2) + flag_id"},
+        "kernels": [],
+        "not_lowered": [n for k in kernels for n in k.not_lowered],
+    }
+    for k in kernels:
+        manifest["kernels"].append({
+            "name": k.name, "kind": "main", "program": k.program, "file": k.file, "launch": "cooperative",
+            "launch_fn": k.launch_fn, "grid": k.grid, "block": k.block, "shared_bytes": 0,
+            "roles": [{"index": r.index, "step": r.step, "title": r.title, "line": r.line, "role": r.role,
+                       "engine": r.engine, "lowered": r.lowered, "blocks": [r.block_begin, r.block_end],
+                       "sms": r.blocks, "plan_sms": list(r.plan_sms) if r.plan_sms else None, "warps": r.warps,
+                       "op": r.op, "access_bytes": r.access_bytes, "unroll": r.unroll,
+                       "src_buffers": r.src_buffers, "dst_buffer": r.dst_buffer,
+                       "paced_bytes_per_s": r.bytes_per_s, "function": r.fn} for r in k.roles],
+        })
+        if k.finish:
+            manifest["kernels"].append({
+                "name": k.finish.name, "kind": "finish", "program": k.program, "file": k.file, "launch": "plain",
+                "launch_fn": k.finish.launch_fn, "grid": "2 x SMs", "block": k.finish.block, "shared_bytes": 0,
+                "roles": [],
+            })
+    files["manifest.json"] = json.dumps(manifest, indent=1) + "\n"
+    return CudaBundle(files=files, manifest=manifest, kernels=kernels)
+
+
+def emit(plan: Plan, out_dir: str | Path, source: str | None = None,
+         options: CudaOptions | None = None) -> list[Path]:
+    """Write the sources and manifest.json into `out_dir` (a bundle's `cuda/`); returns the paths."""
+    return generate(plan, source, options).write(out_dir)

@@ -1,0 +1,258 @@
+"""Python side of the generated host launcher (`<schedule>_launcher.cu`): build it, load it
+with ctypes, call it.  No torch needed; device pointers are plain ints (a torch tensor's
+`data_ptr()` works too), streams are `cudaStream_t` values as ints (0: the default stream,
+`torch.cuda.current_stream().cuda_stream` under torch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from .tables import PROGRAMS, Tables
+
+RC_OK, RC_CUDA, RC_USAGE, RC_TABLES, RC_KERNEL = 0, 1, 2, 3, 4
+IPC_HANDLE_BYTES = 64
+ERROR_MESSAGE_BYTES = 512
+
+
+class CudaError(RuntimeError):
+    """A launcher call failed; `rc` is its EPCC_RC_* code, the message the launcher's."""
+
+    def __init__(self, rc: int, message: str):
+        super().__init__(message)
+        self.rc = rc
+
+
+class KernelTimeout(CudaError):
+    """A kernel gave up waiting (the message names rank, step, chunk and flag) or found bad tables."""
+
+
+def find_nvcc(nvcc: str | None = None) -> str | None:
+    """nvcc: the argument, $NVCC, PATH, then /usr/local/cuda*/bin."""
+    for cand in (nvcc, os.environ.get("NVCC"), shutil.which("nvcc")):
+        if cand and Path(cand).is_file():
+            return str(cand)
+    for d in sorted(Path("/usr/local").glob("cuda*/bin/nvcc"), reverse=True):
+        if d.is_file():
+            return str(d)
+    return None
+
+
+def load_manifest(cuda_dir: str | Path) -> dict:
+    return json.loads((Path(cuda_dir) / "manifest.json").read_text(encoding="utf-8"))
+
+
+def build_library(cuda_dir: str | Path, out: str | Path | None = None, nvcc: str | None = None,
+                  extra_flags: tuple[str, ...] = (), log: list[str] | None = None) -> Path:
+    """Compile the bundle's sources into the shared library the manifest names (in `cuda_dir`
+    unless `out` is given), with the manifest's nvcc command (plus `extra_flags`, e.g.
+    ("-Xptxas", "-v")).  Returns the library's path; nvcc's output is appended to `log`."""
+    cuda_dir = Path(cuda_dir).resolve()
+    manifest = load_manifest(cuda_dir)
+    exe = find_nvcc(nvcc)
+    if exe is None:
+        raise FileNotFoundError("nvcc not found (set $NVCC or put it on PATH)")
+    lib = Path(out).resolve() if out else cuda_dir / manifest["build"]["library"]
+    cmd = list(manifest["build"]["command"])
+    cmd[0] = exe
+    i = cmd.index("-o")
+    cmd[i + 1] = str(lib)
+    cmd[1:1] = list(extra_flags)
+    res = subprocess.run(cmd, cwd=cuda_dir, capture_output=True, text=True)
+    if log is not None:
+        log.append(res.stdout + res.stderr)
+    if res.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stdout}{res.stderr}")
+    return lib
+
+
+def _program(program: str | int) -> int:
+    if isinstance(program, int):
+        return program
+    return PROGRAMS.index(program)
+
+
+class Library:
+    """The loaded launcher library of one bundle."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.lib = lib = ctypes.CDLL(str(self.path))
+        u64, i32, u32, vp, p64 = ctypes.c_uint64, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(
+            ctypes.c_uint64)
+        sigs = {
+            "epcc_cuda_abi_version": ([], i32),
+            "epcc_cuda_schedule": ([], ctypes.c_char_p),
+            "epcc_cuda_num_ranks": ([], i32),
+            "epcc_cuda_num_buffers": ([i32], i32),
+            "epcc_cuda_has_program": ([i32], i32),
+            "epcc_cuda_last_error": ([vp], ctypes.c_char_p),
+            "epcc_cuda_malloc": ([i32, u64, p64], i32),
+            "epcc_cuda_free": ([u64], i32),
+            "epcc_cuda_ipc_handle": ([u64, vp], i32),
+            "epcc_cuda_ipc_open": ([i32, vp, p64], i32),
+            "epcc_cuda_ipc_close": ([u64], i32),
+            "epcc_cuda_copy_to_device": ([u64, vp, u64], i32),
+            "epcc_cuda_copy_to_host": ([vp, u64, u64], i32),
+            "epcc_cuda_create": ([i32, i32, u32, ctypes.c_double, ctypes.POINTER(vp)], i32),
+            "epcc_cuda_destroy": ([vp], None),
+            "epcc_cuda_flag_area": ([vp], u64),
+            "epcc_cuda_flag_capacity": ([vp], u32),
+            "epcc_cuda_set_flag_areas": ([vp, p64], i32),
+            "epcc_cuda_set_buffers": ([vp, i32, p64, u32, u64], i32),
+            "epcc_cuda_upload_tables": ([vp, i32, vp, u64, u64], i32),
+            "epcc_cuda_launch_dispatch": ([vp, u64], i32),
+            "epcc_cuda_launch_combine": ([vp, u64, u64], i32),
+            "epcc_cuda_epoch": ([vp, i32], u64),
+            "epcc_cuda_synchronize": ([vp, u64], i32),
+            "epcc_cuda_read_error": ([vp, ctypes.c_char_p, u64], i32),
+        }
+        for name, (args, res) in sigs.items():
+            f = getattr(lib, name)
+            f.argtypes = args
+            f.restype = res
+
+    # ------------------------------------------------------------------ about the build
+    @property
+    def abi_version(self) -> int:
+        return self.lib.epcc_cuda_abi_version()
+
+    @property
+    def schedule(self) -> str:
+        return self.lib.epcc_cuda_schedule().decode()
+
+    @property
+    def num_ranks(self) -> int:
+        return self.lib.epcc_cuda_num_ranks()
+
+    def num_buffers(self, program: str | int) -> int:
+        return self.lib.epcc_cuda_num_buffers(_program(program))
+
+    def has_program(self, program: str | int) -> bool:
+        return bool(self.lib.epcc_cuda_has_program(_program(program)))
+
+    def _check(self, rc: int, ctx=None) -> None:
+        if rc != RC_OK:
+            msg = (self.lib.epcc_cuda_last_error(ctx) or b"").decode(errors="replace")
+            raise (KernelTimeout if rc == RC_KERNEL else CudaError)(rc, msg)
+
+    # ------------------------------------------------------------------ memory and IPC
+    def malloc(self, device: int, nbytes: int) -> int:
+        out = ctypes.c_uint64()
+        self._check(self.lib.epcc_cuda_malloc(device, nbytes, ctypes.byref(out)))
+        return out.value
+
+    def free(self, ptr: int) -> None:
+        self._check(self.lib.epcc_cuda_free(ptr))
+
+    def ipc_handle(self, ptr: int) -> bytes:
+        buf = ctypes.create_string_buffer(IPC_HANDLE_BYTES)
+        self._check(self.lib.epcc_cuda_ipc_handle(ptr, buf))
+        return buf.raw
+
+    def ipc_open(self, device: int, handle: bytes) -> int:
+        if len(handle) != IPC_HANDLE_BYTES:
+            raise ValueError(f"an IPC handle is {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+        out = ctypes.c_uint64()
+        self._check(self.lib.epcc_cuda_ipc_open(device, ctypes.create_string_buffer(handle, IPC_HANDLE_BYTES),
+                                                ctypes.byref(out)))
+        return out.value
+
+    def ipc_close(self, ptr: int) -> None:
+        self._check(self.lib.epcc_cuda_ipc_close(ptr))
+
+    def copy_to_device(self, dst: int, src: np.ndarray) -> None:
+        a = np.ascontiguousarray(src)
+        self._check(self.lib.epcc_cuda_copy_to_device(dst, a.ctypes.data, a.nbytes))
+
+    def copy_to_host(self, dst: np.ndarray, src: int) -> np.ndarray:
+        if not dst.flags.c_contiguous:
+            raise ValueError("copy_to_host: dst must be C-contiguous")
+        self._check(self.lib.epcc_cuda_copy_to_host(dst.ctypes.data, src, dst.nbytes))
+        return dst
+
+    # ------------------------------------------------------------------ contexts
+    def create(self, device: int, rank: int, flag_capacity: int, timeout_s: float = 30.0) -> "Context":
+        """A context for this rank on `device`; flag_capacity >= 1 + 2 x the flags of the largest
+        layout (per program region: the barrier word, then two banks)."""
+        p = ctypes.c_void_p()
+        rc = self.lib.epcc_cuda_create(device, rank, flag_capacity, timeout_s, ctypes.byref(p))
+        if rc != RC_OK:
+            msg = (self.lib.epcc_cuda_last_error(p if p.value else None) or b"").decode(errors="replace")
+            if p.value:
+                self.lib.epcc_cuda_destroy(p)
+            raise CudaError(rc, msg)
+        return Context(self, p)
+
+
+class Context:
+    """One rank's state: flag area, tables and buffer pointers per program, epochs, error record."""
+
+    def __init__(self, library: Library, handle: ctypes.c_void_p):
+        self.library = library
+        self.lib = library.lib
+        self.handle = handle
+
+    def _check(self, rc: int) -> None:
+        self.library._check(rc, self.handle)
+
+    @property
+    def flag_area(self) -> int:
+        return int(self.lib.epcc_cuda_flag_area(self.handle))
+
+    @property
+    def flag_capacity(self) -> int:
+        return int(self.lib.epcc_cuda_flag_capacity(self.handle))
+
+    def set_flag_areas(self, areas: list[int]) -> None:
+        a = (ctypes.c_uint64 * len(areas))(*areas)
+        self._check(self.lib.epcc_cuda_set_flag_areas(self.handle, a))
+
+    def set_buffers(self, program: str | int, ptrs, stream: int = 0) -> None:
+        """ptrs[b][r]: buffer b (manifest order) of rank r, as mapped in this process (0: unused).
+        Ordered on `stream` after the launches before it there."""
+        a = np.ascontiguousarray(np.asarray(ptrs, dtype=np.uint64).reshape(-1))
+        self._check(self.lib.epcc_cuda_set_buffers(self.handle, _program(program),
+                                                   a.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)), a.size,
+                                                   stream))
+
+    def upload_tables(self, program: str | int, tables: Tables | np.ndarray, stream: int = 0) -> None:
+        """A blob from build_tables (checked against the compiled kernels), ordered on `stream`."""
+        blob = np.ascontiguousarray(tables.blob if isinstance(tables, Tables) else tables, dtype=np.uint8)
+        self._check(self.lib.epcc_cuda_upload_tables(self.handle, _program(program), blob.ctypes.data, blob.nbytes,
+                                                     stream))
+
+    def launch_dispatch(self, stream: int = 0) -> None:
+        self._check(self.lib.epcc_cuda_launch_dispatch(self.handle, stream))
+
+    def launch_combine(self, out: int = 0, stream: int = 0) -> None:
+        self._check(self.lib.epcc_cuda_launch_combine(self.handle, out, stream))
+
+    def epoch(self, program: str | int) -> int:
+        return int(self.lib.epcc_cuda_epoch(self.handle, _program(program)))
+
+    def synchronize(self, stream: int = 0) -> None:
+        self._check(self.lib.epcc_cuda_synchronize(self.handle, stream))
+
+    def read_error(self) -> tuple[int, str]:
+        buf = ctypes.create_string_buffer(ERROR_MESSAGE_BYTES)
+        code = self.lib.epcc_cuda_read_error(self.handle, buf, ERROR_MESSAGE_BYTES)
+        return code, buf.value.decode(errors="replace")
+
+    def close(self) -> None:
+        if self.handle is not None and self.handle.value:
+            self.lib.epcc_cuda_destroy(self.handle)
+        self.handle = None
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

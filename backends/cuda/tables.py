@@ -1,0 +1,413 @@
+"""The device descriptor tables of the CUDA backend: one binary blob per (program, rank, layout).
+
+The host builds a blob from a `Layout` (runtime/layout_types.py) with :func:`build_tables` and
+uploads it once per layout (`epcc_cuda_upload_tables`); the persistent kernel reads it in place.
+Everything is little-endian; every section starts on a 16-byte boundary; offsets are bytes from
+the start of the blob (row arrays too: offset 0 means "absent"), so the blob is relocatable
+(no pointer fix-ups).
+
+    TableHeader   128 B    counts, sizes, section offsets (below)
+    RoleDesc[]    16 B     per kernel role, in the kernel's role order: its work items
+    CopyDesc[]    56 B     per Copy this rank executes: row arrays, ranks, buffers, its counter
+    ItemDesc[]    24 B     per (copy, chunk) work item, grouped by role, in processing order
+    WaitDesc[]    16 B     producer counters a chunk waits for: (rank, flag id) >= value
+    DrainDesc[]   16 B     counters living on this rank, with the value they reach (kernel end)
+    ZeroDesc[]    16 B     combine: this rank's partial buffers to clear before the launch
+    rows                   int64 source handles, int64 destination slots, float32 weights
+
+A source handle is `(buffer id << 40) | slot`: a copy may read several source buffers of one
+rank (a permute of `sendbuf, from_peer, ...`), one per row.  Buffer ids are the positions in the
+launch manifest's `buffers[program]` list; the kernel finds buffer b of rank r at
+`buffer_ptrs[b * num_ranks + r]` (peer memory mapped through CUDA IPC).
+
+Counters: every rank has one flag area of `2 * flag_capacity` uint64 words (dispatch region,
+then combine region).  Word 0 of a region is the program's entry-barrier counter (monotonic,
+never cleared); then two banks of `(flag_capacity - 1) // 2` counters, used by alternate
+launches: in bank b, word 1 + b * bank + f is the counter of flag f (`Layout.flags[f]`), cleared
+by its owner at the start of the launch that uses it.  Wait values are therefore the plain chunk
+counts of the layout.  A copy without a counter (flag_id -1) has flag_id NO_FLAG here.
+
+The C declarations of these structs are generated from :data:`STRUCTS` (codegen.py), so the
+two sides cannot drift; `static_assert`s in the emitted header check every offset.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+TABLE_MAGIC = 0x54435045  # "EPCT", little-endian
+TABLE_VERSION = 1
+ROW_BUF_SHIFT = 40  # source handle: (buffer id << 40) | slot
+ALIGN = 16
+NO_FLAG = 0xFFFFFFFF
+PROGRAMS = ("dispatch", "combine")
+
+# name -> [(field, numpy type code, comment)]; all fields naturally aligned, no implicit padding.
+STRUCTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
+    "TableHeader": ("at offset 0 of every table blob", [
+        ("magic", "u4", "EPCC_TABLE_MAGIC"),
+        ("version", "u4", "EPCC_TABLE_VERSION"),
+        ("program", "u4", "0 dispatch, 1 combine"),
+        ("rank", "u4", "the rank that executes these tables"),
+        ("num_ranks", "u4", ""),
+        ("num_roles", "u4", "roles of the program's kernel"),
+        ("num_copies", "u4", ""),
+        ("num_items", "u4", ""),
+        ("num_waits", "u4", ""),
+        ("num_drain", "u4", ""),
+        ("num_flags", "u4", "counters of the layout (this rank clears words 1..num_flags)"),
+        ("num_zero", "u4", ""),
+        ("hidden", "u4", "channels per token"),
+        ("row_bytes", "u4", "dispatch wire row (bf16: 2*hidden; fp8: hidden + hidden/128*4)"),
+        ("num_buffers", "u4", "buffers of the program (manifest order)"),
+        ("tokens", "u4", "tokens per rank (rows of `result`)"),
+        ("off_roles", "u8", "RoleDesc[num_roles]"),
+        ("off_copies", "u8", "CopyDesc[num_copies]"),
+        ("off_items", "u8", "ItemDesc[num_items]"),
+        ("off_waits", "u8", "WaitDesc[num_waits]"),
+        ("off_drain", "u8", "DrainDesc[num_drain]"),
+        ("off_zero", "u8", "ZeroDesc[num_zero]"),
+        ("off_rows", "u8", "row arrays of the copies"),
+        ("total_bytes", "u8", "size of the blob"),
+    ]),
+    "RoleDesc": ("one role (step) of the kernel", [
+        ("item_begin", "u4", "its items: items[item_begin, item_begin + item_count)"),
+        ("item_count", "u4", ""),
+        ("step_crc", "u4", "crc32 of the step name (checked against the compiled kernel)"),
+        ("num_copies", "u4", "copies of this role on this rank"),
+    ]),
+    "CopyDesc": ("one Copy of the layout: rows of one flow of one step", [
+        ("src_rows", "u8", "int64[n_rows]: (source buffer id << 40) | slot"),
+        ("dst_rows", "u8", "int64[n_rows]: slot in the destination buffer"),
+        ("weights", "u8", "float32[n_rows] routing weights; 0: not weighted"),
+        ("n_rows", "u4", ""),
+        ("src_rank", "u4", "rank whose buffers the rows are read from"),
+        ("dst_rank", "u4", "rank whose buffer the rows are written into"),
+        ("dst_buf", "u4", "destination buffer id"),
+        ("flag_id", "u4", "counter bumped by one after each chunk"),
+        ("flag_rank", "u4", "rank holding that counter"),
+        ("step_index", "u4", "position of the step in its program"),
+        ("flow_index", "u4", "position of the flow in PlanStep.flows"),
+    ]),
+    "ItemDesc": ("one chunk of one copy: the unit a block processes", [
+        ("copy", "u4", "index into CopyDesc[]"),
+        ("chunk", "u4", "chunk index within the copy"),
+        ("row_begin", "u4", "rows [row_begin, row_end) of the copy"),
+        ("row_end", "u4", ""),
+        ("wait_begin", "u4", "waits[wait_begin, wait_begin + wait_count) first"),
+        ("wait_count", "u4", ""),
+    ]),
+    "WaitDesc": ("a producer counter a chunk needs: flag (flag_rank, flag_id) >= value", [
+        ("flag_rank", "u4", ""),
+        ("flag_id", "u4", ""),
+        ("value", "u8", ""),
+    ]),
+    "DrainDesc": ("a counter on this rank and the value it reaches when the program is done", [
+        ("flag_id", "u4", ""),
+        ("reserved", "u4", ""),
+        ("value", "u8", ""),
+    ]),
+    "ZeroDesc": ("combine: a partial buffer of this rank to clear before the launch", [
+        ("buf", "u4", "buffer id"),
+        ("reserved", "u4", ""),
+        ("bytes", "u8", "bytes from the start of the buffer"),
+    ]),
+}
+
+CTYPES = {"u4": "uint32_t", "u8": "uint64_t", "i4": "int32_t", "i8": "int64_t", "f4": "float"}
+
+
+def dtype(name: str) -> np.dtype:
+    """The NumPy structured dtype of one descriptor (little-endian, C layout)."""
+    return np.dtype([(f, "<" + t) for f, t, _ in STRUCTS[name][1]], align=True)
+
+
+def struct_layout(name: str) -> list[tuple[str, str, int, str]]:
+    """[(field, C type, byte offset, comment)] of a descriptor, for the C declarations."""
+    dt = dtype(name)
+    return [(f, CTYPES[t], dt.fields[f][1], c) for f, t, c in STRUCTS[name][1]]
+
+
+def step_crc(step: str) -> int:
+    return zlib.crc32(step.encode("utf-8")) & 0xFFFFFFFF
+
+
+class TableError(ValueError):
+    """The layout does not fit the compiled kernels (another plan, a missing buffer, ...)."""
+
+
+@dataclass
+class Tables:
+    """A built blob and what the host needs beside it."""
+
+    program: str
+    rank: int
+    blob: np.ndarray  # uint8
+    num_flags: int
+    zero: list[tuple[str, int]]  # (buffer, bytes) the host clears before a combine launch
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blob.nbytes)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def item_order(chunks_per_copy: list[int]) -> list[tuple[int, int]]:
+    """The order a role processes its (copy, chunk) items in: chunk-major, interleaving the
+    copies by progress (`(c + 0.5) / n`), so every destination sees its first chunks early and
+    the consumers downstream start pipelining at once.  Blocks take items round-robin."""
+    items = [(ci, c) for ci, n in enumerate(chunks_per_copy) for c in range(n)]
+    items.sort(key=lambda it: ((it[1] + 0.5) / chunks_per_copy[it[0]], it[0]))
+    return items
+
+
+def _source_ids(c, role: dict, n: int, buf_id) -> np.ndarray:
+    """Per row, the id of the buffer it is read from."""
+    ids = getattr(c, "src_buffer_ids", None)
+    names = role.get("src_buffers") or []
+    if ids is not None and names and len(ids) == n:
+        lut = np.asarray([buf_id(b, "source") for b in names], dtype=np.int64)
+        ids = np.asarray(ids, dtype=np.int64)
+        if n and (ids.min() < 0 or ids.max() >= len(lut)):
+            raise TableError(f"step '{c.step}' flow {c.flow_index}: source buffer index out of range")
+        return lut[ids]
+    if len(c.src_buffers) != n:
+        raise TableError(f"step '{c.step}' flow {c.flow_index}: {len(c.src_buffers)} source buffers for {n} rows")
+    uniq = {b: buf_id(b, "source") for b in set(c.src_buffers)}
+    return np.fromiter((uniq[b] for b in c.src_buffers), dtype=np.int64, count=n)
+
+
+def _combine_rows(layout, name: str, rank: int) -> int:
+    """Rows of a combine buffer on `rank` (`result` mirrors `input`: the rank's tokens)."""
+    if name == "result":
+        return int(layout.tokens)
+    rows = getattr(layout, "combine_rows", None)
+    if rows is not None:
+        return int(rows(name, rank))
+    return int(layout.buffer_rows(getattr(layout, "partial_of", {}).get(name, name), rank))
+
+
+def buffer_sizes(manifest: dict, layout, program: str, rank: int) -> list[int]:
+    """Bytes of every buffer of `program` on `rank` (manifest order, = buffer ids): what the host
+    allocates (and maps on the peers) before uploading the tables.  Dispatch rows are wire rows
+    (`layout.row_bytes`); combine `output` holds bf16 expert outputs, every other combine buffer
+    fp32 partials of `hidden` channels (`result`: one row per token)."""
+    out = []
+    for b in manifest["buffers"][program]:
+        name = b["name"]
+        if program == "dispatch":
+            rows = layout.tokens if name == "input" else layout.buffer_rows(name, rank)
+            out.append(int(rows) * int(layout.row_bytes))
+        elif name == "output":
+            out.append(layout.buffer_rows("output", rank) * 2 * int(layout.hidden))
+        else:
+            out.append(_combine_rows(layout, name, rank) * 4 * int(layout.hidden))
+    return out
+
+
+def build_tables(manifest: dict, layout, program: str, rank: int) -> Tables:
+    """The blob rank `rank` uploads for `program`, from the global `layout`.
+
+    `manifest` is the CUDA launch manifest (cuda/manifest.json, or `CudaBundle.manifest`): its
+    kernel for `program` gives the roles (step names, in kernel order) and which of them run on
+    the GPU; its `buffers[program]` the buffer ids."""
+    if program not in PROGRAMS:
+        raise TableError(f"program must be one of {PROGRAMS}, not {program!r}")
+    kernel = next((k for k in manifest["kernels"] if k["program"] == program and k["kind"] == "main"), None)
+    if kernel is None:
+        raise TableError(f"the manifest has no {program} kernel")
+    if layout.num_ranks != manifest["num_ranks"]:
+        raise TableError(f"the layout has {layout.num_ranks} ranks, the kernels were compiled for "
+                         f"{manifest['num_ranks']}")
+    if not 0 <= rank < layout.num_ranks:
+        raise TableError(f"rank {rank} is not in [0, {layout.num_ranks})")
+    buffers = {b["name"]: i for i, b in enumerate(manifest["buffers"][program])}
+    flags = {f.flag_id: f for f in layout.flags}
+    if sorted(flags) != list(range(len(layout.flags))):
+        raise TableError("Layout.flags must be numbered 0..n-1 by flag_id")
+
+    def buf_id(name: str, what: str) -> int:
+        if name not in buffers:
+            raise TableError(f"{program} {what} buffer '{name}' is not one the kernels were compiled for "
+                             f"({', '.join(buffers)})")
+        return buffers[name]
+
+    by_step: dict[str, list] = {}
+    for c in layout.copies:
+        if c.program == program and c.rank == rank:
+            by_step.setdefault(c.step, []).append(c)
+    gpu_steps = {r["step"] for r in kernel["roles"]}
+    host_steps = {s["step"] for s in manifest.get("not_lowered", []) if s["program"] == program}
+    for step in by_step:
+        if step not in gpu_steps and step not in host_steps:
+            raise TableError(f"the layout has {program} copies of step '{step}', which the kernels do not know")
+
+    roles, copies, items, waits, rows = [], [], [], [], []
+    row_off = 0  # bytes into the rows section
+
+    def add_rows(arr: np.ndarray) -> int:
+        nonlocal row_off
+        off = row_off
+        rows.append(arr.tobytes())
+        pad = _align(arr.nbytes) - arr.nbytes
+        if pad:
+            rows.append(b"\0" * pad)
+        row_off += arr.nbytes + pad
+        return off
+
+    for role in kernel["roles"]:
+        role_copies = sorted(by_step.get(role["step"], []), key=lambda c: c.flow_index)
+        first_copy = len(copies)
+        nchunks = []
+        for c in role_copies:
+            n = int(len(c.src_slots))
+            if len(c.dst_slots) != n:
+                raise TableError(f"{program} step '{c.step}' flow {c.flow_index}: src/dst row counts differ")
+            starts = np.asarray(c.chunk_starts, dtype=np.int64)
+            if len(starts) < 1 or starts[0] != 0 or starts[-1] != n or np.any(np.diff(starts) < 0):
+                raise TableError(f"{program} step '{c.step}' flow {c.flow_index}: chunk_starts {starts.tolist()} "
+                                 f"do not cover its {n} rows")
+            if len(c.waits) != len(starts) - 1:
+                raise TableError(f"{program} step '{c.step}' flow {c.flow_index}: {len(c.waits)} wait lists "
+                                 f"for {len(starts) - 1} chunks")
+            if c.flag_id != -1 and c.flag_id not in flags:
+                raise TableError(f"{program} step '{c.step}' flow {c.flow_index}: unknown flag {c.flag_id}")
+            src_ids = _source_ids(c, role, n, buf_id)
+            handles = (src_ids << ROW_BUF_SHIFT) | np.asarray(c.src_slots, dtype=np.int64)
+            src_off = add_rows(handles.astype("<i8"))
+            dst_off = add_rows(np.asarray(c.dst_slots, dtype="<i8"))
+            w_off = -1
+            if role["op"] == "accum_weighted":
+                if c.weights is None:
+                    raise TableError(f"combine step '{c.step}' is weighted but flow {c.flow_index} has no weights")
+                w_off = add_rows(np.asarray(c.weights, dtype="<f4"))
+            copies.append(dict(src_rows=src_off, dst_rows=dst_off, weights=w_off, n_rows=n, src_rank=c.src,
+                               dst_rank=c.dst, dst_buf=buf_id(c.dst_buffer, "destination"),
+                               flag_id=NO_FLAG if c.flag_id == -1 else c.flag_id,
+                               flag_rank=0 if c.flag_id == -1 else flags[c.flag_id].rank, step_index=c.step_index,
+                               flow_index=c.flow_index, _starts=starts, _waits=c.waits, _weighted=w_off >= 0))
+            if w_off < 0:
+                copies[-1]["weights"] = 0
+            nchunks.append(len(starts) - 1)
+        item_begin = len(items)
+        for ci, ch in item_order(nchunks):
+            cd = copies[first_copy + ci]
+            w0 = len(waits)
+            for fid, value in cd["_waits"][ch]:
+                if fid not in flags:
+                    raise TableError(f"{program} step '{role['step']}': chunk {ch} waits for unknown flag {fid}")
+                waits.append((flags[fid].rank, fid, int(value)))
+            items.append((first_copy + ci, ch, int(cd["_starts"][ch]), int(cd["_starts"][ch + 1]), w0,
+                          len(waits) - w0))
+        roles.append((item_begin, len(items) - item_begin, step_crc(role["step"]), len(role_copies)))
+
+    drain = [(f.flag_id, 0, f.chunks) for f in layout.flags
+             if f.program == program and f.rank == rank and f.chunks > 0]
+    hidden = int(layout.hidden)
+    zero: list[tuple[str, int]] = []
+    if program == "combine":
+        for b in manifest["buffers"]["combine"]:
+            if b["rows"] != "f32":
+                continue
+            nrows = _combine_rows(layout, b["name"], rank)
+            if nrows:
+                zero.append((b["name"], int(nrows) * 4 * hidden))
+
+    def role_weighted(cd: dict) -> bool:
+        return cd["_weighted"]
+
+    def table(name: str, recs: list) -> bytes:
+        dt = dtype(name)
+        arr = np.zeros(len(recs), dtype=dt)
+        for i, r in enumerate(recs):
+            if isinstance(r, dict):
+                arr[i] = tuple(r[f] for f in dt.names)
+            else:
+                arr[i] = r
+        return arr.tobytes()
+
+    # Row offsets become absolute (bytes from the blob's start): 0 then always means "none".
+    rows_at = _align(dtype("TableHeader").itemsize)
+    for name, n in (("RoleDesc", len(roles)), ("CopyDesc", len(copies)), ("ItemDesc", len(items)),
+                    ("WaitDesc", len(waits)), ("DrainDesc", len(drain)), ("ZeroDesc", len(zero))):
+        rows_at = _align(rows_at + n * dtype(name).itemsize)
+    for cd in copies:
+        cd["src_rows"] += rows_at
+        cd["dst_rows"] += rows_at
+        if role_weighted(cd):
+            cd["weights"] += rows_at
+    sections = [
+        ("roles", table("RoleDesc", roles)),
+        ("copies", table("CopyDesc", copies)),
+        ("items", table("ItemDesc", items)),
+        ("waits", table("WaitDesc", waits)),
+        ("drain", table("DrainDesc", drain)),
+        ("zero", table("ZeroDesc", [(buffers[n], 0, b) for n, b in zero])),
+        ("rows", b"".join(rows)),
+    ]
+    hdr_dt = dtype("TableHeader")
+    off = _align(hdr_dt.itemsize)
+    offsets = {}
+    for name, data in sections:
+        offsets[name] = off
+        off = _align(off + len(data))
+    total = off
+    assert offsets["rows"] == rows_at, (offsets, rows_at)
+    hdr = np.zeros(1, dtype=hdr_dt)
+    fields = dict(magic=TABLE_MAGIC, version=TABLE_VERSION, program=PROGRAMS.index(program), rank=rank,
+                  num_ranks=layout.num_ranks, num_roles=len(roles), num_copies=len(copies), num_items=len(items),
+                  num_waits=len(waits), num_drain=len(drain), num_flags=len(layout.flags), num_zero=len(zero),
+                  hidden=hidden, row_bytes=int(layout.row_bytes), num_buffers=len(buffers),
+                  tokens=int(layout.tokens), total_bytes=total)
+    fields.update({f"off_{n}": o for n, o in offsets.items()})
+    hdr[0] = tuple(fields[f] for f in hdr_dt.names)
+    blob = np.zeros(total, dtype=np.uint8)
+    blob[: hdr_dt.itemsize] = np.frombuffer(hdr.tobytes(), dtype=np.uint8)
+    for name, data in sections:
+        blob[offsets[name]: offsets[name] + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return Tables(program, rank, blob, len(layout.flags), zero)
+
+
+def parse_tables(blob: np.ndarray) -> dict:
+    """Decode a blob into NumPy record arrays (tests, debugging): the inverse of build_tables."""
+    b = np.ascontiguousarray(blob, dtype=np.uint8)
+    hdr = np.frombuffer(b[: dtype("TableHeader").itemsize].tobytes(), dtype=dtype("TableHeader"))[0]
+    if int(hdr["magic"]) != TABLE_MAGIC or int(hdr["version"]) != TABLE_VERSION:
+        raise TableError(f"not an epcc table blob of version {TABLE_VERSION}")
+
+    def sec(name: str, count: str, off: str) -> np.ndarray:
+        dt = dtype(name)
+        o, n = int(hdr[off]), int(hdr[count])
+        return np.frombuffer(b[o: o + n * dt.itemsize].tobytes(), dtype=dt)
+
+    return {
+        "header": hdr,
+        "roles": sec("RoleDesc", "num_roles", "off_roles"),
+        "copies": sec("CopyDesc", "num_copies", "off_copies"),
+        "items": sec("ItemDesc", "num_items", "off_items"),
+        "waits": sec("WaitDesc", "num_waits", "off_waits"),
+        "drain": sec("DrainDesc", "num_drain", "off_drain"),
+        "zero": sec("ZeroDesc", "num_zero", "off_zero"),
+        "blob": b,
+    }
+
+
+def copy_rows(parsed: dict, copy_index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """(source buffer ids, source slots, destination slots, weights) of one decoded copy."""
+    c = parsed["copies"][copy_index]
+    blob = parsed["blob"]
+    n = int(c["n_rows"])
+
+    def arr(off, dt, size):
+        o = int(off)
+        return np.frombuffer(blob[o: o + n * size].tobytes(), dtype=dt)
+
+    h = arr(c["src_rows"], "<i8", 8)
+    w = arr(c["weights"], "<f4", 4) if int(c["weights"]) else None
+    return h >> ROW_BUF_SHIFT, h & ((1 << ROW_BUF_SHIFT) - 1), arr(c["dst_rows"], "<i8", 8), w

@@ -1,0 +1,508 @@
+"""The CUDA backend's code generation (backends/cuda): emitted sources, launch manifest, tables.
+
+No GPU here.  What runs:
+
+* codegen for every schedule (both RDMA lowerings): step/title/line comments on every role's
+  code path, the manifest's block tiling against the plan's SM ranges, what is not lowered;
+* nvcc (sm_90a, `-Xptxas -v`) on the sources of the schedules that fit one NVLink domain
+  (h200x4, h200x4_2vnode with its RDMA emulated over peer memory, nvl8_hybrid, ubbv2_ep16 on
+  one node; ubbv2_ep16 once more with an odd hidden size for the narrow access paths): they
+  compile, and the main kernels spill nothing; h200x4's library is built with the manifest's
+  own nvcc command, loads with ctypes and fails cleanly without a GPU.  Each schedule is
+  compiled once (module-scoped fixture, files in parallel); skipped when nvcc is missing;
+* a golden of every emitted file for h200x4 (`python tests/backends/regen_cuda_golden.py`
+  rewrites it);
+* the table blobs against the oracle: the NumPy emulator (backends/cuda/emulate.py) runs every
+  rank's blocks over the same tables the GPU reads (item order, split over blocks, waits,
+  ordered publication) and must reproduce dispatch_oracle / combine_oracle;
+* `epcc compile FILE --target cuda -o DIR`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from epcc import pipeline
+from epcc.backends import cuda
+from epcc.backends.cuda import codegen, tables
+from epcc.backends.cuda.emulate import EmulationError, emulate
+from epcc.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parent / "golden_cuda"
+ALL = sorted(p.stem for p in (REPO / "schedules").glob("*.sched"))
+ONE_DOMAIN = ["h200x4", "h200x4_2vnode", "nvl8_hybrid", "ubbv2_ep16"]  # compiled with nvcc
+NVCC_FLAGS = ["-c", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC"]
+
+
+def source_of(name: str) -> str:
+    return f"schedules/{name}.sched"
+
+
+_PLANS: dict[str, object] = {}
+
+
+def plan_of(name: str):
+    if name not in _PLANS:
+        c = pipeline.run(str(REPO / source_of(name)))
+        _PLANS[name] = c.passes.get("plan")
+    return _PLANS[name]
+
+
+# --------------------------------------------------------------------------------------------
+# codegen: comments, manifest
+
+
+@pytest.mark.parametrize("rdma", ["emulate", "external"])
+@pytest.mark.parametrize("name", ALL)
+def test_every_role_carries_its_step_title_and_line(name, rdma):
+    plan = plan_of(name)
+    b = cuda.generate(plan, source_of(name), cuda.CudaOptions(rdma=rdma))
+    for k in b.kernels:
+        text = b.files[k.file]
+        for r in k.roles:
+            step = plan.step(r.step, k.program)
+            title = f" ({step.title})" if step.title else ""
+            line = f"// step '{r.step}'{title}, {source_of(name)}:{step.line}"
+            # once above the role's function, once on its branch in the kernel
+            assert text.count(line) == 2, f"{k.file}: '{line}' should appear twice"
+            assert f"{r.fn}(a, b - {r.block_begin}u);" in text
+        assert f'extern "C" __global__ void __launch_bounds__({k.block}, 1) {k.name}(' in text
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_manifest_tiles_the_blocks_and_keeps_the_plans_sm_ranges(name):
+    plan = plan_of(name)
+    b = cuda.generate(plan, source_of(name))
+    m = json.loads(b.files["manifest.json"])
+    assert m == json.loads(json.dumps(b.manifest))
+    assert m["table_version"] == tables.TABLE_VERSION and m["num_ranks"] == plan.num_ranks
+    plan_roles = {(kp.program, r.step): (kp, r) for kp in plan.kernels for r in kp.roles}
+    lowered = set()
+    for k in (k for k in m["kernels"] if k["kind"] == "main"):
+        ranges = [tuple(r["blocks"]) for r in k["roles"]]
+        assert ranges[0][0] == 0 and ranges[-1][1] == k["grid"]
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), ranges
+        assert k["block"] == 256 and k["launch"] == "cooperative"
+        for r in k["roles"]:
+            kp, rp = plan_roles[(k["program"], r["step"])]
+            lowered.add((k["program"], r["step"]))
+            if kp.kind == "kernel":
+                assert r["lowered"] == "sm" and r["plan_sms"] == [rp.sm_begin, rp.sm_end] == r["blocks"]
+            else:
+                assert r["lowered"] == {"dma": "dma-on-sm", "proxy": "rdma-on-sm"}[kp.kind]
+            step = plan.step(r["step"], k["program"])
+            assert r["op"] == ("copy" if k["program"] == "dispatch" else
+                               "accum_weighted" if step.weighted else "accum")
+    skipped = {(n["program"], n["step"]) for n in m["not_lowered"]}
+    # every role of the plan is either in a kernel or said not to be: the metadata exchange,
+    # and RDMA steps of plans beyond one box (rdma="auto": external above 8 ranks)
+    assert lowered | skipped == set(plan_roles) and not lowered & skipped
+    rdma = "emulate" if plan.num_ranks <= 8 else "external"
+    assert m["options"]["rdma"] == rdma
+    for n in m["not_lowered"]:
+        kp, _ = plan_roles[(n["program"], n["step"])]
+        assert (n["kind"], kp.kind) in {("metadata", "kernel"), *({("rdma", "proxy")} if rdma == "external" else ())}
+    finish = [k for k in m["kernels"] if k["kind"] == "finish"]
+    assert [k["program"] for k in finish] == ["combine"]
+
+
+def test_rdma_roles_emulated_or_left_to_a_proxy():
+    plan = plan_of("h200x4_2vnode")
+    emu = cuda.generate(plan, source_of("h200x4_2vnode"))
+    roles = {r.step: r for k in emu.kernels if k.program == "dispatch" for r in k.roles}
+    assert roles["rdma"].lowered == "rdma-on-sm" and roles["rdma"].bytes_per_s == 50e9
+    assert roles["rdma"].block_end - roles["rdma"].block_begin == emu.manifest["options"]["proxy_blocks"]
+    assert "RDMA emulated by SMs over peer memory, paced to 50 GB/s" in emu.files["h200x4_2vnode_dispatch.cu"]
+    assert '(a, 4u, "rdma", block, 4u, 50.f);' in emu.files["h200x4_2vnode_dispatch.cu"]
+    assert emu.manifest["options"]["rdma"] == "emulate"  # auto: 4 ranks, one box
+    ext = cuda.generate(plan, source_of("h200x4_2vnode"), cuda.CudaOptions(rdma="external"))
+    assert all(r.step != "rdma" for k in ext.kernels for r in k.roles)
+    assert {(n["program"], n["step"], n["kind"]) for n in ext.manifest["not_lowered"]} >= {
+        ("dispatch", "rdma", "rdma"), ("combine", "rdma", "rdma")}
+    assert "Not in this kernel: step 'rdma' (RDMA: posted by a host proxy" in ext.files["h200x4_2vnode_dispatch.cu"]
+
+
+def test_odd_hidden_sizes_get_narrow_accesses():
+    ops = {(k.program, r.step): r.op_type for k in cuda.generate(odd_plan()).kernels for r in k.roles}
+    assert ops[("dispatch", "fwd1")] == "epcc::CopyRows<2, 8>"  # 14342 B rows
+    assert ops[("combine", "fwd1")] == "epcc::AccumF32<1, 4>"
+    assert ops[("combine", "final.sendbuf")] == "epcc::AccumWeightedBf16<1, 4>"
+
+
+def test_dma_roles_run_on_sms_and_access_widths_follow_the_row_size():
+    plan = plan_of("ubbv2_ep16")
+    b = cuda.generate(plan, source_of("ubbv2_ep16"))
+    d = {r.step: r for k in b.kernels if k.program == "dispatch" for r in k.roles}
+    assert d["d2d_near"].lowered == d["d2d_far"].lowered == "dma-on-sm"
+    assert "copy-engine step run by SMs in this version" in b.files["ubbv2_ep16_dispatch.cu"]
+    assert d["fwd1"].op_type == "epcc::CopyRows<16, 8>"
+    fp8 = cuda.generate(plan_of("nvl8_hybrid"), source_of("nvl8_hybrid"))
+    assert fp8.manifest["workload"]["row_bytes"] == 7168 + 56 * 4  # payload + scales: 7392 = 16 x 462
+    assert all(r.access_bytes == 16 for k in fp8.kernels for r in k.roles)
+    # a hidden size that is not a multiple of 8: narrower accesses, never a misaligned one
+    odd = plan_of("h200x4")
+    saved = odd.workload.hidden
+    try:
+        odd.workload.hidden = 7170
+        ob = cuda.generate(odd, source_of("h200x4"))
+        ops = {(k.program, r.step): r.op_type for k in ob.kernels for r in k.roles}
+        assert ops[("dispatch", "push")] == "epcc::CopyRows<4, 8>"  # 14340 B rows
+        assert ops[("combine", "push")] == "epcc::AccumWeightedBf16<2, 4>"
+    finally:
+        odd.workload.hidden = saved
+
+
+def test_generate_refuses_plans_it_cannot_lower():
+    plan = plan_of("h200x4")
+    with pytest.raises(cuda.CudaCodegenError, match="rdma must be 'auto', 'emulate' or 'external'"):
+        cuda.generate(plan, options=cuda.CudaOptions(rdma="nic"))
+    saved = plan.kernels
+    try:
+        plan.kernels = []
+        with pytest.raises(cuda.CudaCodegenError, match="no kernels"):
+            cuda.generate(plan)
+    finally:
+        plan.kernels = saved
+
+
+# --------------------------------------------------------------------------------------------
+# golden
+
+
+def test_golden_h200x4():
+    files = cuda.generate(plan_of("h200x4"), source_of("h200x4")).files
+    want = sorted(p.name for p in (GOLDEN / "h200x4").iterdir())
+    assert sorted(files) == want, "regenerate: python tests/backends/regen_cuda_golden.py"
+    for name, text in files.items():
+        golden = (GOLDEN / "h200x4" / name).read_text(encoding="utf-8")
+        assert text == golden, f"{name} differs from the golden (python tests/backends/regen_cuda_golden.py)"
+
+
+# --------------------------------------------------------------------------------------------
+# nvcc
+
+NVCC = cuda.find_nvcc()
+
+
+def _nvcc(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([NVCC, *args], cwd=cwd, capture_output=True, text=True)
+
+
+LIBRARY = "h200x4"  # built with the manifest's own command (build_library), as on the GPU machine
+ODD = "ubbv2_ep16@7171"  # a hidden size that is not a multiple of 8: 2-byte copies, scalar fp32 adds
+
+
+def odd_plan():
+    import copy
+
+    plan = copy.deepcopy(plan_of("ubbv2_ep16"))
+    plan.workload.hidden = 7171
+    return plan
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Every ONE_DOMAIN schedule's sources compiled once, in parallel: each kernel file with
+    `nvcc -c -Xptxas -v`, and LIBRARY's whole library with the manifest's build command."""
+    if NVCC is None:
+        pytest.skip("nvcc not found (PATH, $NVCC, /usr/local/cuda*/bin): the CUDA sources are not compiled")
+    root = tmp_path_factory.mktemp("cuda")
+    jobs = []
+    for name in [*ONE_DOMAIN, ODD]:
+        d = root / name
+        b = cuda.generate(odd_plan() if name == ODD else plan_of(name), source_of(name.split("@")[0]))
+        b.write(d)
+        if name == LIBRARY:
+            jobs.append((name, "library", d, None))
+            continue
+        for k in b.kernels:
+            jobs.append((name, k.file, d, [*NVCC_FLAGS, "-Xptxas", "-v", k.file, "-o", k.file[:-3] + ".o"]))
+
+    def run(job):
+        name, what, d, args = job
+        if args is not None:
+            return name, what, _nvcc(args, d)
+        log: list[str] = []
+        try:
+            lib = cuda.build_library(d, nvcc=NVCC, extra_flags=("-Xptxas", "-v"), log=log)
+            return name, what, subprocess.CompletedProcess([], 0, "".join(log), str(lib))
+        except RuntimeError as e:
+            return name, what, subprocess.CompletedProcess([], 1, "".join(log), str(e))
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as ex:
+        results = {(n, w): r for n, w, r in ex.map(run, jobs)}
+    lib = results[(LIBRARY, "library")]
+    return {"root": root, "results": results, "lib": Path(lib.stderr) if lib.returncode == 0 else None}
+
+
+@pytest.mark.parametrize("name", [*ONE_DOMAIN, ODD])
+def test_nvcc_compiles_for_sm90a(built, name):
+    bad = {f: r.stdout + r.stderr for (n, f), r in built["results"].items() if n == name and r.returncode != 0}
+    assert not bad, "\n".join(f"--- {f}\n{out}" for f, out in bad.items())
+
+
+def ptxas_report(output: str) -> dict[str, dict]:
+    """kernel -> {registers, stack, spill_stores, spill_loads} from `-Xptxas -v` output."""
+    out = {}
+    for m in re.finditer(r"Function properties for (\w+)\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                         r"(\d+) bytes spill loads\n(?:ptxas info\s*: Used (\d+) registers)?", output):
+        out[m.group(1)] = {"stack": int(m.group(2)), "spill_stores": int(m.group(3)),
+                           "spill_loads": int(m.group(4)), "registers": int(m.group(5) or 0)}
+    return out
+
+
+@pytest.mark.parametrize("name", [*ONE_DOMAIN, ODD])
+def test_main_kernels_do_not_spill(built, name, record_property):
+    report = {}
+    for (n, f), r in built["results"].items():
+        if n == name:
+            report.update(ptxas_report(r.stdout if f == "library" else r.stdout + r.stderr))
+    sched = name.split("@")[0]
+    kernels = {k: v for k, v in report.items() if k.startswith(f"epcc_{sched}_") and k.endswith("_kernel")}
+    assert len(kernels) == 3, report  # dispatch, combine, combine finish
+    for k, v in kernels.items():
+        record_property(k, v)
+        assert v["spill_stores"] == 0 and v["spill_loads"] == 0, (k, v)
+        assert 0 < v["registers"] <= 128, (k, v)  # __launch_bounds__(256, 1) leaves room; keep it modest
+        # the only stack is the printf argument buffer of the timeout path (48 B)
+        assert v["stack"] <= 64, (k, v)
+
+
+def test_launcher_library_loads_and_fails_cleanly_without_a_gpu(built):
+    if built["lib"] is None:
+        r = built["results"][(LIBRARY, "library")]
+        pytest.fail(f"the {LIBRARY} library did not build: {r.stderr}")
+    lib = cuda.Library(built["lib"])
+    assert (lib.abi_version, lib.schedule, lib.num_ranks) == (tables.TABLE_VERSION, "h200x4", 4)
+    m = cuda.load_manifest(built["root"] / LIBRARY)
+    assert [lib.num_buffers(p) for p in tables.PROGRAMS] == [len(m["buffers"][p]) for p in tables.PROGRAMS]
+    assert lib.has_program("dispatch") and lib.has_program("combine")
+    with pytest.raises(cuda.CudaError, match="rank 9: these kernels were compiled for 4 ranks"):
+        lib.create(0, 9, 64)
+    try:
+        ctx = lib.create(0, 0, 64, 5.0)
+    except cuda.CudaError as e:  # no GPU, or no driver: the launcher says which CUDA call failed
+        assert e.rc == 1 and re.search(r"cuda\w+\(.*\) failed: .*\(cuda\w+\)", str(e)), str(e)
+    else:  # pragma: no cover - only on a GPU machine
+        with ctx:
+            with pytest.raises(cuda.CudaError, match="upload_tables first"):
+                ctx.set_flag_areas([ctx.flag_area] * 4)
+                ctx.launch_dispatch()
+
+
+# --------------------------------------------------------------------------------------------
+# tables: round trip, errors, and the emulator against the oracle
+
+def _runtime():
+    """runtime/layout.py, inputs.py and oracle.py (skip the table tests without them)."""
+    layout = pytest.importorskip("epcc.runtime.layout", reason="runtime/layout.py (compute_layout) is not there")
+    inputs = pytest.importorskip("epcc.runtime.inputs", reason="runtime/inputs.py is not there")
+    oracle = pytest.importorskip("epcc.runtime.oracle", reason="runtime/oracle.py is not there")
+    return layout, inputs, oracle
+
+
+def small_case(name: str, tokens: int, chunk_tokens: int, hidden: int = 128, seed: int = 0):
+    """The plan of `name` with a small hidden size and chunks of `chunk_tokens` tokens (so that
+    copies have several chunks and chunk-level waits), its layout and payloads."""
+    import copy
+
+    layout_mod, inputs, _ = _runtime()
+    plan = copy.deepcopy(plan_of(name))
+    plan.workload.hidden = hidden
+    bpt = codegen.wire_row_bytes(plan)
+    plan.bytes_per_token = bpt
+    for s in plan.steps:
+        if s.chunk_bytes:
+            s.chunk_bytes = chunk_tokens * (bpt if s.program == "dispatch" else 2 * hidden)
+    wl, R = plan.workload, plan.num_ranks
+    idx = inputs.make_routing("uniform", R, tokens, wl.topk, wl.experts, wl.placement, seed=seed).topk_idx
+    w = inputs.make_weights(idx, seed=seed + 1)
+    layout = layout_mod.compute_layout(plan, idx, w)
+    x = inputs.make_x_rows(R, tokens, hidden, wl.dtype, seed=seed + 2)
+    return plan, layout, idx, w, x
+
+
+def run_both(plan, layout, idx, w, x, manifest, blobs=None):
+    _, inputs, oracle = _runtime()
+    wl, R = plan.workload, plan.num_ranks
+    want = oracle.dispatch_oracle(idx, wl.experts, wl.placement, x, w)
+    d = emulate(manifest, layout, "dispatch", list(x), blobs)
+    for r in range(R):
+        assert np.array_equal(d[("output", r)], want[r].rows), f"dispatch, rank {r}"
+    y = inputs.make_expert_outputs([len(want[r].rows) for r in range(R)], wl.hidden, seed=9)
+    c = emulate(manifest, layout, "combine", y)
+    got = np.stack([c[("result", r)] for r in range(R)])
+    ref, mag = oracle.combine_oracle(idx, wl.experts, wl.placement, w, y, wl.hidden, return_abs=True)
+    chk = oracle.compare_combine(got, ref, mag, wl.topk)
+    assert chk.ok, chk
+
+
+CASES = [("h200x4", 48, 5), ("h200x4_2vnode", 32, 3), ("nvl8_hybrid", 16, 2), ("ubbv2_ep16", 12, 3),
+         ("dgx_h800_2node", 8, 2), ("ocs_ep16", 8, 2), ("ubbv2_ep32", 4, 1)]
+
+
+@pytest.mark.parametrize("name,tokens,chunk", CASES)
+def test_tables_reproduce_the_oracle_in_the_emulator(name, tokens, chunk):
+    plan, layout, idx, w, x = small_case(name, tokens, chunk)
+    assert any(len(c.chunk_starts) > 2 for c in layout.copies), "the case should have multi-chunk copies"
+    # rdma="auto": RDMA emulated by SM roles up to 8 ranks; above, the emulator's proxy stand-in
+    run_both(plan, layout, idx, w, x, cuda.generate(plan, source_of(name)).manifest)
+
+
+@pytest.mark.parametrize("name,tokens,chunk", [("h200x4_2vnode", 16, 3), ("dgx_h800_2node", 8, 2)])
+@pytest.mark.parametrize("rdma", ["emulate", "external"])
+def test_both_rdma_lowerings_reproduce_the_oracle(name, tokens, chunk, rdma):
+    plan, layout, idx, w, x = small_case(name, tokens, chunk)
+    run_both(plan, layout, idx, w, x, cuda.generate(plan, source_of(name), cuda.CudaOptions(rdma=rdma)).manifest)
+
+
+def test_tables_round_trip_and_section_layout():
+    plan, layout, *_ = small_case("ubbv2_ep16", 12, 3)
+    m = cuda.generate(plan, source_of("ubbv2_ep16")).manifest
+    for program in tables.PROGRAMS:
+        t = cuda.build_tables(m, layout, program, 5)
+        p = cuda.parse_tables(t.blob)
+        h = p["header"]
+        assert int(h["total_bytes"]) == t.nbytes and t.nbytes % tables.ALIGN == 0
+        assert [int(h[f"off_{s}"]) % tables.ALIGN for s in ("roles", "copies", "items", "waits", "rows")] == [0] * 5
+        kernel = next(k for k in m["kernels"] if k["program"] == program and k["kind"] == "main")
+        assert [int(r["step_crc"]) for r in p["roles"]] == [tables.step_crc(r["step"]) for r in kernel["roles"]]
+        mine = [c for c in layout.copies if c.program == program and c.rank == 5]
+        assert int(h["num_copies"]) == len(mine)
+        assert int(h["num_items"]) == sum(len(c.chunk_starts) - 1 for c in mine)
+        names = [b["name"] for b in m["buffers"][program]]
+        by_key = {(c.step, c.flow_index): c for c in mine}
+        step_of_copy = [r["step"] for r, rd in zip(kernel["roles"], p["roles"]) for _ in range(int(rd["num_copies"]))]
+        assert len(step_of_copy) == len(p["copies"])
+        for i, cd in enumerate(p["copies"]):
+            c = by_key[(step_of_copy[i], int(cd["flow_index"]))]
+            bufs, slots, dst, wts = tables.copy_rows(p, i)
+            assert [names[b] for b in bufs] == list(c.src_buffers)
+            assert np.array_equal(slots, c.src_slots) and np.array_equal(dst, c.dst_slots)
+            assert (wts is None) == (c.weights is None) or not len(c.src_slots)
+            # items of a copy: chunk order, contiguous rows, waits as in the layout
+            its = [it for it in p["items"] if int(it["copy"]) == i]
+            assert [int(it["chunk"]) for it in its] == list(range(len(c.chunk_starts) - 1))
+            for it in its:
+                ch = int(it["chunk"])
+                assert (int(it["row_begin"]), int(it["row_end"])) == (c.chunk_starts[ch], c.chunk_starts[ch + 1])
+                ws = p["waits"][int(it["wait_begin"]): int(it["wait_begin"]) + int(it["wait_count"])]
+                assert [(int(x["flag_id"]), int(x["value"])) for x in ws] == [tuple(v) for v in c.waits[ch]]
+                assert all(int(x["flag_rank"]) == layout.flags[int(x["flag_id"])].rank for x in ws)
+        if program == "combine":
+            zero = dict(t.zero)
+            assert zero["result"] == layout.tokens * 4 * layout.hidden
+            assert set(zero) <= {b["name"] for b in m["buffers"]["combine"] if b["rows"] == "f32"}
+        sizes = cuda.buffer_sizes(m, layout, program, 5)
+        assert len(sizes) == len(names) and all(s >= 0 for s in sizes)
+
+
+def test_item_order_interleaves_copies_and_keeps_each_copys_chunks_in_order():
+    order = tables.item_order([4, 2, 1])
+    assert sorted(order) == sorted((c, k) for c, n in enumerate([4, 2, 1]) for k in range(n))
+    for c in range(3):
+        chunks = [k for cc, k in order if cc == c]
+        assert chunks == sorted(chunks)
+    # by progress through each copy: (chunk + 0.5) / chunks
+    assert order == [(0, 0), (1, 0), (0, 1), (2, 0), (0, 2), (1, 1), (0, 3)]
+
+
+def test_the_emulator_notices_missing_waits():
+    # ubbv2_ep16 forwards tokens over up to three hops: without the waits, a chunk reads a
+    # staging row before its producer wrote it, and the output is wrong.
+    plan, layout, idx, w, x = small_case("ubbv2_ep16", 12, 3)
+    m = cuda.generate(plan, source_of("ubbv2_ep16")).manifest
+    blobs = []
+    for r in range(plan.num_ranks):
+        blob = cuda.build_tables(m, layout, "dispatch", r).blob.copy()
+        p = cuda.parse_tables(blob)
+        items = p["items"].copy()
+        items["wait_count"] = 0
+        off = int(p["header"]["off_items"])
+        blob[off: off + items.nbytes] = np.frombuffer(items.tobytes(), dtype=np.uint8)
+        blobs.append(blob)
+    with pytest.raises(AssertionError, match="dispatch, rank"):
+        run_both(plan, layout, idx, w, x, m, blobs)
+
+
+def test_build_tables_rejects_layouts_of_other_plans():
+    plan, layout, *_ = small_case("h200x4", 8, 2)
+    m = cuda.generate(plan, source_of("h200x4")).manifest
+    with pytest.raises(cuda.TableError, match="the layout has 4 ranks, the kernels were compiled for 8"):
+        cuda.build_tables({**m, "num_ranks": 8}, layout, "dispatch", 0)
+    with pytest.raises(cuda.TableError, match="rank 4 is not in"):
+        cuda.build_tables(m, layout, "dispatch", 4)
+    bad = json.loads(json.dumps(m))
+    bad["buffers"]["dispatch"] = [b for b in bad["buffers"]["dispatch"] if b["name"] != "output"]
+    with pytest.raises(cuda.TableError, match="buffer 'output' is not one the kernels were compiled for"):
+        cuda.build_tables(bad, layout, "dispatch", 0)
+    other = cuda.generate(plan_of("h200x4_2vnode"), source_of("h200x4_2vnode")).manifest
+    with pytest.raises(cuda.TableError, match="which the kernels do not know"):
+        cuda.build_tables(other, layout, "dispatch", 0)
+
+
+def test_emulator_reports_a_deadlock():
+    plan, layout, idx, w, x = small_case("h200x4_2vnode", 8, 2)
+    m = cuda.generate(plan, source_of("h200x4_2vnode")).manifest
+    blobs = []
+    for r in range(plan.num_ranks):
+        blob = cuda.build_tables(m, layout, "dispatch", r).blob.copy()
+        p = cuda.parse_tables(blob)
+        waits = p["waits"].copy()
+        waits["value"] += 1000  # never reached
+        off = int(p["header"]["off_waits"])
+        blob[off: off + waits.nbytes] = np.frombuffer(waits.tobytes(), dtype=np.uint8)
+        blobs.append(blob)
+    assert any(len(cuda.parse_tables(b)["waits"]) for b in blobs)
+    with pytest.raises(EmulationError, match="deadlock"):
+        emulate(m, layout, "dispatch", list(x), blobs)
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+
+
+def test_cli_compile_target_cuda(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    rc = main(["compile", source_of("h200x4"), "--target", "cuda", "-o", str(tmp_path / "b")])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert f"{source_of('h200x4')}: CUDA sources in {tmp_path / 'b'}/cuda/" in out
+    files = sorted(p.name for p in (tmp_path / "b" / "cuda").iterdir())
+    assert files == sorted(p.name for p in (GOLDEN / "h200x4").iterdir())
+    for f in files:  # the same text as the golden: paths in comments are as given on the command line
+        assert (tmp_path / "b" / "cuda" / f).read_text() == (GOLDEN / "h200x4" / f).read_text(), f
+    assert (tmp_path / "b" / "plan.json").is_file()
+    with pytest.raises(SystemExit) as e:
+        main(["compile", source_of("h200x4"), "--target", "rocm", "-o", str(tmp_path / "c")])
+    assert e.value.code == 2
+    assert "--target" in capsys.readouterr().err
+
+
+def test_cli_without_target_writes_no_cuda(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["compile", source_of("h200x4"), "-o", str(tmp_path / "b")]) == 0
+    assert not (tmp_path / "b" / "cuda").exists()
+
+
+def test_gpu_smoke_harness_runs_emulated(tmp_path, capsys, monkeypatch):
+    """smoke.py is what the lead runs on the GPU machine; --emulate runs the same harness (layout,
+    tables, oracle checks) over the NumPy emulator."""
+    _runtime()
+    from epcc.backends.cuda import smoke
+
+    monkeypatch.chdir(REPO)
+    assert main(["compile", source_of("h200x4_2vnode"), "--target", "cuda", "-o", str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    assert smoke.main([str(tmp_path / "b"), "--emulate", "--tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines() == [f"rank {r}: ok (emulated)" for r in range(4)]
