@@ -63,8 +63,10 @@ def make_inputs(plan, routing: str = "uniform", seed: int = 0, tokens: int | Non
     return topk_idx, w, x
 
 
-def check_against_oracle(plan, topk_idx, w, x, seed: int = 0, chunked: bool = False, layout=None):
-    """layout -> reference executor == oracle (dispatch bit-exact, combine within tolerance)."""
+def check_against_oracle(plan, topk_idx, w, x, seed: int = 0, chunked: bool = False, layout=None,
+                         backend: str = "reference"):
+    """layout -> executor == oracle (dispatch bit-exact, combine within tolerance).  `backend`:
+    the NumPy reference executor, or "cpu" (the JIT-compiled LLVM backend, threads per role)."""
     wl = plan.workload
     R = plan.num_ranks
     lay = layout if layout is not None else compute_layout(plan, topk_idx, w)
@@ -74,13 +76,18 @@ def check_against_oracle(plan, topk_idx, w, x, seed: int = 0, chunked: bool = Fa
         assert np.array_equal(lay.recv_counts[d], want[d].counts), f"rank {d}: counts"
         assert np.array_equal(lay.output_weights[d].view(np.uint32), want[d].weights.view(np.uint32))
     y = inputs.make_expert_outputs([v.rows.shape[0] for v in want], wl.hidden, seed)
-    if chunked:
+    if backend == "cpu":
+        from epcc.backends import cpu
+
+        got = cpu.run_dispatch(plan, lay, list(x))
+        res = cpu.run_combine(plan, lay, y)
+    elif chunked:
         got, res = reference.run_chunked(plan, lay, list(x), y, seed=seed)
     else:
         got = reference.run_dispatch(plan, lay, list(x))
     for d in range(R):
         assert np.array_equal(got[d], want[d].rows), f"rank {d}: output rows"
-    if not chunked:
+    if not chunked and backend == "reference":
         res = reference.run_combine(plan, lay, y)
     ref, mag = oracle.combine_oracle(topk_idx, wl.experts, wl.placement, w, y, wl.hidden, return_abs=True)
     chk = oracle.compare_combine(np.stack(res), ref, mag, wl.topk)

@@ -4,6 +4,7 @@ the first differing rank/token/expert when a backend or a hand-edited plan goes 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import re
 import sys
 import types
@@ -63,6 +64,20 @@ def test_run_every_routing(capsys, routing):
     assert m and m.group("routing") == routing and "seed 7" in out
     if routing == "empty":
         assert "(0.." in out  # ranks 2 and 3 receive nothing
+
+
+SCHEDULES = sorted(p.name for p in (Path(__file__).resolve().parents[2] / "schedules").glob("*.sched"))
+
+
+@pytest.mark.parametrize("routing", ["uniform", "zipf:1.2", "one-hot", "empty", "no-remote"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_run_cpu_every_schedule_and_routing(capsys, schedule, routing):
+    """Issue 4's acceptance: `epcc run --backend cpu` on every shipped schedule (scaled down)
+    under every routing equals the oracle."""
+    rc, out, err = run(["run", f"schedules/{schedule}", "--backend", "cpu", "--routing", routing,
+                        "--tokens", "24", "--hidden", "128" if "hybrid" in schedule else "64"], capsys)
+    assert rc == 0, err
+    assert ", backend cpu: " in out and "dispatch OK" in out, out
 
 
 def test_run_fp8(capsys):

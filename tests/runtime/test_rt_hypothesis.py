@@ -122,6 +122,18 @@ def test_layout_matches_the_oracle(tmp_path_factory, case):
     check_against_oracle(plan, topk, w, x, seed=seed, chunked=True, layout=lay)
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_cpu_backend_matches_the_oracle(tmp_path_factory, case):
+    """The JIT-compiled CPU backend (threads per role, real waits and atomics) on random small
+    topologies and skewed routings."""
+    text, R, T, k, E, seed, empty, skew = case
+    plan = compile_text(text, tmp_path_factory.getbasetemp())
+    topk = random_topk(R, T, k, E, seed, empty, skew)
+    topk, w, x = make_inputs(plan, topk_idx=topk, seed=seed)
+    check_against_oracle(plan, topk, w, x, seed=seed, backend="cpu")
+
+
 def test_every_generated_plan_shape_compiles_and_runs(tmp_path):
     for plan_name in sorted(PLANS):
         text = TOPO.format(nodes=2, gpus=3, dtype="bf16", topk=3, experts=12, placement="strided",
