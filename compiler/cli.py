@@ -120,31 +120,29 @@ def _plan_options(c: argparse.ArgumentParser) -> None:
     c.add_argument("--tokens", metavar="N", help="tokens per rank (default: the workload's)")
 
 
-def _options(args):
-    """PassOptions from --routing/--tokens; a bad value is a user error (exit 1)."""
+def _positive(text, flag: str, expected: str, too_small: str) -> int | None:
+    """A positive integer option, or a located-at-the-flag user error."""
     from .diagnostics import Diagnostic
+
+    if text is None:
+        return None
+    try:
+        v = int(text)
+    except ValueError:
+        raise CompileError([Diagnostic("error", f"{flag} {text}: expected {expected}", None)]) from None
+    if v <= 0:
+        raise CompileError([Diagnostic("error", f"{flag} {text}: {too_small}", None)])
+    return v
+
+
+def _options(args):
+    """PassOptions from --routing/--tokens/--hidden; a bad value is a user error (exit 1)."""
     from .passes import PassOptions
 
-    tokens = None
-    if args.tokens is not None:
-        try:
-            tokens = int(args.tokens)
-        except ValueError:
-            raise CompileError([Diagnostic("error", f"--tokens {args.tokens}: expected a whole number of tokens per "
-                                                    f"rank, e.g. --tokens 4096", None)]) from None
-        if tokens <= 0:
-            raise CompileError([Diagnostic("error", f"--tokens {args.tokens}: tokens per rank must be at least 1",
-                                           None)])
-    hidden = None
-    if getattr(args, "hidden", None) is not None:
-        try:
-            hidden = int(args.hidden)
-        except ValueError:
-            raise CompileError([Diagnostic("error", f"--hidden {args.hidden}: expected a whole number of channels, "
-                                                    f"e.g. --hidden 256", None)]) from None
-        if hidden <= 0:
-            raise CompileError([Diagnostic("error", f"--hidden {args.hidden}: the hidden size must be at least 1",
-                                           None)])
+    tokens = _positive(args.tokens, "--tokens", "a whole number of tokens per rank, e.g. --tokens 4096",
+                       "tokens per rank must be at least 1")
+    hidden = _positive(getattr(args, "hidden", None), "--hidden", "a whole number of channels, e.g. --hidden 256",
+                       "the hidden size must be at least 1")
     return PassOptions(routing=args.routing, tokens=tokens, hidden=hidden)
 
 
