@@ -25,9 +25,8 @@ mirrors `input`.  Rows whose dispatch copy delivered nothing downstream carry an
 partial and are left out, as the compiler's volume model does ("a copy that delivered nothing
 returns nothing").
 
-Written-out combine steps (no `reverse_of`; they need `src_buffers`, `dst_buffer` and the
-evaluated selection, which `epcc run` fills in from the checked schedule when the plan lacks
-them): a partial buffer holds one slot per (home, token), created by the first contribution to
+Written-out combine steps (no `reverse_of`; derive-combine records their `src_buffers`,
+`dst_buffer` and evaluated selections in the plan): a partial buffer holds one slot per (home, token), created by the first contribution to
 arrive (in step, flow, row order) and accumulated into afterwards; `select` is a set of HOME
 ranks; `reduce output into B` applies the routing weights; `result` on h mirrors `input`.
 
