@@ -124,6 +124,16 @@ def run_combine(plan, layout: Layout, y) -> list[np.ndarray]:
 # --------------------------------------------------------------------------- chunk by chunk
 
 
+def _rows_by_source(plan, c: Copy, lo: int, hi: int):
+    """(source buffer, row mask) for the rows [lo, hi) of copy `c`, one source buffer at a time."""
+    names, ids = _src_ids(plan, c)
+    for bi, b in enumerate(names):
+        m = np.zeros(c.src_slots.size, dtype=bool)
+        m[lo:hi] = ids[lo:hi] == bi
+        if m.any():
+            yield b, m
+
+
 def run_chunked(plan, layout: Layout, x_rows, y, seed: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Dispatch then combine, chunk by chunk in a random order that respects only the waits
     (each copy's chunks in order; a chunk runs once all its (flag, value) pairs are reached).
@@ -136,13 +146,8 @@ def run_chunked(plan, layout: Layout, x_rows, y, seed: int = 0) -> tuple[list[np
     ready = {key: np.full(a.shape[0], key[0] == "input", dtype=bool) for key, a in bufs.items()}
 
     def do_dispatch(c: Copy, lo: int, hi: int) -> None:
-        names, ids = _src_ids(plan, c)
         dst = bufs[(c.dst_buffer, c.dst)]
-        for bi, b in enumerate(names):
-            m = np.zeros(c.src_slots.size, dtype=bool)
-            m[lo:hi] = ids[lo:hi] == bi
-            if not m.any():
-                continue
+        for b, m in _rows_by_source(plan, c, lo, hi):
             s = c.src_slots[m]
             if not ready[(b, c.src)][s].all():
                 bad = int(s[~ready[(b, c.src)][s]][0])
@@ -161,13 +166,8 @@ def run_chunked(plan, layout: Layout, x_rows, y, seed: int = 0) -> tuple[list[np
         np.add.at(pending[(c.dst_buffer, c.dst)], c.dst_slots, 1)
 
     def do_combine(c: Copy, lo: int, hi: int) -> None:
-        names, ids = _src_ids(plan, c)
         dst = cbufs[(c.dst_buffer, c.dst)]
-        for bi, b in enumerate(names):
-            m = np.zeros(c.src_slots.size, dtype=bool)
-            m[lo:hi] = ids[lo:hi] == bi
-            if not m.any():
-                continue
+        for b, m in _rows_by_source(plan, c, lo, hi):
             s = c.src_slots[m]
             left = pending[(b, c.src)][s]
             if (left > 0).any():
