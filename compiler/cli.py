@@ -98,6 +98,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--tokens", metavar="N", help="tokens per rank (default: the workload's)")
     c.add_argument("--hidden", metavar="N", help="hidden size (default: the workload's; fp8 needs a multiple of 128)")
     c.add_argument("--seed", metavar="N", default="0", help="seed of every random input (default: 0)")
+    c.add_argument("--transport", default="inproc", metavar="inproc|libfabric-tcp",
+                   help="how ranks run and RDMA steps move (cpu backend): inproc: every rank's roles as threads of "
+                        "this process, RDMA copies as memory copies; libfabric-tcp: one process per rank "
+                        "(torch.distributed gloo rendezvous), RDMA steps through the emitted proxy loop over "
+                        "libfabric's tcp provider (docs/rdma.md) (default: inproc)")
     c.set_defaults(func=cmd_run)
     return p
 
@@ -377,6 +382,21 @@ def _dispatch_difference(layout, got_rows, want, names: list[str]) -> str | None
     return None
 
 
+def _transport_backend(backend: str, transport: str):
+    """The backend running one process per rank over `transport`, or a one-line error."""
+    from epcc.backends.cpu import procs
+
+    if transport not in procs.TRANSPORTS:
+        return f"--transport {transport}: unknown transport (choose from {', '.join(procs.TRANSPORTS)})"
+    if backend != "cpu":
+        return f"--transport {transport}: only the cpu backend runs over a transport (not '{backend}')"
+    try:
+        procs.check_transport(transport)
+    except procs.TransportUnavailable as e:
+        return str(e)
+    return procs.ProcessBackend(transport)
+
+
 def cmd_run(args) -> int:
     import time
 
@@ -439,8 +459,15 @@ def cmd_run(args) -> int:
         print(f"epcc: error: {why}\nepcc: note: '--backend reference' runs the NumPy reference executor",
               file=sys.stderr)
         return EXIT_USER
+    transport = getattr(args, "transport", "inproc")
+    if transport != "inproc":
+        backend = _transport_backend(args.backend, transport)
+        if isinstance(backend, str):
+            print(f"epcc: error: {backend}", file=sys.stderr)
+            return EXIT_USER
     head = (f"{schedule}: {R} ranks x {tokens} tokens, hidden {wl.hidden} {wl.dtype}, top-{wl.topk} of {wl.experts}, "
-            f"routing {routing.describe()}, seed {seed}, backend {args.backend}")
+            f"routing {routing.describe()}, seed {seed}, backend {args.backend}"
+            + (f", transport {transport}" if transport != "inproc" else ""))
 
     def times() -> str:
         order = ["compile", "load", "inputs", "layout", "dispatch", "combine", "oracle"]
@@ -493,6 +520,8 @@ def cmd_run(args) -> int:
               f"channel {ch}: got {chk.got:.6g}, expected {chk.want:.6g}", file=sys.stderr)
         return EXIT_USER
     print(f"{head}: {recv}; dispatch OK (bit-exact); combine OK ({err}); {times()}")
+    if hasattr(backend, "summary") and backend.summary():
+        print(f"transport: {backend.summary()}")
     return EXIT_OK
 
 

@@ -138,11 +138,12 @@ class _Thread:
 class _Tables:
     """The descriptor tables of one run, and every array they point into (kept alive)."""
 
-    def __init__(self, plan: Plan, layout: Layout, program: str, mem: Memory, timeout_ns: int):
+    def __init__(self, plan: Plan, layout: Layout, program: str, mem: Memory, timeout_ns: int,
+                 abort: np.ndarray | None = None):
         self.plan, self.layout, self.program, self.mem = plan, layout, program, mem
         self.timeout_ns = timeout_ns
         self.keep: list[np.ndarray] = []
-        self.abort = np.zeros(1, dtype=np.int64)
+        self.abort = np.zeros(1, dtype=np.int64) if abort is None else abort
         self.scratch = np.zeros(1, dtype=np.int64)  # the counter of a copy with flag_id -1
         self.flag_rank = {f.flag_id: f.rank for f in layout.flags}
         self._flag_arrays: dict[int, np.ndarray] = {}
@@ -228,13 +229,16 @@ class _Tables:
         return _Thread(rank, self.program, step, fn, table, err, copies)
 
 
-def _threads(jp: JitPlan, plan: Plan, layout: Layout, program: str, mem: Memory, ranks, timeout_ns: int):
-    tables = _Tables(plan, layout, program, mem, timeout_ns)
+def _threads(jp: JitPlan, plan: Plan, layout: Layout, program: str, mem: Memory, ranks, timeout_ns: int,
+             skip_steps=frozenset(), abort: np.ndarray | None = None):
+    tables = _Tables(plan, layout, program, mem, timeout_ns, abort)
     by_role: dict[tuple[int, str], list[Copy]] = {}
     for c in layout.program_copies(program):
         if (program, c.step) not in jp.drivers:
             raise ValueError(f"the layout has copies of step '{c.step}' of {program}, which is no role "
                              f"of the plan's kernels")
+        if c.step in skip_steps:
+            continue  # run by someone else (the RDMA proxy loop, backends/rdma)
         if ranks is None or c.rank in ranks:
             by_role.setdefault((c.rank, c.step), []).append(c)
     threads = []
@@ -304,11 +308,14 @@ def _raise_stuck(layout: Layout, program: str, threads: list[_Thread], timeout_n
                             expected=cur["expected"], timeout_s=timeout_s, stuck=lines)
 
 
-def execute(plan: Plan, layout: Layout, program: str, mem: Memory, *, ranks=None, timeout_s: float = 10.0) -> None:
+def execute(plan: Plan, layout: Layout, program: str, mem: Memory, *, ranks=None, timeout_s: float = 10.0,
+            skip_steps=frozenset(), abort: np.ndarray | None = None) -> None:
     """Run every role of `program` for the executing ranks in `ranks` (None: all) over `mem`.
 
     The caller zeroes the counters (and combine's partials) before any rank runs; `execute`
-    never resets them, since peers in other processes may already be signalling."""
+    never resets them, since peers in other processes may already be signalling.  Steps in
+    `skip_steps` are left to another engine (the RDMA proxy loop, procs.py), which shares the
+    `abort` word (int64 [1]) with the drivers: a timeout on either side stops both."""
     if program not in PROGRAMS:
         raise ValueError(f"program must be one of {PROGRAMS}, not {program!r}")
     if timeout_s < 0:
@@ -316,7 +323,7 @@ def execute(plan: Plan, layout: Layout, program: str, mem: Memory, *, ranks=None
     ranks = None if ranks is None else {int(r) for r in ranks}
     jp = compile_plan(plan)
     timeout_ns = int(round(timeout_s * 1e9))
-    tables, threads = _threads(jp, plan, layout, program, mem, ranks, timeout_ns)
+    tables, threads = _threads(jp, plan, layout, program, mem, ranks, timeout_ns, skip_steps, abort)
 
     def run(t: _Thread) -> None:
         t.status = int(t.fn(t.table.ctypes.data))

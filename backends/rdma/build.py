@@ -1,0 +1,108 @@
+"""Compile the emitted proxy loop with a transport into a shared library (the CPU path).
+
+Libraries are cached under build/rdma/<sha256 of sources and flags>/ (or $EPCC_RDMA_BUILD_DIR),
+so a plan is compiled once.  The C compiler is $CC or cc.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+NATIVE_DIR = Path(__file__).resolve().parent / "native"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+#: transport -> (sources, macro, link flags)
+TRANSPORTS = {
+    "libfabric": (("transport_libfabric.c",), "EPCC_TP_HAVE_LIBFABRIC", ("-lfabric",)),
+    "ibverbs": (("transport_ibverbs.c",), "EPCC_TP_HAVE_IBVERBS", ("-libverbs",)),
+}
+CFLAGS = ("-std=c11", "-O2", "-fPIC", "-Wall", "-Wextra", "-Werror", "-pthread")
+
+_lock = threading.Lock()
+
+
+class BuildError(RuntimeError):
+    """The proxy library could not be compiled (the message names the command and its output)."""
+
+
+def transport_sources(transport: str) -> tuple[list[Path], str, list[str]]:
+    if transport not in TRANSPORTS:
+        raise BuildError(f"transport '{transport}' is not one of {', '.join(sorted(TRANSPORTS))} (compiled by cc; "
+                         f"'emulated' and 'nvshmem' are CUDA sources, built with nvcc)")
+    srcs, macro, libs = TRANSPORTS[transport]
+    return [NATIVE_DIR / s for s in srcs], macro, list(libs)
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get("EPCC_RDMA_BUILD_DIR") or (REPO_ROOT / "build" / "rdma"))
+
+
+def compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise BuildError("no C compiler: install gcc (Debian: apt-get install gcc) or set CC")
+    return cc
+
+
+def compile_command(sources: list[Path], out: Path, transport: str) -> list[str]:
+    tsrcs, macro, libs = transport_sources(transport)
+    return [compiler(), *CFLAGS, f"-D{macro}", f"-I{NATIVE_DIR}", "-shared", "-o", str(out), *map(str, sources),
+            str(NATIVE_DIR / "epcc_transport.c"), str(NATIVE_DIR / "epcc_proxy_prim.c"), *map(str, tsrcs), *libs]
+
+
+def build(plan, transport: str = "libfabric") -> Path:
+    """The shared library of `plan`'s proxy loop linked with `transport`; compiled if needed."""
+    from . import proxy_file_name, proxy_source
+
+    text = proxy_source(plan)
+    if not text:
+        raise BuildError(f"schedule '{plan.schedule}' has no RDMA step: there is no proxy loop to build")
+    tsrcs, _, _ = transport_sources(transport)
+    h = hashlib.sha256(text.encode())
+    for p in sorted(NATIVE_DIR.iterdir()):
+        if p.suffix in (".c", ".h"):
+            h.update(p.name.encode() + p.read_bytes())
+    h.update(transport.encode() + " ".join(CFLAGS).encode())
+    d = build_dir() / h.hexdigest()[:16]
+    lib = d / f"libepcc_proxy_{transport}.so"
+    with _lock:
+        if lib.is_file():
+            return lib
+        d.mkdir(parents=True, exist_ok=True)
+        src = d / proxy_file_name(plan)
+        src.write_text(text, encoding="utf-8")
+        tmp = d / f".{lib.name}.{os.getpid()}.tmp"
+        cmd = compile_command([src], tmp, transport)
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise BuildError(f"compiling the proxy library failed ({' '.join(cmd)}):\n{r.stderr.strip()}")
+        os.replace(tmp, lib)
+        return lib
+
+
+def build_transport(transport: str) -> Path:
+    """A library of the transport alone (epcc_transport.h's functions), for probing."""
+    tsrcs, _, _ = transport_sources(transport)
+    h = hashlib.sha256()
+    for p in sorted(NATIVE_DIR.iterdir()):
+        if p.suffix in (".c", ".h"):
+            h.update(p.name.encode() + p.read_bytes())
+    h.update(transport.encode() + " ".join(CFLAGS).encode())
+    d = build_dir() / f"transport-{h.hexdigest()[:16]}"
+    lib = d / f"libepcc_transport_{transport}.so"
+    with _lock:
+        if lib.is_file():
+            return lib
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{lib.name}.{os.getpid()}.tmp"
+        cmd = compile_command([], tmp, transport)
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise BuildError(f"compiling the transport library failed ({' '.join(cmd)}):\n{r.stderr.strip()}")
+        os.replace(tmp, lib)
+        return lib
