@@ -450,6 +450,13 @@ def cmd_run(args) -> int:
         x = timed("inputs", inputs.make_x_rows, R, tokens, wl.hidden, wl.dtype, seed)
     except ValueError as e:
         raise _user_error(f"--routing {args.routing}: {e}") from None
+    if getattr(args, "transport", "inproc") != "inproc":
+        from epcc.backends import rdma
+
+        try:  # EPCC_RDMA_CHUNK_TOKENS / EPCC_RDMA_DEPTH re-chunk the RDMA steps (docs/rdma.md)
+            plan = rdma.with_overrides(plan)
+        except rdma.RdmaConfigError as e:
+            raise _user_error(str(e)) from None
     try:
         layout = timed("layout", compute_layout, plan, routing.topk_idx, weights)
     except ValueError as e:

@@ -105,6 +105,9 @@ static inline int epcc_tp_evq_pop(epcc_tp_evq *q, epcc_tp_event *out, int max) {
     return n;
 }
 
+#ifdef __cplusplus
+extern "C" {
+#endif
 #ifdef EPCC_TP_HAVE_LIBFABRIC
 extern const epcc_tp_ops epcc_tp_ops_libfabric;
 #endif
@@ -116,6 +119,10 @@ extern const epcc_tp_ops epcc_tp_ops_emulated;
 #endif
 #ifdef EPCC_TP_HAVE_NVSHMEM
 extern const epcc_tp_ops epcc_tp_ops_nvshmem;
+#endif
+
+#ifdef __cplusplus
+}
 #endif
 
 #endif /* EPCC_TRANSPORT_IMPL_H */

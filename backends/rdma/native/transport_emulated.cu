@@ -1,0 +1,297 @@
+/*
+ * transport_emulated.cu - epcc_transport.h on one multi-GPU host: an RDMA-class write is a copy
+ * engine transfer (cudaMemcpyAsync between peer GPU buffers mapped through CUDA IPC), paced to
+ * the link class's bandwidth and latency, so RDMA-bound schedules run and are timed on GPUs
+ * without a NIC (h200x4_2vnode.sched).
+ *
+ * spec: "BANDWIDTH_GBPS,LATENCY_US[,DEVICE]", e.g. "50,5" or "13,5,2".
+ * Registration: GPU memory (cudaMalloc'd); every region registered before epcc_tp_address() is
+ * exported by IPC handle in the address blob, keyed by its registration index; a peer maps it in
+ * connect().  Immediates: each rank has an inbox in GPU memory (nranks x EMU_INBOX u64 slots);
+ * after the payload copy, the same stream copies (imm | valid) into slot [sender][seq] of the
+ * target's inbox, so it lands after the data.  The target's poll reads its inbox.
+ * Pacing: a write starts no earlier than the link (this rank's egress) is free, and completes
+ * locally no earlier than start + latency + bytes / bandwidth, and not before the copy is done.
+ */
+#include "epcc_transport_impl.h"
+
+#include <cuda_runtime.h>
+#include <pthread.h>
+
+#define EMU_MAX_REGIONS 64
+#define EMU_INBOX 4096
+#define EMU_MAX_INFLIGHT 4096
+
+typedef struct {
+    cudaIpcMemHandle_t handle;
+    uint64_t size;
+} emu_region_addr;
+
+typedef struct {
+    cudaIpcMemHandle_t inbox;
+    uint32_t n_regions;
+    emu_region_addr regions[EMU_MAX_REGIONS];
+} emu_addr;
+
+typedef struct {
+    cudaEvent_t done;
+    uint64_t ready_ns; /* paced completion time */
+    uint64_t ctx;
+} emu_op;
+
+typedef struct {
+    epcc_tp base;
+    pthread_mutex_t lock;
+    int device;
+    double bytes_per_ns, latency_ns;
+    uint64_t link_free_ns;
+    cudaStream_t stream;
+    uint64_t *inbox;       /* device: [nranks][EMU_INBOX] */
+    uint64_t *inbox_host;  /* host copy for polling */
+    uint64_t *seen;        /* [nranks]: immediates consumed per sender */
+    uint64_t *sent;        /* [nranks]: immediates sent per target */
+    uint64_t *imm_src;     /* device staging of immediates: [EMU_MAX_INFLIGHT] */
+    uint64_t imm_next;
+    void *regions[EMU_MAX_REGIONS];
+    uint64_t region_size[EMU_MAX_REGIONS];
+    uint32_t n_regions;
+    void ***peer_regions; /* [nranks][EMU_MAX_REGIONS] */
+    uint64_t **peer_inbox;
+    emu_op ops[EMU_MAX_INFLIGHT];
+    uint64_t op_head, op_tail;
+    epcc_tp_evq q;
+} emu_tp;
+
+struct epcc_tp_mr {
+    epcc_tp *tp; /* first: see epcc_tp_mr_remote */
+    uint32_t index;
+    void *base;
+};
+
+#define CU(call, what)                                                                               \
+    do {                                                                                             \
+        cudaError_t e_ = (call);                                                                     \
+        if (e_ != cudaSuccess)                                                                       \
+            return epcc_tp_fail(&t->base, -EIO, "emulated: %s failed: %s", what, cudaGetErrorString(e_)); \
+    } while (0)
+
+static int emu_open(const char *spec, int rank, int nranks, epcc_tp **out, char *err, size_t errlen) {
+    (void)rank;
+    double gbps = 0, lat_us = 0;
+    int dev = -1;
+    if (sscanf(spec, "%lf,%lf,%d", &gbps, &lat_us, &dev) < 2 || gbps <= 0 || lat_us < 0)
+        return epcc_tp_fail_buf(err, errlen, -EINVAL,
+                                "emulated: spec '%s' must be BANDWIDTH_GBPS,LATENCY_US[,DEVICE], e.g. '50,5'", spec);
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0)
+        return epcc_tp_fail_buf(err, errlen, -ENODEV, "emulated: no CUDA device");
+    emu_tp *t = (emu_tp *)calloc(1, sizeof *t);
+    *out = &t->base;
+    pthread_mutex_init(&t->lock, NULL);
+    t->bytes_per_ns = gbps; /* GB/s == bytes/ns */
+    t->latency_ns = lat_us * 1e3;
+    t->device = dev >= 0 ? dev : 0;
+    if (dev < 0) cudaGetDevice(&t->device);
+    t->seen = (uint64_t *)calloc((size_t)nranks, 8);
+    t->sent = (uint64_t *)calloc((size_t)nranks, 8);
+    t->inbox_host = (uint64_t *)calloc((size_t)nranks * EMU_INBOX, 8);
+    t->peer_regions = (void ***)calloc((size_t)nranks, sizeof(void **));
+    t->peer_inbox = (uint64_t **)calloc((size_t)nranks, sizeof(uint64_t *));
+    if (cudaSetDevice(t->device) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaMalloc((void **)&t->inbox, (size_t)nranks * EMU_INBOX * 8) != cudaSuccess ||
+        cudaMemset(t->inbox, 0, (size_t)nranks * EMU_INBOX * 8) != cudaSuccess ||
+        cudaMalloc((void **)&t->imm_src, EMU_MAX_INFLIGHT * 8) != cudaSuccess)
+        return epcc_tp_fail_buf(err, errlen, -EIO, "emulated: CUDA setup on device %d failed", t->device);
+    for (int i = 0; i < EMU_MAX_INFLIGHT; i++) cudaEventCreateWithFlags(&t->ops[i].done, cudaEventDisableTiming);
+    snprintf(t->base.desc, sizeof t->base.desc, "emulated (copy engine on GPU %d, paced to %g GB/s, %g us)", t->device,
+             gbps, lat_us);
+    return 0;
+}
+
+static int emu_reg(epcc_tp *tp, void *buf, size_t len, unsigned access, epcc_tp_mr **out) {
+    emu_tp *t = (emu_tp *)tp;
+    (void)access;
+    if (t->n_regions >= EMU_MAX_REGIONS) return epcc_tp_fail(tp, -ENOSPC, "emulated: more than %d regions", EMU_MAX_REGIONS);
+    epcc_tp_mr *m = (epcc_tp_mr *)calloc(1, sizeof *m);
+    m->tp = tp;
+    m->index = t->n_regions++;
+    m->base = buf;
+    t->regions[m->index] = buf;
+    t->region_size[m->index] = len;
+    *out = m;
+    return 0;
+}
+
+static void emu_mr_remote(const epcc_tp_mr *m, uint64_t *addr, uint64_t *key) {
+    *addr = 0; /* offsets into the region */
+    *key = m->index;
+}
+
+static int emu_dereg(epcc_tp *tp, epcc_tp_mr *m) {
+    (void)tp;
+    free(m);
+    return 0;
+}
+
+static int emu_address(epcc_tp *tp, void *buf, size_t *len) {
+    emu_tp *t = (emu_tp *)tp;
+    if (*len < sizeof(emu_addr)) return epcc_tp_fail(tp, -ENOSPC, "emulated: the address needs %zu bytes", sizeof(emu_addr));
+    emu_addr a;
+    memset(&a, 0, sizeof a);
+    CU(cudaIpcGetMemHandle(&a.inbox, t->inbox), "cudaIpcGetMemHandle (inbox)");
+    a.n_regions = t->n_regions;
+    for (uint32_t i = 0; i < t->n_regions; i++) {
+        CU(cudaIpcGetMemHandle(&a.regions[i].handle, t->regions[i]), "cudaIpcGetMemHandle (a registered region)");
+        a.regions[i].size = t->region_size[i];
+    }
+    memcpy(buf, &a, sizeof a);
+    *len = sizeof a;
+    return 0;
+}
+
+static int emu_connect(epcc_tp *tp, const void *blobs, size_t blob_len) {
+    emu_tp *t = (emu_tp *)tp;
+    for (int r = 0; r < tp->nranks; r++) {
+        emu_addr a;
+        memcpy(&a, (const char *)blobs + (size_t)r * blob_len, sizeof a);
+        t->peer_regions[r] = (void **)calloc(EMU_MAX_REGIONS, sizeof(void *));
+        if (r == tp->rank) {
+            t->peer_inbox[r] = t->inbox;
+            for (uint32_t i = 0; i < t->n_regions; i++) t->peer_regions[r][i] = t->regions[i];
+            continue;
+        }
+        CU(cudaIpcOpenMemHandle((void **)&t->peer_inbox[r], a.inbox, cudaIpcMemLazyEnablePeerAccess),
+           "cudaIpcOpenMemHandle (a peer's inbox)");
+        for (uint32_t i = 0; i < a.n_regions; i++)
+            CU(cudaIpcOpenMemHandle(&t->peer_regions[r][i], a.regions[i].handle, cudaIpcMemLazyEnablePeerAccess),
+               "cudaIpcOpenMemHandle (a peer's region)");
+    }
+    return 0;
+}
+
+/* Completed ops (copy done and paced time reached), in order; the inbox's new immediates. */
+static int reap(emu_tp *t) {
+    uint64_t now = epcc_tp_now_ns();
+    while (t->op_head < t->op_tail) {
+        emu_op *o = &t->ops[t->op_head % EMU_MAX_INFLIGHT];
+        cudaError_t q = cudaEventQuery(o->done);
+        if (q == cudaErrorNotReady || now < o->ready_ns) break;
+        if (q != cudaSuccess) return epcc_tp_fail(&t->base, -EIO, "emulated: a copy failed: %s", cudaGetErrorString(q));
+        epcc_tp_event ev = {EPCC_TP_EV_LOCAL, 0, o->ctx};
+        epcc_tp_evq_push(&t->q, ev);
+        t->base.stats.local_completions++;
+        t->op_head++;
+    }
+    int n = t->base.nranks;
+    if (cudaMemcpy(t->inbox_host, t->inbox, (size_t)n * EMU_INBOX * 8, cudaMemcpyDeviceToHost) != cudaSuccess)
+        return epcc_tp_fail(&t->base, -EIO, "emulated: reading the inbox failed");
+    for (int s = 0; s < n; s++) {
+        for (;;) {
+            uint64_t v = t->inbox_host[(size_t)s * EMU_INBOX + t->seen[s] % EMU_INBOX];
+            if ((v >> 32) != (t->seen[s] / EMU_INBOX) * 2 + 1) break; /* lap-tagged valid word */
+            epcc_tp_event ev = {EPCC_TP_EV_REMOTE, (uint32_t)v, 0};
+            epcc_tp_evq_push(&t->q, ev);
+            t->base.stats.imm_received++;
+            t->seen[s]++;
+        }
+    }
+    return 0;
+}
+
+static int emu_post_write(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *m, uint64_t raddr,
+                          uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx, uint64_t timeout_ns) {
+    emu_tp *t = (emu_tp *)tp;
+    (void)m;
+    uint64_t deadline = epcc_tp_deadline(timeout_ns);
+    pthread_mutex_lock(&t->lock);
+    while (t->op_tail - t->op_head >= EMU_MAX_INFLIGHT) {
+        t->base.stats.eagain++;
+        if (reap(t) || epcc_tp_now_ns() >= deadline) {
+            pthread_mutex_unlock(&t->lock);
+            return epcc_tp_fail(tp, -EAGAIN, "emulated: %d writes in flight for too long", EMU_MAX_INFLIGHT);
+        }
+    }
+    if (rkey >= EMU_MAX_REGIONS || !t->peer_regions[peer] || !t->peer_regions[peer][rkey]) {
+        pthread_mutex_unlock(&t->lock);
+        return epcc_tp_fail(tp, -EINVAL, "emulated: rank %d has no region %llu", peer, (unsigned long long)rkey);
+    }
+    char *dst = (char *)t->peer_regions[peer][rkey] + raddr;
+    uint64_t now = epcc_tp_now_ns();
+    uint64_t start = now > t->link_free_ns ? now : t->link_free_ns;
+    uint64_t busy = (uint64_t)((double)len / t->bytes_per_ns);
+    t->link_free_ns = start + busy;
+    emu_op *o = &t->ops[t->op_tail % EMU_MAX_INFLIGHT];
+    o->ready_ns = start + busy + (uint64_t)t->latency_ns;
+    o->ctx = ctx;
+    cudaError_t e = cudaMemcpyAsync(dst, src, len, cudaMemcpyDefault, t->stream);
+    if (e == cudaSuccess && imm_valid) {
+        uint64_t k = t->sent[peer]++;
+        uint64_t word = (((k / EMU_INBOX) * 2 + 1) << 32) | imm;
+        uint64_t *stage = &t->imm_src[t->imm_next++ % EMU_MAX_INFLIGHT];
+        e = cudaMemcpyAsync(stage, &word, 8, cudaMemcpyHostToDevice, t->stream);
+        if (e == cudaSuccess)
+            e = cudaMemcpyAsync(t->peer_inbox[peer] + (size_t)tp->rank * EMU_INBOX + k % EMU_INBOX, stage, 8,
+                                cudaMemcpyDefault, t->stream);
+    }
+    if (e == cudaSuccess) e = cudaEventRecord(o->done, t->stream);
+    if (e != cudaSuccess) {
+        pthread_mutex_unlock(&t->lock);
+        return epcc_tp_fail(tp, -EIO, "emulated: cudaMemcpyAsync to rank %d failed: %s", peer, cudaGetErrorString(e));
+    }
+    t->op_tail++;
+    t->base.stats.writes_posted++;
+    t->base.stats.bytes_posted += len;
+    pthread_mutex_unlock(&t->lock);
+    return 0;
+}
+
+static int emu_poll(epcc_tp *tp, epcc_tp_event *events, int max) {
+    emu_tp *t = (emu_tp *)tp;
+    pthread_mutex_lock(&t->lock);
+    int n = epcc_tp_evq_pop(&t->q, events, max), r = 0;
+    if (n < max && (r = reap(t)) == 0) n += epcc_tp_evq_pop(&t->q, events + n, max - n);
+    pthread_mutex_unlock(&t->lock);
+    return r < 0 ? r : n;
+}
+
+static int emu_flush(epcc_tp *tp, uint64_t timeout_ns) {
+    emu_tp *t = (emu_tp *)tp;
+    uint64_t deadline = epcc_tp_deadline(timeout_ns);
+    for (;;) {
+        pthread_mutex_lock(&t->lock);
+        int r = reap(t);
+        uint64_t left = t->op_tail - t->op_head;
+        pthread_mutex_unlock(&t->lock);
+        if (r) return r;
+        if (!left) return 0;
+        if (epcc_tp_now_ns() >= deadline) return epcc_tp_fail(tp, -ETIMEDOUT, "emulated: flush timed out");
+    }
+}
+
+static void emu_close(epcc_tp *tp) {
+    emu_tp *t = (emu_tp *)tp;
+    for (int r = 0; r < tp->nranks; r++) {
+        if (r != tp->rank && t->peer_regions && t->peer_regions[r])
+            for (int i = 0; i < EMU_MAX_REGIONS; i++)
+                if (t->peer_regions[r][i]) cudaIpcCloseMemHandle(t->peer_regions[r][i]);
+        if (r != tp->rank && t->peer_inbox && t->peer_inbox[r]) cudaIpcCloseMemHandle(t->peer_inbox[r]);
+        if (t->peer_regions) free(t->peer_regions[r]);
+    }
+    for (int i = 0; i < EMU_MAX_INFLIGHT; i++) cudaEventDestroy(t->ops[i].done);
+    cudaFree(t->inbox);
+    cudaFree(t->imm_src);
+    cudaStreamDestroy(t->stream);
+    free(t->peer_regions);
+    free(t->peer_inbox);
+    free(t->inbox_host);
+    free(t->seen);
+    free(t->sent);
+    free(t->q.ev);
+    free(t);
+}
+
+const epcc_tp_ops epcc_tp_ops_emulated = {
+    "emulated", emu_open, emu_reg, emu_mr_remote, emu_dereg, emu_address, emu_connect,
+    emu_post_write, emu_poll, emu_flush, emu_close,
+};

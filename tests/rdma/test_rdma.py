@@ -1,0 +1,281 @@
+"""backends/rdma: the proxy loop's primitives, its emitted source, the transports, and real
+multi-process runs of epcc run --transport libfabric-tcp (docs/rdma.md)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from epcc.backends import rdma
+from epcc.backends.cpu.host import timeout_message
+from epcc.backends.rdma.build import NATIVE_DIR, BuildError, build_transport, compiler
+from epcc.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[2]
+EPCC = [sys.executable, "-m", "epcc.cli"]
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def _plan(sched: str) -> Plan:
+    from epcc import pipeline
+
+    c = pipeline.run(str(ROOT / "schedules" / sched), pipeline.STAGES[-1].name, None)
+    return c.passes.get("plan")
+
+
+@pytest.fixture(scope="module")
+def prim(tmp_path_factory):
+    """epcc_proxy_prim.c alone, as a shared library."""
+    out = tmp_path_factory.mktemp("prim") / "libprim.so"
+    subprocess.run([compiler(), "-std=c11", "-O2", "-fPIC", "-shared", "-Wall", "-Werror", f"-I{NATIVE_DIR}",
+                    str(NATIVE_DIR / "epcc_proxy_prim.c"), "-o", str(out)], check=True)
+    lib = ctypes.CDLL(str(out))
+    vp, u64 = ctypes.c_void_p, ctypes.c_uint64
+    lib.epcc_rdma_fifo_init.argtypes = [vp, u64]
+    lib.epcc_rdma_fifo_can_push.argtypes = [vp]
+    lib.epcc_rdma_fifo_push.argtypes, lib.epcc_rdma_fifo_push.restype = [vp, u64, u64, u64, u64], u64
+    lib.epcc_rdma_fifo_peek.argtypes, lib.epcc_rdma_fifo_peek.restype = [vp], vp
+    lib.epcc_rdma_fifo_take.argtypes, lib.epcc_rdma_fifo_take.restype = [vp], u64
+    lib.epcc_rdma_fifo_complete.argtypes = [vp, u64]
+    lib.epcc_rdma_tracker_init.argtypes = [vp, u64, u64]
+    lib.epcc_rdma_tracker_land.argtypes = [vp, u64]
+    lib.epcc_rdma_tracker_pop.argtypes, lib.epcc_rdma_tracker_pop.restype = [vp], ctypes.c_int64
+    lib.epcc_rdma_wait_ge.argtypes = [vp, u64, u64, vp, ctypes.POINTER(u64)]
+    lib.epcc_rdma_format_timeout.argtypes = [ctypes.c_char_p, ctypes.c_size_t, u64, ctypes.c_char_p,
+                                             ctypes.c_char_p, ctypes.c_char_p, u64, u64]
+    return lib
+
+
+class Entry(ctypes.Structure):
+    _fields_ = [("word", ctypes.c_uint64), ("kind", ctypes.c_uint64), ("chan", ctypes.c_uint64),
+                ("chan_seq", ctypes.c_uint64), ("bytes", ctypes.c_uint64)]
+
+
+class Fifo(ctypes.Structure):
+    _fields_ = [("tail", ctypes.c_uint64), ("head", ctypes.c_uint64), ("retired", ctypes.c_uint64),
+                ("flushed", ctypes.c_uint64), ("depth", ctypes.c_uint64), ("entries", ctypes.c_void_p),
+                ("done", ctypes.c_void_p)]
+
+
+class Tracker(ctypes.Structure):
+    _fields_ = [("next", ctypes.c_uint64), ("depth", ctypes.c_uint64), ("total", ctypes.c_uint64),
+                ("landed", ctypes.c_void_p)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(depth=st.integers(1, 8), chunks=st.lists(st.integers(1, 12), min_size=1, max_size=3), data=st.data())
+def test_fifo_credits_and_in_order_apply_never_lose_or_duplicate(prim, depth, chunks, data):
+    """One sender role over len(chunks) channels, FIFO depth = landing depth = `depth`; writes
+    complete and land in an order hypothesis picks among those in flight.  Every chunk is applied
+    exactly once, in order per channel; the FIFO never exceeds its credits, the sender never
+    posts outside the receiver's window; the run always finishes."""
+    f = Fifo()
+    assert prim.epcc_rdma_fifo_init(ctypes.byref(f), depth) == 0
+    trackers = [Tracker() for _ in chunks]
+    for t, n in zip(trackers, chunks):
+        assert prim.epcc_rdma_tracker_init(ctypes.byref(t), depth, n) == 0
+    # The producer's order: chunk-major over the channels (as a role runs its copies).
+    order = [(c, r) for r in range(max(chunks)) for c, n in enumerate(chunks) if r < n]
+    pushed, in_flight, landed_unapplied, applied = 0, [], [], [[] for _ in chunks]
+    consumed = [0] * len(chunks)  # the credit each receiver returned
+    for _ in range(10 * len(order) * depth + 100):
+        moves = []
+        if pushed < len(order) and prim.epcc_rdma_fifo_can_push(ctypes.byref(f)):
+            moves.append("push")
+        e = prim.epcc_rdma_fifo_peek(ctypes.byref(f))
+        if e:
+            ent = Entry.from_address(e)
+            if ent.chan_seq < consumed[ent.chan] + depth:
+                moves.append("post")
+        if in_flight:
+            moves.append("complete")
+        if landed_unapplied:
+            moves.append("apply")
+        if not moves:
+            break
+        m = data.draw(st.sampled_from(moves))
+        if m == "push":
+            c, r = order[pushed]
+            prim.epcc_rdma_fifo_push(ctypes.byref(f), 1, c, r, 0)
+            pushed += 1
+            assert f.tail - f.retired <= depth
+        elif m == "post":
+            ent = Entry.from_address(e)
+            idx = prim.epcc_rdma_fifo_take(ctypes.byref(f))
+            in_flight.append((idx, ent.chan, ent.chan_seq))
+        elif m == "complete":  # any write in flight completes (locally) and lands (remotely)
+            idx, c, seq = in_flight.pop(data.draw(st.integers(0, len(in_flight) - 1)))
+            assert prim.epcc_rdma_fifo_complete(ctypes.byref(f), idx) == 0
+            assert prim.epcc_rdma_fifo_complete(ctypes.byref(f), idx) == -1  # never twice
+            assert prim.epcc_rdma_tracker_land(ctypes.byref(trackers[c]), seq) == 0
+            assert prim.epcc_rdma_tracker_land(ctypes.byref(trackers[c]), seq) == -1  # a duplicate is refused
+            landed_unapplied.append(c)
+        else:
+            c = landed_unapplied.pop(data.draw(st.integers(0, len(landed_unapplied) - 1)))
+            while (q := prim.epcc_rdma_tracker_pop(ctypes.byref(trackers[c]))) >= 0:
+                applied[c].append(q)
+            consumed[c] = trackers[c].next  # credit returned
+    assert pushed == len(order), "the producer starved: credits never came back"
+    for c, n in enumerate(chunks):
+        assert applied[c] == list(range(n)), f"channel {c}: applied {applied[c]}"
+    assert f.retired == f.head == f.tail == len(order)
+
+
+def test_tracker_refuses_chunks_outside_the_window(prim):
+    t = Tracker()
+    prim.epcc_rdma_tracker_init(ctypes.byref(t), 2, 5)
+    assert prim.epcc_rdma_tracker_land(ctypes.byref(t), 2) == -2  # beyond next + depth
+    assert prim.epcc_rdma_tracker_land(ctypes.byref(t), 5) == -2  # past the end
+    assert prim.epcc_rdma_tracker_land(ctypes.byref(t), 1) == 0
+    assert prim.epcc_rdma_tracker_pop(ctypes.byref(t)) == -1  # chunk 0 has not landed: nothing applies
+    assert prim.epcc_rdma_tracker_land(ctypes.byref(t), 0) == 0
+    assert [prim.epcc_rdma_tracker_pop(ctypes.byref(t)) for _ in range(3)] == [0, 1, -1]
+
+
+def test_bounded_wait_times_out_with_the_sync_message(prim):
+    flag, observed = ctypes.c_uint64(3), ctypes.c_uint64()
+    st_ = prim.epcc_rdma_wait_ge(ctypes.byref(flag), 4, 50_000_000, None, ctypes.byref(observed))
+    assert st_ == 1 and observed.value == 3
+    buf = ctypes.create_string_buffer(512)
+    prim.epcc_rdma_format_timeout(buf, 512, 1_500_000_000, b"rank 2 (vnode 1, gpu 0)", b"rdma",
+                                  b"dispatch.rdma[0->2].credit", 3, 4)
+    want = timeout_message(1_500_000_000, "rank 2 (vnode 1, gpu 0)", "rdma", "dispatch.rdma[0->2].credit", 3, 4)
+    assert buf.value.decode() == want
+    assert want == ("epcc: wait timed out after 1.500 s: rank 2 (vnode 1, gpu 0) step 'rdma' flag "
+                    "'dispatch.rdma[0->2].credit' (value 3, waiting for >= 4)")
+    abort = ctypes.c_uint64(1)
+    assert prim.epcc_rdma_wait_ge(ctypes.byref(flag), 4, 10**10, ctypes.byref(abort), ctypes.byref(observed)) == 2
+
+
+def test_emitted_proxy_source_golden(tmp_path):
+    plan = _plan("h200x4_2vnode.sched")
+    text = rdma.proxy_source(plan)
+    golden = GOLDEN / "h200x4_2vnode_proxy.c"
+    if os.environ.get("EPCC_REGEN_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text(), "emitted proxy source changed; EPCC_REGEN_GOLDEN=1 rewrites the golden"
+    assert "DSL line 85" in text and "epcc_rdma_apply_dispatch__rdma" in text and "epcc_rdma_apply_combine__rdma" in text
+    paths = rdma.emit(plan, tmp_path)
+    assert paths[0].name == "h200x4_2vnode_proxy.c" and (tmp_path / "epcc_transport.h").is_file()
+    assert rdma.emit(_plan("h200x4.sched"), tmp_path / "none") == []
+    assert not (tmp_path / "none").exists()
+
+
+def test_overrides_change_the_rdma_steps_only():
+    plan = _plan("h200x4_2vnode.sched")
+    p2 = rdma.with_overrides(plan, env={"EPCC_RDMA_CHUNK_TOKENS": "16", "EPCC_RDMA_DEPTH": "2"})
+    assert p2.step("rdma").chunk_bytes == 16 * plan.bytes_per_token and p2.step("rdma").depth == 2
+    assert p2.step("intra").chunk_bytes == plan.step("intra").chunk_bytes
+    with pytest.raises(rdma.RdmaConfigError, match="EPCC_RDMA_DEPTH=0"):
+        rdma.with_overrides(plan, env={"EPCC_RDMA_DEPTH": "0"})
+    with pytest.raises(rdma.RdmaConfigError, match="EPCC_RDMA_CHUNK_TOKENS='x'"):
+        rdma.with_overrides(plan, env={"EPCC_RDMA_CHUNK_TOKENS": "x"})
+
+
+def test_ibverbs_transport_compiles_links_and_says_no_device():
+    if not Path("/usr/include/infiniband/verbs.h").is_file():
+        pytest.skip("rdma-core headers (libibverbs-dev) are not installed")
+    from epcc.backends.rdma import engine
+
+    lib = engine.load(build_transport("ibverbs"))
+    try:
+        tp = engine.Transport(lib, "ibverbs", "", 0, 1)
+    except engine.TransportError as e:
+        assert str(e).startswith("ibverbs: no RDMA device found") or "ibverbs:" in str(e)
+    else:  # a machine with a NIC
+        assert tp.description.startswith("ibverbs ")
+        tp.close()
+    with pytest.raises(BuildError, match="transport 'nope'"):
+        build_transport("nope")
+
+
+@pytest.mark.parametrize("name,macro", [("transport_emulated.cu", "EPCC_TP_HAVE_EMULATED"),
+                                        ("transport_nvshmem.cu", "EPCC_TP_HAVE_NVSHMEM")])
+def test_cuda_transports_compile(tmp_path, name, macro):
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        pytest.skip("nvcc is not on PATH")
+    r = subprocess.run([nvcc, "-std=c++17", "-Xcompiler", "-fPIC,-Wall", f"-D{macro}", f"-I{NATIVE_DIR}", "-c",
+                        str(NATIVE_DIR / name), "-o", str(tmp_path / "t.o")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    syms = subprocess.run(["nm", str(tmp_path / "t.o")], capture_output=True, text=True).stdout
+    has = "epcc_tp_ops_" in syms
+    if name == "transport_nvshmem.cu":
+        # Guarded: without nvshmem.h it compiles to nothing.
+        found = subprocess.run([nvcc, "-E", "-x", "cu", "-"], input="#include <nvshmem.h>\n", capture_output=True,
+                               text=True).returncode == 0
+        assert has == found
+    else:
+        assert has
+
+
+# ------------------------------------------------------------------ real multi-process runs
+
+def _libfabric_tcp() -> str | None:
+    from epcc.backends.cpu import procs
+
+    try:
+        procs.check_transport("libfabric-tcp")
+    except procs.TransportUnavailable as e:
+        return str(e)
+    return None
+
+
+needs_tcp = pytest.mark.skipif(shutil.which("fi_info") is None and not Path("/usr/include/rdma/fabric.h").is_file(),
+                               reason="libfabric (libfabric-dev) is not installed")
+
+
+def _run(*args, timeout=240):
+    return subprocess.run([*EPCC, "run", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@needs_tcp
+@pytest.mark.parametrize("sched,extra", [
+    ("h200x4_2vnode.sched", ["--tokens", "128", "--hidden", "512"]),
+    ("ubbv2_ep32.sched", ["--tokens", "64", "--hidden", "256"]),
+    ("ubbv2_ep32.sched", ["--tokens", "48", "--hidden", "256", "--routing", "zipf:1.2", "--seed", "3"]),
+])
+def test_libfabric_tcp_run_matches_the_oracle(sched, extra):
+    why = _libfabric_tcp()
+    if why:
+        pytest.fail(why)  # libfabric is installed: the tcp provider must work
+    r = _run(f"schedules/{sched}", "--backend", "cpu", "--transport", "libfabric-tcp", *extra)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "dispatch OK (bit-exact); combine OK" in r.stdout
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("transport: "))
+    assert line.startswith("transport: libfabric tcp")
+    # Chunks really went over the fabric, in both programs.
+    for program in ("dispatch", "combine"):
+        n = int(line.split(f"{program} ")[1].split(" chunks")[0])
+        assert n > 0, line
+
+
+@needs_tcp
+def test_libfabric_tcp_credits_with_small_chunks_and_depth():
+    env = {**os.environ, "EPCC_RDMA_CHUNK_TOKENS": "3", "EPCC_RDMA_DEPTH": "2"}
+    r = subprocess.run([*EPCC, "run", "schedules/h200x4_2vnode.sched", "--transport", "libfabric-tcp", "--tokens", "64",
+                        "--hidden", "128"], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("transport: "))
+    chunks = int(line.split("dispatch ")[1].split(" chunks")[0])
+    writes = int(line.split("chunks / ")[1].split(" writes")[0])
+    assert chunks > 8 and writes > chunks, line  # credit writes came back: the window of 2 was reused
+
+
+def test_unknown_transport_and_missing_provider_are_one_line_errors():
+    r = _run("schedules/h200x4_2vnode.sched", "--transport", "carrier-pigeon", "--tokens", "8")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == ("epcc: error: --transport carrier-pigeon: unknown transport (choose from inproc, "
+                                "libfabric-tcp)")
+    r = subprocess.run([*EPCC, "run", "schedules/h200x4_2vnode.sched", "--transport", "libfabric-tcp", "--tokens", "8"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "FI_PROVIDER": "udp"})
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "--transport libfabric-tcp: not available here" in r.stderr
