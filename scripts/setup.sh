@@ -48,6 +48,11 @@ command -v dot   >/dev/null 2>&1 || missing+=(graphviz)
 command -v cmake >/dev/null 2>&1 || missing+=(cmake)
 command -v make  >/dev/null 2>&1 || missing+=(make)
 { command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1; } || missing+=(gcc libc6-dev)
+# RDMA transports (backends/rdma): libfabric (its tcp provider runs the multi-process tests) and
+# the rdma-core headers the ibverbs transport compiles against.
+[ -f /usr/include/rdma/fabric.h ] || missing+=(libfabric-dev)
+command -v fi_info >/dev/null 2>&1 || missing+=(libfabric-bin)
+[ -f /usr/include/infiniband/verbs.h ] || missing+=(libibverbs-dev)
 if [ "${#missing[@]}" -gt 0 ]; then
     apt_install "${missing[@]}"
 fi

@@ -15,6 +15,10 @@ buffers and counters as NumPy arrays, hands each driver a table of its rank's co
 per chunk the counters to wait for) and runs one thread per (rank, role).  A stuck wait raises
 `CpuBackendTimeout` naming the rank, step and flag instead of hanging.
 
+As separate processes (procs.py, `epcc run --transport libfabric-tcp`): one forked process per
+rank over shared-memory buffers, a gloo group for rendezvous, and the plan's RDMA steps through
+the emitted proxy loop over libfabric's tcp provider (backends/rdma, docs/rdma.md).
+
 What it does not model:
 
 * time: no link bandwidth, latency or contention; copies run at memory speed, so it checks
