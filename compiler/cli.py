@@ -76,6 +76,17 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--gantt", metavar="OUT.svg", help="also draw a Gantt chart of the steps into this SVG file")
     c.set_defaults(func=cmd_simulate)
 
+    c = sub.add_parser("tune", help="sweep a CUDA bundle's SMs and stages on the GPUs (torchrun); keep the best",
+                       description="Start `torchrun --nproc-per-node N -m epcc.runtime.tune BUNDLE ...`: every "
+                                   "configuration is checked against the first (bit-identical results) and timed; "
+                                   "the fastest is written to BUNDLE/cuda/tuned.json, which the runtime reads.")
+    c.add_argument("bundle", metavar="BUNDLE", help="a bundle written by `epcc compile FILE --target cuda -o BUNDLE`")
+    c.add_argument("--nproc", type=int, help="GPUs (default: the plan's ranks)")
+    c.add_argument("--sms", default="8,16,24,32,48", help="total SMs per kernel to try")
+    c.add_argument("--stages", default="4,8,12", help="shared-memory stages per dispatch block to try")
+    c.add_argument("--iters", default="10", help="timed calls per configuration")
+    c.set_defaults(func=cmd_tune)
+
     c = sub.add_parser("run", help="run a schedule's dispatch and combine on a backend; check them against the oracle",
                        description="Compile FILE (or load a compiled plan.json), build deterministic inputs (routing, "
                                    "weights, payload rows, expert outputs), compute the token-level layout "
@@ -123,6 +134,7 @@ def _plan_options(c: argparse.ArgumentParser) -> None:
                    help="routing distribution: uniform (exact), zipf:S (expert popularity ~ 1/rank^S, sampled), "
                         "or a .npy file of top-k indices [N, k] or expert popularity [E] (default: uniform)")
     c.add_argument("--tokens", metavar="N", help="tokens per rank (default: the workload's)")
+    c.add_argument("--dtype", choices=("bf16", "fp8"), help="dispatch dtype (default: the workload's)")
 
 
 def _positive(text, flag: str, expected: str, too_small: str) -> int | None:
@@ -148,7 +160,38 @@ def _options(args):
                        "tokens per rank must be at least 1")
     hidden = _positive(getattr(args, "hidden", None), "--hidden", "a whole number of channels, e.g. --hidden 256",
                        "the hidden size must be at least 1")
-    return PassOptions(routing=args.routing, tokens=tokens, hidden=hidden)
+    return PassOptions(routing=args.routing, tokens=tokens, hidden=hidden, dtype=getattr(args, "dtype", None))
+
+
+def cmd_tune(args) -> int:
+    import shutil
+    import subprocess
+
+    from .diagnostics import Diagnostic
+
+    bundle = Path(args.bundle)
+    man = bundle / "cuda" / "manifest.json"
+    if not man.is_file():
+        raise CompileError([Diagnostic("error", f"{bundle}: no cuda/manifest.json; write the bundle with "
+                                                f"`epcc compile FILE --target cuda -o {bundle}`", None)])
+    manifest = json.loads(man.read_text(encoding="utf-8"))
+    if "direct" not in manifest:
+        raise CompileError([Diagnostic("error", f"{bundle}: nothing to tune: the plan is not one-hop "
+                                                f"({manifest.get('direct_not_used', '?')})", None)])
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        raise CompileError([Diagnostic("error", "epcc tune: torchrun not found (it comes with torch); "
+                                                "run this on the GPU machine", None)])
+    nproc = args.nproc or manifest["num_ranks"]
+    import torch
+
+    if torch.cuda.device_count() < nproc:
+        raise CompileError([Diagnostic("error", f"epcc tune: {nproc} GPUs needed, this machine has "
+                                                f"{torch.cuda.device_count()}", None)])
+    cmd = [torchrun, "--nproc-per-node", str(nproc), "-m", "epcc.runtime.tune", str(bundle),
+           "--sms", args.sms, "--stages", args.stages, "--iters", str(args.iters)]
+    print(" ".join(cmd), flush=True)
+    return subprocess.call(cmd)
 
 
 def main(argv: list[str] | None = None) -> int:

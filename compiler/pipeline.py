@@ -66,6 +66,16 @@ def _sema(c: Compilation) -> None:
                 "error", f"--hidden {hidden}: {c.schedule.name} dispatches fp8, which needs a hidden size divisible "
                          f"by {model.FP8_SCALE_GROUP} (one scale per {model.FP8_SCALE_GROUP} channels)", None)])
         c.schedule = dataclasses.replace(c.schedule, workload=dataclasses.replace(wl, hidden=hidden))
+    dtype = getattr(c.options, "dtype", None) if c.options is not None else None
+    if dtype is not None:
+        wl = c.schedule.workload
+        if dtype == "fp8" and wl.hidden % model.FP8_SCALE_GROUP:
+            from .diagnostics import CompileError, Diagnostic
+
+            raise CompileError([Diagnostic(
+                "error", f"--dtype fp8: {c.schedule.name} has hidden {wl.hidden}, which fp8 dispatch needs divisible "
+                         f"by {model.FP8_SCALE_GROUP} (one scale per {model.FP8_SCALE_GROUP} channels)", None)])
+        c.schedule = dataclasses.replace(c.schedule, workload=dataclasses.replace(wl, dtype=dtype))
 
 
 def _mlir(c: Compilation) -> None:

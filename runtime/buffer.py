@@ -54,7 +54,7 @@ class Handle:
 
 class Buffer:
     def __init__(self, group: dist.ProcessGroup | None, bundle: str | Path, *, backend: str | None = None,
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, config: dict | None = None):
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
@@ -63,10 +63,19 @@ class Buffer:
             raise BundleError(f"bundle {bundle} was compiled for {self.plan.num_ranks} ranks "
                               f"({manifest.get('schedule', '?')}), but the group has {self.num_ranks}")
         self.backend_name = backend or manifest.get("backend", "cpu")
-        self.backend = _backend(self.backend_name)
         self.timeout_s = timeout_s
         wl = self.plan.workload
         self.hidden, self.topk, self.experts, self.dtype = wl.hidden, wl.topk, wl.experts, wl.dtype
+        self._cuda = None
+        if self.backend_name == "cuda":
+            from .cuda_buffer import CudaEngine  # torch.cuda, nvcc: only for this backend
+
+            self._cuda = CudaEngine(self.group, Path(bundle), self.plan, manifest, timeout_s=timeout_s, config=config)
+            self.memory = None
+            return
+        if config is not None:
+            raise ValueError("Buffer: config (SMs, stages) applies to the cuda backend only")
+        self.backend = _backend(self.backend_name)
         session = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
         dist.broadcast_object_list(session, src=_global_rank(self.group, 0), group=self.group)
         self.memory = PeerMemory(session[0], self.rank, self.num_ranks)
@@ -78,8 +87,10 @@ class Buffer:
         if num_experts != self.experts:
             raise ValueError(f"get_dispatch_layout: num_experts is {num_experts}, but the bundle was compiled "
                              f"for {self.experts} experts")
-        idx = self._check_topk_idx("get_dispatch_layout", topk_idx)
         wl = self.plan.workload
+        if self._cuda is not None and isinstance(topk_idx, torch.Tensor) and topk_idx.is_cuda:
+            return self._layout_on_device(topk_idx)
+        idx = self._check_topk_idx("get_dispatch_layout", topk_idx)
         rank_of = np.asarray([wl.rank_of_expert(e, self.num_ranks) for e in range(self.experts)])
         valid = idx >= 0
         in_rank = np.zeros((idx.shape[0], self.num_ranks), dtype=bool)
@@ -89,13 +100,47 @@ class Buffer:
         return (torch.from_numpy(in_rank.sum(0).astype(np.int32)), None,
                 torch.from_numpy(per_expert.astype(np.int32)), torch.from_numpy(in_rank), None)
 
+    def _layout_on_device(self, topk_idx: torch.Tensor):
+        from .cuda_buffer import _check
+
+        _check(topk_idx.device, "get_dispatch_layout", "topk_idx", topk_idx, (None, self.topk),
+               (torch.int64, torch.int32))
+        wl = self.plan.workload
+        e = torch.arange(self.experts, device=topk_idx.device)
+        rank_of = e // (self.experts // self.num_ranks) if wl.placement == "blocked" else e % self.num_ranks
+        idx = topk_idx.long()
+        valid = (idx >= 0) & (idx < self.experts)
+        safe = idx.clamp(0, self.experts - 1)
+        hits = torch.zeros((idx.shape[0], self.num_ranks), dtype=torch.int32, device=idx.device)
+        hits.scatter_add_(1, rank_of[safe], valid.int())  # invalid entries add 0
+        in_rank = hits > 0
+        per_expert = torch.bincount(safe[valid], minlength=self.experts).int()
+        return in_rank.sum(0, dtype=torch.int32), None, per_expert, in_rank, None
+
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, x, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None, **_deepep_layout: Any):
+    def dispatch(self, x, topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None, *,
+                 sync: bool = True, expert_alignment: int = 1, handle=None, **_deepep_layout: Any):
         """Returns (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event).
 
         x: [T, hidden] bfloat16, or (x_fp8 [T, hidden] float8_e4m3fn, scales [T, hidden/128] float32) for
         an fp8 bundle.  The DeepEP layout arguments (num_tokens_per_rank, ...) are accepted and ignored:
-        the plan's metadata step computes them."""
+        the plan's metadata step computes them.
+
+        cuda backend only: `expert_alignment` pads each local expert's rows to a multiple (grouped GEMM);
+        `sync=False` is the low-latency mode (no host sync, CUDA-graph capturable: recv_x is the whole
+        receive buffer, the counts come as device tensors (counts, offsets), recv_topk_idx is None);
+        `handle` (instead of topk_idx/topk_weights) reuses an earlier dispatch's routing."""
+        if self._cuda is not None:
+            return self._cuda.dispatch(x, topk_idx, topk_weights, sync=sync, expert_alignment=expert_alignment,
+                                       handle=handle)
+        if handle is not None:
+            raise ValueError("dispatch: handle (cached dispatch) needs the cuda backend")
+        if topk_idx is None:
+            raise TypeError("dispatch: topk_idx is required")
+        if sync is not True:
+            raise ValueError("dispatch: sync=False (low-latency mode) needs the cuda backend")
+        if expert_alignment != 1:
+            raise ValueError("dispatch: expert_alignment needs the cuda backend")
         rows, tokens = self._pack_x(x)
         idx = self._check_topk_idx("dispatch", topk_idx, tokens)
         w = self._check_weights("dispatch", topk_weights, idx.shape)
@@ -118,6 +163,8 @@ class Buffer:
 
         x: [recv rows, hidden] bfloat16, rows in dispatch's order.  The weights of dispatch are used
         (`topk_weights`, if given, must equal them: combine cannot re-route)."""
+        if self._cuda is not None:
+            return self._cuda.combine(x, handle)
         if not isinstance(handle, Handle):
             raise TypeError(f"combine: handle must be the handle dispatch returned, not {type(handle).__name__}")
         _check_tensor("combine", "x", x, (handle.recv_rows, self.hidden), (torch.bfloat16,))
@@ -201,8 +248,16 @@ class Buffer:
             dist.barrier(group=self.group)  # peers finish writing into this rank before it reads
         return {self.rank: mem.result(self.rank)}
 
+    def synchronize(self) -> None:
+        """cuda: wait for this rank's kernels and raise the report of one that gave up (no-op on cpu)."""
+        if self._cuda is not None:
+            self._cuda.synchronize()
+
     def close(self) -> None:
-        self.memory.close()
+        if self._cuda is not None:
+            self._cuda.close()
+        else:
+            self.memory.close()
 
 
 class _Memory:
@@ -293,4 +348,4 @@ def _backend(name: str):
         from epcc.backends import cpu
 
         return cpu
-    raise BundleError(f"unknown backend '{name}' (this runtime has: cpu)")
+    raise BundleError(f"unknown backend '{name}' (this runtime has: cpu, cuda)")

@@ -88,7 +88,6 @@ the dispatch); every rank launches the same sequence; a context whose kernel tra
 (CUDA context lost): read the message with `ctx.read_error()` and restart the process.
 """
 
-from .codegen import CudaBundle, CudaCodegenError, CudaOptions, KernelSpec, RoleSpec, emit, generate
 from .launcher import (Context, CudaError, KernelTimeout, Library, build_library, find_nvcc,
                        load_manifest)
 from .tables import (TABLE_VERSION, TableError, Tables, buffer_sizes, build_tables, parse_tables)
@@ -96,3 +95,15 @@ from .tables import (TABLE_VERSION, TableError, Tables, buffer_sizes, build_tabl
 __all__ = ["Context", "CudaBundle", "CudaCodegenError", "CudaError", "CudaOptions", "KernelSpec", "KernelTimeout",
            "Library", "RoleSpec", "TABLE_VERSION", "TableError", "Tables", "buffer_sizes", "build_library",
            "build_tables", "emit", "find_nvcc", "generate", "load_manifest", "parse_tables"]
+
+_CODEGEN = ("CudaBundle", "CudaCodegenError", "CudaOptions", "KernelSpec", "RoleSpec", "emit", "generate")
+
+
+def __getattr__(name: str):
+    # The code generator (jinja2) loads on first use: the runtime on a GPU machine imports this
+    # package for the launcher and the direct runtime only, without the compiler's dependencies.
+    if name in _CODEGEN:
+        from . import codegen
+
+        return getattr(codegen, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -42,7 +42,7 @@ import jinja2
 
 from epcc import __version__ as EPCC_VERSION
 from epcc.plan import KernelPlan, Plan, PlanStep, RolePlan
-from . import tables
+from . import direct, tables
 
 TARGET_ARCH = "sm_90a"
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
@@ -397,6 +397,18 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         "kernels": [],
         "not_lowered": [n for k in kernels for n in k.not_lowered],
     }
+    # The direct lowering (direct.py) for one-hop plans in one IPC domain: the runtime uses it
+    # when present ("lowering": "direct"); the table-driven kernels above stay the general path.
+    why = direct.match(plan)
+    if why is None:
+        text, entry = direct.generate(plan, source, _ENV, EPCC_VERSION)
+        files[entry["source"]] = text
+        entry["command"] = ["nvcc", *NVCC_FLAGS, "-shared", "-o", entry["library"], entry["source"]]
+        manifest["direct"] = entry
+        manifest["lowering"] = "direct"
+    else:
+        manifest["lowering"] = "tables"
+        manifest["direct_not_used"] = why
     for k in kernels:
         manifest["kernels"].append({
             "name": k.name, "kind": "main", "program": k.program, "file": k.file, "launch": "cooperative",

@@ -29,6 +29,7 @@ class PassOptions:
     routing: str = "uniform"  # uniform | zipf:S | FILE.npy
     tokens: int | None = None  # override the workload's tokens per rank
     hidden: int | None = None  # override the workload's hidden size (epcc run --hidden)
+    dtype: str | None = None  # override the workload's dispatch dtype (bf16 | fp8)
 
 
 @dataclass

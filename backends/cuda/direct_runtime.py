@@ -1,0 +1,184 @@
+"""Host side of the direct lowering (direct.py, templates/direct.cu.j2): build, load, launch.
+
+No torch and no MLIR here: device pointers are ints, streams are `cudaStream_t` values as ints.
+The torch-facing API is `epcc.runtime.Buffer(..., backend="cuda")` (runtime/cuda_buffer.py).
+
+Libraries are compiled with nvcc on the GPU machine and cached by content hash (source text +
+nvcc command + nvcc version) under $EPCC_CACHE (default ~/.cache/epcc/cuda), written to a
+temporary name and renamed, so concurrent ranks never load a half-written file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+from .launcher import find_nvcc
+
+IPC_HANDLE_BYTES = 64
+
+
+class DirectRuntimeError(RuntimeError):
+    pass
+
+
+class KernelTimeout(DirectRuntimeError):
+    """A kernel gave up waiting; the message names the rank, the wait and the values."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EPCC_CACHE") or Path.home() / ".cache" / "epcc" / "cuda")
+
+
+def build(cuda_dir: str | Path, manifest: dict, nvcc: str | None = None, extra_flags: tuple[str, ...] = (),
+          log: list[str] | None = None) -> Path:
+    """The direct library of a bundle's cuda/ directory, from the cache or freshly compiled."""
+    entry = manifest.get("direct")
+    if not entry:
+        raise DirectRuntimeError(f"{cuda_dir}: this bundle has no direct lowering "
+                                 f"({manifest.get('direct_not_used', 'not a one-hop plan')})")
+    exe = find_nvcc(nvcc)
+    if exe is None:
+        raise DirectRuntimeError("nvcc not found (set $NVCC or put it on PATH); the direct kernels are compiled "
+                                 "on the GPU machine")
+    src = Path(cuda_dir) / entry["source"]
+    text = src.read_bytes()
+    cmd = [exe, *entry["command"][1:]]
+    cmd[1:1] = list(extra_flags)
+    ver = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(text + "\0".join(cmd[1:]).encode() + ver.encode()).hexdigest()[:24]
+    out_dir = cache_dir() / key
+    lib = out_dir / entry["library"]
+    if lib.is_file():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / entry["source"]).write_bytes(text)
+    tmp = out_dir / f".{entry['library']}.{os.getpid()}"
+    i = cmd.index("-o")
+    cmd[i + 1] = str(tmp)
+    cmd[-1] = str(out_dir / entry["source"])
+    res = subprocess.run(cmd, cwd=out_dir, capture_output=True, text=True)
+    if log is not None:
+        log.append(res.stdout + res.stderr)
+    if res.returncode != 0:
+        raise DirectRuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stdout}{res.stderr}")
+    os.replace(tmp, lib)
+    return lib
+
+
+def args_struct(num_ranks: int) -> type[ctypes.Structure]:
+    """The kernels' `Args` (all 64-bit fields, no padding), for `num_ranks` ranks."""
+    u, i = ctypes.c_uint64, ctypes.c_int64
+
+    class Args(ctypes.Structure):
+        _fields_ = [("base", u * num_ranks), ("me", i), ("T", i), ("C", i), ("NR", i), ("S", i), ("align", i),
+                    ("timeout_ns", u), ("err", u), ("x", u), ("scales", u), ("topk_idx", u), ("topk_w", u),
+                    ("idx_int32", i), ("has_weights", i), ("y", u), ("out", u), ("NS", i), ("ND", i)]
+
+    return Args
+
+
+class ErrorRecord(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_int32), ("rank", ctypes.c_int32), ("where", ctypes.c_int32),
+                ("a", ctypes.c_int32), ("b", ctypes.c_int32), ("pad", ctypes.c_int32),
+                ("value", ctypes.c_uint64), ("target", ctypes.c_uint64), ("waited_ns", ctypes.c_uint64)]
+
+
+class DirectLibrary:
+    """ctypes view of one compiled direct library."""
+
+    def __init__(self, path: str | Path, manifest: dict):
+        self.path = Path(path)
+        self.entry = manifest["direct"]
+        self.const = self.entry["constants"]
+        self.lib = ctypes.CDLL(str(self.path))
+        L = self.lib
+        u64p = ctypes.POINTER(ctypes.c_uint64)
+        for name, argtypes, restype in [
+            ("epcc_direct_last_error", [], ctypes.c_char_p),
+            ("epcc_direct_abi", [], ctypes.c_int),
+            ("epcc_direct_region_bytes", [], ctypes.c_uint64),
+            ("epcc_direct_args_bytes", [], ctypes.c_int),
+            ("epcc_direct_state_layout", [ctypes.POINTER(ctypes.c_int)], ctypes.c_int),
+            ("epcc_direct_malloc", [ctypes.c_uint64, u64p], ctypes.c_int),
+            ("epcc_direct_free", [ctypes.c_uint64], ctypes.c_int),
+            ("epcc_direct_ipc_handle", [ctypes.c_uint64, ctypes.c_void_p], ctypes.c_int),
+            ("epcc_direct_ipc_open", [ctypes.c_void_p, u64p], ctypes.c_int),
+            ("epcc_direct_ipc_close", [ctypes.c_uint64], ctypes.c_int),
+            ("epcc_direct_host_error_record", [u64p, u64p], ctypes.c_int),
+            ("epcc_direct_init", [ctypes.c_int], ctypes.c_int),
+            ("epcc_direct_dispatch", [ctypes.c_void_p, ctypes.c_uint64], ctypes.c_int),
+            ("epcc_direct_combine", [ctypes.c_void_p, ctypes.c_uint64], ctypes.c_int),
+        ]:
+            fn = getattr(L, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        if L.epcc_direct_abi() != self.entry["abi"]:
+            raise DirectRuntimeError(f"{self.path}: ABI {L.epcc_direct_abi()}, the manifest wants {self.entry['abi']}")
+        self.Args = args_struct(self.const["num_ranks"])
+        if L.epcc_direct_args_bytes() != ctypes.sizeof(self.Args):
+            raise DirectRuntimeError(f"{self.path}: Args is {L.epcc_direct_args_bytes()} bytes, "
+                                     f"ctypes has {ctypes.sizeof(self.Args)}")
+        lay = (ctypes.c_int * 8)()
+        L.epcc_direct_state_layout(lay)
+        self.state_offsets = {"disp_epoch": lay[0], "comb_epoch": lay[1], "bad_token": lay[2],
+                              "recv_count": lay[3], "recv_offset": lay[4], "last_T": lay[6]}
+        self.region_bytes = int(L.epcc_direct_region_bytes())
+        if self.region_bytes != self.const["region_bytes"]:
+            raise DirectRuntimeError(f"{self.path}: region of {self.region_bytes} bytes, manifest "
+                                     f"{self.const['region_bytes']}")
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise DirectRuntimeError(f"{what}: {self.lib.epcc_direct_last_error().decode(errors='replace')}")
+
+    def malloc(self, nbytes: int) -> int:
+        out = ctypes.c_uint64()
+        self.check(self.lib.epcc_direct_malloc(nbytes, ctypes.byref(out)), f"allocating {nbytes} bytes")
+        return out.value
+
+    def free(self, ptr: int) -> None:
+        self.check(self.lib.epcc_direct_free(ptr), "free")
+
+    def ipc_handle(self, ptr: int) -> bytes:
+        buf = ctypes.create_string_buffer(IPC_HANDLE_BYTES)
+        self.check(self.lib.epcc_direct_ipc_handle(ptr, buf), "IPC handle")
+        return buf.raw
+
+    def ipc_open(self, handle: bytes) -> int:
+        out = ctypes.c_uint64()
+        buf = ctypes.create_string_buffer(handle, IPC_HANDLE_BYTES)
+        self.check(self.lib.epcc_direct_ipc_open(buf, ctypes.byref(out)), "opening a peer's IPC handle")
+        return out.value
+
+    def ipc_close(self, ptr: int) -> None:
+        self.check(self.lib.epcc_direct_ipc_close(ptr), "closing a peer mapping")
+
+    def error_record(self) -> tuple[int, int]:
+        host, dev = ctypes.c_uint64(), ctypes.c_uint64()
+        self.check(self.lib.epcc_direct_host_error_record(ctypes.byref(host), ctypes.byref(dev)), "error record")
+        return host.value, dev.value
+
+    def init(self, stages: int) -> None:
+        self.check(self.lib.epcc_direct_init(stages), "init")
+
+    def dispatch(self, args, stream: int) -> None:
+        self.check(self.lib.epcc_direct_dispatch(ctypes.byref(args), stream), "dispatch")
+
+    def combine(self, args, stream: int) -> None:
+        self.check(self.lib.epcc_direct_combine(ctypes.byref(args), stream), "combine")
+
+    def read_error(self, host_ptr: int, rank_names: list[str] | None = None) -> str | None:
+        """The kernel's timeout report in words, or None when no kernel gave up."""
+        rec = ErrorRecord.from_address(host_ptr)
+        if rec.code == 0:
+            return None
+        waits = self.entry["waits"]
+        what = waits[rec.where - 1] if 1 <= rec.where <= len(waits) else f"wait {rec.where}"
+        who = rank_names[rec.rank] if rank_names and 0 <= rec.rank < len(rank_names) else f"rank {rec.rank}"
+        what = what.replace("rank a", f"rank {rec.a}").replace("channel b", f"channel {rec.b}") \
+                   .replace("channel a", f"channel {rec.a}").replace("queue a", f"queue {rec.a}")
+        return (f"epcc: wait timed out after {rec.waited_ns * 1e-9:.3f} s: {who}: {what} "
+                f"(value 0x{rec.value:x}, waiting for >= 0x{rec.target:x})")

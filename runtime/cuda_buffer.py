@@ -1,0 +1,271 @@
+"""The `cuda` backend of `epcc.runtime.Buffer`: the bundle's direct kernels on NVIDIA GPUs.
+
+One process per GPU (torchrun), `torch.cuda.set_device(local_rank)` before the Buffer is made.
+At construction every rank allocates one peer region (the size the manifest gives: meta areas,
+tails, records, the expert-major receive buffer, the combine staging), exchanges CUDA IPC
+handles over the group (all_gather_object) and maps its peers' regions.  The library is built
+with nvcc on first use and cached by content hash (backends/cuda/direct_runtime.py); rank 0
+builds first while the others wait, then everyone loads the cached file.
+
+Calls are stream-ordered on the current torch stream and every rank must make the same calls in
+the same order (they are collectives).  Two modes:
+
+* `dispatch(..., sync=True)` (normal): after the kernels, the per-expert counts are read back
+  (one host sync, as DeepEP's normal mode), routing errors are raised, and recv_x is returned
+  trimmed to the rows received.
+* `dispatch(..., sync=False)` (low latency, CUDA-graph capturable): no host sync and no
+  allocation; recv_x is the whole receive buffer [capacity, hidden] and the counts/offsets are
+  device tensors.  Bad routing cannot be raised without a sync: such entries are ignored by the
+  kernels and reported by the next `check_routing()`.
+
+recv_x (and the fp8 scales, and recv weights) are views into the peer region: valid until the
+next dispatch on this Buffer, like DeepEP's low-latency buffers.  Copy them to keep them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from epcc.backends.cuda import direct_runtime as drt
+from epcc.backends.cuda.direct import DirectConfig, DirectError
+
+
+class _Ptr:
+    """A device pointer as a __cuda_array_interface__ object (uint8), for torch.as_tensor."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def _view(ptr: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(_Ptr(ptr, nbytes), device=device) if nbytes else torch.empty(0, dtype=torch.uint8,
+                                                                                       device=device)
+    return t.view(dtype).view(shape)
+
+
+@dataclass
+class CudaHandle:
+    """What combine needs from the dispatch it reverses (the routing stays on the GPU)."""
+
+    dispatch_index: int
+    tokens: int
+    rows: int  # rows recv_x had (trimmed total, or the capacity with sync=False)
+    topk_idx: torch.Tensor | None = None  # the routing, for a cached-handle dispatch
+    topk_weights: torch.Tensor | None = None
+
+
+class CudaEngine:
+    def __init__(self, group, bundle: Path, plan, manifest: dict, *, timeout_s: float, config: dict | None = None):
+        if not torch.cuda.is_available():
+            raise RuntimeError("Buffer(backend='cuda'): no CUDA device is available")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.R = dist.get_world_size(group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        cuda_dir = bundle / "cuda"
+        mf = cuda_dir / "manifest.json"
+        if not mf.is_file():
+            raise FileNotFoundError(f"{bundle}: no CUDA sources; compile with `epcc compile FILE --target cuda -o {bundle}`")
+        import json
+
+        self.manifest = json.loads(mf.read_text(encoding="utf-8"))
+        if "direct" not in self.manifest:
+            raise DirectError(f"{bundle}: the cuda backend of Buffer runs one-hop plans; this one is not "
+                              f"({self.manifest.get('direct_not_used', '?')})")
+        entry = self.manifest["direct"]
+        cfg = dict(entry["config"])
+        tuned = cuda_dir / "tuned.json"
+        if tuned.is_file():
+            cfg.update(json.loads(tuned.read_text(encoding="utf-8")).get("config", {}))
+        cfg.update(config or {})
+        self.config = DirectConfig.from_dict(cfg)
+        c = entry["constants"]
+        self.config.check(c["max_stages"])
+        self.c = c
+        self.plan = plan
+        # build: rank 0 first (the others find it in the cache)
+        lib_path = None
+        if self.rank == 0:
+            lib_path = drt.build(cuda_dir, self.manifest)
+        dist.barrier(group=group)
+        if self.rank != 0:
+            lib_path = drt.build(cuda_dir, self.manifest)
+        self.lib = drt.DirectLibrary(lib_path, self.manifest)
+        self.lib.init(c["max_stages"])
+        self.region = self.lib.malloc(self.lib.region_bytes)
+        handles = [None] * self.R
+        dist.all_gather_object(handles, self.lib.ipc_handle(self.region), group=group)
+        self.bases = [self.region if r == self.rank else self.lib.ipc_open(h) for r, h in enumerate(handles)]
+        self.err_host, self.err_dev = self.lib.error_record()
+        self.timeout_ns = int(timeout_s * 1e9)
+        offs = dict(entry["constants"].get("offsets_named", {}))
+        self.off = offs
+        self.state_off = self.lib.state_offsets
+        self.dispatches = 0
+        self.last_layout = None
+        dist.barrier(group=group)
+
+    # ------------------------------------------------------------------ helpers
+    def region_view(self, name: str, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
+        return _view(self.region + self.off[name], nbytes, dtype, tuple(shape), self.device)
+
+    def state_view(self, field: str, count: int) -> torch.Tensor:
+        return _view(self.region + self.off["OFF_STATE"] + self.state_off[field], 4 * count, torch.int32,
+                     (count,), self.device)
+
+    def args(self, **kw):
+        a = self.lib.Args()
+        for r, b in enumerate(self.bases):
+            a.base[r] = b
+        a.me = self.rank
+        a.C, a.NR, a.S = self.config.send_blocks, self.config.recv_blocks, self.config.stages
+        a.NS, a.ND = self.config.combine_send_blocks, self.config.combine_reduce_blocks
+        a.timeout_ns = self.timeout_ns
+        a.err = self.err_dev
+        a.align = 1
+        for k, v in kw.items():
+            setattr(a, k, v)
+        return a
+
+    def raise_if_failed(self) -> None:
+        msg = self.lib.read_error(self.err_host, self.plan.rank_names or None)
+        if msg:
+            raise drt.KernelTimeout(msg)
+
+    def close(self) -> None:
+        for r, b in enumerate(self.bases):
+            if r != self.rank:
+                self.lib.ipc_close(b)
+        self.lib.free(self.region)
+        self.bases = []
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x, topk_idx=None, topk_weights=None, *, sync: bool = True, expert_alignment: int = 1,
+                 handle: CudaHandle | None = None):
+        c = self.c
+        if handle is not None:  # cached: the handle's routing (the metadata kernel reruns on it, ~3 us)
+            if not isinstance(handle, CudaHandle) or handle.topk_idx is None:
+                raise TypeError("dispatch: handle must be a handle an earlier dispatch of this Buffer returned")
+            if topk_idx is not None:
+                raise ValueError("dispatch: give topk_idx or handle, not both")
+            topk_idx, topk_weights = handle.topk_idx, handle.topk_weights
+        if topk_idx is None:
+            raise TypeError("dispatch: topk_idx is required (or a handle from an earlier dispatch)")
+        H, K, fp8 = c["hidden"], c["topk"], c["dtype"] == "fp8"
+        if fp8:
+            if not (isinstance(x, tuple) and len(x) == 2):
+                raise TypeError("dispatch: this bundle dispatches fp8: pass x as (x_fp8, scales)")
+            x8, sc = x
+            _check(self.device, "dispatch", "x_fp8", x8, (None, H), (torch.float8_e4m3fn,))
+            T = x8.shape[0]
+            _check(self.device, "dispatch", "scales", sc, (T, H // 128), (torch.float32,))
+            xp, sp = x8.data_ptr(), sc.data_ptr()
+        else:
+            if isinstance(x, tuple):
+                raise TypeError("dispatch: this bundle dispatches bf16: pass x as one [tokens, hidden] bfloat16 tensor")
+            _check(self.device, "dispatch", "x", x, (None, H), (torch.bfloat16,))
+            T, xp, sp = x.shape[0], x.data_ptr(), 0
+        if T > c["max_tokens"]:
+            raise ValueError(f"dispatch: x has {T} tokens, but the bundle was compiled for at most "
+                             f"{c['max_tokens']} per rank (workload `tokens`)")
+        _check(self.device, "dispatch", "topk_idx", topk_idx, (T, K), (torch.int64, torch.int32))
+        if topk_weights is not None:
+            _check(self.device, "dispatch", "topk_weights", topk_weights, (T, K), (torch.float32,))
+        if not isinstance(expert_alignment, int) or not 1 <= expert_alignment <= c["align_max"]:
+            raise ValueError(f"dispatch: expert_alignment must be an integer in [1, {c['align_max']}], "
+                             f"got {expert_alignment!r}")
+        a = self.args(T=T, x=xp, scales=sp, topk_idx=topk_idx.data_ptr(),
+                      idx_int32=int(topk_idx.dtype == torch.int32),
+                      topk_w=topk_weights.data_ptr() if topk_weights is not None else 0,
+                      has_weights=int(topk_weights is not None), align=expert_alignment)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.lib.dispatch(a, stream)
+        self.dispatches += 1
+        cap, epr = c["capacity"], c["experts_per_rank"]
+        xb, sb = c["x_bytes"], c["scale_bytes"]
+        if fp8:
+            rx = (self.region_view("OFF_RECV_X", cap * xb, torch.float8_e4m3fn, (cap, H)),
+                  self.region_view("OFF_RECV_S", cap * sb, torch.float32, (cap, H // 128)))
+        else:
+            rx = self.region_view("OFF_RECV_X", cap * xb, torch.bfloat16, (cap, H))
+        rw = self.region_view("OFF_RECV_W", cap * 4, torch.float32, (cap,))
+        counts = self.state_view("recv_count", epr)
+        offsets = self.state_view("recv_offset", epr + 1)
+        if not sync:
+            return rx, None, rw, (counts, offsets), CudaHandle(self.dispatches, T, cap, topk_idx, topk_weights), None
+        try:
+            host_counts = counts.cpu().tolist()
+            host_offsets = offsets.cpu().tolist()
+            bad = int(self.state_view("bad_token", 1).cpu()[0])
+        except RuntimeError as e:  # the context is gone: a kernel trapped
+            self.raise_if_failed()
+            raise
+        self.raise_if_failed()
+        if bad >= 0:
+            row = topk_idx[bad].tolist()
+            raise ValueError(f"dispatch: topk_idx row {bad} names an expert outside [-1, {c['experts'] - 1}] or the "
+                             f"same expert twice: {row} (those entries were not dispatched)")
+        total = host_offsets[epr]
+        if fp8:
+            rx = (rx[0][:total], rx[1][:total])
+        else:
+            rx = rx[:total]
+        me = self.rank
+        experts = [(me * epr + l) if c["placement"] == "blocked" else (l * self.R + me) for l in range(epr)]
+        idx = torch.full((total,), -1, dtype=torch.int64)
+        for l in range(epr):
+            idx[host_offsets[l]: host_offsets[l] + host_counts[l]] = experts[l]
+        return rx, idx.to(self.device, non_blocking=True), rw[:total], host_counts, CudaHandle(self.dispatches, T, total, topk_idx, topk_weights), None
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, y: torch.Tensor, handle: CudaHandle, out: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(handle, CudaHandle):
+            raise TypeError(f"combine: handle must be the handle dispatch returned, not {type(handle).__name__}")
+        if handle.dispatch_index != self.dispatches:
+            raise ValueError(f"combine: handle is from dispatch #{handle.dispatch_index}, but this Buffer has run "
+                             f"dispatch #{self.dispatches} since; its routing and receive buffer are gone")
+        H = self.c["hidden"]
+        _check(self.device, "combine", "x", y, (handle.rows, H), (torch.bfloat16,))
+        if out is None:
+            out = torch.empty((handle.tokens, H), dtype=torch.bfloat16, device=self.device)
+        else:
+            _check(self.device, "combine", "out", out, (handle.tokens, H), (torch.bfloat16,))
+        a = self.args(y=y.data_ptr(), out=out.data_ptr())
+        self.lib.combine(a, torch.cuda.current_stream(self.device).cuda_stream)
+        return out
+
+    def synchronize(self) -> None:
+        """Wait for this rank's kernels; a kernel that gave up raises KernelTimeout with its report."""
+        try:
+            torch.cuda.current_stream(self.device).synchronize()
+        except RuntimeError:
+            self.raise_if_failed()
+            raise
+        self.raise_if_failed()
+
+    def check_routing(self, topk_idx=None) -> None:
+        """Raise if the last dispatch met a bad top-k row (for sync=False callers); syncs."""
+        bad = int(self.state_view("bad_token", 1).cpu()[0])
+        if bad >= 0:
+            row = topk_idx[bad].tolist() if topk_idx is not None else "?"
+            raise ValueError(f"dispatch: topk_idx row {bad} names an expert outside [-1, {self.c['experts'] - 1}] "
+                             f"or the same expert twice: {row}")
+
+
+def _check(device, fn: str, arg: str, t, shape: tuple, dtypes: tuple) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {arg} must be a torch.Tensor, not {type(t).__name__}")
+    if t.device != device:
+        raise ValueError(f"{fn}: {arg} is on {t.device}; this Buffer runs on {device}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{fn}: {arg} must be {' or '.join(str(d) for d in dtypes)}, not {t.dtype}")
+    if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{fn}: {arg} must have shape {want}, got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{fn}: {arg} must be contiguous")

@@ -1,0 +1,306 @@
+"""GPU check of `Buffer(backend="cuda")` against the NumPy oracle; one process per GPU:
+
+    torchrun --nproc-per-node 4 tests/gpu/ep_worker.py .gpu/bundles/h200x4 .gpu/bundles/h200x4_fp8 ...
+
+For every bundle (its rank count must equal the world size) and routing (uniform, zipf:1.2,
+all-to-one, no-remote, empty), twice with different seeds (repeated calls on one Buffer):
+normal mode (sync=True: rows bit-exact, recv_topk_idx, weights and per-expert counts equal the
+oracle's), combine (bf16; oracle tolerance plus the bf16 rounding of the per-GPU partials), the
+low-latency mode (sync=False, whole receive buffer), a cached-handle dispatch (the handle's
+routing reused), expert alignment 64, a CUDA graph of dispatch + combine captured once and
+replayed on new inputs, and bad input (a repeated expert, wrong shapes) raising errors that name
+the argument.  Prints one line per check on rank 0 and exits 1 if any rank failed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from epcc.runtime import inputs, oracle
+from epcc.runtime.buffer import Buffer
+
+ROUTINGS = tuple(os.environ.get("EPCC_GPU_ROUTINGS", "uniform,zipf:1.2,all-to-one,no-remote,empty").split(","))
+ITERS = int(os.environ.get("EPCC_GPU_ITERS", "2"))
+PARTIAL_ROUNDING = 2.0 ** -8  # combine sends one bf16 partial per (token, GPU): unit roundoff of bf16
+
+
+def routing_topk(spec: str, R: int, T: int, K: int, E: int, placement: str, seed: int) -> np.ndarray:
+    if spec == "all-to-one":  # every token of every rank picks experts of rank 0 only
+        epr = E // R
+        rng = np.random.default_rng(seed)
+        local = np.argsort(rng.random((R, T, epr)), axis=2)[:, :, : min(K, epr)]
+        experts = local if placement == "blocked" else local * R
+        out = np.full((R, T, K), -1, np.int64)
+        out[:, :, : experts.shape[2]] = experts
+        return out
+    return inputs.make_routing(spec, R, T, K, E, placement, seed=seed).topk_idx
+
+
+class Case:
+    """One routing and payload, identical on every rank (seeded).  The expected rows come from the
+    oracle's documented order (oracle.recv_order) gathered on the GPU; the expert outputs are a
+    function of the received row and its expert, y = bf16(value(row) * (1 + l / 16)) with l the
+    local expert index, so the home rank can form the combine reference from its own tokens:
+    ref[t] = sum_j w[t, j] * y(x[t], e_j) in fp32."""
+
+    def __init__(self, buf: Buffer, spec: str, seed: int, dev):
+        wl = buf.plan.workload
+        self.R, self.T, self.K, self.E, self.H = buf.num_ranks, wl.tokens, wl.topk, wl.experts, wl.hidden
+        self.dtype, self.placement, self.me, self.dev = wl.dtype, wl.placement, buf.rank, dev
+        self.idx = routing_topk(spec, self.R, self.T, self.K, self.E, self.placement, seed)
+        self.w = inputs.make_weights(self.idx, seed=seed + 1)
+        g = torch.Generator(device=dev)
+        g.manual_seed(seed + 2)
+        R, T, H = self.R, self.T, self.H
+        if self.dtype == "fp8":
+            q = torch.randint(0, 254, (R, T, H), generator=g, device=dev, dtype=torch.int32)
+            q = torch.where(q >= 0x7F, q + 1, q).to(torch.uint8)  # never the NaN encodings 0x7f / 0xff
+            sc = (torch.rand((R, T, H // 128), generator=g, device=dev) * 1.5 + 0.5) / 448.0
+            self.x_all = (q.view(torch.float8_e4m3fn), sc)
+        else:
+            self.x_all = torch.randn((R, T, H), generator=g, device=dev).to(torch.bfloat16)
+        src, j = oracle.recv_order(self.idx, self.E, self.placement)[self.me]
+        self.src = src
+        self.rows_w = self.w[src[:, 0], src[:, 1], j].astype(np.float32) if len(src) else np.zeros(0, np.float32)
+        epr = self.E // self.R
+        _, local_of = oracle.expert_rank(self.E, self.R, self.placement)
+        self.local = local_of
+        self.counts = np.bincount(local_of[src[:, 2]], minlength=epr).astype(np.int64).tolist()
+        h = torch.from_numpy(src[:, 0]).to(dev)
+        t = torch.from_numpy(src[:, 1]).to(dev)
+        if self.dtype == "fp8":
+            self.want_rows = (self.x_all[0][h, t], self.x_all[1][h, t])
+        else:
+            self.want_rows = self.x_all[h, t]
+
+    def gpu_inputs(self):
+        me = self.me
+        x = (self.x_all[0][me].contiguous(), self.x_all[1][me].contiguous()) if self.dtype == "fp8" \
+            else self.x_all[me].contiguous()
+        return x, torch.from_numpy(self.idx[me]).to(self.dev), torch.from_numpy(self.w[me]).to(self.dev)
+
+    def values(self, x) -> torch.Tensor:
+        """fp32 values of rows (bf16, or fp8 times its per-128-channel scales)."""
+        if self.dtype == "fp8":
+            q, sc = x
+            return (q.float().view(q.shape[0], -1, 128) * sc[:, :, None]).view(q.shape[0], -1)
+        return x.float()
+
+    def expert_outputs(self, recv_x, local_of_row: torch.Tensor) -> torch.Tensor:
+        return (self.values(recv_x) * (1.0 + local_of_row.float()[:, None] / 16.0)).to(torch.bfloat16)
+
+    def check_dispatch(self, recv_x, recv_w, counts, recv_idx=None) -> list[str]:
+        n = len(self.src)
+        errs = []
+        if self.dtype == "fp8":
+            same = torch.equal(recv_x[0][:n].view(torch.uint8), self.want_rows[0].view(torch.uint8)) and \
+                torch.equal(recv_x[1][:n], self.want_rows[1])
+        else:
+            same = torch.equal(recv_x[:n].view(torch.int16), self.want_rows.view(torch.int16))
+        if not same:
+            a = (recv_x[0][:n].view(torch.uint8) if self.dtype == "fp8" else recv_x[:n].view(torch.int16))
+            b = (self.want_rows[0].view(torch.uint8) if self.dtype == "fp8" else self.want_rows.view(torch.int16))
+            bad = torch.nonzero((a != b).any(1)).flatten()[:4].tolist() if a.shape == b.shape else "shape"
+            errs.append(f"rows differ (first {bad}) of {n}")
+        if list(counts) != self.counts:
+            errs.append(f"counts {list(counts)[:6]}... != {self.counts[:6]}...")
+        gw = recv_w[:n].cpu().numpy()
+        if not np.array_equal(gw, self.rows_w):
+            errs.append(f"weights: {int(np.sum(gw != self.rows_w))} of {n} differ")
+        if recv_idx is not None and not np.array_equal(recv_idx[:n].cpu().numpy(), self.src[:, 2]):
+            errs.append("recv_topk_idx differs")
+        return errs
+
+    def y_for(self, recv_x, rows: int) -> torch.Tensor:
+        """The expert outputs of the received rows (first len(src) rows; the rest zero)."""
+        n = len(self.src)
+        y = torch.zeros((rows, self.H), dtype=torch.bfloat16, device=self.dev)
+        if n:
+            rx = (recv_x[0][:n], recv_x[1][:n]) if self.dtype == "fp8" else recv_x[:n]
+            loc = torch.from_numpy(self.local[self.src[:, 2]]).to(self.dev)
+            y[:n] = self.expert_outputs(rx, loc)
+        return y
+
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        me = self.me
+        x = (self.x_all[0][me], self.x_all[1][me]) if self.dtype == "fp8" else self.x_all[me]
+        v = self.values(x)  # [T, H]
+        ref = torch.zeros_like(v)
+        mag = torch.zeros_like(v)
+        idx = torch.from_numpy(self.idx[me]).to(self.dev)
+        w = torch.from_numpy(self.w[me]).to(self.dev)
+        loc = torch.from_numpy(self.local).to(self.dev)
+        for j in range(self.K):
+            e = idx[:, j]
+            ok = e >= 0
+            y = (v * (1.0 + loc[e.clamp(min=0)].float()[:, None] / 16.0)).to(torch.bfloat16).float()
+            term = torch.where(ok[:, None], w[:, j, None] * y, torch.zeros_like(y))
+            ref += term
+            mag += term.abs()
+        return ref, mag
+
+    def check_combine(self, out: torch.Tensor) -> list[str]:
+        """oracle.compare_combine's criteria (bf16 ulps, relative, fp32 reordering bound) plus the
+        bf16 rounding of one partial per (token, GPU) (PARTIAL_ROUNDING x sum |w y|)."""
+        ref, mag = self.reference()
+        got = out.float()
+        diff = (got.double() - ref.double()).abs()
+        gb, wb = got.to(torch.bfloat16).view(torch.int16).int(), ref.to(torch.bfloat16).view(torch.int16).int()
+        ordered = lambda b: torch.where(b < 0, -(b & 0x7FFF), b)
+        ulp = (ordered(gb) - ordered(wb)).abs()
+        bound = (2.0 * self.K * 2.0 ** -24 + PARTIAL_ROUNDING) * mag.double()
+        ok = (ulp <= oracle.MAX_ULP) | (diff <= oracle.MAX_REL * ref.double().abs()) | (diff <= bound)
+        ok &= torch.isfinite(got)
+        if bool(ok.all()):
+            return []
+        i = torch.nonzero(~ok)[0].tolist()
+        return [f"combine: token {i[0]} channel {i[1]}: got {got[i[0], i[1]].item()} want {ref[i[0], i[1]].item()} "
+                f"(sum |w y| {mag[i[0], i[1]].item()}); {int((~ok).sum())} values off"]
+
+
+def run_bundle(path: Path, dev, log, iters: int = ITERS) -> int:
+    fails = 0
+    buf = Buffer(dist.group.WORLD, path, backend="cuda", timeout_s=20.0)
+    name = path.name
+    R = buf.num_ranks
+
+    def report(what: str, errs: list[str]) -> None:
+        nonlocal fails
+        flag = torch.tensor([1 if errs else 0], device=dev)
+        dist.all_reduce(flag)
+        fails += int(flag.item() > 0)
+        for e in errs:
+            print(f"[rank {buf.rank}] {name} {what}: {e}", flush=True)
+        log(f"{name:12s} R={R} {what:40s} {'FAIL on ' + str(int(flag.item())) + ' rank(s)' if flag.item() else 'ok'}")
+
+    for spec in ROUTINGS:
+        for it in range(iters):
+            seed = 1000 * it + zlib.crc32(spec.encode()) % 997
+            case = Case(buf, spec, seed, dev)
+            x, idx, w = case.gpu_inputs()
+            rx, ridx, rw, counts, h, _ = buf.dispatch(x, idx, w)
+            errs = case.check_dispatch(rx, rw, counts, ridx)
+            out = buf.combine(case.y_for(rx, h.rows), h)
+            errs += case.check_combine(out)
+            buf.synchronize()
+            report(f"{spec} #{it} sync", errs)
+        # low-latency mode (no host sync inside) on the last case's inputs
+        rx, _, rw, (cnt, off), h, _ = buf.dispatch(x, idx, w, sync=False)
+        errs = case.check_dispatch(rx, rw, cnt.cpu().tolist())
+        out = buf.combine(case.y_for(rx, h.rows), h)
+        errs += case.check_combine(out)
+        report(f"{spec} low-latency", errs)
+
+    # cached handle: dispatch again with the handle's routing (new payload)
+    case = Case(buf, "uniform", 7, dev)
+    x, idx, w = case.gpu_inputs()
+    _, _, _, _, h, _ = buf.dispatch(x, idx, w)
+    rx, ridx, rw, counts, h2, _ = buf.dispatch(x, handle=h)
+    errs = case.check_dispatch(rx, rw, counts, ridx)
+    errs += case.check_combine(buf.combine(case.y_for(rx, h2.rows), h2))
+    report("cached-handle dispatch", errs)
+
+    # expert alignment: every local expert's rows start at a multiple of 64
+    rx, ridx, rw, counts, h, _ = buf.dispatch(x, idx, w, expert_alignment=64)
+    errs = []
+    starts = np.r_[0, np.cumsum(-(-np.asarray(case.counts) // 64) * 64)]
+    rows_of = torch.cat([torch.arange(int(starts[l]), int(starts[l]) + c) for l, c in enumerate(case.counts)]).to(dev)
+    packed = (rx[0][rows_of], rx[1][rows_of]) if case.dtype == "fp8" else rx[rows_of]
+    errs += case.check_dispatch(packed, rw[rows_of], counts, ridx[rows_of])
+    if h.rows != int(starts[-1]):
+        errs.append(f"recv_x has {h.rows} rows, want {int(starts[-1])} (padded)")
+    y = torch.zeros((h.rows, case.H), dtype=torch.bfloat16, device=dev)
+    y[rows_of] = case.y_for(packed, len(case.src))
+    errs += case.check_combine(buf.combine(y, h))
+    report("expert_alignment=64", errs)
+
+    # CUDA graph: dispatch (low latency) + expert outputs + combine, captured once, replayed on new inputs
+    xs, idxs, ws = case.gpu_inputs()
+    cap = buf._cuda.c["capacity"]
+    row_local = torch.zeros(cap, dtype=torch.int64, device=dev)  # local expert of each received row
+    rx, _, rw, (cnt, off), h, _ = buf.dispatch(xs, idxs, ws, sync=False)  # warm-up outside the graph
+    buf.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        rx, _, rw, (cnt, off), h, _ = buf.dispatch(xs, idxs, ws, sync=False)
+        y = case.expert_outputs(rx, row_local)
+        out = buf.combine(y, h)
+    for rep in range(3):
+        c2 = Case(buf, ("uniform", "zipf:1.2", "no-remote")[rep], 100 + rep, dev)
+        nx, nidx, nw = c2.gpu_inputs()
+        if case.dtype == "fp8":
+            xs[0].copy_(nx[0]); xs[1].copy_(nx[1])
+        else:
+            xs.copy_(nx)
+        idxs.copy_(nidx); ws.copy_(nw)
+        n = len(c2.src)
+        row_local.zero_()
+        row_local[:n] = torch.from_numpy(c2.local[c2.src[:, 2]]).to(dev)  # rows are expert-major: known order
+        g.replay()
+        buf.synchronize()
+        errs = c2.check_dispatch(rx, rw, cnt.cpu().tolist())
+        errs += c2.check_combine(out)
+        report(f"cuda graph replay {rep}", errs)
+
+    # bad input: errors name the argument, nothing is launched
+    errs = []
+    bad_idx = idx.clone()
+    bad_idx[3, 1] = bad_idx[3, 0]
+    try:
+        buf.dispatch(x, bad_idx, w)
+        errs.append("a repeated expert was not reported")
+    except ValueError as e:
+        if "topk_idx row 3" not in str(e):
+            errs.append(f"repeated expert: unexpected message {e}")
+    for args, needle in [((x, idx[:, :2], w), "topk_idx must have shape"),
+                         ((x, idx, w.double()), "topk_weights must be torch.float32")]:
+        try:
+            buf.dispatch(*args)
+            errs.append(f"no error for {needle}")
+        except (ValueError, TypeError) as e:
+            if needle not in str(e):
+                errs.append(f"unexpected message: {e}")
+    report("bad input raises", errs)
+    buf.synchronize()
+    dist.barrier()
+    buf.close()
+    return fails
+
+
+def main(argv: list[str]) -> int:
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    dev = torch.device("cuda", local)
+    rank = dist.get_rank()
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            print(msg, flush=True)
+
+    fails = 0
+    for p in argv:
+        try:
+            fails += run_bundle(Path(p), dev, log)
+        except Exception:
+            traceback.print_exc()
+            fails += 1
+            break
+    flag = torch.tensor([fails], device=dev)
+    dist.all_reduce(flag)
+    log(f"GPU checks: {'ALL OK' if flag.item() == 0 else str(int(flag.item())) + ' failure(s)'} "
+        f"({dist.get_world_size()} ranks, {torch.cuda.get_device_name(dev)})")
+    dist.destroy_process_group()
+    return 0 if flag.item() == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
