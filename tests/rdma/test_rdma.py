@@ -233,7 +233,7 @@ needs_tcp = pytest.mark.skipif(shutil.which("fi_info") is None and not Path("/us
                                reason="libfabric (libfabric-dev) is not installed")
 
 
-def _run(*args, timeout=240):
+def _run(*args, timeout=420):  # generous: 32 processes on 2 shared cores
     return subprocess.run([*EPCC, "run", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
@@ -241,7 +241,7 @@ def _run(*args, timeout=240):
 @pytest.mark.parametrize("sched,extra", [
     ("h200x4_2vnode.sched", ["--tokens", "128", "--hidden", "512"]),
     ("ubbv2_ep32.sched", ["--tokens", "64", "--hidden", "256"]),
-    ("ubbv2_ep32.sched", ["--tokens", "48", "--hidden", "256", "--routing", "zipf:1.2", "--seed", "3"]),
+    ("ubbv2_ep32.sched", ["--tokens", "32", "--hidden", "256", "--routing", "zipf:1.2", "--seed", "3"]),
 ])
 def test_libfabric_tcp_run_matches_the_oracle(sched, extra):
     why = _libfabric_tcp()
