@@ -1,32 +1,55 @@
-"""Rewrite the CUDA backend's golden sources (tests/backends/golden_cuda/<schedule>/): every
-file `epcc compile schedules/<schedule>.sched --target cuda` writes into the bundle's cuda/.
+"""Rewrite the CUDA backend's golden sources (tests/backends/golden_cuda/<variant>/): every file
+`epcc compile schedules/<schedule>.sched --target cuda [options]` writes into the bundle's cuda/
+(the table-driven kernels, the launcher, the direct lowering `<schedule>_direct.cu` when the plan
+is one-hop, manifest.json).  One command, from the repository root:
 
-    python tests/backends/regen_cuda_golden.py
+    .venv/bin/python tests/backends/regen_cuda_golden.py
 
-Review the diff before committing; test_cuda_codegen.py::test_golden_h200x4 compares.
+Review the diff before committing; test_cuda_codegen.py::test_golden_* compares (one test per
+variant and file, so a failure names the file and shows the first differing lines).
 """
 
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parent / "golden_cuda"
-SCHEDULES = ("h200x4",)
+
+# variant -> (schedule, PassOptions fields: what `epcc compile` takes as --dtype / --tokens)
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "h200x4": ("h200x4", {}),
+    "h200x4_fp8": ("h200x4", {"dtype": "fp8"}),  # the direct lowering's fp8 paths (scales, TMA of both)
+}
 
 
-def regenerate() -> None:
+def source_of(schedule: str) -> str:
+    return f"schedules/{schedule}.sched"  # as given on the command line: it appears in comments
+
+
+def generate(variant: str):
+    """The CudaBundle of a variant, as `epcc compile` would write it."""
     from epcc import pipeline
     from epcc.backends import cuda
+    from epcc.passes import PassOptions
 
-    for name in SCHEDULES:
-        plan = pipeline.run(str(ROOT / "schedules" / f"{name}.sched")).passes.get("plan")
+    schedule, opts = VARIANTS[variant]
+    plan = pipeline.run(str(ROOT / source_of(schedule)), options=PassOptions(**opts)).passes.get("plan")
+    return cuda.generate(plan, source_of(schedule))
+
+
+def regenerate(variants: list[str] | None = None) -> None:
+    for name in variants or list(VARIANTS):
         out = GOLDEN / name
         shutil.rmtree(out, ignore_errors=True)
-        for p in cuda.generate(plan, f"schedules/{name}.sched").write(out):
+        for p in generate(name).write(out):
             print(p.relative_to(ROOT))
 
 
 if __name__ == "__main__":
-    regenerate()
+    unknown = [v for v in sys.argv[1:] if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    regenerate(sys.argv[1:] or None)

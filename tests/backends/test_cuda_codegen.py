@@ -10,8 +10,9 @@ No GPU here.  What runs:
   compile, and the main kernels spill nothing; h200x4's library is built with the manifest's
   own nvcc command, loads with ctypes and fails cleanly without a GPU.  Each schedule is
   compiled once (module-scoped fixture, files in parallel); skipped when nvcc is missing;
-* a golden of every emitted file for h200x4 (`python tests/backends/regen_cuda_golden.py`
-  rewrites it);
+* a golden of every emitted file for h200x4 and h200x4 --dtype fp8, the direct lowering
+  (`<schedule>_direct.cu`) and the manifest included (`.venv/bin/python
+  tests/backends/regen_cuda_golden.py` rewrites them);
 * the table blobs against the oracle: the NumPy emulator (backends/cuda/emulate.py) runs every
   rank's blocks over the same tables the GPU reads (item order, split over blocks, waits,
   ordered publication) and must reproduce dispatch_oracle / combine_oracle;
@@ -35,6 +36,8 @@ from epcc.backends import cuda
 from epcc.backends.cuda import codegen, tables
 from epcc.backends.cuda.emulate import EmulationError, emulate
 from epcc.cli import main
+
+import regen_cuda_golden  # tests/backends/, on sys.path under pytest
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parent / "golden_cuda"
@@ -178,13 +181,45 @@ def test_generate_refuses_plans_it_cannot_lower():
 # golden
 
 
-def test_golden_h200x4():
-    files = cuda.generate(plan_of("h200x4"), source_of("h200x4")).files
-    want = sorted(p.name for p in (GOLDEN / "h200x4").iterdir())
-    assert sorted(files) == want, "regenerate: python tests/backends/regen_cuda_golden.py"
-    for name, text in files.items():
-        golden = (GOLDEN / "h200x4" / name).read_text(encoding="utf-8")
-        assert text == golden, f"{name} differs from the golden (python tests/backends/regen_cuda_golden.py)"
+REGEN = ".venv/bin/python tests/backends/regen_cuda_golden.py"
+
+
+def _golden_files(variant: str) -> list[str]:
+    d = GOLDEN / variant
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
+_BUNDLES: dict[str, object] = {}
+
+
+def golden_bundle(variant: str):
+    if variant not in _BUNDLES:
+        _BUNDLES[variant] = regen_cuda_golden.generate(variant)
+    return _BUNDLES[variant]
+
+
+@pytest.mark.parametrize("variant", list(regen_cuda_golden.VARIANTS))
+def test_golden_file_set(variant):
+    b = golden_bundle(variant)
+    assert sorted(b.files) == _golden_files(variant), f"regenerate: {REGEN}"
+    schedule, _ = regen_cuda_golden.VARIANTS[variant]
+    # the goldens cover the direct lowering: its source and its manifest entry
+    assert f"{schedule}_direct.cu" in b.files and b.manifest["lowering"] == "direct"
+    assert b.manifest["direct"]["source"] == f"{schedule}_direct.cu"
+
+
+@pytest.mark.parametrize("variant,name", [(v, f) for v in regen_cuda_golden.VARIANTS for f in _golden_files(v)])
+def test_golden(variant, name):
+    import difflib
+
+    text = golden_bundle(variant).files.get(name)
+    assert text is not None, f"{variant}/{name} is no longer generated; regenerate: {REGEN}"
+    golden = (GOLDEN / variant / name).read_text(encoding="utf-8")
+    if text != golden:
+        diff = list(difflib.unified_diff(golden.splitlines(), text.splitlines(), f"golden/{variant}/{name}",
+                                         "generated", lineterm="", n=1))
+        pytest.fail(f"{variant}/{name} differs from the golden ({len(diff)} diff lines; if intended, "
+                    f"regenerate: {REGEN}):\n" + "\n".join(diff[:40]))
 
 
 # --------------------------------------------------------------------------------------------
