@@ -244,14 +244,49 @@ def odd_plan():
     return plan
 
 
+# The direct lowering (direct.py, templates/direct.cu.j2): every shipped one-hop schedule, plus
+# h200x4 with the options the GPU tests compile (tests/gpu/bundles.py): fp8 dispatch, 128 tokens.
+DIRECT = ["h200x4", "nvl8_hybrid", "h200x4@fp8", "h200x4@t128"]
+_DIRECT_OPTIONS = {"fp8": {"dtype": "fp8"}, "t128": {"tokens": 128}}
+
+
+def direct_plan(name: str):
+    if "@" not in name:
+        return plan_of(name)
+    from epcc.passes import PassOptions
+
+    base, variant = name.split("@")
+    key = f"direct:{name}"
+    if key not in _PLANS:
+        _PLANS[key] = pipeline.run(str(REPO / source_of(base)),
+                                   options=PassOptions(**_DIRECT_OPTIONS[variant])).passes.get("plan")
+    return _PLANS[key]
+
+
+def test_direct_list_is_every_one_hop_schedule():
+    """DIRECT must follow the schedules: a new one-hop .sched gets its direct source compiled."""
+    from epcc.backends.cuda import direct
+
+    assert sorted(n for n in ALL if direct.match(plan_of(n)) is None) == sorted(n for n in DIRECT if "@" not in n)
+    assert all(direct.match(direct_plan(n)) is None for n in DIRECT)
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """Every ONE_DOMAIN schedule's sources compiled once, in parallel: each kernel file with
-    `nvcc -c -Xptxas -v`, and LIBRARY's whole library with the manifest's build command."""
+    `nvcc -c -Xptxas -v`, and LIBRARY's whole library with the manifest's build command; every
+    DIRECT variant's `<schedule>_direct.cu` built into its library as the runtime builds it
+    (direct_runtime.build: the manifest entry's command, here with `-Xptxas -v`, cached under a
+    fresh $EPCC_CACHE)."""
     if NVCC is None:
         pytest.skip("nvcc not found (PATH, $NVCC, /usr/local/cuda*/bin): the CUDA sources are not compiled")
     root = tmp_path_factory.mktemp("cuda")
     jobs = []
+    for name in DIRECT:
+        d = root / "direct" / name
+        b = cuda.generate(direct_plan(name), source_of(name.split("@")[0]))
+        b.write(d)
+        jobs.append((name, "direct", d, b.manifest))
     for name in [*ONE_DOMAIN, ODD]:
         d = root / name
         b = cuda.generate(odd_plan() if name == ODD else plan_of(name), source_of(name.split("@")[0]))
@@ -264,6 +299,15 @@ def built(tmp_path_factory):
 
     def run(job):
         name, what, d, args = job
+        if what == "direct":
+            from epcc.backends.cuda import direct_runtime
+
+            log: list[str] = []
+            try:
+                lib = direct_runtime.build(d, args, nvcc=NVCC, extra_flags=("-Xptxas", "-v"), log=log)
+                return name, what, subprocess.CompletedProcess([], 0, "".join(log), str(lib))
+            except RuntimeError as e:
+                return name, what, subprocess.CompletedProcess([], 1, "".join(log), str(e))
         if args is not None:
             return name, what, _nvcc(args, d)
         log: list[str] = []
@@ -273,15 +317,26 @@ def built(tmp_path_factory):
         except RuntimeError as e:
             return name, what, subprocess.CompletedProcess([], 1, "".join(log), str(e))
 
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as ex:
-        results = {(n, w): r for n, w, r in ex.map(run, jobs)}
+    saved = os.environ.get("EPCC_CACHE")
+    os.environ["EPCC_CACHE"] = str(root / "cache")  # never a cached library: nvcc runs, ptxas reports
+    try:
+        with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as ex:
+            results = {(n, w): r for n, w, r in ex.map(run, jobs)}
+    finally:
+        if saved is None:
+            os.environ.pop("EPCC_CACHE", None)
+        else:
+            os.environ["EPCC_CACHE"] = saved
     lib = results[(LIBRARY, "library")]
-    return {"root": root, "results": results, "lib": Path(lib.stderr) if lib.returncode == 0 else None}
+    direct_libs = {n: Path(r.stderr) for (n, w), r in results.items() if w == "direct" and r.returncode == 0}
+    return {"root": root, "results": results, "lib": Path(lib.stderr) if lib.returncode == 0 else None,
+            "direct": direct_libs}
 
 
 @pytest.mark.parametrize("name", [*ONE_DOMAIN, ODD])
 def test_nvcc_compiles_for_sm90a(built, name):
-    bad = {f: r.stdout + r.stderr for (n, f), r in built["results"].items() if n == name and r.returncode != 0}
+    bad = {f: r.stdout + r.stderr for (n, f), r in built["results"].items()
+           if n == name and f != "direct" and r.returncode != 0}
     assert not bad, "\n".join(f"--- {f}\n{out}" for f, out in bad.items())
 
 
@@ -299,7 +354,7 @@ def ptxas_report(output: str) -> dict[str, dict]:
 def test_main_kernels_do_not_spill(built, name, record_property):
     report = {}
     for (n, f), r in built["results"].items():
-        if n == name:
+        if n == name and f != "direct":
             report.update(ptxas_report(r.stdout if f == "library" else r.stdout + r.stderr))
     sched = name.split("@")[0]
     kernels = {k: v for k, v in report.items() if k.startswith(f"epcc_{sched}_") and k.endswith("_kernel")}
@@ -310,6 +365,42 @@ def test_main_kernels_do_not_spill(built, name, record_property):
         assert 0 < v["registers"] <= 128, (k, v)  # __launch_bounds__(256, 1) leaves room; keep it modest
         # the only stack is the printf argument buffer of the timeout path (48 B)
         assert v["stack"] <= 64, (k, v)
+
+
+@pytest.mark.parametrize("name", DIRECT)
+def test_direct_source_compiles_for_sm90a_without_spills(built, name, record_property):
+    r = built["results"][(name, "direct")]
+    assert r.returncode == 0, f"{name}: the direct library did not build:\n{r.stderr}\n{r.stdout}"
+    report = ptxas_report(r.stdout)
+    kernels = {k: v for k, v in report.items() if k.endswith("_kernelENS_4ArgsE")}  # anonymous-namespace kernels
+    assert any("dispatch_kernel" in k for k in kernels) and any("combine_kernel" in k for k in kernels), report
+    assert "ptxas info" in r.stdout and "bytes spill stores" in r.stdout
+    for k, v in report.items():  # kernels and the non-inlined device functions (the timeout report)
+        record_property(k, v)
+        assert v["spill_stores"] == 0 and v["spill_loads"] == 0, (name, k, v)
+    for k, v in kernels.items():
+        assert 0 < v["registers"] <= 255, (name, k, v)
+
+
+@pytest.mark.parametrize("name", ["h200x4", "h200x4@fp8"])
+def test_direct_library_loads_and_matches_its_manifest(built, name):
+    """ctypes view of the library (direct_runtime.DirectLibrary): ABI, the Args layout and the
+    peer region size agree with the manifest; host-side argument errors come back as messages."""
+    from epcc.backends.cuda import direct_runtime
+
+    if name not in built["direct"]:
+        pytest.fail(f"the {name} direct library did not build: {built['results'][(name, 'direct')].stderr}")
+    d = built["root"] / "direct" / name
+    m = cuda.load_manifest(d)
+    lib = direct_runtime.DirectLibrary(built["direct"][name], m)  # checks ABI, sizeof(Args), region bytes
+    c = m["direct"]["constants"]
+    assert lib.region_bytes == c["region_bytes"] == c["offsets_named"]["OFF_END"]
+    with pytest.raises(direct_runtime.DirectRuntimeError, match=r"init: stages must lie in \[\d+, \d+\], got 1"):
+        lib.init(1)
+    try:
+        lib.init(c["max_stages"])
+    except direct_runtime.DirectRuntimeError as e:  # no GPU: the CUDA call and its error, in one line
+        assert re.search(r"init: cudaFuncSetAttribute\(dispatch_kernel\): .*\(cuda\w+\)", str(e)), str(e)
 
 
 def test_launcher_library_loads_and_fails_cleanly_without_a_gpu(built):
