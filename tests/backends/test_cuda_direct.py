@@ -1,0 +1,237 @@
+"""The direct CUDA lowering's host-side decisions (backends/cuda/direct.py), no GPU, no nvcc:
+
+* match(): which plans are one-hop (h200x4 in bf16, fp8 and with few tokens; nvl8_hybrid), and
+  for the others a reason that names the step and its .sched line (or the rank count);
+* constants(): the peer region's offsets (increasing, 4096-aligned, no region overlapping the
+  next), the receive capacity R*T*min(K, E/R) + (E/R)*(ALIGN_MAX-1) rows, fp8 scale bytes;
+* DirectConfig.from_dict / check: errors name the key;
+* `epcc compile --target cuda --dtype fp8`: the manifest's direct entry, and the one-line error
+  for a hidden size fp8 cannot scale.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from epcc import pipeline
+from epcc.backends.cuda import direct
+from epcc.backends.cuda.direct import DirectConfig, DirectError
+from epcc.cli import main
+from epcc.passes import PassOptions
+
+REPO = Path(__file__).resolve().parents[2]
+ALL = sorted(p.stem for p in (REPO / "schedules").glob("*.sched"))
+ONE_HOP = ["h200x4", "nvl8_hybrid"]
+VARIANTS = {"bf16": {}, "fp8": {"dtype": "fp8"}, "t128": {"tokens": 128}}
+
+_PLANS: dict = {}
+
+
+def plan_of(name: str, variant: str = "bf16"):
+    key = (name, variant)
+    if key not in _PLANS:
+        c = pipeline.run(str(REPO / "schedules" / f"{name}.sched"), options=PassOptions(**VARIANTS[variant]))
+        _PLANS[key] = c.passes.get("plan")
+    return _PLANS[key]
+
+
+# --------------------------------------------------------------------------------------------
+# match
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_h200x4_is_direct(variant):
+    plan = plan_of("h200x4", variant)
+    assert direct.match(plan) is None
+    if variant == "fp8":
+        assert plan.workload.dtype == "fp8"
+    if variant == "t128":
+        assert plan.workload.tokens == 128
+
+
+@pytest.mark.parametrize("name", [n for n in ALL if n not in ONE_HOP])
+def test_other_shipped_plans_are_not_direct_and_say_where(name, monkeypatch):
+    plan = plan_of(name)
+    why = direct.match(plan)
+    assert why, f"{name} should not match the direct lowering"
+    if plan.num_ranks > direct.MAX_IPC_RANKS:
+        assert why == f"{plan.num_ranks} ranks do not fit one CUDA IPC domain (at most {direct.MAX_IPC_RANKS})"
+        # beyond the rank limit, the shape itself is not one hop either: the reason names the step
+        monkeypatch.setattr(direct, "MAX_IPC_RANKS", 10_000)
+        why = direct.match(plan)
+    m = re.fullmatch(r"step '([^']+)' \(line (\d+)\) .*not one hop.*", why)
+    assert m, why
+    lines = {s.line for s in plan.steps if s.name == m.group(1) and s.program == "dispatch"}
+    assert int(m.group(2)) in lines, (why, lines)
+    text = (REPO / "schedules" / f"{name}.sched").read_text().splitlines()
+    assert f"step {m.group(1)}" in text[int(m.group(2)) - 1], "the line is the step's line in the .sched"
+
+
+def test_h200x4_2vnode_names_its_rdma_step():
+    why = direct.match(plan_of("h200x4_2vnode"))
+    assert why.startswith("step 'rdma' (line ") and "send over rdma" in why
+
+
+def test_reasons_for_workloads_the_kernels_cannot_copy():
+    import copy
+
+    plan = copy.deepcopy(plan_of("h200x4"))
+    plan.workload.hidden = 7170
+    assert "hidden 7170 is not a multiple of 8" in direct.match(plan)
+    plan = copy.deepcopy(plan_of("h200x4", "fp8"))
+    plan.workload.hidden = 7296  # a multiple of 128 (fp8 scales), not of the 16-byte bulk copies of scales
+    assert "hidden 7296" in direct.match(plan)
+    plan = copy.deepcopy(plan_of("h200x4"))
+    plan.workload.experts = 254
+    assert direct.match(plan) == "254 experts cannot be divided among 4 ranks"
+    plan = copy.deepcopy(plan_of("h200x4"))
+    plan.workload = None
+    assert direct.match(plan) == "the plan has no workload"
+
+
+def test_generate_refuses_a_plan_that_does_not_match():
+    from epcc.backends.cuda import codegen
+
+    with pytest.raises(DirectError, match="step 'rdma'"):
+        direct.generate(plan_of("h200x4_2vnode"), "x.sched", codegen._ENV, "0")
+
+
+# --------------------------------------------------------------------------------------------
+# constants
+
+
+@pytest.mark.parametrize("name,variant", [("h200x4", "bf16"), ("h200x4", "fp8"), ("h200x4", "t128"),
+                                          ("nvl8_hybrid", "bf16")])
+def test_region_offsets_are_increasing_aligned_and_hold_the_capacity(name, variant):
+    plan = plan_of(name, variant)
+    c = direct.constants(plan)
+    wl = plan.workload
+    R, E, K, T, H = plan.num_ranks, wl.experts, wl.topk, wl.tokens, wl.hidden
+    epr = E // R
+    assert c["capacity"] == R * T * min(K, epr) + epr * (direct.ALIGN_MAX - 1) == R * T * min(K, epr) + epr * 127
+    offs = [(n, v) for n, v in c["offsets"] if n.startswith("OFF_") and n != "OFF_END"]
+    values = [v for _, v in offs]
+    assert values == sorted(values), offs
+    assert all(v % 4096 == 0 for v in values), offs
+    named = dict(c["offsets"])
+    end = named["OFF_END"]
+    assert end == c["region_bytes"] and end % 4096 == 0 and end > values[-1]
+    extent = {n: (offs[i + 1][1] if i + 1 < len(offs) else end) - v for i, (n, v) in enumerate(offs)}
+    # only an empty region may share its offset with the next: the fp8 scales of a bf16 plan
+    empty = {n for n, x in extent.items() if x == 0}
+    assert empty <= ({"OFF_RECV_S"} if c["scale_bytes"] == 0 else set()), (empty, offs)
+    cap = c["capacity"]
+    assert extent["OFF_RECV_X"] >= cap * c["x_bytes"]
+    assert extent["OFF_RECV_W"] >= cap * 4
+    if "OFF_RECV_S" in extent:
+        assert extent["OFF_RECV_S"] >= cap * c["scale_bytes"]
+    assert extent["OFF_CSTAGE"] >= R * T * H * 2  # one bf16 partial per (source rank, token)
+    assert extent["OFF_META"] >= 2 * named["META_STRIDE"]  # two parities
+    if variant == "fp8" or wl.dtype == "fp8":
+        assert (c["dtype"], c["x_bytes"], c["scale_bytes"]) == ("fp8", H, H // 128 * 4)
+    else:
+        assert (c["dtype"], c["x_bytes"], c["scale_bytes"]) == ("bf16", 2 * H, 0)
+    assert c["stage_bytes"] % 128 == 0 and c["stage_bytes"] >= c["x_bytes"] + c["scale_bytes"]
+    assert c["max_stages"] * c["stage_bytes"] <= direct.SMEM_BUDGET or c["max_stages"] == 2
+
+
+def test_default_config_passes_its_own_check():
+    for name, variant in [("h200x4", "bf16"), ("h200x4", "fp8"), ("h200x4", "t128"), ("nvl8_hybrid", "bf16")]:
+        plan = plan_of(name, variant)
+        cfg = direct.default_config(plan)
+        cfg.check(direct.max_stages(plan))
+        assert cfg.dispatch_sms == cfg.send_blocks + cfg.recv_blocks
+
+
+# --------------------------------------------------------------------------------------------
+# DirectConfig
+
+
+GOOD = dict(send_blocks=16, recv_blocks=8, stages=8, combine_send_blocks=16, combine_reduce_blocks=8)
+
+
+def test_config_round_trip():
+    cfg = DirectConfig.from_dict(dict(GOOD))
+    cfg.check(16)
+    assert (cfg.dispatch_sms, cfg.combine_sms) == (24, 24)
+
+
+def test_config_unknown_and_missing_keys_are_named():
+    with pytest.raises(DirectError, match=r"^config: unknown key\(s\) send_block, warps$"):
+        DirectConfig.from_dict({**GOOD, "send_block": 4, "warps": 2})
+    d = dict(GOOD)
+    del d["stages"], d["recv_blocks"]
+    with pytest.raises(DirectError, match=r"^config: missing key\(s\) recv_blocks, stages$"):
+        DirectConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("key", list(GOOD))
+@pytest.mark.parametrize("value", [0, -3, "8", 2.5, None])
+def test_config_values_must_be_positive_integers(key, value):
+    cfg = DirectConfig.from_dict({**GOOD, key: value})
+    with pytest.raises(DirectError, match=rf"^config: {key} must be a positive integer, got {re.escape(repr(value))}$"):
+        cfg.check(16)
+
+
+def test_config_limits_name_the_key():
+    with pytest.raises(DirectError, match=rf"^config: send_blocks is {direct.MAX_CHANNELS + 1}, at most "
+                                          rf"{direct.MAX_CHANNELS}$"):
+        DirectConfig.from_dict({**GOOD, "send_blocks": direct.MAX_CHANNELS + 1}).check(16)
+    for stages in (1, 17):
+        with pytest.raises(DirectError, match=rf"^config: stages must lie in \[\d+, 16\], got {stages}$"):
+            DirectConfig.from_dict({**GOOD, "stages": stages}).check(16)
+    assert issubclass(DirectError, ValueError)
+
+
+# --------------------------------------------------------------------------------------------
+# epcc compile --target cuda --dtype
+
+
+def test_cli_fp8_bundle_has_fp8_direct_constants(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "b"
+    rc = main(["compile", "schedules/h200x4.sched", "--target", "cuda", "--dtype", "fp8", "-o", str(out)])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    m = json.loads((out / "cuda" / "manifest.json").read_text())
+    assert m["lowering"] == "direct" and m["workload"]["dtype"] == "fp8"
+    c = m["direct"]["constants"]
+    hidden = m["workload"]["hidden"]
+    assert (c["dtype"], c["hidden"], c["x_bytes"], c["scale_bytes"]) == ("fp8", hidden, hidden, hidden // 128 * 4)
+    assert (out / "cuda" / m["direct"]["source"]).is_file()
+    text = (out / "cuda" / m["direct"]["source"]).read_text()
+    assert "constexpr bool FP8 = true;" in text and f"constexpr int SB = {hidden // 128 * 4};" in text
+
+
+def _sched_with_hidden(tmp_path: Path, hidden: int) -> Path:
+    text = (REPO / "schedules" / "h200x4.sched").read_text()
+    assert "hidden 7168" in text
+    p = tmp_path / "h200x4_odd.sched"
+    p.write_text(text.replace("hidden 7168", f"hidden {hidden}"))
+    return p
+
+
+def test_cli_fp8_needs_hidden_divisible_by_128(tmp_path, capsys):
+    src = _sched_with_hidden(tmp_path, 7200)
+    rc = main(["compile", str(src), "--target", "cuda", "--dtype", "fp8", "-o", str(tmp_path / "b")])
+    out, err = capsys.readouterr()
+    assert rc == 1
+    assert err.strip() == ("epcc: error: --dtype fp8: h200x4 has hidden 7200, which fp8 dispatch needs divisible by "
+                           "128 (one scale per 128 channels)")
+    assert "Traceback" not in err and not (tmp_path / "b").exists()
+
+
+def test_cli_fp8_hidden_the_direct_copies_cannot_take_falls_back_to_tables(tmp_path, capsys):
+    # 7296 = 57 x 128: fp8 scales work, but the direct kernels' 16-byte bulk copies of the scale
+    # rows do not; the bundle keeps the table-driven kernels and says why.
+    src = _sched_with_hidden(tmp_path, 7296)
+    rc = main(["compile", str(src), "--target", "cuda", "--dtype", "fp8", "-o", str(tmp_path / "b")])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    m = json.loads((tmp_path / "b" / "cuda" / "manifest.json").read_text())
+    assert m["lowering"] == "tables" and "direct" not in m and "hidden 7296" in m["direct_not_used"]
+    assert not list((tmp_path / "b" / "cuda").glob("*_direct.cu"))
