@@ -174,20 +174,32 @@ def cmd_tune(args) -> int:
     if not man.is_file():
         raise CompileError([Diagnostic("error", f"{bundle}: no cuda/manifest.json; write the bundle with "
                                                 f"`epcc compile FILE --target cuda -o {bundle}`", None)])
-    manifest = json.loads(man.read_text(encoding="utf-8"))
+    try:
+        manifest = json.loads(man.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise CompileError([Diagnostic("error", f"{man}: not a manifest written by epcc ({e}); recompile the "
+                                                f"bundle", None)]) from None
     if "direct" not in manifest:
         raise CompileError([Diagnostic("error", f"{bundle}: nothing to tune: the plan is not one-hop "
                                                 f"({manifest.get('direct_not_used', '?')})", None)])
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        raise CompileError([Diagnostic("error", "epcc tune: torchrun not found (it comes with torch); "
-                                                "run this on the GPU machine", None)])
-    nproc = args.nproc or manifest["num_ranks"]
-    import torch
-
+    nproc = manifest["num_ranks"] if args.nproc is None else args.nproc
+    if nproc < 1:
+        raise CompileError([Diagnostic("error", f"--nproc {nproc}: expected a number of GPUs, at least 1", None)])
+    try:
+        import torch
+    except ImportError as e:
+        raise CompileError([Diagnostic("error", f"epcc tune: torch is not importable ({e}); run this on the GPU "
+                                                f"machine, where torch is installed", None)]) from None
+    # GPUs before torchrun: on a machine without them, that is the one thing to say
     if torch.cuda.device_count() < nproc:
         raise CompileError([Diagnostic("error", f"epcc tune: {nproc} GPUs needed, this machine has "
                                                 f"{torch.cuda.device_count()}", None)])
+    # torchrun comes with torch: beside this interpreter when the venv is not activated
+    beside = Path(sys.executable).parent / "torchrun"
+    torchrun = shutil.which("torchrun") or (str(beside) if beside.is_file() else None)
+    if torchrun is None:
+        raise CompileError([Diagnostic("error", "epcc tune: torchrun not found (it comes with torch); "
+                                                "run this on the GPU machine", None)])
     cmd = [torchrun, "--nproc-per-node", str(nproc), "-m", "epcc.runtime.tune", str(bundle),
            "--sms", args.sms, "--stages", args.stages, "--iters", str(args.iters)]
     print(" ".join(cmd), flush=True)

@@ -59,10 +59,18 @@ class Buffer:
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
         self.plan, manifest = _load_bundle(Path(bundle))
+        self.backend_name = backend or manifest.get("backend", "cpu")
+        # Errors of the call itself first, the same on every rank and before any collective:
+        # a machine without a GPU must not surface as a group-size or nvcc error further in.
+        if self.backend_name == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("Buffer(backend='cuda'): no CUDA device is available (torch.cuda.is_available() is "
+                               "False: a CPU-only torch, no driver, or CUDA_VISIBLE_DEVICES hides the GPUs); "
+                               "use backend='cpu' on this machine")
+        if self.backend_name != "cuda" and config is not None:
+            raise ValueError("Buffer: config (SMs, stages) applies to the cuda backend only")
         if self.plan.num_ranks != self.num_ranks:
             raise BundleError(f"bundle {bundle} was compiled for {self.plan.num_ranks} ranks "
                               f"({manifest.get('schedule', '?')}), but the group has {self.num_ranks}")
-        self.backend_name = backend or manifest.get("backend", "cpu")
         self.timeout_s = timeout_s
         wl = self.plan.workload
         self.hidden, self.topk, self.experts, self.dtype = wl.hidden, wl.topk, wl.experts, wl.dtype
@@ -73,8 +81,6 @@ class Buffer:
             self._cuda = CudaEngine(self.group, Path(bundle), self.plan, manifest, timeout_s=timeout_s, config=config)
             self.memory = None
             return
-        if config is not None:
-            raise ValueError("Buffer: config (SMs, stages) applies to the cuda backend only")
         self.backend = _backend(self.backend_name)
         session = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
         dist.broadcast_object_list(session, src=_global_rank(self.group, 0), group=self.group)
@@ -316,6 +322,11 @@ def _check_tensor(fn: str, arg: str, t, shape: tuple, dtypes: tuple) -> None:
 
 
 def _unpack_rows(rows: np.ndarray, dtype: str, hidden: int):
+    if rows.shape[0] == 0:  # a rank no token chose: torch cannot view an empty byte array as wider types
+        if dtype == "fp8":
+            return (torch.empty((0, hidden), dtype=torch.float8_e4m3fn),
+                    torch.empty((0, hidden // FP8_GROUP), dtype=torch.float32))
+        return torch.empty((0, hidden), dtype=torch.bfloat16)
     t = torch.from_numpy(np.ascontiguousarray(rows))
     if dtype == "fp8":
         x8 = t[:, :hidden].contiguous().view(torch.float8_e4m3fn)
