@@ -1,0 +1,92 @@
+"""The GPU checks (tests/gpu/ep_worker.py under torchrun) as a pytest; skipped on CPU machines.
+
+How to run them: compile the bundles on a machine with MLIR (this repository's venv), carry the
+directory to the GPU machine, run pytest there:
+
+    .venv/bin/python tests/gpu/bundles.py .gpu/bundles          # CPU machine, MLIR installed
+    python -m pytest -q tests/gpu/test_gpu.py                    # GPU machine (>= 2 GPUs, nvcc, torch)
+
+$EPCC_GPU_BUNDLES overrides the bundle directory (default .gpu/bundles at the repository root);
+$EPCC_GPU_TIMEOUT the seconds one torchrun may take (default 1200).  The EP4 case needs 4 GPUs
+(h200x4, h200x4_fp8, h200x4_t128); the EP2 case runs on GPUs 0 and 1 (h200x2, h200x2_fp8,
+h200x2_t128).  Each must exit 0 and print "ALL OK"; on failure the test shows the output tail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "ep_worker.py"
+BUNDLES = Path(os.environ.get("EPCC_GPU_BUNDLES") or ROOT / ".gpu" / "bundles")
+HOW = ("to run: `.venv/bin/python tests/gpu/bundles.py .gpu/bundles` on a CPU machine with MLIR, carry .gpu "
+       "to the GPU machine (or set EPCC_GPU_BUNDLES), run `python -m pytest tests/gpu/test_gpu.py` there")
+CASES = {  # GPUs -> bundles (tests/gpu/bundles.py writes them)
+    4: ["h200x4", "h200x4_fp8", "h200x4_t128"],
+    2: ["h200x2", "h200x2_fp8", "h200x2_t128"],
+}
+
+pytestmark = pytest.mark.gpu
+
+
+def _gpus() -> tuple[int, str]:
+    try:
+        import torch
+    except ImportError:
+        return 0, "torch is not installed"
+    n = torch.cuda.device_count()
+    return n, f"{n} CUDA device(s) visible"
+
+
+def _why_not(gpus: int) -> str | None:
+    """None when the case can run, else the skip reason (with how to run it)."""
+    have, what = _gpus()
+    if have < 2:
+        return f"needs >= 2 GPUs ({what}); {HOW}"
+    if have < gpus:
+        return f"the EP{gpus} case needs {gpus} GPUs ({what})"
+    from epcc.backends.cuda.launcher import find_nvcc
+
+    if find_nvcc() is None:
+        return f"nvcc not found (PATH, $NVCC, /usr/local/cuda*/bin): the direct kernels are built on this machine; {HOW}"
+    if not BUNDLES.is_dir():
+        return f"no bundle directory {BUNDLES}; {HOW}"
+    missing = [b for b in CASES[gpus] if not (BUNDLES / b / "cuda" / "manifest.json").is_file()]
+    if missing:
+        return f"bundles missing under {BUNDLES}: {', '.join(missing)}; {HOW}"
+    if _torchrun() is None:
+        return "torchrun not found (it comes with torch)"
+    return None
+
+
+def _torchrun() -> str | None:
+    beside = Path(sys.executable).parent / "torchrun"
+    return str(beside) if beside.is_file() else shutil.which("torchrun")
+
+
+@pytest.mark.parametrize("gpus", sorted(CASES, reverse=True), ids=lambda n: f"ep{n}")
+def test_ep_worker_all_ok(gpus):
+    why = _why_not(gpus)
+    if why:
+        pytest.skip(why)
+    env = dict(os.environ)
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    if gpus == 2:
+        env["CUDA_VISIBLE_DEVICES"] = "0,1"
+    cmd = [_torchrun(), "--standalone", "--nproc-per-node", str(gpus), str(WORKER),
+           *[str(BUNDLES / b) for b in CASES[gpus]]]
+    timeout = float(os.environ.get("EPCC_GPU_TIMEOUT", "1200"))
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""))
+        pytest.fail(f"{' '.join(cmd)}: no result after {timeout:.0f} s (a hung kernel wait?)\n{tail[-6000:]}")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "ALL OK" in r.stdout, \
+        f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
