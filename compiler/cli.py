@@ -282,7 +282,7 @@ def cmd_compile(args) -> int:
             written = emit(plan, out / "cuda", source=str(args.file))
         except CudaCodegenError as e:
             raise CompileError([Diagnostic("error", f"--target cuda: {e}", None)]) from None
-        print(f"{args.file}: CUDA sources in {out}/cuda/ ({', '.join(p.name for p in written)})")
+        print(f"{args.file}: CUDA sources in {out}/cuda/ ({', '.join(p.relative_to(out / 'cuda').as_posix() for p in written)})")
     return EXIT_OK
 
 

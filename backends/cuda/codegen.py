@@ -142,13 +142,19 @@ class KernelSpec:
     finish: FinishSpec | None
 
 
+RDMA_DIR = "rdma"  # the proxy sources of a plan's RDMA steps, inside the bundle's cuda/ (docs/rdma.md)
+
+
 @dataclass
 class CudaBundle:
-    """The generated sources (file name -> text) and the launch manifest."""
+    """The generated sources (file name -> text) and the launch manifest.  A plan with RDMA
+    steps also has the host proxy loop (backends/rdma): written by `write` into RDMA_DIR/, the
+    files listed in manifest["rdma"] (paths relative to the bundle's cuda/)."""
 
     files: dict[str, str]
     manifest: dict
     kernels: list[KernelSpec]
+    plan: Plan | None = None
 
     def write(self, out_dir: str | Path) -> list[Path]:
         out = Path(out_dir)
@@ -158,6 +164,15 @@ class CudaBundle:
             p = out / name
             p.write_text(text, encoding="utf-8")
             written.append(p)
+        if self.manifest.get("rdma"):
+            from epcc.backends import rdma
+
+            paths = rdma.emit(self.plan, out / RDMA_DIR)
+            got = [p.relative_to(out).as_posix() for p in paths]
+            if got != self.manifest["rdma"]:
+                raise CudaCodegenError(f"the RDMA proxy sources written ({got}) are not the manifest's "
+                                       f"({self.manifest['rdma']})")
+            written += paths
         return written
 
 
@@ -426,8 +441,20 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
                 "launch_fn": k.finish.launch_fn, "grid": "2 x SMs", "block": k.finish.block, "shared_bytes": 0,
                 "roles": [],
             })
+    manifest["rdma"] = _rdma_sources(plan)
     files["manifest.json"] = json.dumps(manifest, indent=1) + "\n"
-    return CudaBundle(files=files, manifest=manifest, kernels=kernels)
+    return CudaBundle(files=files, manifest=manifest, kernels=kernels, plan=plan)
+
+
+def _rdma_sources(plan: Plan) -> list[str]:
+    """The proxy sources `rdma.emit` writes for the plan's RDMA steps, relative to cuda/; [] when
+    it has none.  They are the host side of rdma="external" (the SM roles wait on the counters the
+    proxy bumps); with rdma="emulate" the kernels do not need them, but the bundle stays complete."""
+    from epcc.backends import rdma
+
+    if not rdma.rdma_steps(plan):
+        return []
+    return [f"{RDMA_DIR}/{n}" for n in (rdma.proxy_file_name(plan), *rdma.STATIC_SOURCES)]
 
 
 def emit(plan: Plan, out_dir: str | Path, source: str | None = None,

@@ -614,6 +614,42 @@ def test_cli_compile_target_cuda(tmp_path, capsys, monkeypatch):
     assert "--target" in capsys.readouterr().err
 
 
+def test_cli_compile_writes_the_rdma_proxy_sources(tmp_path, capsys, monkeypatch):
+    """A plan with RDMA steps gets the host proxy loop (backends/rdma, docs/rdma.md) in cuda/rdma/,
+    listed in the manifest; a plan without them gets none."""
+    from epcc.backends import rdma
+
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "vnode"
+    assert main(["compile", source_of("h200x4_2vnode"), "--target", "cuda", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    m = json.loads((out / "cuda" / "manifest.json").read_text())
+    proxy = f"rdma/{rdma.proxy_file_name(plan_of('h200x4_2vnode'))}"
+    assert m["rdma"][0] == proxy == "rdma/h200x4_2vnode_proxy.c"
+    assert m["rdma"] == [proxy, *(f"rdma/{n}" for n in rdma.STATIC_SOURCES)]
+    assert sorted(p.relative_to(out / "cuda").as_posix() for p in (out / "cuda" / "rdma").iterdir()) == sorted(m["rdma"])
+    assert (out / "cuda" / proxy).read_text() == rdma.proxy_source(plan_of("h200x4_2vnode"))
+    assert proxy in printed
+    # the same from the API, and with the RDMA left to the proxy (rdma="external")
+    b = cuda.generate(plan_of("h200x4_2vnode"), source_of("h200x4_2vnode"), cuda.CudaOptions(rdma="external"))
+    assert b.manifest["rdma"] == m["rdma"]
+    written = b.write(tmp_path / "api")
+    assert {p.relative_to(tmp_path / "api").as_posix() for p in written} >= set(m["rdma"])
+
+    out = tmp_path / "h200x4"
+    assert main(["compile", source_of("h200x4"), "--target", "cuda", "-o", str(out)]) == 0
+    m = json.loads((out / "cuda" / "manifest.json").read_text())
+    assert m["rdma"] == [] and not (out / "cuda" / "rdma").exists()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_manifest_lists_rdma_sources_exactly_for_plans_with_rdma_steps(name):
+    from epcc.backends import rdma
+
+    m = cuda.generate(plan_of(name), source_of(name)).manifest
+    assert bool(m["rdma"]) == bool(rdma.rdma_steps(plan_of(name)))
+
+
 def test_cli_without_target_writes_no_cuda(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     assert main(["compile", source_of("h200x4"), "-o", str(tmp_path / "b")]) == 0
