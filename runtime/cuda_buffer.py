@@ -86,6 +86,7 @@ class CudaEngine:
         self.config = DirectConfig.from_dict(cfg)
         c = entry["constants"]
         self.config.check(c["max_stages"])
+        self.config.check_ranks(c["num_ranks"])
         self.c = c
         self.plan = plan
         # build: rank 0 first (the others find it in the cache)
@@ -107,7 +108,18 @@ class CudaEngine:
         self.off = offs
         self.state_off = self.lib.state_offsets
         self.dispatches = 0
-        self.last_layout = None
+        # views of the peer region, made once (a call must not pay for them: low-latency mode)
+        cap, H, epr = c["capacity"], c["hidden"], c["experts_per_rank"]
+        if c["dtype"] == "fp8":
+            self.recv_x = (self.region_view("OFF_RECV_X", cap * c["x_bytes"], torch.float8_e4m3fn, (cap, H)),
+                           self.region_view("OFF_RECV_S", cap * c["scale_bytes"], torch.float32, (cap, H // 128)))
+        else:
+            self.recv_x = self.region_view("OFF_RECV_X", cap * c["x_bytes"], torch.bfloat16, (cap, H))
+        self.recv_w = self.region_view("OFF_RECV_W", cap * 4, torch.float32, (cap,))
+        self.recv_count = self.state_view("recv_count", epr)
+        self.recv_offset = self.state_view("recv_offset", epr + 1)
+        self.bad_token = self.state_view("bad_token", 1)
+        self._args = self.args()
         dist.barrier(group=group)
 
     # ------------------------------------------------------------------ helpers
@@ -119,14 +131,19 @@ class CudaEngine:
                      (count,), self.device)
 
     def args(self, **kw):
-        a = self.lib.Args()
-        for r, b in enumerate(self.bases):
-            a.base[r] = b
-        a.me = self.rank
-        a.C, a.NR, a.S = self.config.send_blocks, self.config.recv_blocks, self.config.stages
-        a.NS, a.ND = self.config.combine_send_blocks, self.config.combine_reduce_blocks
-        a.timeout_ns = self.timeout_ns
-        a.err = self.err_dev
+        """The kernels' argument block: built once, per-call fields (and the configuration, which
+        `epcc tune` changes between calls) written into it before each launch."""
+        a = getattr(self, "_args", None)
+        if a is None:
+            a = self.lib.Args()
+            for r, b in enumerate(self.bases):
+                a.base[r] = b
+            a.me = self.rank
+            a.timeout_ns = self.timeout_ns
+            a.err = self.err_dev
+        cfg = self.config
+        a.C, a.NR, a.S = cfg.send_blocks, cfg.recv_blocks, cfg.stages
+        a.NS, a.ND = cfg.combine_send_blocks, cfg.combine_reduce_blocks
         a.align = 1
         for k, v in kw.items():
             setattr(a, k, v)
@@ -187,22 +204,14 @@ class CudaEngine:
         self.lib.dispatch(a, stream)
         self.dispatches += 1
         cap, epr = c["capacity"], c["experts_per_rank"]
-        xb, sb = c["x_bytes"], c["scale_bytes"]
-        if fp8:
-            rx = (self.region_view("OFF_RECV_X", cap * xb, torch.float8_e4m3fn, (cap, H)),
-                  self.region_view("OFF_RECV_S", cap * sb, torch.float32, (cap, H // 128)))
-        else:
-            rx = self.region_view("OFF_RECV_X", cap * xb, torch.bfloat16, (cap, H))
-        rw = self.region_view("OFF_RECV_W", cap * 4, torch.float32, (cap,))
-        counts = self.state_view("recv_count", epr)
-        offsets = self.state_view("recv_offset", epr + 1)
+        rx, rw, counts, offsets = self.recv_x, self.recv_w, self.recv_count, self.recv_offset
         if not sync:
             return rx, None, rw, (counts, offsets), CudaHandle(self.dispatches, T, cap, topk_idx, topk_weights), None
         try:
             host_counts = counts.cpu().tolist()
             host_offsets = offsets.cpu().tolist()
-            bad = int(self.state_view("bad_token", 1).cpu()[0])
-        except RuntimeError as e:  # the context is gone: a kernel trapped
+            bad = int(self.bad_token.cpu()[0])
+        except RuntimeError:  # the context is gone: a kernel trapped
             self.raise_if_failed()
             raise
         self.raise_if_failed()
@@ -250,7 +259,7 @@ class CudaEngine:
 
     def check_routing(self, topk_idx=None) -> None:
         """Raise if the last dispatch met a bad top-k row (for sync=False callers); syncs."""
-        bad = int(self.state_view("bad_token", 1).cpu()[0])
+        bad = int(self.bad_token.cpu()[0])
         if bad >= 0:
             row = topk_idx[bad].tolist() if topk_idx is not None else "?"
             raise ValueError(f"dispatch: topk_idx row {bad} names an expert outside [-1, {self.c['experts'] - 1}] "

@@ -30,8 +30,11 @@ ABI = 1
 ALIGN_MAX = 128  # largest per-expert row alignment a caller may ask for (grouped-GEMM padding)
 MAX_CHANNELS = 128
 DESC_RING = 64
-ALLOW_PENDING = 4
-PUBLISH_EVERY = 4
+ALLOW_PENDING = 16  # bulk-store groups (tokens) left in flight when a sender publishes its tails
+PUBLISH_EVERY = 32
+READ_ALLOW = 4  # bulk-store groups that may still be reading their stage (the ring needs more stages)
+COMBINE_BATCH = 4
+MAX_QUEUES = 128  # (source, channel) queues one receiver block polls
 DISPATCH_THREADS = 128  # 4 warps: driver, 3 feeders (senders) / driver, feeder (receivers)
 COMBINE_THREADS = 512
 SMEM_BUDGET = 200 * 1024  # dynamic shared memory for stages (of 227 KB per block on sm_90)
@@ -80,8 +83,13 @@ class DirectConfig:
                 raise DirectError(f"config: {f.name} must be a positive integer, got {v!r}")
         if self.send_blocks > MAX_CHANNELS:
             raise DirectError(f"config: send_blocks is {self.send_blocks}, at most {MAX_CHANNELS}")
-        if not 2 <= self.stages <= max_stages:
-            raise DirectError(f"config: stages must lie in [2, {max_stages}], got {self.stages}")
+        if not READ_ALLOW + 1 <= self.stages <= max_stages:
+            raise DirectError(f"config: stages must lie in [{READ_ALLOW + 1}, {max_stages}], got {self.stages}")
+
+    def check_ranks(self, num_ranks: int) -> None:
+        if -(-num_ranks * self.send_blocks // self.recv_blocks) > MAX_QUEUES:
+            raise DirectError(f"config: {self.recv_blocks} recv_blocks for {num_ranks} x {self.send_blocks} queues: "
+                              f"at most {MAX_QUEUES} queues per receiver block")
 
     @classmethod
     def from_dict(cls, d: dict) -> "DirectConfig":
@@ -138,14 +146,16 @@ def match(plan: Plan) -> str | None:
 
 
 def default_config(plan: Plan) -> DirectConfig:
-    """From the plan: the push step's SM budget split 2:1 between senders and receivers."""
+    """From the plan: the push step's SM budget, dispatch split 1:1 between senders and receivers
+    (the receivers replicate ~1.2 rows per received token locally: as much work as the sends),
+    combine 2:1 between partial senders and home reducers (the senders read ~2.2 rows per
+    record).  Both splits are what `epcc tune` found best at 24 SMs on 4x H200; it rewrites them."""
     push = next((s for s in _steps(plan, "dispatch") if s.verb == "send"), None)
-    sms = (push.sms if push and push.sms else 24)
-    send = max(1, (2 * sms + 2) // 3)
-    recv = max(1, sms - send)
+    sms = max(2, push.sms if push and push.sms else 24)
+    csend = max(1, (2 * sms + 2) // 3)
     stages = min(8, max_stages(plan))
-    return DirectConfig(send_blocks=send, recv_blocks=recv, stages=stages,
-                        combine_send_blocks=send, combine_reduce_blocks=recv)
+    return DirectConfig(send_blocks=sms - sms // 2, recv_blocks=sms // 2, stages=stages,
+                        combine_send_blocks=csend, combine_reduce_blocks=max(1, sms - csend))
 
 
 def stage_bytes(plan: Plan) -> int:
@@ -161,7 +171,7 @@ def row_parts(plan: Plan) -> tuple[int, int]:
 
 
 def max_stages(plan: Plan) -> int:
-    return max(2, min(16, SMEM_BUDGET // stage_bytes(plan)))
+    return max(READ_ALLOW + 1, min(16, SMEM_BUDGET // stage_bytes(plan)))
 
 
 def _round(n: int, a: int) -> int:
@@ -197,6 +207,8 @@ def constants(plan: Plan) -> dict:
     put("OFF_RANK_TJ", T * K * 4)
     put("OFF_DEDUP", T * R * 4)
     put("OFF_MYCHAN", (MAX_CHANNELS + 1) * R * 4)
+    meta_chunk = 32 * max(1, 64 // K)  # tokens per metadata block: the lanes hold 64 expert ids
+    put("OFF_CHUNKS", -(-T // meta_chunk) * (E + R + 1) * 4)
     put("OFF_RECORDS", R * T * ri * 4)
     put("OFF_RECV_W", cap * 4)
     put("OFF_RECV_X", cap * xb)
@@ -210,9 +222,10 @@ def constants(plan: Plan) -> dict:
         "hidden": H, "max_tokens": T, "max_channels": MAX_CHANNELS, "record_ints": ri, "x_bytes": xb,
         "scale_bytes": sb, "stage_bytes": stage_bytes(plan), "max_stages": max_stages(plan),
         "desc_ring": DESC_RING, "allow_pending": ALLOW_PENDING, "publish_every": PUBLISH_EVERY,
-        "history": ALLOW_PENDING + 4, "feeder_warps": DISPATCH_THREADS // 32 - 1,
+        "history": ALLOW_PENDING + PUBLISH_EVERY, "feeder_warps": DISPATCH_THREADS // 32 - 1,
         "dispatch_threads": DISPATCH_THREADS, "combine_threads": COMBINE_THREADS, "capacity": cap,
         "placement": wl.placement, "dtype": wl.dtype, "align_max": ALIGN_MAX, "combine_unroll": 4,
+        "meta_chunk": meta_chunk, "read_allow": READ_ALLOW, "max_queues": MAX_QUEUES, "combine_batch": COMBINE_BATCH,
         "offsets": offsets, "region_bytes": end,
         "waits": [{"key": k, "text": t} for k, t in WAITS],
     }
