@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("bundle", metavar="BUNDLE", help="a bundle written by `epcc compile FILE --target cuda -o BUNDLE`")
     c.add_argument("--nproc", type=int, help="GPUs (default: the plan's ranks)")
     c.add_argument("--sms", default="8,16,24,32,48", help="total SMs per kernel to try")
-    c.add_argument("--stages", default="4,8,12", help="shared-memory stages per dispatch block to try")
+    c.add_argument("--stages", default="6,8,12", help="shared-memory stages per dispatch block to try")
     c.add_argument("--iters", default="10", help="timed calls per configuration")
     c.set_defaults(func=cmd_tune)
 
