@@ -10,7 +10,8 @@
 //   combine step 'push' (schedules/h200x4.sched:43): send each token once to every peer that needs it -> combine_kernel: weighted partial per (token, GPU) into the home GPU's staging
 //
 // Kernels (one stream, in this order; every cross-GPU wait is bounded, see wait_geq):
-//   meta_kernel      routing -> per-expert ranks and counts, per-destination dedup indices and
+//   meta_count_kernel, meta_finish_kernel
+//                    routing -> per-expert ranks and counts, per-destination dedup indices and
 //                    channel ranges; counts and ranges written into every peer's meta area, then
 //                    one release flag per peer (no host round trip).
 //   dispatch_kernel  cooperative: blocks [0, C) are senders (channel c = a contiguous token range),
@@ -49,9 +50,11 @@ constexpr int STAGE = 7424;      // shared-memory stage: XB + SB, 128-byte align
 constexpr int SMAX = 16;        // most stages
 constexpr int DR = 64;           // descriptor ring entries (multiple of 32)
 constexpr int DW = (R > KL + 1) ? R : KL + 1;   // descriptor width
-constexpr int ALLOW = 4;    // store groups left in flight when publishing tails
-constexpr int PUB = 4;      // a sender publishes its tails every PUB tokens
-constexpr int HW = 8;             // tail history ring (> ALLOW)
+constexpr int ALLOW = 16;    // store groups left in flight when publishing tails
+constexpr int PUB = 32;      // a sender publishes its tails every PUB tokens
+constexpr int HW = 48;             // tail history ring (> ALLOW)
+constexpr int QMAX = 128;       // most (source, channel) queues per receiver block
+constexpr int RA = 4;          // bulk-store groups that may still be reading shared memory
 constexpr int NFW = 3;       // feeder warps per sender block
 constexpr int DTHREADS = 128;
 constexpr int CTHREADS = 512;
@@ -61,6 +64,7 @@ constexpr bool FP8 = true;
 static_assert(R <= 32, "a warp writes one count per rank");
 static_assert(DR % 32 == 0 && DR >= SMAX, "descriptor ring");
 static_assert(HW > ALLOW, "tail history");
+static_assert(SMAX > RA, "stages must exceed the reading store groups");
 
 // Peer region layout (byte offsets; identical on every rank, decided in direct.py)
 constexpr unsigned long long OFF_STATE = 0ULL;
@@ -70,16 +74,17 @@ constexpr unsigned long long OFF_CTAIL = 32768ULL;
 constexpr unsigned long long OFF_RANK_TJ = 36864ULL;
 constexpr unsigned long long OFF_DEDUP = 167936ULL;
 constexpr unsigned long long OFF_MYCHAN = 233472ULL;
-constexpr unsigned long long OFF_RECORDS = 237568ULL;
-constexpr unsigned long long OFF_RECV_W = 1024000ULL;
-constexpr unsigned long long OFF_RECV_X = 1581056ULL;
-constexpr unsigned long long OFF_RECV_S = 999366656ULL;
-constexpr unsigned long long OFF_CSTAGE = 1030549504ULL;
+constexpr unsigned long long OFF_CHUNKS = 237568ULL;
+constexpr unsigned long long OFF_RECORDS = 258048ULL;
+constexpr unsigned long long OFF_RECV_W = 1044480ULL;
+constexpr unsigned long long OFF_RECV_X = 1601536ULL;
+constexpr unsigned long long OFF_RECV_S = 999387136ULL;
+constexpr unsigned long long OFF_CSTAGE = 1030569984ULL;
 constexpr unsigned long long META_STRIDE = 12288ULL;
 constexpr unsigned long long META_FLAGS = 0ULL;
 constexpr unsigned long long META_COUNTS = 256ULL;
 constexpr unsigned long long META_CHANNELS = 4352ULL;
-constexpr unsigned long long OFF_END = 1265430528ULL;
+constexpr unsigned long long OFF_END = 1265451008ULL;
 
 struct State {                       // OFF_STATE, this rank only
   unsigned long long disp_epoch;     // dispatches finished (the next one is disp_epoch + 1)
@@ -240,97 +245,171 @@ __device__ __forceinline__ int load_idx(const Args& a, int t, int j) {
   if (a.idx_int32) return reinterpret_cast<const int*>(a.topk_idx)[(long long)t * K + j];
   return (int)reinterpret_cast<const long long*>(a.topk_idx)[(long long)t * K + j];
 }
-// Entry j of token t, or -1 when it is empty (-1), out of range, or repeats an earlier entry
-// (such tokens are also reported through State::bad_token).
-__device__ __forceinline__ int valid_expert(const Args& a, int t, int j) {
-  const int ex = load_idx(a, t, j);
-  if (ex < 0 || ex >= E) return -1;
-  for (int i = 0; i < j; ++i)
-    if (load_idx(a, t, i) == ex) return -1;
-  return ex;
+// The K entries of token t, each kept or replaced by -1 when it is empty (-1), out of range, or
+// repeats an earlier entry (such tokens are also reported through State::bad_token).
+// Returns whether an entry was dropped for being bad (not for being -1).
+__device__ __forceinline__ bool load_experts(const Args& a, int t, int (&ex)[K]) {
+  bool bad = false;
+#pragma unroll
+  for (int j = 0; j < K; ++j) ex[j] = load_idx(a, t, j);
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    bool drop = ex[j] >= E || ex[j] < -1;
+#pragma unroll
+    for (int i = 0; i < j; ++i) drop |= ex[j] >= 0 && ex[i] == ex[j];
+    bad |= drop;
+    if (drop || ex[j] < 0) ex[j] = -1;
+  }
+  return bad;
 }
 __device__ __forceinline__ int tokens_per_channel(int T, int C) { return T > 0 ? (T + C - 1) / C : 1; }
 
 // =============================================================================================
-// meta_kernel: step 'meta' (schedules/h200x4.sched:42)
-// warp w < E: ranks of the tokens that picked expert w (token order), the count -> every peer;
-// warp E + d: each token's index among the tokens bound for rank d (dedup), channel ranges -> d.
-// The last warp to finish raises this rank's flag on every peer (release, system scope).
+// Metadata: step 'meta' (schedules/h200x4.sched:42), two kernels over chunks of MC tokens.
+// meta_count_kernel (block b = chunk b): each lane holds the experts of NB tokens in registers;
+//   warp w takes experts w, w + 8, ...: a ballot per 32 tokens gives each (token, slot) its rank
+//   among the chunk's tokens of that expert, and the chunk's count; warps also take the
+//   destination ranks (dedup: a token's position among the chunk's tokens bound for rank d).
+// meta_finish_kernel (block b = chunk b): adds the counts of earlier chunks (token order across
+//   the whole batch), writes each channel's first dedup index; the last block to finish sends
+//   the per-expert counts and the channel ranges to every peer and raises this rank's flag there.
 // =============================================================================================
-__global__ void __launch_bounds__(MTHREADS) meta_kernel(const Args a) {
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, lane = threadIdx.x & 31;
-  const int me = (int)a.me, T = (int)a.T, C = (int)a.C, Tc = tokens_per_channel(T, C);
+constexpr int MC = 256;          // tokens per metadata chunk
+constexpr int NB = MC / 32;                     // tokens per lane
+constexpr int MAXCHUNKS = (TMAX + MC - 1) / MC;
+
+__device__ __forceinline__ int* chunk_counts(const Args& a) {  // [MAXCHUNKS][E + R + 1]: experts, ranks, bad
+  return reinterpret_cast<int*>(region(a, (int)a.me) + OFF_CHUNKS);
+}
+
+__global__ void __launch_bounds__(MTHREADS) meta_count_kernel(const Args a) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, b = blockIdx.x;
+  const int T = (int)a.T, tb = b * MC;
+  char* my = region(a, (int)a.me);
+  int* rank_tj = reinterpret_cast<int*>(my + OFF_RANK_TJ);   // [TMAX][K]: rank within the chunk (finished later)
+  int* dedup = reinterpret_cast<int*>(my + OFF_DEDUP);       // [TMAX][R]: pos in chunk, or -(pos + 1) if absent
+  int* cc = chunk_counts(a) + b * (E + R + 1);
+  const unsigned lt = (1u << lane) - 1;
+  __shared__ int s_bad;
+  if (threadIdx.x == 0) s_bad = T;
+  __syncthreads();
+  int ex[NB][K];
+  int bad = T;
+#pragma unroll
+  for (int q = 0; q < NB; ++q) {
+    const int t = tb + q * 32 + lane;
+    if (t < T) {
+      if (load_experts(a, t, ex[q])) bad = min(bad, t);
+    } else {
+#pragma unroll
+      for (int j = 0; j < K; ++j) ex[q][j] = -1;
+    }
+  }
+  for (int e = warp; e < E; e += MTHREADS / 32) {
+    int run = 0;
+#pragma unroll
+    for (int q = 0; q < NB; ++q) {
+      int jm = -1;
+#pragma unroll
+      for (int j = 0; j < K; ++j) jm = ex[q][j] == e ? j : jm;
+      const unsigned bal = __ballot_sync(~0u, jm >= 0);
+      if (jm >= 0) rank_tj[(tb + q * 32 + lane) * K + jm] = run + __popc(bal & lt);
+      run += __popc(bal);
+    }
+    if (lane == 0) cc[e] = run;
+  }
+  for (int d = warp; d < R; d += MTHREADS / 32) {
+    int run = 0;
+#pragma unroll
+    for (int q = 0; q < NB; ++q) {
+      bool has = false;
+#pragma unroll
+      for (int j = 0; j < K; ++j) has |= ex[q][j] >= 0 && rank_of(ex[q][j]) == d;
+      const unsigned bal = __ballot_sync(~0u, has);
+      const int pos = run + __popc(bal & lt);
+      const int t = tb + q * 32 + lane;
+      if (t < T) dedup[t * R + d] = has ? pos : -(pos + 1);
+      run += __popc(bal);
+    }
+    if (lane == 0) cc[E + d] = run;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) bad = min(bad, __shfl_xor_sync(~0u, bad, o));
+  if (lane == 0) atomicMin(&s_bad, bad);
+  __syncthreads();
+  if (threadIdx.x == 0) cc[E + R] = s_bad < T ? s_bad : -1;
+}
+
+__global__ void __launch_bounds__(MTHREADS) meta_finish_kernel(const Args a) {
+  const int b = blockIdx.x, G = gridDim.x, tid = threadIdx.x;
+  const int me = (int)a.me, T = (int)a.T, C = (int)a.C, Tc = tokens_per_channel(T, C), tb = b * MC;
   char* my = region(a, me);
   State* st = state(a);
   const unsigned long long e = st->disp_epoch + 1;
   const int p = (int)(e & 1);
-  int* rank_tj = reinterpret_cast<int*>(my + OFF_RANK_TJ);   // [TMAX][K]
-  int* dedup = reinterpret_cast<int*>(my + OFF_DEDUP);       // [TMAX][R]
-  int* mych = reinterpret_cast<int*>(my + OFF_MYCHAN);       // [CMAX + 1][R]: channel starts
-  const unsigned lt = (1u << lane) - 1;
-  if (warp < E) {
-    const int ex = warp;
-    int run = 0;
-    for (int b = 0; b < T; b += 32) {
-      const int t = b + lane;
-      int jm = -1;
-      if (t < T) {
+  int* rank_tj = reinterpret_cast<int*>(my + OFF_RANK_TJ);
+  int* dedup = reinterpret_cast<int*>(my + OFF_DEDUP);
+  int* mych = reinterpret_cast<int*>(my + OFF_MYCHAN);       // [CMAX + 1][R]: first dedup index of each channel
+  const int* cc = chunk_counts(a);
+  __shared__ int base[E + R];
+  __shared__ int s_last;
+  for (int i = tid; i < E + R; i += blockDim.x) {
+    int sum = 0;
+    for (int q = 0; q < b; ++q) sum += cc[q * (E + R + 1) + i];
+    base[i] = sum;
+  }
+  __syncthreads();
+  for (int t = tb + tid; t < min(T, tb + MC); t += blockDim.x) {
+    int ex[K];
+    load_experts(a, t, ex);
 #pragma unroll
-        for (int j = 0; j < K; ++j) if (jm < 0 && load_idx(a, t, j) == ex) jm = j;
-      }
-      const unsigned bal = __ballot_sync(~0u, jm >= 0);
-      if (jm >= 0) rank_tj[t * K + jm] = run + __popc(bal & lt);
-      run += __popc(bal);
-    }
-    if (lane < R) meta_cnt(a, lane, p)[me * E + ex] = run;
-  } else if (warp < E + R) {
-    const int d = warp - E;
-    int run = 0, bad = T;
-    for (int b = 0; b < T; b += 32) {
-      const int t = b + lane;
-      bool has = false;
-      if (t < T) {
+    for (int j = 0; j < K; ++j)
+      if (ex[j] >= 0) rank_tj[t * K + j] += base[ex[j]];
 #pragma unroll
-        for (int j = 0; j < K; ++j) {
-          const int ex = valid_expert(a, t, j);
-          has |= ex >= 0 && rank_of(ex) == d;
-          if (d == 0 && ex < 0 && load_idx(a, t, j) != -1) bad = min(bad, t);
-        }
-      }
-      const unsigned bal = __ballot_sync(~0u, has);
-      const int pos = run + __popc(bal & lt);
-      if (t < T) {
-        dedup[t * R + d] = has ? pos : -1;
-        if (t % Tc == 0) mych[(t / Tc) * R + d] = pos;
-      }
-      run += __popc(bal);
-    }
-    __syncwarp();
-    for (int c = lane; c <= C; c += 32) {
-      const int s0 = (c * Tc < T) ? mych[c * R + d] : run;
-      const int s1 = (c < C && (c + 1) * Tc < T) ? mych[(c + 1) * R + d] : run;
-      if (c < C) {
-        int* ch = meta_chan(a, d, p) + (me * CMAX + c) * 2;
-        ch[0] = s0;
-        ch[1] = s1 - s0;
-      }
-      mych[c * R + d] = s0;
-    }
-    if (d == 0) {
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) bad = min(bad, __shfl_xor_sync(~0u, bad, o));
-      if (lane == 0) st->bad_token = bad < T ? bad : -1;
+    for (int d = 0; d < R; ++d) {
+      const int v = dedup[t * R + d];
+      dedup[t * R + d] = v >= 0 ? base[E + d] + v : -1;
+      if (t % Tc == 0) mych[(t / Tc) * R + d] = base[E + d] + (v >= 0 ? v : -v - 1);
     }
   }
-  __threadfence_system();
-  __syncwarp();
-  if (lane == 0 && warp < E + R) {
-    const unsigned prev = atomicAdd(&st->meta_done, 1u);
-    if (prev == (unsigned)(E + R - 1)) {
-      __threadfence();
-      st->meta_done = 0;
-      for (int d = 0; d < R; ++d) st_release_sys(meta_flag(a, d, p, me), e);
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(&st->meta_done, 1u) == (unsigned)(G - 1);
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  // ---- last block: totals to every peer, channel ranges to each destination, then the flags
+  for (int i = tid; i < E + R; i += blockDim.x) {
+    int sum = 0;
+    for (int q = 0; q < G; ++q) sum += cc[q * (E + R + 1) + i];
+    base[i] = sum;
+    if (i < E) {
+#pragma unroll
+      for (int d = 0; d < R; ++d) meta_cnt(a, d, p)[me * E + i] = sum;
     }
+  }
+  __syncthreads();
+  for (int i = tid; i < C * R; i += blockDim.x) {
+    const int c = i / R, d = i % R;
+    const int s0 = (c * Tc < T) ? mych[c * R + d] : base[E + d];
+    const int s1 = (c + 1 < C && (c + 1) * Tc < T) ? mych[(c + 1) * R + d] : base[E + d];
+    int* ch = meta_chan(a, d, p) + (me * CMAX + c) * 2;
+    ch[0] = s0;
+    ch[1] = s1 - s0;
+  }
+  if (tid == 0) {
+    int bad = -1;
+    for (int q = 0; q < G; ++q) {
+      const int v = cc[q * (E + R + 1) + E + R];
+      if (v >= 0 && (bad < 0 || v < bad)) bad = v;
+    }
+    st->bad_token = bad;
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (tid == 0) {
+    st->meta_done = 0;
+    for (int d = 0; d < R; ++d) st_release_sys(meta_flag(a, d, p, me), e);
   }
 }
 
@@ -345,6 +424,7 @@ struct DispatchShared {
   int consumed;                      // descriptors the driver has taken
   int produced_total;                // receiver: descriptors in all (-1 while feeding)
   int hist[HW][R];                   // sender: records per rank after each token
+  int q_start[QMAX], q_count[QMAX], q_done[QMAX];  // receiver: its queues' records: first, count, taken
 };
 
 __device__ void dispatch_offsets(const Args& a, DispatchShared& sh, int p) {
@@ -419,7 +499,8 @@ __device__ void dispatch_send(const Args& a, DispatchShared& sh, unsigned char* 
         }
       }
     };
-    for (int i = 0; i < min(S, n); ++i) load(i);
+    const int D = S - RA;  // loads run D tokens ahead; RA store groups may still be reading their stages
+    for (int i = 0; i < min(D, n); ++i) load(i);
     for (int i = 0; i < n; ++i) {
       mbar_wait(a, &sh.full[i % S], (unsigned)((i / S) & 1), WHERE_SEND_STAGE);
       wait_smem_geq(a, &sh.ready[i % DR], i, WHERE_SEND_DESC, c);
@@ -440,9 +521,9 @@ __device__ void dispatch_send(const Args& a, DispatchShared& sh, unsigned char* 
       tma_commit();
 #pragma unroll
       for (int d = 0; d < R; ++d) sh.hist[i % HW][d] = counts[d];
-      if (i >= 1) {
-        tma_wait_read<1>();  // token i-1's stores have read their stage: reuse it
-        if (i - 1 + S < n) load(i - 1 + S);
+      if (i + D < n) {
+        if (i + D >= S) tma_wait_read<RA>();  // token i + D - S = i - RA has been read out of its stage
+        load(i + D);
       }
       if (i >= ALLOW && (i + 1) % PUB == 0) {
         tma_wait_done<ALLOW>();  // tokens <= i - ALLOW are in place on their ranks
@@ -461,9 +542,14 @@ __device__ void dispatch_send(const Args& a, DispatchShared& sh, unsigned char* 
     if (valid) wait_smem_geq(a, reinterpret_cast<volatile int*>(&sh.consumed), i - DR + 1, WHERE_SEND_RING, c);
     int ex[K], slot[K];
     float w[K];
+    if (valid) {
+      load_experts(a, t, ex);
+    } else {
+#pragma unroll
+      for (int j = 0; j < K; ++j) ex[j] = -1;
+    }
 #pragma unroll
     for (int j = 0; j < K; ++j) {
-      ex[j] = valid ? valid_expert(a, t, j) : -1;
       slot[j] = ex[j] >= 0 ? sh.off[ex[j]] + rank_tj[t * K + j] : -1;
       w[j] = (ex[j] >= 0 && a.has_weights) ? reinterpret_cast<const float*>(a.topk_w)[(long long)t * K + j] : 1.f;
     }
@@ -499,21 +585,44 @@ __device__ void dispatch_recv(const Args& a, DispatchShared& sh, unsigned char* 
   char* my = region(a, me);
   const int* chan = meta_chan(a, me, p);
   if (warp == 1) {
-    // ---- feeder: wait for records, push those with more than one row
+    // ---- feeder: poll this block's queues round robin (queue q: channel q / R, source q % R, so
+    // every block has queues of every stage of the senders' progress), take whatever records have
+    // landed, push those with more than one row
     int g = 0;
     const unsigned lt = (1u << lane) - 1;
+    int nq = 0;
     for (int q = rb; q < R * C; q += NR) {
-      const int s = q / C, c = q % C;
-      const int start = ld_volatile(chan + (s * CMAX + c) * 2), count = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
-      for (int r0 = 0; r0 < count; r0 += 32) {
-        const int need = min(count, r0 + 32);
-        if (lane == 0) wait_geq(a, dtail(a, me, s, c), (e << 32) | (unsigned long long)need, WHERE_RECV_TAIL, s, c);
-        __syncwarp();
-        const int r = r0 + lane;
+      if (lane == 0) {
+        const int s = q % R, c = q / R;
+        sh.q_start[nq] = ld_volatile(chan + (s * CMAX + c) * 2);
+        sh.q_count[nq] = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
+        sh.q_done[nq] = 0;
+      }
+      ++nq;
+    }
+    __syncwarp();
+    int left = 0;
+    for (int k = 0; k < nq; ++k) left += sh.q_count[k] > 0;
+    unsigned long long idle_since = now_ns();
+    while (left > 0) {
+      bool progress = false;
+      for (int k = 0; k < nq; ++k) {
+        const int q = rb + k * NR, s = q % R, c = q / R;
+        const int count = sh.q_count[k], done = sh.q_done[k];
+        if (done >= count) continue;
+        int avail = 0;
+        if (lane == 0) {
+          const unsigned long long v = ld_acquire_sys(dtail(a, me, s, c));  // (epoch << 32) | records
+          avail = v >= (e << 32) ? (int)(v & 0xffffffffULL) : 0;
+        }
+        avail = __shfl_sync(~0u, avail, 0);
+        if (avail <= done) continue;
+        const int take = min(avail - done, 32);
+        const int r = done + lane;
         int nrows = 0;
         const int* rec = nullptr;
-        if (r < count) {
-          rec = record(a, me, s, start + r);
+        if (lane < take) {
+          rec = record(a, me, s, sh.q_start[k] + r);
           nrows = __ldcg(rec + 1);
         }
         const unsigned bal = __ballot_sync(~0u, nrows > 1);
@@ -521,11 +630,26 @@ __device__ void dispatch_recv(const Args& a, DispatchShared& sh, unsigned char* 
           const int pos = g + __popc(bal & lt);
           wait_smem_geq(a, reinterpret_cast<volatile int*>(&sh.consumed), pos - DR + 1, WHERE_RECV_RING, q);
           sh.desc[pos % DR][0] = nrows;
-          for (int k = 0; k < nrows; ++k) sh.desc[pos % DR][1 + k] = __ldcg(rec + 2 + k);
+          for (int k2 = 0; k2 < nrows; ++k2) sh.desc[pos % DR][1 + k2] = __ldcg(rec + 2 + k2);
           __threadfence_block();
           *reinterpret_cast<volatile int*>(&sh.ready[pos % DR]) = pos;
         }
         g += __popc(bal);
+        __syncwarp();
+        if (lane == 0) sh.q_done[k] = done + take;
+        __syncwarp();
+        if (done + take >= count) --left;
+        progress = true;
+      }
+      if (progress) {
+        idle_since = now_ns();
+      } else if (now_ns() - idle_since > a.timeout_ns) {
+        int k = 0;
+        while (sh.q_done[k] >= sh.q_count[k]) ++k;
+        const int q = rb + k * NR;
+        if (lane == 0)
+          fail(a, WHERE_RECV_TAIL, q % R, q / R, ld_acquire_sys(dtail(a, me, q % R, q / R)),
+               (e << 32) | (unsigned long long)(sh.q_done[k] + 1), now_ns() - idle_since);
       }
     }
     if (lane == 0) {
@@ -539,10 +663,8 @@ __device__ void dispatch_recv(const Args& a, DispatchShared& sh, unsigned char* 
   int i = 0, li = 0;
   unsigned long long t_start = now_ns();
   for (;;) {
-    while (li < i + S && ld_volatile(&sh.ready[li % DR]) == li) {
-      if (li - S >= 0) {  // the stage's previous descriptor (li - S) must have been read out
-        if (li - S < i - 1) tma_wait_read<1>(); else tma_wait_read<0>();
-      }
+    while (li < i + S - RA && ld_volatile(&sh.ready[li % DR]) == li) {
+      if (li >= S) tma_wait_read<RA>();  // the stage's previous descriptor, li - S < i - RA, is read out
       fence_proxy_async();
       const int first = ld_volatile(&sh.desc[li % DR][1]);
       unsigned char* stg = stages + (size_t)(li % S) * STAGE;
@@ -631,6 +753,7 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float (&acc)[8]) {
 
 constexpr int HV = H / 8;  // 16-byte vectors per bf16 row
 constexpr int CU = 4;
+constexpr int CB = 4;  // records per warp between two tail releases
 
 __global__ void __launch_bounds__(CTHREADS, 1) combine_kernel(const Args a) {
   const int me = (int)a.me, NS = (int)a.NS, ND = (int)a.ND;
@@ -645,12 +768,13 @@ __global__ void __launch_bounds__(CTHREADS, 1) combine_kernel(const Args a) {
     // ---- expert side: one weighted partial per record, into the home rank's staging
     const int* chan = meta_chan(a, me, p);
     const float* rw = reinterpret_cast<const float*>(my + OFF_RECV_W);
-    for (int q = blockIdx.x; q < R * C; q += NS) {
-      const int s = q / C, c = q % C;
+    for (int q = blockIdx.x; q < R * C; q += NS) {  // channel-major: every home rank's partials early
+      const int s = q % R, c = q / R;
       const int start = ld_volatile(chan + (s * CMAX + c) * 2), count = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
       uint4* stage_s = reinterpret_cast<uint4*>(region(a, s) + OFF_CSTAGE) + (long long)me * TMAX * HV;
-      for (int r0 = 0; r0 < count; r0 += NW) {
-        const int r = r0 + warp;
+      for (int r0 = 0; r0 < count; r0 += NW * CB) {
+       for (int rq = 0; rq < CB; ++rq) {
+        const int r = r0 + rq * NW + warp;
         if (r < count) {
           const int* rec = record(a, me, s, start + r);
           const int t = rec[0], nrows = rec[1];
@@ -689,10 +813,11 @@ __global__ void __launch_bounds__(CTHREADS, 1) combine_kernel(const Args a) {
             }
           }
         }
+       }
         __syncthreads();
         if (threadIdx.x == 0) {
           __threadfence_system();
-          st_release_sys(ctail(a, s, me, c), (ce << 32) | (unsigned long long)min(count, r0 + NW));
+          st_release_sys(ctail(a, s, me, c), (ce << 32) | (unsigned long long)min(count, r0 + NW * CB));
         }
       }
     }
@@ -843,8 +968,8 @@ int epcc_direct_host_error_record(unsigned long long* host, unsigned long long* 
 
 // Once per process and device: allow the dispatch kernel its dynamic shared memory.
 int epcc_direct_init(int max_stages) {
-  if (max_stages < 2 || max_stages > SMAX) {
-    snprintf(g_error, sizeof g_error, "stages must lie in [2, %d], got %d", SMAX, max_stages);
+  if (max_stages <= RA || max_stages > SMAX) {
+    snprintf(g_error, sizeof g_error, "stages must lie in [%d, %d], got %d", RA + 1, SMAX, max_stages);
     return 2;
   }
   cudaError_t err = cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -855,9 +980,11 @@ int epcc_direct_init(int max_stages) {
 int epcc_direct_dispatch(const void* args, unsigned long long stream) {
   const Args* a = static_cast<const Args*>(args);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  const int meta_blocks = ((E + R) * 32 + MTHREADS - 1) / MTHREADS;
-  cudaError_t err = launch(reinterpret_cast<const void*>(meta_kernel), meta_blocks, MTHREADS, 0, false, *a, s);
-  if (err != cudaSuccess) return set_error(err, "launch meta_kernel");
+  const int chunks = a->T > 0 ? (int)((a->T + MC - 1) / MC) : 1;
+  cudaError_t err = launch(reinterpret_cast<const void*>(meta_count_kernel), chunks, MTHREADS, 0, false, *a, s);
+  if (err != cudaSuccess) return set_error(err, "launch meta_count_kernel");
+  err = launch(reinterpret_cast<const void*>(meta_finish_kernel), chunks, MTHREADS, 0, false, *a, s);
+  if (err != cudaSuccess) return set_error(err, "launch meta_finish_kernel");
   err = launch(reinterpret_cast<const void*>(dispatch_kernel), (int)(a->C + a->NR), DTHREADS,
                (size_t)a->S * STAGE, true, *a, s);
   if (err != cudaSuccess) return set_error(err, "launch dispatch_kernel");
