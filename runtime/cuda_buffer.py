@@ -89,18 +89,26 @@ class CudaEngine:
         self.config.check_ranks(c["num_ranks"])
         self.c = c
         self.plan = plan
-        # build: rank 0 first (the others find it in the cache)
-        lib_path = None
+        # build: rank 0 first (the others find it in the cache); every step that can fail on one
+        # rank is agreed on before the next collective, so a failure raises everywhere, not a hang
+        lib_path, err = None, None
         if self.rank == 0:
-            lib_path = drt.build(cuda_dir, self.manifest)
-        dist.barrier(group=group)
+            lib_path, err = _attempt(lambda: drt.build(cuda_dir, self.manifest))
+        _agree(group, self.R, err, "building the kernels")
         if self.rank != 0:
-            lib_path = drt.build(cuda_dir, self.manifest)
-        self.lib = drt.DirectLibrary(lib_path, self.manifest)
-        self.lib.init(c["max_stages"])
-        self.region = self.lib.malloc(self.lib.region_bytes)
+            lib_path, err = _attempt(lambda: drt.build(cuda_dir, self.manifest))
+        _agree(group, self.R, err, "building the kernels")
+
+        def setup():
+            self.lib = drt.DirectLibrary(lib_path, self.manifest)
+            self.lib.init(c["max_stages"])
+            self.region = self.lib.malloc(self.lib.region_bytes)
+            return self.lib.ipc_handle(self.region)
+
+        handle, err = _attempt(setup)
+        _agree(group, self.R, err, "allocating the peer region")
         handles = [None] * self.R
-        dist.all_gather_object(handles, self.lib.ipc_handle(self.region), group=group)
+        dist.all_gather_object(handles, handle, group=group)
         self.bases = [self.region if r == self.rank else self.lib.ipc_open(h) for r, h in enumerate(handles)]
         self.err_host, self.err_dev = self.lib.error_record()
         self.timeout_ns = int(timeout_s * 1e9)
@@ -155,10 +163,17 @@ class CudaEngine:
             raise drt.KernelTimeout(msg)
 
     def close(self) -> None:
+        """Collective: every rank's kernels finish (peers may still write into this rank's region
+        until theirs do) before any region is unmapped and freed."""
+        if not self.bases:
+            return
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
         for r, b in enumerate(self.bases):
             if r != self.rank:
                 self.lib.ipc_close(b)
         self.lib.free(self.region)
+        self.lib.free_host(self.err_host)
         self.bases = []
 
     # ------------------------------------------------------------------ dispatch
@@ -264,6 +279,23 @@ class CudaEngine:
             row = topk_idx[bad].tolist() if topk_idx is not None else "?"
             raise ValueError(f"dispatch: topk_idx row {bad} names an expert outside [-1, {self.c['experts'] - 1}] "
                              f"or the same expert twice: {row}")
+
+
+def _attempt(fn):
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _agree(group, world: int, err: str | None, what: str) -> None:
+    """Raise on every rank if any rank failed `what` (all_gather_object of the errors)."""
+    errs = [None] * world
+    dist.all_gather_object(errs, err, group=group)
+    bad = [(r, e) for r, e in enumerate(errs) if e]
+    if bad:
+        raise drt.DirectRuntimeError(f"Buffer(backend='cuda'): {what} failed on " +
+                                     "; ".join(f"rank {r}: {e}" for r, e in bad))
 
 
 def _check(device, fn: str, arg: str, t, shape: tuple, dtypes: tuple) -> None:

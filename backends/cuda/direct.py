@@ -79,7 +79,7 @@ class DirectConfig:
     def check(self, max_stages: int) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise DirectError(f"config: {f.name} must be a positive integer, got {v!r}")
         if self.send_blocks > MAX_CHANNELS:
             raise DirectError(f"config: send_blocks is {self.send_blocks}, at most {MAX_CHANNELS}")

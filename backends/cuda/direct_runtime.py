@@ -55,16 +55,18 @@ def build(cuda_dir: str | Path, manifest: dict, nvcc: str | None = None, extra_f
     if lib.is_file():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / entry["source"]).write_bytes(text)
+    src_copy = out_dir / f".{os.getpid()}.{entry['source']}"  # private to this builder, then renamed
+    src_copy.write_bytes(text)
     tmp = out_dir / f".{entry['library']}.{os.getpid()}"
     i = cmd.index("-o")
     cmd[i + 1] = str(tmp)
-    cmd[-1] = str(out_dir / entry["source"])
+    cmd[-1] = str(src_copy)
     res = subprocess.run(cmd, cwd=out_dir, capture_output=True, text=True)
     if log is not None:
         log.append(res.stdout + res.stderr)
     if res.returncode != 0:
         raise DirectRuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stdout}{res.stderr}")
+    os.replace(src_copy, out_dir / entry["source"])
     os.replace(tmp, lib)
     return lib
 
@@ -109,6 +111,7 @@ class DirectLibrary:
             ("epcc_direct_ipc_open", [ctypes.c_void_p, u64p], ctypes.c_int),
             ("epcc_direct_ipc_close", [ctypes.c_uint64], ctypes.c_int),
             ("epcc_direct_host_error_record", [u64p, u64p], ctypes.c_int),
+            ("epcc_direct_free_host", [ctypes.c_uint64], ctypes.c_int),
             ("epcc_direct_init", [ctypes.c_int], ctypes.c_int),
             ("epcc_direct_dispatch", [ctypes.c_void_p, ctypes.c_uint64], ctypes.c_int),
             ("epcc_direct_combine", [ctypes.c_void_p, ctypes.c_uint64], ctypes.c_int),
@@ -160,6 +163,9 @@ class DirectLibrary:
         host, dev = ctypes.c_uint64(), ctypes.c_uint64()
         self.check(self.lib.epcc_direct_host_error_record(ctypes.byref(host), ctypes.byref(dev)), "error record")
         return host.value, dev.value
+
+    def free_host(self, ptr: int) -> None:
+        self.check(self.lib.epcc_direct_free_host(ptr), "freeing the error record")
 
     def init(self, stages: int) -> None:
         self.check(self.lib.epcc_direct_init(stages), "init")

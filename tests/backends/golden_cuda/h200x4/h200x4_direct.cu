@@ -3,11 +3,11 @@
 // `epcc compile schedules/h200x4.sched --target cuda`.
 //
 // Plan steps lowered here:
-//   dispatch step 'meta' (schedules/h200x4.sched:42): counts per rank and expert -> meta_kernel (counts and ranks on the GPU, exchanged through peer memory)
-//   dispatch step 'push' (schedules/h200x4.sched:43): send each token once to every peer that needs it -> dispatch_kernel senders (TMA, one store per destination GPU) + receivers (replication)
-//   dispatch step 'keep' (schedules/h200x4.sched:45): own tokens to local experts -> dispatch_kernel senders with this rank as destination (local permute)
-//   combine step 'keep' (schedules/h200x4.sched:45): own tokens to local experts -> combine_kernel: home-side sum of the partials (own partial included)
-//   combine step 'push' (schedules/h200x4.sched:43): send each token once to every peer that needs it -> combine_kernel: weighted partial per (token, GPU) into the home GPU's staging
+//   dispatch step 'meta' (schedules/h200x4.sched:48): counts per rank and expert -> meta_kernel (counts and ranks on the GPU, exchanged through peer memory)
+//   dispatch step 'push' (schedules/h200x4.sched:49): send each token once to every peer that needs it -> dispatch_kernel senders (TMA, one store per destination GPU) + receivers (replication)
+//   dispatch step 'keep' (schedules/h200x4.sched:51): own tokens to local experts -> dispatch_kernel senders with this rank as destination (local permute)
+//   combine step 'keep' (schedules/h200x4.sched:51): own tokens to local experts -> combine_kernel: home-side sum of the partials (own partial included)
+//   combine step 'push' (schedules/h200x4.sched:49): send each token once to every peer that needs it -> combine_kernel: weighted partial per (token, GPU) into the home GPU's staging
 //
 // Kernels (one stream, in this order; every cross-GPU wait is bounded, see wait_geq):
 //   meta_count_kernel, meta_finish_kernel
@@ -265,7 +265,7 @@ __device__ __forceinline__ bool load_experts(const Args& a, int t, int (&ex)[K])
 __device__ __forceinline__ int tokens_per_channel(int T, int C) { return T > 0 ? (T + C - 1) / C : 1; }
 
 // =============================================================================================
-// Metadata: step 'meta' (schedules/h200x4.sched:42), two kernels over chunks of MC tokens.
+// Metadata: step 'meta' (schedules/h200x4.sched:48), two kernels over chunks of MC tokens.
 // meta_count_kernel (block b = chunk b): each lane holds the experts of NB tokens in registers;
 //   warp w takes experts w, w + 8, ...: a ballot per 32 tokens gives each (token, slot) its rank
 //   among the chunk's tokens of that expert, and the chunk's count; warps also take the
@@ -276,7 +276,6 @@ __device__ __forceinline__ int tokens_per_channel(int T, int C) { return T > 0 ?
 // =============================================================================================
 constexpr int MC = 256;          // tokens per metadata chunk
 constexpr int NB = MC / 32;                     // tokens per lane
-constexpr int MAXCHUNKS = (TMAX + MC - 1) / MC;
 
 __device__ __forceinline__ int* chunk_counts(const Args& a) {  // [MAXCHUNKS][E + R + 1]: experts, ranks, bad
   return reinterpret_cast<int*>(region(a, (int)a.me) + OFF_CHUNKS);
@@ -463,7 +462,7 @@ __device__ void dispatch_offsets(const Args& a, DispatchShared& sh, int p) {
   __syncthreads();
 }
 
-// Sender of channel c: step 'push' (schedules/h200x4.sched:43) and its local part
+// Sender of channel c: step 'push' (schedules/h200x4.sched:49) and its local part
 // 'keep' (own tokens into own experts: the same code with this rank as destination).
 __device__ void dispatch_send(const Args& a, DispatchShared& sh, unsigned char* stages, unsigned long long e) {
   const int me = (int)a.me, T = (int)a.T, C = (int)a.C, S = (int)a.S, c = blockIdx.x;
@@ -504,6 +503,7 @@ __device__ void dispatch_send(const Args& a, DispatchShared& sh, unsigned char* 
     for (int i = 0; i < n; ++i) {
       mbar_wait(a, &sh.full[i % S], (unsigned)((i / S) & 1), WHERE_SEND_STAGE);
       wait_smem_geq(a, &sh.ready[i % DR], i, WHERE_SEND_DESC, c);
+      __threadfence_block();  // acquire: the descriptor after its ready mark
       int first[R];
 #pragma unroll
       for (int d = 0; d < R; ++d) first[d] = ld_volatile(&sh.desc[i % DR][d]);
@@ -664,6 +664,7 @@ __device__ void dispatch_recv(const Args& a, DispatchShared& sh, unsigned char* 
   unsigned long long t_start = now_ns();
   for (;;) {
     while (li < i + S - RA && ld_volatile(&sh.ready[li % DR]) == li) {
+      __threadfence_block();  // acquire: the descriptor after its ready mark
       if (li >= S) tma_wait_read<RA>();  // the stage's previous descriptor, li - S < i - RA, is read out
       fence_proxy_async();
       const int first = ld_volatile(&sh.desc[li % DR][1]);
@@ -732,7 +733,7 @@ __global__ void __launch_bounds__(DTHREADS, 1) dispatch_kernel(const Args a) {
 }
 
 // =============================================================================================
-// combine_kernel: step 'push' (schedules/h200x4.sched:43) and 'keep'
+// combine_kernel: step 'push' (schedules/h200x4.sched:49) and 'keep'
 // =============================================================================================
 __device__ __forceinline__ void bf16x8_fma(float (&acc)[8], const uint4 v, float w) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -952,6 +953,10 @@ int epcc_direct_ipc_open(const void* in64, unsigned long long* out) {
 int epcc_direct_ipc_close(unsigned long long p) {
   cudaError_t err = cudaIpcCloseMemHandle(reinterpret_cast<void*>(p));
   return err == cudaSuccess ? 0 : set_error(err, "cudaIpcCloseMemHandle");
+}
+int epcc_direct_free_host(unsigned long long host) {
+  cudaError_t err = cudaFreeHost(reinterpret_cast<void*>(host));
+  return err == cudaSuccess ? 0 : set_error(err, "cudaFreeHost");
 }
 int epcc_direct_host_error_record(unsigned long long* host, unsigned long long* dev) {
   void* h = nullptr;
