@@ -107,10 +107,8 @@ class Buffer:
                 torch.from_numpy(per_expert.astype(np.int32)), torch.from_numpy(in_rank), None)
 
     def _layout_on_device(self, topk_idx: torch.Tensor):
-        from .cuda_buffer import _check
-
-        _check(topk_idx.device, "get_dispatch_layout", "topk_idx", topk_idx, (None, self.topk),
-               (torch.int64, torch.int32))
+        check_tensor("get_dispatch_layout", "topk_idx", topk_idx, (None, self.topk), (torch.int64, torch.int32),
+                     device=self._cuda.device)
         wl = self.plan.workload
         e = torch.arange(self.experts, device=topk_idx.device)
         rank_of = e // (self.experts // self.num_ranks) if wl.placement == "blocked" else e % self.num_ranks
@@ -173,9 +171,9 @@ class Buffer:
             return self._cuda.combine(x, handle)
         if not isinstance(handle, Handle):
             raise TypeError(f"combine: handle must be the handle dispatch returned, not {type(handle).__name__}")
-        _check_tensor("combine", "x", x, (handle.recv_rows, self.hidden), (torch.bfloat16,))
+        check_tensor("combine", "x", x, (handle.recv_rows, self.hidden), (torch.bfloat16,))
         if topk_weights is not None:
-            _check_tensor("combine", "topk_weights", topk_weights, (handle.tokens, self.topk), (torch.float32,))
+            check_tensor("combine", "topk_weights", topk_weights, (handle.tokens, self.topk), (torch.float32,))
         y = x.contiguous().view(torch.int16).numpy().view(np.uint16)
         mem = self._prepare("combine", handle.layout,
                             lambda m: m.buffer("combine", "output", self.rank).__setitem__(slice(None), y))
@@ -204,7 +202,7 @@ class Buffer:
     def _check_weights(self, fn: str, w, shape) -> np.ndarray:
         if w is None:
             return np.ones(shape, dtype=np.float32)
-        _check_tensor(fn, "topk_weights", w, tuple(shape), (torch.float32,))
+        check_tensor(fn, "topk_weights", w, tuple(shape), (torch.float32,))
         return w.numpy().astype(np.float32)
 
     def _pack_x(self, x) -> tuple[np.ndarray, int]:
@@ -212,14 +210,14 @@ class Buffer:
             if not (isinstance(x, tuple) and len(x) == 2):
                 raise TypeError("dispatch: this bundle dispatches fp8: pass x as (x_fp8, scales)")
             x8, sc = x
-            _check_tensor("dispatch", "x_fp8", x8, (None, self.hidden), (torch.float8_e4m3fn,))
-            _check_tensor("dispatch", "scales", sc, (x8.shape[0], self.hidden // FP8_GROUP), (torch.float32,))
+            check_tensor("dispatch", "x_fp8", x8, (None, self.hidden), (torch.float8_e4m3fn,))
+            check_tensor("dispatch", "scales", sc, (x8.shape[0], self.hidden // FP8_GROUP), (torch.float32,))
             rows = np.concatenate([x8.contiguous().view(torch.uint8).numpy(),
                                    sc.contiguous().view(torch.uint8).numpy()], axis=1)
             return rows, x8.shape[0]
         if isinstance(x, tuple):
             raise TypeError("dispatch: this bundle dispatches bf16: pass x as one [tokens, hidden] bfloat16 tensor")
-        _check_tensor("dispatch", "x", x, (None, self.hidden), (torch.bfloat16,))
+        check_tensor("dispatch", "x", x, (None, self.hidden), (torch.bfloat16,))
         return x.contiguous().view(torch.uint8).numpy(), x.shape[0]
 
     def _gather_routing(self, idx: np.ndarray, w: np.ndarray):
@@ -309,16 +307,22 @@ class _Memory:
         return self.buffer(self.program, "output" if self.program == "dispatch" else "result", rank)
 
 
-def _check_tensor(fn: str, arg: str, t, shape: tuple, dtypes: tuple) -> None:
+def check_tensor(fn: str, arg: str, t, shape: tuple, dtypes: tuple, device: torch.device | None = None) -> None:
+    """The argument checks of every backend: a tensor, on the backend's device (None: the cpu
+    backend's rule), of one of `dtypes`, of `shape` (None: any size); on a device, contiguous."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {arg} must be a torch.Tensor, not {type(t).__name__}")
-    if t.device.type != "cpu":
+    if device is None and t.device.type != "cpu":
         raise ValueError(f"{fn}: {arg} is on {t.device}; the cpu backend needs CPU tensors")
+    if device is not None and t.device != device:
+        raise ValueError(f"{fn}: {arg} is on {t.device}; this Buffer runs on {device}")
     if t.dtype not in dtypes:
         raise TypeError(f"{fn}: {arg} must be {' or '.join(str(d) for d in dtypes)}, not {t.dtype}")
     if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise ValueError(f"{fn}: {arg} must have shape {want}, got {list(t.shape)}")
+    if device is not None and not t.is_contiguous():
+        raise ValueError(f"{fn}: {arg} must be contiguous")
 
 
 def _unpack_rows(rows: np.ndarray, dtype: str, hidden: int):

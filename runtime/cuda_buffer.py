@@ -33,6 +33,8 @@ import torch.distributed as dist
 from epcc.backends.cuda import direct_runtime as drt
 from epcc.backends.cuda.direct import DirectConfig, DirectError
 
+from .buffer import check_tensor
+
 
 class _Ptr:
     """A device pointer as a __cuda_array_interface__ object (uint8), for torch.as_tensor."""
@@ -193,22 +195,23 @@ class CudaEngine:
             if not (isinstance(x, tuple) and len(x) == 2):
                 raise TypeError("dispatch: this bundle dispatches fp8: pass x as (x_fp8, scales)")
             x8, sc = x
-            _check(self.device, "dispatch", "x_fp8", x8, (None, H), (torch.float8_e4m3fn,))
+            check_tensor("dispatch", "x_fp8", x8, (None, H), (torch.float8_e4m3fn,), self.device)
             T = x8.shape[0]
-            _check(self.device, "dispatch", "scales", sc, (T, H // 128), (torch.float32,))
+            check_tensor("dispatch", "scales", sc, (T, H // 128), (torch.float32,), self.device)
             xp, sp = x8.data_ptr(), sc.data_ptr()
         else:
             if isinstance(x, tuple):
                 raise TypeError("dispatch: this bundle dispatches bf16: pass x as one [tokens, hidden] bfloat16 tensor")
-            _check(self.device, "dispatch", "x", x, (None, H), (torch.bfloat16,))
+            check_tensor("dispatch", "x", x, (None, H), (torch.bfloat16,), self.device)
             T, xp, sp = x.shape[0], x.data_ptr(), 0
         if T > c["max_tokens"]:
             raise ValueError(f"dispatch: x has {T} tokens, but the bundle was compiled for at most "
                              f"{c['max_tokens']} per rank (workload `tokens`)")
-        _check(self.device, "dispatch", "topk_idx", topk_idx, (T, K), (torch.int64, torch.int32))
+        check_tensor("dispatch", "topk_idx", topk_idx, (T, K), (torch.int64, torch.int32), self.device)
         if topk_weights is not None:
-            _check(self.device, "dispatch", "topk_weights", topk_weights, (T, K), (torch.float32,))
-        if not isinstance(expert_alignment, int) or not 1 <= expert_alignment <= c["align_max"]:
+            check_tensor("dispatch", "topk_weights", topk_weights, (T, K), (torch.float32,), self.device)
+        if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) \
+                or not 1 <= expert_alignment <= c["align_max"]:
             raise ValueError(f"dispatch: expert_alignment must be an integer in [1, {c['align_max']}], "
                              f"got {expert_alignment!r}")
         a = self.args(T=T, x=xp, scales=sp, topk_idx=topk_idx.data_ptr(),
@@ -254,11 +257,11 @@ class CudaEngine:
             raise ValueError(f"combine: handle is from dispatch #{handle.dispatch_index}, but this Buffer has run "
                              f"dispatch #{self.dispatches} since; its routing and receive buffer are gone")
         H = self.c["hidden"]
-        _check(self.device, "combine", "x", y, (handle.rows, H), (torch.bfloat16,))
+        check_tensor("combine", "x", y, (handle.rows, H), (torch.bfloat16,), self.device)
         if out is None:
             out = torch.empty((handle.tokens, H), dtype=torch.bfloat16, device=self.device)
         else:
-            _check(self.device, "combine", "out", out, (handle.tokens, H), (torch.bfloat16,))
+            check_tensor("combine", "out", out, (handle.tokens, H), (torch.bfloat16,), self.device)
         a = self.args(y=y.data_ptr(), out=out.data_ptr())
         self.lib.combine(a, torch.cuda.current_stream(self.device).cuda_stream)
         return out
@@ -296,17 +299,3 @@ def _agree(group, world: int, err: str | None, what: str) -> None:
     if bad:
         raise drt.DirectRuntimeError(f"Buffer(backend='cuda'): {what} failed on " +
                                      "; ".join(f"rank {r}: {e}" for r, e in bad))
-
-
-def _check(device, fn: str, arg: str, t, shape: tuple, dtypes: tuple) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {arg} must be a torch.Tensor, not {type(t).__name__}")
-    if t.device != device:
-        raise ValueError(f"{fn}: {arg} is on {t.device}; this Buffer runs on {device}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{fn}: {arg} must be {' or '.join(str(d) for d in dtypes)}, not {t.dtype}")
-    if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{fn}: {arg} must have shape {want}, got {list(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{fn}: {arg} must be contiguous")

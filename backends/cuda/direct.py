@@ -260,8 +260,9 @@ def generate(plan: Plan, source: str, env, version: str) -> tuple[str, dict]:
     keep = next((s for s in disp if s.verb == "permute"), None)
     cpush = next((s for s in comb if s.link_kind == "p2p"), comb[0] if comb else push)
     ckeep = next((s for s in comb if s is not cpush), None)
+    steps = describe_steps(plan)
     text = env.get_template("direct.cu.j2").render(
-        schedule=plan.schedule, source=source, version=version, c=c, steps=describe_steps(plan),
+        schedule=plan.schedule, source=source, version=version, c=c, steps=steps,
         meta_step=meta or push, push_step=push, keep_step=keep, combine_push=cpush, combine_keep=ckeep)
     cfg = default_config(plan)
     file = f"{plan.schedule}_direct.cu"
@@ -273,6 +274,6 @@ def generate(plan: Plan, source: str, env, version: str) -> tuple[str, dict]:
                       "offsets_named": dict(c["offsets"])},
         "waits": [t for _, t in WAITS],
         "config": asdict(cfg),
-        "steps": describe_steps(plan),
+        "steps": steps,
     }
     return text, entry

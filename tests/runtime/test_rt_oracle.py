@@ -214,3 +214,19 @@ def test_weights_and_payloads():
         inputs.make_x_rows(1, 1, 100, "fp8")
     ys = inputs.make_expert_outputs([3, 0], 8, 0)
     assert ys[0].shape == (3, 8) and ys[0].dtype == np.uint16 and ys[1].shape == (0, 8)
+
+
+def test_compare_combine_partial_rounding_covers_bf16_partials_only():
+    """Partials rounded to bf16 on the way (the direct CUDA combine) pass with partial_rounding
+    2^-8 under cancellation, where the plain criteria reject them; a dropped term still fails."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((1, 64, 32)).astype(np.float32)
+    b = (-a * np.float32(1.0 - 2.0 ** -12)).astype(np.float32)  # a + b cancels to ~a * 2^-12
+    want = a.astype(np.float64) + b.astype(np.float64)
+    mag = (np.abs(a) + np.abs(b)).astype(np.float32)
+    got = bf16_to_f32(f32_to_bf16(a)) + bf16_to_f32(f32_to_bf16(b))  # each partial rounded to bf16
+    want32 = want.astype(np.float32)
+    assert not oracle.compare_combine(got, want32, mag, 2).ok
+    assert oracle.compare_combine(got, want32, mag, 2, partial_rounding=2.0 ** -8).ok
+    dropped = bf16_to_f32(f32_to_bf16(a))  # b missing
+    assert not oracle.compare_combine(dropped, want32, mag, 2, partial_rounding=2.0 ** -8).ok

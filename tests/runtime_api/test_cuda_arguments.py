@@ -1,0 +1,99 @@
+"""Exact texts of the cuda backend's argument errors (runtime/cuda_buffer.py), on a CPU machine.
+
+The checks run before anything touches the GPU, so an engine without a library or region (made
+with __new__, its device the CPU) reaches every one of them; a test that got past the checks
+would fail on the missing library instead of passing."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from epcc.runtime.cuda_buffer import CudaEngine, CudaHandle
+
+H, K, T, E = 256, 4, 8, 16
+
+
+def engine(dtype: str = "bf16") -> CudaEngine:
+    eng = CudaEngine.__new__(CudaEngine)
+    eng.c = {"hidden": H, "topk": K, "dtype": dtype, "max_tokens": T, "align_max": 128, "experts": E}
+    eng.device = torch.device("cpu")
+    eng.dispatches = 0
+    return eng
+
+
+def x_bf16(t: int = T, h: int = H) -> torch.Tensor:
+    return torch.zeros((t, h), dtype=torch.bfloat16)
+
+
+def idx(t: int = T, k: int = K, dtype=torch.int64) -> torch.Tensor:
+    return torch.zeros((t, k), dtype=dtype)
+
+
+def w(t: int = T, k: int = K, dtype=torch.float32) -> torch.Tensor:
+    return torch.ones((t, k), dtype=dtype)
+
+
+@pytest.mark.parametrize("call, exc, text", [
+    (lambda e: e.dispatch(x_bf16(), idx().double(), w()), TypeError,
+     "dispatch: topk_idx must be torch.int64 or torch.int32, not torch.float64"),
+    (lambda e: e.dispatch(x_bf16(), idx(k=2), w()), ValueError,
+     "dispatch: topk_idx must have shape [8, 4], got [8, 2]"),
+    (lambda e: e.dispatch(x_bf16(), idx(), w(dtype=torch.float64)), TypeError,
+     "dispatch: topk_weights must be torch.float32, not torch.float64"),
+    (lambda e: e.dispatch(x_bf16(h=128), idx(), w()), ValueError,
+     "dispatch: x must have shape [*, 256], got [8, 128]"),
+    (lambda e: e.dispatch(x_bf16().float(), idx(), w()), TypeError,
+     "dispatch: x must be torch.bfloat16, not torch.float32"),
+    (lambda e: e.dispatch(x_bf16(h=2 * H)[:, ::2], idx(), w()), ValueError, "dispatch: x must be contiguous"),
+    (lambda e: e.dispatch([1, 2], idx(), w()), TypeError, "dispatch: x must be a torch.Tensor, not list"),
+    (lambda e: e.dispatch((x_bf16(), x_bf16()), idx(), w()), TypeError,
+     "dispatch: this bundle dispatches bf16: pass x as one [tokens, hidden] bfloat16 tensor"),
+    (lambda e: e.dispatch(x_bf16(t=T + 1), idx(t=T + 1), w(t=T + 1)), ValueError,
+     "dispatch: x has 9 tokens, but the bundle was compiled for at most 8 per rank (workload `tokens`)"),
+    (lambda e: e.dispatch(x_bf16(), idx(), w(), expert_alignment=0), ValueError,
+     "dispatch: expert_alignment must be an integer in [1, 128], got 0"),
+    (lambda e: e.dispatch(x_bf16(), idx(), w(), expert_alignment=129), ValueError,
+     "dispatch: expert_alignment must be an integer in [1, 128], got 129"),
+    (lambda e: e.dispatch(x_bf16(), idx(), w(), expert_alignment=True), ValueError,
+     "dispatch: expert_alignment must be an integer in [1, 128], got True"),
+    (lambda e: e.dispatch(x_bf16()), TypeError,
+     "dispatch: topk_idx is required (or a handle from an earlier dispatch)"),
+    (lambda e: e.dispatch(x_bf16(), handle="h"), TypeError,
+     "dispatch: handle must be a handle an earlier dispatch of this Buffer returned"),
+    (lambda e: e.dispatch(x_bf16(), idx(), handle=CudaHandle(0, T, 0, idx(), None)), ValueError,
+     "dispatch: give topk_idx or handle, not both"),
+    (lambda e: e.combine(x_bf16(), "h"), TypeError,
+     "combine: handle must be the handle dispatch returned, not str"),
+    (lambda e: e.combine(x_bf16(), CudaHandle(3, T, T)), ValueError,
+     "combine: handle is from dispatch #3, but this Buffer has run dispatch #0 since; "
+     "its routing and receive buffer are gone"),
+    (lambda e: e.combine(x_bf16(t=5), CudaHandle(0, T, T)), ValueError,
+     "combine: x must have shape [8, 256], got [5, 256]"),
+    (lambda e: e.combine(x_bf16(), CudaHandle(0, T, T), out=x_bf16(t=3)), ValueError,
+     "combine: out must have shape [8, 256], got [3, 256]"),
+])
+def test_bf16_argument_errors(call, exc, text):
+    with pytest.raises(exc, match="^" + re.escape(text) + "$"):
+        call(engine())
+
+
+def test_fp8_argument_errors():
+    e = engine("fp8")
+    x8 = torch.zeros((T, H), dtype=torch.float8_e4m3fn)
+    sc = torch.ones((T, H // 128), dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"^dispatch: this bundle dispatches fp8: pass x as \(x_fp8, scales\)$"):
+        e.dispatch(x_bf16(), idx(), w())
+    with pytest.raises(ValueError, match=re.escape("dispatch: scales must have shape [8, 2], got [8, 1]")):
+        e.dispatch((x8, sc[:, :1].contiguous()), idx(), w())
+    with pytest.raises(TypeError, match=re.escape("dispatch: x_fp8 must be torch.float8_e4m3fn, not torch.uint8")):
+        e.dispatch((x8.view(torch.uint8), sc), idx(), w())
+
+
+def test_a_tensor_on_another_device_is_named():
+    e = engine()
+    e.device = torch.device("cuda", 0)  # the engine's device; the tensors stay on the CPU
+    with pytest.raises(ValueError, match=re.escape("dispatch: x is on cpu; this Buffer runs on cuda:0")):
+        e.dispatch(x_bf16(), idx(), w())
