@@ -198,13 +198,18 @@ def check_rows(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         raise CheckFailed(f"{what}: {bad.numel()} of {want.shape[0]} rows differ (first {bad[:5].tolist()})")
 
 
-def check_combine(got_bf16: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor, topk: int, what: str) -> dict:
-    """oracle.compare_combine, token chunk by token chunk; CheckFailed if any value is off."""
+def check_combine(got_bf16: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor, topk: int, what: str,
+                  rounding: float = 0.0) -> dict:
+    """oracle.compare_combine, token chunk by token chunk; CheckFailed if any value is off.
+    rounding: the unit roundoff of partials the method rounds on the way (compare_combine's
+    partial_rounding): bf16 partials per (token, GPU) in the direct kernels, bf16 partials across
+    RDMA-class links in the table-driven ones."""
     worst_ulp, worst_rel = 0, 0.0
     for lo in range(0, ref.shape[0], CHECK_CHUNK):
         hi = min(ref.shape[0], lo + CHECK_CHUNK)
         g = got_bf16[lo:hi].float().cpu().numpy()[None]
-        chk = oracle.compare_combine(g, ref[lo:hi].cpu().numpy()[None], mag[lo:hi].cpu().numpy()[None], topk)
+        chk = oracle.compare_combine(g, ref[lo:hi].cpu().numpy()[None], mag[lo:hi].cpu().numpy()[None], topk,
+                                     partial_rounding=rounding)
         worst_ulp, worst_rel = max(worst_ulp, chk.max_ulp), max(worst_rel, chk.max_rel)
         if not chk.ok:
             _, t, c = chk.first_bad
@@ -614,7 +619,8 @@ def _epcc_child(cfg: dict) -> dict:
     comm = Comm(dry, dev, cpu_group)
     timer = Timer(comm, cfg["flush"])
     from epcc.runtime.layout import compute_layout
-    from epcc.backends.cuda import build_tables, buffer_sizes
+    from epcc.backends.cuda import build_tables, buffer_sizes, partial_rounding
+    from epcc.backends.cuda.tables import BF16_WIRE
 
     plan, manifest = load_bundle(cfg["bundle"])
     wl, R, T = plan.workload, plan.num_ranks, cfg["tokens"]
@@ -649,14 +655,17 @@ def _epcc_child(cfg: dict) -> dict:
                                  scale)
     want_rows = x_all[src[:, 0], src[:, 1]]
 
+    direct = "direct" in manifest and not cfg.get("tables")
+    rounding = BF16_WIRE if direct else partial_rounding(manifest)
+
     def check(outs):
         got_rows, got_comb = outs
         check_rows(got_rows, want_rows, "epcc dispatch")
-        return check_combine(got_comb, ref, mag, wl.topk, "epcc combine")
+        return check_combine(got_comb, ref, mag, wl.topk, "epcc combine", rounding)
 
     if dry:
         return _epcc_dry(cfg, comm, manifest, layout, x_all, F_all, scale, check, out)
-    if "direct" in manifest and not cfg.get("tables"):
+    if direct:
         return _epcc_direct(cfg, comm, timer, plan, dev, idx, w, x_sets, y_sets, check, out)
 
     from epcc.backends.cuda import Library
@@ -998,6 +1007,40 @@ def format_table(report: dict) -> str:
     return "\n".join(out + lines)
 
 
+def load_prediction(bundle: str | Path) -> dict | None:
+    """`epcc simulate --json` of the bundle's schedule, where tests/gpu/bundles.py stored it
+    (simulate.json: the simulator needs the compiler, which the GPU machine does not have)."""
+    path = Path(bundle) / "simulate.json"
+    if not path.is_file():
+        return None
+    d = json.loads(path.read_text(encoding="utf-8"))
+    return {"tokens": d.get("tokens"),
+            **{p: {"total_ms": d["programs"][p]["total_ms"], "serial_ms": d["programs"][p]["serial_ms"],
+                   "bottleneck": d["programs"][p]["bottleneck"]["link_class"]} for p in ("dispatch", "combine")}}
+
+
+def format_predictions(report: dict) -> list[str]:
+    """Measured epcc medians against `epcc simulate` (with overlap, and its serial sum), per bundle."""
+    out = []
+    for b in report["bundles"]:
+        sim, r = b.get("simulate"), b.get("methods", {}).get("epcc", {})
+        if not sim or "summary" not in r:
+            continue
+        if sim.get("tokens") not in (None, b.get("workload", {}).get("tokens")):
+            out.append(f"{b['name']}: simulate.json is for {sim['tokens']} tokens, the run for "
+                       f"{b['workload']['tokens']}: not compared")
+            continue
+        cells = []
+        for p in ("dispatch", "combine"):
+            m, s = r["summary"][p]["median_ms"], sim[p]
+            cells.append(f"{p} measured {m:.3f} ms, simulate {s['total_ms']:.3f} ms ({(m / s['total_ms'] - 1) * 100:+.0f} %; "
+                         f"serial sum {s['serial_ms']:.3f}, bottleneck {s['bottleneck']})")
+        out.append(f"{b['name']}: " + "; ".join(cells))
+    if out:
+        out.insert(0, "against epcc simulate (bundle's simulate.json):")
+    return out
+
+
 def _num(v: float) -> str:
     return f"{v:.0f}" if v >= 99.5 else f"{v:.1f}" if v >= 9.95 else f"{v:.2f}"
 
@@ -1107,6 +1150,9 @@ def main(argv=None) -> int:
         name = Path(bundle).name
         entry: dict = {"name": name, "path": str(bundle), "methods": {}}
         report["bundles"].append(entry)
+        sim = load_prediction(bundle)
+        if sim:
+            entry["simulate"] = sim
         try:
             plan, manifest = load_bundle(bundle)
         except Exception as e:  # noqa: BLE001
@@ -1173,6 +1219,8 @@ def main(argv=None) -> int:
               "(the minimum any method moves); wire = remote bytes the method actually moves; DeepEP = "
               "recv tokens incl. self x hidden x 2 (fp8 x (1+4/128)/2)")
         print(format_table(report))
+        for line in format_predictions(report):
+            print(line)
     comm.barrier()
     if args.dry_run:
         dist.destroy_process_group()

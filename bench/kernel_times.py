@@ -6,12 +6,15 @@ Separates what the event timings of bench/ep_bench.py lump together: the metadat
 dispatch kernel, the combine kernel, and the gaps between them (host launch overhead when the
 GPU waits for Python).  With --graph, dispatch + combine are captured once in a CUDA graph
 (low-latency mode) and the replay is timed, which takes the host out entirely.
-Rank 0 prints the median duration of each kernel over the iterations.
+Rank 0 prints the median duration of each kernel over the iterations.  --no-cupti runs the same
+iterations without the profiler, for a run under Nsight Compute (bench/ncu_rank0.sh: the two
+cannot share the GPU's counters).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -32,6 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("bundle")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--graph", action="store_true")
+    ap.add_argument("--no-cupti", action="store_true", help="no torch.profiler (a run under ncu)")
     args = ap.parse_args(argv)
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -68,7 +72,7 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     dist.barrier()
     walls = []
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) if not args.no_cupti else contextlib.nullcontext() as prof:
         for _ in range(args.iters):
             torch.cuda.synchronize()
             dist.barrier()
@@ -79,7 +83,7 @@ def main(argv=None) -> int:
             b.synchronize()
             walls.append(a.elapsed_time(b))
     per: dict[str, list[float]] = {}
-    for ev in prof.events():
+    for ev in prof.events() if prof is not None else []:
         if ev.device_type.name == "CUDA" and any(k in ev.name for k in ("meta_count_kernel", "meta_finish_kernel", "dispatch_kernel", "combine_kernel")):
             name = next(k for k in ("meta_count_kernel", "meta_finish_kernel", "dispatch_kernel", "combine_kernel") if k in ev.name)
             per.setdefault(name, []).append(ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total)

@@ -6,6 +6,15 @@ the GPU machine) into one directory that travels with the tree:
 h200x4 (EP4, 4096 tokens, bf16), h200x4_fp8 (--dtype fp8), h200x4_t128 (128 tokens: decode /
 low-latency shape), and the same one-hop schedule on two GPUs (h200x2, h200x2_fp8, h200x2_t128):
 h200x4.sched with `gpu 4` replaced by `gpu 2`, written next to the bundles.
+
+Emulated-RDMA bundles (issue 6, bench/ep_bench.py --methods epcc): the two 2-virtual-node plans
+on 4 GPUs, h200x4_2vnode (DeepEP internode style: RDMA once per vnode, then NVLink forward) and
+h200x4_ubb2x2 (seed 000 style: reorder, NIC, hand-over to the twin, final permute), each with its
+RDMA-class link at 50 GB/s (the shipped files), at 13 GB/s (the seed's RoCE NIC) and at
+400 GB/s (so that the rest of the schedule shows what it takes by itself); the link's `bandwidth`
+line is replaced and the derived file written next to the bundles.  Each such bundle gets
+`simulate.json` (`epcc simulate --json` of the same file), which ep_bench prints beside the
+measured times.
 """
 
 from __future__ import annotations
@@ -25,6 +34,40 @@ VARIANTS = {  # name -> (ranks, extra compile options)
     "h200x2_fp8": (2, ["--dtype", "fp8"]),
     "h200x2_t128": (2, ["--tokens", "128"]),
 }
+
+
+RDMA_VARIANTS = {  # name -> (schedule, RDMA link name, GB/s)
+    "h200x4_2vnode_50": ("h200x4_2vnode", "rdma", 50),
+    "h200x4_2vnode_13": ("h200x4_2vnode", "rdma", 13),
+    "h200x4_ubb2x2_50": ("h200x4_ubb2x2", "nic", 50),
+    "h200x4_ubb2x2_13": ("h200x4_ubb2x2", "nic", 13),
+    # the RDMA link nearly as fast as NVLink: what the rest of the schedule takes by itself, to
+    # show how much of it hides under the RDMA stream at 50 and 13 GB/s
+    "h200x4_2vnode_400": ("h200x4_2vnode", "rdma", 400),
+    "h200x4_ubb2x2_400": ("h200x4_ubb2x2", "nic", 400),
+}
+
+
+def rdma_source(out_dir: Path, name: str) -> Path:
+    """The schedule of an RDMA variant, with its RDMA link's bandwidth set (a derived file when it
+    differs from the shipped one)."""
+    sched, link, gbps = RDMA_VARIANTS[name]
+    path = ROOT / "schedules" / f"{sched}.sched"
+    text = path.read_text(encoding="utf-8")
+    head = f"link {link} rdma {{"
+    at = text.find(head)
+    bw = text.find("bandwidth ", at)
+    end = text.find("\n", bw)
+    if at < 0 or bw < 0 or text.find("}", at) < bw:
+        raise SystemExit(f"{path}: cannot find the bandwidth line of link '{link}'")
+    line = text[bw:end].split("#")[0].strip()
+    if line == f"bandwidth {gbps} GB/s":
+        return path
+    text = text[:bw] + f"bandwidth {gbps} GB/s" + text[end:]
+    out = out_dir / f"{name}.sched"
+    out.write_text(f"# derived from schedules/{sched}.sched by tests/gpu/bundles.py: link '{link}' at {gbps} GB/s\n"
+                   + text, encoding="utf-8")
+    return out
 
 
 def ep2_source(out_dir: Path) -> Path:
@@ -50,6 +93,16 @@ def main(argv: list[str]) -> int:
             print(res.stdout + res.stderr, file=sys.stderr)
             return 1
         print(f"{name}: {out / name}")
+    for name in RDMA_VARIANTS:
+        src = rdma_source(out, name)
+        for cmd in ([str(epcc), "compile", str(src), "--target", "cuda", "-o", str(out / name)],
+                    [str(epcc), "simulate", str(src), "--json"]):
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                print(res.stdout + res.stderr, file=sys.stderr)
+                return 1
+        (out / name / "simulate.json").write_text(res.stdout, encoding="utf-8")
+        print(f"{name}: {out / name} (with simulate.json)")
     return 0
 
 

@@ -1,0 +1,80 @@
+"""The parts of bench/ep_bench.py and tests/gpu/bundles.py that run on a CPU: the simulator
+predictions printed beside measured times, and the derived emulated-RDMA schedules."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def ep_bench():
+    pytest.importorskip("torch")
+    return _load(ROOT / "bench" / "ep_bench.py", "ep_bench_under_test")
+
+
+@pytest.fixture(scope="module")
+def bundles():
+    return _load(ROOT / "tests" / "gpu" / "bundles.py", "gpu_bundles_under_test")
+
+
+def _sim_json(tokens: int) -> dict:
+    prog = lambda t, s: {"total_ms": t, "serial_ms": s, "bottleneck": {"link_class": "rdma"}}  # noqa: E731
+    return {"tokens": tokens, "programs": {"dispatch": prog(1.25, 1.6), "combine": prog(1.2, 1.5)}}
+
+
+def _report(sim: dict | None, tokens: int, d_ms: float, c_ms: float) -> dict:
+    b = {"name": "v", "workload": {"tokens": tokens},
+         "methods": {"epcc": {"summary": {"dispatch": {"median_ms": d_ms}, "combine": {"median_ms": c_ms}}}}}
+    if sim is not None:
+        b["simulate"] = sim
+    return {"bundles": [b]}
+
+
+def test_prediction_loaded_and_compared(ep_bench, tmp_path):
+    (tmp_path / "simulate.json").write_text(json.dumps(_sim_json(4096)))
+    sim = ep_bench.load_prediction(tmp_path)
+    assert sim["dispatch"]["total_ms"] == 1.25 and sim["combine"]["bottleneck"] == "rdma"
+    lines = ep_bench.format_predictions(_report(sim, 4096, 1.5, 1.2))
+    assert lines[0].startswith("against epcc simulate")
+    assert "dispatch measured 1.500 ms, simulate 1.250 ms (+20 %" in lines[1]
+    assert "combine measured 1.200 ms, simulate 1.200 ms (+0 %" in lines[1]
+
+
+def test_prediction_for_other_tokens_not_compared(ep_bench, tmp_path):
+    lines = ep_bench.format_predictions(_report({"tokens": 4096, **_sim_json(4096)}, 64, 1.0, 1.0))
+    assert lines[1] == "v: simulate.json is for 4096 tokens, the run for 64: not compared"
+
+
+def test_no_prediction_no_lines(ep_bench, tmp_path):
+    assert ep_bench.load_prediction(tmp_path) is None
+    assert ep_bench.format_predictions(_report(None, 64, 1.0, 1.0)) == []
+
+
+@pytest.mark.parametrize("name", ["h200x4_2vnode_13", "h200x4_ubb2x2_13"])
+def test_rdma_variant_changes_only_the_rdma_bandwidth(bundles, tmp_path, name):
+    sched, link, gbps = bundles.RDMA_VARIANTS[name]
+    shipped = (ROOT / "schedules" / f"{sched}.sched").read_text(encoding="utf-8").splitlines()
+    derived = bundles.rdma_source(tmp_path, name).read_text(encoding="utf-8").splitlines()
+    assert derived[0].startswith("# derived from")
+    changed = [(a, b) for a, b in zip(shipped, derived[1:]) if a != b]
+    assert len(derived) == len(shipped) + 1 and len(changed) == 1
+    assert changed[0][0].strip().startswith("bandwidth 50 GB/s") and changed[0][1].strip() == f"bandwidth {gbps} GB/s"
+
+
+def test_rdma_variant_at_the_shipped_rate_is_the_shipped_file(bundles, tmp_path):
+    assert bundles.rdma_source(tmp_path, "h200x4_2vnode_50") == ROOT / "schedules" / "h200x4_2vnode.sched"
