@@ -24,6 +24,11 @@ Every decision is made here, in Python; the templates (templates/*.cu.j2) only l
 * Combine ends with a small conversion kernel (`..._combine_finish_kernel`): the home partials
   (`result`, fp32) to bf16, launched on the same stream after the main kernel.
 
+Combine partials that cross an RDMA-class link travel as bf16 (`accum_bf16_wire`, BF16_WIRE):
+the receiver adds bf16(partial), as DeepEP's internode combine does, so the NIC carries half
+the bytes of fp32; checks admit that rounding (tables.partial_rounding(manifest) for
+runtime/oracle.py's compare_combine).
+
 Row operations: dispatch copies wire rows (`row_bytes`) with the widest access that divides the
 row (16 B for bf16 rows of a hidden size divisible by 8, and for fp8 rows of a hidden size
 divisible by 128): rows are packed at a pitch of `row_bytes`, so a wider access would be
@@ -95,7 +100,7 @@ class RoleSpec:
     block_end: int
     plan_sms: tuple[int, int] | None
     warps: int
-    op: str  # copy | accum_weighted | accum
+    op: str  # copy | accum_weighted | accum | accum_bf16_wire
     op_type: str  # the C++ row operation
     access_bytes: int
     unroll: int
@@ -231,6 +236,8 @@ def _op(plan: Plan, step: PlanStep, opts: CudaOptions) -> tuple[str, str, int, i
         e = _widest(hidden, (8, 4, 2, 1))
         return "accum_weighted", f"epcc::AccumWeightedBf16<{e}, {opts.accum_unroll}>", 2 * e, opts.accum_unroll
     e = _widest(hidden, (4, 2, 1))
+    if step.link_kind == "rdma":  # partials cross the NIC as bf16 (BF16_WIRE)
+        return "accum_bf16_wire", f"epcc::AccumF32Bf16Wire<{e}, {opts.accum_unroll}>", 4 * e, opts.accum_unroll
     return "accum", f"epcc::AccumF32<{e}, {opts.accum_unroll}>", 4 * e, opts.accum_unroll
 
 
@@ -238,6 +245,9 @@ def _op_words(plan: Plan, op: str, access: int, unroll: int) -> str:
     if op == "copy":
         return (f"wire rows of {wire_row_bytes(plan)} B copied, {access}-byte accesses, "
                 f"{unroll} loads in flight per lane")
+    if op == "accum_bf16_wire":
+        return (f"fp32 partial += bf16(fp32 partial) ({plan.workload.hidden} channels): the partial crosses the "
+                f"RDMA link as bf16, {access}-byte loads, atomic fp32 adds")
     if op == "accum_weighted":
         return (f"fp32 partial += weight * bf16 expert output ({plan.workload.hidden} channels), "
                 f"{access}-byte loads, atomic fp32 adds")

@@ -27,6 +27,12 @@ def _bf16_to_f32(b: np.ndarray) -> np.ndarray:
     return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
+def _f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    from epcc.runtime.oracle import f32_to_bf16
+
+    return f32_to_bf16(np.asarray(x, dtype=np.float32))
+
+
 def make_buffers(manifest: dict, layout, program: str, inputs: list[np.ndarray]) -> dict[tuple[str, int], np.ndarray]:
     """Every rank's buffers of `program`, as the host would allocate them: dispatch uint8
     [rows, row_bytes] (`input` filled from inputs[r]), combine `output` bf16 bits (uint16) from
@@ -87,6 +93,8 @@ def emulate(manifest: dict, layout, program: str, inputs: list[np.ndarray],
                 src = bufs[(names[int(b)], int(c["src_rank"]))]
                 if ops[role] == "copy":
                     dst[dslot[m]] = src[sslot[m]]
+                elif ops[role] == "accum_bf16_wire":  # the partial crosses the NIC as bf16
+                    np.add.at(dst, dslot[m], _bf16_to_f32(_f32_to_bf16(src[sslot[m]])))
                 elif ops[role] == "accum_weighted":
                     np.add.at(dst, dslot[m], wts[m][:, None] * _bf16_to_f32(src[sslot[m]]))
                 else:

@@ -44,14 +44,15 @@ def _workload(bundle: Path, tokens: int, seed: int):
     return plan, layout, x, want, y, ref, mag
 
 
-def _check(rank: int, got_rows, want_rows, got_comb, ref, mag, topk) -> list[str]:
+def _check(rank: int, got_rows, want_rows, got_comb, ref, mag, topk, rounding: float) -> list[str]:
     from epcc.runtime import oracle
 
     errs = []
     if got_rows.shape != want_rows.shape or not np.array_equal(got_rows, want_rows):
         bad = np.nonzero(~np.all(got_rows == want_rows, axis=1))[0] if got_rows.shape == want_rows.shape else []
         errs.append(f"dispatch: {len(bad)} of {len(want_rows)} output rows differ (first {list(bad[:5])})")
-    chk = oracle.compare_combine(oracle.bf16_to_f32(got_comb)[None], ref[rank][None], mag[rank][None], topk)
+    chk = oracle.compare_combine(oracle.bf16_to_f32(got_comb)[None], ref[rank][None], mag[rank][None], topk,
+                                 partial_rounding=rounding)
     if not chk.ok:
         errs.append(f"combine: {chk}")
     return errs
@@ -66,7 +67,7 @@ def _rank_main(rank: int, args, shared, barrier, results) -> None:
 
 
 def _rank(rank: int, args, shared, barrier, results) -> None:
-    from epcc.backends.cuda import Library, buffer_sizes, build_tables, load_manifest
+    from epcc.backends.cuda import Library, buffer_sizes, build_tables, load_manifest, partial_rounding
 
     bundle = Path(args.bundle)
     manifest = load_manifest(bundle / "cuda")
@@ -120,7 +121,7 @@ def _rank(rank: int, args, shared, barrier, results) -> None:
         t_c = time.perf_counter() - t0
         comb = np.zeros((layout.tokens, layout.hidden), dtype=np.uint16)
         lib.copy_to_host(comb, out_ptr)
-        errs = _check(rank, got, want[rank].rows, comb, ref, mag, plan.workload.topk)
+        errs = _check(rank, got, want[rank].rows, comb, ref, mag, plan.workload.topk, partial_rounding(manifest))
         results.put((rank, it, not errs, "; ".join(errs), (t_d, t_c)))
     barrier.wait()
     for p in opened:
@@ -129,7 +130,7 @@ def _rank(rank: int, args, shared, barrier, results) -> None:
 
 
 def _emulate(args) -> int:
-    from epcc.backends.cuda import load_manifest
+    from epcc.backends.cuda import load_manifest, partial_rounding
     from epcc.backends.cuda.emulate import emulate
     from epcc.runtime import oracle
 
@@ -141,7 +142,8 @@ def _emulate(args) -> int:
     ok = True
     for r in range(plan.num_ranks):
         comb = oracle.f32_to_bf16(c[("result", r)])
-        errs = _check(r, d[("output", r)], want[r].rows, comb, ref, mag, plan.workload.topk)
+        errs = _check(r, d[("output", r)], want[r].rows, comb, ref, mag, plan.workload.topk,
+                      partial_rounding(manifest))
         print(f"rank {r}: {'ok' if not errs else 'FAIL ' + '; '.join(errs)} (emulated)")
         ok &= not errs
     return 0 if ok else 1

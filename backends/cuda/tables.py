@@ -44,6 +44,14 @@ ROW_BUF_SHIFT = 40  # source handle: (buffer id << 40) | slot
 ALIGN = 16
 NO_FLAG = 0xFFFFFFFF
 PROGRAMS = ("dispatch", "combine")
+BF16_WIRE = 2.0 ** -8  # unit roundoff of bf16: partials that cross an RDMA link are rounded to it
+
+
+def partial_rounding(manifest: dict) -> float:
+    """What runtime/oracle.py's compare_combine must admit for this bundle's combine: the bf16
+    rounding of the partials that cross an RDMA-class link (role op `accum_bf16_wire`), else 0."""
+    ops = {r["op"] for k in manifest.get("kernels", []) for r in k.get("roles", [])}
+    return BF16_WIRE if "accum_bf16_wire" in ops else 0.0
 
 # name -> [(field, numpy type code, comment)]; all fields naturally aligned, no implicit padding.
 STRUCTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {

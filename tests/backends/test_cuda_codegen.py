@@ -104,7 +104,8 @@ def test_manifest_tiles_the_blocks_and_keeps_the_plans_sm_ranges(name):
                 assert r["lowered"] == {"dma": "dma-on-sm", "proxy": "rdma-on-sm"}[kp.kind]
             step = plan.step(r["step"], k["program"])
             assert r["op"] == ("copy" if k["program"] == "dispatch" else
-                               "accum_weighted" if step.weighted else "accum")
+                               "accum_weighted" if step.weighted else
+                               "accum_bf16_wire" if step.link_kind == "rdma" else "accum")
     skipped = {(n["program"], n["step"]) for n in m["not_lowered"]}
     # every role of the plan is either in a kernel or said not to be: the metadata exchange,
     # and RDMA steps of plans beyond one box (rdma="auto": external above 8 ranks)
@@ -468,8 +469,9 @@ def run_both(plan, layout, idx, w, x, manifest, blobs=None):
     c = emulate(manifest, layout, "combine", y)
     got = np.stack([c[("result", r)] for r in range(R)])
     ref, mag = oracle.combine_oracle(idx, wl.experts, wl.placement, w, y, wl.hidden, return_abs=True)
-    chk = oracle.compare_combine(got, ref, mag, wl.topk)
+    chk = oracle.compare_combine(got, ref, mag, wl.topk, partial_rounding=tables.partial_rounding(manifest))
     assert chk.ok, chk
+    return got, ref, mag
 
 
 CASES = [("h200x4", 48, 5), ("h200x4_2vnode", 32, 3), ("nvl8_hybrid", 16, 2), ("ubbv2_ep16", 12, 3),
@@ -668,3 +670,20 @@ def test_gpu_smoke_harness_runs_emulated(tmp_path, capsys, monkeypatch):
     assert smoke.main([str(tmp_path / "b"), "--emulate", "--tokens", "16"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines() == [f"rank {r}: ok (emulated)" for r in range(4)]
+
+
+def test_combine_partials_cross_the_rdma_link_as_bf16():
+    """h200x4_2vnode's combine `rdma` step adds bf16(partial): the emulator's result then misses
+    the fp32-only bound of the oracle somewhere and meets it once the bf16 rounding is admitted
+    (run_both), and only RDMA-class steps round."""
+    _, _, oracle = _runtime()
+    plan, layout, idx, w, x = small_case("h200x4_2vnode", 32, 3)
+    b = codegen.generate(plan)
+    ops = {(k["program"], r["step"]): r["op"] for k in b.manifest["kernels"] for r in k["roles"]}
+    assert ops[("combine", "rdma")] == "accum_bf16_wire"
+    assert {o for (p, s), o in ops.items() if p == "combine" and s != "rdma"} <= {"accum", "accum_weighted"}
+    assert tables.partial_rounding(b.manifest) == 2.0 ** -8
+    assert tables.partial_rounding(codegen.generate(plan_of("h200x4")).manifest) == 0.0
+    got, ref, mag = run_both(plan, layout, idx, w, x, b.manifest)
+    assert not oracle.compare_combine(got, ref, mag, plan.workload.topk).ok
+    assert "AccumF32Bf16Wire" in b.files[f"{plan.schedule}_combine.cu"]

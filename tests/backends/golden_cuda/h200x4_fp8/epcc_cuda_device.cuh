@@ -354,6 +354,7 @@ struct CopyRows {
   static constexpr bool kWeighted = false;
   __device__ static uint32_t src_pitch(const TableHeader& h) { return h.row_bytes; }
   __device__ static uint32_t dst_pitch(const TableHeader& h) { return h.row_bytes; }
+  __device__ static uint32_t wire_pitch(const TableHeader& h) { return h.row_bytes; }
   __device__ static uint32_t row_len(const TableHeader& h) { return h.row_bytes; }
   __device__ __forceinline__ static void row(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, float,
                                              uint32_t bytes, uint32_t lane) {
@@ -398,6 +399,7 @@ struct AccumWeightedBf16 {
   static constexpr bool kWeighted = true;
   __device__ static uint32_t src_pitch(const TableHeader& h) { return 2u * h.hidden; }
   __device__ static uint32_t dst_pitch(const TableHeader& h) { return 4u * h.hidden; }
+  __device__ static uint32_t wire_pitch(const TableHeader& h) { return 2u * h.hidden; }
   __device__ static uint32_t row_len(const TableHeader& h) { return h.hidden; }
   __device__ __forceinline__ static void row(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, float w,
                                              uint32_t hidden, uint32_t lane) {
@@ -427,11 +429,15 @@ struct AccumWeightedBf16 {
 };
 
 // Combine, unweighted: dst (fp32 partial) += src (fp32 partial), kElems channels per access.
-template <int kElems, int kUnroll>
-struct AccumF32 {
+// kBf16Wire: the partial crosses an RDMA-class link, where it travels as bf16 (half the bytes of
+// fp32, as a NIC would carry it): each value is rounded to bf16 (nearest even) before the add,
+// and an emulated link is charged 2 bytes per channel.
+template <int kElems, int kUnroll, bool kBf16Wire>
+struct AccumF32Rows {
   static constexpr bool kWeighted = false;
   __device__ static uint32_t src_pitch(const TableHeader& h) { return 4u * h.hidden; }
   __device__ static uint32_t dst_pitch(const TableHeader& h) { return 4u * h.hidden; }
+  __device__ static uint32_t wire_pitch(const TableHeader& h) { return (kBf16Wire ? 2u : 4u) * h.hidden; }
   __device__ static uint32_t row_len(const TableHeader& h) { return h.hidden; }
   __device__ __forceinline__ static void row(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, float,
                                              uint32_t hidden, uint32_t lane) {
@@ -450,11 +456,24 @@ struct AccumF32 {
       for (int u = 0; u < kUnroll; ++u) {
         const uint32_t i = i0 + 32u * u;
         if (i >= n) break;
-        red_add_n<kElems>(d + static_cast<size_t>(i) * kElems, reinterpret_cast<const float*>(&v[u]));
+        const float* x = reinterpret_cast<const float*>(&v[u]);
+        if constexpr (kBf16Wire) {
+          float r[kElems];
+#pragma unroll
+          for (int j = 0; j < kElems; ++j) r[j] = __bfloat162float(__float2bfloat16_rn(x[j]));
+          red_add_n<kElems>(d + static_cast<size_t>(i) * kElems, r);
+        } else {
+          red_add_n<kElems>(d + static_cast<size_t>(i) * kElems, x);
+        }
       }
     }
   }
 };
+
+template <int kElems, int kUnroll>
+using AccumF32 = AccumF32Rows<kElems, kUnroll, false>;
+template <int kElems, int kUnroll>
+using AccumF32Bf16Wire = AccumF32Rows<kElems, kUnroll, true>;
 
 // ---------------------------------------------------------------------------- roles
 // A role's items (one chunk of one copy each, in the order the host chose) go round-robin to
@@ -463,7 +482,8 @@ struct AccumF32 {
 // copy's earlier chunks are published.  No deadlock: a role's items are ordered so that every
 // chunk comes after the earlier chunks of its copy, and each block takes its items in order,
 // so the first unfinished item of the role always has what it needs from its own role.
-// bytes_per_ns > 0 paces the role (an emulated link): each block keeps to its share of the rate.
+// bytes_per_ns > 0 paces the role (an emulated link): each block keeps to its share of the rate,
+// counting the bytes a row takes on that link (Op::wire_pitch).
 template <class Op, uint32_t kWarps>
 __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, const char* step, uint32_t block,
                                          uint32_t blocks, float bytes_per_ns) {
@@ -508,7 +528,7 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
     __syncthreads();
     if (threadIdx.x == 0) {
       if (bytes_per_ns > 0.f) {  // pace: this block's share of the emulated link
-        sent += static_cast<double>(it.row_end - it.row_begin) * src_pitch;
+        sent += static_cast<double>(it.row_end - it.row_begin) * Op::wire_pitch(h);
         const uint64_t due = t0 + static_cast<uint64_t>(sent * blocks / bytes_per_ns);
         while (globaltimer() < due) __nanosleep(1024);
       }
