@@ -72,6 +72,8 @@ class CudaCodegenError(ValueError):
     """The plan cannot be lowered to CUDA (no workload, no kernels, an unknown step kind)."""
 
 
+PROXY_BLOCK_BPS = 12.5e9  # what one paced block of an emulated RDMA role is given (a 50 GB/s link: 4 blocks)
+PROXY_MAX_BLOCKS = 16
 ONE_IPC_DOMAIN_RANKS = 8  # an HGX box: the most GPUs that can map each other's memory over NVLink
 
 
@@ -81,7 +83,7 @@ class CudaOptions:
     # posts them; auto: emulate when the plan has at most ONE_IPC_DOMAIN_RANKS ranks.
     rdma: str = "auto"
     dma_blocks: int = 2  # blocks per DMA role (SM stand-in for the copy engine)
-    proxy_blocks: int = 4  # blocks per emulated RDMA role
+    proxy_blocks: int = 4  # blocks per emulated RDMA role, at least; more for fast links (PROXY_BLOCK_BPS)
     pace_rdma: bool = True  # emulated RDMA roles keep to the link's bandwidth
     copy_unroll: int = 8  # loads in flight per lane, dispatch row copies
     accum_unroll: int = 4  # loads in flight per lane, combine accumulates
@@ -254,6 +256,15 @@ def _op_words(plan: Plan, op: str, access: int, unroll: int) -> str:
     return f"fp32 partial += fp32 partial ({plan.workload.hidden} channels), {access}-byte loads, atomic fp32 adds"
 
 
+def _proxy_blocks(plan: Plan, step: PlanStep, opts: CudaOptions) -> int:
+    """Blocks of an emulated RDMA role: enough that each keeps to PROXY_BLOCK_BPS of the paced
+    link (a block moves well above that, so the pacing, not the SMs, sets the rate), at least
+    opts.proxy_blocks and at most PROXY_MAX_BLOCKS."""
+    rate = _link_rate(plan, step.link) if opts.pace_rdma else None
+    want = -(-int(rate) // int(PROXY_BLOCK_BPS)) if rate else opts.proxy_blocks
+    return max(opts.proxy_blocks, min(PROXY_MAX_BLOCKS, want))
+
+
 def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelSpec | None:
     sched = ident(plan.schedule)
     groups: dict[str, list[tuple[KernelPlan, RolePlan]]] = {"kernel": [], "dma": [], "proxy": [], "meta": []}
@@ -295,7 +306,7 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelS
             begin, end = r.sm_begin, r.sm_end
             plan_sms = (r.sm_begin, r.sm_end)
         else:
-            n = opts.dma_blocks if how == "dma-on-sm" else opts.proxy_blocks
+            n = opts.dma_blocks if how == "dma-on-sm" else _proxy_blocks(plan, step, opts)
             begin, end = at, at + n
             plan_sms = None
         at = max(at, end)

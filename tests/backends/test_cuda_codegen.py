@@ -119,12 +119,24 @@ def test_manifest_tiles_the_blocks_and_keeps_the_plans_sm_ranges(name):
     assert [k["program"] for k in finish] == ["combine"]
 
 
+@pytest.mark.parametrize("gbps,blocks", [(13, 4), (50, 4), (100, 8), (400, 16)])
+def test_emulated_rdma_role_gets_blocks_for_its_rate(gbps, blocks):
+    import copy
+
+    plan = copy.deepcopy(plan_of("h200x4_2vnode"))
+    for k in [k for k in plan.resources if k.startswith("link:rdma:")]:
+        plan.resources[k] = gbps * 1e9
+    b = cuda.generate(plan)
+    got = {r.step: r.blocks for k in b.kernels for r in k.roles if r.lowered == "rdma-on-sm"}
+    assert got == {"rdma": blocks}
+
+
 def test_rdma_roles_emulated_or_left_to_a_proxy():
     plan = plan_of("h200x4_2vnode")
     emu = cuda.generate(plan, source_of("h200x4_2vnode"))
     roles = {r.step: r for k in emu.kernels if k.program == "dispatch" for r in k.roles}
     assert roles["rdma"].lowered == "rdma-on-sm" and roles["rdma"].bytes_per_s == 50e9
-    assert roles["rdma"].block_end - roles["rdma"].block_begin == emu.manifest["options"]["proxy_blocks"]
+    assert roles["rdma"].block_end - roles["rdma"].block_begin == emu.manifest["options"]["proxy_blocks"] == 4
     assert "RDMA emulated by SMs over peer memory, paced to 50 GB/s" in emu.files["h200x4_2vnode_dispatch.cu"]
     assert '(a, 4u, "rdma", block, 4u, 50.f);' in emu.files["h200x4_2vnode_dispatch.cu"]
     assert emu.manifest["options"]["rdma"] == "emulate"  # auto: 4 ranks, one box
