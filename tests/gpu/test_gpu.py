@@ -90,3 +90,5 @@ def test_ep_worker_all_ok(gpus):
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "ALL OK" in r.stdout, \
         f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
+    # the worker's summary (shown by `pytest -rA`): what ran where
+    print("\n".join(line for line in r.stdout.splitlines() if "GPU checks" in line or line.startswith("bundle")))
