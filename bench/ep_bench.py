@@ -725,6 +725,14 @@ def _epcc_child(cfg: dict) -> dict:
 
     try:
         out.update(run_iterations(timer, cfg["warmup"], cfg["iters"], step, check))
+        # one more (untimed) round with the kernels' per-block stamps: when each role ran
+        from epcc.backends.cuda import role_timeline
+
+        for p in programs:
+            ctx.enable_timeline(p)
+        comm.barrier()
+        step(0, "timeline")
+        out["timeline"] = {p: role_timeline(manifest, p, ctx.read_timeline(p)) for p in programs}
     except (CheckFailed, PeerFailed):
         raise  # already agreed with every rank
     except Exception as e:  # noqa: BLE001
@@ -790,6 +798,14 @@ def _epcc_direct(cfg, comm, timer, plan, dev, idx, w, x_sets, y_sets, check, out
 
     try:
         out.update(run_iterations(timer, cfg["warmup"], cfg["iters"], step, check))
+        # one more (untimed) round with the kernels' per-block stamps: when each role ran
+        from epcc.backends.cuda import role_timeline
+
+        for p in programs:
+            ctx.enable_timeline(p)
+        comm.barrier()
+        step(0, "timeline")
+        out["timeline"] = {p: role_timeline(manifest, p, ctx.read_timeline(p)) for p in programs}
     except (CheckFailed, PeerFailed):
         raise
     except Exception as e:  # noqa: BLE001
@@ -1014,9 +1030,12 @@ def load_prediction(bundle: str | Path) -> dict | None:
     if not path.is_file():
         return None
     d = json.loads(path.read_text(encoding="utf-8"))
+    steps = {p: {s["name"]: [s["start_ms"], s["end_ms"]] for s in d.get("steps", []) if s.get("program") == p}
+             for p in ("dispatch", "combine")}
     return {"tokens": d.get("tokens"),
             **{p: {"total_ms": d["programs"][p]["total_ms"], "serial_ms": d["programs"][p]["serial_ms"],
-                   "bottleneck": d["programs"][p]["bottleneck"]["link_class"]} for p in ("dispatch", "combine")}}
+                   "bottleneck": d["programs"][p]["bottleneck"]["link_class"], "steps": steps[p]}
+               for p in ("dispatch", "combine")}}
 
 
 def format_predictions(report: dict) -> list[str]:
@@ -1036,8 +1055,27 @@ def format_predictions(report: dict) -> list[str]:
             cells.append(f"{p} measured {m:.3f} ms, simulate {s['total_ms']:.3f} ms ({(m / s['total_ms'] - 1) * 100:+.0f} %; "
                          f"serial sum {s['serial_ms']:.3f}, bottleneck {s['bottleneck']})")
         out.append(f"{b['name']}: " + "; ".join(cells))
+        out += format_timeline(b, r, sim)
     if out:
         out.insert(0, "against epcc simulate (bundle's simulate.json):")
+    return out
+
+
+def format_timeline(b: dict, r: dict, sim: dict | None) -> list[str]:
+    """Rank 0's role timeline of the untimed round (ms after the entry barrier: first block
+    moving rows .. last block done), beside the simulator's step start .. end."""
+    tl = (r.get("per_rank") or [{}])[0].get("timeline")
+    if not tl:
+        return []
+    out = []
+    for p in ("dispatch", "combine"):
+        steps = (sim or {}).get(p, {}).get("steps", {})
+        cells = []
+        for role in tl[p]["roles"]:
+            got = (f"{role['start_ms']:.3f}-{role['end_ms']:.3f}" if role["start_ms"] is not None else "no rows")
+            s = steps.get(role["step"])
+            cells.append(f"{role['step']} {got}" + (f" (sim {s[0]:.3f}-{s[1]:.3f})" if s else ""))
+        out.append(f"  {p} rank 0 timeline, ms: " + ", ".join(cells) + f"; kernel end {tl[p]['end_ms']:.3f}")
     return out
 
 

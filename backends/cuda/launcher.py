@@ -22,6 +22,30 @@ IPC_HANDLE_BYTES = 64
 ERROR_MESSAGE_BYTES = 512
 
 
+TIMELINE_WORDS = 4  # epcc::kTimelineWords: entry barrier passed, first item started, role done, drain done
+
+
+def role_timeline(manifest: dict, program: str, stamps: np.ndarray) -> dict:
+    """Per role of `program`'s kernel, from one launch's stamps (Context.read_timeline): when its
+    first block started moving rows and when its last block finished, in ms after the entry
+    barrier (the earliest block past it); plus the kernel's end on this rank (drain done)."""
+    kernel = next(k for k in manifest["kernels"] if k["program"] == program and k["kind"] == "main")
+    stamps = np.asarray(stamps, dtype=np.uint64)
+    if stamps.shape != (kernel["grid"], TIMELINE_WORDS):
+        raise ValueError(f"{program} timeline: shape {stamps.shape}, the kernel has {kernel['grid']} blocks "
+                         f"x {TIMELINE_WORDS} stamps")
+    t0 = int(stamps[:, 0].min())
+    ms = lambda v: (int(v) - t0) / 1e6  # noqa: E731
+    roles = []
+    for r in kernel["roles"]:
+        b0, b1 = r["blocks"]
+        started = [v for v in stamps[b0:b1, 1] if v]
+        roles.append({"step": r["step"], "blocks": b1 - b0,
+                      "start_ms": ms(min(started)) if started else None,
+                      "end_ms": ms(stamps[b0:b1, 2].max()) if started else None})
+    return {"roles": roles, "end_ms": ms(stamps[0, 3])}
+
+
 class CudaError(RuntimeError):
     """A launcher call failed; `rc` is its EPCC_RC_* code, the message the launcher's."""
 
@@ -93,6 +117,9 @@ class Library:
             "epcc_cuda_num_ranks": ([], i32),
             "epcc_cuda_num_buffers": ([i32], i32),
             "epcc_cuda_has_program": ([i32], i32),
+            "epcc_cuda_grid": ([i32], i32),
+            "epcc_cuda_enable_timeline": ([vp, i32], i32),
+            "epcc_cuda_read_timeline": ([vp, i32, p64, u64], i32),
             "epcc_cuda_last_error": ([vp], ctypes.c_char_p),
             "epcc_cuda_malloc": ([i32, u64, p64], i32),
             "epcc_cuda_free": ([u64], i32),
@@ -240,6 +267,18 @@ class Context:
 
     def synchronize(self, stream: int = 0) -> None:
         self._check(self.lib.epcc_cuda_synchronize(self.handle, stream))
+
+    def enable_timeline(self, program: str | int) -> None:
+        """Every later launch of `program` stamps %globaltimer per block (read_timeline)."""
+        self._check(self.lib.epcc_cuda_enable_timeline(self.handle, _program(program)))
+
+    def read_timeline(self, program: str | int) -> np.ndarray:
+        """The stamps of the last launch (synchronize first): uint64 [grid, TIMELINE_WORDS], ns."""
+        grid = int(self.lib.epcc_cuda_grid(_program(program)))
+        out = np.zeros((max(grid, 0), TIMELINE_WORDS), dtype=np.uint64)
+        ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))
+        self._check(self.lib.epcc_cuda_read_timeline(self.handle, _program(program), ptr, out.size))
+        return out
 
     def read_error(self) -> tuple[int, str]:
         buf = ctypes.create_string_buffer(ERROR_MESSAGE_BYTES)

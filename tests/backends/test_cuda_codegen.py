@@ -699,3 +699,41 @@ def test_combine_partials_cross_the_rdma_link_as_bf16():
     got, ref, mag = run_both(plan, layout, idx, w, x, b.manifest)
     assert not oracle.compare_combine(got, ref, mag, plan.workload.topk).ok
     assert "AccumF32Bf16Wire" in b.files[f"{plan.schedule}_combine.cu"]
+
+
+def test_role_timeline_from_block_stamps():
+    """role_timeline turns a launch's per-block %globaltimer stamps into role start .. end (first
+    block moving rows .. last block done), in ms after the earliest block past the entry barrier."""
+    from epcc.backends.cuda import role_timeline
+
+    b = cuda.generate(plan_of("h200x4_2vnode"))
+    k = next(k for k in b.manifest["kernels"] if k["program"] == "dispatch" and k["kind"] == "main")
+    st = np.zeros((k["grid"], 4), dtype=np.uint64)
+    base = 10**12
+    st[:, 0] = base + 1000
+    st[0, 0] = base
+    for r in k["roles"]:
+        b0, b1 = r["blocks"]
+        if r["step"] == "keep":
+            continue  # its blocks had no item: stamp 1 stays 0
+        st[b0:b1, 1] = base + 2_000_000 + np.arange(b1 - b0) * 1000
+        st[b0:b1, 2] = base + 5_000_000 + np.arange(b1 - b0) * 1000
+    st[0, 3] = base + 9_000_000
+    tl = role_timeline(b.manifest, "dispatch", st)
+    by = {r["step"]: r for r in tl["roles"]}
+    rdma = next(r for r in k["roles"] if r["step"] == "rdma")
+    assert by["rdma"]["start_ms"] == 2.0
+    assert by["rdma"]["end_ms"] == pytest.approx(5.0 + (rdma["blocks"][1] - rdma["blocks"][0] - 1) * 1e-3)
+    assert by["keep"]["start_ms"] is None and by["keep"]["end_ms"] is None
+    assert tl["end_ms"] == 9.0
+    with pytest.raises(ValueError, match="blocks x 4 stamps"):
+        role_timeline(b.manifest, "dispatch", st[:-1])
+
+
+def test_timeline_stamps_emitted_and_launcher_exports_them():
+    b = cuda.generate(plan_of("h200x4_2vnode"))
+    src = b.files["h200x4_2vnode_dispatch.cu"]
+    assert "epcc::stamp(a, 0);" in src and "epcc::stamp(a, 2);" in src and "epcc::stamp(a, 3);" in src
+    launcher = b.files["h200x4_2vnode_launcher.cu"]
+    assert "int epcc_cuda_enable_timeline(void* ctx, int program)" in launcher
+    assert "int epcc_cuda_read_timeline(void* ctx, int program, uint64_t* out, uint64_t count)" in launcher

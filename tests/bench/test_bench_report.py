@@ -34,7 +34,9 @@ def bundles():
 
 def _sim_json(tokens: int) -> dict:
     prog = lambda t, s: {"total_ms": t, "serial_ms": s, "bottleneck": {"link_class": "rdma"}}  # noqa: E731
-    return {"tokens": tokens, "programs": {"dispatch": prog(1.25, 1.6), "combine": prog(1.2, 1.5)}}
+    steps = [{"name": "rdma", "program": "dispatch", "start_ms": 0.005, "end_ms": 1.2},
+             {"name": "fwd", "program": "dispatch", "start_ms": 0.05, "end_ms": 1.25}]
+    return {"tokens": tokens, "programs": {"dispatch": prog(1.25, 1.6), "combine": prog(1.2, 1.5)}, "steps": steps}
 
 
 def _report(sim: dict | None, tokens: int, d_ms: float, c_ms: float) -> dict:
@@ -53,6 +55,19 @@ def test_prediction_loaded_and_compared(ep_bench, tmp_path):
     assert lines[0].startswith("against epcc simulate")
     assert "dispatch measured 1.500 ms, simulate 1.250 ms (+20 %" in lines[1]
     assert "combine measured 1.200 ms, simulate 1.200 ms (+0 %" in lines[1]
+
+
+def test_timeline_printed_beside_the_simulated_steps(ep_bench, tmp_path):
+    (tmp_path / "simulate.json").write_text(json.dumps(_sim_json(4096)))
+    rep = _report(ep_bench.load_prediction(tmp_path), 4096, 1.3, 1.2)
+    role = lambda s, a, b: {"step": s, "blocks": 4, "start_ms": a, "end_ms": b}  # noqa: E731
+    tl = {"dispatch": {"roles": [role("rdma", 0.01, 1.21), role("fwd", None, None)], "end_ms": 1.3},
+          "combine": {"roles": [role("rdma", 0.0, 1.1)], "end_ms": 1.2}}
+    rep["bundles"][0]["methods"]["epcc"]["per_rank"] = [{"timeline": tl}]
+    lines = ep_bench.format_predictions(rep)
+    assert lines[2] == ("  dispatch rank 0 timeline, ms: rdma 0.010-1.210 (sim 0.005-1.200), fwd no rows "
+                        "(sim 0.050-1.250); kernel end 1.300")
+    assert lines[3] == "  combine rank 0 timeline, ms: rdma 0.000-1.100; kernel end 1.200"
 
 
 def test_prediction_for_other_tokens_not_compared(ep_bench, tmp_path):

@@ -183,6 +183,11 @@ struct ErrorRecord {
 
 enum : int32_t { kErrNone = 0, kErrTimeout = 1, kErrTables = 2 };
 
+// Timeline of a launch (epcc_cuda_enable_timeline), per block: [0] past the entry barrier,
+// [1] first item's waits met (its role starts moving rows; 0: the block had no item), [2] its
+// role done, [3] block 0 only: drain done (the kernel's end on this rank).
+constexpr uint32_t kTimelineWords = 4;
+
 // Kernel parameters (one struct, passed by value as a __grid_constant__).
 struct KernelArgs {
   const uint8_t* tables;        // this program's table blob (device memory)
@@ -192,6 +197,7 @@ struct KernelArgs {
   uint32_t* error_claim;        // device word: the first reporter takes it
   uint64_t epoch;               // launches of this program before this one (entry barrier)
   uint64_t timeout_ns;          // bound of every wait
+  uint64_t* timeline;           // nullptr, or [grid * kTimelineWords] %globaltimer stamps per block (below)
   uint32_t rank;
   uint32_t num_ranks;
   uint32_t region;              // word offset of this program's region in a flag area (its barrier word)
@@ -226,6 +232,10 @@ __device__ __forceinline__ uint64_t globaltimer() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+
+__device__ __forceinline__ void stamp(const KernelArgs& a, uint32_t word) {
+  if (a.timeline != nullptr && threadIdx.x == 0) a.timeline[blockIdx.x * kTimelineWords + word] = globaltimer();
 }
 
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
@@ -509,6 +519,7 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
         wait_ge(a, flag_ptr(a, wd.flag_rank, wd.flag_id), wd.value, step, static_cast<int32_t>(role),
                 static_cast<int32_t>(it.chunk), static_cast<int32_t>(wd.flag_id), static_cast<int32_t>(wd.flag_rank));
       }
+      if (k == block) stamp(a, 1);
     }
     __syncthreads();
     if (warp < kWarps) {

@@ -6,7 +6,8 @@
 //   [0, 1) keep: reducer, reduce output -> result
 //   [1, 25) push: sender, pull output -> result
 // Every launch: entry barrier (clear this rank's counters, meet every rank), the roles, then
-// block 0 drains (waits until every counter on this rank is final).
+// block 0 drains (waits until every counter on this rank is final).  With a timeline enabled,
+// each block stamps %globaltimer at those points (epcc::kTimelineWords).
 // epcc_h200x4_combine_finish_kernel: after it, converts the home partials (`result`, fp32) to bf16.
 #include "epcc_cuda_device.cuh"
 
@@ -28,6 +29,8 @@ static __device__ __noinline__ void epcc_h200x4_combine_push(const epcc::KernelA
 
 extern "C" __global__ void __launch_bounds__(256, 1) epcc_h200x4_combine_kernel(const __grid_constant__ epcc::KernelArgs a) {
   epcc::entry_barrier(a, "combine entry barrier");
+  if (a.timeline != nullptr && threadIdx.x == 0) a.timeline[blockIdx.x * epcc::kTimelineWords + 1] = 0;
+  epcc::stamp(a, 0);
   const uint32_t b = blockIdx.x;
   if (b < 1u) {
     // step 'keep' (own tokens to local experts), schedules/h200x4.sched:51
@@ -36,7 +39,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) epcc_h200x4_combine_kernel(
     // step 'push' (send each token once to every peer that needs it), schedules/h200x4.sched:49
     epcc_h200x4_combine_push(a, b - 1u);
   }
+  epcc::stamp(a, 2);
   epcc::drain(a, "combine drain");
+  if (blockIdx.x == 0) epcc::stamp(a, 3);
 }
 
 extern "C" cudaError_t epcc_h200x4_combine_launch(const epcc::KernelArgs* args, cudaStream_t stream) {

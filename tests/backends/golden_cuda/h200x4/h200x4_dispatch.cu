@@ -7,7 +7,8 @@
 //   [24, 25) keep: permuter, permute input -> output
 // Not in this kernel: step 'meta' (metadata exchange: the host computes the layout (runtime/layout.py) and uploads the tables).
 // Every launch: entry barrier (clear this rank's counters, meet every rank), the roles, then
-// block 0 drains (waits until every counter on this rank is final).
+// block 0 drains (waits until every counter on this rank is final).  With a timeline enabled,
+// each block stamps %globaltimer at those points (epcc::kTimelineWords).
 #include "epcc_cuda_device.cuh"
 
 // step 'push' (send each token once to every peer that needs it), schedules/h200x4.sched:49
@@ -28,6 +29,8 @@ static __device__ __noinline__ void epcc_h200x4_dispatch_keep(const epcc::Kernel
 
 extern "C" __global__ void __launch_bounds__(256, 1) epcc_h200x4_dispatch_kernel(const __grid_constant__ epcc::KernelArgs a) {
   epcc::entry_barrier(a, "dispatch entry barrier");
+  if (a.timeline != nullptr && threadIdx.x == 0) a.timeline[blockIdx.x * epcc::kTimelineWords + 1] = 0;
+  epcc::stamp(a, 0);
   const uint32_t b = blockIdx.x;
   if (b < 24u) {
     // step 'push' (send each token once to every peer that needs it), schedules/h200x4.sched:49
@@ -36,7 +39,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) epcc_h200x4_dispatch_kernel
     // step 'keep' (own tokens to local experts), schedules/h200x4.sched:51
     epcc_h200x4_dispatch_keep(a, b - 24u);
   }
+  epcc::stamp(a, 2);
   epcc::drain(a, "dispatch drain");
+  if (blockIdx.x == 0) epcc::stamp(a, 3);
 }
 
 extern "C" cudaError_t epcc_h200x4_dispatch_launch(const epcc::KernelArgs* args, cudaStream_t stream) {

@@ -73,6 +73,7 @@ struct Program {
   std::vector<uint64_t> buffers;
   bool buffers_ok = false;
   uint64_t epoch = 0;                // launches so far (entry barrier)
+  uint64_t* timeline = nullptr;      // [grid * kTimelineWords] when enabled (epcc_cuda_enable_timeline)
 };
 
 struct Context {
@@ -165,6 +166,7 @@ int launch_main(Context* c, int program, cudaStream_t stream) {
   a.error_claim = c->error_claim;
   a.epoch = p.epoch;
   a.timeout_ns = c->timeout_ns;
+  a.timeline = p.timeline;
   a.rank = c->rank;
   a.num_ranks = kNumRanks;
   a.region = static_cast<uint32_t>(program) * c->flag_capacity;
@@ -185,6 +187,9 @@ const char* epcc_cuda_schedule(void) { return kSchedule; }
 int epcc_cuda_num_ranks(void) { return static_cast<int>(kNumRanks); }
 int epcc_cuda_num_buffers(int program) {
   return program >= 0 && program < kNumPrograms ? static_cast<int>(kPrograms[program].num_buffers) : -1;
+}
+int epcc_cuda_grid(int program) {
+  return program >= 0 && program < kNumPrograms ? static_cast<int>(kPrograms[program].grid) : -1;
 }
 int epcc_cuda_has_program(int program) {
   return program >= 0 && program < kNumPrograms && kPrograms[program].present ? 1 : 0;
@@ -292,6 +297,7 @@ void epcc_cuda_destroy(void* ctx) {
   }
   cudaFree(c->flags);
   cudaFree(c->flag_areas_dev);
+  for (Program& p : c->programs) cudaFree(p.timeline);
   cudaFree(c->error_claim);
   if (c->error_host != nullptr) cudaFreeHost(c->error_host);
   delete c;
@@ -500,6 +506,37 @@ int epcc_cuda_synchronize(void* ctx, uint64_t stream) {
 
 // The error record (host memory: readable after a trap).  Returns its code (0: none) and, when
 // buf is given, the message (as the kernel printed it).
+// Per-block %globaltimer stamps of every later launch of `program` (epcc::kTimelineWords per
+// block, see the device header): for a timeline of the roles, not for timing the kernel.
+int epcc_cuda_enable_timeline(void* ctx, int program) {
+  Context* c = static_cast<Context*>(ctx);
+  if (c == nullptr) return fail(nullptr, EPCC_RC_USAGE, "epcc_cuda_enable_timeline: NULL context");
+  if (const int rc = check_program(c, program)) return rc;
+  Program& p = c->programs[program];
+  if (p.timeline == nullptr) {
+    const size_t bytes = sizeof(uint64_t) * epcc::kTimelineWords * kPrograms[program].grid;
+    EPCC_TRY(c, cudaSetDevice(c->device));
+    EPCC_TRY(c, cudaMalloc(&p.timeline, bytes));
+    EPCC_TRY(c, cudaMemset(p.timeline, 0, bytes));
+  }
+  return EPCC_RC_OK;
+}
+
+// The stamps of the last launch: `count` must be grid * kTimelineWords (synchronize first).
+int epcc_cuda_read_timeline(void* ctx, int program, uint64_t* out, uint64_t count) {
+  Context* c = static_cast<Context*>(ctx);
+  if (c == nullptr || out == nullptr) return fail(c, EPCC_RC_USAGE, "epcc_cuda_read_timeline: NULL argument");
+  if (const int rc = check_program(c, program)) return rc;
+  const Program& p = c->programs[program];
+  const uint64_t want = static_cast<uint64_t>(epcc::kTimelineWords) * kPrograms[program].grid;
+  if (p.timeline == nullptr) return fail(c, EPCC_RC_USAGE, "%s: call epcc_cuda_enable_timeline first", kPrograms[program].name);
+  if (count != want) return fail(c, EPCC_RC_USAGE, "epcc_cuda_read_timeline: count %llu, the %s timeline has %llu words",
+                                 static_cast<unsigned long long>(count), kPrograms[program].name, static_cast<unsigned long long>(want));
+  EPCC_TRY(c, cudaSetDevice(c->device));
+  EPCC_TRY(c, cudaMemcpy(out, p.timeline, sizeof(uint64_t) * want, cudaMemcpyDeviceToHost));
+  return EPCC_RC_OK;
+}
+
 int epcc_cuda_read_error(void* ctx, char* buf, uint64_t len) {
   Context* c = static_cast<Context*>(ctx);
   if (c == nullptr || c->error_host == nullptr) return 0;
