@@ -283,6 +283,11 @@ def cmd_compile(args) -> int:
         except CudaCodegenError as e:
             raise CompileError([Diagnostic("error", f"--target cuda: {e}", None)]) from None
         print(f"{args.file}: CUDA sources in {out}/cuda/ ({', '.join(p.relative_to(out / 'cuda').as_posix() for p in written)})")
+        cm = json.loads((out / "cuda" / "manifest.json").read_text(encoding="utf-8"))
+        if cm.get("lowering") == "direct":
+            print(f"{args.file}: lowering: direct kernels ({cm['direct']['source']}; the Buffer API runs them)")
+        else:
+            print(f"{args.file}: lowering: table-driven kernels (no direct lowering: {cm.get('direct_not_used', '?')})")
     return EXIT_OK
 
 

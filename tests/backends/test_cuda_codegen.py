@@ -611,12 +611,24 @@ def test_emulator_reports_a_deadlock():
 # CLI
 
 
+def test_cli_says_why_a_plan_gets_no_direct_lowering(tmp_path, capsys):
+    """fp8 with a hidden size that is a multiple of 128 but not of 512 compiles, to the
+    table-driven kernels; the user is told so and why, not left to find it in the manifest."""
+    src = tmp_path / "h7296.sched"
+    src.write_text((REPO / "schedules" / "h200x4.sched").read_text().replace("hidden 7168", "hidden 7296"))
+    assert main(["compile", str(src), "--target", "cuda", "--dtype", "fp8", "-o", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert (f"{src}: lowering: table-driven kernels (no direct lowering: hidden 7296 is not a multiple of 512 "
+            f"(16-byte bulk copies of fp8 rows and their scales))") in out
+
+
 def test_cli_compile_target_cuda(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     rc = main(["compile", source_of("h200x4"), "--target", "cuda", "-o", str(tmp_path / "b")])
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert f"{source_of('h200x4')}: CUDA sources in {tmp_path / 'b'}/cuda/" in out
+    assert f"{source_of('h200x4')}: lowering: direct kernels (h200x4_direct.cu; the Buffer API runs them)" in out
     files = sorted(p.name for p in (tmp_path / "b" / "cuda").iterdir())
     assert files == sorted(p.name for p in (GOLDEN / "h200x4").iterdir())
     for f in files:  # the same text as the golden: paths in comments are as given on the command line
