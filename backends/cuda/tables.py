@@ -53,6 +53,7 @@ def partial_rounding(manifest: dict) -> float:
     ops = {r["op"] for k in manifest.get("kernels", []) for r in k.get("roles", [])}
     return BF16_WIRE if "accum_bf16_wire" in ops else 0.0
 
+
 # name -> [(field, numpy type code, comment)]; all fields naturally aligned, no implicit padding.
 STRUCTS: dict[str, tuple[str, list[tuple[str, str, str]]]] = {
     "TableHeader": ("at offset 0 of every table blob", [
