@@ -427,6 +427,13 @@ def test_launcher_library_loads_and_fails_cleanly_without_a_gpu(built):
     assert lib.has_program("dispatch") and lib.has_program("combine")
     with pytest.raises(cuda.CudaError, match="rank 9: these kernels were compiled for 4 ranks"):
         lib.create(0, 9, 64)
+    grids = {k["program"]: k["grid"] for k in m["kernels"] if k["kind"] == "main"}
+    assert [lib.lib.epcc_cuda_grid(i) for i in (0, 1, 2, -1)] == [grids["dispatch"], grids["combine"], -1, -1]
+    # the timeline calls refuse a missing context with their own message (no GPU needed)
+    for call, args, text in (("epcc_cuda_enable_timeline", (None, 0), "epcc_cuda_enable_timeline: NULL context"),
+                             ("epcc_cuda_read_timeline", (None, 0, None, 0), "epcc_cuda_read_timeline: NULL argument")):
+        assert getattr(lib.lib, call)(*args) != 0
+        assert lib.lib.epcc_cuda_last_error(None).decode() == f"epcc cuda (h200x4): {text}"
     try:
         ctx = lib.create(0, 0, 64, 5.0)
     except cuda.CudaError as e:  # no GPU, or no driver: the launcher says which CUDA call failed
@@ -738,8 +745,10 @@ def test_role_timeline_from_block_stamps():
     assert by["rdma"]["end_ms"] == pytest.approx(5.0 + (rdma["blocks"][1] - rdma["blocks"][0] - 1) * 1e-3)
     assert by["keep"]["start_ms"] is None and by["keep"]["end_ms"] is None
     assert tl["end_ms"] == 9.0
-    with pytest.raises(ValueError, match="blocks x 4 stamps"):
+    with pytest.raises(ValueError) as e:
         role_timeline(b.manifest, "dispatch", st[:-1])
+    assert str(e.value) == (f"dispatch timeline: shape ({k['grid'] - 1}, 4), the kernel has {k['grid']} blocks "
+                            f"x 4 stamps")
 
 
 def test_timeline_stamps_emitted_and_launcher_exports_them():

@@ -93,3 +93,10 @@ def test_rdma_variant_changes_only_the_rdma_bandwidth(bundles, tmp_path, name):
 
 def test_rdma_variant_at_the_shipped_rate_is_the_shipped_file(bundles, tmp_path):
     assert bundles.rdma_source(tmp_path, "h200x4_2vnode_50") == ROOT / "schedules" / "h200x4_2vnode.sched"
+
+
+def test_rdma_variant_of_a_file_without_the_link_is_refused(bundles, tmp_path, monkeypatch):
+    monkeypatch.setitem(bundles.RDMA_VARIANTS, "x", ("h200x4", "rdma", 13))
+    with pytest.raises(SystemExit) as e:
+        bundles.rdma_source(tmp_path, "x")
+    assert str(e.value) == f"{ROOT / 'schedules' / 'h200x4.sched'}: cannot find the bandwidth line of link 'rdma'"
