@@ -1,0 +1,253 @@
+// sm_probe: how many bytes per second one SM moves, by the copy methods epcc's kernels use, so that
+// SM budgets are set against measured per-SM rates instead of guesses.
+//
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/sm_probe bench/sm_probe.cu
+//   /tmp/sm_probe [--gpus N] [--mib M] [--blocks 1,2,4,8,16,24,32]
+//
+// One process drives every GPU (peer access enabled between all pairs).  In each trial every GPU
+// runs the same kernel at once with B blocks (one per SM); each block copies its share of M MiB
+// from a local source buffer in rows of 14336 bytes (one 7168-channel bf16 token) to:
+//   peers  the row goes to the next peer GPU round robin (remote NVLink writes; what dispatch does)
+//   self   the row goes to another buffer of the same GPU (HBM to HBM; what replication does)
+// by one of:
+//   st     every warp copies rows with 16-byte loads and stores, 4 vectors in flight per lane
+//   tma    one thread per block: bulk copy (cp.async.bulk) of the row into a shared-memory ring,
+//          then a bulk store of it to the destination; DEPTH stores may still be reading
+// and also the read side alone:
+//   ld     every warp reads rows with 16-byte loads (and folds them, so they are not dead)
+//   tmald  one thread per block bulk-loads rows into the shared-memory ring
+// Time: CUDA events around the kernel on each GPU, all GPUs launched together; the slowest GPU
+// counts.  Reported: GB/s written (or read) per GPU, and per SM.  Bytes to self are counted only in
+// the `self` rows.  Rows are 16-byte aligned; sizes are exact multiples of the row.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+#include <algorithm>
+#include <cuda_runtime.h>
+
+#define CK(x)                                                                                 \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      fprintf(stderr, "sm_probe: %s: %s (%s:%d)\n", #x, cudaGetErrorString(e_), __FILE__, __LINE__); \
+      exit(1);                                                                                \
+    }                                                                                         \
+  } while (0)
+
+constexpr int ROW = 14336;          // bytes per row: 7168 bf16
+constexpr int SMAX = 14;            // shared-memory ring stages (14 x 14336 = 196 KB)
+constexpr int MAXG = 8;
+
+struct Targets {
+  char* dst[MAXG];                  // destination buffer of each GPU (peer pointers)
+  int ndst;                          // destinations this GPU writes to, in dst order
+  int order[MAXG];                   // which dst entries, round robin
+};
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__global__ void __launch_bounds__(512, 1) copy_st(const char* __restrict__ src, Targets t, long long rows_per_block) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const long long r0 = blockIdx.x * rows_per_block;
+  constexpr int V = ROW / 16;
+  for (long long r = r0 + warp; r < r0 + rows_per_block; r += nw) {
+    const uint4* s = reinterpret_cast<const uint4*>(src + r * ROW);
+    uint4* d = reinterpret_cast<uint4*>(t.dst[t.order[r % t.ndst]] + r * ROW);
+    for (int v = lane; v < V; v += 128) {
+      uint4 x[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (v + 32 * u < V) x[u] = __ldg(s + v + 32 * u);
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (v + 32 * u < V) d[v + 32 * u] = x[u];
+    }
+  }
+}
+
+__global__ void __launch_bounds__(512, 1) read_ld(const char* __restrict__ src, long long rows_per_block, unsigned* sink) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const long long r0 = blockIdx.x * rows_per_block;
+  constexpr int V = ROW / 16;
+  unsigned acc = 0;
+  for (long long r = r0 + warp; r < r0 + rows_per_block; r += nw) {
+    const uint4* s = reinterpret_cast<const uint4*>(src + r * ROW);
+    for (int v = lane; v < V; v += 128) {
+      uint4 x[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (v + 32 * u < V) x[u] = __ldg(s + v + 32 * u);
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (v + 32 * u < V) acc ^= x[u].x ^ x[u].y ^ x[u].z ^ x[u].w;
+    }
+  }
+  if (acc == 0x9e3779b9u) sink[0] = acc;  // practically never: keeps the loads alive
+}
+
+// One thread: ring of S stages; loads run S - depth ahead; `store` false = loads only.
+__global__ void __launch_bounds__(32, 1) copy_tma(const char* __restrict__ src, Targets t, long long rows_per_block,
+                                                  int S, int depth, int store) {
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ unsigned long long full[SMAX];
+  if (threadIdx.x != 0) return;
+  for (int s = 0; s < S; ++s)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&full[s])), "r"(1) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const long long r0 = blockIdx.x * rows_per_block, n = rows_per_block;
+  const int D = store ? S - depth : S;
+  auto load = [&](long long i) {
+    const int s = (int)(i % S);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&full[s])), "r"(ROW) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(ring + (size_t)s * ROW)), "l"(src + (r0 + i) * ROW), "r"(ROW), "r"(smem_addr(&full[s]))
+                 : "memory");
+  };
+  for (long long i = 0; i < (D < n ? D : n); ++i) load(i);
+  for (long long i = 0; i < n; ++i) {
+    const int s = (int)(i % S);
+    const unsigned phase = (unsigned)((i / S) & 1);
+    unsigned done = 0;
+    while (!done)
+      asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                   : "=r"(done) : "r"(smem_addr(&full[s])), "r"(phase) : "memory");
+    if (store) {
+      const long long r = r0 + i;
+      char* d = t.dst[t.order[r % t.ndst]] + r * ROW;
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                   ::"l"(d), "r"(smem_addr(ring + (size_t)s * ROW)), "r"(ROW) : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+    if (i + D < n) {
+      if (store && i + D >= S) {
+        switch (depth) {  // store i + D - S = i - depth has read its stage
+          case 1: asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory"); break;
+          case 2: asm volatile("cp.async.bulk.wait_group.read 2;" ::: "memory"); break;
+          case 4: asm volatile("cp.async.bulk.wait_group.read 4;" ::: "memory"); break;
+          case 8: asm volatile("cp.async.bulk.wait_group.read 8;" ::: "memory"); break;
+          default: asm volatile("cp.async.bulk.wait_group.read 12;" ::: "memory"); break;
+        }
+      }
+      load(i + D);
+    }
+  }
+  if (store) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+struct Gpu {
+  char* src = nullptr;
+  char* dst = nullptr;
+  unsigned* sink = nullptr;
+  cudaStream_t stream;
+  cudaEvent_t a, b;
+};
+
+static std::vector<int> parse_list(const char* s) {
+  std::vector<int> v;
+  for (const char* p = s; *p;) {
+    v.push_back(atoi(p));
+    while (*p && *p != ',') ++p;
+    if (*p == ',') ++p;
+  }
+  return v;
+}
+
+int main(int argc, char** argv) {
+  int ngpu = 0, mib = 512;
+  std::vector<int> blocks = {1, 2, 4, 8, 16, 24, 32, 48};
+  CK(cudaGetDeviceCount(&ngpu));
+  for (int i = 1; i < argc; ++i) {
+    if (!strcmp(argv[i], "--gpus") && i + 1 < argc) ngpu = std::min(ngpu, atoi(argv[++i]));
+    else if (!strcmp(argv[i], "--mib") && i + 1 < argc) mib = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--blocks") && i + 1 < argc) blocks = parse_list(argv[++i]);
+    else { fprintf(stderr, "usage: sm_probe [--gpus N] [--mib M] [--blocks 1,2,4]\n"); return 1; }
+  }
+  if (ngpu < 2) { fprintf(stderr, "sm_probe: needs at least 2 GPUs, found %d\n", ngpu); return 1; }
+  ngpu = std::min(ngpu, MAXG);
+  const long long rows = (long long)mib * 1024 * 1024 / ROW;
+  std::vector<Gpu> g(ngpu);
+  for (int d = 0; d < ngpu; ++d) {
+    CK(cudaSetDevice(d));
+    for (int p = 0; p < ngpu; ++p)
+      if (p != d) {
+        cudaError_t e = cudaDeviceEnablePeerAccess(p, 0);
+        if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) CK(e);
+        cudaGetLastError();
+      }
+    CK(cudaMalloc(&g[d].src, rows * ROW));
+    CK(cudaMalloc(&g[d].dst, rows * ROW));
+    CK(cudaMalloc(&g[d].sink, 64));
+    CK(cudaMemset(g[d].src, d + 1, rows * ROW));
+    CK(cudaStreamCreateWithFlags(&g[d].stream, cudaStreamNonBlocking));
+    CK(cudaEventCreate(&g[d].a));
+    CK(cudaEventCreate(&g[d].b));
+    CK(cudaFuncSetAttribute(copy_tma, cudaFuncAttributeMaxDynamicSharedMemorySize, SMAX * ROW));
+  }
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  printf("sm_probe: %d x %s, %d SMs each, %lld rows of %d B (%d MiB) per GPU per trial\n", ngpu, prop.name,
+         prop.multiProcessorCount, rows, ROW, mib);
+  printf("%-6s %-6s %-12s %6s %10s %12s %10s\n", "method", "to", "ring", "blocks", "ms", "GB/s/GPU", "GB/s/SM");
+
+  struct Trial { const char* method; bool peers; int S, depth; };
+  std::vector<Trial> trials = {
+      {"st", true, 0, 0},  {"tma", true, 8, 4}, {"tma", true, 14, 12}, {"tma", true, 4, 2},
+      {"st", false, 0, 0}, {"tma", false, 8, 4}, {"tma", false, 14, 12},
+      {"ld", false, 0, 0}, {"tmald", false, 8, 0}, {"tmald", false, 14, 0},
+  };
+  for (const Trial& tr : trials) {
+    for (int B : blocks) {
+      if (B > prop.multiProcessorCount) continue;
+      const long long per = rows / B;
+      float worst = 0.f;
+      float best_of[3];
+      for (int rep = 0; rep < 3; ++rep) {
+        for (int d = 0; d < ngpu; ++d) {
+          CK(cudaSetDevice(d));
+          Targets t{};
+          for (int p = 0; p < ngpu; ++p) t.dst[p] = g[p].dst;
+          t.ndst = 0;
+          if (tr.peers) {
+            for (int k = 1; k < ngpu; ++k) t.order[t.ndst++] = (d + k) % ngpu;
+          } else {
+            t.order[t.ndst++] = d;
+          }
+          CK(cudaEventRecord(g[d].a, g[d].stream));
+          if (!strcmp(tr.method, "st")) copy_st<<<B, 512, 0, g[d].stream>>>(g[d].src, t, per);
+          else if (!strcmp(tr.method, "ld")) read_ld<<<B, 512, 0, g[d].stream>>>(g[d].src, per, g[d].sink);
+          else copy_tma<<<B, 32, (size_t)tr.S * ROW, g[d].stream>>>(g[d].src, t, per, tr.S, tr.depth,
+                                                                   strcmp(tr.method, "tma") == 0);
+          CK(cudaGetLastError());
+          CK(cudaEventRecord(g[d].b, g[d].stream));
+        }
+        float ms = 0.f;
+        for (int d = 0; d < ngpu; ++d) {
+          CK(cudaSetDevice(d));
+          CK(cudaEventSynchronize(g[d].b));
+          float x;
+          CK(cudaEventElapsedTime(&x, g[d].a, g[d].b));
+          ms = std::max(ms, x);
+        }
+        best_of[rep] = ms;
+      }
+      worst = std::min(best_of[1], best_of[2]);  // the first is a warm-up
+      const double bytes = (double)per * B * ROW;
+      char ring[32] = "-";
+      if (!strcmp(tr.method, "tma") || !strcmp(tr.method, "tmald")) snprintf(ring, sizeof ring, "S%d/d%d", tr.S, tr.depth);
+      printf("%-6s %-6s %-12s %6d %10.3f %12.1f %10.2f\n", tr.method, tr.peers ? "peers" : "self", ring, B, worst,
+             bytes / worst / 1e6, bytes / worst / 1e6 / B);
+      fflush(stdout);
+    }
+  }
+  for (int d = 0; d < ngpu; ++d) {
+    CK(cudaSetDevice(d));
+    CK(cudaFree(g[d].src));
+    CK(cudaFree(g[d].dst));
+    CK(cudaFree(g[d].sink));
+  }
+  return 0;
+}
