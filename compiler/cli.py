@@ -76,14 +76,14 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--gantt", metavar="OUT.svg", help="also draw a Gantt chart of the steps into this SVG file")
     c.set_defaults(func=cmd_simulate)
 
-    c = sub.add_parser("tune", help="sweep a CUDA bundle's SMs and stages on the GPUs (torchrun); keep the best",
+    c = sub.add_parser("tune", help="sweep a CUDA bundle's SMs and warps on the GPUs (torchrun); keep the best",
                        description="Start `torchrun --nproc-per-node N -m epcc.runtime.tune BUNDLE ...`: every "
                                    "configuration is checked against the first (bit-identical results) and timed; "
                                    "the fastest is written to BUNDLE/cuda/tuned.json, which the runtime reads.")
     c.add_argument("bundle", metavar="BUNDLE", help="a bundle written by `epcc compile FILE --target cuda -o BUNDLE`")
     c.add_argument("--nproc", type=int, help="GPUs (default: the plan's ranks)")
     c.add_argument("--sms", default="8,16,24,32,48", help="total SMs per kernel to try")
-    c.add_argument("--stages", default="6,8,12", help="shared-memory stages per dispatch block to try")
+    c.add_argument("--warps", default="8,16", help="warps per dispatch block to try")
     c.add_argument("--iters", default="10", help="timed calls per configuration")
     c.set_defaults(func=cmd_tune)
 
@@ -201,7 +201,7 @@ def cmd_tune(args) -> int:
         raise CompileError([Diagnostic("error", "epcc tune: torchrun not found (it comes with torch); "
                                                 "run this on the GPU machine", None)])
     cmd = [torchrun, "--nproc-per-node", str(nproc), "-m", "epcc.runtime.tune", str(bundle),
-           "--sms", args.sms, "--stages", args.stages, "--iters", str(args.iters)]
+           "--sms", args.sms, "--warps", args.warps, "--iters", str(args.iters)]
     print(" ".join(cmd), flush=True)
     return subprocess.call(cmd)
 

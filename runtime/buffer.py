@@ -67,7 +67,7 @@ class Buffer:
                                "False: a CPU-only torch, no driver, or CUDA_VISIBLE_DEVICES hides the GPUs); "
                                "use backend='cpu' on this machine")
         if self.backend_name != "cuda" and config is not None:
-            raise ValueError("Buffer: config (SMs, stages) applies to the cuda backend only")
+            raise ValueError("Buffer: config (SMs, warps) applies to the cuda backend only")
         if self.plan.num_ranks != self.num_ranks:
             raise BundleError(f"bundle {bundle} was compiled for {self.plan.num_ranks} ranks "
                               f"({manifest.get('schedule', '?')}), but the group has {self.num_ranks}")

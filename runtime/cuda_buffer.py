@@ -87,7 +87,7 @@ class CudaEngine:
         cfg.update(config or {})
         self.config = DirectConfig.from_dict(cfg)
         c = entry["constants"]
-        self.config.check(c["max_stages"])
+        self.config.check()
         self.config.check_ranks(c["num_ranks"])
         self.c = c
         self.plan = plan
@@ -103,7 +103,7 @@ class CudaEngine:
 
         def setup():
             self.lib = drt.DirectLibrary(lib_path, self.manifest)
-            self.lib.init(c["max_stages"])
+            self.lib.init(self.config.warps)
             self.region = self.lib.malloc(self.lib.region_bytes)
             return self.lib.ipc_handle(self.region)
 
@@ -152,12 +152,32 @@ class CudaEngine:
             a.timeout_ns = self.timeout_ns
             a.err = self.err_dev
         cfg = self.config
-        a.C, a.NR, a.S = cfg.send_blocks, cfg.recv_blocks, cfg.stages
+        a.C, a.NSB, a.NR, a.W = cfg.channels(self.R), cfg.send_blocks, cfg.recv_blocks, cfg.warps
         a.NS, a.ND = cfg.combine_send_blocks, cfg.combine_reduce_blocks
         a.align = 1
         for k, v in kw.items():
             setattr(a, k, v)
         return a
+
+    def enable_timeline(self, on: bool = True) -> None:
+        """Stamp every block's start and every warp's end (%globaltimer) from the next call on;
+        `read_timeline` turns the stamps into per-role times.  Off again with on=False."""
+        c = self.c
+        if on:
+            self._timeline = torch.zeros(2 * c["timeline_blocks"] * c["timeline_words"], dtype=torch.int64,
+                                         device=self.device)
+            self._args.timeline = self._timeline.data_ptr()
+        else:
+            self._timeline = None
+            self._args.timeline = 0
+
+    def read_timeline(self) -> dict:
+        """Per kernel and role: ms to its first block's start, its median and last warp end."""
+        if getattr(self, "_timeline", None) is None:
+            raise RuntimeError("read_timeline: call enable_timeline() before the stamped dispatch and combine")
+        torch.cuda.synchronize(self.device)
+        raw = self._timeline.cpu().tolist()
+        return drt.timeline_summary(raw, self.config, self.c["timeline_blocks"], self.c["timeline_words"])
 
     def raise_if_failed(self) -> None:
         msg = self.lib.read_error(self.err_host, self.plan.rank_names or None)

@@ -1,10 +1,10 @@
 """`epcc tune BUNDLE`: sweep the direct kernels' launch configuration on the GPUs, keep the fastest.
 
-    torchrun --nproc-per-node 4 -m epcc.runtime.tune build/h200x4 [--sms 8,16,24,32] [--stages 4,8,12]
+    torchrun --nproc-per-node 4 -m epcc.runtime.tune build/h200x4 [--sms 8,16,24,32] [--warps 8,16]
     epcc tune build/h200x4 --nproc 4 ...        (the same, started through torchrun)
 
 What is swept (backends/cuda/direct.py, DirectConfig): the SMs of dispatch (split senders :
-receivers as 2:1, 3:1 and 1:1) and the shared-memory stages per block, then the SMs of combine
+receivers as 1:1, 7:5, 2:1 and 3:1) and the warps per dispatch block, then the SMs of combine
 (partial senders : home reducers, same splits).  One Buffer (one peer region) serves every
 trial: the configuration is a launch argument, not a compile-time constant, so no rebuild.  Every
 trial first checks that its dispatch rows and combine output are bit-identical to the first
@@ -30,11 +30,11 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from epcc.backends.cuda.direct import READ_ALLOW  # noqa: E402
+from epcc.backends.cuda.direct import MAX_WARPS, DirectError  # noqa: E402
 from epcc.runtime import inputs  # noqa: E402
 from epcc.runtime.buffer import Buffer  # noqa: E402
 
-SPLITS = ((2, 1), (3, 1), (1, 1))
+SPLITS = ((1, 1), (7, 5), (2, 1), (3, 1))
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -65,14 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="epcc tune", description=__doc__.split("\n\n")[0])
     ap.add_argument("bundle")
     ap.add_argument("--sms", default="8,16,24,32,48", help="total SMs per kernel to try (default 8,16,24,32,48)")
-    ap.add_argument("--stages", default="6,8,12", help="shared-memory stages per dispatch block (default 4,8,12)")
+    ap.add_argument("--warps", default=f"8,{MAX_WARPS}", help=f"warps per dispatch block (default 8,{MAX_WARPS})")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tokens", type=int, help="tokens per rank (default: the bundle's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-write", action="store_true", help="print the best configuration, do not write tuned.json")
     args = ap.parse_args(argv)
-    sms_list, stage_list = _ints(args.sms, "--sms"), _ints(args.stages, "--stages")
+    sms_list, warp_list = _ints(args.sms, "--sms"), _ints(args.warps, "--warps")
+    if max(warp_list) > MAX_WARPS:
+        raise SystemExit(f"epcc tune: --warps {args.warps}: at most {MAX_WARPS} warps per block")
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -83,7 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     eng = buf._cuda
     wl = buf.plan.workload
     T = args.tokens or wl.tokens
-    max_stages = eng.c["max_stages"]
     idx_all = inputs.make_routing("uniform", R, T, wl.topk, wl.experts, wl.placement, seed=args.seed).topk_idx
     w_all = inputs.make_weights(idx_all, seed=args.seed + 1)
     g = torch.Generator(device=dev)
@@ -103,20 +104,36 @@ def main(argv: list[str] | None = None) -> int:
     for sms in sms_list:
         for ratio in SPLITS:
             s, r = split(sms, ratio)
-            for st in stage_list:
-                if READ_ALLOW < st <= max_stages:
-                    trials.append(("dispatch", replace(base, send_blocks=s, recv_blocks=r, stages=st)))
+            for wp in warp_list:
+                cfg = replace(base, send_blocks=s, recv_blocks=r, warps=wp)
+                try:
+                    cfg.check()
+                    cfg.check_ranks(R)
+                except DirectError:
+                    continue  # e.g. too few receiver warps for the queues
+                if ("dispatch", cfg) not in trials:
+                    trials.append(("dispatch", cfg))
     for sms in sms_list:
         for ratio in SPLITS:
             s, r = split(sms, ratio)
-            trials.append(("combine", replace(base, combine_send_blocks=s, combine_reduce_blocks=r)))
+            cfg = replace(base, combine_send_blocks=s, combine_reduce_blocks=r)
+            if ("combine", cfg) not in trials:
+                trials.append(("combine", cfg))
 
     ref = None
     results = []
 
+    tick = torch.zeros(1, device=dev)
+
     def timed(fn) -> float:
+        """GPU time of fn(), as bench/ep_bench.py takes it: the GPUs lined up by an all_reduce
+        behind a ~2 ms device sleep, during which the host enqueues fn's kernels (its launch cost
+        is not in the time: a training step hides it by running ahead)."""
         torch.cuda.synchronize()
         dist.barrier()
+        if hasattr(torch.cuda, "_sleep"):
+            torch.cuda._sleep(4_000_000)
+        dist.all_reduce(tick)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -161,18 +178,18 @@ def main(argv: list[str] | None = None) -> int:
             bar(i + 1, len(trials), f"{prog} {sms} SMs "
                 f"({cfg.send_blocks if prog == 'dispatch' else cfg.combine_send_blocks}+"
                 f"{cfg.recv_blocks if prog == 'dispatch' else cfg.combine_reduce_blocks}"
-                f"{', ' + str(cfg.stages) + ' stages' if prog == 'dispatch' else ''}): {med:.3f} ms")
+                f"{', ' + str(cfg.warps) + ' warps' if prog == 'dispatch' else ''}): {med:.3f} ms")
 
     best_d = min((r for r in results if r["program"] == "dispatch"), key=lambda r: r["median_ms"])
     best_c = min((r for r in results if r["program"] == "combine"), key=lambda r: r["median_ms"])
     best = dict(asdict(base))
-    for k in ("send_blocks", "recv_blocks", "stages"):
+    for k in ("send_blocks", "recv_blocks", "warps"):
         best[k] = best_d["config"][k]
     for k in ("combine_send_blocks", "combine_reduce_blocks"):
         best[k] = best_c["config"][k]
     if rank == 0:
         print(f"best dispatch: {best_d['median_ms']:.3f} ms with {best['send_blocks']}+{best['recv_blocks']} SMs, "
-              f"{best['stages']} stages; best combine: {best_c['median_ms']:.3f} ms with "
+              f"{best['warps']} warps per block; best combine: {best_c['median_ms']:.3f} ms with "
               f"{best['combine_send_blocks']}+{best['combine_reduce_blocks']} SMs "
               f"({R} ranks x {T} tokens, {torch.cuda.get_device_name(dev)})")
         if not args.no_write:

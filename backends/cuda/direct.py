@@ -26,30 +26,35 @@ from dataclasses import asdict, dataclass, fields
 
 from epcc.plan import Plan, PlanStep
 
-ABI = 1
+ABI = 2
 ALIGN_MAX = 128  # largest per-expert row alignment a caller may ask for (grouped-GEMM padding)
-MAX_CHANNELS = 128
-DESC_RING = 64
-ALLOW_PENDING = 16  # bulk-store groups (tokens) left in flight when a sender publishes its tails
-PUBLISH_EVERY = 32
-READ_ALLOW = 4  # bulk-store groups that may still be reading their stage (the ring needs more stages)
-COMBINE_BATCH = 4
-MAX_QUEUES = 128  # (source, channel) queues one receiver block polls
-DISPATCH_THREADS = 128  # 4 warps: driver, 3 feeders (senders) / driver, feeder (receivers)
+MAX_CHANNELS = 1024  # sender warps of the dispatch kernel (one channel each)
+PUBLISH_EVERY = 4  # tokens a sender warp copies between two releases of its tails
+COMBINE_BATCH = 4  # records an expert-side warp reduces between two releases of its queue's progress
+QUEUES_PER_WARP = 32  # (source, channel) queues one receiver warp polls: one per lane
+CHANNELS_PER_WARP = 4  # dispatch channels per sender warp (taken in order: uneven ones even out)
+DISPATCH_THREADS = 512  # at most 16 warps per dispatch block (the configuration's `warps`)
 COMBINE_THREADS = 512
-SMEM_BUDGET = 200 * 1024  # dynamic shared memory for stages (of 227 KB per block on sm_90)
+# combine: 16-byte vectors per lane and row that a reduction of N rows keeps in flight (N = 1, 2,
+# ..., then 1): all N x U loads go out before the first multiply-add.  The expert side reduces a
+# record's rows (N ~ 2 for top-8 on 4 GPUs), the home side a token's partials (N ~ 3.6); at 512
+# threads a thread has 128 registers, which these fill without spilling (ptxas -v, tested).
+EXPERT_UNROLL = (8, 4, 2)
+HOME_UNROLL = (4, 4, 4, 4)
+
+
+def unroll(table: tuple[int, ...], nmax: int) -> list[int]:
+    """U(N) for N = 1..nmax: the table, then 1."""
+    return [table[n - 1] if n <= len(table) else 1 for n in range(1, nmax + 1)]
+MAX_WARPS = DISPATCH_THREADS // 32
+TIMELINE_BLOCKS = 256  # blocks per kernel with a slot in the role timeline
+TIMELINE_WORDS = 1 + MAX_WARPS  # a block's start, then the end of each warp's role
 MAX_IPC_RANKS = 8
 FP8_GROUP = 128
 
 WAITS = [
     ("META", "dispatch: metadata flag of rank a"),
-    ("SEND_STAGE", "dispatch sender: a token row to land in shared memory"),
-    ("SEND_DESC", "dispatch sender: the feeders' descriptor of a token (channel a)"),
-    ("SEND_RING", "dispatch sender feeder: room in the descriptor ring (channel a)"),
     ("RECV_TAIL", "dispatch receiver: records of rank a, channel b"),
-    ("RECV_RING", "dispatch receiver feeder: room in the descriptor ring (queue a)"),
-    ("RECV_DESC", "dispatch receiver: the next replication descriptor"),
-    ("RECV_STAGE", "dispatch receiver: a row to land in shared memory"),
     ("COMBINE_TAIL", "combine: partials from rank a, channel b"),
 ]
 
@@ -62,9 +67,9 @@ class DirectError(ValueError):
 class DirectConfig:
     """Launch configuration: what `epcc tune` sweeps.  Blocks are one per SM."""
 
-    send_blocks: int  # dispatch channels (sender blocks)
+    send_blocks: int  # dispatch sender blocks (each of `warps` channels)
     recv_blocks: int  # dispatch receiver (replication) blocks
-    stages: int  # shared-memory ring stages per dispatch block
+    warps: int  # warps per dispatch block
     combine_send_blocks: int
     combine_reduce_blocks: int
 
@@ -76,20 +81,27 @@ class DirectConfig:
     def combine_sms(self) -> int:
         return self.combine_send_blocks + self.combine_reduce_blocks
 
-    def check(self, max_stages: int) -> None:
+    def channels(self, num_ranks: int) -> int:
+        """Dispatch channels (contiguous token ranges, taken by sender warps in order): a few per
+        sender warp so uneven ones even out, as many as the peer region has tails for and as
+        the receiver warps can poll (one (source, channel) queue per lane)."""
+        return max(1, min(MAX_CHANNELS, CHANNELS_PER_WARP * self.send_blocks * self.warps,
+                          QUEUES_PER_WARP * self.recv_blocks * self.warps // num_ranks))
+
+    def check(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise DirectError(f"config: {f.name} must be a positive integer, got {v!r}")
-        if self.send_blocks > MAX_CHANNELS:
-            raise DirectError(f"config: send_blocks is {self.send_blocks}, at most {MAX_CHANNELS}")
-        if not READ_ALLOW + 1 <= self.stages <= max_stages:
-            raise DirectError(f"config: stages must lie in [{READ_ALLOW + 1}, {max_stages}], got {self.stages}")
+        if self.warps > MAX_WARPS:
+            raise DirectError(f"config: warps must lie in [1, {MAX_WARPS}], got {self.warps}")
+        if self.send_blocks * self.warps > MAX_CHANNELS:
+            raise DirectError(f"config: send_blocks x warps is {self.send_blocks * self.warps}, at most {MAX_CHANNELS}")
 
     def check_ranks(self, num_ranks: int) -> None:
-        if -(-num_ranks * self.send_blocks // self.recv_blocks) > MAX_QUEUES:
-            raise DirectError(f"config: {self.recv_blocks} recv_blocks for {num_ranks} x {self.send_blocks} queues: "
-                              f"at most {MAX_QUEUES} queues per receiver block")
+        if QUEUES_PER_WARP * self.recv_blocks * self.warps < num_ranks:
+            raise DirectError(f"config: {self.recv_blocks} recv_blocks of {self.warps} warps cannot poll the queues "
+                              f"of {num_ranks} ranks (a receiver warp polls at most {QUEUES_PER_WARP})")
 
     @classmethod
     def from_dict(cls, d: dict) -> "DirectConfig":
@@ -146,32 +158,25 @@ def match(plan: Plan) -> str | None:
 
 
 def default_config(plan: Plan) -> DirectConfig:
-    """From the plan: the push step's SM budget, dispatch split 1:1 between senders and receivers
-    (the receivers replicate ~1.2 rows per received token locally: as much work as the sends),
-    combine 2:1 between partial senders and home reducers (the senders read ~2.2 rows per
-    record).  Both splits are what `epcc tune` found best at 24 SMs on 4x H200; it rewrites them."""
+    """From the plan: the push step's SM budget.  Dispatch splits it 1:1 between sender and
+    receiver blocks: by rows written the senders have more (~4.7 per token for uniform top-8 of
+    256 on 4 GPUs: one per peer GPU, every row on their own GPU, against ~3.3), but the receivers
+    poll and start late, and `epcc tune` on 4x H200 found 12+12 faster than 14+10 at 24 SMs.
+    Combine splits it 3:1 between partial senders (they read ~2.2 rows and write one partial per
+    record) and home reducers (18+6 was fastest at 24 SMs).  `epcc tune` rewrites both."""
     push = next((s for s in _steps(plan, "dispatch") if s.verb == "send"), None)
     sms = max(2, push.sms if push and push.sms else 24)
-    csend = max(1, (2 * sms + 2) // 3)
-    stages = min(8, max_stages(plan))
-    return DirectConfig(send_blocks=sms - sms // 2, recv_blocks=sms // 2, stages=stages,
-                        combine_send_blocks=csend, combine_reduce_blocks=max(1, sms - csend))
-
-
-def stage_bytes(plan: Plan) -> int:
-    x, s = row_parts(plan)
-    return -(-(x + s) // 128) * 128
+    csend = max(1, (3 * sms + 3) // 4)
+    return DirectConfig(send_blocks=sms - sms // 2, recv_blocks=max(1, sms // 2), warps=MAX_WARPS,
+                        combine_send_blocks=min(csend, sms - 1), combine_reduce_blocks=max(1, sms - csend))
 
 
 def row_parts(plan: Plan) -> tuple[int, int]:
+    """(payload bytes, scale bytes) of one dispatched row."""
     wl = plan.workload
     if wl.dtype == "fp8":
         return wl.hidden, wl.hidden // FP8_GROUP * 4
     return 2 * wl.hidden, 0
-
-
-def max_stages(plan: Plan) -> int:
-    return max(READ_ALLOW + 1, min(16, SMEM_BUDGET // stage_bytes(plan)))
 
 
 def _round(n: int, a: int) -> int:
@@ -220,12 +225,12 @@ def constants(plan: Plan) -> dict:
     return {
         "abi": ABI, "num_ranks": R, "experts": E, "experts_per_rank": epr, "topk": K, "max_local": kl,
         "hidden": H, "max_tokens": T, "max_channels": MAX_CHANNELS, "record_ints": ri, "x_bytes": xb,
-        "scale_bytes": sb, "stage_bytes": stage_bytes(plan), "max_stages": max_stages(plan),
-        "desc_ring": DESC_RING, "allow_pending": ALLOW_PENDING, "publish_every": PUBLISH_EVERY,
-        "history": ALLOW_PENDING + PUBLISH_EVERY, "feeder_warps": DISPATCH_THREADS // 32 - 1,
+        "scale_bytes": sb, "publish_every": PUBLISH_EVERY, "max_warps": MAX_WARPS,
         "dispatch_threads": DISPATCH_THREADS, "combine_threads": COMBINE_THREADS, "capacity": cap,
-        "placement": wl.placement, "dtype": wl.dtype, "align_max": ALIGN_MAX, "combine_unroll": 4,
-        "meta_chunk": meta_chunk, "read_allow": READ_ALLOW, "max_queues": MAX_QUEUES, "combine_batch": COMBINE_BATCH,
+        "placement": wl.placement, "dtype": wl.dtype, "align_max": ALIGN_MAX,
+        "meta_chunk": meta_chunk, "combine_batch": COMBINE_BATCH,
+        "timeline_blocks": TIMELINE_BLOCKS, "timeline_words": TIMELINE_WORDS,
+        "expert_unroll": unroll(EXPERT_UNROLL, kl), "home_unroll": unroll(HOME_UNROLL, R),
         "offsets": offsets, "region_bytes": end,
         "waits": [{"key": k, "text": t} for k, t in WAITS],
     }
@@ -237,7 +242,7 @@ def describe_steps(plan: Plan) -> list[dict]:
         if s.verb == "exchange":
             low = "meta_kernel (counts and ranks on the GPU, exchanged through peer memory)"
         elif s.program == "dispatch" and s.verb == "send":
-            low = "dispatch_kernel senders (TMA, one store per destination GPU) + receivers (replication)"
+            low = "dispatch_kernel sender warps (one row store per destination GPU) + receiver warps (replication)"
         elif s.program == "dispatch":
             low = "dispatch_kernel senders with this rank as destination (local permute)"
         elif s.link_kind == "p2p":

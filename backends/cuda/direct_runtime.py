@@ -76,11 +76,43 @@ def args_struct(num_ranks: int) -> type[ctypes.Structure]:
     u, i = ctypes.c_uint64, ctypes.c_int64
 
     class Args(ctypes.Structure):
-        _fields_ = [("base", u * num_ranks), ("me", i), ("T", i), ("C", i), ("NR", i), ("S", i), ("align", i),
+        _fields_ = [("base", u * num_ranks), ("me", i), ("T", i), ("C", i), ("NR", i), ("W", i), ("align", i),
                     ("timeout_ns", u), ("err", u), ("x", u), ("scales", u), ("topk_idx", u), ("topk_w", u),
-                    ("idx_int32", i), ("has_weights", i), ("y", u), ("out", u), ("NS", i), ("ND", i)]
+                    ("idx_int32", i), ("has_weights", i), ("y", u), ("out", u), ("NS", i), ("ND", i),
+                    ("timeline", u), ("NSB", i)]
 
     return Args
+
+
+def timeline_summary(raw, cfg, blocks: int, words: int) -> dict:
+    """The direct kernels' role timeline from their %globaltimer stamps (`raw`: the flat
+    [2][blocks][words] u64 buffer after one stamped dispatch + combine; `cfg`: the DirectConfig
+    they ran with).  Per kernel and role: ms from the kernel's first block start to the role's
+    first block start, its median warp end and its last warp end; the kernel's end is its last
+    warp end.  Only blocks that ran are read (a block's start is never 0)."""
+    roles = {"dispatch": [("send", cfg.send_blocks), ("recv", cfg.recv_blocks)],
+             "combine": [("partial", cfg.combine_send_blocks), ("reduce", cfg.combine_reduce_blocks)]}
+    nwarps = {"dispatch": cfg.warps, "combine": words - 1}
+    out = {}
+    for k, prog in enumerate(("dispatch", "combine")):
+        rows, b0 = [], 0
+        for name, nb in roles[prog]:
+            blk = [b for b in range(b0, min(b0 + nb, blocks))]
+            b0 += nb
+            starts = [int(raw[(k * blocks + b) * words]) for b in blk]
+            ends = [int(raw[(k * blocks + b) * words + 1 + w]) for b in blk for w in range(nwarps[prog])]
+            rows.append((name, [s for s in starts if s], [e for e in ends if e]))
+        t0 = min((min(s) for _, s, _ in rows if s), default=0)
+        ms = lambda v: (v - t0) * 1e-6  # noqa: E731
+        roles_out = []
+        for name, starts, ends in rows:
+            ends = sorted(ends)
+            roles_out.append({"step": name, "start_ms": ms(min(starts)) if starts else None,
+                              "median_end_ms": ms(ends[len(ends) // 2]) if ends else None,
+                              "end_ms": ms(ends[-1]) if ends else None})
+        out[prog] = {"roles": roles_out,
+                     "end_ms": max((r["end_ms"] for r in roles_out if r["end_ms"] is not None), default=0.0)}
+    return out
 
 
 class ErrorRecord(ctypes.Structure):
@@ -167,8 +199,8 @@ class DirectLibrary:
     def free_host(self, ptr: int) -> None:
         self.check(self.lib.epcc_direct_free_host(ptr), "freeing the error record")
 
-    def init(self, stages: int) -> None:
-        self.check(self.lib.epcc_direct_init(stages), "init")
+    def init(self, warps: int) -> None:
+        self.check(self.lib.epcc_direct_init(warps), "init")
 
     def dispatch(self, args, stream: int) -> None:
         self.check(self.lib.epcc_direct_dispatch(ctypes.byref(args), stream), "dispatch")

@@ -135,37 +135,43 @@ def test_region_offsets_are_increasing_aligned_and_hold_the_capacity(name, varia
         assert (c["dtype"], c["x_bytes"], c["scale_bytes"]) == ("fp8", H, H // 128 * 4)
     else:
         assert (c["dtype"], c["x_bytes"], c["scale_bytes"]) == ("bf16", 2 * H, 0)
-    assert c["stage_bytes"] % 128 == 0 and c["stage_bytes"] >= c["x_bytes"] + c["scale_bytes"]
-    assert c["max_stages"] * c["stage_bytes"] <= direct.SMEM_BUDGET or c["max_stages"] == 2
+    assert c["x_bytes"] % 16 == 0 and c["scale_bytes"] % 16 == 0  # rows move as 16-byte vectors
+    assert c["record_ints"] <= 32  # a warp reads a record with one load per lane
 
 
 def test_default_config_passes_its_own_check():
     for name, variant in [("h200x4", "bf16"), ("h200x4", "fp8"), ("h200x4", "t128"), ("nvl8_hybrid", "bf16")]:
         plan = plan_of(name, variant)
         cfg = direct.default_config(plan)
-        cfg.check(direct.max_stages(plan))
+        cfg.check()
+        cfg.check_ranks(plan.num_ranks)
         assert cfg.dispatch_sms == cfg.send_blocks + cfg.recv_blocks
+        C = cfg.channels(plan.num_ranks)
+        assert 1 <= C <= direct.MAX_CHANNELS
+        assert C * plan.num_ranks <= direct.QUEUES_PER_WARP * cfg.recv_blocks * cfg.warps  # one queue per lane
 
 
 # --------------------------------------------------------------------------------------------
 # DirectConfig
 
 
-GOOD = dict(send_blocks=16, recv_blocks=8, stages=8, combine_send_blocks=16, combine_reduce_blocks=8)
+GOOD = dict(send_blocks=16, recv_blocks=8, warps=16, combine_send_blocks=16, combine_reduce_blocks=8)
 
 
 def test_config_round_trip():
     cfg = DirectConfig.from_dict(dict(GOOD))
-    cfg.check(16)
+    cfg.check()
     assert (cfg.dispatch_sms, cfg.combine_sms) == (24, 24)
+    # 4 channels per sender warp (16 x 16 x 4 = 1024), unless the receivers cannot poll them all
+    assert (cfg.channels(2), cfg.channels(4), cfg.channels(8)) == (1024, 1024, 512)
 
 
 def test_config_unknown_and_missing_keys_are_named():
-    with pytest.raises(DirectError, match=r"^config: unknown key\(s\) send_block, warps$"):
-        DirectConfig.from_dict({**GOOD, "send_block": 4, "warps": 2})
+    with pytest.raises(DirectError, match=r"^config: unknown key\(s\) send_block, stages$"):
+        DirectConfig.from_dict({**GOOD, "send_block": 4, "stages": 2})
     d = dict(GOOD)
-    del d["stages"], d["recv_blocks"]
-    with pytest.raises(DirectError, match=r"^config: missing key\(s\) recv_blocks, stages$"):
+    del d["warps"], d["recv_blocks"]
+    with pytest.raises(DirectError, match=r"^config: missing key\(s\) recv_blocks, warps$"):
         DirectConfig.from_dict(d)
 
 
@@ -174,16 +180,21 @@ def test_config_unknown_and_missing_keys_are_named():
 def test_config_values_must_be_positive_integers(key, value):
     cfg = DirectConfig.from_dict({**GOOD, key: value})
     with pytest.raises(DirectError, match=rf"^config: {key} must be a positive integer, got {re.escape(repr(value))}$"):
-        cfg.check(16)
+        cfg.check()
 
 
 def test_config_limits_name_the_key():
-    with pytest.raises(DirectError, match=rf"^config: send_blocks is {direct.MAX_CHANNELS + 1}, at most "
+    big = direct.MAX_CHANNELS // 16 + 1
+    with pytest.raises(DirectError, match=rf"^config: send_blocks x warps is {big * 16}, at most "
                                           rf"{direct.MAX_CHANNELS}$"):
-        DirectConfig.from_dict({**GOOD, "send_blocks": direct.MAX_CHANNELS + 1}).check(16)
-    for stages in (1, 17):
-        with pytest.raises(DirectError, match=rf"^config: stages must lie in \[\d+, 16\], got {stages}$"):
-            DirectConfig.from_dict({**GOOD, "stages": stages}).check(16)
+        DirectConfig.from_dict({**GOOD, "send_blocks": big}).check()
+    with pytest.raises(DirectError, match=rf"^config: warps must lie in \[1, {direct.MAX_WARPS}\], got 17$"):
+        DirectConfig.from_dict({**GOOD, "warps": 17}).check()
+    # a receiver warp polls one (source, channel) queue per lane
+    DirectConfig.from_dict({**GOOD, "recv_blocks": 1, "warps": 1}).check_ranks(32)
+    with pytest.raises(DirectError, match=r"^config: 1 recv_blocks of 1 warps cannot poll the queues of 33 ranks "
+                                          r"\(a receiver warp polls at most 32\)$"):
+        DirectConfig.from_dict({**GOOD, "recv_blocks": 1, "warps": 1}).check_ranks(33)
     assert issubclass(DirectError, ValueError)
 
 
@@ -235,3 +246,34 @@ def test_cli_fp8_hidden_the_direct_copies_cannot_take_falls_back_to_tables(tmp_p
     m = json.loads((tmp_path / "b" / "cuda" / "manifest.json").read_text())
     assert m["lowering"] == "tables" and "direct" not in m and "hidden 7296" in m["direct_not_used"]
     assert not list((tmp_path / "b" / "cuda").glob("*_direct.cu"))
+
+
+# --------------------------------------------------------------------------------------------
+# role timeline of the direct kernels (direct_runtime.timeline_summary)
+
+
+def test_timeline_summary_reads_roles_by_block_and_warp():
+    from epcc.backends.cuda.direct_runtime import timeline_summary
+
+    cfg = DirectConfig(send_blocks=2, recv_blocks=1, warps=2, combine_send_blocks=1, combine_reduce_blocks=1)
+    B, W = direct.TIMELINE_BLOCKS, direct.TIMELINE_WORDS
+    raw = [0] * (2 * B * W)
+
+    def put(kernel, block, start, *ends):
+        raw[(kernel * B + block) * W] = start
+        for w, e in enumerate(ends):
+            raw[(kernel * B + block) * W + 1 + w] = e
+
+    ms = 1_000_000  # ns
+    put(0, 0, 10 * ms, 12 * ms, 13 * ms)  # sender block 0: warps end 2 and 3 ms after the first start
+    put(0, 1, 11 * ms, 14 * ms, 12 * ms)  # sender block 1 starts 1 ms late
+    put(0, 2, 10 * ms, 15 * ms, 15 * ms)  # receiver block
+    put(1, 0, 20 * ms, 21 * ms, 22 * ms, *([21 * ms] * (W - 3)))  # combine: 16 warps per block
+    tl = timeline_summary(raw, cfg, B, W)
+    send, recv = tl["dispatch"]["roles"]
+    assert (send["step"], send["start_ms"], send["median_end_ms"], send["end_ms"]) == ("send", 0.0, 3.0, 4.0)
+    assert (recv["step"], recv["start_ms"], recv["end_ms"]) == ("recv", 0.0, 5.0)
+    assert tl["dispatch"]["end_ms"] == 5.0
+    part, home = tl["combine"]["roles"]
+    assert (part["start_ms"], part["end_ms"]) == (0.0, 2.0)
+    assert home == {"step": "reduce", "start_ms": None, "median_end_ms": None, "end_ms": None}  # never ran

@@ -80,7 +80,7 @@ def test_cuda_buffer_without_a_gpu_says_so(tmp_path, one_rank_group, monkeypatch
     # a bundle without CUDA sources, or with the wrong group size: still the missing device first
     plain = _compile(tmp_path, "schedules/h200x4.sched", "plain")
     with pytest.raises(RuntimeError, match="no CUDA device"):
-        Buffer(one_rank_group, plain, backend="cuda", config={"stages": 4})
+        Buffer(one_rank_group, plain, backend="cuda", config={"warps": 4})
 
 
 @pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU")
@@ -99,8 +99,8 @@ def test_cpu_buffer_refuses_a_config(tmp_path, one_rank_group):
     src = tmp_path / "two.sched"
     src.write_text(TWO_RANKS)
     bundle = _compile(tmp_path, str(src), "two")
-    with pytest.raises(ValueError, match=r"^Buffer: config \(SMs, stages\) applies to the cuda backend only$"):
-        Buffer(one_rank_group, bundle, backend="cpu", config={"stages": 4})
+    with pytest.raises(ValueError, match=r"^Buffer: config \(SMs, warps\) applies to the cuda backend only$"):
+        Buffer(one_rank_group, bundle, backend="cpu", config={"warps": 4})
     with pytest.raises(ValueError, match="config"):
         Buffer(one_rank_group, bundle, config={"send_blocks": 8})  # the default backend is cpu
 

@@ -11,7 +11,7 @@
 // epcc_h200x4_combine_finish_kernel: after it, converts the home partials (`result`, fp32) to bf16.
 #include "epcc_cuda_device.cuh"
 
-// step 'keep' (own tokens to local experts), schedules/h200x4.sched:51
+// step 'keep' (own tokens to local experts), schedules/h200x4.sched:52
 //   reducer on blocks [0, 1) = plan SMs [0, 1), 8 warps, engine sm
 //   reduce over link 'hbm' (local): output -> result
 //   fp32 partial += weight * bf16 expert output (7168 channels), 16-byte loads, atomic fp32 adds
@@ -19,7 +19,7 @@ static __device__ __noinline__ void epcc_h200x4_combine_keep(const epcc::KernelA
   epcc::run_role<epcc::AccumWeightedBf16<8, 4>, 8u>(a, 0u, "keep", block, 1u, 0.f);
 }
 
-// step 'push' (send each token once to every peer that needs it), schedules/h200x4.sched:49
+// step 'push' (send each token once to every peer that needs it), schedules/h200x4.sched:50
 //   sender on blocks [1, 25) = plan SMs [1, 25), 8 warps, engine sm
 //   pull over link 'nvlink' (p2p): output -> result
 //   fp32 partial += weight * bf16 expert output (7168 channels), 16-byte loads, atomic fp32 adds
@@ -33,10 +33,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) epcc_h200x4_combine_kernel(
   epcc::stamp(a, 0);
   const uint32_t b = blockIdx.x;
   if (b < 1u) {
-    // step 'keep' (own tokens to local experts), schedules/h200x4.sched:51
+    // step 'keep' (own tokens to local experts), schedules/h200x4.sched:52
     epcc_h200x4_combine_keep(a, b - 0u);
   } else if (b < 25u) {
-    // step 'push' (send each token once to every peer that needs it), schedules/h200x4.sched:49
+    // step 'push' (send each token once to every peer that needs it), schedules/h200x4.sched:50
     epcc_h200x4_combine_push(a, b - 1u);
   }
   epcc::stamp(a, 2);

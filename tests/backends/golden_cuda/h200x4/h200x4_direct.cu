@@ -3,28 +3,30 @@
 // `epcc compile schedules/h200x4.sched --target cuda`.
 //
 // Plan steps lowered here:
-//   dispatch step 'meta' (schedules/h200x4.sched:48): counts per rank and expert -> meta_kernel (counts and ranks on the GPU, exchanged through peer memory)
-//   dispatch step 'push' (schedules/h200x4.sched:49): send each token once to every peer that needs it -> dispatch_kernel senders (TMA, one store per destination GPU) + receivers (replication)
-//   dispatch step 'keep' (schedules/h200x4.sched:51): own tokens to local experts -> dispatch_kernel senders with this rank as destination (local permute)
-//   combine step 'keep' (schedules/h200x4.sched:51): own tokens to local experts -> combine_kernel: home-side sum of the partials (own partial included)
-//   combine step 'push' (schedules/h200x4.sched:49): send each token once to every peer that needs it -> combine_kernel: weighted partial per (token, GPU) into the home GPU's staging
+//   dispatch step 'meta' (schedules/h200x4.sched:49): counts per rank and expert -> meta_kernel (counts and ranks on the GPU, exchanged through peer memory)
+//   dispatch step 'push' (schedules/h200x4.sched:50): send each token once to every peer that needs it -> dispatch_kernel sender warps (one row store per destination GPU) + receiver warps (replication)
+//   dispatch step 'keep' (schedules/h200x4.sched:52): own tokens to local experts -> dispatch_kernel senders with this rank as destination (local permute)
+//   combine step 'keep' (schedules/h200x4.sched:52): own tokens to local experts -> combine_kernel: home-side sum of the partials (own partial included)
+//   combine step 'push' (schedules/h200x4.sched:50): send each token once to every peer that needs it -> combine_kernel: weighted partial per (token, GPU) into the home GPU's staging
 //
 // Kernels (one stream, in this order; every cross-GPU wait is bounded, see wait_geq):
 //   meta_count_kernel, meta_finish_kernel
 //                    routing -> per-expert ranks and counts, per-destination dedup indices and
 //                    channel ranges; counts and ranges written into every peer's meta area, then
 //                    one release flag per peer (no host round trip).
-//   dispatch_kernel  cooperative: blocks [0, C) are senders (channel c = a contiguous token range),
-//                    blocks [C, C + NR) receivers.  A sender's driver thread TMA-loads each token row
-//                    once into a shared-memory ring and TMA-stores it once per destination GPU, into
-//                    that GPU's expert-major output at the row of the token's first expert there
-//                    (permute fused, one copy per (token, GPU) on NVLink); feeder warps write the
-//                    weights of every (token, expert) row and a record {token, n, rows} per (token,
-//                    GPU).  Receivers replicate a record's first row into its other rows (a token
-//                    that picked several experts of the GPU) as the records' tails advance.
+//   dispatch_kernel  cooperative, W warps per block: blocks [0, C / W) are senders, one channel (a
+//                    contiguous token range) per warp; blocks [C / W, C / W + NR) receivers.  A
+//                    sender warp loads each token row once and stores it once per destination GPU,
+//                    into that GPU's expert-major output at the row of the token's first expert
+//                    there (permute fused, one copy per (token, GPU) on NVLink; into every row of
+//                    its experts on its own GPU), with the weights of every (token, expert) row and
+//                    a record {token, n, rows} per (token, GPU).  Receiver warps replicate a
+//                    record's first row into its other rows (a token that picked several experts
+//                    of the GPU) as the records' tails advance.
 //   combine_kernel   cooperative: blocks [0, NS) reduce each received record (its rows weighted,
 //                    fp32) into one bf16 partial and store it into the home GPU's staging area;
 //                    blocks [NS, NS + ND) sum the partials of each home token in fp32, write bf16.
+// Rows move by 16-byte warp loads and stores (bench/sm_probe.cu measured why: not bulk copies).
 // Epochs live in device memory (CUDA-graph capturable): a kernel's last block advances them.
 #include <cstdint>
 #include <cstdio>
@@ -42,54 +44,44 @@ constexpr int K = 8;                 // top-k
 constexpr int KL = 8;           // most rows one token can have on one rank: min(K, EPR)
 constexpr int H = 7168;               // hidden size
 constexpr int TMAX = 4096;        // tokens per rank (capacity)
-constexpr int CMAX = 128;      // most sender channels
+constexpr int CMAX = 1024;      // most sender channels
 constexpr int RI = 12;         // ints per record: token, n, rows[KL], padding
 constexpr int XB = 14336;             // payload bytes per row (bf16)
 constexpr int SB = 0;         // fp32 scale bytes per row (fp8: one per 128 channels)
-constexpr int STAGE = 14336;      // shared-memory stage: XB + SB, 128-byte aligned
-constexpr int SMAX = 14;        // most stages
-constexpr int DR = 64;           // descriptor ring entries (multiple of 32)
-constexpr int DW = (R > KL + 1) ? R : KL + 1;   // descriptor width
-constexpr int ALLOW = 16;    // store groups left in flight when publishing tails
-constexpr int PUB = 32;      // a sender publishes its tails every PUB tokens
-constexpr int HW = 48;             // tail history ring (> ALLOW)
-constexpr int QMAX = 128;       // most (source, channel) queues per receiver block
-constexpr int RA = 4;          // bulk-store groups that may still be reading shared memory
-constexpr int NFW = 3;       // feeder warps per sender block
-constexpr int DTHREADS = 128;
+constexpr int PUB = 4;      // a sender warp publishes its tails every PUB tokens
+constexpr int DTHREADS = 512;
 constexpr int CTHREADS = 512;
 constexpr int MTHREADS = 256;
 constexpr bool BLOCKED = true;
 constexpr bool FP8 = false;
 static_assert(R <= 32, "a warp writes one count per rank");
-static_assert(DR % 32 == 0 && DR >= SMAX, "descriptor ring");
-static_assert(HW > ALLOW, "tail history");
-static_assert(SMAX > RA, "stages must exceed the reading store groups");
+static_assert(K <= 32 && RI <= 32, "a lane per top-k slot and per int of a record");
 
 // Peer region layout (byte offsets; identical on every rank, decided in direct.py)
 constexpr unsigned long long OFF_STATE = 0ULL;
 constexpr unsigned long long OFF_META = 4096ULL;
-constexpr unsigned long long OFF_DTAIL = 28672ULL;
-constexpr unsigned long long OFF_CTAIL = 32768ULL;
-constexpr unsigned long long OFF_RANK_TJ = 36864ULL;
-constexpr unsigned long long OFF_DEDUP = 167936ULL;
-constexpr unsigned long long OFF_MYCHAN = 233472ULL;
-constexpr unsigned long long OFF_CHUNKS = 237568ULL;
-constexpr unsigned long long OFF_RECORDS = 258048ULL;
-constexpr unsigned long long OFF_RECV_W = 1044480ULL;
-constexpr unsigned long long OFF_RECV_X = 1601536ULL;
-constexpr unsigned long long OFF_RECV_S = 1997172736ULL;
-constexpr unsigned long long OFF_CSTAGE = 1997172736ULL;
-constexpr unsigned long long META_STRIDE = 12288ULL;
+constexpr unsigned long long OFF_DTAIL = 86016ULL;
+constexpr unsigned long long OFF_CTAIL = 118784ULL;
+constexpr unsigned long long OFF_RANK_TJ = 151552ULL;
+constexpr unsigned long long OFF_DEDUP = 282624ULL;
+constexpr unsigned long long OFF_MYCHAN = 348160ULL;
+constexpr unsigned long long OFF_CHUNKS = 368640ULL;
+constexpr unsigned long long OFF_RECORDS = 389120ULL;
+constexpr unsigned long long OFF_RECV_W = 1175552ULL;
+constexpr unsigned long long OFF_RECV_X = 1732608ULL;
+constexpr unsigned long long OFF_RECV_S = 1997303808ULL;
+constexpr unsigned long long OFF_CSTAGE = 1997303808ULL;
+constexpr unsigned long long META_STRIDE = 40960ULL;
 constexpr unsigned long long META_FLAGS = 0ULL;
 constexpr unsigned long long META_COUNTS = 256ULL;
 constexpr unsigned long long META_CHANNELS = 4352ULL;
-constexpr unsigned long long OFF_END = 2232053760ULL;
+constexpr unsigned long long OFF_END = 2232184832ULL;
 
 struct State {                       // OFF_STATE, this rank only
   unsigned long long disp_epoch;     // dispatches finished (the next one is disp_epoch + 1)
   unsigned long long comb_epoch;
   unsigned int meta_done, disp_done, comb_done, pad0;
+  unsigned int send_next, part_next, home_next, pad1;  // work counters: channels / queues taken so far
   int last_T, last_C, last_align;
   int bad_token;                     // first token whose top-k names an expert out of range or twice, else -1
   int recv_count[EPR];               // rows received per local expert (unpadded)
@@ -105,25 +97,21 @@ struct ErrorRecord {                 // host-mapped; the first failing thread fi
 
 struct Args {                        // mirrors direct_runtime.py's ctypes structure: all 64-bit
   unsigned long long base[R];        // every rank's peer region (own included)
-  long long me, T, C, NR, S, align;
+  long long me, T, C, NR, W, align;  // C channels = sender blocks x W warps; NR receiver blocks
   unsigned long long timeout_ns;
   unsigned long long err;            // ErrorRecord*, device view of host-mapped memory
   unsigned long long x, scales, topk_idx, topk_w;
   long long idx_int32, has_weights;
   unsigned long long y, out;
   long long NS, ND;
+  unsigned long long timeline;       // 0, or [2][TL_BLOCKS][TL_WORDS] u64 %globaltimer stamps (see stamp)
+  long long NSB;                     // dispatch sender blocks
 };
 
 enum Where : int {
   WHERE_META = 1,  // dispatch: metadata flag of rank a
-  WHERE_SEND_STAGE = 2,  // dispatch sender: a token row to land in shared memory
-  WHERE_SEND_DESC = 3,  // dispatch sender: the feeders' descriptor of a token (channel a)
-  WHERE_SEND_RING = 4,  // dispatch sender feeder: room in the descriptor ring (channel a)
-  WHERE_RECV_TAIL = 5,  // dispatch receiver: records of rank a, channel b
-  WHERE_RECV_RING = 6,  // dispatch receiver feeder: room in the descriptor ring (queue a)
-  WHERE_RECV_DESC = 7,  // dispatch receiver: the next replication descriptor
-  WHERE_RECV_STAGE = 8,  // dispatch receiver: a row to land in shared memory
-  WHERE_COMBINE_TAIL = 9,  // combine: partials from rank a, channel b
+  WHERE_RECV_TAIL = 2,  // dispatch receiver: records of rank a, channel b
+  WHERE_COMBINE_TAIL = 3,  // combine: partials from rank a, channel b
 };
 
 __device__ __forceinline__ int rank_of(int e) { return BLOCKED ? e / EPR : e % R; }
@@ -144,17 +132,23 @@ __device__ __forceinline__ unsigned long long now_ns() {
   return t;
 }
 
-__device__ __noinline__ void fail(const Args& a, int where, int x, int y, unsigned long long value,
-                                  unsigned long long target, unsigned long long waited) {
-  ErrorRecord* r = reinterpret_cast<ErrorRecord*>(a.err);
+// The report of a wait that gave up; takes values, not the Args block (a reference to the kernel's
+// parameters would give every kernel a local copy of them).
+__device__ __noinline__ void fail_report(unsigned long long err, int me, int where, int x, int y,
+                                         unsigned long long value, unsigned long long target, unsigned long long waited) {
+  ErrorRecord* r = reinterpret_cast<ErrorRecord*>(err);
   if (atomicCAS(&r->code, 0, 1) == 0) {
-    r->rank = (int)a.me; r->where = where; r->a = x; r->b = y;
+    r->rank = me; r->where = where; r->a = x; r->b = y;
     r->value = value; r->target = target; r->waited_ns = waited;
     __threadfence_system();
   }
   printf("epcc: wait timed out after %.3f s: rank %d, wait %d, (%d, %d): value 0x%llx, waiting for >= 0x%llx\n",
-         waited * 1e-9, (int)a.me, where, x, y, value, target);
+         waited * 1e-9, me, where, x, y, value, target);
   __trap();
+}
+__device__ __forceinline__ void fail(const Args& a, int where, int x, int y, unsigned long long value,
+                                     unsigned long long target, unsigned long long waited) {
+  fail_report(a.err, (int)a.me, where, x, y, value, target, waited);
 }
 
 // Spin (acquire, system scope) until *p >= target; trap with a report after a.timeout_ns.
@@ -171,53 +165,14 @@ __device__ __forceinline__ unsigned long long wait_geq(const Args& a, const unsi
   }
 }
 
-// Spin on a shared-memory int until it is >= target (block-local progress; bounded too).
-__device__ __forceinline__ void wait_smem_geq(const Args& a, const volatile int* p, int target, int where, int x) {
-  if (*p >= target) return;
-  const unsigned long long t0 = now_ns();
-  while (*p < target) {
-    const unsigned long long dt = now_ns() - t0;
-    if (dt > a.timeout_ns) fail(a, where, x, target, (unsigned long long)*p, (unsigned long long)target, dt);
-  }
+// ---- role timeline (bench/ep_bench.py): per block its start, per warp the end of its role ------
+constexpr int TL_BLOCKS = 256;         // blocks per kernel that stamp
+constexpr int TL_WORDS = 17;           // start, then the end of each of (at most) 16 warps
+static_assert(TL_WORDS == 1 + DTHREADS / 32 && TL_WORDS == 1 + CTHREADS / 32, "a timeline word per warp");
+__device__ __forceinline__ void stamp(const Args& a, int kernel, int word) {
+  if (a.timeline && blockIdx.x < TL_BLOCKS)
+    reinterpret_cast<unsigned long long*>(a.timeline)[(kernel * TL_BLOCKS + blockIdx.x) * TL_WORDS + word] = now_ns();
 }
-
-// ---- TMA (bulk async copy) helpers ---------------------------------------------------------
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(const Args& a, unsigned long long* bar, unsigned phase, int where) {
-  unsigned done = 0;
-  const unsigned long long t0 = now_ns();
-  for (;;) {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(smem_addr(bar)), "r"(phase) : "memory");
-    if (done) return;
-    const unsigned long long dt = now_ns() - t0;
-    if (dt > a.timeout_ns) fail(a, where, (int)phase, 0, 0, 1, dt);
-  }
-}
-__device__ __forceinline__ void tma_load(void* dst_smem, const void* src, unsigned bytes, unsigned long long* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_addr(dst_smem)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void tma_store(void* dst, const void* src_smem, unsigned bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-               ::"l"(dst), "r"(smem_addr(src_smem)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void tma_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void tma_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-}
-template <int N> __device__ __forceinline__ void tma_wait_done() {
-  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
 // ---- region accessors -----------------------------------------------------------------------
 __device__ __forceinline__ char* region(const Args& a, int r) { return reinterpret_cast<char*>(a.base[r]); }
@@ -248,10 +203,8 @@ __device__ __forceinline__ int load_idx(const Args& a, int t, int j) {
 // The K entries of token t, each kept or replaced by -1 when it is empty (-1), out of range, or
 // repeats an earlier entry (such tokens are also reported through State::bad_token).
 // Returns whether an entry was dropped for being bad (not for being -1).
-__device__ __forceinline__ bool load_experts(const Args& a, int t, int (&ex)[K]) {
+__device__ __forceinline__ bool clean_experts(int (&ex)[K]) {
   bool bad = false;
-#pragma unroll
-  for (int j = 0; j < K; ++j) ex[j] = load_idx(a, t, j);
 #pragma unroll
   for (int j = 0; j < K; ++j) {
     bool drop = ex[j] >= E || ex[j] < -1;
@@ -262,10 +215,15 @@ __device__ __forceinline__ bool load_experts(const Args& a, int t, int (&ex)[K])
   }
   return bad;
 }
+__device__ __forceinline__ bool load_experts(const Args& a, int t, int (&ex)[K]) {
+#pragma unroll
+  for (int j = 0; j < K; ++j) ex[j] = load_idx(a, t, j);
+  return clean_experts(ex);
+}
 __device__ __forceinline__ int tokens_per_channel(int T, int C) { return T > 0 ? (T + C - 1) / C : 1; }
 
 // =============================================================================================
-// Metadata: step 'meta' (schedules/h200x4.sched:48), two kernels over chunks of MC tokens.
+// Metadata: step 'meta' (schedules/h200x4.sched:49), two kernels over chunks of MC tokens.
 // meta_count_kernel (block b = chunk b): each lane holds the experts of NB tokens in registers;
 //   warp w takes experts w, w + 8, ...: a ballot per 32 tokens gives each (token, slot) its rank
 //   among the chunk's tokens of that expert, and the chunk's count; warps also take the
@@ -412,18 +370,61 @@ __global__ void __launch_bounds__(MTHREADS) meta_finish_kernel(const Args a) {
   }
 }
 
-// ---- shared memory of the dispatch kernel -----------------------------------------------------
+// The next work item of a warp: items are taken in increasing order from a per-rank counter, so
+// uneven items (tokens to more or fewer GPUs, records with more or fewer rows) even out.
+__device__ __forceinline__ int take(unsigned int* counter, int lane) {
+  int v = 0;
+  if (lane == 0) v = (int)atomicAdd(counter, 1u);
+  return __shfl_sync(~0u, v, 0);
+}
+
+// ---- warp-level row copies ------------------------------------------------------------------
+// sm_probe (bench/sm_probe.cu) on 4x H200: one SM writes ~46 GB/s to peers with 16-byte warp
+// stores but ~31 GB/s with bulk (TMA) copies issued by one thread, and reads ~170 GB/s with warp
+// loads; so rows move by warps, each lane holding U vectors of the row between load and stores.
+constexpr int XV = XB / 16;            // 16-byte vectors of a row's payload
+constexpr int SV = SB / 16;            // 16-byte vectors of a row's scales (fp8)
+constexpr int DU = 4;                  // vectors per lane in flight per dispatch copy step
+static_assert(XB % 16 == 0 && SB % 16 == 0, "rows are copied in 16-byte vectors");
+
+// Loads of a row written in this kernel by a peer: L2 only (never a stale L1 line).
+__device__ __forceinline__ uint4 ld_row(const uint4* p) { return __ldcg(p); }
+// Loads of the caller's inputs, read-only for the kernel's life.
+__device__ __forceinline__ uint4 ld_in(const uint4* p) { return __ldg(p); }
+
+// arr[i] = v with i known only at run time, without moving arr to local memory.
+template <int N, typename P>
+__device__ __forceinline__ void put_at(P (&arr)[N], int i, P v) {
+#pragma unroll
+  for (int k = 0; k < N; ++k)
+    if (k == i) arr[k] = v;
+}
+
+// Copy one row (NV vectors) from src to the rows of dst[0..n): warp-wide, DU vectors per lane per
+// step, loaded once and stored n times.
+template <int NV, int MAXN, bool INPUT>
+__device__ __forceinline__ void copy_row(const uint4* src, uint4* const (&dst)[MAXN], int n, int lane) {
+  for (int v0 = lane; v0 < NV; v0 += 32 * DU) {
+    uint4 v[DU];
+#pragma unroll
+    for (int u = 0; u < DU; ++u)
+      if (v0 + 32 * u < NV) v[u] = INPUT ? ld_in(src + v0 + 32 * u) : ld_row(src + v0 + 32 * u);
+#pragma unroll
+    for (int k = 0; k < MAXN; ++k) {
+      if (k < n) {
+#pragma unroll
+        for (int u = 0; u < DU; ++u)
+          if (v0 + 32 * u < NV) dst[k][v0 + 32 * u] = v[u];
+      }
+    }
+  }
+}
+
+// ---- dispatch -----------------------------------------------------------------------------------
 struct DispatchShared {
-  unsigned long long full[SMAX];     // mbarriers: stage loaded
-  int off[E];                        // sender: first row of (this rank, expert e) on e's rank
+  int off[E];                        // first row of (this rank, expert e) on e's rank
   int tot[E];
   int seg[E];
-  int desc[DR][DW];                   // sender: first row per rank; receiver: n, rows
-  int ready[DR];                     // ring position whose descriptor is in place
-  int consumed;                      // descriptors the driver has taken
-  int produced_total;                // receiver: descriptors in all (-1 while feeding)
-  int hist[HW][R];                   // sender: records per rank after each token
-  int q_start[QMAX], q_count[QMAX], q_done[QMAX];  // receiver: its queues' records: first, count, taken
 };
 
 __device__ void dispatch_offsets(const Args& a, DispatchShared& sh, int p) {
@@ -462,267 +463,186 @@ __device__ void dispatch_offsets(const Args& a, DispatchShared& sh, int p) {
   __syncthreads();
 }
 
-// Sender of channel c: step 'push' (schedules/h200x4.sched:49) and its local part
-// 'keep' (own tokens into own experts: the same code with this rank as destination).
-__device__ void dispatch_send(const Args& a, DispatchShared& sh, unsigned char* stages, unsigned long long e) {
-  const int me = (int)a.me, T = (int)a.T, C = (int)a.C, S = (int)a.S, c = blockIdx.x;
+// Sender warps take channels c (contiguous token ranges) in order (take): step 'push' (schedules/h200x4.sched:50) and
+// its local part 'keep'.  Per token: lane j < K takes top-k slot j (expert,
+// row on the expert's rank, weight); per destination GPU the warp writes the weights of its rows,
+// a record {token, n, rows} and the row itself, loaded once: remote GPUs get it once, at the
+// token's first row there (their receivers replicate it), this GPU gets it in every row.  Lane d
+// publishes the records of destination d (a release at system scope after the warp's barrier:
+// rows, weights and records before the count) every PUB tokens and at the end.
+__device__ void dispatch_channel(const Args& a, const DispatchShared& sh, int c, unsigned long long e) {
+  const int me = (int)a.me, T = (int)a.T, C = (int)a.C, lane = threadIdx.x & 31;
   const int Tc = tokens_per_channel(T, C);
-  const int t0 = c * Tc, n = max(0, min(T, t0 + Tc) - t0);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int t0 = c * Tc, t1 = min(T, t0 + Tc);
   const char* my = region(a, me);
   const int* rank_tj = reinterpret_cast<const int*>(my + OFF_RANK_TJ);
   const int* dedup = reinterpret_cast<const int*>(my + OFF_DEDUP);
-  if (warp == 0) {
-    if (lane != 0) return;
-    // ---- driver: TMA ring, one load per token, one store per destination rank
-    int counts[R];
+  const unsigned lt = (1u << lane) - 1;
+  int count = 0, published = 0;      // lane d < R: records written to / published at rank d
+  // the next token's inputs are loaded before this token's row moves (no load latency per token)
+  int raw[K], rtj = 0, di_lane = -1;
+  float w_in = 1.f;
+  auto fetch = [&](int t) {
+    if (t < t1 && lane < K) {
 #pragma unroll
-    for (int d = 0; d < R; ++d) counts[d] = 0;
-    int published[R];
+      for (int j = 0; j < K; ++j) raw[j] = load_idx(a, t, j);
+      rtj = rank_tj[t * K + lane];
+      w_in = a.has_weights ? reinterpret_cast<const float*>(a.topk_w)[(long long)t * K + lane] : 1.f;
+    }
+    if (t < t1 && lane < R) di_lane = dedup[t * R + lane];
+  };
+  fetch(t0);
+  for (int t = t0; t < t1; ++t) {
+    int ex = -1, slot = -1, dj = -1;
+    const float w = w_in;
+    if (lane < K) {
+      clean_experts(raw);
 #pragma unroll
-    for (int d = 0; d < R; ++d) published[d] = 0;
-    auto load = [&](int i) {
-      unsigned char* stg = stages + (size_t)(i % S) * STAGE;
-      mbar_expect_tx(&sh.full[i % S], XB + SB);
-      tma_load(stg, reinterpret_cast<const char*>(a.x) + (long long)(t0 + i) * XB, XB, &sh.full[i % S]);
-      if (FP8) tma_load(stg + XB, reinterpret_cast<const char*>(a.scales) + (long long)(t0 + i) * SB, SB, &sh.full[i % S]);
-    };
-    auto publish = [&](const int* upto) {
-      fence_proxy_async();
-      __threadfence_system();
-#pragma unroll
-      for (int d = 0; d < R; ++d) {
-        if (upto[d] != published[d]) {
-          st_release_sys(dtail(a, d, me, c), (e << 32) | (unsigned long long)upto[d]);
-          published[d] = upto[d];
-        }
-      }
-    };
-    const int D = S - RA;  // loads run D tokens ahead; RA store groups may still be reading their stages
-    for (int i = 0; i < min(D, n); ++i) load(i);
-    for (int i = 0; i < n; ++i) {
-      mbar_wait(a, &sh.full[i % S], (unsigned)((i / S) & 1), WHERE_SEND_STAGE);
-      wait_smem_geq(a, &sh.ready[i % DR], i, WHERE_SEND_DESC, c);
-      __threadfence_block();  // acquire: the descriptor after its ready mark
-      int first[R];
-#pragma unroll
-      for (int d = 0; d < R; ++d) first[d] = ld_volatile(&sh.desc[i % DR][d]);
-      __threadfence_block();
-      *reinterpret_cast<volatile int*>(&sh.consumed) = i + 1;
-      const unsigned char* stg = stages + (size_t)(i % S) * STAGE;
-#pragma unroll
-      for (int d = 0; d < R; ++d) {
-        if (first[d] < 0) continue;
-        char* dst = region(a, d);
-        tma_store(dst + OFF_RECV_X + (long long)first[d] * XB, stg, XB);
-        if (FP8) tma_store(dst + OFF_RECV_S + (long long)first[d] * SB, stg + XB, SB);
-        counts[d] += 1;
-      }
-      tma_commit();
-#pragma unroll
-      for (int d = 0; d < R; ++d) sh.hist[i % HW][d] = counts[d];
-      if (i + D < n) {
-        if (i + D >= S) tma_wait_read<RA>();  // token i + D - S = i - RA has been read out of its stage
-        load(i + D);
-      }
-      if (i >= ALLOW && (i + 1) % PUB == 0) {
-        tma_wait_done<ALLOW>();  // tokens <= i - ALLOW are in place on their ranks
-        publish(sh.hist[(i - ALLOW) % HW]);
+      for (int j = 0; j < K; ++j)
+        if (j == lane) ex = raw[j];
+      if (ex >= 0) {
+        slot = sh.off[ex] + rtj;
+        dj = rank_of(ex);
       }
     }
-    tma_wait_done<0>();
-    publish(counts);
-    return;
-  }
-  // ---- feeders: rows of every (token, expert), weights, records; one descriptor per token
-  for (int b = (warp - 1) * 32; b < n; b += NFW * 32) {
-    const int i = b + lane;
-    const bool valid = i < n;
-    const int t = t0 + i;
-    if (valid) wait_smem_geq(a, reinterpret_cast<volatile int*>(&sh.consumed), i - DR + 1, WHERE_SEND_RING, c);
-    int ex[K], slot[K];
-    float w[K];
-    if (valid) {
-      load_experts(a, t, ex);
-    } else {
-#pragma unroll
-      for (int j = 0; j < K; ++j) ex[j] = -1;
-    }
-#pragma unroll
-    for (int j = 0; j < K; ++j) {
-      slot[j] = ex[j] >= 0 ? sh.off[ex[j]] + rank_tj[t * K + j] : -1;
-      w[j] = (ex[j] >= 0 && a.has_weights) ? reinterpret_cast<const float*>(a.topk_w)[(long long)t * K + j] : 1.f;
-    }
+    const int di_tok = di_lane;
+    uint4* xdst[K];                  // at most K rows in all: own rows plus one per peer
+    uint4* sdst[K];
+    int nd = 0;
 #pragma unroll
     for (int d = 0; d < R; ++d) {
-      int first = -1, cnt = 0;
-      int* rec = nullptr;
-      if (valid) {
-        const int di = dedup[t * R + d];
-        if (di >= 0) rec = record(a, d, me, di);
+      const unsigned m = __ballot_sync(~0u, dj == d);
+      if (!m) continue;
+      const int di = __shfl_sync(~0u, di_tok, d);
+      char* base = region(a, d);
+      int* rec = record(a, d, me, di);
+      if (dj == d) {
+        reinterpret_cast<float*>(base + OFF_RECV_W)[slot] = w;
+        rec[2 + __popc(m & lt)] = slot;
       }
-#pragma unroll
-      for (int j = 0; j < K; ++j) {
-        if (ex[j] >= 0 && rank_of(ex[j]) == d) {
-          reinterpret_cast<float*>(region(a, d) + OFF_RECV_W)[slot[j]] = w[j];
-          if (first < 0) first = slot[j];
-          if (rec) rec[2 + cnt] = slot[j];
-          ++cnt;
-        }
+      if (lane == 0) { rec[0] = t; rec[1] = __popc(m); }
+      if (lane == d) ++count;
+      // destinations of the row: this rank's every row, a peer's first row
+      for (unsigned mm = m; mm; mm &= mm - 1) {
+        const int row = __shfl_sync(~0u, slot, __ffs(mm) - 1);
+        put_at(xdst, nd, reinterpret_cast<uint4*>(base + OFF_RECV_X + (long long)row * XB));
+        put_at(sdst, nd, reinterpret_cast<uint4*>(base + OFF_RECV_S + (long long)row * SB));
+        ++nd;
+        if (d != me) break;
       }
-      if (rec) { rec[0] = t; rec[1] = cnt; }
-      if (valid) sh.desc[i % DR][d] = first;
     }
-    __threadfence_system();  // weights and records before the driver's tail release
-    if (valid) *reinterpret_cast<volatile int*>(&sh.ready[i % DR]) = i;
+    fetch(t + 1);
+    copy_row<XV, K, true>(reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(a.x) + (long long)t * XB), xdst,
+                          nd, lane);
+    if (FP8)
+      copy_row<SV, K, true>(
+          reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(a.scales) + (long long)t * SB), sdst, nd, lane);
+    if ((t - t0 + 1) % PUB == 0 || t + 1 == t1) {
+      __syncwarp();
+      if (lane < R && lane != me && count != published) {
+        st_release_sys(dtail(a, lane, me, c), (e << 32) | (unsigned long long)count);
+        published = count;
+      }
+    }
   }
 }
 
-// Receiver: replicate each record's first row into its other rows, queue by queue (src, channel).
-__device__ void dispatch_recv(const Args& a, DispatchShared& sh, unsigned char* stages, unsigned long long e, int p) {
-  const int me = (int)a.me, C = (int)a.C, NR = (int)a.NR, S = (int)a.S, rb = blockIdx.x - C;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+__device__ void dispatch_send(const Args& a, const DispatchShared& sh, unsigned long long e) {
+  const int lane = threadIdx.x & 31;
+  for (int c = take(&state(a)->send_next, lane); c < (int)a.C; c = take(&state(a)->send_next, lane))
+    dispatch_channel(a, sh, c, e);
+}
+
+// Receiver warp: the (source, channel) queues q = gw, gw + NRW, ... (at most 32, lane i holds the
+// i-th); whenever a source publishes more records, the warp copies each record's first row into
+// its other rows.  Queues of this rank's own channels are skipped: their senders wrote every row.
+__device__ void dispatch_recv(const Args& a, int gw, int NRW, unsigned long long e, int p) {
+  const int me = (int)a.me, C = (int)a.C, lane = threadIdx.x & 31;
   char* my = region(a, me);
   const int* chan = meta_chan(a, me, p);
-  if (warp == 1) {
-    // ---- feeder: poll this block's queues round robin (queue q: channel q / R, source q % R, so
-    // every block has queues of every stage of the senders' progress), take whatever records have
-    // landed, push those with more than one row
-    int g = 0;
-    const unsigned lt = (1u << lane) - 1;
-    int nq = 0;
-    for (int q = rb; q < R * C; q += NR) {
-      if (lane == 0) {
-        const int s = q % R, c = q / R;
-        sh.q_start[nq] = ld_volatile(chan + (s * CMAX + c) * 2);
-        sh.q_count[nq] = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
-        sh.q_done[nq] = 0;
-      }
-      ++nq;
-    }
-    __syncwarp();
-    int left = 0;
-    for (int k = 0; k < nq; ++k) left += sh.q_count[k] > 0;
-    unsigned long long idle_since = now_ns();
-    while (left > 0) {
-      bool progress = false;
-      for (int k = 0; k < nq; ++k) {
-        const int q = rb + k * NR, s = q % R, c = q / R;
-        const int count = sh.q_count[k], done = sh.q_done[k];
-        if (done >= count) continue;
-        int avail = 0;
-        if (lane == 0) {
-          const unsigned long long v = ld_acquire_sys(dtail(a, me, s, c));  // (epoch << 32) | records
-          avail = v >= (e << 32) ? (int)(v & 0xffffffffULL) : 0;
-        }
-        avail = __shfl_sync(~0u, avail, 0);
-        if (avail <= done) continue;
-        const int take = min(avail - done, 32);
-        const int r = done + lane;
-        int nrows = 0;
-        const int* rec = nullptr;
-        if (lane < take) {
-          rec = record(a, me, s, sh.q_start[k] + r);
-          nrows = __ldcg(rec + 1);
-        }
-        const unsigned bal = __ballot_sync(~0u, nrows > 1);
-        if (nrows > 1) {
-          const int pos = g + __popc(bal & lt);
-          wait_smem_geq(a, reinterpret_cast<volatile int*>(&sh.consumed), pos - DR + 1, WHERE_RECV_RING, q);
-          sh.desc[pos % DR][0] = nrows;
-          for (int k2 = 0; k2 < nrows; ++k2) sh.desc[pos % DR][1 + k2] = __ldcg(rec + 2 + k2);
-          __threadfence_block();
-          *reinterpret_cast<volatile int*>(&sh.ready[pos % DR]) = pos;
-        }
-        g += __popc(bal);
-        __syncwarp();
-        if (lane == 0) sh.q_done[k] = done + take;
-        __syncwarp();
-        if (done + take >= count) --left;
-        progress = true;
-      }
-      if (progress) {
-        idle_since = now_ns();
-      } else if (now_ns() - idle_since > a.timeout_ns) {
-        int k = 0;
-        while (sh.q_done[k] >= sh.q_count[k]) ++k;
-        const int q = rb + k * NR;
-        if (lane == 0)
-          fail(a, WHERE_RECV_TAIL, q % R, q / R, ld_acquire_sys(dtail(a, me, q % R, q / R)),
-               (e << 32) | (unsigned long long)(sh.q_done[k] + 1), now_ns() - idle_since);
-      }
-    }
-    if (lane == 0) {
-      __threadfence_block();
-      *reinterpret_cast<volatile int*>(&sh.produced_total) = g;
-    }
-    return;
+  const int q = gw + lane * NRW, s = q % R, c = q / R;
+  int start = 0, count = 0, done = 0;
+  if (q < R * C && s != me) {
+    start = ld_volatile(chan + (s * CMAX + c) * 2);
+    count = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
   }
-  if (warp != 0 || lane != 0) return;
-  // ---- driver: TMA load the first row, TMA store it into the others
-  int i = 0, li = 0;
-  unsigned long long t_start = now_ns();
+  unsigned long long idle_since = now_ns();
   for (;;) {
-    while (li < i + S - RA && ld_volatile(&sh.ready[li % DR]) == li) {
-      __threadfence_block();  // acquire: the descriptor after its ready mark
-      if (li >= S) tma_wait_read<RA>();  // the stage's previous descriptor, li - S < i - RA, is read out
-      fence_proxy_async();
-      const int first = ld_volatile(&sh.desc[li % DR][1]);
-      unsigned char* stg = stages + (size_t)(li % S) * STAGE;
-      mbar_expect_tx(&sh.full[li % S], XB + SB);
-      tma_load(stg, my + OFF_RECV_X + (long long)first * XB, XB, &sh.full[li % S]);
-      if (FP8) tma_load(stg + XB, my + OFF_RECV_S + (long long)first * SB, SB, &sh.full[li % S]);
-      ++li;
+    int avail = done;
+    if (done < count) {
+      const unsigned long long v = ld_acquire_sys(dtail(a, me, s, c));  // (epoch << 32) | records
+      if (v >= (e << 32)) avail = (int)(v & 0xffffffffULL);
     }
-    if (i == li) {
-      const int total = ld_volatile(&sh.produced_total);
-      if (total >= 0 && i == total) break;
-      const unsigned long long dt = now_ns() - t_start;
-      if (dt > a.timeout_ns) fail(a, WHERE_RECV_DESC, i, total, 0, 0, dt);
+    const unsigned left = __ballot_sync(~0u, done < count);
+    if (!left) break;
+    unsigned ready = __ballot_sync(~0u, avail > done);
+    if (!ready) {
+      const unsigned long long dt = now_ns() - idle_since;
+      if (dt > a.timeout_ns) {
+        const int l = __ffs(left) - 1;
+        const int qs = __shfl_sync(~0u, s, l), qc = __shfl_sync(~0u, c, l), qd = __shfl_sync(~0u, done, l);
+        if (lane == 0)
+          fail(a, WHERE_RECV_TAIL, qs, qc, ld_acquire_sys(dtail(a, me, qs, qc)),
+               (e << 32) | (unsigned long long)(qd + 1), dt);
+      }
       continue;
     }
-    mbar_wait(a, &sh.full[i % S], (unsigned)((i / S) & 1), WHERE_RECV_STAGE);
-    const int nrows = ld_volatile(&sh.desc[i % DR][0]);
-    const unsigned char* stg = stages + (size_t)(i % S) * STAGE;
-    for (int k = 1; k < nrows; ++k) {
-      const long long row = ld_volatile(&sh.desc[i % DR][1 + k]);
-      tma_store(my + OFF_RECV_X + row * XB, stg, XB);
-      if (FP8) tma_store(my + OFF_RECV_S + row * SB, stg + XB, SB);
+    for (; ready; ready &= ready - 1) {
+      const int l = __ffs(ready) - 1;
+      const int qs = __shfl_sync(~0u, s, l), r0 = __shfl_sync(~0u, start + done, l);
+      const int r1 = __shfl_sync(~0u, start + avail, l);
+      int cur = lane < RI ? __ldcg(record(a, me, qs, r0) + lane) : 0;  // lane k: int k of the record
+      for (int r = r0; r < r1; ++r) {
+        const int nxt = (r + 1 < r1 && lane < RI) ? __ldcg(record(a, me, qs, r + 1) + lane) : 0;
+        const int rec_l = cur;
+        cur = nxt;
+        const int n = __shfl_sync(~0u, rec_l, 1);
+        if (n < 2) continue;
+        const int row_l = __shfl_sync(~0u, rec_l, (2 + lane) & 31);
+        const int first = __shfl_sync(~0u, row_l, 0);
+        uint4* xdst[KL] = {};
+        uint4* sdst[KL] = {};
+#pragma unroll
+        for (int k = 1; k < KL; ++k) {
+          const int row = __shfl_sync(~0u, row_l, k);
+          xdst[k - 1] = reinterpret_cast<uint4*>(my + OFF_RECV_X + (long long)row * XB);
+          sdst[k - 1] = reinterpret_cast<uint4*>(my + OFF_RECV_S + (long long)row * SB);
+        }
+        copy_row<XV, KL, false>(reinterpret_cast<const uint4*>(my + OFF_RECV_X + (long long)first * XB), xdst, n - 1, lane);
+        if (FP8)
+          copy_row<SV, KL, false>(reinterpret_cast<const uint4*>(my + OFF_RECV_S + (long long)first * SB), sdst, n - 1,
+                                  lane);
+      }
     }
-    tma_commit();
-    __threadfence_block();
-    *reinterpret_cast<volatile int*>(&sh.consumed) = i + 1;
-    ++i;
-    t_start = now_ns();
+    if (avail > done) done = avail;
+    idle_since = now_ns();
   }
-  tma_wait_done<0>();
 }
 
 __global__ void __launch_bounds__(DTHREADS, 1) dispatch_kernel(const Args a) {
-  extern __shared__ __align__(128) unsigned char stages[];
   __shared__ DispatchShared sh;
-  const int me = (int)a.me;
+  const int me = (int)a.me, W = (int)blockDim.x / 32, warp = threadIdx.x >> 5;
   State* st = state(a);
   const unsigned long long e = st->disp_epoch + 1;
   const int p = (int)(e & 1);
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < SMAX; ++s) mbar_init(&sh.full[s], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    sh.consumed = 0;
-    sh.produced_total = -1;
-  }
-  for (int i = threadIdx.x; i < DR; i += blockDim.x) sh.ready[i] = -1;
   if (threadIdx.x < R) wait_geq(a, meta_flag(a, me, p, threadIdx.x), e, WHERE_META, (int)threadIdx.x, 0);
   __syncthreads();
-  dispatch_offsets(a, sh, p);
-  if (blockIdx.x < a.C) dispatch_send(a, sh, stages, e);
-  else dispatch_recv(a, sh, stages, e, p);
+  if (threadIdx.x == 0) stamp(a, 0, 0);
+  const int SBK = (int)a.NSB;  // sender blocks
+  if ((int)blockIdx.x < SBK) {
+    dispatch_offsets(a, sh, p);
+    dispatch_send(a, sh, e);
+  } else {
+    dispatch_recv(a, ((int)blockIdx.x - SBK) * W + warp, (int)a.NR * W, e, p);
+  }
+  if ((threadIdx.x & 31) == 0) stamp(a, 0, 1 + warp);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
     const unsigned prev = atomicAdd(&st->disp_done, 1u);
     if (prev == gridDim.x - 1) {
       st->disp_done = 0;
+      st->send_next = 0;
       st->last_T = (int)a.T;
       st->last_C = (int)a.C;
       st->last_align = (int)a.align;
@@ -733,7 +653,14 @@ __global__ void __launch_bounds__(DTHREADS, 1) dispatch_kernel(const Args a) {
 }
 
 // =============================================================================================
-// combine_kernel: step 'push' (schedules/h200x4.sched:49) and 'keep'
+// combine_kernel: step 'push' (schedules/h200x4.sched:50) and 'keep'
+// Expert side (blocks [0, NS)): warps take the (channel, source) queues q = c * R + s in order
+//   (channel-major, so every home rank gets its early channels first); per record a warp reduces the
+//   record's rows, weighted, in fp32 (row order), stores one bf16 partial into the home rank's
+//   staging row of the token, and publishes the queue's progress every CB records (release, sys).
+// Home side (blocks [NS, NS + ND)): warps take channels in order; per token lane d
+//   waits for rank d's partial (bounded), then the warp sums the partials in rank order, fp32,
+//   and writes the bf16 result.
 // =============================================================================================
 __device__ __forceinline__ void bf16x8_fma(float (&acc)[8], const uint4 v, float w) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -753,8 +680,59 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float (&acc)[8]) {
 }
 
 constexpr int HV = H / 8;  // 16-byte vectors per bf16 row
-constexpr int CU = 4;
-constexpr int CB = 4;  // records per warp between two tail releases
+constexpr int CB = 4;  // records a warp reduces between two releases of its queue's progress
+
+// sum_k w[k] * src[k] over N rows, fp32 in row order, into dst (bf16): every load of a step
+// (N rows x U vectors per lane) issued before the first multiply-add.
+template <int N, int NMAX, bool LDG, int U>
+__device__ __forceinline__ void reduce_rows(const uint4* const (&src)[NMAX], const float (&w)[NMAX], uint4* dst, int lane) {
+  for (int v0 = lane; v0 < HV; v0 += 32 * U) {
+    uint4 v[N][U];
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (v0 + 32 * u < HV) v[k][u] = LDG ? __ldg(src[k] + v0 + 32 * u) : __ldcg(src[k] + v0 + 32 * u);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (v0 + 32 * u < HV) {
+        float acc[8];
+#pragma unroll
+        for (int q8 = 0; q8 < 8; ++q8) acc[q8] = 0.f;
+#pragma unroll
+        for (int k = 0; k < N; ++k) bf16x8_fma(acc, v[k][u], w[k]);
+        dst[v0 + 32 * u] = pack_bf16x8(acc);
+      }
+    }
+  }
+}
+
+// reduce_<side>(n, ...): reduce_rows with U(n), the 16-byte vectors per lane and row in flight
+// (direct.py: N x U(N) loads go out before the first use, as many as fit 128 registers).
+__device__ __forceinline__ void reduce_expert(int n, const uint4* const (&src)[KL], const float (&w)[KL],
+                                              uint4* dst, int lane) {
+  switch (n) {
+    case 1: reduce_rows<1, KL, true, 8>(src, w, dst, lane); break;
+    case 2: reduce_rows<2, KL, true, 4>(src, w, dst, lane); break;
+    case 3: reduce_rows<3, KL, true, 2>(src, w, dst, lane); break;
+    case 4: reduce_rows<4, KL, true, 1>(src, w, dst, lane); break;
+    case 5: reduce_rows<5, KL, true, 1>(src, w, dst, lane); break;
+    case 6: reduce_rows<6, KL, true, 1>(src, w, dst, lane); break;
+    case 7: reduce_rows<7, KL, true, 1>(src, w, dst, lane); break;
+    case 8: reduce_rows<8, KL, true, 1>(src, w, dst, lane); break;
+    default: break;
+  }
+}
+__device__ __forceinline__ void reduce_home(int n, const uint4* const (&src)[R], const float (&w)[R],
+                                              uint4* dst, int lane) {
+  switch (n) {
+    case 1: reduce_rows<1, R, false, 4>(src, w, dst, lane); break;
+    case 2: reduce_rows<2, R, false, 4>(src, w, dst, lane); break;
+    case 3: reduce_rows<3, R, false, 4>(src, w, dst, lane); break;
+    case 4: reduce_rows<4, R, false, 4>(src, w, dst, lane); break;
+    default: break;
+  }
+}
 
 __global__ void __launch_bounds__(CTHREADS, 1) combine_kernel(const Args a) {
   const int me = (int)a.me, NS = (int)a.NS, ND = (int)a.ND;
@@ -765,112 +743,78 @@ __global__ void __launch_bounds__(CTHREADS, 1) combine_kernel(const Args a) {
   const int p = (int)(e & 1), T = st->last_T, C = st->last_C;
   char* my = region(a, me);
   const uint4* y = reinterpret_cast<const uint4*>(a.y);
+  if (threadIdx.x == 0) stamp(a, 1, 0);
   if ((int)blockIdx.x < NS) {
-    // ---- expert side: one weighted partial per record, into the home rank's staging
     const int* chan = meta_chan(a, me, p);
     const float* rw = reinterpret_cast<const float*>(my + OFF_RECV_W);
-    for (int q = blockIdx.x; q < R * C; q += NS) {  // channel-major: every home rank's partials early
-      const int s = q % R, c = q / R;
+    for (int q = take(&st->part_next, lane); q < R * C; q = take(&st->part_next, lane)) {
+      const int c = q / R, s = q % R;
       const int start = ld_volatile(chan + (s * CMAX + c) * 2), count = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
       uint4* stage_s = reinterpret_cast<uint4*>(region(a, s) + OFF_CSTAGE) + (long long)me * TMAX * HV;
-      for (int r0 = 0; r0 < count; r0 += NW * CB) {
-       for (int rq = 0; rq < CB; ++rq) {
-        const int r = r0 + rq * NW + warp;
-        if (r < count) {
-          const int* rec = record(a, me, s, start + r);
-          const int t = rec[0], nrows = rec[1];
-          int rows[KL];
-          float w[KL];
+      int cur = (count > 0 && lane < RI) ? record(a, me, s, start)[lane] : 0;  // lane k: int k of the record
+      for (int r = 0; r < count; ++r) {
+        const int rec_l = cur;
+        cur = (r + 1 < count && lane < RI) ? record(a, me, s, start + r + 1)[lane] : 0;
+        const int t = __shfl_sync(~0u, rec_l, 0), n = __shfl_sync(~0u, rec_l, 1);
+        const int row_l = __shfl_sync(~0u, rec_l, (2 + lane) & 31);
+        const float w_l = lane < n ? rw[row_l] : 0.f;
+        const uint4* src[KL];
+        float w[KL];
 #pragma unroll
-          for (int k = 0; k < KL; ++k) {
-            rows[k] = k < nrows ? rec[2 + k] : 0;
-            w[k] = k < nrows ? rw[rows[k]] : 0.f;
-          }
-          uint4* dst = stage_s + (long long)t * HV;
-          for (int v0 = lane; v0 < HV; v0 += 32 * CU) {
-            float acc[CU][8];
-#pragma unroll
-            for (int u = 0; u < CU; ++u)
-#pragma unroll
-              for (int q8 = 0; q8 < 8; ++q8) acc[u][q8] = 0.f;
-#pragma unroll
-            for (int k = 0; k < KL; ++k) {
-              if (k < nrows) {
-                uint4 v[CU];
-#pragma unroll
-                for (int u = 0; u < CU; ++u) {
-                  const int vi = v0 + u * 32;
-                  if (vi < HV) v[u] = __ldg(y + (long long)rows[k] * HV + vi);
-                }
-#pragma unroll
-                for (int u = 0; u < CU; ++u)
-                  if (v0 + u * 32 < HV) bf16x8_fma(acc[u], v[u], w[k]);
-              }
-            }
-#pragma unroll
-            for (int u = 0; u < CU; ++u) {
-              const int vi = v0 + u * 32;
-              if (vi < HV) dst[vi] = pack_bf16x8(acc[u]);
-            }
-          }
+        for (int k = 0; k < KL; ++k) {
+          src[k] = y + (long long)__shfl_sync(~0u, row_l, k) * HV;
+          w[k] = __shfl_sync(~0u, w_l, k);
         }
-       }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          __threadfence_system();
-          st_release_sys(ctail(a, s, me, c), (ce << 32) | (unsigned long long)min(count, r0 + NW * CB));
+        reduce_expert(n, src, w, stage_s + (long long)t * HV, lane);
+        if ((r + 1) % CB == 0 || r + 1 == count) {
+          __syncwarp();
+          if (lane == 0) st_release_sys(ctail(a, s, me, c), (ce << 32) | (unsigned long long)(r + 1));
         }
       }
     }
   } else {
-    // ---- home side: sum the partials of each token over the ranks that hold it
     const int* dedup = reinterpret_cast<const int*>(my + OFF_DEDUP);
     const int* mych = reinterpret_cast<const int*>(my + OFF_MYCHAN);
     const uint4* stage = reinterpret_cast<const uint4*>(my + OFF_CSTAGE);
     uint4* out = reinterpret_cast<uint4*>(a.out);
     const int Tc = tokens_per_channel(T, C);
-    for (int c = (int)blockIdx.x - NS; c < C; c += ND) {
+    for (int c = take(&st->home_next, lane); c < C; c = take(&st->home_next, lane)) {
       const int t0 = c * Tc, t1 = min(T, t0 + Tc);
-      for (int t = t0 + warp; t < t1; t += NW) {
-        int di[R];
+      const int base_l = lane < R ? mych[c * R + lane] : 0;
+      for (int t = t0; t < t1; ++t) {
+        const int di = lane < R ? dedup[t * R + lane] : -1;
+        if (di >= 0)
+          wait_geq(a, ctail(a, me, lane, c), (ce << 32) | (unsigned long long)(di - base_l + 1), WHERE_COMBINE_TAIL,
+                   lane, c);
+        const unsigned m = __ballot_sync(~0u, di >= 0);
+        const uint4* src[R];
+        float w[R];
+        int n = 0;
 #pragma unroll
         for (int d = 0; d < R; ++d) {
-          di[d] = dedup[t * R + d];
-          if (di[d] >= 0 && lane == 0)
-            wait_geq(a, ctail(a, me, d, c), (ce << 32) | (unsigned long long)(di[d] - mych[c * R + d] + 1),
-                     WHERE_COMBINE_TAIL, d, c);
+          src[d] = stage;
+          w[d] = 1.f;
         }
-        __syncwarp();
-        for (int v0 = lane; v0 < HV; v0 += 32 * CU) {
-          float acc[CU][8];
 #pragma unroll
-          for (int u = 0; u < CU; ++u)
-#pragma unroll
-            for (int q8 = 0; q8 < 8; ++q8) acc[u][q8] = 0.f;
-#pragma unroll
-          for (int d = 0; d < R; ++d) {
-            if (di[d] < 0) continue;
-            uint4 v[CU];
-#pragma unroll
-            for (int u = 0; u < CU; ++u)
-              if (v0 + u * 32 < HV) v[u] = __ldcg(stage + ((long long)d * TMAX + t) * HV + v0 + u * 32);
-#pragma unroll
-            for (int u = 0; u < CU; ++u)
-              if (v0 + u * 32 < HV) bf16x8_fma(acc[u], v[u], 1.f);
-          }
-#pragma unroll
-          for (int u = 0; u < CU; ++u)
-            if (v0 + u * 32 < HV) out[(long long)t * HV + v0 + u * 32] = pack_bf16x8(acc[u]);
+        for (int d = 0; d < R; ++d)
+          if (m & (1u << d)) put_at(src, n++, stage + ((long long)d * TMAX + t) * HV);
+        if (n == 0) {
+          for (int v = lane; v < HV; v += 32) out[(long long)t * HV + v] = make_uint4(0, 0, 0, 0);
+        } else {
+          reduce_home(n, src, w, out + (long long)t * HV, lane);
         }
       }
     }
   }
+  if (lane == 0) stamp(a, 1, 1 + warp);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
     const unsigned prev = atomicAdd(&st->comb_done, 1u);
     if (prev == gridDim.x - 1) {
       st->comb_done = 0;
+      st->part_next = 0;
+      st->home_next = 0;
       __threadfence();
       st->comb_epoch = ce;
     }
@@ -905,7 +849,7 @@ cudaError_t launch(const void* fn, int grid, int block, size_t smem, bool cooper
 extern "C" {
 
 const char* epcc_direct_last_error(void) { return g_error; }
-int epcc_direct_abi(void) { return 1; }
+int epcc_direct_abi(void) { return 2; }
 unsigned long long epcc_direct_region_bytes(void) { return OFF_END; }
 int epcc_direct_args_bytes(void) { return (int)sizeof(Args); }
 int epcc_direct_state_bytes(void) { return (int)sizeof(State); }
@@ -971,15 +915,13 @@ int epcc_direct_host_error_record(unsigned long long* host, unsigned long long* 
   return 0;
 }
 
-// Once per process and device: allow the dispatch kernel its dynamic shared memory.
-int epcc_direct_init(int max_stages) {
-  if (max_stages <= RA || max_stages > SMAX) {
-    snprintf(g_error, sizeof g_error, "stages must lie in [%d, %d], got %d", RA + 1, SMAX, max_stages);
+// Once per process and device: check the warps a dispatch block may have.
+int epcc_direct_init(int warps) {
+  if (warps < 1 || warps > DTHREADS / 32) {
+    snprintf(g_error, sizeof g_error, "warps must lie in [1, %d], got %d", DTHREADS / 32, warps);
     return 2;
   }
-  cudaError_t err = cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         max_stages * STAGE);
-  return err == cudaSuccess ? 0 : set_error(err, "cudaFuncSetAttribute(dispatch_kernel)");
+  return 0;
 }
 
 int epcc_direct_dispatch(const void* args, unsigned long long stream) {
@@ -990,8 +932,13 @@ int epcc_direct_dispatch(const void* args, unsigned long long stream) {
   if (err != cudaSuccess) return set_error(err, "launch meta_count_kernel");
   err = launch(reinterpret_cast<const void*>(meta_finish_kernel), chunks, MTHREADS, 0, false, *a, s);
   if (err != cudaSuccess) return set_error(err, "launch meta_finish_kernel");
-  err = launch(reinterpret_cast<const void*>(dispatch_kernel), (int)(a->C + a->NR), DTHREADS,
-               (size_t)a->S * STAGE, true, *a, s);
+  if (a->W < 1 || a->W > DTHREADS / 32 || a->C < 1 || a->C > CMAX || a->NSB < 1 || a->NR < 1 ||
+      R * a->C > 32 * a->NR * a->W) {
+    snprintf(g_error, sizeof g_error, "dispatch: bad launch configuration: %lld channels, %lld sender and %lld "
+             "receiver blocks of %lld warps", a->C, a->NSB, a->NR, a->W);
+    return 2;
+  }
+  err = launch(reinterpret_cast<const void*>(dispatch_kernel), (int)(a->NSB + a->NR), (int)a->W * 32, 0, true, *a, s);
   if (err != cudaSuccess) return set_error(err, "launch dispatch_kernel");
   return 0;
 }

@@ -11,7 +11,7 @@
 // each block stamps %globaltimer at those points (epcc::kTimelineWords).
 #include "epcc_cuda_device.cuh"
 
-// step 'push' (send each token once to every peer that needs it), schedules/h200x4.sched:49
+// step 'push' (send each token once to every peer that needs it), schedules/h200x4.sched:50
 //   sender on blocks [0, 24) = plan SMs [0, 24), 8 warps, engine sm
 //   send over link 'nvlink' (p2p): input -> output
 //   wire rows of 7392 B copied, 16-byte accesses, 8 loads in flight per lane
@@ -19,7 +19,7 @@ static __device__ __noinline__ void epcc_h200x4_dispatch_push(const epcc::Kernel
   epcc::run_role<epcc::CopyRows<16, 8>, 8u>(a, 0u, "push", block, 24u, 0.f);
 }
 
-// step 'keep' (own tokens to local experts), schedules/h200x4.sched:51
+// step 'keep' (own tokens to local experts), schedules/h200x4.sched:52
 //   permuter on blocks [24, 25) = plan SMs [24, 25), 8 warps, engine sm
 //   permute over link 'hbm' (local): input -> output
 //   wire rows of 7392 B copied, 16-byte accesses, 8 loads in flight per lane
@@ -33,10 +33,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) epcc_h200x4_dispatch_kernel
   epcc::stamp(a, 0);
   const uint32_t b = blockIdx.x;
   if (b < 24u) {
-    // step 'push' (send each token once to every peer that needs it), schedules/h200x4.sched:49
+    // step 'push' (send each token once to every peer that needs it), schedules/h200x4.sched:50
     epcc_h200x4_dispatch_push(a, b - 0u);
   } else if (b < 25u) {
-    // step 'keep' (own tokens to local experts), schedules/h200x4.sched:51
+    // step 'keep' (own tokens to local experts), schedules/h200x4.sched:52
     epcc_h200x4_dispatch_keep(a, b - 24u);
   }
   epcc::stamp(a, 2);
