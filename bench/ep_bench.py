@@ -66,7 +66,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PG_TIMEOUT = datetime.timedelta(seconds=300)  # NCCL groups (a hang ends in the watchdog's abort)
 GLOO_TIMEOUT = datetime.timedelta(seconds=600)  # host agreement; rank 0 may be running nvcc meanwhile
 L2_FLUSH_BYTES = 256 << 20
-SLEEP_CYCLES = 100_000  # about 50 us at 2 GHz: the host enqueues the timed work meanwhile
+SLEEP_CYCLES = 4_000_000  # about 2 ms at 2 GHz: the host enqueues the timed work meanwhile (GPU time is
+# measured, not the host's launch cost, which a training step hides by running ahead)
 CHECK_CHUNK = 1024  # tokens per compare_combine call (bounds its float64 temporaries)
 
 
@@ -797,6 +798,12 @@ def _epcc_direct(cfg, comm, timer, plan, dev, idx, w, x_sets, y_sets, check, out
 
     try:
         out.update(run_iterations(timer, cfg["warmup"], cfg["iters"], step, check))
+        # one more (untimed) round with the kernels' per-block / per-warp stamps: when each role ran
+        eng.enable_timeline()
+        comm.barrier()
+        step(0, "timeline")
+        out["timeline"] = eng.read_timeline()
+        eng.enable_timeline(False)
     except (CheckFailed, PeerFailed):
         raise
     except Exception as e:  # noqa: BLE001
@@ -1064,6 +1071,8 @@ def format_timeline(b: dict, r: dict, sim: dict | None) -> list[str]:
         cells = []
         for role in tl[p]["roles"]:
             got = (f"{role['start_ms']:.3f}-{role['end_ms']:.3f}" if role["start_ms"] is not None else "no rows")
+            if role.get("median_end_ms") is not None:
+                got += f" (median warp end {role['median_end_ms']:.3f})"
             s = steps.get(role["step"])
             cells.append(f"{role['step']} {got}" + (f" (sim {s[0]:.3f}-{s[1]:.3f})" if s else ""))
         out.append(f"  {p} rank 0 timeline, ms: " + ", ".join(cells) + f"; kernel end {tl[p]['end_ms']:.3f}")

@@ -12,9 +12,9 @@ on 4 GPUs, h200x4_2vnode (DeepEP internode style: RDMA once per vnode, then NVLi
 h200x4_ubb2x2 (seed 000 style: reorder, NIC, hand-over to the twin, final permute), each with its
 RDMA-class link at 50 GB/s (the shipped files), at 13 GB/s (the seed's RoCE NIC) and at
 400 GB/s (so that the rest of the schedule shows what it takes by itself); the link's `bandwidth`
-line is replaced and the derived file written next to the bundles.  Each such bundle gets
-`simulate.json` (`epcc simulate --json` of the same file), which ep_bench prints beside the
-measured times.
+line is replaced and the derived file written next to the bundles.  Every bundle gets
+`simulate.json` (`epcc simulate --json` of the same file and options), which ep_bench prints
+beside the measured times.
 """
 
 from __future__ import annotations
@@ -80,29 +80,30 @@ def ep2_source(out_dir: Path) -> Path:
     return path
 
 
+def build(epcc: Path, out: Path, name: str, src: Path, extra: list[str]) -> bool:
+    """Compile `src` into out/name (CUDA bundle) and store its `epcc simulate --json` beside it."""
+    for cmd in ([str(epcc), "compile", str(src), "--target", "cuda", "-o", str(out / name), *extra],
+                [str(epcc), "simulate", str(src), "--json", *extra]):
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            print(res.stdout + res.stderr, file=sys.stderr)
+            return False
+    (out / name / "simulate.json").write_text(res.stdout, encoding="utf-8")
+    print(f"{name}: {out / name} (with simulate.json)")
+    return True
+
+
 def main(argv: list[str]) -> int:
     out = Path(argv[0] if argv else ".gpu/bundles")
     out.mkdir(parents=True, exist_ok=True)
     ep2 = ep2_source(out)
     epcc = Path(sys.executable).parent / "epcc"
     for name, (ranks, extra) in VARIANTS.items():
-        src = H200X4 if ranks == 4 else ep2
-        cmd = [str(epcc), "compile", str(src), "--target", "cuda", "-o", str(out / name), *extra]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            print(res.stdout + res.stderr, file=sys.stderr)
+        if not build(epcc, out, name, H200X4 if ranks == 4 else ep2, extra):
             return 1
-        print(f"{name}: {out / name}")
     for name in RDMA_VARIANTS:
-        src = rdma_source(out, name)
-        for cmd in ([str(epcc), "compile", str(src), "--target", "cuda", "-o", str(out / name)],
-                    [str(epcc), "simulate", str(src), "--json"]):
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            if res.returncode != 0:
-                print(res.stdout + res.stderr, file=sys.stderr)
-                return 1
-        (out / name / "simulate.json").write_text(res.stdout, encoding="utf-8")
-        print(f"{name}: {out / name} (with simulate.json)")
+        if not build(epcc, out, name, rdma_source(out, name), []):
+            return 1
     return 0
 
 
