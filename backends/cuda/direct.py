@@ -28,7 +28,7 @@ from epcc.plan import Plan, PlanStep
 
 ABI = 2
 ALIGN_MAX = 128  # largest per-expert row alignment a caller may ask for (grouped-GEMM padding)
-MAX_CHANNELS = 1024  # sender warps of the dispatch kernel (one channel each)
+MAX_CHANNELS = 1024  # dispatch channels (contiguous token ranges) the peer region has tails for
 PUBLISH_EVERY = 4  # tokens a sender warp copies between two releases of its tails
 COMBINE_BATCH = 4  # records an expert-side warp reduces between two releases of its queue's progress
 QUEUES_PER_WARP = 32  # (source, channel) queues one receiver warp polls: one per lane
@@ -67,7 +67,7 @@ class DirectError(ValueError):
 class DirectConfig:
     """Launch configuration: what `epcc tune` sweeps.  Blocks are one per SM."""
 
-    send_blocks: int  # dispatch sender blocks (each of `warps` channels)
+    send_blocks: int  # dispatch sender blocks (their warps take channels from a counter)
     recv_blocks: int  # dispatch receiver (replication) blocks
     warps: int  # warps per dispatch block
     combine_send_blocks: int
@@ -160,8 +160,8 @@ def match(plan: Plan) -> str | None:
 def default_config(plan: Plan) -> DirectConfig:
     """From the plan: the push step's SM budget.  Dispatch splits it 1:1 between sender and
     receiver blocks: by rows written the senders have more (~4.7 per token for uniform top-8 of
-    256 on 4 GPUs: one per peer GPU, every row on their own GPU, against ~3.3), but the receivers
-    poll and start late, and `epcc tune` on 4x H200 found 12+12 faster than 14+10 at 24 SMs.
+    256 on 4 GPUs: one per peer GPU, every row on their own GPU, against ~3.3), but `epcc tune` on
+    4x H200 found 12+12 faster than 14+10 at 24 SMs (twice, 2026-11-22).
     Combine splits it 3:1 between partial senders (they read ~2.2 rows and write one partial per
     record) and home reducers (18+6 was fastest at 24 SMs).  `epcc tune` rewrites both."""
     push = next((s for s in _steps(plan, "dispatch") if s.verb == "send"), None)
