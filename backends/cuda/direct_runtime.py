@@ -1,6 +1,7 @@
 """Host side of the direct lowering (direct.py, templates/direct.cu.j2): build, load, launch.
 
-No torch and no MLIR here: device pointers are ints, streams are `cudaStream_t` values as ints.
+No torch and no MLIR here (numpy only): device pointers are ints, streams are `cudaStream_t` values
+as ints.
 The torch-facing API is `epcc.runtime.Buffer(..., backend="cuda")` (runtime/cuda_buffer.py).
 
 Libraries are compiled with nvcc on the GPU machine and cached by content hash (source text +
@@ -15,6 +16,8 @@ import hashlib
 import os
 import subprocess
 from pathlib import Path
+
+import numpy as np
 
 from .launcher import find_nvcc
 
@@ -87,31 +90,26 @@ def args_struct(num_ranks: int) -> type[ctypes.Structure]:
 def timeline_summary(raw, cfg, blocks: int, words: int) -> dict:
     """The direct kernels' role timeline from their %globaltimer stamps (`raw`: the flat
     [2][blocks][words] u64 buffer after one stamped dispatch + combine; `cfg`: the DirectConfig
-    they ran with).  Per kernel and role: ms from the kernel's first block start to the role's
-    first block start, its median warp end and its last warp end; the kernel's end is its last
-    warp end.  Only blocks that ran are read (a block's start is never 0)."""
-    roles = {"dispatch": [("send", cfg.send_blocks), ("recv", cfg.recv_blocks)],
-             "combine": [("partial", cfg.combine_send_blocks), ("reduce", cfg.combine_reduce_blocks)]}
-    nwarps = {"dispatch": cfg.warps, "combine": words - 1}
+    they ran with), in role_timeline's shape: per kernel and role, ms from the kernel's first block
+    start to the role's first block start, its median and its last warp end.  Stamps that are 0
+    were never written (a block or warp that did not run)."""
+    st = np.asarray(raw, dtype=np.int64).reshape(2, blocks, words)
+    roles = {"dispatch": (("send", cfg.send_blocks), ("recv", cfg.recv_blocks), cfg.warps),
+             "combine": (("partial", cfg.combine_send_blocks), ("reduce", cfg.combine_reduce_blocks), words - 1)}
     out = {}
-    for k, prog in enumerate(("dispatch", "combine")):
+    for k, (prog, (first, second, nwarps)) in enumerate(roles.items()):
+        starts = st[k, :, 0]
+        t0 = int(starts[starts > 0].min()) if (starts > 0).any() else 0
         rows, b0 = [], 0
-        for name, nb in roles[prog]:
-            blk = [b for b in range(b0, min(b0 + nb, blocks))]
+        for name, nb in (first, second):
+            blk = st[k, b0:min(b0 + nb, blocks)]
             b0 += nb
-            starts = [int(raw[(k * blocks + b) * words]) for b in blk]
-            ends = [int(raw[(k * blocks + b) * words + 1 + w]) for b in blk for w in range(nwarps[prog])]
-            rows.append((name, [s for s in starts if s], [e for e in ends if e]))
-        t0 = min((min(s) for _, s, _ in rows if s), default=0)
-        ms = lambda v: (v - t0) * 1e-6  # noqa: E731
-        roles_out = []
-        for name, starts, ends in rows:
-            ends = sorted(ends)
-            roles_out.append({"step": name, "start_ms": ms(min(starts)) if starts else None,
-                              "median_end_ms": ms(ends[len(ends) // 2]) if ends else None,
-                              "end_ms": ms(ends[-1]) if ends else None})
-        out[prog] = {"roles": roles_out,
-                     "end_ms": max((r["end_ms"] for r in roles_out if r["end_ms"] is not None), default=0.0)}
+            s0 = blk[:, 0][blk[:, 0] > 0]
+            ends = np.sort(blk[:, 1:1 + nwarps][blk[:, 1:1 + nwarps] > 0])
+            rows.append({"step": name, "start_ms": (int(s0.min()) - t0) / 1e6 if s0.size else None,
+                         "median_end_ms": (int(ends[ends.size // 2]) - t0) / 1e6 if ends.size else None,
+                         "end_ms": (int(ends[-1]) - t0) / 1e6 if ends.size else None})
+        out[prog] = {"roles": rows, "end_ms": max((r["end_ms"] for r in rows if r["end_ms"] is not None), default=0.0)}
     return out
 
 

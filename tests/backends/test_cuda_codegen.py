@@ -412,6 +412,21 @@ def test_direct_library_loads_and_matches_its_manifest(built, name):
         with pytest.raises(direct_runtime.DirectRuntimeError, match=rf"^init: warps must lie in \[1, 16\], got {bad}$"):
             lib.init(bad)
     lib.init(c["max_warps"])  # only checks; no CUDA call
+    # a launch configuration the kernels cannot run is refused before anything is launched
+    # (no metadata flags raised at the peers), so this needs no GPU either
+    args = lib.Args()
+    args.C, args.NSB, args.NR, args.W, args.NS, args.ND = 64, 1, 1, 0, 1, 1
+    with pytest.raises(direct_runtime.DirectRuntimeError, match=r"^dispatch: bad launch configuration: 64 channels, "
+                                                                r"1 sender and 1 receiver blocks of 0 warps$"):
+        lib.dispatch(args, 0)
+    args.W = 1  # 4 ranks x 64 channels = 256 queues, one receiver warp polls 32
+    with pytest.raises(direct_runtime.DirectRuntimeError, match=r"^dispatch: bad launch configuration: 64 channels, "
+                                                                r"1 sender and 1 receiver blocks of 1 warps$"):
+        lib.dispatch(args, 0)
+    args.NS = 0
+    with pytest.raises(direct_runtime.DirectRuntimeError,
+                       match=r"^combine: bad launch configuration: 0 partial and 1 home blocks$"):
+        lib.combine(args, 0)
 
 
 def test_launcher_library_loads_and_fails_cleanly_without_a_gpu(built):

@@ -97,3 +97,24 @@ def test_a_tensor_on_another_device_is_named():
     e.device = torch.device("cuda", 0)  # the engine's device; the tensors stay on the CPU
     with pytest.raises(ValueError, match=re.escape("dispatch: x is on cpu; this Buffer runs on cuda:0")):
         e.dispatch(x_bf16(), idx(), w())
+
+
+def test_read_timeline_before_enable_timeline_is_refused():
+    from types import SimpleNamespace
+
+    with pytest.raises(RuntimeError, match=r"^read_timeline: call enable_timeline\(\) before the stamped dispatch "
+                                           r"and combine$"):
+        CudaEngine.read_timeline(SimpleNamespace(_timeline=None))
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["--warps", "17"], "epcc tune: --warps 17: at most 16 warps per block"),
+    (["--warps", "8,x"], "epcc tune: --warps 8,x: expected comma-separated whole numbers, e.g. 8,16,24"),
+    (["--sms", "1,8"], "epcc tune: --sms 1,8: every value must be at least 2"),
+])
+def test_tune_option_errors_are_named_before_any_gpu_work(argv, text):
+    from epcc.runtime import tune
+
+    with pytest.raises(SystemExit) as e:
+        tune.main(["some/bundle", *argv])
+    assert str(e.value) == text

@@ -927,17 +927,19 @@ int epcc_direct_init(int warps) {
 int epcc_direct_dispatch(const void* args, unsigned long long stream) {
   const Args* a = static_cast<const Args*>(args);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  // checked before anything is launched: metadata flags raised at the peers with no dispatch kernel
+  // behind them would leave the peers waiting
+  if (a->W < 1 || a->W > DTHREADS / 32 || a->C < 1 || a->C > CMAX || a->NSB < 1 || a->NR < 1 ||
+      R * a->C > 32 * a->NR * a->W) {
+    snprintf(g_error, sizeof g_error, "bad launch configuration: %lld channels, %lld sender and %lld "
+             "receiver blocks of %lld warps", a->C, a->NSB, a->NR, a->W);
+    return 2;
+  }
   const int chunks = a->T > 0 ? (int)((a->T + MC - 1) / MC) : 1;
   cudaError_t err = launch(reinterpret_cast<const void*>(meta_count_kernel), chunks, MTHREADS, 0, false, *a, s);
   if (err != cudaSuccess) return set_error(err, "launch meta_count_kernel");
   err = launch(reinterpret_cast<const void*>(meta_finish_kernel), chunks, MTHREADS, 0, false, *a, s);
   if (err != cudaSuccess) return set_error(err, "launch meta_finish_kernel");
-  if (a->W < 1 || a->W > DTHREADS / 32 || a->C < 1 || a->C > CMAX || a->NSB < 1 || a->NR < 1 ||
-      R * a->C > 32 * a->NR * a->W) {
-    snprintf(g_error, sizeof g_error, "dispatch: bad launch configuration: %lld channels, %lld sender and %lld "
-             "receiver blocks of %lld warps", a->C, a->NSB, a->NR, a->W);
-    return 2;
-  }
   err = launch(reinterpret_cast<const void*>(dispatch_kernel), (int)(a->NSB + a->NR), (int)a->W * 32, 0, true, *a, s);
   if (err != cudaSuccess) return set_error(err, "launch dispatch_kernel");
   return 0;
@@ -946,6 +948,10 @@ int epcc_direct_dispatch(const void* args, unsigned long long stream) {
 int epcc_direct_combine(const void* args, unsigned long long stream) {
   const Args* a = static_cast<const Args*>(args);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (a->NS < 1 || a->ND < 1) {
+    snprintf(g_error, sizeof g_error, "bad launch configuration: %lld partial and %lld home blocks", a->NS, a->ND);
+    return 2;
+  }
   cudaError_t err = launch(reinterpret_cast<const void*>(combine_kernel), (int)(a->NS + a->ND), CTHREADS, 0, true,
                            *a, s);
   return err == cudaSuccess ? 0 : set_error(err, "launch combine_kernel");
