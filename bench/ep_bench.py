@@ -694,6 +694,19 @@ def _epcc_child(cfg: dict) -> dict:
         ctx.set_buffers(p, ptrs[p], stream)
         ctx.upload_tables(p, tables[p], stream)
     ctx.synchronize(stream)
+    rdma_engines = []
+    if manifest.get("options", {}).get("rdma") == "proxy":  # the GPU proxy path: transport, rings, proxy thread
+        from epcc.backends.cuda.rdma_gpu import GpuRdma
+        from epcc.backends.rdma.build import build_gpu
+
+        plib = build_gpu(Path(cfg["bundle"]) / "cuda" / "rdma")
+        for p in programs:
+            eng = GpuRdma(proxy_lib=str(plib), cuda_lib=lib, ctx=ctx, plan=plan, manifest=manifest,
+                          blob=tables[p].blob, program=p, rank=rank, device=dev.index, exchange=comm.all_gather_object,
+                          timeout_s=cfg["kernel_timeout"])
+            eng.start()
+            rdma_engines.append(eng)
+        out["rdma"] = [e.summary for e in rdma_engines]
     out["host_ms"]["upload"] = (time.perf_counter() - t3) * 1e3
     out["host_ms"]["layout_upload"] = out["host_ms"]["layout"] + out["host_ms"]["tables"] + out["host_ms"]["upload"]
     names = {p: [b["name"] for b in manifest["buffers"][p]] for p in programs}
@@ -742,9 +755,17 @@ def _epcc_child(cfg: dict) -> dict:
         if isinstance(e, CudaError):  # a kernel that gave up waiting wrote the error record
             _, msg = ctx.read_error()
             detail = msg or str(e)
+        for eng in rdma_engines:  # a proxy that stopped on a failure says why, and what it did
+            if eng.failure():
+                detail += "; " + eng.failure()
+            detail += "; " + eng.state()
         notify_failure(comm, detail)
         raise KernelFailed(detail) from None
     comm.barrier()
+    for eng in rdma_engines:
+        out.setdefault("rdma_stats", []).append(eng.stats())
+        eng.close()
+    comm.barrier()  # no peer's proxy writes into this rank's rings any more
     for p in opened:
         lib.ipc_close(p)
     ctx.close()

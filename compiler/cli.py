@@ -50,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--target", choices=["cuda"], metavar="TARGET",
                    help="also generate device code: cuda (persistent sm_90a kernels, host launcher and launch "
                         "manifest in DIR/cuda/; see backends/cuda)")
+    c.add_argument("--rdma", choices=["auto", "emulate", "proxy", "external"], default="auto",
+                   help="with --target cuda, how RDMA steps run: proxy (a pack role pushes chunks to the host proxy "
+                        "loop, which writes them through a transport; an unpack role applies them), emulate (paced "
+                        "SM roles over peer memory), external (left to the caller's proxy), auto (emulate up to 8 "
+                        "ranks, else external; the default)")
     _plan_options(c)
     c.set_defaults(func=cmd_compile)
 
@@ -275,11 +280,11 @@ def cmd_compile(args) -> int:
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     print(f"{args.file}: compiled to {out}/ ({ir_file.name}, plan.json, manifest.json)")
     if getattr(args, "target", None) == "cuda":
-        from .backends.cuda import CudaCodegenError, emit
+        from .backends.cuda import CudaCodegenError, CudaOptions, emit
         from .diagnostics import Diagnostic
 
         try:
-            written = emit(plan, out / "cuda", source=str(args.file))
+            written = emit(plan, out / "cuda", source=str(args.file), options=CudaOptions(rdma=args.rdma))
         except CudaCodegenError as e:
             raise CompileError([Diagnostic("error", f"--target cuda: {e}", None)]) from None
         print(f"{args.file}: CUDA sources in {out}/cuda/ ({', '.join(p.relative_to(out / 'cuda').as_posix() for p in written)})")

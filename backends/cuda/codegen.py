@@ -79,8 +79,11 @@ ONE_IPC_DOMAIN_RANKS = 8  # an HGX box: the most GPUs that can map each other's 
 
 @dataclass
 class CudaOptions:
-    # emulate: proxy (RDMA) roles as paced SM roles over peer memory; external: a host proxy
-    # posts them; auto: emulate when the plan has at most ONE_IPC_DOMAIN_RANKS ranks.
+    # emulate: proxy (RDMA) roles as paced SM roles over peer memory; proxy: a pack role on the
+    # sender pushes chunks to the host proxy loop (backends/rdma), which writes them through a
+    # transport (emulated: copy engine, paced), and an unpack role on the receiver applies them;
+    # external: the kernels leave the steps to a host proxy of the caller's; auto: emulate when the
+    # plan has at most ONE_IPC_DOMAIN_RANKS ranks, else external.
     rdma: str = "auto"
     dma_blocks: int = 2  # blocks per DMA role (SM stand-in for the copy engine)
     proxy_blocks: int = 4  # blocks per emulated RDMA role, at least; more for fast links (PROXY_BLOCK_BPS)
@@ -243,7 +246,33 @@ def _op(plan: Plan, step: PlanStep, opts: CudaOptions) -> tuple[str, str, int, i
     return "accum", f"epcc::AccumF32<{e}, {opts.accum_unroll}>", 4 * e, opts.accum_unroll
 
 
+def _proxy_op(plan: Plan, step: PlanStep, opts: CudaOptions, how: str) -> tuple[str, str, int, int]:
+    """(op, C++ type, access bytes, unroll) of a GPU proxy role (rdma="proxy").  On the wire a
+    dispatch row is the wire row, a combine row bf16: expert outputs as they are, fp32 partials
+    rounded (BF16_WIRE).  pack: source row -> send slot; unpack: landing slot -> destination."""
+    hidden = plan.workload.hidden
+    if step.program == "dispatch":
+        v = _widest(wire_row_bytes(plan), (16, 8, 4, 2, 1))
+        return ("pack_copy" if how == "rdma-pack" else "copy"), f"epcc::CopyRows<{v}, {opts.copy_unroll}>", v, \
+            opts.copy_unroll
+    e = _widest(hidden, (8, 4, 2, 1))
+    if how == "rdma-unpack":
+        op = "accum_weighted" if step.weighted else "accum_bf16_wire"
+        return op, f"epcc::AccumWeightedBf16<{e}, {opts.accum_unroll}>", 2 * e, opts.accum_unroll
+    if step.weighted:
+        return "pack_bf16", f"epcc::CopyBf16Rows<{2 * e}, {opts.copy_unroll}>", 2 * e, opts.copy_unroll
+    e = _widest(hidden, (4, 2, 1))
+    return "pack_f32_bf16", f"epcc::PackF32Bf16<{e}, {opts.accum_unroll}>", 4 * e, opts.accum_unroll
+
+
 def _op_words(plan: Plan, op: str, access: int, unroll: int) -> str:
+    if op == "pack_copy":
+        return f"wire rows of {wire_row_bytes(plan)} B packed into the send slot, {access}-byte accesses"
+    if op == "pack_bf16":
+        return f"bf16 expert outputs ({plan.workload.hidden} channels) packed into the send slot, {access}-byte accesses"
+    if op == "pack_f32_bf16":
+        return (f"fp32 partials ({plan.workload.hidden} channels) rounded to bf16 into the send slot (they cross the "
+                f"RDMA link as bf16), {access}-byte loads")
     if op == "copy":
         return (f"wire rows of {wire_row_bytes(plan)} B copied, {access}-byte accesses, "
                 f"{unroll} loads in flight per lane")
@@ -288,6 +317,8 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelS
     for _, r in groups["proxy"]:
         if opts.rdma == "emulate":
             lowered.append((r, "rdma-on-sm"))
+        elif opts.rdma == "proxy":  # the sender packs and pushes, the host proxy writes, the receiver unpacks
+            lowered += [(r, "rdma-pack"), (r, "rdma-unpack")]
         else:
             not_lowered.append({"program": program, "step": r.step, "kind": "rdma",
                                 "reason": "RDMA: posted by a host proxy (not in this version); the SM roles wait "
@@ -306,12 +337,14 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelS
             begin, end = r.sm_begin, r.sm_end
             plan_sms = (r.sm_begin, r.sm_end)
         else:
-            n = opts.dma_blocks if how == "dma-on-sm" else _proxy_blocks(plan, step, opts)
+            n = (opts.dma_blocks if how == "dma-on-sm" else opts.proxy_blocks if how in ("rdma-pack", "rdma-unpack")
+                 else _proxy_blocks(plan, step, opts))
             begin, end = at, at + n
             plan_sms = None
         at = max(at, end)
         warps = r.warps or 8
-        op, op_type, access, unroll = _op(plan, step, opts)
+        op, op_type, access, unroll = (_proxy_op(plan, step, opts, how) if how in ("rdma-pack", "rdma-unpack")
+                                       else _op(plan, step, opts))
         rate = _link_rate(plan, step.link) if how == "rdma-on-sm" and opts.pace_rdma else None
         fn = f"epcc_{sched}_{program}_{ident(r.step)}"
         while fn in used:
@@ -338,7 +371,10 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelS
                  if rs.plan_sms else f"blocks [{rs.block_begin}, {rs.block_end}) (the plan gives it no SMs)")
         how = {"sm": "", "dma-on-sm": "; copy-engine step run by SMs in this version",
                "rdma-on-sm": "; RDMA emulated by SMs over peer memory" + (
-                   f", paced to {rs.bytes_per_s / 1e9:g} GB/s" if rs.bytes_per_s else "")}[rs.lowered]
+                   f", paced to {rs.bytes_per_s / 1e9:g} GB/s" if rs.bytes_per_s else ""),
+               "rdma-pack": "; RDMA sender: packs each chunk into a send slot and pushes it to the host proxy's FIFO",
+               "rdma-unpack": "; RDMA receiver: applies each chunk from its landing slot once its signal landed",
+               }[rs.lowered]
         moves = f"{', '.join(rs.src_buffers) or '?'} -> {rs.dst_buffer or '?'}"
         rs.comment = [
             f"step '{rs.step}'{title}, {source}:{rs.line}",
@@ -369,8 +405,8 @@ def _structs() -> list[dict]:
 def generate(plan: Plan, source: str | None = None, options: CudaOptions | None = None) -> CudaBundle:
     """The CUDA sources and launch manifest of a final plan (after kernel formation)."""
     opts = options or CudaOptions()
-    if opts.rdma not in ("auto", "emulate", "external"):
-        raise CudaCodegenError(f"rdma must be 'auto', 'emulate' or 'external', not {opts.rdma!r}")
+    if opts.rdma not in ("auto", "emulate", "external", "proxy"):
+        raise CudaCodegenError(f"rdma must be 'auto', 'emulate', 'external' or 'proxy', not {opts.rdma!r}")
     if opts.rdma == "auto":
         opts = replace(opts, rdma="emulate" if plan.num_ranks <= ONE_IPC_DOMAIN_RANKS else "external")
     if plan.workload is None:
@@ -401,9 +437,11 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
             "index": i, "name": p, "kernel": k, "buffers": buffers[p],
             "result_buffer": next((j for j, b in enumerate(buffers[p]) if b["name"] == "result"), -1),
             "step_crcs": [tables.step_crc(r.step) for r in k.roles] if k else [],
-            "row_bytes_multiple": (max([r.access_bytes for r in k.roles if r.op == "copy"] or [1]) if k else 1),
-            "hidden_multiple": (max([r.access_bytes // (2 if r.op == "accum_weighted" else 4)
-                                     for r in k.roles if r.op != "copy"] or [1]) if k else 1),
+            "row_bytes_multiple": (max([r.access_bytes for r in k.roles if r.op in ("copy", "pack_copy")] or [1])
+                                   if k else 1),
+            "hidden_multiple": (max([r.access_bytes // (2 if r.op in ("accum_weighted", "pack_bf16") else 4)
+                                     for r in k.roles if r.op not in ("copy", "pack_copy")] or [1]) if k else 1),
+            "rdma": bool(k and any(r.lowered in ("rdma-pack", "rdma-unpack") for r in k.roles)),
         })
     files[launcher_file] = _ENV.get_template("launcher.cu.j2").render(
         **common, sched=sched, num_ranks=plan.num_ranks, programs=progs, table_version=tables.TABLE_VERSION,

@@ -70,6 +70,8 @@ def emulate(manifest: dict, layout, program: str, inputs: list[np.ndarray],
     parsed = [parse_tables(b) for b in blobs]
     counters = np.zeros((R, max(len(layout.flags), 1)), dtype=np.int64)
     ops = [r["op"] for r in kernel["roles"]]
+    sides = [r.get("lowered") for r in kernel["roles"]]
+    packed: set[tuple[int, int, int, int, int]] = set()  # GPU proxy path: chunks pushed to the proxy
 
     def block_run(rank: int, role: int, block: int, blocks: int):
         t = parsed[rank]
@@ -86,6 +88,13 @@ def emulate(manifest: dict, layout, program: str, inputs: list[np.ndarray],
                 cache[ci] = copy_rows(t, ci)
             sbuf, sslot, dslot, wts = cache[ci]
             c = t["copies"][ci]
+            key = (int(c["src_rank"]), int(c["dst_rank"]), int(c["step_index"]), int(c["flow_index"]), int(it["chunk"]))
+            if sides[role] == "rdma-pack":  # the proxy carries it; the receiver's unpack role applies it
+                packed.add(key)
+                yield True
+                continue
+            while sides[role] == "rdma-unpack" and key not in packed:  # its landing signal
+                yield False
             lo, hi = int(it["row_begin"]), int(it["row_end"])
             dst = bufs[(names[int(c["dst_buf"])], int(c["dst_rank"]))]
             for b in np.unique(sbuf[lo:hi]):

@@ -40,7 +40,8 @@ def role_timeline(manifest: dict, program: str, stamps: np.ndarray) -> dict:
     for r in kernel["roles"]:
         b0, b1 = r["blocks"]
         started = [v for v in stamps[b0:b1, 1] if v]
-        roles.append({"step": r["step"], "blocks": b1 - b0,
+        side = {"rdma-pack": " (pack)", "rdma-unpack": " (unpack)"}.get(r.get("lowered"), "")
+        roles.append({"step": r["step"] + side, "blocks": b1 - b0,
                       "start_ms": ms(min(started)) if started else None,
                       "end_ms": ms(stamps[b0:b1, 2].max()) if started else None})
     return {"roles": roles, "end_ms": ms(stamps[0, 3])}
@@ -134,6 +135,7 @@ class Library:
             "epcc_cuda_flag_capacity": ([vp], u32),
             "epcc_cuda_set_flag_areas": ([vp, p64], i32),
             "epcc_cuda_set_buffers": ([vp, i32, p64, u32, u64], i32),
+            "epcc_cuda_set_rdma": ([vp, i32, u64, u64], i32),
             "epcc_cuda_upload_tables": ([vp, i32, vp, u64, u64], i32),
             "epcc_cuda_launch_dispatch": ([vp, u64], i32),
             "epcc_cuda_launch_combine": ([vp, u64, u64], i32),
@@ -249,6 +251,11 @@ class Context:
         self._check(self.lib.epcc_cuda_set_buffers(self.handle, _program(program),
                                                    a.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)), a.size,
                                                    stream))
+
+    def set_rdma(self, program: str | int, chans: int, seq: int) -> None:
+        """GPU proxy path (rdma="proxy"): device pointers of the RdmaChan descriptors (one per copy of
+        the uploaded tables) and of the items' sequence numbers; backends/cuda/rdma_gpu.py builds them."""
+        self._check(self.lib.epcc_cuda_set_rdma(self.handle, _program(program), chans, seq))
 
     def upload_tables(self, program: str | int, tables: Tables | np.ndarray, stream: int = 0) -> None:
         """A blob from build_tables (checked against the compiled kernels), ordered on `stream`."""

@@ -248,9 +248,17 @@ def build_tables(manifest: dict, layout, program: str, rank: int) -> Tables:
         return buffers[name]
 
     by_step: dict[str, list] = {}
+    # GPU proxy path: the copies this rank sends (its pack roles: the rows are here, whichever
+    # rank the layout lets execute the copy; combine pulls) and receives (its unpack roles)
+    sending: dict[str, list] = {}
+    landing: dict[str, list] = {}
     for c in layout.copies:
         if c.program == program and c.rank == rank:
             by_step.setdefault(c.step, []).append(c)
+        if c.program == program and c.src == rank:
+            sending.setdefault(c.step, []).append(c)
+        if c.program == program and c.dst == rank:
+            landing.setdefault(c.step, []).append(c)
     gpu_steps = {r["step"] for r in kernel["roles"]}
     host_steps = {s["step"] for s in manifest.get("not_lowered", []) if s["program"] == program}
     for step in by_step:
@@ -271,7 +279,13 @@ def build_tables(manifest: dict, layout, program: str, rank: int) -> Tables:
         return off
 
     for role in kernel["roles"]:
-        role_copies = sorted(by_step.get(role["step"], []), key=lambda c: c.flow_index)
+        # GPU proxy path: the sender's pack role has the copies it executes but bumps no counter
+        # (the receiver's unpack role does, once the chunk landed); the unpack role has the copies
+        # whose rows land here and waits for each chunk's landing signal, not the producers.
+        side = role.get("lowered")
+        group = {"rdma-pack": sending, "rdma-unpack": landing}.get(side, by_step)
+        role_copies = sorted(group.get(role["step"], []),
+                             key=lambda c: (c.flow_index, c.src, c.dst))
         first_copy = len(copies)
         nchunks = []
         for c in role_copies:
@@ -296,11 +310,14 @@ def build_tables(manifest: dict, layout, program: str, rank: int) -> Tables:
                 if c.weights is None:
                     raise TableError(f"combine step '{c.step}' is weighted but flow {c.flow_index} has no weights")
                 w_off = add_rows(np.asarray(c.weights, dtype="<f4"))
+            no_flag = c.flag_id == -1 or side == "rdma-pack"
             copies.append(dict(src_rows=src_off, dst_rows=dst_off, weights=w_off, n_rows=n, src_rank=c.src,
                                dst_rank=c.dst, dst_buf=buf_id(c.dst_buffer, "destination"),
-                               flag_id=NO_FLAG if c.flag_id == -1 else c.flag_id,
-                               flag_rank=0 if c.flag_id == -1 else flags[c.flag_id].rank, step_index=c.step_index,
-                               flow_index=c.flow_index, _starts=starts, _waits=c.waits, _weighted=w_off >= 0))
+                               flag_id=NO_FLAG if no_flag else c.flag_id,
+                               flag_rank=0 if no_flag else flags[c.flag_id].rank, step_index=c.step_index,
+                               flow_index=c.flow_index, _starts=starts,
+                               _waits=[[] for _ in range(len(starts) - 1)] if side == "rdma-unpack" else c.waits,
+                               _weighted=w_off >= 0))
             if w_off < 0:
                 copies[-1]["weights"] = 0
             nchunks.append(len(starts) - 1)

@@ -106,3 +106,60 @@ def build_transport(transport: str) -> Path:
             raise BuildError(f"compiling the transport library failed ({' '.join(cmd)}):\n{r.stderr.strip()}")
         os.replace(tmp, lib)
         return lib
+
+
+#: CUDA transports of the GPU path: source, macro (built with nvcc, linked with the CUDA runtime)
+GPU_TRANSPORTS = {"emulated": ("transport_emulated.cu", "EPCC_TP_HAVE_EMULATED")}
+
+
+def build_gpu(rdma_dir: str | Path, transport: str = "emulated", nvcc: str | None = None) -> Path:
+    """The GPU path's proxy library from a bundle's `cuda/rdma/` sources (the emitted loop and the
+    static runtime, as `rdma.emit` wrote them; no compiler Python needed): C parts with cc, the
+    transport with nvcc, linked by nvcc.  Cached in the build directory by the sources' hash."""
+    if transport not in GPU_TRANSPORTS:
+        raise BuildError(f"transport '{transport}' is not one of the GPU path's: {', '.join(sorted(GPU_TRANSPORTS))}")
+    d_src = Path(rdma_dir)
+    loops = sorted(p for p in d_src.glob("*_proxy.c"))
+    if len(loops) != 1:
+        raise BuildError(f"{d_src}: expected one emitted '*_proxy.c', found {[p.name for p in loops]}")
+    nvcc = nvcc or shutil.which("nvcc")
+    if not nvcc:
+        raise BuildError("nvcc is not on PATH: the GPU proxy (emulated transport) is CUDA code")
+    tsrc, macro = GPU_TRANSPORTS[transport]
+    c_sources = [loops[0], d_src / "epcc_transport.c", d_src / "epcc_proxy_prim.c"]
+    h = hashlib.sha256()
+    for p in sorted(d_src.iterdir()):
+        if p.suffix in (".c", ".h", ".cu"):
+            h.update(p.name.encode() + p.read_bytes())
+    h.update(transport.encode() + " ".join(CFLAGS).encode())
+    d = build_dir() / f"gpu-{h.hexdigest()[:16]}"
+    lib = d / f"libepcc_proxy_gpu_{transport}.so"
+    with _lock:
+        if lib.is_file():
+            return lib
+        d.mkdir(parents=True, exist_ok=True)
+        objs = []
+        od = d / f"obj-{os.getpid()}"  # ranks may build at once: own objects, one atomic rename
+        od.mkdir(exist_ok=True)
+        for src in c_sources:
+            obj = od / (src.stem + ".o")
+            cmd = [compiler(), *CFLAGS, f"-D{macro}", f"-I{d_src}", "-c", "-o", str(obj), str(src)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise BuildError(f"compiling {src.name} failed ({' '.join(cmd)}):\n{r.stderr.strip()}")
+            objs.append(obj)
+        obj = od / "transport.o"
+        cmd = [nvcc, "-O2", "-std=c++17", "-Xcompiler", "-fPIC", f"-D{macro}", f"-I{d_src}", "-c", "-o", str(obj),
+               str(d_src / tsrc)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise BuildError(f"compiling {tsrc} failed ({' '.join(cmd)}):\n{r.stderr.strip()}")
+        objs.append(obj)
+        tmp = d / f".{lib.name}.{os.getpid()}.tmp"
+        cmd = [nvcc, "-shared", "-o", str(tmp), *map(str, objs), "-lcudart"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise BuildError(f"linking the GPU proxy library failed ({' '.join(cmd)}):\n{r.stderr.strip()}")
+        os.replace(tmp, lib)
+        shutil.rmtree(od, ignore_errors=True)
+        return lib

@@ -211,7 +211,7 @@ class RdmaEngine:
             a = np.zeros((max(len(rows), 1), len(t.fields)), dtype=np.uint64)
             for i, row in enumerate(rows):
                 for j, f in enumerate(t.names()):
-                    a[i, j] = np.uint64(int(row[f]) & 0xFFFFFFFFFFFFFFFF)
+                    a[i, j] = np.uint64(int(row.get(f, 0)) & 0xFFFFFFFFFFFFFFFF)  # GPU-path fields: 0
             self.keep.append(a)
             return a
 

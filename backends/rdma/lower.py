@@ -190,6 +190,8 @@ SEND_CHAN = Table("epcc_rdma_send_chan", "a (step, this rank -> peer) channel: t
     Field("imm_chan", U64, "the channel's index at the receiver, carried in the immediate"),
     Field("credit", U64, "u64 the receiver writes: chunks it consumed (registered, remote-writable)"),
     Field("credit_name", U64, "const char *, for the messages"),
+    Field("signal_addr", U64, "GPU path: the receiver's landing signal words (one per slot), as registered"),
+    Field("signal_key", U64),
 ))
 RECV_CHAN = Table("epcc_rdma_recv_chan", "a (step, peer -> this rank) channel: the landing ring and what each chunk does", (
     Field("peer", U64),
@@ -209,6 +211,7 @@ RECV_CHAN = Table("epcc_rdma_recv_chan", "a (step, peer -> this rank) channel: t
     Field("credit_src", U64, "u64 this rank writes the credit from (registered)"),
     Field("credit_mr", U64),
     Field("name", U64, "const char *, for the messages"),
+    Field("consumed", U64, "GPU path: u64 the receiving kernel writes (launch << 32 | chunks consumed), host-mapped"),
 ))
 ENGINE = Table("epcc_rdma_engine", "one process's proxy engine", (
     Field("tp", U64, "epcc_tp *"),
@@ -226,5 +229,6 @@ ENGINE = Table("epcc_rdma_engine", "one process's proxy engine", (
     Field("errlen", U64),
     Field("status", U64),
     Field("state", U64, "epcc_rdma_state *, set by epcc_rdma_engine_init"),
+    Field("gpu_fifos", U64, "GPU path: epcc_rdma_fifo [n_roles] in host-pinned memory, pushed by kernels; 0: CPU path"),
 ))
 TABLES = (SEND_COPY, SEND_ROLE, SEND_CHAN, RECV_CHAN, ENGINE)

@@ -80,9 +80,9 @@ def ep2_source(out_dir: Path) -> Path:
     return path
 
 
-def build(epcc: Path, out: Path, name: str, src: Path, extra: list[str]) -> bool:
+def build(epcc: Path, out: Path, name: str, src: Path, extra: list[str], compile_extra: tuple[str, ...] = ()) -> bool:
     """Compile `src` into out/name (CUDA bundle) and store its `epcc simulate --json` beside it."""
-    for cmd in ([str(epcc), "compile", str(src), "--target", "cuda", "-o", str(out / name), *extra],
+    for cmd in ([str(epcc), "compile", str(src), "--target", "cuda", "-o", str(out / name), *extra, *compile_extra],
                 [str(epcc), "simulate", str(src), "--json", *extra]):
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
@@ -103,6 +103,9 @@ def main(argv: list[str]) -> int:
             return 1
     for name in RDMA_VARIANTS:
         if not build(epcc, out, name, rdma_source(out, name), []):
+            return 1
+        # the same plan with the RDMA step through the host proxy loop (copy-engine transport)
+        if not build(epcc, out, f"{name}_proxy", rdma_source(out, name), [], ("--rdma", "proxy")):
             return 1
     return 0
 

@@ -41,6 +41,7 @@ typedef struct {
     uint64_t chan;         /* sender channel */
     uint64_t chan_seq;     /* the chunk's sequence number on its channel */
     uint64_t bytes;        /* payload in send slot `index % depth` */
+    uint64_t value;        /* GPU path: the signal value written beside the payload (launch << 32 | seq + 1) */
 } epcc_rdma_entry;
 
 typedef struct {
@@ -51,6 +52,7 @@ typedef struct {
     uint64_t depth;
     epcc_rdma_entry *entries; /* [depth] */
     uint8_t *done;            /* [depth]: completed out of order, not yet retired */
+    uint64_t external;        /* 1: entries belong to the caller (GPU path: host-pinned, the kernels push) */
 } epcc_rdma_fifo;
 
 /* In-order tracker of one receive channel: chunk `seq` landed in slot seq % depth. */
@@ -67,6 +69,9 @@ typedef struct {
 #define EPCC_RDMA_LAND_OUTSIDE -2   /* outside the window [next, next + depth) or past the end */
 
 int epcc_rdma_fifo_init(epcc_rdma_fifo *f, uint64_t depth);
+/* GPU path: `f` and its `entries` (f->entries, f->depth set, zeroed) live in host-pinned memory
+ * the kernels write; only the proxy's bookkeeping is allocated here.  The counters are kept. */
+int epcc_rdma_fifo_attach(epcc_rdma_fifo *f);
 void epcc_rdma_fifo_free(epcc_rdma_fifo *f);
 /* Producer: may entry `tail` be filled now (its send slot free)? */
 int epcc_rdma_fifo_can_push(epcc_rdma_fifo *f);

@@ -27,8 +27,15 @@ int epcc_rdma_fifo_init(epcc_rdma_fifo *f, uint64_t depth) {
     return 0;
 }
 
+int epcc_rdma_fifo_attach(epcc_rdma_fifo *f) {
+    if (f->depth == 0 || !f->entries) return -1;
+    f->external = 1;
+    f->done = (uint8_t *)calloc(f->depth, 1);
+    return f->done ? 0 : -1;
+}
+
 void epcc_rdma_fifo_free(epcc_rdma_fifo *f) {
-    free(f->entries);
+    if (!f->external) free(f->entries);
     free(f->done);
     f->entries = NULL;
     f->done = NULL;

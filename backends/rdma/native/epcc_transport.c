@@ -77,6 +77,18 @@ int epcc_tp_post_write(epcc_tp *tp, int peer, const void *src, size_t len, epcc_
                             tp->nranks);
     return tp->ops->post_write(tp, peer, src, len, mr, raddr, rkey, imm_valid, imm, ctx, timeout_ns);
 }
+int epcc_tp_post_write_signal(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *mr,
+                              uint64_t raddr, uint64_t rkey, uint64_t sig_raddr, uint64_t sig_rkey,
+                              uint64_t sig_value, uint64_t ctx, uint64_t timeout_ns) {
+    if (peer < 0 || peer >= tp->nranks)
+        return epcc_tp_fail(tp, -EINVAL, "epcc transport: write to rank %d, but there are %d ranks", peer,
+                            tp->nranks);
+    if (!tp->ops->post_write_signal)
+        return epcc_tp_fail(tp, -ENOTSUP, "epcc transport: '%s' has no write + remote signal (the GPU proxy path "
+                            "needs it: use 'emulated' or 'nvshmem')", tp->ops->name);
+    return tp->ops->post_write_signal(tp, peer, src, len, mr, raddr, rkey, sig_raddr, sig_rkey, sig_value, ctx,
+                                      timeout_ns);
+}
 int epcc_tp_poll(epcc_tp *tp, epcc_tp_event *events, int max) { return tp->ops->poll(tp, events, max); }
 int epcc_tp_flush(epcc_tp *tp, uint64_t timeout_ns) { return tp->ops->flush(tp, timeout_ns); }
 void epcc_tp_stats_get(const epcc_tp *tp, epcc_tp_stats *out) { *out = tp->stats; }

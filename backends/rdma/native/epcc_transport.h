@@ -90,6 +90,15 @@ int epcc_tp_post_write(epcc_tp *tp, int peer, const void *src, size_t len, epcc_
                        uint64_t timeout_ns);
 
 /* Up to `max` events, non-blocking; returns how many (0: none), < 0 on a transport failure. */
+/* Write + remote signal: `len` bytes from `src` to (raddr, rkey) on `peer`, then, ordered after
+ * them, the 8-byte value `sig_value` to (sig_raddr, sig_rkey) on the same peer; one local
+ * completion (`ctx`) once both are done.  The GPU path's kernels wait on such signal words (one
+ * per landing slot) instead of a host thread reading immediates.  Transports without it
+ * (libfabric, ibverbs in this version) fail with a message naming themselves. */
+int epcc_tp_post_write_signal(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *mr,
+                              uint64_t raddr, uint64_t rkey, uint64_t sig_raddr, uint64_t sig_rkey,
+                              uint64_t sig_value, uint64_t ctx, uint64_t timeout_ns);
+
 int epcc_tp_poll(epcc_tp *tp, epcc_tp_event *events, int max);
 
 /* Progress until every write posted so far has completed locally (events it reaps are kept

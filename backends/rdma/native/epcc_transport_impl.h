@@ -32,6 +32,12 @@ typedef struct epcc_tp_ops {
     int (*poll)(epcc_tp *tp, epcc_tp_event *events, int max);
     int (*flush)(epcc_tp *tp, uint64_t timeout_ns);
     void (*close)(epcc_tp *tp);
+    /* Optional (NULL: the transport cannot): a write of `len` bytes followed, once it has landed,
+     * by an 8-byte write of `sig_value` at (sig_raddr, sig_rkey) on the same peer (the GPU path's
+     * per-slot landing flags: write + remote signal instead of an immediate). */
+    int (*post_write_signal)(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *mr, uint64_t raddr,
+                             uint64_t rkey, uint64_t sig_raddr, uint64_t sig_rkey, uint64_t sig_value, uint64_t ctx,
+                             uint64_t timeout_ns);
 } epcc_tp_ops;
 
 /* The first member of every transport object. */

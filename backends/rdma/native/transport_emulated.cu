@@ -4,21 +4,26 @@
  * the link class's bandwidth and latency, so RDMA-bound schedules run and are timed on GPUs
  * without a NIC (h200x4_2vnode.sched).
  *
- * spec: "BANDWIDTH_GBPS,LATENCY_US[,DEVICE]", e.g. "50,5" or "13,5,2".
+ * spec: "BANDWIDTH_GBPS,LATENCY_US[,DEVICE[,signal]]", e.g. "50,5" or "13,5,2,signal" (signal:
+ * the caller uses write + signal only, so the immediate inbox is never read).
  * Registration: GPU memory (cudaMalloc'd); every region registered before epcc_tp_address() is
  * exported by IPC handle in the address blob, keyed by its registration index; a peer maps it in
  * connect().  Immediates: each rank has an inbox in GPU memory (nranks x EMU_INBOX u64 slots);
  * after the payload copy, the same stream copies (imm | valid) into slot [sender][seq] of the
  * target's inbox, so it lands after the data.  The target's poll reads its inbox.
- * Pacing: a write starts no earlier than the link (this rank's egress) is free, and completes
- * locally no earlier than start + latency + bytes / bandwidth, and not before the copy is done.
+ * Pacing: a write starts no earlier than the link (this rank's egress) is free: its copy is issued
+ * then (start); its signal or immediate is issued at start + bytes / bandwidth + latency (ready),
+ * ordered after the copy by an event, so the target learns of the chunk when a link of that
+ * class would have delivered it, not when the copy engine (NVLink, much faster) did.  The local
+ * completion comes at `ready` too, and not before the copies are done.  Writes are issued by
+ * whoever calls post or poll (the proxy thread spins on poll), so pacing is as fine as polling.
  */
 #include "epcc_transport_impl.h"
 
 #include <cuda_runtime.h>
 #include <pthread.h>
 
-#define EMU_MAX_REGIONS 64
+#define EMU_MAX_REGIONS 32 /* the address blob (IPC handles) must fit EPCC_TP_MAX_ADDR */
 #define EMU_INBOX 4096
 #define EMU_MAX_INFLIGHT 4096
 
@@ -33,10 +38,19 @@ typedef struct {
     emu_region_addr regions[EMU_MAX_REGIONS];
 } emu_addr;
 
+static_assert(sizeof(emu_addr) <= EPCC_TP_MAX_ADDR, "the emulated transport's address must fit EPCC_TP_MAX_ADDR");
+
 typedef struct {
-    cudaEvent_t done;
-    uint64_t ready_ns; /* paced completion time */
+    cudaEvent_t copied; /* the payload copy is done (the signal waits for it) */
+    cudaEvent_t done;   /* the signal too */
+    uint64_t start_ns;  /* the link is free: issue the copy */
+    uint64_t ready_ns;  /* paced delivery: issue the signal, complete locally */
     uint64_t ctx;
+    void *dst;
+    const void *src;
+    size_t len;
+    uint64_t *sig_dst;  /* NULL: no signal */
+    int state;          /* 0 nothing issued, 1 copy issued, 2 signal issued */
 } emu_op;
 
 typedef struct {
@@ -45,15 +59,18 @@ typedef struct {
     int device;
     double bytes_per_ns, latency_ns;
     uint64_t link_free_ns;
-    cudaStream_t stream;
+    cudaStream_t stream;      /* payload copies */
+    cudaStream_t sig_stream;  /* signals and immediates */
+    cudaStream_t poll_stream; /* reading the inbox */
+    int signal_only;          /* spec ",signal": no immediates, the inbox is never read */
+    uint64_t *sig_host;       /* pinned: [EMU_MAX_INFLIGHT] signal values, by op slot */
     uint64_t *inbox;       /* device: [nranks][EMU_INBOX] */
     uint64_t *inbox_host;  /* host copy for polling */
     uint64_t *seen;        /* [nranks]: immediates consumed per sender */
     uint64_t *sent;        /* [nranks]: immediates sent per target */
-    uint64_t *imm_src;     /* device staging of immediates: [EMU_MAX_INFLIGHT] */
-    uint64_t imm_next;
     void *regions[EMU_MAX_REGIONS];
     uint64_t region_size[EMU_MAX_REGIONS];
+    unsigned region_access[EMU_MAX_REGIONS];
     uint32_t n_regions;
     void ***peer_regions; /* [nranks][EMU_MAX_REGIONS] */
     uint64_t **peer_inbox;
@@ -91,6 +108,7 @@ static int emu_open(const char *spec, int rank, int nranks, epcc_tp **out, char 
     t->bytes_per_ns = gbps; /* GB/s == bytes/ns */
     t->latency_ns = lat_us * 1e3;
     t->device = dev >= 0 ? dev : 0;
+    t->signal_only = strstr(spec, ",signal") != NULL;
     if (dev < 0) cudaGetDevice(&t->device);
     t->seen = (uint64_t *)calloc((size_t)nranks, 8);
     t->sent = (uint64_t *)calloc((size_t)nranks, 8);
@@ -99,11 +117,16 @@ static int emu_open(const char *spec, int rank, int nranks, epcc_tp **out, char 
     t->peer_inbox = (uint64_t **)calloc((size_t)nranks, sizeof(uint64_t *));
     if (cudaSetDevice(t->device) != cudaSuccess ||
         cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&t->sig_stream, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&t->poll_stream, cudaStreamNonBlocking) != cudaSuccess ||
         cudaMalloc((void **)&t->inbox, (size_t)nranks * EMU_INBOX * 8) != cudaSuccess ||
         cudaMemset(t->inbox, 0, (size_t)nranks * EMU_INBOX * 8) != cudaSuccess ||
-        cudaMalloc((void **)&t->imm_src, EMU_MAX_INFLIGHT * 8) != cudaSuccess)
+        cudaHostAlloc((void **)&t->sig_host, EMU_MAX_INFLIGHT * 8, cudaHostAllocPortable) != cudaSuccess)
         return epcc_tp_fail_buf(err, errlen, -EIO, "emulated: CUDA setup on device %d failed", t->device);
-    for (int i = 0; i < EMU_MAX_INFLIGHT; i++) cudaEventCreateWithFlags(&t->ops[i].done, cudaEventDisableTiming);
+    for (int i = 0; i < EMU_MAX_INFLIGHT; i++) {
+        cudaEventCreateWithFlags(&t->ops[i].done, cudaEventDisableTiming);
+        cudaEventCreateWithFlags(&t->ops[i].copied, cudaEventDisableTiming);
+    }
     snprintf(t->base.desc, sizeof t->base.desc, "emulated (copy engine on GPU %d, paced to %g GB/s, %g us)", t->device,
              gbps, lat_us);
     return 0;
@@ -111,7 +134,6 @@ static int emu_open(const char *spec, int rank, int nranks, epcc_tp **out, char 
 
 static int emu_reg(epcc_tp *tp, void *buf, size_t len, unsigned access, epcc_tp_mr **out) {
     emu_tp *t = (emu_tp *)tp;
-    (void)access;
     if (t->n_regions >= EMU_MAX_REGIONS) return epcc_tp_fail(tp, -ENOSPC, "emulated: more than %d regions", EMU_MAX_REGIONS);
     epcc_tp_mr *m = (epcc_tp_mr *)calloc(1, sizeof *m);
     m->tp = tp;
@@ -119,6 +141,7 @@ static int emu_reg(epcc_tp *tp, void *buf, size_t len, unsigned access, epcc_tp_
     m->base = buf;
     t->regions[m->index] = buf;
     t->region_size[m->index] = len;
+    t->region_access[m->index] = access;
     *out = m;
     return 0;
 }
@@ -141,7 +164,8 @@ static int emu_address(epcc_tp *tp, void *buf, size_t *len) {
     memset(&a, 0, sizeof a);
     CU(cudaIpcGetMemHandle(&a.inbox, t->inbox), "cudaIpcGetMemHandle (inbox)");
     a.n_regions = t->n_regions;
-    for (uint32_t i = 0; i < t->n_regions; i++) {
+    for (uint32_t i = 0; i < t->n_regions; i++) { /* only targets of peers' writes (cudaMalloc'd) are exported */
+        if (!(t->region_access[i] & EPCC_TP_REMOTE_WRITE)) continue;
         CU(cudaIpcGetMemHandle(&a.regions[i].handle, t->regions[i]), "cudaIpcGetMemHandle (a registered region)");
         a.regions[i].size = t->region_size[i];
     }
@@ -164,27 +188,80 @@ static int emu_connect(epcc_tp *tp, const void *blobs, size_t blob_len) {
         CU(cudaIpcOpenMemHandle((void **)&t->peer_inbox[r], a.inbox, cudaIpcMemLazyEnablePeerAccess),
            "cudaIpcOpenMemHandle (a peer's inbox)");
         for (uint32_t i = 0; i < a.n_regions; i++)
-            CU(cudaIpcOpenMemHandle(&t->peer_regions[r][i], a.regions[i].handle, cudaIpcMemLazyEnablePeerAccess),
-               "cudaIpcOpenMemHandle (a peer's region)");
+            if (a.regions[i].size)
+                CU(cudaIpcOpenMemHandle(&t->peer_regions[r][i], a.regions[i].handle, cudaIpcMemLazyEnablePeerAccess),
+                   "cudaIpcOpenMemHandle (a peer's region)");
     }
     return 0;
 }
 
-/* Completed ops (copy done and paced time reached), in order; the inbox's new immediates. */
+/* The calling thread (the proxy's, not the one that opened the transport) must have the
+ * transport's device current: a copy issued from another device's context is staged and blocks. */
+static int on_device(emu_tp *t) {
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur == t->device) return 0;
+    cudaError_t e = cudaSetDevice(t->device);
+    return e == cudaSuccess ? 0 : epcc_tp_fail(&t->base, -EIO, "emulated: cudaSetDevice(%d) failed: %s", t->device,
+                                               cudaGetErrorString(e));
+}
+
+/* Issue what is due: an op's copy once the link is free (start), its signal once a link of the
+ * class would have delivered it (ready).  Ops are in link order, so start and ready increase. */
+static int progress(emu_tp *t) {
+    uint64_t now = epcc_tp_now_ns();
+    for (uint64_t i = t->op_head; i < t->op_tail; i++) {
+        emu_op *o = &t->ops[i % EMU_MAX_INFLIGHT];
+        if (o->state == 0) {
+            if (now < o->start_ns) break;
+            cudaError_t e = cudaMemcpyAsync(o->dst, o->src, o->len, cudaMemcpyDefault, t->stream);
+            if (e == cudaSuccess) e = cudaEventRecord(o->copied, t->stream);
+            if (e != cudaSuccess)
+                return epcc_tp_fail(&t->base, -EIO, "emulated: issuing a copy failed: %s", cudaGetErrorString(e));
+            o->state = 1;
+        }
+        if (o->state == 1) {
+            if (now < o->ready_ns) continue; /* later ops' copies may start meanwhile */
+            cudaError_t e = cudaStreamWaitEvent(t->sig_stream, o->copied, 0);
+            if (e == cudaSuccess && o->sig_dst)
+                e = cudaMemcpyAsync(o->sig_dst, &t->sig_host[i % EMU_MAX_INFLIGHT], 8, cudaMemcpyDefault, t->sig_stream);
+            if (e == cudaSuccess) e = cudaEventRecord(o->done, t->sig_stream);
+            if (e != cudaSuccess)
+                return epcc_tp_fail(&t->base, -EIO, "emulated: issuing a signal failed: %s", cudaGetErrorString(e));
+            o->state = 2;
+        }
+    }
+    return 0;
+}
+
+/* Completed ops (copy and signal done, paced time reached), in order; the inbox's new immediates. */
 static int reap(emu_tp *t) {
+    if (progress(t)) return -EIO;
     uint64_t now = epcc_tp_now_ns();
     while (t->op_head < t->op_tail) {
         emu_op *o = &t->ops[t->op_head % EMU_MAX_INFLIGHT];
+        if (o->state != 2 || now < o->ready_ns) break;
         cudaError_t q = cudaEventQuery(o->done);
-        if (q == cudaErrorNotReady || now < o->ready_ns) break;
+        if (q == cudaErrorNotReady) {
+            if (now > o->ready_ns + 2000000000ull) { /* a copy engine transfer stuck for 2 s: say which */
+                cudaError_t c = cudaEventQuery(o->copied);
+                return epcc_tp_fail(&t->base, -ETIMEDOUT, "emulated: write %llu (%zu bytes) not complete 2 s after its "
+                                    "paced time: payload copy %s, signal %s", (unsigned long long)t->op_head, o->len,
+                                    c == cudaSuccess ? "done" : c == cudaErrorNotReady ? "pending" : cudaGetErrorString(c),
+                                    o->sig_dst ? "pending" : "none");
+            }
+            break;
+        }
         if (q != cudaSuccess) return epcc_tp_fail(&t->base, -EIO, "emulated: a copy failed: %s", cudaGetErrorString(q));
         epcc_tp_event ev = {EPCC_TP_EV_LOCAL, 0, o->ctx};
         epcc_tp_evq_push(&t->q, ev);
         t->base.stats.local_completions++;
         t->op_head++;
     }
+    if (t->signal_only) return 0;
     int n = t->base.nranks;
-    if (cudaMemcpy(t->inbox_host, t->inbox, (size_t)n * EMU_INBOX * 8, cudaMemcpyDeviceToHost) != cudaSuccess)
+    /* Its own non-blocking stream: never ordered behind a kernel on the legacy default stream. */
+    if (cudaMemcpyAsync(t->inbox_host, t->inbox, (size_t)n * EMU_INBOX * 8, cudaMemcpyDeviceToHost, t->poll_stream) !=
+            cudaSuccess || cudaStreamSynchronize(t->poll_stream) != cudaSuccess)
         return epcc_tp_fail(&t->base, -EIO, "emulated: reading the inbox failed");
     for (int s = 0; s < n; s++) {
         for (;;) {
@@ -199,58 +276,86 @@ static int reap(emu_tp *t) {
     return 0;
 }
 
-static int emu_post_write(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *m, uint64_t raddr,
-                          uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx, uint64_t timeout_ns) {
-    emu_tp *t = (emu_tp *)tp;
-    (void)m;
+/* Queue one paced op: the copy, then (optional) 8 bytes of `sig_value` at `sig_dst`. */
+static int enqueue(emu_tp *t, int peer, const void *src, size_t len, uint64_t raddr, uint64_t rkey, uint64_t *sig_dst,
+                   uint64_t sig_value, uint64_t ctx, uint64_t timeout_ns) {
     uint64_t deadline = epcc_tp_deadline(timeout_ns);
-    pthread_mutex_lock(&t->lock);
     while (t->op_tail - t->op_head >= EMU_MAX_INFLIGHT) {
         t->base.stats.eagain++;
-        if (reap(t) || epcc_tp_now_ns() >= deadline) {
-            pthread_mutex_unlock(&t->lock);
-            return epcc_tp_fail(tp, -EAGAIN, "emulated: %d writes in flight for too long", EMU_MAX_INFLIGHT);
-        }
+        if (reap(t) || epcc_tp_now_ns() >= deadline)
+            return epcc_tp_fail(&t->base, -EAGAIN, "emulated: %d writes in flight for too long", EMU_MAX_INFLIGHT);
     }
-    if (rkey >= EMU_MAX_REGIONS || !t->peer_regions[peer] || !t->peer_regions[peer][rkey]) {
-        pthread_mutex_unlock(&t->lock);
-        return epcc_tp_fail(tp, -EINVAL, "emulated: rank %d has no region %llu", peer, (unsigned long long)rkey);
-    }
-    char *dst = (char *)t->peer_regions[peer][rkey] + raddr;
+    if (rkey >= EMU_MAX_REGIONS || !t->peer_regions[peer] || !t->peer_regions[peer][rkey])
+        return epcc_tp_fail(&t->base, -EINVAL, "emulated: rank %d has no region %llu", peer, (unsigned long long)rkey);
     uint64_t now = epcc_tp_now_ns();
     uint64_t start = now > t->link_free_ns ? now : t->link_free_ns;
     uint64_t busy = (uint64_t)((double)len / t->bytes_per_ns);
     t->link_free_ns = start + busy;
-    emu_op *o = &t->ops[t->op_tail % EMU_MAX_INFLIGHT];
+    uint64_t i = t->op_tail;
+    emu_op *o = &t->ops[i % EMU_MAX_INFLIGHT];
+    o->start_ns = start;
     o->ready_ns = start + busy + (uint64_t)t->latency_ns;
     o->ctx = ctx;
-    cudaError_t e = cudaMemcpyAsync(dst, src, len, cudaMemcpyDefault, t->stream);
-    if (e == cudaSuccess && imm_valid) {
-        uint64_t k = t->sent[peer]++;
-        uint64_t word = (((k / EMU_INBOX) * 2 + 1) << 32) | imm;
-        uint64_t *stage = &t->imm_src[t->imm_next++ % EMU_MAX_INFLIGHT];
-        e = cudaMemcpyAsync(stage, &word, 8, cudaMemcpyHostToDevice, t->stream);
-        if (e == cudaSuccess)
-            e = cudaMemcpyAsync(t->peer_inbox[peer] + (size_t)tp->rank * EMU_INBOX + k % EMU_INBOX, stage, 8,
-                                cudaMemcpyDefault, t->stream);
-    }
-    if (e == cudaSuccess) e = cudaEventRecord(o->done, t->stream);
-    if (e != cudaSuccess) {
-        pthread_mutex_unlock(&t->lock);
-        return epcc_tp_fail(tp, -EIO, "emulated: cudaMemcpyAsync to rank %d failed: %s", peer, cudaGetErrorString(e));
-    }
+    o->dst = (char *)t->peer_regions[peer][rkey] + raddr;
+    o->src = src;
+    o->len = len;
+    o->sig_dst = sig_dst;
+    o->state = 0;
+    t->sig_host[i % EMU_MAX_INFLIGHT] = sig_value;
     t->op_tail++;
     t->base.stats.writes_posted++;
     t->base.stats.bytes_posted += len;
+    return progress(t);
+}
+
+static int emu_post_write(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *m, uint64_t raddr,
+                          uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx, uint64_t timeout_ns) {
+    emu_tp *t = (emu_tp *)tp;
+    (void)m;
+    pthread_mutex_lock(&t->lock);
+    if (on_device(t)) {
+        pthread_mutex_unlock(&t->lock);
+        return -EIO;
+    }
+    int rc;
+    if (imm_valid && t->signal_only) {
+        rc = epcc_tp_fail(tp, -EINVAL, "emulated: a write with an immediate on a transport opened with ',signal'");
+    } else if (imm_valid) {
+        uint64_t k = t->sent[peer]++;
+        uint64_t word = (((k / EMU_INBOX) * 2 + 1) << 32) | imm;
+        rc = enqueue(t, peer, src, len, raddr, rkey, t->peer_inbox[peer] + (size_t)tp->rank * EMU_INBOX + k % EMU_INBOX,
+                     word, ctx, timeout_ns);
+    } else {
+        rc = enqueue(t, peer, src, len, raddr, rkey, NULL, 0, ctx, timeout_ns);
+    }
     pthread_mutex_unlock(&t->lock);
-    return 0;
+    return rc;
+}
+
+static int emu_post_write_signal(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *m, uint64_t raddr,
+                                 uint64_t rkey, uint64_t sig_raddr, uint64_t sig_rkey, uint64_t sig_value, uint64_t ctx,
+                                 uint64_t timeout_ns) {
+    emu_tp *t = (emu_tp *)tp;
+    (void)m;
+    pthread_mutex_lock(&t->lock);
+    int rc;
+    if (on_device(t))
+        rc = -EIO;
+    else if (sig_rkey >= EMU_MAX_REGIONS || !t->peer_regions[peer] || !t->peer_regions[peer][sig_rkey] || (sig_raddr & 7))
+        rc = epcc_tp_fail(tp, -EINVAL, "emulated: rank %d has no signal word at region %llu offset %llu", peer,
+                          (unsigned long long)sig_rkey, (unsigned long long)sig_raddr);
+    else
+        rc = enqueue(t, peer, src, len, raddr, rkey, (uint64_t *)((char *)t->peer_regions[peer][sig_rkey] + sig_raddr),
+                     sig_value, ctx, timeout_ns);
+    pthread_mutex_unlock(&t->lock);
+    return rc;
 }
 
 static int emu_poll(epcc_tp *tp, epcc_tp_event *events, int max) {
     emu_tp *t = (emu_tp *)tp;
     pthread_mutex_lock(&t->lock);
-    int n = epcc_tp_evq_pop(&t->q, events, max), r = 0;
-    if (n < max && (r = reap(t)) == 0) n += epcc_tp_evq_pop(&t->q, events + n, max - n);
+    int n = epcc_tp_evq_pop(&t->q, events, max), r = on_device(t);
+    if (r == 0 && n < max && (r = reap(t)) == 0) n += epcc_tp_evq_pop(&t->q, events + n, max - n);
     pthread_mutex_unlock(&t->lock);
     return r < 0 ? r : n;
 }
@@ -260,7 +365,7 @@ static int emu_flush(epcc_tp *tp, uint64_t timeout_ns) {
     uint64_t deadline = epcc_tp_deadline(timeout_ns);
     for (;;) {
         pthread_mutex_lock(&t->lock);
-        int r = reap(t);
+        int r = on_device(t) ? -EIO : reap(t);
         uint64_t left = t->op_tail - t->op_head;
         pthread_mutex_unlock(&t->lock);
         if (r) return r;
@@ -278,10 +383,15 @@ static void emu_close(epcc_tp *tp) {
         if (r != tp->rank && t->peer_inbox && t->peer_inbox[r]) cudaIpcCloseMemHandle(t->peer_inbox[r]);
         if (t->peer_regions) free(t->peer_regions[r]);
     }
-    for (int i = 0; i < EMU_MAX_INFLIGHT; i++) cudaEventDestroy(t->ops[i].done);
+    for (int i = 0; i < EMU_MAX_INFLIGHT; i++) {
+        cudaEventDestroy(t->ops[i].done);
+        cudaEventDestroy(t->ops[i].copied);
+    }
     cudaFree(t->inbox);
-    cudaFree(t->imm_src);
+    cudaFreeHost(t->sig_host);
     cudaStreamDestroy(t->stream);
+    cudaStreamDestroy(t->sig_stream);
+    cudaStreamDestroy(t->poll_stream);
     free(t->peer_regions);
     free(t->peer_inbox);
     free(t->inbox_host);
@@ -293,5 +403,5 @@ static void emu_close(epcc_tp *tp) {
 
 const epcc_tp_ops epcc_tp_ops_emulated = {
     "emulated", emu_open, emu_reg, emu_mr_remote, emu_dereg, emu_address, emu_connect,
-    emu_post_write, emu_poll, emu_flush, emu_close,
+    emu_post_write, emu_poll, emu_flush, emu_close, emu_post_write_signal,
 };

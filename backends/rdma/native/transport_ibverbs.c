@@ -292,4 +292,5 @@ static void ib_close(epcc_tp *tp) {
 
 const epcc_tp_ops epcc_tp_ops_ibverbs = {
     "ibverbs", ib_open, ib_reg, ib_mr_remote, ib_dereg, ib_address, ib_connect, ib_post_write, ib_poll, ib_flush, ib_close,
+    NULL, /* no write + signal in this version */
 };

@@ -440,5 +440,5 @@ static void lf_close(epcc_tp *tp) {
 
 const epcc_tp_ops epcc_tp_ops_libfabric = {
     "libfabric", lf_open, lf_reg, lf_mr_remote, lf_dereg, lf_address, lf_connect,
-    lf_post_write, lf_poll, lf_flush, lf_close,
+    lf_post_write, lf_poll, lf_flush, lf_close, NULL, /* no write + signal in this version */
 };

@@ -137,6 +137,29 @@ static int nv_post_write(epcc_tp *tp, int peer, const void *src, size_t len, epc
     return 0;
 }
 
+/* Write + signal: one put with signal (NVSHMEM orders the signal after the payload), the signal
+ * word set to `sig_value`; both regions in the symmetric heap, addresses symmetric. */
+static int nv_post_write_signal(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *m, uint64_t raddr,
+                                uint64_t rkey, uint64_t sig_raddr, uint64_t sig_rkey, uint64_t sig_value, uint64_t ctx,
+                                uint64_t timeout_ns) {
+    nv_tp *t = (nv_tp *)tp;
+    (void)m;
+    (void)rkey;
+    (void)sig_rkey;
+    (void)timeout_ns;
+    pthread_mutex_lock(&t->lock);
+    nvshmemx_putmem_signal_on_stream((void *)(uintptr_t)raddr, src, len, (uint64_t *)(uintptr_t)sig_raddr, sig_value,
+                                     NVSHMEM_SIGNAL_SET, peer, t->stream);
+    cudaEventRecord(t->last, t->stream);
+    epcc_tp_event ev = {EPCC_TP_EV_LOCAL, 0, ctx};
+    epcc_tp_evq_push(&t->q, ev);
+    t->posted++;
+    t->base.stats.writes_posted++;
+    t->base.stats.bytes_posted += len;
+    pthread_mutex_unlock(&t->lock);
+    return 0;
+}
+
 static int nv_poll(epcc_tp *tp, epcc_tp_event *events, int max) {
     nv_tp *t = (nv_tp *)tp;
     pthread_mutex_lock(&t->lock);
@@ -189,5 +212,6 @@ static void nv_close(epcc_tp *tp) {
 
 const epcc_tp_ops epcc_tp_ops_nvshmem = {
     "nvshmem", nv_open, nv_reg, nv_mr_remote, nv_dereg, nv_address, nv_connect, nv_post_write, nv_poll, nv_flush, nv_close,
+    nv_post_write_signal,
 };
 #endif /* EPCC_NVSHMEM_BUILD */

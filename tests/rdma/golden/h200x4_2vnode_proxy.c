@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sched.h>
 #include <string.h>
 
 #define EPCC_RDMA_NUM_STEPS 2
@@ -67,6 +68,8 @@ typedef struct {
     uint64_t imm_chan; /* the channel's index at the receiver, carried in the immediate */
     uint64_t credit; /* u64 the receiver writes: chunks it consumed (registered, remote-writable) */
     uint64_t credit_name; /* const char *, for the messages */
+    uint64_t signal_addr; /* GPU path: the receiver's landing signal words (one per slot), as registered */
+    uint64_t signal_key;
 } epcc_rdma_send_chan;
 
 /* struct epcc_rdma_recv_chan: a (step, peer -> this rank) channel: the landing ring and what each chunk does */
@@ -88,6 +91,7 @@ typedef struct {
     uint64_t credit_src; /* u64 this rank writes the credit from (registered) */
     uint64_t credit_mr;
     uint64_t name; /* const char *, for the messages */
+    uint64_t consumed; /* GPU path: u64 the receiving kernel writes (launch << 32 | chunks consumed), host-mapped */
 } epcc_rdma_recv_chan;
 
 /* struct epcc_rdma_engine: one process's proxy engine */
@@ -107,6 +111,7 @@ typedef struct {
     uint64_t errlen;
     uint64_t status;
     uint64_t state; /* epcc_rdma_state *, set by epcc_rdma_engine_init */
+    uint64_t gpu_fifos; /* GPU path: epcc_rdma_fifo [n_roles] in host-pinned memory, pushed by kernels; 0: CPU path */
 } epcc_rdma_engine;
 
 typedef void (*epcc_rdma_apply_fn)(const epcc_rdma_recv_chan *c, uint64_t row_lo, uint64_t row_hi, const uint8_t *slot);
@@ -210,8 +215,15 @@ int epcc_rdma_engine_init(epcc_rdma_engine *e) {
     while (s->arrivals_cap < need) s->arrivals_cap <<= 1;
     s->arrivals = (uint32_t *)calloc(s->arrivals_cap, sizeof *s->arrivals);
     if (!s->fifos || !s->trackers || !s->credit_inflight || !s->credit_sent || !s->arrivals) return -1;
-    for (uint64_t i = 0; i < e->n_roles; i++)
-        if (epcc_rdma_fifo_init(&s->fifos[i], roles[i].depth)) return -1;
+    if (e->gpu_fifos) { /* GPU path: the FIFOs live in host-pinned memory the kernels push into */
+        free(s->fifos);
+        s->fifos = (epcc_rdma_fifo *)(uintptr_t)e->gpu_fifos;
+        for (uint64_t i = 0; i < e->n_roles; i++)
+            if (s->fifos[i].depth != roles[i].depth || epcc_rdma_fifo_attach(&s->fifos[i])) return -1;
+    } else {
+        for (uint64_t i = 0; i < e->n_roles; i++)
+            if (epcc_rdma_fifo_init(&s->fifos[i], roles[i].depth)) return -1;
+    }
     for (uint64_t i = 0; i < e->n_recv_chans; i++)
         if (epcc_rdma_tracker_init(&s->trackers[i], rc[i].depth, rc[i].n_chunks)) return -1;
     return 0;
@@ -222,7 +234,7 @@ void epcc_rdma_engine_fini(epcc_rdma_engine *e) {
     if (!s) return;
     for (uint64_t i = 0; s->fifos && i < e->n_roles; i++) epcc_rdma_fifo_free(&s->fifos[i]);
     for (uint64_t i = 0; s->trackers && i < e->n_recv_chans; i++) epcc_rdma_tracker_free(&s->trackers[i]);
-    free(s->fifos);
+    if (!e->gpu_fifos) free(s->fifos);
     free(s->trackers);
     free((void *)s->credit_inflight);
     free(s->credit_sent);
@@ -468,6 +480,94 @@ int epcc_rdma_receive(epcc_rdma_engine *e) {
             }
         }
         epcc_rdma_backoff(&polls);
+    }
+    return EPCC_RDMA_OK;
+}
+
+/* ---- GPU path: one proxy thread per process and program, for the life of the engine ---------
+ * The kernels' pack roles push one entry per chunk into the role's FIFO (host-pinned) after
+ * packing the rows into send slot `index % depth` (device memory) and checking the receiver's
+ * credit; this loop posts each as write + remote signal (the payload into landing slot
+ * `seq % depth`, then `value` into that slot's signal word, which the receiver's unpack role
+ * waits on), retires entries as writes complete (the pack roles wait on `retired` for a free send
+ * slot), and returns credits: the unpack roles write their consumed count (launch << 32 | chunks)
+ * into a host-mapped word per channel, this loop writes it into the sender's credit word.  It
+ * spins (a dedicated core, as NCCL's and DeepEP's proxies do): the emulated link is paced by
+ * how often it polls. */
+int epcc_rdma_proxy_gpu(epcc_rdma_engine *e) {
+    epcc_rdma_state *s = state_of(e);
+    epcc_tp *tp = (epcc_tp *)(uintptr_t)e->tp;
+    const epcc_rdma_send_role *roles = (const epcc_rdma_send_role *)(uintptr_t)e->roles;
+    const epcc_rdma_send_chan *chans = (const epcc_rdma_send_chan *)(uintptr_t)e->send_chans;
+    const epcc_rdma_recv_chan *rchans = (const epcc_rdma_recv_chan *)(uintptr_t)e->recv_chans;
+    const _Atomic uint64_t *stop = (const _Atomic uint64_t *)(uintptr_t)e->stop;
+    epcc_tp_event evs[EPCC_RDMA_POLL_BATCH];
+    uint32_t idle = 0;
+    if (!e->gpu_fifos) return fail(e, EPCC_RDMA_FAILED, "epcc rdma: epcc_rdma_proxy_gpu on an engine without GPU FIFOs");
+    while (!atomic_load_explicit((_Atomic uint64_t *)stop, memory_order_acquire)) {
+        int busy = 0;
+        for (uint64_t i = 0; i < e->n_roles; i++) {
+            epcc_rdma_fifo *f = &s->fifos[i];
+            const epcc_rdma_step_info *si = &epcc_rdma_steps[roles[i].step];
+            epcc_rdma_entry *en;
+            while ((en = epcc_rdma_fifo_peek(f)) != NULL) {
+                uint64_t head = atomic_load(&f->head);
+                if (en->kind != EPCC_RDMA_ENTRY_DATA || en->chan >= e->n_send_chans) {
+                    char msg[256];
+                    snprintf(msg, sizeof msg, "epcc: %s step '%s': FIFO entry %llu is not a chunk (kind %llu, channel "
+                             "%llu)", (const char *)(uintptr_t)e->rank_desc, si->step, (unsigned long long)head,
+                             (unsigned long long)en->kind, (unsigned long long)en->chan);
+                    return fail(e, EPCC_RDMA_FAILED, msg);
+                }
+                const epcc_rdma_send_chan *c = &chans[en->chan];
+                if (en->bytes > c->slot_bytes || en->bytes > roles[i].slot_bytes) {
+                    char msg[256];
+                    snprintf(msg, sizeof msg, "epcc: %s step '%s': chunk %llu holds %llu bytes, more than a slot (%llu)",
+                             (const char *)(uintptr_t)e->rank_desc, si->step, (unsigned long long)en->chan_seq,
+                             (unsigned long long)en->bytes, (unsigned long long)c->slot_bytes);
+                    return fail(e, EPCC_RDMA_FAILED, msg);
+                }
+                const uint8_t *src = (const uint8_t *)(uintptr_t)roles[i].send_buf + (head % f->depth) * roles[i].slot_bytes;
+                uint64_t slot = en->chan_seq % c->depth;
+                uint64_t ctx = EPCC_RDMA_CTX_DATA | (i << 32) | (head & 0xffffffffu);
+                if (epcc_tp_post_write_signal(tp, (int)c->peer, src, en->bytes, (epcc_tp_mr *)(uintptr_t)roles[i].mr,
+                                              c->remote_addr + slot * c->slot_bytes, c->remote_key,
+                                              c->signal_addr + slot * 8, c->signal_key, en->value, ctx, e->timeout_ns))
+                    return fail_tp(e, si->step, "posting a chunk");
+                epcc_rdma_fifo_take(f);
+                atomic_fetch_add(&s->posted, 1);
+                busy = 1;
+            }
+        }
+        for (uint64_t i = 0; i < e->n_recv_chans; i++) {
+            const epcc_rdma_recv_chan *c = &rchans[i];
+            uint64_t v = atomic_load_explicit((_Atomic uint64_t *)(uintptr_t)c->consumed, memory_order_acquire);
+            if (v == s->credit_sent[i] || atomic_load_explicit(&s->credit_inflight[i], memory_order_acquire)) continue;
+            *(volatile uint64_t *)(uintptr_t)c->credit_src = v;
+            atomic_store_explicit(&s->credit_inflight[i], 1, memory_order_release);
+            s->credit_sent[i] = v;
+            if (epcc_tp_post_write(tp, (int)c->peer, (const void *)(uintptr_t)c->credit_src, 8,
+                                   (epcc_tp_mr *)(uintptr_t)c->credit_mr, c->credit_raddr, c->credit_rkey, 0, 0, i,
+                                   e->timeout_ns))
+                return fail_tp(e, epcc_rdma_steps[c->step].step, "returning credits");
+            busy = 1;
+        }
+        int n = epcc_tp_poll(tp, evs, EPCC_RDMA_POLL_BATCH);
+        if (n < 0) return fail_tp(e, "?", "polling completions");
+        for (int k = 0; k < n; k++) {
+            if (evs[k].kind == EPCC_TP_EV_REMOTE)
+                return fail(e, EPCC_RDMA_FAILED, "epcc rdma proxy: an immediate arrived on the GPU path (signals only)");
+            if (route(e, &evs[k])) return (int)e->status;
+        }
+        if (n || busy) {
+            idle = 0;
+        } else {
+            if (aborted(e)) return EPCC_RDMA_ABORTED;
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+            if ((++idle & 1023u) == 0) sched_yield();
+        }
     }
     return EPCC_RDMA_OK;
 }

@@ -189,6 +189,35 @@ enum : int32_t { kErrNone = 0, kErrTimeout = 1, kErrTables = 2 };
 constexpr uint32_t kTimelineWords = 4;
 
 // Kernel parameters (one struct, passed by value as a __grid_constant__).
+// GPU proxy path (rdma="proxy"): what a pack or unpack role needs of one copy, beside its
+// CopyDesc (same index).  Built by the host (backends/cuda/rdma_gpu.py) once the transport's
+// rings exist; zero for copies of other roles.  The FIFO entry matches epcc_rdma_entry
+// (backends/rdma/native/epcc_proxy.h): the proxy reads it from host-pinned memory.
+struct RdmaEntry {
+  uint64_t word;      // (index << 1) | 1 once valid (written last, release)
+  uint64_t kind;      // 1: a chunk
+  uint64_t chan;      // the proxy's send channel
+  uint64_t chan_seq;  // the chunk's sequence number on its channel
+  uint64_t bytes;     // payload in send slot index % depth
+  uint64_t value;     // signal value: launch << 32 | chan_seq + 1
+};
+
+struct RdmaChan {
+  uint8_t* ring;           // pack: the role's send slots (device); unpack: the channel's landing slots (device)
+  const uint64_t* signals; // unpack: the channel's per-slot landing signals (device, written by the sender's proxy)
+  uint64_t* counter;       // pack: the role's FIFO claim counter (device); unpack: the channel's consumed word (host-mapped)
+  const uint64_t* credit;  // pack: the channel's credit word (device, written by the receiver's proxy)
+  RdmaEntry* entries;      // pack: the role's FIFO entries (host-mapped)
+  const uint64_t* retired; // pack: the FIFO's retired count (host-mapped, written by the proxy)
+  uint32_t depth;          // pack: FIFO depth (= send slots); unpack: landing slots
+  uint32_t slot_bytes;     // bytes of one slot
+  uint32_t chan;           // pack: the proxy's send channel index
+  uint32_t chan_depth;     // pack: the receiver's landing slots (the credit window)
+};
+
+// flag ids of the GPU proxy path's waits in an ErrorRecord (not layout counters)
+enum : int32_t { kWaitCredit = -2, kWaitFifoSlot = -3, kWaitLanded = -4, kWaitConsumed = -5 };
+
 struct KernelArgs {
   const uint8_t* tables;        // this program's table blob (device memory)
   const uint64_t* buffers;      // [num_buffers * num_ranks]: buffer b of rank r at [b * num_ranks + r]
@@ -198,6 +227,8 @@ struct KernelArgs {
   uint64_t epoch;               // launches of this program before this one (entry barrier)
   uint64_t timeout_ns;          // bound of every wait
   uint64_t* timeline;           // nullptr, or [grid * kTimelineWords] %globaltimer stamps per block (below)
+  const RdmaChan* rdma;         // GPU proxy path: [num_copies], by CopyDesc index; nullptr without RDMA roles
+  const uint32_t* rdma_seq;     // GPU proxy path: [num_items]: each item's sequence number on its channel
   uint32_t rank;
   uint32_t num_ranks;
   uint32_t region;              // word offset of this program's region in a flag area (its barrier word)
@@ -282,7 +313,14 @@ static __device__ __noinline__ void fail(const KernelArgs& a, int32_t code, cons
     e->code = code;
     __threadfence_system();
   }
-  if (code == kErrTimeout) {
+  if (code == kErrTimeout && flag_id <= -2) {
+    const char* what = flag_id == -2 ? "rdma credit of the receiver" : flag_id == -3 ? "rdma FIFO slot (proxy retired)"
+                       : flag_id == -4 ? "rdma landing signal from the sender" : "rdma consumed count (earlier chunk)";
+    printf("epcc: wait timed out after %.3f s: rank %d step '%s' chunk %d: %s, peer rank %d (value 0x%llx, waiting "
+           "for >= 0x%llx)\n", static_cast<double>(a.timeout_ns) * 1e-9, static_cast<int>(a.rank), step,
+           static_cast<int>(chunk), what, static_cast<int>(flag_rank), static_cast<unsigned long long>(value),
+           static_cast<unsigned long long>(expected));
+  } else if (code == kErrTimeout) {
     printf("epcc: wait timed out after %.3f s: rank %d step '%s' chunk %d flag %d (value %llu, waiting for >= %llu)\n",
            static_cast<double>(a.timeout_ns) * 1e-9, static_cast<int>(a.rank), step, static_cast<int>(chunk),
            static_cast<int>(flag_id), static_cast<unsigned long long>(value),
@@ -552,6 +590,188 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
         __threadfence_system();
         red_release_sys_add(flag, 1);
       }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------- GPU proxy path
+// An RDMA step with rdma="proxy" is two roles and the host proxy (backends/rdma, docs/rdma.md):
+// the sender's pack role waits for the chunk's producers and for the receiver's credit (landing
+// slot seq % chan_depth is free: the receiver consumed chunk seq - chan_depth), claims a FIFO
+// index, waits for that send slot to be free (the proxy retired the entry depth back), packs the
+// chunk's rows into it at the wire pitch and publishes the entry; the proxy writes the slot into
+// the receiver's landing slot and then the slot's signal word (launch << 32 | seq + 1), paced to
+// the link; the receiver's unpack role waits for that signal, applies the rows (copy, or add into
+// the fp32 partials) and bumps the copy's counter like any role, then publishes its consumed
+// count, in sequence order, for the proxy to return as credit.
+
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+}
+
+// Pack (dispatch rows, or combine rows as they travel: bf16 expert outputs, or fp32 partials
+// rounded to bf16): row `r` of a copy goes to row r - row_begin of the send slot.
+template <int kVec, int kUnroll>
+struct CopyBf16Rows : CopyRows<kVec, kUnroll> {  // combine: bf16 expert outputs travel as they are
+  __device__ static uint32_t src_pitch(const TableHeader& h) { return 2u * h.hidden; }
+  __device__ static uint32_t wire_pitch(const TableHeader& h) { return 2u * h.hidden; }
+  __device__ static uint32_t row_len(const TableHeader& h) { return 2u * h.hidden; }
+};
+
+template <int kElems, int kUnroll>
+struct PackF32Bf16 {  // combine: an fp32 partial travels as bf16 (nearest even)
+  static constexpr bool kWeighted = false;
+  __device__ static uint32_t src_pitch(const TableHeader& h) { return 4u * h.hidden; }
+  __device__ static uint32_t wire_pitch(const TableHeader& h) { return 2u * h.hidden; }
+  __device__ static uint32_t row_len(const TableHeader& h) { return h.hidden; }
+  __device__ __forceinline__ static void row(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, float,
+                                             uint32_t hidden, uint32_t lane) {
+    using T = typename Vec<4 * kElems>::T;
+    using B = typename Bf16Vec<kElems>::T;
+    const T* s = reinterpret_cast<const T*>(src);
+    B* d = reinterpret_cast<B*>(dst);
+    const uint32_t n = hidden / kElems;
+    for (uint32_t i0 = lane; i0 < n; i0 += 32u * kUnroll) {
+      T v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint32_t i = i0 + 32u * u;
+        if (i < n) v[u] = __ldcg(s + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint32_t i = i0 + 32u * u;
+        if (i >= n) break;
+        const float* x = reinterpret_cast<const float*>(&v[u]);
+        __align__(16) __nv_bfloat16 o[kElems];
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) o[j] = __float2bfloat16_rn(x[j]);
+        d[i] = *reinterpret_cast<const B*>(o);
+      }
+    }
+  }
+};
+
+template <class Op, uint32_t kWarps>
+__device__ __forceinline__ void run_pack(const KernelArgs& a, uint32_t role, const char* step, uint32_t block,
+                                         uint32_t blocks) {
+  const TableHeader& h = header(a);
+  const RoleDesc rd = section<RoleDesc>(a, h.off_roles)[role];
+  const CopyDesc* copies = section<CopyDesc>(a, h.off_copies);
+  const ItemDesc* items = section<ItemDesc>(a, h.off_items);
+  const WaitDesc* waits = section<WaitDesc>(a, h.off_waits);
+  const uint32_t warp = threadIdx.x / 32u;
+  const uint32_t lane = threadIdx.x % 32u;
+  const uint32_t src_pitch = Op::src_pitch(h);
+  const uint32_t wire = Op::wire_pitch(h);
+  const uint32_t len = Op::row_len(h);
+  const uint32_t R = a.num_ranks;
+  __shared__ uint64_t claimed;
+  for (uint32_t k = block; k < rd.item_count; k += blocks) {
+    const uint32_t item = rd.item_begin + k;
+    const ItemDesc it = items[item];
+    const CopyDesc c = copies[it.copy];
+    const RdmaChan& q = a.rdma[it.copy];
+    const uint64_t seq = a.rdma_seq[item];
+    if (threadIdx.x == 0) {
+      for (uint32_t j = 0; j < it.wait_count; ++j) {
+        const WaitDesc wd = waits[it.wait_begin + j];
+        wait_ge(a, flag_ptr(a, wd.flag_rank, wd.flag_id), wd.value, step, static_cast<int32_t>(role),
+                static_cast<int32_t>(it.chunk), static_cast<int32_t>(wd.flag_id), static_cast<int32_t>(wd.flag_rank));
+      }
+      if (k == block) stamp(a, 1);
+      if (seq >= q.chan_depth) {  // the receiver has consumed chunk seq - chan_depth: its landing slot is free
+        wait_ge(a, q.credit, (a.epoch << 32) | (seq - q.chan_depth + 1), step, static_cast<int32_t>(role),
+                static_cast<int32_t>(it.chunk), kWaitCredit, static_cast<int32_t>(c.dst_rank));
+      }
+      const uint64_t idx = atomicAdd(reinterpret_cast<unsigned long long*>(q.counter), 1ull);
+      if (idx >= q.depth) {  // send slot idx % depth is free once entry idx - depth was retired
+        wait_ge(a, q.retired, idx - q.depth + 1, step, static_cast<int32_t>(role), static_cast<int32_t>(it.chunk),
+                kWaitFifoSlot, static_cast<int32_t>(a.rank));
+      }
+      claimed = idx;
+    }
+    __syncthreads();
+    const uint64_t idx = claimed;
+    uint8_t* slot = q.ring + (idx % q.depth) * q.slot_bytes;
+    if (warp < kWarps) {
+      const int64_t* src_rows = reinterpret_cast<const int64_t*>(a.tables + c.src_rows);
+      for (uint32_t r = it.row_begin + warp; r < it.row_end; r += kWarps) {
+        const int64_t hd = __ldg(src_rows + r);
+        const uint64_t buf = static_cast<uint64_t>(hd) >> EPCC_ROW_BUF_SHIFT;
+        const uint64_t sl = static_cast<uint64_t>(hd) & ((uint64_t{1} << EPCC_ROW_BUF_SHIFT) - 1);
+        const uint8_t* src = reinterpret_cast<const uint8_t*>(a.buffers[buf * R + c.src_rank]) + sl * src_pitch;
+        Op::row(src, slot + static_cast<uint64_t>(r - it.row_begin) * wire, 1.f, len, lane);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      // The rows (device memory, read by the copy engine) and the fields, then the valid word.
+      __threadfence_system();
+      volatile RdmaEntry* e = q.entries + idx % q.depth;
+      e->kind = 1;
+      e->chan = q.chan;
+      e->chan_seq = seq;
+      e->bytes = static_cast<uint64_t>(it.row_end - it.row_begin) * wire;
+      e->value = (a.epoch << 32) | (seq + 1);
+      __threadfence_system();
+      st_release_sys(const_cast<uint64_t*>(&e->word), (idx << 1) | 1u);
+    }
+  }
+}
+
+template <class Op, uint32_t kWarps, bool kWeighted>
+__device__ __forceinline__ void run_unpack(const KernelArgs& a, uint32_t role, const char* step, uint32_t block,
+                                           uint32_t blocks) {
+  const TableHeader& h = header(a);
+  const RoleDesc rd = section<RoleDesc>(a, h.off_roles)[role];
+  const CopyDesc* copies = section<CopyDesc>(a, h.off_copies);
+  const ItemDesc* items = section<ItemDesc>(a, h.off_items);
+  const uint32_t warp = threadIdx.x / 32u;
+  const uint32_t lane = threadIdx.x % 32u;
+  const uint32_t wire = Op::src_pitch(h);
+  const uint32_t dst_pitch = Op::dst_pitch(h);
+  const uint32_t len = Op::row_len(h);
+  const uint32_t R = a.num_ranks;
+  for (uint32_t k = block; k < rd.item_count; k += blocks) {
+    const uint32_t item = rd.item_begin + k;
+    const ItemDesc it = items[item];
+    const CopyDesc c = copies[it.copy];
+    const RdmaChan& q = a.rdma[it.copy];
+    const uint64_t seq = a.rdma_seq[item];
+    const uint64_t tag = a.epoch << 32;
+    if (threadIdx.x == 0) {
+      wait_ge(a, q.signals + seq % q.depth, tag | (seq + 1), step, static_cast<int32_t>(role),
+              static_cast<int32_t>(it.chunk), kWaitLanded, static_cast<int32_t>(c.src_rank));
+      if (k == block) stamp(a, 1);
+    }
+    __syncthreads();
+    const uint8_t* slot = q.ring + (seq % q.depth) * q.slot_bytes;
+    if (warp < kWarps) {
+      const int64_t* dst_rows = reinterpret_cast<const int64_t*>(a.tables + c.dst_rows);
+      const float* weights = kWeighted ? reinterpret_cast<const float*>(a.tables + c.weights) : nullptr;
+      uint8_t* dst_base = reinterpret_cast<uint8_t*>(a.buffers[static_cast<size_t>(c.dst_buf) * R + c.dst_rank]);
+      for (uint32_t r = it.row_begin + warp; r < it.row_end; r += kWarps) {
+        uint8_t* dst = dst_base + static_cast<uint64_t>(__ldg(dst_rows + r)) * dst_pitch;
+        Op::row(slot + static_cast<uint64_t>(r - it.row_begin) * wire, dst, kWeighted ? __ldg(weights + r) : 1.f, len,
+                lane);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      if (c.flag_id != EPCC_NO_FLAG) {  // publish in chunk order, as run_role does
+        uint64_t* flag = flag_ptr(a, c.flag_rank, c.flag_id);
+        wait_ge(a, flag, it.chunk, step, static_cast<int32_t>(role), static_cast<int32_t>(it.chunk),
+                static_cast<int32_t>(c.flag_id), static_cast<int32_t>(c.flag_rank));
+        __threadfence_system();
+        red_release_sys_add(flag, 1);
+      }
+      // The landing slot is free again: consumed counts advance in sequence order.
+      if (seq > 0) {
+        wait_ge(a, q.counter, tag | seq, step, static_cast<int32_t>(role), static_cast<int32_t>(it.chunk),
+                kWaitConsumed, static_cast<int32_t>(a.rank));
+      }
+      st_release_sys(q.counter, tag | (seq + 1));
     }
   }
 }

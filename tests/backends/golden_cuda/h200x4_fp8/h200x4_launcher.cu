@@ -49,13 +49,14 @@ struct ProgramInfo {
   uint32_t block;
   cudaError_t (*launch)(const epcc::KernelArgs*, cudaStream_t);
   cudaError_t (*occupancy)(int*);
+  bool rdma;                    // has GPU proxy roles (rdma="proxy"): needs epcc_cuda_set_rdma
 };
 
 const ProgramInfo kPrograms[kNumPrograms] = {
     {"dispatch", true, 2u, kDispatchStepCrcs, 2u, -1, 16u, 1u,
-     25u, 256u, epcc_h200x4_dispatch_launch, epcc_h200x4_dispatch_occupancy},
+     25u, 256u, epcc_h200x4_dispatch_launch, epcc_h200x4_dispatch_occupancy, false},
     {"combine", true, 2u, kCombineStepCrcs, 2u, 1, 1u, 8u,
-     25u, 256u, epcc_h200x4_combine_launch, epcc_h200x4_combine_occupancy},
+     25u, 256u, epcc_h200x4_combine_launch, epcc_h200x4_combine_occupancy, false},
 };
 
 cudaError_t (*const kFinishLaunch)(const float*, void*, uint64_t, uint32_t, cudaStream_t) = epcc_h200x4_combine_finish_launch;
@@ -74,6 +75,8 @@ struct Program {
   bool buffers_ok = false;
   uint64_t epoch = 0;                // launches so far (entry barrier)
   uint64_t* timeline = nullptr;      // [grid * kTimelineWords] when enabled (epcc_cuda_enable_timeline)
+  const epcc::RdmaChan* rdma = nullptr;  // GPU proxy path (epcc_cuda_set_rdma), device memory of the caller
+  const uint32_t* rdma_seq = nullptr;
 };
 
 struct Context {
@@ -122,7 +125,14 @@ std::string format_error(const epcc::ErrorRecord& e) {
   char buf[512];
   char step[sizeof e.step + 1] = {0};
   std::memcpy(step, e.step, sizeof e.step);
-  if (e.code == epcc::kErrTimeout) {
+  if (e.code == epcc::kErrTimeout && e.flag_id <= -2) {
+    const char* what = e.flag_id == -2 ? "rdma credit of the receiver" : e.flag_id == -3 ? "rdma FIFO slot (proxy retired)"
+                       : e.flag_id == -4 ? "rdma landing signal from the sender" : "rdma consumed count (earlier chunk)";
+    std::snprintf(buf, sizeof buf,
+                  "epcc: wait timed out after %.3f s: rank %d step '%s' chunk %d: %s, peer rank %d (value 0x%llx, "
+                  "waiting for >= 0x%llx)", static_cast<double>(e.timeout_ns) * 1e-9, e.rank, step, e.chunk, what,
+                  e.flag_rank, static_cast<unsigned long long>(e.value), static_cast<unsigned long long>(e.expected));
+  } else if (e.code == epcc::kErrTimeout) {
     std::snprintf(buf, sizeof buf,
                   "epcc: wait timed out after %.3f s: rank %d step '%s' chunk %d flag %d (value %llu, waiting for >= %llu)",
                   static_cast<double>(e.timeout_ns) * 1e-9, e.rank, step, e.chunk, e.flag_id,
@@ -143,6 +153,10 @@ int launch_main(Context* c, int program, cudaStream_t stream) {
   if (!c->flags_ok) return fail(c, EPCC_RC_USAGE, "%s: call epcc_cuda_set_flag_areas first", info.name);
   if (!p.tables_ok) return fail(c, EPCC_RC_USAGE, "%s: call epcc_cuda_upload_tables first", info.name);
   if (!p.buffers_ok) return fail(c, EPCC_RC_USAGE, "%s: call epcc_cuda_set_buffers first", info.name);
+  if (info.rdma && (p.rdma == nullptr || p.rdma_seq == nullptr)) {
+    return fail(c, EPCC_RC_USAGE, "%s: the kernel has GPU proxy roles: call epcc_cuda_set_rdma first (the RDMA engine, "
+                "backends/cuda/rdma_gpu.py)", info.name);
+  }
   if (c->error_host->code != epcc::kErrNone) {
     return fail(c, EPCC_RC_KERNEL, "an earlier launch failed: %s", format_error(*c->error_host).c_str());
   }
@@ -167,6 +181,8 @@ int launch_main(Context* c, int program, cudaStream_t stream) {
   a.epoch = p.epoch;
   a.timeout_ns = c->timeout_ns;
   a.timeline = p.timeline;
+  a.rdma = p.rdma;
+  a.rdma_seq = p.rdma_seq;
   a.rank = c->rank;
   a.num_ranks = kNumRanks;
   a.region = static_cast<uint32_t>(program) * c->flag_capacity;
@@ -330,6 +346,20 @@ int epcc_cuda_set_flag_areas(void* ctx, const uint64_t* areas) {
 // Buffer base addresses of a program, buffer-major: ptrs[b * num_ranks + r] is buffer b (the
 // manifest's buffers[program] order) on rank r, as mapped in this process (0: not used).
 // Ordered on `stream` after the launches before it there.
+// GPU proxy path: the per-copy RDMA descriptors (epcc::RdmaChan [num_copies]) and per-item
+// sequence numbers (uint32 [num_items]) of the uploaded tables, in device memory the caller owns
+// and keeps alive; set after each upload of tables (they index its copies and items).
+int epcc_cuda_set_rdma(void* ctx, int program, uint64_t chans, uint64_t seq) {
+  Context* c = static_cast<Context*>(ctx);
+  if (c == nullptr) return fail(nullptr, EPCC_RC_USAGE, "epcc_cuda_set_rdma: NULL context");
+  if (const int rc = check_program(c, program)) return rc;
+  if (!kPrograms[program].rdma) return fail(c, EPCC_RC_USAGE, "%s: the kernel has no GPU proxy roles", kPrograms[program].name);
+  if (chans == 0 || seq == 0) return fail(c, EPCC_RC_USAGE, "epcc_cuda_set_rdma: NULL descriptor pointer");
+  c->programs[program].rdma = reinterpret_cast<const epcc::RdmaChan*>(chans);
+  c->programs[program].rdma_seq = reinterpret_cast<const uint32_t*>(seq);
+  return EPCC_RC_OK;
+}
+
 int epcc_cuda_set_buffers(void* ctx, int program, const uint64_t* ptrs, uint32_t count, uint64_t stream) {
   Context* c = static_cast<Context*>(ctx);
   if (c == nullptr || ptrs == nullptr) return fail(c, EPCC_RC_USAGE, "epcc_cuda_set_buffers: NULL argument");

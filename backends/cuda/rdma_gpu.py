@@ -1,0 +1,378 @@
+"""The GPU proxy path (rdma="proxy"): one rank's RDMA engine for one program, on a GPU machine.
+
+The kernels' pack roles push one FIFO entry per chunk, the emitted proxy loop
+(backends/rdma/templates/epcc_proxy.c.j2, `epcc_rdma_proxy_gpu`) writes each chunk through a
+transport (here `emulated`: the copy engine, paced to the plan's RDMA link) into the receiver's
+landing slot and then that slot's signal word, and the receiver's unpack roles apply it (see
+templates/device.cu.j2, "GPU proxy path").  This module decides and allocates everything the
+two sides share, from the rank's uploaded tables:
+
+* channels: one per (step, sender, receiver); a chunk's sequence number on its channel is its
+  position among the channel's items in the role's item order, which both sides' tables list in
+  the same relative order (tables.item_order over copies sorted by flow), so no table carries it;
+* per pack role: a FIFO of `depth` entries (host-pinned: the kernel writes, the proxy reads) and
+  `depth` send slots (device memory, the copy engine's source), a claim counter (device);
+* per receive channel: `depth` landing slots and `depth` signal words (device memory, targets of
+  the peer's writes), a consumed word (host-pinned: the unpack role writes it, the proxy returns
+  it as credit) and the credit source word; per send channel: the credit word (device memory,
+  written by the receiver's proxy, read by the pack role);
+* the RdmaChan descriptors (one per CopyDesc) and the items' sequence numbers, in device memory,
+  handed to the launcher with `Context.set_rdma`.
+
+Depth and chunk size are the plan's (chunk-pipeline pass; EPCC_RDMA_CHUNK_TOKENS / EPCC_RDMA_DEPTH
+override them at compile time through `rdma.with_overrides`).  Addresses and keys are exchanged
+with the caller's all-gather (torch.distributed's all_gather_object).  The proxy thread spins on a
+core for the engine's life (the emulated link is paced by its polling) and is stopped by close().
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from epcc.backends.rdma.engine import (ENGINE, ERRLEN, RECV_CHAN, SEND_CHAN, SEND_ROLE, STATUS_OK, STATUS_TIMEOUT,
+                                       TP_LOCAL, TP_REMOTE_WRITE, Transport, TransportError, load)
+from epcc.backends.rdma.lower import rdma_steps
+
+from .tables import PROGRAMS, parse_tables
+
+ALIGN = 256
+FIFO_WORDS = 8  # epcc_rdma_fifo: tail, head, retired, flushed, depth, entries, done, external
+ENTRY_WORDS = 6  # epcc_rdma_entry: word, kind, chan, chan_seq, bytes, value
+RETIRED_WORD = 2
+RDMA_CHAN = np.dtype([("ring", "<u8"), ("signals", "<u8"), ("counter", "<u8"), ("credit", "<u8"),
+                      ("entries", "<u8"), ("retired", "<u8"), ("depth", "<u4"), ("slot_bytes", "<u4"),
+                      ("chan", "<u4"), ("chan_depth", "<u4")])  # epcc::RdmaChan (device.cu.j2)
+assert RDMA_CHAN.itemsize == 64
+
+
+class RdmaGpuError(RuntimeError):
+    """The GPU proxy path cannot run (a bad transport spec, tables without its roles, a failure)."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass
+class _Chan:
+    key: tuple[str, int, int]  # (step, sender, receiver)
+    step: str
+    src: int
+    dst: int
+    depth: int
+    slot_bytes: int = 0
+    n_chunks: int = 0
+    offset: int = 0  # receive channel: bytes into the landing region
+    sig_offset: int = 0  # receive channel: bytes into the signal region
+    index: int = 0
+
+
+@dataclass
+class _Role:
+    index: int  # the kernel role
+    step: str
+    depth: int
+    wire: int
+    slot_bytes: int = 0
+    chans: list = field(default_factory=list)
+
+
+def wire_pitch(manifest: dict, program: str) -> int:
+    """Bytes of one row on the RDMA link: the dispatch wire row; combine rows travel as bf16."""
+    wl = manifest["workload"]
+    return int(wl["row_bytes"]) if program == "dispatch" else 2 * int(wl["hidden"])
+
+
+def item_sequences(manifest: dict, parsed: dict, program: str) -> tuple[np.ndarray, dict, dict]:
+    """(seq uint32 [num_items], pack roles {role index: {channel key: [chunk bytes...]}}, unpack
+    roles likewise): each item of a pack or unpack role numbered on its channel, in item order."""
+    kernel = next(k for k in manifest["kernels"] if k["program"] == program and k["kind"] == "main")
+    wire = wire_pitch(manifest, program)
+    seq = np.zeros(max(len(parsed["items"]), 1), dtype=np.uint32)
+    sides: dict[str, dict[int, dict]] = {"rdma-pack": {}, "rdma-unpack": {}}
+    for i, role in enumerate(kernel["roles"]):
+        side = role.get("lowered")
+        if side not in sides:
+            continue
+        rd = parsed["roles"][i]
+        chans: dict[tuple[str, int, int], list[int]] = {}
+        for k in range(int(rd["item_count"])):
+            item = int(rd["item_begin"]) + k
+            it = parsed["items"][item]
+            c = parsed["copies"][int(it["copy"])]
+            key = (role["step"], int(c["src_rank"]), int(c["dst_rank"]))
+            got = chans.setdefault(key, [])
+            seq[item] = len(got)
+            got.append((int(it["row_end"]) - int(it["row_begin"])) * wire)
+        sides[side][i] = chans
+    return seq, sides["rdma-pack"], sides["rdma-unpack"]
+
+
+class GpuRdma:
+    """The GPU proxy path of one rank and program: transport, rings, descriptors, proxy thread."""
+
+    def __init__(self, *, proxy_lib: str, cuda_lib, ctx, plan, manifest: dict, blob: np.ndarray, program: str,
+                 rank: int, device: int, exchange, timeout_s: float = 30.0, transport: str = "emulated",
+                 spec: str | None = None, log=None):
+        if program not in PROGRAMS:
+            raise RdmaGpuError(f"program must be one of {PROGRAMS}, not {program!r}")
+        self.cuda, self.program, self.rank = cuda_lib, program, rank
+        self.keep: list = []
+        self.device_ptrs: list[int] = []
+        self.thread: threading.Thread | None = None
+        self.status: int | None = None
+        steps = {s.step: s for s in rdma_steps(plan) if s.program == program}
+        if not steps:
+            raise RdmaGpuError(f"{program}: the plan has no RDMA step")
+        links = {(s.bandwidth, s.latency_s) for s in steps.values()}
+        if len(links) != 1:
+            raise RdmaGpuError(f"{program}: RDMA steps over links of different speeds ({sorted(links)}): one "
+                               f"emulated link per rank and program in this version")
+        bw, lat = links.pop()
+        if transport != "emulated":
+            raise RdmaGpuError(f"transport '{transport}': the GPU proxy path runs the 'emulated' transport in this "
+                               f"version")
+        if spec is None:
+            if not bw:
+                raise RdmaGpuError(f"{program}: the RDMA link has no bandwidth in the plan; give the transport spec")
+            spec = f"{bw / 1e9:g},{lat * 1e6:g},{device},signal"
+        self.lib = load(proxy_lib)
+        if not hasattr(self.lib, "epcc_rdma_proxy_gpu"):
+            raise RdmaGpuError(f"{proxy_lib}: no epcc_rdma_proxy_gpu (a proxy library of an older epcc?)")
+        self.lib.epcc_rdma_proxy_gpu.argtypes, self.lib.epcc_rdma_proxy_gpu.restype = [ctypes.c_void_p], ctypes.c_int
+        parsed = parse_tables(blob)
+        R = int(parsed["header"]["num_ranks"])
+        seq, pack, unpack = item_sequences(manifest, parsed, program)
+        kernel = next(k for k in manifest["kernels"] if k["program"] == program and k["kind"] == "main")
+        wire = wire_pitch(manifest, program)
+        step_index = {s.step: s.index for s in steps.values()}
+
+        # ---- this rank's channels (the same numbering on both sides: sorted keys)
+        send: dict[tuple, _Chan] = {}
+        recv: dict[tuple, _Chan] = {}
+        roles: list[_Role] = []
+        for ri, chans in pack.items():
+            step = kernel["roles"][ri]["step"]
+            role = _Role(ri, step, steps[step].depth, wire)
+            for key, sizes in chans.items():
+                ch = send.setdefault(key, _Chan(key, step, key[1], key[2], steps[step].depth))
+                ch.n_chunks += len(sizes)
+                ch.slot_bytes = max(ch.slot_bytes, max(sizes, default=1))
+                role.slot_bytes = max(role.slot_bytes, ch.slot_bytes)
+                role.chans.append(key)
+            roles.append(role)
+        for ri, chans in unpack.items():
+            step = kernel["roles"][ri]["step"]
+            for key, sizes in chans.items():
+                ch = recv.setdefault(key, _Chan(key, step, key[1], key[2], steps[step].depth))
+                ch.n_chunks += len(sizes)
+                ch.slot_bytes = max(ch.slot_bytes, max(sizes, default=1))
+        send = dict(sorted(send.items()))
+        recv = dict(sorted(recv.items()))
+        for i, ch in enumerate(send.values()):
+            ch.index = i
+        landing_bytes = sig_bytes = 0
+        for i, ch in enumerate(recv.values()):
+            ch.index = i
+            ch.slot_bytes = _align(ch.slot_bytes)
+            ch.offset = landing_bytes
+            landing_bytes += ch.depth * ch.slot_bytes
+            ch.sig_offset = sig_bytes
+            sig_bytes += 8 * ch.depth
+        for role in roles:
+            role.slot_bytes = _align(role.slot_bytes)
+
+        # ---- memory: device (cudaMalloc'd, zeroed; peers write the first three) and host-pinned
+        def dmalloc(n: int) -> int:
+            p = cuda_lib.malloc(device, max(n, 8))
+            self.device_ptrs.append(p)
+            return p
+
+        import torch  # pinned host memory the kernels and the proxy share
+
+        def pinned(words: int) -> tuple[np.ndarray, int]:
+            t = torch.zeros(max(words, 1), dtype=torch.int64, pin_memory=True)
+            self.keep.append(t)
+            return t.numpy().view(np.uint64), int(t.data_ptr())
+
+        landing = dmalloc(landing_bytes)
+        signals = dmalloc(sig_bytes)
+        credits = dmalloc(8 * len(send))
+        claims = dmalloc(8 * len(roles))
+        send_bufs = [dmalloc(r.depth * r.slot_bytes) for r in roles]
+        fifo_words = sum(FIFO_WORDS + ENTRY_WORDS * r.depth for r in roles)
+        fifo_host, fifo_ptr = pinned(fifo_words)
+        self._fifo_host = fifo_host
+        consumed_host, consumed_ptr = pinned(len(recv))
+        self._consumed_host, self._n_recv = consumed_host, len(recv)
+        _, credit_src_ptr = pinned(len(recv))
+        fifo_at, at = [], 0
+        for r in roles:
+            fifo_at.append(at)
+            fifo_host[at + 4] = r.depth  # depth
+            fifo_host[at + 5] = fifo_ptr + 8 * (at + FIFO_WORDS)  # entries, right behind the struct
+            at += FIFO_WORDS + ENTRY_WORDS * r.depth
+        # the FIFO structs must be contiguous epcc_rdma_fifo [n_roles] for the engine: entries after all of them
+        if len(roles) > 1:
+            raise RdmaGpuError(f"{program}: {len(roles)} RDMA steps; one per program in this version")
+
+        # ---- transport: open, register, exchange, connect
+        try:
+            self.tp = Transport(self.lib, transport, spec, rank, R)
+        except TransportError as e:
+            raise RdmaGpuError(f"rank {rank}: transport '{transport}' ({spec}): {e}") from None
+        self.description = self.tp.description
+
+        def reg(ptr: int, n: int, access: int) -> tuple[int, int, int]:
+            mr = ctypes.c_void_p()
+            if self.tp.lib.epcc_tp_reg(self.tp.ptr, ptr, max(n, 8), access, ctypes.byref(mr)) != 0:
+                raise RdmaGpuError(f"rank {rank}: registering memory: {self.tp.error()}")
+            self.tp.mrs.append(mr)
+            a, k = ctypes.c_uint64(), ctypes.c_uint64()
+            self.tp.lib.epcc_tp_mr_remote(mr, ctypes.byref(a), ctypes.byref(k))
+            return int(mr.value), int(a.value), int(k.value)
+
+        _, land_addr, land_key = reg(landing, landing_bytes, TP_REMOTE_WRITE)
+        _, sig_addr, sig_key = reg(signals, sig_bytes, TP_REMOTE_WRITE)
+        _, cred_addr, cred_key = reg(credits, 8 * len(send), TP_REMOTE_WRITE)
+        send_mrs = [reg(p, r.depth * r.slot_bytes, TP_LOCAL)[0] for p, r in zip(send_bufs, roles)]
+        mine = {"addr": self.tp.address(),
+                "recv": {k: (land_addr + ch.offset, land_key, ch.slot_bytes, ch.depth, sig_addr + ch.sig_offset,
+                             sig_key, ch.index) for k, ch in recv.items()},
+                "send": {k: (cred_addr + 8 * ch.index, cred_key) for k, ch in send.items()}}
+        everyone = exchange(mine)
+        for k, ch in send.items():
+            if k not in everyone[ch.dst]["recv"]:
+                raise RdmaGpuError(f"rank {rank}: {program} step '{ch.step}': rank {ch.dst} has no landing ring for "
+                                   f"channel {ch.src}->{ch.dst} (tables of another layout?)")
+            got = everyone[ch.dst]["recv"][k]
+            if got[2] < ch.slot_bytes:
+                raise RdmaGpuError(f"rank {rank}: {program} step '{ch.step}': a chunk of {ch.slot_bytes} B does not fit "
+                                   f"rank {ch.dst}'s landing slots of {got[2]} B")
+        self.tp.connect([e["addr"] for e in everyone])
+
+        # ---- the proxy loop's tables
+        def cstr(text: str) -> int:
+            b = ctypes.create_string_buffer(text.encode())
+            self.keep.append(b)
+            return ctypes.addressof(b)
+
+        def table(t, rows: list[dict]) -> np.ndarray:
+            a = np.zeros((max(len(rows), 1), len(t.fields)), dtype=np.uint64)
+            for i, row in enumerate(rows):
+                for j, f in enumerate(t.names()):
+                    a[i, j] = np.uint64(int(row.get(f, 0)) & 0xFFFFFFFFFFFFFFFF)
+            self.keep.append(a)
+            return a
+
+        name = {k: f"{program}.{k[0]}[{k[1]}->{k[2]}]" for k in (*send, *recv)}
+        send_rows = []
+        for k, ch in send.items():
+            raddr, rkey, slot, depth, saddr, skey, imm_chan = everyone[ch.dst]["recv"][k]
+            send_rows.append(dict(peer=ch.dst, remote_addr=raddr, remote_key=rkey, slot_bytes=slot, depth=depth,
+                                  n_chunks=ch.n_chunks, imm_chan=imm_chan, credit=0,
+                                  credit_name=cstr(name[k] + ".credit"), signal_addr=saddr, signal_key=skey))
+        recv_rows = []
+        for k, ch in recv.items():
+            craddr, crkey = everyone[ch.src]["send"][k]
+            recv_rows.append(dict(peer=ch.src, step=step_index[ch.step], n_chunks=ch.n_chunks,
+                                  landing=landing + ch.offset, slot_bytes=ch.slot_bytes, depth=ch.depth,
+                                  row_len=wire, src_row_bytes=wire, credit_raddr=craddr, credit_rkey=crkey,
+                                  credit_src=credit_src_ptr + 8 * ch.index, credit_mr=0,
+                                  name=cstr(name[k] + ".landed"), consumed=consumed_ptr + 8 * ch.index))
+        role_rows = [dict(step=step_index[r.step], depth=r.depth, slot_bytes=r.slot_bytes, src_row_bytes=r.wire,
+                          send_buf=p, mr=mr) for r, p, mr in zip(roles, send_bufs, send_mrs)]
+        self.err = ctypes.create_string_buffer(ERRLEN)
+        self.stop = np.zeros(1, dtype=np.uint64)
+        self.abort = np.zeros(1, dtype=np.uint64)
+        rank_desc = f"rank {rank} ({program}, GPU proxy over {self.description})"
+        self.engine = table(ENGINE, [dict(
+            tp=self.tp.ptr.value, rank_desc=cstr(rank_desc), timeout_ns=int(timeout_s * 1e9),
+            abort=self.abort.ctypes.data, stop=self.stop.ctypes.data, n_roles=len(role_rows),
+            roles=table(SEND_ROLE, role_rows).ctypes.data, n_send_chans=len(send_rows),
+            send_chans=table(SEND_CHAN, send_rows).ctypes.data, n_recv_chans=len(recv_rows),
+            recv_chans=table(RECV_CHAN, recv_rows).ctypes.data, err=ctypes.addressof(self.err), errlen=ERRLEN,
+            gpu_fifos=fifo_ptr if roles else 0)])
+        if self.lib.epcc_rdma_engine_init(self.engine.ctypes.data) != 0:
+            raise RdmaGpuError(f"rank {rank}: the proxy engine could not be set up (FIFO depth or memory)")
+
+        # ---- the kernels' descriptors: one RdmaChan per CopyDesc, the items' sequence numbers
+        desc = np.zeros(max(len(parsed["copies"]), 1), dtype=RDMA_CHAN)
+        for ri, role in zip(pack, roles):
+            rd = parsed["roles"][ri]
+            for k in range(int(rd["item_count"])):
+                it = parsed["items"][int(rd["item_begin"]) + k]
+                c = parsed["copies"][int(it["copy"])]
+                key = (role.step, int(c["src_rank"]), int(c["dst_rank"]))
+                ch = send[key]
+                depth = everyone[ch.dst]["recv"][key][3]
+                desc[int(it["copy"])] = (send_bufs[roles.index(role)], 0, claims + 8 * roles.index(role),
+                                         credits + 8 * ch.index, fifo_ptr + 8 * (fifo_at[0] + FIFO_WORDS),
+                                         fifo_ptr + 8 * (fifo_at[0] + RETIRED_WORD), role.depth, role.slot_bytes,
+                                         ch.index, depth)
+        for ri, chans in unpack.items():
+            rd = parsed["roles"][ri]
+            for k in range(int(rd["item_count"])):
+                it = parsed["items"][int(rd["item_begin"]) + k]
+                c = parsed["copies"][int(it["copy"])]
+                ch = recv[(kernel["roles"][ri]["step"], int(c["src_rank"]), int(c["dst_rank"]))]
+                desc[int(it["copy"])] = (landing + ch.offset, signals + ch.sig_offset, consumed_ptr + 8 * ch.index, 0,
+                                         0, 0, ch.depth, ch.slot_bytes, 0, 0)
+        self.desc_dev = dmalloc(desc.nbytes)
+        self.seq_dev = dmalloc(seq.nbytes)
+        cuda_lib.copy_to_device(self.desc_dev, desc.view(np.uint8))
+        cuda_lib.copy_to_device(self.seq_dev, seq)
+        ctx.set_rdma(program, self.desc_dev, self.seq_dev)
+        self.summary = (f"{program}: {len(send)} send / {len(recv)} receive channels, depth "
+                        f"{', '.join(str(r.depth) for r in roles) or '-'}, send slots of "
+                        f"{', '.join(str(r.slot_bytes) for r in roles) or '-'} B over {self.description}")
+        if log:
+            log(self.summary)
+
+    # -- the proxy thread -------------------------------------------------------------------
+    def start(self) -> None:
+        def run():
+            self.status = int(self.lib.epcc_rdma_proxy_gpu(self.engine.ctypes.data))
+
+        self.thread = threading.Thread(target=run, name=f"epcc-rdma-gpu-{self.program}", daemon=True)
+        self.thread.start()
+
+    def failure(self) -> str | None:
+        """The proxy's message once it stopped on a failure (None while it runs or after a clean stop)."""
+        if self.status in (None, STATUS_OK):
+            return None
+        return self.err.value.decode(errors="replace") or f"epcc rdma: the GPU proxy failed (status {self.status})"
+
+    def timed_out(self) -> bool:
+        return self.status == STATUS_TIMEOUT
+
+    def stats(self) -> dict:
+        return self.tp.stats()
+
+    def state(self) -> str:
+        """One line for a failure report: what the proxy saw and did (FIFO counters, consumed words)."""
+        f = self._fifo_host
+        posted = int(self.lib.epcc_rdma_engine_posted(self.engine.ctypes.data)) if self.engine is not None else -1
+        words = ", ".join(f"0x{int(v):x}" for v in self._consumed_host[: self._n_recv])
+        return (f"{self.program} proxy: status {self.status}, posted {posted}, FIFO head {int(f[1])} retired "
+                f"{int(f[2])}, consumed [{words}], transport {self.tp.stats() if self.tp else '-'}")
+
+    def close(self) -> None:
+        """Stop the proxy (every launch using it must have completed), release everything."""
+        if self.thread is not None:
+            self.stop[0] = 1
+            self.thread.join()
+            self.thread = None
+        if getattr(self, "engine", None) is not None:
+            self.lib.epcc_rdma_engine_fini(self.engine.ctypes.data)
+            self.engine = None
+        if getattr(self, "tp", None) is not None:
+            self.tp.close()
+            self.tp = None
+        for p in self.device_ptrs:
+            self.cuda.free(p)
+        self.device_ptrs.clear()

@@ -1,0 +1,108 @@
+"""The GPU proxy path's tables (rdma="proxy"): what the sender's pack role pushes on a channel is,
+chunk for chunk and in the same order, what the receiver's unpack role waits for.  The runs on
+GPUs are in tests/gpu (and bench/ep_bench.py); these check the numbering both sides derive."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from epcc.backends import cuda
+from epcc.backends.cuda import rdma_gpu, tables
+
+from test_cuda_codegen import small_case, source_of
+
+
+@pytest.mark.parametrize("name,tokens,chunk", [("h200x4_2vnode", 24, 3), ("h200x4_ubb2x2", 24, 2),
+                                               ("dgx_h800_2node", 8, 2)])
+def test_both_sides_number_every_channel_alike(name, tokens, chunk):
+    plan, layout, *_ = small_case(name, tokens, chunk)
+    m = cuda.generate(plan, source_of(name), cuda.CudaOptions(rdma="proxy")).manifest
+    for program in tables.PROGRAMS:
+        kernel = next(k for k in m["kernels"] if k["program"] == program and k["kind"] == "main")
+        sides = {r["lowered"] for r in kernel["roles"]}
+        assert {"rdma-pack", "rdma-unpack"} <= sides, f"{program}: no GPU proxy roles"
+        sent, landed = {}, {}
+        for rank in range(plan.num_ranks):
+            parsed = cuda.parse_tables(cuda.build_tables(m, layout, program, rank).blob)
+            seq, pack, unpack = rdma_gpu.item_sequences(m, parsed, program)
+            for side, roles, out in (("rdma-pack", pack, sent), ("rdma-unpack", unpack, landed)):
+                for ri in roles:
+                    rd = parsed["roles"][ri]
+                    for k in range(int(rd["item_count"])):
+                        item = int(rd["item_begin"]) + k
+                        it = parsed["items"][item]
+                        c = parsed["copies"][int(it["copy"])]
+                        key = (kernel["roles"][ri]["step"], int(c["src_rank"]), int(c["dst_rank"]))
+                        # the pack role runs on the sender, the unpack role on the receiver
+                        assert rank == (key[1] if side == "rdma-pack" else key[2])
+                        if side == "rdma-pack":
+                            assert int(c["flag_id"]) == tables.NO_FLAG  # the receiver bumps the counter
+                        else:
+                            assert int(it["wait_count"]) == 0  # it waits for the landing signal instead
+                        out.setdefault(key, []).append(
+                            (int(seq[item]), int(c["flow_index"]), int(it["chunk"]),
+                             int(it["row_end"]) - int(it["row_begin"])))
+        assert sent and sent.keys() == landed.keys()
+        for key in sent:
+            assert [s for s, *_ in sent[key]] == list(range(len(sent[key]))), key
+            assert sent[key] == landed[key], f"{program} channel {key}: the two sides disagree"
+        # every RDMA copy of the layout travels exactly once
+        steps = {r["step"] for r in kernel["roles"] if r["lowered"] == "rdma-pack"}
+        want = sum(len(c.chunk_starts) - 1 for c in layout.copies if c.program == program and c.step in steps)
+        assert sum(len(v) for v in sent.values()) == want
+
+
+def test_wire_rows_are_bf16_in_combine():
+    plan, *_ = small_case("h200x4_2vnode", 8, 2)
+    m = cuda.generate(plan, source_of("h200x4_2vnode"), cuda.CudaOptions(rdma="proxy")).manifest
+    assert rdma_gpu.wire_pitch(m, "dispatch") == m["workload"]["row_bytes"]
+    assert rdma_gpu.wire_pitch(m, "combine") == 2 * m["workload"]["hidden"]
+    ops = {r["lowered"]: r["op"] for k in m["kernels"] if k["program"] == "combine" for r in k.get("roles", [])}
+    assert ops["rdma-pack"] == "pack_f32_bf16" and ops["rdma-unpack"] == "accum_bf16_wire"
+    assert tables.partial_rounding(m) == tables.BF16_WIRE
+    assert np.dtype(rdma_gpu.RDMA_CHAN).itemsize == 64
+
+
+def _nvcc():
+    import shutil
+
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        pytest.skip("nvcc is not on PATH")
+    return nvcc
+
+
+def test_gpu_proxy_library_builds_from_the_bundle(tmp_path, monkeypatch):
+    """The GPU path's proxy library (emitted loop + emulated transport) from a bundle's cuda/rdma/,
+    as the runtime builds it on the GPU machine: it exports the GPU loop."""
+    import ctypes
+
+    from epcc.backends.rdma.build import build_gpu
+
+    _nvcc()
+    monkeypatch.setenv("EPCC_RDMA_BUILD_DIR", str(tmp_path / "build"))
+    plan, *_ = small_case("h200x4_2vnode", 8, 2)
+    cuda.generate(plan, source_of("h200x4_2vnode"), cuda.CudaOptions(rdma="proxy")).write(tmp_path / "cuda")
+    lib = build_gpu(tmp_path / "cuda" / "rdma")
+    try:
+        loaded = ctypes.CDLL(str(lib))
+    except OSError as e:  # no CUDA runtime library to load here: the build is what is checked
+        pytest.skip(f"cannot load the CUDA runtime here: {e}")
+    assert hasattr(loaded, "epcc_rdma_proxy_gpu") and hasattr(loaded, "epcc_tp_post_write_signal")
+
+
+def test_gpu_proxy_kernels_compile(tmp_path):
+    """The pack and unpack roles (dispatch copy, combine bf16 wire) compile for sm_90a."""
+    import subprocess
+
+    nvcc = _nvcc()
+    plan, *_ = small_case("h200x4_2vnode", 8, 2)
+    b = cuda.generate(plan, source_of("h200x4_2vnode"), cuda.CudaOptions(rdma="proxy"))
+    b.write(tmp_path)
+    for k in b.kernels:
+        text = b.files[k.file]
+        assert "epcc::run_pack<" in text and "epcc::run_unpack<" in text
+        r = subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-c", "-o",
+                            str(tmp_path / (k.file + ".o")), str(tmp_path / k.file)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
