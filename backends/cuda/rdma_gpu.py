@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from epcc.backends.rdma.engine import (ENGINE, ERRLEN, RECV_CHAN, SEND_CHAN, SEND_ROLE, STATUS_OK, STATUS_TIMEOUT,
-                                       TP_LOCAL, TP_REMOTE_WRITE, Transport, TransportError, load)
+                                       TP_LOCAL, TP_REMOTE_WRITE, Transport, TransportError, c_string, load, u64_table)
 from epcc.backends.rdma.lower import rdma_steps
 
 from .tables import PROGRAMS, parse_tables
@@ -185,6 +185,8 @@ class GpuRdma:
             sig_bytes += 8 * ch.depth
         for role in roles:
             role.slot_bytes = _align(role.slot_bytes)
+        if len(roles) > 1:  # the engine reads epcc_rdma_fifo [n_roles] contiguous; laid out one per role below
+            raise RdmaGpuError(f"{program}: {len(roles)} RDMA steps; one per program in this version")
 
         # ---- memory: device (cudaMalloc'd, zeroed; peers write the first three) and host-pinned
         def dmalloc(n: int) -> int:
@@ -216,9 +218,6 @@ class GpuRdma:
             fifo_host[at + 4] = r.depth  # depth
             fifo_host[at + 5] = fifo_ptr + 8 * (at + FIFO_WORDS)  # entries, right behind the struct
             at += FIFO_WORDS + ENTRY_WORDS * r.depth
-        # the FIFO structs must be contiguous epcc_rdma_fifo [n_roles] for the engine: entries after all of them
-        if len(roles) > 1:
-            raise RdmaGpuError(f"{program}: {len(roles)} RDMA steps; one per program in this version")
 
         # ---- transport: open, register, exchange, connect
         try:
@@ -228,13 +227,10 @@ class GpuRdma:
         self.description = self.tp.description
 
         def reg(ptr: int, n: int, access: int) -> tuple[int, int, int]:
-            mr = ctypes.c_void_p()
-            if self.tp.lib.epcc_tp_reg(self.tp.ptr, ptr, max(n, 8), access, ctypes.byref(mr)) != 0:
-                raise RdmaGpuError(f"rank {rank}: registering memory: {self.tp.error()}")
-            self.tp.mrs.append(mr)
-            a, k = ctypes.c_uint64(), ctypes.c_uint64()
-            self.tp.lib.epcc_tp_mr_remote(mr, ctypes.byref(a), ctypes.byref(k))
-            return int(mr.value), int(a.value), int(k.value)
+            try:
+                return self.tp.reg_ptr(ptr, max(n, 8), access)
+            except TransportError as e:
+                raise RdmaGpuError(f"rank {rank}: registering memory: {e}") from None
 
         _, land_addr, land_key = reg(landing, landing_bytes, TP_REMOTE_WRITE)
         _, sig_addr, sig_key = reg(signals, sig_bytes, TP_REMOTE_WRITE)
@@ -257,17 +253,10 @@ class GpuRdma:
 
         # ---- the proxy loop's tables
         def cstr(text: str) -> int:
-            b = ctypes.create_string_buffer(text.encode())
-            self.keep.append(b)
-            return ctypes.addressof(b)
+            return c_string(self.keep, text)
 
         def table(t, rows: list[dict]) -> np.ndarray:
-            a = np.zeros((max(len(rows), 1), len(t.fields)), dtype=np.uint64)
-            for i, row in enumerate(rows):
-                for j, f in enumerate(t.names()):
-                    a[i, j] = np.uint64(int(row.get(f, 0)) & 0xFFFFFFFFFFFFFFFF)
-            self.keep.append(a)
-            return a
+            return u64_table(self.keep, t, rows)
 
         name = {k: f"{program}.{k[0]}[{k[1]}->{k[2]}]" for k in (*send, *recv)}
         send_rows = []

@@ -62,6 +62,7 @@ def load(lib_path) -> ctypes.CDLL:
     lib.epcc_tp_flush.argtypes = [vp, u64]
     lib.epcc_tp_close.argtypes, lib.epcc_tp_close.restype = [vp], None
     lib.epcc_tp_stats_get.argtypes, lib.epcc_tp_stats_get.restype = [vp, ctypes.POINTER(TpStats)], None
+    lib.epcc_tp_post_write_signal.argtypes = [vp, i32, vp, ctypes.c_size_t, vp, u64, u64, u64, u64, u64, u64, u64]
     if not hasattr(lib, "epcc_rdma_proxy"):
         return lib  # a transport alone (build_transport)
     for name in ("epcc_rdma_engine_init", "epcc_rdma_proxy", "epcc_rdma_receive"):
@@ -71,6 +72,24 @@ def load(lib_path) -> ctypes.CDLL:
     for name in ("epcc_rdma_engine_posted", "epcc_rdma_engine_applied"):
         getattr(lib, name).argtypes, getattr(lib, name).restype = [vp], u64
     return lib
+
+
+def c_string(keep: list, text: str) -> int:
+    """Address of a NUL-terminated copy of `text`, kept alive in `keep` (names in the messages)."""
+    b = ctypes.create_string_buffer(text.encode())
+    keep.append(b)
+    return ctypes.addressof(b)
+
+
+def u64_table(keep: list, t, rows: list[dict]) -> np.ndarray:
+    """Rows of descriptor table `t` (lower.py; every field 8 bytes) as the C side reads them;
+    fields a row leaves out are 0 (e.g. the GPU path's on the CPU path)."""
+    a = np.zeros((max(len(rows), 1), len(t.fields)), dtype=np.uint64)
+    for i, row in enumerate(rows):
+        for j, f in enumerate(t.names()):
+            a[i, j] = np.uint64(int(row.get(f, 0)) & 0xFFFFFFFFFFFFFFFF)
+    keep.append(a)
+    return a
 
 
 class Transport:
@@ -94,8 +113,12 @@ class Transport:
 
     def reg(self, arr: np.ndarray, access: int) -> tuple[int, int, int]:
         """Register `arr`; returns (mr handle, remote address of byte 0, key)."""
+        return self.reg_ptr(arr.ctypes.data, arr.nbytes, access)
+
+    def reg_ptr(self, ptr: int, nbytes: int, access: int) -> tuple[int, int, int]:
+        """Register `nbytes` at `ptr` (host, or device memory for the CUDA transports)."""
         mr = ctypes.c_void_p()
-        if self.lib.epcc_tp_reg(self.ptr, arr.ctypes.data, max(arr.nbytes, 1), access, ctypes.byref(mr)) != 0:
+        if self.lib.epcc_tp_reg(self.ptr, ptr, max(nbytes, 1), access, ctypes.byref(mr)) != 0:
             raise TransportError(self.error())
         self.mrs.append(mr)
         a, k = ctypes.c_uint64(), ctypes.c_uint64()
@@ -203,17 +226,10 @@ class RdmaEngine:
             return a
 
         def cstr(text: str) -> int:
-            b = ctypes.create_string_buffer(text.encode())
-            self.keep.append(b)
-            return ctypes.addressof(b)
+            return c_string(self.keep, text)
 
         def table(t, rows: list[dict]) -> np.ndarray:
-            a = np.zeros((max(len(rows), 1), len(t.fields)), dtype=np.uint64)
-            for i, row in enumerate(rows):
-                for j, f in enumerate(t.names()):
-                    a[i, j] = np.uint64(int(row.get(f, 0)) & 0xFFFFFFFFFFFFFFFF)  # GPU-path fields: 0
-            self.keep.append(a)
-            return a
+            return u64_table(self.keep, t, rows)
 
         chan_name = {k: f"{program}.{step_by_index[k[0]].step}[{k[1]}->{k[2]}]"
                      for k in chans}

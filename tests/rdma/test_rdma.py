@@ -279,3 +279,29 @@ def test_unknown_transport_and_missing_provider_are_one_line_errors():
                        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "FI_PROVIDER": "udp"})
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "--transport libfabric-tcp: not available here" in r.stderr
+
+
+@needs_tcp
+def test_write_signal_is_refused_by_transports_without_it():
+    """The GPU proxy path posts write + signal; libfabric has none in this version and says so."""
+    from epcc.backends.rdma import engine
+
+    lib = engine.load(build_transport("libfabric"))
+    tp = engine.Transport(lib, "libfabric", "tcp", 0, 1)
+    try:
+        assert lib.epcc_tp_post_write_signal(tp.ptr, 0, None, 0, None, 0, 0, 0, 0, 0, 0, 0) != 0
+        assert tp.error() == ("epcc transport: 'libfabric' has no write + remote signal (the GPU proxy path needs it: "
+                              "use 'emulated' or 'nvshmem')")
+    finally:
+        tp.close()
+
+
+def test_gpu_proxy_build_names_the_transports_it_has(tmp_path):
+    from epcc.backends.rdma.build import build_gpu
+
+    with pytest.raises(BuildError) as e:
+        build_gpu(tmp_path, "libfabric")
+    assert str(e.value) == "transport 'libfabric' is not one of the GPU path's: emulated"
+    with pytest.raises(BuildError) as e:
+        build_gpu(tmp_path, "emulated")
+    assert str(e.value) == f"{tmp_path}: expected one emitted '*_proxy.c', found []"

@@ -218,6 +218,14 @@ struct RdmaChan {
 // flag ids of the GPU proxy path's waits in an ErrorRecord (not layout counters)
 enum : int32_t { kWaitCredit = -2, kWaitFifoSlot = -3, kWaitLanded = -4, kWaitConsumed = -5 };
 
+// What such a wait was for, in the messages of the kernel (printf) and of the launcher.
+__host__ __device__ inline const char* rdma_wait_name(int32_t flag_id) {
+  return flag_id == kWaitCredit     ? "rdma credit of the receiver"
+         : flag_id == kWaitFifoSlot ? "rdma FIFO slot (proxy retired)"
+         : flag_id == kWaitLanded   ? "rdma landing signal from the sender"
+                                    : "rdma consumed count (earlier chunk)";
+}
+
 struct KernelArgs {
   const uint8_t* tables;        // this program's table blob (device memory)
   const uint64_t* buffers;      // [num_buffers * num_ranks]: buffer b of rank r at [b * num_ranks + r]
@@ -313,9 +321,8 @@ static __device__ __noinline__ void fail(const KernelArgs& a, int32_t code, cons
     e->code = code;
     __threadfence_system();
   }
-  if (code == kErrTimeout && flag_id <= -2) {
-    const char* what = flag_id == -2 ? "rdma credit of the receiver" : flag_id == -3 ? "rdma FIFO slot (proxy retired)"
-                       : flag_id == -4 ? "rdma landing signal from the sender" : "rdma consumed count (earlier chunk)";
+  if (code == kErrTimeout && flag_id <= kWaitCredit) {
+    const char* what = rdma_wait_name(flag_id);
     printf("epcc: wait timed out after %.3f s: rank %d step '%s' chunk %d: %s, peer rank %d (value 0x%llx, waiting "
            "for >= 0x%llx)\n", static_cast<double>(a.timeout_ns) * 1e-9, static_cast<int>(a.rank), step,
            static_cast<int>(chunk), what, static_cast<int>(flag_rank), static_cast<unsigned long long>(value),

@@ -125,9 +125,8 @@ std::string format_error(const epcc::ErrorRecord& e) {
   char buf[512];
   char step[sizeof e.step + 1] = {0};
   std::memcpy(step, e.step, sizeof e.step);
-  if (e.code == epcc::kErrTimeout && e.flag_id <= -2) {
-    const char* what = e.flag_id == -2 ? "rdma credit of the receiver" : e.flag_id == -3 ? "rdma FIFO slot (proxy retired)"
-                       : e.flag_id == -4 ? "rdma landing signal from the sender" : "rdma consumed count (earlier chunk)";
+  if (e.code == epcc::kErrTimeout && e.flag_id <= epcc::kWaitCredit) {
+    const char* what = epcc::rdma_wait_name(e.flag_id);
     std::snprintf(buf, sizeof buf,
                   "epcc: wait timed out after %.3f s: rank %d step '%s' chunk %d: %s, peer rank %d (value 0x%llx, "
                   "waiting for >= 0x%llx)", static_cast<double>(e.timeout_ns) * 1e-9, e.rank, step, e.chunk, what,
