@@ -135,6 +135,7 @@ class RoleSpec:
 class FinishSpec:
     name: str
     launch_fn: str
+    load_fn: str  # loads the kernel into the context (epcc_cuda_create calls it: see the launcher)
     block: int
 
 
@@ -388,7 +389,7 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelS
     finish = None
     if program == "combine":
         finish = FinishSpec(f"epcc_{sched}_combine_finish_kernel", f"epcc_{sched}_combine_finish_launch",
-                            FINISH_BLOCK)
+                            f"epcc_{sched}_combine_finish_load", FINISH_BLOCK)
     return KernelSpec(program=program, name=name, file=f"{plan.schedule}_{program}.cu",
                       launch_fn=f"epcc_{sched}_{program}_launch", occupancy_fn=f"epcc_{sched}_{program}_occupancy",
                       grid=roles[-1].block_end, block=block, roles=roles, not_lowered=not_lowered, finish=finish)

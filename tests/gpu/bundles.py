@@ -41,6 +41,9 @@ RDMA_VARIANTS = {  # name -> (schedule, RDMA link name, GB/s)
     "h200x4_2vnode_13": ("h200x4_2vnode", "rdma", 13),
     "h200x4_ubb2x2_50": ("h200x4_ubb2x2", "nic", 50),
     "h200x4_ubb2x2_13": ("h200x4_ubb2x2", "nic", 13),
+    # the smallest plan with an RDMA step (2 GPUs as 2 vnodes): the proxy path on a 2-GPU machine
+    "h200x2_2vnode_50": ("h200x2_2vnode", "rdma", 50),
+    "h200x2_2vnode_13": ("h200x2_2vnode", "rdma", 13),
     # the RDMA link nearly as fast as NVLink: what the rest of the schedule takes by itself, to
     # show how much of it hides under the RDMA stream at 50 and 13 GB/s
     "h200x4_2vnode_400": ("h200x4_2vnode", "rdma", 400),

@@ -92,6 +92,10 @@ struct epcc_tp_mr {
             return epcc_tp_fail(&t->base, -EIO, "emulated: %s failed: %s", what, cudaGetErrorString(e_)); \
     } while (0)
 
+/* The stuck-write report's probe kernel (loaded at open: loading it later, lazily, would wait
+ * for the device, which is what a stuck write may be waiting for). */
+__global__ void emu_probe_kernel(unsigned long long *p) { *p = 1; }
+
 static int emu_open(const char *spec, int rank, int nranks, epcc_tp **out, char *err, size_t errlen) {
     (void)rank;
     double gbps = 0, lat_us = 0;
@@ -110,6 +114,7 @@ static int emu_open(const char *spec, int rank, int nranks, epcc_tp **out, char 
     t->device = dev >= 0 ? dev : 0;
     t->signal_only = strstr(spec, ",signal") != NULL;
     if (dev < 0) cudaGetDevice(&t->device);
+    cudaFuncAttributes probe_attr;
     t->seen = (uint64_t *)calloc((size_t)nranks, 8);
     t->sent = (uint64_t *)calloc((size_t)nranks, 8);
     t->inbox_host = (uint64_t *)calloc((size_t)nranks * EMU_INBOX, 8);
@@ -121,7 +126,8 @@ static int emu_open(const char *spec, int rank, int nranks, epcc_tp **out, char 
         cudaStreamCreateWithFlags(&t->poll_stream, cudaStreamNonBlocking) != cudaSuccess ||
         cudaMalloc((void **)&t->inbox, (size_t)nranks * EMU_INBOX * 8) != cudaSuccess ||
         cudaMemset(t->inbox, 0, (size_t)nranks * EMU_INBOX * 8) != cudaSuccess ||
-        cudaHostAlloc((void **)&t->sig_host, EMU_MAX_INFLIGHT * 8, cudaHostAllocPortable) != cudaSuccess)
+        cudaHostAlloc((void **)&t->sig_host, EMU_MAX_INFLIGHT * 8, cudaHostAllocPortable) != cudaSuccess ||
+        cudaFuncGetAttributes(&probe_attr, emu_probe_kernel) != cudaSuccess)
         return epcc_tp_fail_buf(err, errlen, -EIO, "emulated: CUDA setup on device %d failed", t->device);
     for (int i = 0; i < EMU_MAX_INFLIGHT; i++) {
         cudaEventCreateWithFlags(&t->ops[i].done, cudaEventDisableTiming);
@@ -233,6 +239,40 @@ static int progress(emu_tp *t) {
     return 0;
 }
 
+/* For the stuck-write report: which of these go through on a fresh stream, each waited on for at
+ * most 100 ms: the same copy, a local copy from the same source, a copy to the same peer
+ * address from the inbox, a one-thread kernel.  Says whether the copy engine, the peer mapping
+ * or the whole device stopped accepting work. */
+static const char *probe_wait(cudaStream_t s, cudaError_t e) {
+    cudaEvent_t ev;
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    if (e != cudaSuccess) return cudaGetErrorString(e);
+    if ((e = cudaEventRecord(ev, s)) != cudaSuccess) return cudaGetErrorString(e);
+    uint64_t until = epcc_tp_now_ns() + 100000000ull;
+    while ((e = cudaEventQuery(ev)) == cudaErrorNotReady && epcc_tp_now_ns() < until) {
+    }
+    return e == cudaSuccess ? "done" : e == cudaErrorNotReady ? "pending" : cudaGetErrorString(e);
+}
+
+static void probe_copy(emu_tp *t, const emu_op *o, char *out, size_t n) {
+    cudaStream_t s[4];
+    for (int i = 0; i < 4; i++)
+        if (cudaStreamCreateWithFlags(&s[i], cudaStreamNonBlocking) != cudaSuccess) {
+            snprintf(out, n, "no probe stream");
+            return;
+        }
+    size_t len = o->len < 4096 ? o->len : 4096;
+    const char *same = probe_wait(s[0], cudaMemcpyAsync(o->dst, o->src, len, cudaMemcpyDefault, s[0]));
+    const char *local = probe_wait(s[1], cudaMemcpyAsync(t->inbox, o->src, 8, cudaMemcpyDefault, s[1]));
+    const char *peer = probe_wait(s[2], cudaMemcpyAsync(o->dst, t->inbox, 8, cudaMemcpyDefault, s[2]));
+    emu_probe_kernel<<<1, 1, 0, s[3]>>>((unsigned long long *)t->inbox);
+    const char *kernel = probe_wait(s[3], cudaGetLastError());
+    cudaError_t sq = cudaStreamQuery(t->stream);
+    snprintf(out, n, "probes on fresh streams: the same copy %s, a local copy %s, 8 B to the same peer address %s, "
+             "a kernel %s; the transport's stream %s", same, local, peer, kernel,
+             sq == cudaSuccess ? "idle" : sq == cudaErrorNotReady ? "busy" : cudaGetErrorString(sq));
+}
+
 /* Completed ops (copy and signal done, paced time reached), in order; the inbox's new immediates. */
 static int reap(emu_tp *t) {
     if (progress(t)) return -EIO;
@@ -244,10 +284,12 @@ static int reap(emu_tp *t) {
         if (q == cudaErrorNotReady) {
             if (now > o->ready_ns + 2000000000ull) { /* a copy engine transfer stuck for 2 s: say which */
                 cudaError_t c = cudaEventQuery(o->copied);
+                char probe[320];
+                probe_copy(t, o, probe, sizeof probe);
                 return epcc_tp_fail(&t->base, -ETIMEDOUT, "emulated: write %llu (%zu bytes) not complete 2 s after its "
-                                    "paced time: payload copy %s, signal %s", (unsigned long long)t->op_head, o->len,
+                                    "paced time: payload copy %s, signal %s; %s", (unsigned long long)t->op_head, o->len,
                                     c == cudaSuccess ? "done" : c == cudaErrorNotReady ? "pending" : cudaGetErrorString(c),
-                                    o->sig_dst ? "pending" : "none");
+                                    o->sig_dst ? "pending" : "none", probe);
             }
             break;
         }

@@ -65,3 +65,8 @@ extern "C" cudaError_t epcc_h200x4_combine_finish_launch(const float* result, vo
   epcc_h200x4_combine_finish_kernel<<<grid, 256, 0, stream>>>(result, static_cast<__nv_bfloat16*>(out), n);
   return cudaGetLastError();
 }
+
+extern "C" cudaError_t epcc_h200x4_combine_finish_load(void) {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, epcc_h200x4_combine_finish_kernel);
+}

@@ -26,6 +26,7 @@ extern "C" cudaError_t epcc_h200x4_combine_launch(const epcc::KernelArgs* args, 
 extern "C" cudaError_t epcc_h200x4_combine_occupancy(int* blocks_per_sm);
 extern "C" cudaError_t epcc_h200x4_combine_finish_launch(const float* result, void* out, uint64_t n, uint32_t grid,
                                           cudaStream_t stream);
+extern "C" cudaError_t epcc_h200x4_combine_finish_load(void);
 
 namespace {
 
@@ -60,6 +61,7 @@ const ProgramInfo kPrograms[kNumPrograms] = {
 };
 
 cudaError_t (*const kFinishLaunch)(const float*, void*, uint64_t, uint32_t, cudaStream_t) = epcc_h200x4_combine_finish_launch;
+cudaError_t (*const kFinishLoad)(void) = epcc_h200x4_combine_finish_load;
 constexpr bool kHasFinish = true;
 constexpr uint32_t kFinishBlock = 256;
 
@@ -299,6 +301,15 @@ int epcc_cuda_create(int device, int rank, uint32_t flag_capacity, double timeou
       EPCC_TRY(c, cudaMalloc(&c->programs[p].buffers_dev, sizeof(uint64_t) * kPrograms[p].num_buffers * kNumRanks));
     }
   }
+  // Load every kernel now.  With lazy loading (CUDA_MODULE_LOADING=LAZY, the default) the first
+  // launch of a kernel loads it, and loading waits for the device while holding the context: a
+  // finish kernel first launched behind a running combine kernel then blocks every other thread's
+  // CUDA call, the GPU proxy's copies among them, and the combine waits for those copies forever.
+  for (int p = 0; p < kNumPrograms; ++p) {
+    int per_sm = 0;
+    if (kPrograms[p].present) EPCC_TRY(c, kPrograms[p].occupancy(&per_sm));
+  }
+  if (kFinishLoad != nullptr) EPCC_TRY(c, kFinishLoad());
   return EPCC_RC_OK;
 }
 
