@@ -15,7 +15,9 @@
  * then (start); its signal or immediate is issued at start + bytes / bandwidth + latency (ready),
  * ordered after the copy by an event, so the target learns of the chunk when a link of that
  * class would have delivered it, not when the copy engine (NVLink, much faster) did.  The local
- * completion comes at `ready` too, and not before the copies are done.  Writes are issued by
+ * completion comes at `ready` too, and not before the copies are done.  Writes of at most
+ * EMU_CONTROL_BYTES (the proxy's credits) are paced on a queue of their own, as on a NIC that
+ * interleaves queue pairs per packet; bulk chunks keep their order.  Writes are issued by
  * whoever calls post or poll (the proxy thread spins on poll), so pacing is as fine as polling.
  */
 #include "epcc_transport_impl.h"
@@ -26,6 +28,7 @@
 #define EMU_MAX_REGIONS 32 /* the address blob (IPC handles) must fit EPCC_TP_MAX_ADDR */
 #define EMU_INBOX 4096
 #define EMU_MAX_INFLIGHT 4096
+#define EMU_CONTROL_BYTES 64 /* writes this small (credits) go on the control queue */
 
 typedef struct {
     cudaIpcMemHandle_t handle;
@@ -53,17 +56,28 @@ typedef struct {
     int state;          /* 0 nothing issued, 1 copy issued, 2 signal issued */
 } emu_op;
 
+/* One send queue of the link, like a NIC's queue pair: its writes are paced one after the other
+ * (link order) and complete in order.  Two per transport: bulk writes, and control writes of at
+ * most EMU_CONTROL_BYTES (credits), which a NIC interleaves with the bulk traffic of other queue
+ * pairs at packet granularity, so they do not wait behind megabytes of queued chunks. */
+typedef struct {
+    const char *name;
+    emu_op ops[EMU_MAX_INFLIGHT];
+    uint64_t head, tail;
+    uint64_t link_free_ns;
+    cudaStream_t stream;     /* payload copies */
+    cudaStream_t sig_stream; /* signals and immediates */
+    uint64_t *sig_host;      /* pinned: [EMU_MAX_INFLIGHT] signal values, by op slot */
+} emu_queue;
+
 typedef struct {
     epcc_tp base;
     pthread_mutex_t lock;
     int device;
     double bytes_per_ns, latency_ns;
-    uint64_t link_free_ns;
-    cudaStream_t stream;      /* payload copies */
-    cudaStream_t sig_stream;  /* signals and immediates */
+    emu_queue qs[2];          /* bulk, control */
     cudaStream_t poll_stream; /* reading the inbox */
     int signal_only;          /* spec ",signal": no immediates, the inbox is never read */
-    uint64_t *sig_host;       /* pinned: [EMU_MAX_INFLIGHT] signal values, by op slot */
     uint64_t *inbox;       /* device: [nranks][EMU_INBOX] */
     uint64_t *inbox_host;  /* host copy for polling */
     uint64_t *seen;        /* [nranks]: immediates consumed per sender */
@@ -74,8 +88,6 @@ typedef struct {
     uint32_t n_regions;
     void ***peer_regions; /* [nranks][EMU_MAX_REGIONS] */
     uint64_t **peer_inbox;
-    emu_op ops[EMU_MAX_INFLIGHT];
-    uint64_t op_head, op_tail;
     epcc_tp_evq q;
 } emu_tp;
 
@@ -121,17 +133,22 @@ static int emu_open(const char *spec, int rank, int nranks, epcc_tp **out, char 
     t->peer_regions = (void ***)calloc((size_t)nranks, sizeof(void **));
     t->peer_inbox = (uint64_t **)calloc((size_t)nranks, sizeof(uint64_t *));
     if (cudaSetDevice(t->device) != cudaSuccess ||
-        cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking) != cudaSuccess ||
-        cudaStreamCreateWithFlags(&t->sig_stream, cudaStreamNonBlocking) != cudaSuccess ||
         cudaStreamCreateWithFlags(&t->poll_stream, cudaStreamNonBlocking) != cudaSuccess ||
         cudaMalloc((void **)&t->inbox, (size_t)nranks * EMU_INBOX * 8) != cudaSuccess ||
         cudaMemset(t->inbox, 0, (size_t)nranks * EMU_INBOX * 8) != cudaSuccess ||
-        cudaHostAlloc((void **)&t->sig_host, EMU_MAX_INFLIGHT * 8, cudaHostAllocPortable) != cudaSuccess ||
         cudaFuncGetAttributes(&probe_attr, emu_probe_kernel) != cudaSuccess)
         return epcc_tp_fail_buf(err, errlen, -EIO, "emulated: CUDA setup on device %d failed", t->device);
-    for (int i = 0; i < EMU_MAX_INFLIGHT; i++) {
-        cudaEventCreateWithFlags(&t->ops[i].done, cudaEventDisableTiming);
-        cudaEventCreateWithFlags(&t->ops[i].copied, cudaEventDisableTiming);
+    for (int k = 0; k < 2; k++) {
+        emu_queue *qu = &t->qs[k];
+        qu->name = k ? "control" : "bulk";
+        if (cudaStreamCreateWithFlags(&qu->stream, cudaStreamNonBlocking) != cudaSuccess ||
+            cudaStreamCreateWithFlags(&qu->sig_stream, cudaStreamNonBlocking) != cudaSuccess ||
+            cudaHostAlloc((void **)&qu->sig_host, EMU_MAX_INFLIGHT * 8, cudaHostAllocPortable) != cudaSuccess)
+            return epcc_tp_fail_buf(err, errlen, -EIO, "emulated: CUDA setup on device %d failed", t->device);
+        for (int i = 0; i < EMU_MAX_INFLIGHT; i++) {
+            cudaEventCreateWithFlags(&qu->ops[i].done, cudaEventDisableTiming);
+            cudaEventCreateWithFlags(&qu->ops[i].copied, cudaEventDisableTiming);
+        }
     }
     snprintf(t->base.desc, sizeof t->base.desc, "emulated (copy engine on GPU %d, paced to %g GB/s, %g us)", t->device,
              gbps, lat_us);
@@ -211,31 +228,39 @@ static int on_device(emu_tp *t) {
                                                cudaGetErrorString(e));
 }
 
-/* Issue what is due: an op's copy once the link is free (start), its signal once a link of the
- * class would have delivered it (ready).  Ops are in link order, so start and ready increase. */
-static int progress(emu_tp *t) {
-    uint64_t now = epcc_tp_now_ns();
-    for (uint64_t i = t->op_head; i < t->op_tail; i++) {
-        emu_op *o = &t->ops[i % EMU_MAX_INFLIGHT];
+/* Issue what is due on one queue: an op's copy once the link is free (start), its signal once a
+ * link of the class would have delivered it (ready).  A queue's ops are in link order, so start
+ * and ready increase. */
+static int progress_queue(emu_tp *t, emu_queue *qu, uint64_t now) {
+    for (uint64_t i = qu->head; i < qu->tail; i++) {
+        emu_op *o = &qu->ops[i % EMU_MAX_INFLIGHT];
         if (o->state == 0) {
             if (now < o->start_ns) break;
-            cudaError_t e = cudaMemcpyAsync(o->dst, o->src, o->len, cudaMemcpyDefault, t->stream);
-            if (e == cudaSuccess) e = cudaEventRecord(o->copied, t->stream);
+            cudaError_t e = cudaMemcpyAsync(o->dst, o->src, o->len, cudaMemcpyDefault, qu->stream);
+            if (e == cudaSuccess) e = cudaEventRecord(o->copied, qu->stream);
             if (e != cudaSuccess)
                 return epcc_tp_fail(&t->base, -EIO, "emulated: issuing a copy failed: %s", cudaGetErrorString(e));
             o->state = 1;
         }
         if (o->state == 1) {
             if (now < o->ready_ns) continue; /* later ops' copies may start meanwhile */
-            cudaError_t e = cudaStreamWaitEvent(t->sig_stream, o->copied, 0);
+            cudaError_t e = cudaStreamWaitEvent(qu->sig_stream, o->copied, 0);
             if (e == cudaSuccess && o->sig_dst)
-                e = cudaMemcpyAsync(o->sig_dst, &t->sig_host[i % EMU_MAX_INFLIGHT], 8, cudaMemcpyDefault, t->sig_stream);
-            if (e == cudaSuccess) e = cudaEventRecord(o->done, t->sig_stream);
+                e = cudaMemcpyAsync(o->sig_dst, &qu->sig_host[i % EMU_MAX_INFLIGHT], 8, cudaMemcpyDefault,
+                                    qu->sig_stream);
+            if (e == cudaSuccess) e = cudaEventRecord(o->done, qu->sig_stream);
             if (e != cudaSuccess)
                 return epcc_tp_fail(&t->base, -EIO, "emulated: issuing a signal failed: %s", cudaGetErrorString(e));
             o->state = 2;
         }
     }
+    return 0;
+}
+
+static int progress(emu_tp *t) {
+    uint64_t now = epcc_tp_now_ns();
+    for (int k = 0; k < 2; k++)
+        if (progress_queue(t, &t->qs[k], now)) return -EIO;
     return 0;
 }
 
@@ -267,18 +292,17 @@ static void probe_copy(emu_tp *t, const emu_op *o, char *out, size_t n) {
     const char *peer = probe_wait(s[2], cudaMemcpyAsync(o->dst, t->inbox, 8, cudaMemcpyDefault, s[2]));
     emu_probe_kernel<<<1, 1, 0, s[3]>>>((unsigned long long *)t->inbox);
     const char *kernel = probe_wait(s[3], cudaGetLastError());
-    cudaError_t sq = cudaStreamQuery(t->stream);
+    cudaError_t sq = cudaStreamQuery(t->qs[0].stream);
     snprintf(out, n, "probes on fresh streams: the same copy %s, a local copy %s, 8 B to the same peer address %s, "
              "a kernel %s; the transport's stream %s", same, local, peer, kernel,
              sq == cudaSuccess ? "idle" : sq == cudaErrorNotReady ? "busy" : cudaGetErrorString(sq));
 }
 
 /* Completed ops (copy and signal done, paced time reached), in order; the inbox's new immediates. */
-static int reap(emu_tp *t) {
-    if (progress(t)) return -EIO;
+static int reap_queue(emu_tp *t, emu_queue *qu) {
     uint64_t now = epcc_tp_now_ns();
-    while (t->op_head < t->op_tail) {
-        emu_op *o = &t->ops[t->op_head % EMU_MAX_INFLIGHT];
+    while (qu->head < qu->tail) {
+        emu_op *o = &qu->ops[qu->head % EMU_MAX_INFLIGHT];
         if (o->state != 2 || now < o->ready_ns) break;
         cudaError_t q = cudaEventQuery(o->done);
         if (q == cudaErrorNotReady) {
@@ -286,8 +310,9 @@ static int reap(emu_tp *t) {
                 cudaError_t c = cudaEventQuery(o->copied);
                 char probe[320];
                 probe_copy(t, o, probe, sizeof probe);
-                return epcc_tp_fail(&t->base, -ETIMEDOUT, "emulated: write %llu (%zu bytes) not complete 2 s after its "
-                                    "paced time: payload copy %s, signal %s; %s", (unsigned long long)t->op_head, o->len,
+                return epcc_tp_fail(&t->base, -ETIMEDOUT, "emulated: %s write %llu (%zu bytes) not complete 2 s after "
+                                    "its paced time: payload copy %s, signal %s; %s", qu->name,
+                                    (unsigned long long)qu->head, o->len,
                                     c == cudaSuccess ? "done" : c == cudaErrorNotReady ? "pending" : cudaGetErrorString(c),
                                     o->sig_dst ? "pending" : "none", probe);
             }
@@ -297,8 +322,15 @@ static int reap(emu_tp *t) {
         epcc_tp_event ev = {EPCC_TP_EV_LOCAL, 0, o->ctx};
         epcc_tp_evq_push(&t->q, ev);
         t->base.stats.local_completions++;
-        t->op_head++;
+        qu->head++;
     }
+    return 0;
+}
+
+static int reap(emu_tp *t) {
+    if (progress(t)) return -EIO;
+    for (int k = 0; k < 2; k++)
+        if (reap_queue(t, &t->qs[k])) return -EIO;
     if (t->signal_only) return 0;
     int n = t->base.nranks;
     /* Its own non-blocking stream: never ordered behind a kernel on the legacy default stream. */
@@ -322,19 +354,21 @@ static int reap(emu_tp *t) {
 static int enqueue(emu_tp *t, int peer, const void *src, size_t len, uint64_t raddr, uint64_t rkey, uint64_t *sig_dst,
                    uint64_t sig_value, uint64_t ctx, uint64_t timeout_ns) {
     uint64_t deadline = epcc_tp_deadline(timeout_ns);
-    while (t->op_tail - t->op_head >= EMU_MAX_INFLIGHT) {
+    emu_queue *qu = &t->qs[len <= EMU_CONTROL_BYTES ? 1 : 0];
+    while (qu->tail - qu->head >= EMU_MAX_INFLIGHT) {
         t->base.stats.eagain++;
         if (reap(t) || epcc_tp_now_ns() >= deadline)
-            return epcc_tp_fail(&t->base, -EAGAIN, "emulated: %d writes in flight for too long", EMU_MAX_INFLIGHT);
+            return epcc_tp_fail(&t->base, -EAGAIN, "emulated: %d %s writes in flight for too long", EMU_MAX_INFLIGHT,
+                                qu->name);
     }
     if (rkey >= EMU_MAX_REGIONS || !t->peer_regions[peer] || !t->peer_regions[peer][rkey])
         return epcc_tp_fail(&t->base, -EINVAL, "emulated: rank %d has no region %llu", peer, (unsigned long long)rkey);
     uint64_t now = epcc_tp_now_ns();
-    uint64_t start = now > t->link_free_ns ? now : t->link_free_ns;
+    uint64_t start = now > qu->link_free_ns ? now : qu->link_free_ns;
     uint64_t busy = (uint64_t)((double)len / t->bytes_per_ns);
-    t->link_free_ns = start + busy;
-    uint64_t i = t->op_tail;
-    emu_op *o = &t->ops[i % EMU_MAX_INFLIGHT];
+    qu->link_free_ns = start + busy;
+    uint64_t i = qu->tail;
+    emu_op *o = &qu->ops[i % EMU_MAX_INFLIGHT];
     o->start_ns = start;
     o->ready_ns = start + busy + (uint64_t)t->latency_ns;
     o->ctx = ctx;
@@ -343,8 +377,8 @@ static int enqueue(emu_tp *t, int peer, const void *src, size_t len, uint64_t ra
     o->len = len;
     o->sig_dst = sig_dst;
     o->state = 0;
-    t->sig_host[i % EMU_MAX_INFLIGHT] = sig_value;
-    t->op_tail++;
+    qu->sig_host[i % EMU_MAX_INFLIGHT] = sig_value;
+    qu->tail++;
     t->base.stats.writes_posted++;
     t->base.stats.bytes_posted += len;
     return progress(t);
@@ -408,7 +442,7 @@ static int emu_flush(epcc_tp *tp, uint64_t timeout_ns) {
     for (;;) {
         pthread_mutex_lock(&t->lock);
         int r = on_device(t) ? -EIO : reap(t);
-        uint64_t left = t->op_tail - t->op_head;
+        uint64_t left = (t->qs[0].tail - t->qs[0].head) + (t->qs[1].tail - t->qs[1].head);
         pthread_mutex_unlock(&t->lock);
         if (r) return r;
         if (!left) return 0;
@@ -425,14 +459,17 @@ static void emu_close(epcc_tp *tp) {
         if (r != tp->rank && t->peer_inbox && t->peer_inbox[r]) cudaIpcCloseMemHandle(t->peer_inbox[r]);
         if (t->peer_regions) free(t->peer_regions[r]);
     }
-    for (int i = 0; i < EMU_MAX_INFLIGHT; i++) {
-        cudaEventDestroy(t->ops[i].done);
-        cudaEventDestroy(t->ops[i].copied);
+    for (int k = 0; k < 2; k++) {
+        emu_queue *qu = &t->qs[k];
+        for (int i = 0; i < EMU_MAX_INFLIGHT; i++) {
+            if (qu->ops[i].done) cudaEventDestroy(qu->ops[i].done);
+            if (qu->ops[i].copied) cudaEventDestroy(qu->ops[i].copied);
+        }
+        if (qu->sig_host) cudaFreeHost(qu->sig_host);
+        if (qu->stream) cudaStreamDestroy(qu->stream);
+        if (qu->sig_stream) cudaStreamDestroy(qu->sig_stream);
     }
     cudaFree(t->inbox);
-    cudaFreeHost(t->sig_host);
-    cudaStreamDestroy(t->stream);
-    cudaStreamDestroy(t->sig_stream);
     cudaStreamDestroy(t->poll_stream);
     free(t->peer_regions);
     free(t->peer_inbox);
