@@ -79,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
     _plan_options(c)
     c.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     c.add_argument("--gantt", metavar="OUT.svg", help="also draw a Gantt chart of the steps into this SVG file")
+    c.add_argument("--rdma", choices=("proxy", "emulate"), default="proxy",
+                   help="how the RDMA steps run, as `epcc compile --target cuda --rdma`: proxy (default: credit "
+                        "window, chunks staged and applied by one SM each) or emulate (paced SM roles); matters "
+                        "only with the topology's `sm` rates")
     c.set_defaults(func=cmd_simulate)
 
     c = sub.add_parser("tune", help="sweep a CUDA bundle's SMs and warps on the GPUs (torchrun); keep the best",
@@ -316,7 +320,7 @@ def cmd_viz(args) -> int:
 
 def cmd_simulate(args) -> int:
     from .diagnostics import Diagnostic
-    from .sim import SimulationError, build_plan, simulate
+    from .sim import SimOptions, SimulationError, build_plan, simulate
     from .sim.gantt import write_svg
     from .sim.report import table, to_dict
 
@@ -330,7 +334,7 @@ def cmd_simulate(args) -> int:
     built = build_plan(args.file, options, args.sources)
     _warn(built.compilation)
     try:
-        res = simulate(built.plan)
+        res = simulate(built.plan, SimOptions(rdma_proxy=args.rdma == "proxy"))
     except SimulationError as e:
         raise bad(f"{args.file}: cannot simulate the plan: {e}") from None
     if args.gantt:

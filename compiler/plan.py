@@ -36,6 +36,9 @@ class Flow:
     # this set (None: every token in the source buffers).  Writes into `output` select the
     # receiver and place one row per (token, receiver's expert).
     select: tuple[int, ...] | None = None
+    # Time the flow is not done after its last byte moved, besides latency: the last chunk's work
+    # on the one SM that handles it (set by the simulator's SM terms, sim/sm_terms.py).
+    tail_s: float = 0.0
 
 
 @dataclass
@@ -61,6 +64,10 @@ class PlanStep:
     weighted: bool = False  # a combine step that applies the routing weights (reads expert outputs)
     src_buffers: tuple[str, ...] = ()  # buffers the step reads (on the flow's src rank)
     dst_buffer: str | None = None  # buffer it writes (on the flow's dst rank)
+    # Fraction of its bytes a step has moved before its first chunk is complete (its chunks in
+    # flight at once, one per SM): a pipelined consumer trails it by that much more.  Set by the
+    # simulator's SM terms (sim/sm_terms.py); 0: chunks complete as bytes move (the fluid model).
+    completion_lag: float = 0.0
 
     @property
     def total_bytes(self) -> float:
@@ -133,6 +140,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     workload: WorkloadPlan | None = None
     rank_names: list[str] = field(default_factory=list)  # "rank 3 (node 0, gpu 3)", for messages
+    sm_rates: dict[str, float] = field(default_factory=dict)  # the topology's `sm` line: bytes/s per SM
 
     def step(self, name: str, program: str = "dispatch") -> PlanStep:
         for s in self.steps:

@@ -177,6 +177,15 @@ class Link:
 
 
 @dataclass(frozen=True)
+class SmRate:
+    """`copy 28 GB/s` in an `sm` line: what one SM moves per second doing that kind of work."""
+
+    work: Name
+    rate: Quantity
+    span: Span
+
+
+@dataclass(frozen=True)
 class Topology:
     name: Name
     levels: tuple[Level, ...]
@@ -188,6 +197,7 @@ class Topology:
     links: tuple[Link, ...]
     span: Span
     extra_ranks: tuple[Name, ...] = ()  # `rank` given more than once (an error)
+    sm_rates: tuple[SmRate, ...] = ()  # every `sm` line's rates, in source order
 
 
 # --------------------------------------------------------------------------- workload

@@ -268,7 +268,7 @@ class _Builder:
         levels_span = None
         rank = None
         extra_ranks: list[ast.Name] = []
-        groups, rels, tables, links = [], [], [], []
+        groups, rels, tables, links, sm_rates = [], [], [], [], []
         for it in tree.children[1:]:
             d = it.data
             if d == "levels_decl":
@@ -292,8 +292,11 @@ class _Builder:
                 tables.append(self.table(it))
             elif d == "link_decl":
                 links.append(self.link(it))
+            elif d == "sm_decl":
+                sm_rates.extend(ast.SmRate(self.name(r.children[0]), self.quantity(r.children[1]), self.span(r))
+                                for r in it.children)
         return ast.Topology(name, tuple(levels), levels_span, rank, tuple(groups), tuple(rels), tuple(tables),
-                            tuple(links), self.span(tree), tuple(extra_ranks))
+                            tuple(links), self.span(tree), tuple(extra_ranks), tuple(sm_rates))
 
     def rel_expr(self, tree: Tree) -> ast.RelExpr:
         return ast.RelExpr(tuple(self.rel_alt(a) for a in tree.children), self.span(tree))

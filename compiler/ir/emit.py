@@ -22,7 +22,7 @@ from mlir import ir
 from ..dialect import load
 from ..diagnostics import Span
 from ..sema import model
-from . import ops
+from . import ops, query
 
 
 class InternalError(Exception):
@@ -92,6 +92,8 @@ class _Emitter:
     # ------------------------------------------------------------------ topology
     def _topology(self, t: model.Topology) -> None:
         top = ops.topology_module(t.name, loc=span_loc(t.span))
+        if t.sm_rates:  # bytes/s per SM by kind of work (the simulator's SM term)
+            query.annotate(top.operation, "sm_rates_Bps", {k: float(v) for k, v in t.sm_rates.items()})
         with ir.InsertionPoint(top.body):
             for lv in t.space.levels:
                 ops.level(lv.name, lv.count, lv.depth, loc=span_loc(lv.span))

@@ -46,7 +46,7 @@ def build_plan(sched: model.Schedule, flow: FlowAnalysis) -> Plan:
     plan = Plan(sched.name, topo.num_ranks, flow.routing.describe(), wl.bytes_per_token,
                 workload=WorkloadPlan(wl.tokens, wl.hidden, wl.dtype, wl.topk, wl.experts, wl.placement,
                                       wl.weights_travel),
-                rank_names=[space.describe(r) for r in range(topo.num_ranks)])
+                rank_names=[space.describe(r) for r in range(topo.num_ranks)], sm_rates=dict(topo.sm_rates))
     max_latency = max((l.latency for l in topo.links.values()), default=0.0)
     for st in sched.dispatch.steps:
         vol = flow.volumes[st.name]

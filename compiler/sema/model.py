@@ -163,6 +163,9 @@ class LinkInfo:
         return self.bandwidth * self.lanes * self.efficiency
 
 
+SM_WORK = ("copy", "reduce")  # row copies (dispatch, RDMA staging); fp32 accumulation (combine)
+
+
 @dataclass(frozen=True)
 class Topology:
     name: str
@@ -174,6 +177,9 @@ class Topology:
     # reported): later uses stay silent instead of calling them unknown.
     broken_relations: frozenset[str] = frozenset()
     broken_links: frozenset[str] = frozenset()
+    # `sm copy 28 GB/s, reduce 10 GB/s`: bytes/s one SM of a role kernel moves, by kind of work
+    # (SM_WORK); empty: SM throughput is not modelled (the simulator sees links only).
+    sm_rates: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def num_ranks(self) -> int:

@@ -66,7 +66,30 @@ class _TopologyResolver:
             self._relation(name)
         links = self._links()
         return model.Topology(self.t.name.text, space, dict(self.relations), links, self.t.span,
-                              frozenset(self.broken), frozenset(self.broken_links))
+                              frozenset(self.broken), frozenset(self.broken_links), self._sm_rates())
+
+    def _sm_rates(self) -> dict[str, float]:
+        rates: dict[str, float] = {}
+        first: dict[str, ast.SmRate] = {}
+        for r in self.t.sm_rates:
+            work = r.work.text
+            if work not in model.SM_WORK:
+                self.diags.error(r.work.span, f"unknown kind of SM work '{work}'",
+                                 *_maybe(did_you_mean(work, model.SM_WORK)),
+                                 f"kinds of SM work are {', '.join(model.SM_WORK)}")
+                continue
+            if work in first:
+                self.diags.error(r.span, f"the SM rate of '{work}' is given twice",
+                                 ast_note("first given here", first[work].span))
+                continue
+            first[work] = r
+            bw = parse_quantity(r.rate, "bandwidth", self.diags)
+            if bw is not None and bw <= 0:
+                self.diags.error(r.rate.span, f"an SM rate must be positive, not {_num(r.rate)}")
+                continue
+            if bw is not None:
+                rates[work] = bw
+        return rates
 
     def _duplicate(self, what: str, name: ast.Name, first: ast.Name) -> None:
         self.diags.error(name.span, f"duplicate {what} '{name.text}'", ast_note("first defined here", first.span))

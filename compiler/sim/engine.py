@@ -29,6 +29,9 @@ class SimOptions:
     latency: bool = True  # charge latency_s x ceil(chunks / depth) per flow
     priorities: bool = False  # strict priority by PlanStep.priority on shared resources (off: max-min)
     order_hints: bool = True  # honour PlanStep.order first/last on shared resources
+    # RDMA steps as the GPU proxy path runs them (credit window, chunks staged and applied by one
+    # SM each: sim/sm_terms.py); False: as paced SM roles writing the peer (`--rdma emulate`).
+    rdma_proxy: bool = True
 
 
 @dataclass
@@ -117,7 +120,7 @@ class _Engine:
         self.f_src = np.array([f.src for _, f in fl], dtype=np.int64)
         self.f_dst = np.array([f.dst for _, f in fl], dtype=np.int64)
         self.f_nores = np.array([not f.resources for _, f in fl], dtype=bool)
-        self.f_lat = np.array([self._exposed_latency(steps[si], f) for si, f in fl], dtype=float)
+        self.f_lat = np.array([self._exposed_latency(steps[si], f) + f.tail_s for si, f in fl], dtype=float)
         self.f_prio = np.array([steps[si].priority for si, _ in fl], dtype=np.int64)
 
         names = sorted({r for _, f in fl for r in f.resources})
@@ -215,7 +218,7 @@ class _Engine:
                     members_g.extend([g] * len(producers))
                 pair_f.append(i)
                 pair_g.append(g)
-                pair_inv_n.append(1.0 / n)
+                pair_inv_n.append(min(1.0, 1.0 / n + float(self.steps[p].completion_lag)))
         self.ng = len(gate_of)
         self.gm_f = np.array(members_f, dtype=np.int64)
         self.gm_g = np.array(members_g, dtype=np.int64)

@@ -59,6 +59,7 @@ def to_dict(res: SimResult, passes_run: list[str] | None = None, tokens: int | N
             "active": "wall time the busiest-active instance carried any traffic",
             "pipelining": res.options.pipelining, "latency": res.options.latency,
             "priorities": res.options.priorities, "order_hints": res.options.order_hints,
+            "rdma": "proxy" if res.options.rdma_proxy else "emulate",
         },
     }
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..plan import Plan, PlanStep
 from .engine import ResourceStat, SimOptions, StepTiming, _Engine, program_steps, step_alone
+from .sm_terms import with_sm_terms
 
 PROGRAM_ORDER = ("dispatch", "combine")
 
@@ -115,6 +116,11 @@ def link_class_of(resource: str, steps_using: list[PlanStep]) -> tuple[str, str 
     """`link:<name>:...` -> name; `hbm:<rank>` -> the local link its steps name (hbm by default)."""
     kinds = [s.link_kind for s in steps_using if s.link_kind]
     kind = kinds[0] if kinds else None
+    if resource.startswith("sm:"):  # a role's SMs (sim/sm_terms.py)
+        return "sm", "sm"
+    if resource.startswith("window:"):  # an RDMA channel's credit window
+        links = sorted({s.link for s in steps_using if s.link})
+        return f"{'/'.join(links) or 'rdma'} window", kind
     if resource.startswith("link:"):
         return resource.split(":")[1], kind
     links = sorted({s.link for s in steps_using if s.link})
@@ -180,6 +186,7 @@ def simulate_program(plan: Plan, program: str, steps: list[PlanStep], opts: SimO
 def simulate(plan: Plan, opts: SimOptions | None = None) -> SimResult:
     """Simulate every program of the plan (dispatch, then combine if present), each from t = 0."""
     opts = opts or SimOptions()
+    plan = with_sm_terms(plan, rdma_proxy=opts.rdma_proxy)
     res = SimResult(plan.schedule, plan.routing, plan.num_ranks, options=opts)
     progs = program_steps(plan)
     order = [p for p in PROGRAM_ORDER if p in progs] + sorted(p for p in progs if p not in PROGRAM_ORDER)
@@ -205,5 +212,6 @@ def simulate_subset(plan: Plan, names: list[str] | tuple[str, ...], program: str
     sub = [dataclasses.replace(s, deps=tuple(d for d in s.deps if d in wanted),
                                pipelined_deps=tuple(d for d in s.pipelined_deps if d in wanted)) for s in steps]
     others = {s.name for s in plan.steps if s.program == program and s.name not in wanted}
-    p = dataclasses.replace(plan, steps=sub)
+    p = with_sm_terms(dataclasses.replace(plan, steps=sub), rdma_proxy=opts.rdma_proxy)
+    sub = p.steps
     return simulate_program(p, program, sub, opts, others)

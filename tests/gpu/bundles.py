@@ -83,10 +83,12 @@ def ep2_source(out_dir: Path) -> Path:
     return path
 
 
-def build(epcc: Path, out: Path, name: str, src: Path, extra: list[str], compile_extra: tuple[str, ...] = ()) -> bool:
-    """Compile `src` into out/name (CUDA bundle) and store its `epcc simulate --json` beside it."""
+def build(epcc: Path, out: Path, name: str, src: Path, extra: list[str], compile_extra: tuple[str, ...] = (),
+          rdma: str = "proxy") -> bool:
+    """Compile `src` into out/name (CUDA bundle) and store its `epcc simulate --json` beside it
+    (`--rdma`: how the bundle runs its RDMA steps, which the simulator's SM terms model)."""
     for cmd in ([str(epcc), "compile", str(src), "--target", "cuda", "-o", str(out / name), *extra, *compile_extra],
-                [str(epcc), "simulate", str(src), "--json", *extra]):
+                [str(epcc), "simulate", str(src), "--json", "--rdma", rdma, *extra]):
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             print(res.stdout + res.stderr, file=sys.stderr)
@@ -105,7 +107,7 @@ def main(argv: list[str]) -> int:
         if not build(epcc, out, name, H200X4 if ranks == 4 else ep2, extra):
             return 1
     for name in RDMA_VARIANTS:
-        if not build(epcc, out, name, rdma_source(out, name), []):
+        if not build(epcc, out, name, rdma_source(out, name), [], rdma="emulate"):
             return 1
         # the same plan with the RDMA step through the host proxy loop (copy-engine transport)
         if not build(epcc, out, f"{name}_proxy", rdma_source(out, name), [], ("--rdma", "proxy")):

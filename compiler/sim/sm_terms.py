@@ -1,0 +1,123 @@
+"""SM throughput in the cost model, when the topology declares it (`sm copy 28 GB/s, reduce 10 GB/s`).
+
+Links alone do not bound a step that SMs drive: a role of N SMs moves at most N x the per-SM
+rate of its kind of work, whatever the link could carry.  Two terms, added to a copy of the plan
+before simulating (each one more resource on the flows concerned, so the fair-share engine
+treats them like links):
+
+* `sm:<program>.<step>:<rank>`, capacity N x rate: every flow a rank executes for a step that
+  runs as a role of the persistent kernel (kernel-formation's roles give N).  The kind of work is
+  `copy` in dispatch and `reduce` in combine (its steps accumulate fp32 partials).
+* `window:<program>.<step>:<src>><dst>`, capacity depth x chunk / round trip: every flow of an
+  RDMA step with a chunk size.  The GPU proxy path (docs/rdma.md) stages a chunk on one SM of the
+  sender (`copy`), writes it, and the receiver applies it on one SM (`copy` in dispatch, `reduce`
+  in combine) before its credit goes back; with `depth` chunks in flight per channel the channel
+  moves at most depth x chunk per
+
+      chunk / link + chunk / stage + chunk / apply + 2 x latency
+
+  (the data's latency and the credit's).  The term is added only where it binds (below the link).
+
+A chunk is the work of one SM (a role hands out chunks, not bytes, to its blocks).  A role's
+chunks are done in waves, one per SM at a time, so the first is complete only when N chunks'
+worth of bytes have moved: `PlanStep.completion_lag` = N x chunk / bytes (at most 1) holds a
+pipelined consumer back by that fraction more.  (The last wave ends with the fluid model's last
+byte, so a role gets no tail.)  An RDMA channel's chunks are serial on one link: its last chunk
+is staged before and applied after the wire, a tail of chunk / stage + chunk / apply, and its
+lag is the bytes the link moves while one chunk is applied.  A chunk of a step that reads or writes `output` holds a
+chunk's tokens with all their expert rows: chunk bytes x the expected rows per token (uniform
+routing: topk / ranks / P(a token hits the rank)), the unit both terms use.
+
+`epcc simulate --rdma emulate` (SimOptions.rdma_proxy False) leaves the RDMA terms out: the
+table kernels' default lowering runs an RDMA step as paced SM roles writing the peer directly,
+with no staging, no credits and no proxy.
+
+Without an `sm` line in the topology the plan is simulated as it is: links only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..plan import Plan, PlanStep
+
+THREAD_ENGINES = ("sm", "spc", "tma")
+
+
+def work_of(program: str) -> str:
+    return "reduce" if program == "combine" else "copy"
+
+
+def step_sms(plan: Plan) -> dict[tuple[str, str], int]:
+    """(program, step) -> the SMs of its role in the program's persistent kernel."""
+    out: dict[tuple[str, str], int] = {}
+    for k in plan.kernels:
+        if k.kind != "kernel":
+            continue
+        for r in k.roles:
+            if r.engine in THREAD_ENGINES and r.sm_end > r.sm_begin:
+                out[(k.program, r.step)] = out.get((k.program, r.step), 0) + (r.sm_end - r.sm_begin)
+    return out
+
+
+def window_rate(chunk: float, depth: int, link_bps: float, latency_s: float, stage_bps: float,
+                apply_bps: float) -> float:
+    """Bytes/s one credit-windowed RDMA channel can sustain (see the module docstring)."""
+    trip = chunk / link_bps + chunk / stage_bps + chunk / apply_bps + 2 * latency_s
+    return max(1, depth) * chunk / trip
+
+
+def rows_per_token(plan: Plan) -> float:
+    """Expected expert rows of one token on a rank it hits (uniform routing; 1 without a workload)."""
+    wl = plan.workload
+    if wl is None or plan.num_ranks <= 0 or wl.experts <= 0:
+        return 1.0
+    per = wl.experts // plan.num_ranks
+    miss = math.comb(wl.experts - per, wl.topk) / math.comb(wl.experts, wl.topk) if wl.experts - per >= wl.topk else 0.0
+    return max(1.0, wl.topk * per / wl.experts / max(1e-12, 1.0 - miss))
+
+
+def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
+    """A copy of `plan` whose flows also occupy their SM and (rdma_proxy) RDMA-window resources
+    (the plan itself when the topology gives no SM rates)."""
+    rates = plan.sm_rates
+    if not rates:
+        return plan
+    resources = dict(plan.resources)
+    sms = step_sms(plan)
+    expand = rows_per_token(plan)
+    steps: list[PlanStep] = []
+    for s in plan.steps:
+        work = work_of(s.program)
+        n = sms.get((s.program, s.name), 0)
+        touches_output = "output" in s.src_buffers or s.dst_buffer == "output"
+        step_chunk = (s.chunk_bytes or 0.0) * (expand if touches_output else 1.0)
+        lag = 0.0
+        flows = []
+        for f in s.flows:
+            extra: list[str] = []
+            tail = 0.0
+            chunk = min(step_chunk, f.bytes)  # no chunk size: no chunk terms (lag, tail)
+            if n and work in rates and f.resources and f.bytes > 0:
+                name = f"sm:{s.program}.{s.name}:{f.rank}"
+                resources[name] = n * rates[work]
+                extra.append(name)
+                lag = max(lag, min(1.0, n * chunk / f.bytes))
+            if (rdma_proxy and s.link_kind == "rdma" and s.chunk_bytes and f.resources and f.bytes > 0
+                    and "copy" in rates and work in rates):
+                link_bps = min(resources[r] for r in f.resources)
+                cap = window_rate(s.chunk_bytes, s.depth, link_bps, f.latency_s, rates["copy"], rates[work])
+                if cap < link_bps:
+                    name = f"window:{s.program}.{s.name}:{f.src}>{f.dst}"
+                    resources[name] = cap
+                    extra.append(name)
+                tail = chunk / rates["copy"] + chunk / rates[work]
+                lag = max(lag, min(1.0, chunk / rates[work] * min(cap, link_bps) / f.bytes))
+            flows.append(dataclasses.replace(f, resources=f.resources + tuple(extra), tail_s=f.tail_s + tail)
+                         if extra or tail else f)
+        steps.append(dataclasses.replace(s, flows=flows, completion_lag=lag))
+    return dataclasses.replace(plan, steps=steps, resources=resources)
+
+
+__all__ = ["rows_per_token", "step_sms", "window_rate", "with_sm_terms", "work_of"]

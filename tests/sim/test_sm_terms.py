@@ -1,0 +1,120 @@
+"""SM throughput in the simulator (compiler/sim/sm_terms.py): closed-form answers on tiny plans,
+and the `sm` line of a shipped schedule carried from the source to the IR and the plan."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from epcc.plan import Flow, KernelPlan, Plan, PlanStep, RolePlan
+from epcc.sim import simulate
+from epcc.sim.build import build_plan
+from epcc.sim.sm_terms import window_rate, with_sm_terms
+
+GB = 1e9
+MB = 1e6
+REPO = Path(__file__).resolve().parents[2]
+
+
+def sm_plan(rates, sms=8, nbytes=2.0 * GB, chunk=None, program="dispatch") -> Plan:
+    """One local permute of `nbytes` per rank on 2 ranks, run by a role of `sms` SMs."""
+    flows = [Flow(r, r, r, nbytes, (f"hbm:{r}",)) for r in range(2)]
+    st = PlanStep("keep", program, "permute", "hbm", "local", (), flows=flows, chunk_bytes=chunk, num_chunks=1)
+    k = KernelPlan(f"{program}_kernel", "kernel", program, sms, roles=[RolePlan("keep", "permuter", 0, sms, 8, "sm")])
+    return Plan("t", 2, "test", 1, steps=[st], resources={"hbm:0": 3000 * GB, "hbm:1": 3000 * GB}, kernels=[k],
+                sm_rates=dict(rates))
+
+
+def test_without_sm_rates_the_plan_is_simulated_as_it_is():
+    p = sm_plan({})
+    assert with_sm_terms(p) is p
+    assert simulate(p).step("keep").end_s == pytest.approx(2.0 * GB / (3000 * GB))
+
+
+def test_a_role_moves_at_most_its_sms_times_the_rate():
+    p = sm_plan({"copy": 25 * GB}, sms=8, chunk=100 * MB)
+    t = simulate(p).step("keep")
+    assert t.end_s == pytest.approx(2.0 / 200)  # 8 SMs x 25 GB/s = 200 GB/s for 2 GB
+    res = simulate(p).programs["dispatch"]
+    assert res.bottleneck.link_class == "sm" and res.bottleneck.resource in ("sm:dispatch.keep:0", "sm:dispatch.keep:1")
+
+
+def test_combine_roles_use_the_reduce_rate():
+    p = sm_plan({"copy": 25 * GB, "reduce": 10 * GB}, sms=4, nbytes=1.0 * GB, program="combine")
+    assert simulate(p).programs["combine"].step("keep").end_s == pytest.approx(1.0 / 40)
+
+
+def test_a_role_faster_than_its_link_is_held_by_the_link():
+    p = sm_plan({"copy": 1000 * GB}, sms=8)
+    assert simulate(p).step("keep").end_s == pytest.approx(2.0 * GB / (3000 * GB))
+
+
+def rdma_plan(rates, depth=4, chunk=2 * MB, link=50 * GB, lat=5e-6, nbytes=64 * MB) -> Plan:
+    flows = [Flow(0, 0, 1, nbytes, ("link:rdma:0>1",), lat), Flow(1, 1, 0, nbytes, ("link:rdma:1>0",), lat)]
+    st = PlanStep("rdma", "dispatch", "send", "rdma", "rdma", (), flows=flows, chunk_bytes=chunk,
+                  num_chunks=int(nbytes // chunk), depth=depth)
+    return Plan("t", 2, "test", 1, steps=[st], resources={"link:rdma:0>1": link, "link:rdma:1>0": link},
+                sm_rates=dict(rates))
+
+
+def test_window_rate_closed_form():
+    # 2 MB chunks: 40 us on a 50 GB/s link, 80 us to stage and 80 us to apply at 25 GB/s, 10 us of latency
+    assert window_rate(2 * MB, 4, 50 * GB, 5e-6, 25 * GB, 25 * GB) == pytest.approx(4 * 2 * MB / 210e-6)
+
+
+def test_an_rdma_channel_is_held_by_its_credit_window_when_that_binds():
+    p = rdma_plan({"copy": 25 * GB}, depth=4)
+    w = window_rate(2 * MB, 4, 50 * GB, 5e-6, 25 * GB, 25 * GB)  # 38 GB/s < 50
+    t = simulate(p).step("rdma")
+    lat = 5e-6 * (32 // 4)  # the plan's latency term: one per window of chunks
+    tail = 2 * MB / (25 * GB) * 2  # the last chunk staged and applied
+    assert t.end_s == pytest.approx(64 * MB / w + lat + tail)
+    assert simulate(p).programs["dispatch"].bottleneck.link_class == "rdma window"
+
+
+def test_a_deep_window_leaves_the_link_the_limit():
+    p = rdma_plan({"copy": 25 * GB}, depth=16)  # 152 GB/s of window on a 50 GB/s link
+    aug = with_sm_terms(p)
+    assert all(not r.startswith("window:") for r in aug.resources)
+    lat = 5e-6 * (32 // 16)
+    assert simulate(p).step("rdma").end_s == pytest.approx(64 * MB / (50 * GB) + lat + 2 * 2 * MB / (25 * GB))
+
+
+def test_the_sm_line_reaches_the_ir_and_the_plan_and_survives_plan_json():
+    built = build_plan(str(REPO / "schedules" / "h200x2_2vnode.sched"))
+    plan = built.plan
+    assert plan.sm_rates == {"copy": 28 * GB, "reduce": 11 * GB}
+    text = str(built.compilation.module)
+    assert "epcc.sm_rates_Bps = {copy = 2.800000e+10 : f64, reduce = 1.100000e+10 : f64}" in text
+    back = Plan.from_json(plan.to_json())
+    assert back.sm_rates == plan.sm_rates
+    aug = with_sm_terms(plan)
+    tails = [f.tail_s for s in aug.steps for f in s.flows if f.tail_s]
+    assert tails and Plan.from_json(aug.to_json()).steps == [dataclasses.replace(s) for s in aug.steps]
+
+
+def test_a_pipelined_consumer_waits_for_the_producers_first_wave_of_chunks():
+    # producer: 8 SMs x 25 GB/s over 2 GB in 100 MB chunks: its first 8 chunks (0.8 GB, 40 %)
+    # complete together at t = 4 ms; a consumer of 20 chunks trails it by 1/20 more.
+    p = sm_plan({"copy": 25 * GB}, sms=8, chunk=100 * MB)
+    prod = p.steps[0]
+    cons = PlanStep("fwd", "dispatch", "send", "nv", "p2p", ("keep",), pipelined_deps=("keep",), num_chunks=20,
+                    flows=[Flow(r, r, 1 - r, 0.1 * GB, (f"link:nv:{r}>{1 - r}",)) for r in range(2)])
+    p = dataclasses.replace(p, steps=[prod, cons], resources={**p.resources, "link:nv:0>1": 1000 * GB,
+                                                                  "link:nv:1>0": 1000 * GB})
+    aug = with_sm_terms(p)
+    assert aug.steps[0].completion_lag == pytest.approx(0.4) and aug.steps[1].completion_lag == 0.0
+    r = simulate(p)
+    # the consumer's cap leaves 0 when the producer has moved 0.4 + 1/20 of its bytes
+    assert r.step("fwd").start_s == pytest.approx(0.45 * 2.0 / 200)
+    assert r.step("keep").end_s == pytest.approx(2.0 / 200)
+
+
+def test_rows_per_token_for_the_expanded_chunks_of_output():
+    from epcc.sim.sm_terms import rows_per_token
+
+    plan = build_plan(str(REPO / "schedules" / "h200x2_2vnode.sched")).plan
+    # top-8 of 256 experts, 128 per rank: 4 expected hits, given at least one (P = 0.9965)
+    assert rows_per_token(plan) == pytest.approx(4 / 0.99651, rel=1e-4)
