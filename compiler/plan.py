@@ -36,8 +36,8 @@ class Flow:
     # this set (None: every token in the source buffers).  Writes into `output` select the
     # receiver and place one row per (token, receiver's expert).
     select: tuple[int, ...] | None = None
-    # Time the flow is not done after its last byte moved, besides latency: the last chunk's work
-    # on the one SM that handles it (set by the simulator's SM terms, sim/sm_terms.py).
+    # Time the flow is not done after its last byte moved, besides latency: an RDMA channel's last
+    # chunk, staged and applied by one SM each (set by the simulator's SM terms, sim/sm_terms.py).
     tail_s: float = 0.0
 
 

@@ -267,7 +267,8 @@ static int progress(emu_tp *t) {
 /* For the stuck-write report: which of these go through on a fresh stream, each waited on for at
  * most 100 ms: the same copy, a local copy from the same source, a copy to the same peer
  * address from the inbox, a one-thread kernel.  Says whether the copy engine, the peer mapping
- * or the whole device stopped accepting work. */
+ * or the whole device stopped accepting work.  Only on the way to failing the transport: the
+ * probes overwrite the stuck write's landing slot and the first inbox word. */
 static const char *probe_wait(cudaStream_t s, cudaError_t e) {
     cudaEvent_t ev;
     if (e == cudaSuccess) e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
@@ -276,6 +277,7 @@ static const char *probe_wait(cudaStream_t s, cudaError_t e) {
     uint64_t until = epcc_tp_now_ns() + 100000000ull;
     while ((e = cudaEventQuery(ev)) == cudaErrorNotReady && epcc_tp_now_ns() < until) {
     }
+    cudaEventDestroy(ev); /* released once recorded work completes */
     return e == cudaSuccess ? "done" : e == cudaErrorNotReady ? "pending" : cudaGetErrorString(e);
 }
 
@@ -292,6 +294,7 @@ static void probe_copy(emu_tp *t, const emu_op *o, char *out, size_t n) {
     const char *peer = probe_wait(s[2], cudaMemcpyAsync(o->dst, t->inbox, 8, cudaMemcpyDefault, s[2]));
     emu_probe_kernel<<<1, 1, 0, s[3]>>>((unsigned long long *)t->inbox);
     const char *kernel = probe_wait(s[3], cudaGetLastError());
+    for (int i = 0; i < 4; i++) cudaStreamDestroy(s[i]);
     cudaError_t sq = cudaStreamQuery(t->qs[0].stream);
     snprintf(out, n, "probes on fresh streams: the same copy %s, a local copy %s, 8 B to the same peer address %s, "
              "a kernel %s; the transport's stream %s", same, local, peer, kernel,
