@@ -538,7 +538,8 @@ using AccumF32Bf16Wire = AccumF32Rows<kElems, kUnroll, true>;
 // chunk comes after the earlier chunks of its copy, and each block takes its items in order,
 // so the first unfinished item of the role always has what it needs from its own role.
 // bytes_per_ns > 0 paces the role (an emulated link): each block keeps to its share of the rate,
-// counting the bytes a row takes on that link (Op::wire_pitch).
+// counting the bytes a row takes on that link (Op::wire_pitch), from when each chunk is ready (a
+// link idle while the chunk's producers were not done is not made up for later).
 template <class Op, uint32_t kWarps>
 __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, const char* step, uint32_t block,
                                          uint32_t blocks, float bytes_per_ns) {
@@ -553,8 +554,8 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
   const uint32_t dst_pitch = Op::dst_pitch(h);
   const uint32_t len = Op::row_len(h);
   const uint32_t R = a.num_ranks;
-  const uint64_t t0 = bytes_per_ns > 0.f ? globaltimer() : 0;
-  double sent = 0.0;
+  uint64_t link_free = 0;  // paced: when this block's share of the link is free again
+  uint64_t ready = 0;
   for (uint32_t k = block; k < rd.item_count; k += blocks) {
     const ItemDesc it = items[rd.item_begin + k];
     const CopyDesc c = copies[it.copy];
@@ -565,6 +566,7 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
                 static_cast<int32_t>(it.chunk), static_cast<int32_t>(wd.flag_id), static_cast<int32_t>(wd.flag_rank));
       }
       if (k == block) stamp(a, 1);
+      if (bytes_per_ns > 0.f) ready = globaltimer();
     }
     __syncthreads();
     if (warp < kWarps) {
@@ -583,10 +585,10 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      if (bytes_per_ns > 0.f) {  // pace: this block's share of the emulated link
-        sent += static_cast<double>(it.row_end - it.row_begin) * Op::wire_pitch(h);
-        const uint64_t due = t0 + static_cast<uint64_t>(sent * blocks / bytes_per_ns);
-        while (globaltimer() < due) __nanosleep(1024);
+      if (bytes_per_ns > 0.f) {  // pace: this block's share of the emulated link, from when the chunk was ready
+        const double bytes = static_cast<double>(it.row_end - it.row_begin) * Op::wire_pitch(h);
+        link_free = (link_free > ready ? link_free : ready) + static_cast<uint64_t>(bytes * blocks / bytes_per_ns);
+        while (globaltimer() < link_free) __nanosleep(1024);
       }
       if (c.flag_id != EPCC_NO_FLAG) {
         // Publish in chunk order: consumers read "counter >= v" as "chunks 0..v-1 are written",
