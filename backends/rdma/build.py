@@ -55,6 +55,17 @@ def compile_command(sources: list[Path], out: Path, transport: str) -> list[str]
             str(NATIVE_DIR / "epcc_transport.c"), str(NATIVE_DIR / "epcc_proxy_prim.c"), *map(str, tsrcs), *libs]
 
 
+def _sources_key(src_dir: Path, suffixes: tuple[str, ...], transport: str, extra: bytes = b"") -> str:
+    """Cache key of a build: `extra` (an emitted source), the sources of `src_dir` with these
+    suffixes (names and bytes), the transport and the flags."""
+    h = hashlib.sha256(extra)
+    for p in sorted(src_dir.iterdir()):
+        if p.suffix in suffixes:
+            h.update(p.name.encode() + p.read_bytes())
+    h.update(transport.encode() + " ".join(CFLAGS).encode())
+    return h.hexdigest()[:16]
+
+
 def build(plan, transport: str = "libfabric") -> Path:
     """The shared library of `plan`'s proxy loop linked with `transport`; compiled if needed."""
     from . import proxy_file_name, proxy_source
@@ -63,12 +74,7 @@ def build(plan, transport: str = "libfabric") -> Path:
     if not text:
         raise BuildError(f"schedule '{plan.schedule}' has no RDMA step: there is no proxy loop to build")
     tsrcs, _, _ = transport_sources(transport)
-    h = hashlib.sha256(text.encode())
-    for p in sorted(NATIVE_DIR.iterdir()):
-        if p.suffix in (".c", ".h"):
-            h.update(p.name.encode() + p.read_bytes())
-    h.update(transport.encode() + " ".join(CFLAGS).encode())
-    d = build_dir() / h.hexdigest()[:16]
+    d = build_dir() / _sources_key(NATIVE_DIR, (".c", ".h"), transport, text.encode())
     lib = d / f"libepcc_proxy_{transport}.so"
     with _lock:
         if lib.is_file():
@@ -88,12 +94,7 @@ def build(plan, transport: str = "libfabric") -> Path:
 def build_transport(transport: str) -> Path:
     """A library of the transport alone (epcc_transport.h's functions), for probing."""
     tsrcs, _, _ = transport_sources(transport)
-    h = hashlib.sha256()
-    for p in sorted(NATIVE_DIR.iterdir()):
-        if p.suffix in (".c", ".h"):
-            h.update(p.name.encode() + p.read_bytes())
-    h.update(transport.encode() + " ".join(CFLAGS).encode())
-    d = build_dir() / f"transport-{h.hexdigest()[:16]}"
+    d = build_dir() / f"transport-{_sources_key(NATIVE_DIR, ('.c', '.h'), transport)}"
     lib = d / f"libepcc_transport_{transport}.so"
     with _lock:
         if lib.is_file():
@@ -127,12 +128,7 @@ def build_gpu(rdma_dir: str | Path, transport: str = "emulated", nvcc: str | Non
         raise BuildError("nvcc is not on PATH: the GPU proxy (emulated transport) is CUDA code")
     tsrc, macro = GPU_TRANSPORTS[transport]
     c_sources = [loops[0], d_src / "epcc_transport.c", d_src / "epcc_proxy_prim.c"]
-    h = hashlib.sha256()
-    for p in sorted(d_src.iterdir()):
-        if p.suffix in (".c", ".h", ".cu"):
-            h.update(p.name.encode() + p.read_bytes())
-    h.update(transport.encode() + " ".join(CFLAGS).encode())
-    d = build_dir() / f"gpu-{h.hexdigest()[:16]}"
+    d = build_dir() / f"gpu-{_sources_key(d_src, ('.c', '.h', '.cu'), transport)}"
     lib = d / f"libepcc_proxy_gpu_{transport}.so"
     with _lock:
         if lib.is_file():

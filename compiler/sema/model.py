@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from math import comb, prod
+from math import prod
 from typing import Callable, Mapping, Sequence
 
 from ..diagnostics import Span
+from ..plan import hit_probability
 
 LINK_KINDS = ("p2p", "d2d", "rdma", "local")
 ENGINES = ("sm", "spc", "tma", "ce", "dma", "nic", "proxy")
@@ -239,9 +240,7 @@ class Workload:
 
         Exact: 1 - C(E - n, k) / C(E, k).  (Node-limited routing is handled in route analysis.)
         """
-        e, k = self.experts, self.topk
-        n = max(0, min(n_experts, e))
-        return 1.0 - comb(e - n, k) / comb(e, k)
+        return hit_probability(self.experts, self.topk, n_experts)
 
 
 # --------------------------------------------------------------------------- programs

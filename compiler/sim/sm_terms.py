@@ -38,9 +38,8 @@ Without an `sm` line in the topology the plan is simulated as it is: links only.
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from ..plan import Plan, PlanStep
+from ..plan import Plan, PlanStep, hit_probability
 
 THREAD_ENGINES = ("sm", "spc", "tma")
 
@@ -74,8 +73,7 @@ def rows_per_token(plan: Plan) -> float:
     if wl is None or plan.num_ranks <= 0 or wl.experts <= 0:
         return 1.0
     per = wl.experts // plan.num_ranks
-    miss = math.comb(wl.experts - per, wl.topk) / math.comb(wl.experts, wl.topk) if wl.experts - per >= wl.topk else 0.0
-    return max(1.0, wl.topk * per / wl.experts / max(1e-12, 1.0 - miss))
+    return max(1.0, wl.topk * per / wl.experts / max(1e-12, hit_probability(wl.experts, wl.topk, per)))
 
 
 def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:

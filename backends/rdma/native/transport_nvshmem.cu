@@ -108,6 +108,19 @@ static int nv_connect(epcc_tp *tp, const void *blobs, size_t blob_len) {
     return 0; /* NVSHMEM's bootstrap already connected every PE */
 }
 
+/* After a write's puts are on the stream (lock held): its local completion is queued, released by
+ * poll once the stream passes this point; then the counters, and the lock is released. */
+static int nv_posted(nv_tp *t, size_t len, uint64_t ctx) {
+    cudaEventRecord(t->last, t->stream);
+    epcc_tp_event ev = {EPCC_TP_EV_LOCAL, 0, ctx};
+    epcc_tp_evq_push(&t->q, ev);
+    t->posted++;
+    t->base.stats.writes_posted++;
+    t->base.stats.bytes_posted += len;
+    pthread_mutex_unlock(&t->lock);
+    return 0;
+}
+
 static int nv_post_write(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *m, uint64_t raddr,
                          uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx, uint64_t timeout_ns) {
     nv_tp *t = (nv_tp *)tp;
@@ -126,15 +139,7 @@ static int nv_post_write(epcc_tp *tp, int peer, const void *src, size_t len, epc
     } else {
         nvshmemx_putmem_on_stream((void *)(uintptr_t)raddr, src, len, peer, t->stream);
     }
-    cudaEventRecord(t->last, t->stream);
-    epcc_tp_event ev = {EPCC_TP_EV_LOCAL, 0, ctx};
-    /* Completion is reported once the stream passes this point: queued here, released by poll. */
-    epcc_tp_evq_push(&t->q, ev);
-    t->posted++;
-    t->base.stats.writes_posted++;
-    t->base.stats.bytes_posted += len;
-    pthread_mutex_unlock(&t->lock);
-    return 0;
+    return nv_posted(t, len, ctx);
 }
 
 /* Write + signal: one put with signal (NVSHMEM orders the signal after the payload), the signal
@@ -150,14 +155,7 @@ static int nv_post_write_signal(epcc_tp *tp, int peer, const void *src, size_t l
     pthread_mutex_lock(&t->lock);
     nvshmemx_putmem_signal_on_stream((void *)(uintptr_t)raddr, src, len, (uint64_t *)(uintptr_t)sig_raddr, sig_value,
                                      NVSHMEM_SIGNAL_SET, peer, t->stream);
-    cudaEventRecord(t->last, t->stream);
-    epcc_tp_event ev = {EPCC_TP_EV_LOCAL, 0, ctx};
-    epcc_tp_evq_push(&t->q, ev);
-    t->posted++;
-    t->base.stats.writes_posted++;
-    t->base.stats.bytes_posted += len;
-    pthread_mutex_unlock(&t->lock);
-    return 0;
+    return nv_posted(t, len, ctx);
 }
 
 static int nv_poll(epcc_tp *tp, epcc_tp_event *events, int max) {

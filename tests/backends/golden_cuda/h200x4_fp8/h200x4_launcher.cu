@@ -66,6 +66,7 @@ constexpr bool kHasFinish = true;
 constexpr uint32_t kFinishBlock = 256;
 
 struct Program {
+  int blocks_per_sm = 0;             // the kernel's occupancy, found when the context is created
   uint8_t* tables = nullptr;         // device copy of the blob
   size_t tables_capacity = 0;
   bool tables_ok = false;
@@ -167,8 +168,7 @@ int launch_main(Context* c, int program, cudaStream_t stream) {
                   static_cast<unsigned long long>(u / kNumRanks), static_cast<unsigned long long>(u % kNumRanks));
     }
   }
-  int per_sm = 0;
-  EPCC_TRY(c, info.occupancy(&per_sm));
+  const int per_sm = p.blocks_per_sm;
   if (static_cast<long long>(per_sm) * c->num_sms < static_cast<long long>(info.grid)) {
     return fail(c, EPCC_RC_USAGE, "%s kernel: %u blocks cannot all be resident (%d per SM x %d SMs)", info.name,
                 info.grid, per_sm, c->num_sms);
@@ -306,8 +306,7 @@ int epcc_cuda_create(int device, int rank, uint32_t flag_capacity, double timeou
   // finish kernel first launched behind a running combine kernel then blocks every other thread's
   // CUDA call, the GPU proxy's copies among them, and the combine waits for those copies forever.
   for (int p = 0; p < kNumPrograms; ++p) {
-    int per_sm = 0;
-    if (kPrograms[p].present) EPCC_TRY(c, kPrograms[p].occupancy(&per_sm));
+    if (kPrograms[p].present) EPCC_TRY(c, kPrograms[p].occupancy(&c->programs[p].blocks_per_sm));
   }
   if (kFinishLoad != nullptr) EPCC_TRY(c, kFinishLoad());
   return EPCC_RC_OK;
