@@ -19,6 +19,13 @@ two sides share, from the rank's uploaded tables:
 * the RdmaChan descriptors (one per CopyDesc) and the items' sequence numbers, in device memory,
   handed to the launcher with `Context.set_rdma`.
 
+Transports: `emulated` (the copy engine, paced to the plan's RDMA link: RDMA-bound schedules on
+one host) and `nvshmem` (put with signal over whatever NVSHMEM reaches: NVLink on one host,
+IBRC/IBGDA on a cluster).  For `nvshmem` this module bootstraps NVSHMEM from rank 0's unique id
+(all-gathered by the caller's exchange, i.e. torch.distributed) and allocates every region a peer
+writes, and the send slots, in the symmetric heap (collective: every rank allocates the largest
+size any rank needs, in the same order).
+
 Depth and chunk size are the plan's (chunk-pipeline pass; EPCC_RDMA_CHUNK_TOKENS / EPCC_RDMA_DEPTH
 override them at compile time through `rdma.with_overrides`).  Addresses and keys are exchanged
 with the caller's all-gather (torch.distributed's all_gather_object).  The proxy thread spins on a
@@ -49,8 +56,33 @@ RDMA_CHAN = np.dtype([("ring", "<u8"), ("signals", "<u8"), ("counter", "<u8"), (
 assert RDMA_CHAN.itemsize == 64
 
 
+TRANSPORTS = ("emulated", "nvshmem")
+
+
 class RdmaGpuError(RuntimeError):
     """The GPU proxy path cannot run (a bad transport spec, tables without its roles, a failure)."""
+
+
+def nvshmem_bootstrap(lib, rank: int, nranks: int, device: int, exchange) -> None:
+    """Initialise NVSHMEM in this process as PE `rank` of `nranks` on `device`: rank 0 makes the
+    unique id, `exchange` (an all-gather, e.g. torch.distributed's all_gather_object) hands it to
+    every rank.  Collective; a second call in the same process only checks the ranks."""
+    err = ctypes.create_string_buffer(ERRLEN)
+    lib.epcc_nvshmem_uid.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_char_p,
+                                     ctypes.c_size_t]
+    lib.epcc_nvshmem_init.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                      ctypes.c_char_p, ctypes.c_size_t]
+    lib.epcc_nvshmem_malloc.argtypes, lib.epcc_nvshmem_malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+    lib.epcc_nvshmem_free.argtypes, lib.epcc_nvshmem_free.restype = [ctypes.c_void_p], None
+    uid = b""
+    if rank == 0:
+        buf, n = ctypes.create_string_buffer(1024), ctypes.c_size_t(1024)
+        if lib.epcc_nvshmem_uid(buf, ctypes.byref(n), err, ERRLEN) != 0:
+            raise RdmaGpuError(f"rank 0: {err.value.decode(errors='replace')}")
+        uid = buf.raw[: n.value]
+    uid = exchange(uid)[0]
+    if lib.epcc_nvshmem_init(uid, len(uid), rank, nranks, device, err, ERRLEN) != 0:
+        raise RdmaGpuError(f"rank {rank}: {err.value.decode(errors='replace')}")
 
 
 def _align(n: int) -> int:
@@ -123,23 +155,25 @@ class GpuRdma:
         self.cuda, self.program, self.rank = cuda_lib, program, rank
         self.keep: list = []
         self.device_ptrs: list[int] = []
+        self.sym_ptrs: list[int] = []  # symmetric (NVSHMEM) allocations, freed collectively by close()
         self.thread: threading.Thread | None = None
         self.status: int | None = None
         steps = {s.step: s for s in rdma_steps(plan) if s.program == program}
         if not steps:
             raise RdmaGpuError(f"{program}: the plan has no RDMA step")
-        links = {(s.bandwidth, s.latency_s) for s in steps.values()}
-        if len(links) != 1:
-            raise RdmaGpuError(f"{program}: RDMA steps over links of different speeds ({sorted(links)}): one "
-                               f"emulated link per rank and program in this version")
-        bw, lat = links.pop()
-        if transport != "emulated":
-            raise RdmaGpuError(f"transport '{transport}': the GPU proxy path runs the 'emulated' transport in this "
-                               f"version")
-        if spec is None:
+        if transport not in TRANSPORTS:
+            raise RdmaGpuError(f"transport '{transport}': the GPU proxy path runs {' or '.join(TRANSPORTS)}")
+        if transport == "emulated" and spec is None:  # paced to the plan's link
+            links = {(s.bandwidth, s.latency_s) for s in steps.values()}
+            if len(links) != 1:
+                raise RdmaGpuError(f"{program}: RDMA steps over links of different speeds ({sorted(links)}): one "
+                                   f"emulated link per rank and program in this version")
+            bw, lat = links.pop()
             if not bw:
                 raise RdmaGpuError(f"{program}: the RDMA link has no bandwidth in the plan; give the transport spec")
             spec = f"{bw / 1e9:g},{lat * 1e6:g},{device},signal"
+        elif spec is None:
+            spec = "signal"  # write + signal only: no immediates to read
         self.lib = load(proxy_lib)
         if not hasattr(self.lib, "epcc_rdma_proxy_gpu"):
             raise RdmaGpuError(f"{proxy_lib}: no epcc_rdma_proxy_gpu (a proxy library of an older epcc?)")
@@ -201,11 +235,21 @@ class GpuRdma:
             self.keep.append(t)
             return t.numpy().view(np.uint64), int(t.data_ptr())
 
-        landing = dmalloc(landing_bytes)
-        signals = dmalloc(sig_bytes)
-        credits = dmalloc(8 * len(send))
+        # what peers write (landing slots, signal words, credit words) and the send slots
+        shared = [landing_bytes, sig_bytes, 8 * len(send), *(r.depth * r.slot_bytes for r in roles)]
+        if transport == "nvshmem":
+            if not hasattr(self.lib, "epcc_nvshmem_init"):
+                raise RdmaGpuError(f"{proxy_lib}: built without NVSHMEM (build_gpu(..., 'nvshmem') links it)")
+            nvshmem_bootstrap(self.lib, rank, R, device, exchange)
+            sizes = exchange(shared)
+            if len({len(x) for x in sizes}) != 1:
+                raise RdmaGpuError(f"rank {rank}: {program}: ranks allocate {[len(x) for x in sizes]} symmetric "
+                                   f"regions (tables of another layout?)")
+            shared = [self._symmetric(max(col)) for col in zip(*sizes)]
+        else:
+            shared = [dmalloc(n) for n in shared]
+        landing, signals, credits, *send_bufs = shared
         claims = dmalloc(8 * len(roles))
-        send_bufs = [dmalloc(r.depth * r.slot_bytes) for r in roles]
         fifo_words = sum(FIFO_WORDS + ENTRY_WORDS * r.depth for r in roles)
         fifo_host, fifo_ptr = pinned(fifo_words)
         self._fifo_host = fifo_host
@@ -322,6 +366,14 @@ class GpuRdma:
         if log:
             log(self.summary)
 
+    def _symmetric(self, n: int) -> int:
+        p = self.lib.epcc_nvshmem_malloc(max(n, 8))  # collective, zeroed
+        if not p:
+            raise RdmaGpuError(f"rank {self.rank}: {self.program}: NVSHMEM's symmetric heap has no {n} B left "
+                               f"(raise NVSHMEM_SYMMETRIC_SIZE)")
+        self.sym_ptrs.append(p)
+        return p
+
     # -- the proxy thread -------------------------------------------------------------------
     def start(self) -> None:
         def run():
@@ -365,3 +417,6 @@ class GpuRdma:
         for p in self.device_ptrs:
             self.cuda.free(p)
         self.device_ptrs.clear()
+        for p in reversed(self.sym_ptrs):  # collective: every rank closes its engines in the same order
+            self.lib.epcc_nvshmem_free(p)
+        self.sym_ptrs.clear()

@@ -110,13 +110,39 @@ def build_transport(transport: str) -> Path:
 
 
 #: CUDA transports of the GPU path: source, macro (built with nvcc, linked with the CUDA runtime)
-GPU_TRANSPORTS = {"emulated": ("transport_emulated.cu", "EPCC_TP_HAVE_EMULATED")}
+GPU_TRANSPORTS = {"emulated": ("transport_emulated.cu", "EPCC_TP_HAVE_EMULATED"),
+                  "nvshmem": ("transport_nvshmem.cu", "EPCC_TP_HAVE_NVSHMEM")}
+
+
+def nvshmem_home() -> tuple[Path, Path]:
+    """(include dir, host library) of NVSHMEM: $NVSHMEM_HOME, else the pip wheel nvidia-nvshmem-cu13
+    (or -cu12) of this Python.  The GPU path uses NVSHMEM's host API only: no device library."""
+    import importlib.util
+
+    cands = []
+    if os.environ.get("NVSHMEM_HOME"):
+        cands.append(Path(os.environ["NVSHMEM_HOME"]))
+    try:
+        spec = importlib.util.find_spec("nvidia.nvshmem")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        cands += [Path(p) for p in (spec.submodule_search_locations or [])]
+    for home in cands:
+        libs = sorted((home / "lib").glob("libnvshmem_host.so*"))
+        if (home / "include" / "nvshmem.h").is_file() and libs:
+            return home / "include", libs[0]
+    where = ", ".join(str(c) for c in cands) or "no NVSHMEM_HOME, no nvidia.nvshmem package"
+    raise BuildError(f"NVSHMEM not found ({where}): pip install nvidia-nvshmem-cu13, or set NVSHMEM_HOME to a "
+                     f"directory with include/nvshmem.h and lib/libnvshmem_host.so")
 
 
 def build_gpu(rdma_dir: str | Path, transport: str = "emulated", nvcc: str | None = None) -> Path:
     """The GPU path's proxy library from a bundle's `cuda/rdma/` sources (the emitted loop and the
     static runtime, as `rdma.emit` wrote them; no compiler Python needed): C parts with cc, the
-    transport with nvcc, linked by nvcc.  Cached in the build directory by the sources' hash."""
+    transport with nvcc, linked by nvcc.  Cached in the build directory by the sources' hash.
+    `nvshmem` links NVSHMEM's host library (nvshmem_home) and exports the epcc_nvshmem_*
+    bootstrap beside the transport."""
     if transport not in GPU_TRANSPORTS:
         raise BuildError(f"transport '{transport}' is not one of the GPU path's: {', '.join(sorted(GPU_TRANSPORTS))}")
     d_src = Path(rdma_dir)
@@ -125,10 +151,16 @@ def build_gpu(rdma_dir: str | Path, transport: str = "emulated", nvcc: str | Non
         raise BuildError(f"{d_src}: expected one emitted '*_proxy.c', found {[p.name for p in loops]}")
     nvcc = nvcc or shutil.which("nvcc")
     if not nvcc:
-        raise BuildError("nvcc is not on PATH: the GPU proxy (emulated transport) is CUDA code")
+        raise BuildError(f"nvcc is not on PATH: the GPU proxy ({transport} transport) is CUDA code")
     tsrc, macro = GPU_TRANSPORTS[transport]
+    inc, link = [], []
+    if transport == "nvshmem":
+        include, host_lib = nvshmem_home()
+        inc = [f"-I{include}"]
+        link = [f"-L{host_lib.parent}", f"-l:{host_lib.name}", "-Xlinker", f"-rpath,{host_lib.parent}"]
     c_sources = [loops[0], d_src / "epcc_transport.c", d_src / "epcc_proxy_prim.c"]
-    d = build_dir() / f"gpu-{_sources_key(d_src, ('.c', '.h', '.cu'), transport)}"
+    key = _sources_key(d_src, (".c", ".h", ".cu"), " ".join([transport, *inc, *link]))
+    d = build_dir() / f"gpu-{key}"
     lib = d / f"libepcc_proxy_gpu_{transport}.so"
     with _lock:
         if lib.is_file():
@@ -145,14 +177,15 @@ def build_gpu(rdma_dir: str | Path, transport: str = "emulated", nvcc: str | Non
                 raise BuildError(f"compiling {src.name} failed ({' '.join(cmd)}):\n{r.stderr.strip()}")
             objs.append(obj)
         obj = od / "transport.o"
-        cmd = [nvcc, "-O2", "-std=c++17", "-Xcompiler", "-fPIC", f"-D{macro}", f"-I{d_src}", "-c", "-o", str(obj),
-               str(d_src / tsrc)]
+        cmd = [nvcc, "-O2", "-std=c++17", "-Xcompiler", "-fPIC", f"-D{macro}", f"-I{d_src}", *inc, "-c", "-o",
+               str(obj), str(d_src / tsrc)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise BuildError(f"compiling {tsrc} failed ({' '.join(cmd)}):\n{r.stderr.strip()}")
         objs.append(obj)
         tmp = d / f".{lib.name}.{os.getpid()}.tmp"
-        cmd = [nvcc, "-shared", "-o", str(tmp), *map(str, objs), "-lcudart"]
+        # -z defs: a symbol the libraries named do not define fails here, not at load time on a GPU machine
+        cmd = [nvcc, "-shared", "-o", str(tmp), *map(str, objs), *link, "-lcudart", "-Xlinker", "-z,defs"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise BuildError(f"linking the GPU proxy library failed ({' '.join(cmd)}):\n{r.stderr.strip()}")

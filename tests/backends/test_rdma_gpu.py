@@ -92,6 +92,52 @@ def test_gpu_proxy_library_builds_from_the_bundle(tmp_path, monkeypatch):
     assert hasattr(loaded, "epcc_rdma_proxy_gpu") and hasattr(loaded, "epcc_tp_post_write_signal")
 
 
+def test_gpu_proxy_library_builds_with_nvshmem(tmp_path, monkeypatch):
+    """The nvshmem transport compiled against NVSHMEM's headers and linked (-z defs: every symbol
+    resolved) against its host library, the pip wheel the test extra installs: the library
+    exports the transport and the bootstrap the runtime calls."""
+    import subprocess
+
+    from epcc.backends.rdma.build import BuildError, build_gpu, nvshmem_home
+
+    _nvcc()
+    try:
+        nvshmem_home()
+    except BuildError as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv("EPCC_RDMA_BUILD_DIR", str(tmp_path / "build"))
+    plan, *_ = small_case("h200x4_2vnode", 8, 2)
+    cuda.generate(plan, source_of("h200x4_2vnode"), cuda.CudaOptions(rdma="proxy")).write(tmp_path / "cuda")
+    lib = build_gpu(tmp_path / "cuda" / "rdma", "nvshmem")
+    syms = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True).stdout
+    for name in ("epcc_rdma_proxy_gpu", "epcc_tp_ops_nvshmem", "epcc_nvshmem_uid", "epcc_nvshmem_init",
+                 "epcc_nvshmem_malloc", "epcc_nvshmem_free"):
+        assert f" {name}\n" in syms, name
+    needed = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True).stdout
+    assert "libnvshmem_host.so" in needed and "libnvshmem_device" not in needed
+
+
+def test_nvshmem_not_found_says_where_it_looked(tmp_path, monkeypatch):
+    import importlib.util
+
+    from epcc.backends.rdma.build import BuildError, nvshmem_home
+
+    monkeypatch.setenv("NVSHMEM_HOME", str(tmp_path))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(BuildError) as e:
+        nvshmem_home()
+    assert str(e.value) == (f"NVSHMEM not found ({tmp_path}): pip install nvidia-nvshmem-cu13, or set NVSHMEM_HOME "
+                            f"to a directory with include/nvshmem.h and lib/libnvshmem_host.so")
+
+
+def test_gpu_proxy_refuses_an_unknown_transport():
+    plan, *_ = small_case("h200x4_2vnode", 8, 2)
+    with pytest.raises(rdma_gpu.RdmaGpuError) as e:
+        rdma_gpu.GpuRdma(proxy_lib="-", cuda_lib=None, ctx=None, plan=plan, manifest={}, blob=None,
+                         program="dispatch", rank=0, device=0, exchange=None, transport="ibverbs")
+    assert str(e.value) == "transport 'ibverbs': the GPU proxy path runs emulated or nvshmem"
+
+
 def test_gpu_proxy_kernels_compile(tmp_path):
     """The pack and unpack roles (dispatch copy, combine bf16 wire) compile for sm_90a."""
     import subprocess

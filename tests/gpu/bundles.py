@@ -48,6 +48,8 @@ RDMA_VARIANTS = {  # name -> (schedule, RDMA link name, GB/s)
     # show how much of it hides under the RDMA stream at 50 and 13 GB/s
     "h200x4_2vnode_400": ("h200x4_2vnode", "rdma", 400),
     "h200x4_ubb2x2_400": ("h200x4_ubb2x2", "nic", 400),
+    # the proxy path with the nvshmem transport runs at NVLink speed, not at a paced link's
+    "h200x2_2vnode_400": ("h200x2_2vnode", "rdma", 400),
 }
 
 

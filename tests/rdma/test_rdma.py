@@ -200,18 +200,26 @@ def test_ibverbs_transport_compiles_links_and_says_no_device():
 @pytest.mark.parametrize("name,macro", [("transport_emulated.cu", "EPCC_TP_HAVE_EMULATED"),
                                         ("transport_nvshmem.cu", "EPCC_TP_HAVE_NVSHMEM")])
 def test_cuda_transports_compile(tmp_path, name, macro):
+    from epcc.backends.rdma.build import nvshmem_home
+
     nvcc = shutil.which("nvcc")
     if not nvcc:
         pytest.skip("nvcc is not on PATH")
-    r = subprocess.run([nvcc, "-std=c++17", "-Xcompiler", "-fPIC,-Wall", f"-D{macro}", f"-I{NATIVE_DIR}", "-c",
-                        str(NATIVE_DIR / name), "-o", str(tmp_path / "t.o")], capture_output=True, text=True)
+    inc = []
+    if name == "transport_nvshmem.cu":
+        try:
+            inc = [f"-I{nvshmem_home()[0]}"]
+        except BuildError:
+            pass  # guarded: without nvshmem.h it compiles to nothing
+    r = subprocess.run([nvcc, "-std=c++17", "-Xcompiler", "-fPIC,-Wall,-Werror", f"-D{macro}", f"-I{NATIVE_DIR}",
+                        *inc, "-c", str(NATIVE_DIR / name), "-o", str(tmp_path / "t.o")], capture_output=True,
+                       text=True)
     assert r.returncode == 0, r.stderr
     syms = subprocess.run(["nm", str(tmp_path / "t.o")], capture_output=True, text=True).stdout
     has = "epcc_tp_ops_" in syms
     if name == "transport_nvshmem.cu":
-        # Guarded: without nvshmem.h it compiles to nothing.
-        found = subprocess.run([nvcc, "-E", "-x", "cu", "-"], input="#include <nvshmem.h>\n", capture_output=True,
-                               text=True).returncode == 0
+        found = subprocess.run([nvcc, "-E", "-x", "cu", *inc, "-"], input="#include <nvshmem.h>\n",
+                               capture_output=True, text=True).returncode == 0
         assert has == found
     else:
         assert has
@@ -301,7 +309,7 @@ def test_gpu_proxy_build_names_the_transports_it_has(tmp_path):
 
     with pytest.raises(BuildError) as e:
         build_gpu(tmp_path, "libfabric")
-    assert str(e.value) == "transport 'libfabric' is not one of the GPU path's: emulated"
+    assert str(e.value) == "transport 'libfabric' is not one of the GPU path's: emulated, nvshmem"
     with pytest.raises(BuildError) as e:
         build_gpu(tmp_path, "emulated")
     assert str(e.value) == f"{tmp_path}: expected one emitted '*_proxy.c', found []"
