@@ -699,11 +699,11 @@ def _epcc_child(cfg: dict) -> dict:
         from epcc.backends.cuda.rdma_gpu import GpuRdma
         from epcc.backends.rdma.build import build_gpu
 
-        plib = build_gpu(Path(cfg["bundle"]) / "cuda" / "rdma")
+        plib = build_gpu(Path(cfg["bundle"]) / "cuda" / "rdma", cfg["rdma_transport"])
         for p in programs:
             eng = GpuRdma(proxy_lib=str(plib), cuda_lib=lib, ctx=ctx, plan=plan, manifest=manifest,
                           blob=tables[p].blob, program=p, rank=rank, device=dev.index, exchange=comm.all_gather_object,
-                          timeout_s=cfg["kernel_timeout"])
+                          timeout_s=cfg["kernel_timeout"], transport=cfg["rdma_transport"])
             eng.start()
             rdma_engines.append(eng)
         out["rdma"] = [e.summary for e in rdma_engines]
@@ -912,7 +912,8 @@ def run_epcc(comm: Comm, args, bundle: str, lib: str | None, lib_error: str | No
            "local_rank": comm.dev.index if comm.dev.type == "cuda" else 0,
            "addr": os.environ.get("MASTER_ADDR", "127.0.0.1"), "port": port, "seed": args.seed, "tokens": T,
            "warmup": args.warmup, "iters": args.iters, "kernel_timeout": args.kernel_timeout,
-           "dry_run": args.dry_run, "flush": not args.no_flush, "emulate_max_tokens": args.emulate_max_tokens}
+           "dry_run": args.dry_run, "flush": not args.no_flush, "emulate_max_tokens": args.emulate_max_tokens,
+           "rdma_transport": args.rdma_transport}
     ctx = mp.get_context("spawn")
     rd, wr = ctx.Pipe(duplex=False)
     p = ctx.Process(target=epcc_child, args=(cfg, wr), daemon=True)
@@ -1149,7 +1150,14 @@ def parse(argv=None):
     ap.add_argument("--child-timeout", type=float, default=150.0, help="epcc: bound of a bundle's whole run, s")
     ap.add_argument("--rebuild", action="store_true", help="run nvcc even where a library is newer than its sources")
     ap.add_argument("--no-flush", action="store_true", help="no L2 flush before each timed iteration")
+    ap.add_argument("--strict", action="store_true",
+                    help="exit 1 when any bundle or method failed (a check, a timeout, a build): for tests")
     ap.add_argument("--dry-run", action="store_true", help="CPU + gloo, no CUDA: exercise everything but the kernels")
+    ap.add_argument("--rdma-transport", choices=("emulated", "nvshmem"),
+                    default=os.environ.get("EPCC_RDMA_TRANSPORT", "emulated"),
+                    help="epcc, bundles compiled with --rdma proxy: the transport of their RDMA steps (emulated: "
+                         "the copy engine paced to the plan's link; nvshmem: put with signal at what NVSHMEM "
+                         "reaches); default $EPCC_RDMA_TRANSPORT or emulated")
     ap.add_argument("--emulate-max-tokens", type=int, default=1024,
                     help="dry run: emulate the kernels only when ranks x tokens is at most this")
     args = ap.parse_args(argv)
@@ -1240,6 +1248,8 @@ def main(argv=None) -> int:
             per_method["epcc"] = comm.all_gather_object(res)
             say(f"[{time.perf_counter() - t_start:6.1f} s] {name}: epcc "
                 + _status(per_method["epcc"]))
+            for line in res.get("rdma", []):  # the GPU proxy path: which transport, what rings
+                say(f"    rdma {line}")
         base = [m for m in args.methods if m != "epcc"]
         if base:
             res = bench_baselines(comm, timer, args, plan, T, idx, w, base)
@@ -1281,11 +1291,17 @@ def main(argv=None) -> int:
         for line in format_predictions(report):
             print(line)
     comm.barrier()
+    failed = [f"{b['name']}: {b['error']}" for b in report["bundles"] if "error" in b]
+    failed += [f"{b['name']} {m}: {r['error']}" for b in report["bundles"] for m, r in b.get("methods", {}).items()
+               if "error" in r]
+    status = 1 if args.strict and failed else 0
+    if status:
+        say(f"--strict: {len(failed)} failed: " + "; ".join(failed))
     if args.dry_run:
         dist.destroy_process_group()
-        return 0
+        return status
     sys.stdout.flush()
-    os._exit(0)  # skip NCCL teardown: nothing left to do, and it can hang after a peer's failure
+    os._exit(status)  # skip NCCL teardown: nothing left to do, and it can hang after a peer's failure
 
 
 def _first_error(errs: list[tuple[int, str]]) -> str:

@@ -100,3 +100,24 @@ def test_rdma_variant_of_a_file_without_the_link_is_refused(bundles, tmp_path, m
     with pytest.raises(SystemExit) as e:
         bundles.rdma_source(tmp_path, "x")
     assert str(e.value) == f"{ROOT / 'schedules' / 'h200x4.sched'}: cannot find the bandwidth line of link 'rdma'"
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_strict_exits_1_when_a_bundle_failed(tmp_path, strict):
+    """--strict (what the GPU tests run) turns any failed bundle or method into exit status 1."""
+    import os
+    import socket
+    import subprocess
+
+    pytest.importorskip("torch")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cmd = [sys.executable, str(ROOT / "bench" / "ep_bench.py"), "--dry-run", "--methods", "epcc", "--out",
+           str(tmp_path), "--bundles", str(tmp_path / "no_such_bundle"), *(["--strict"] if strict else [])]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == (1 if strict else 0), r.stdout + r.stderr
+    report = json.loads((tmp_path / "ep_bench.json").read_text())
+    assert "error" in report["bundles"][0]
+    assert ("--strict: 1 failed: no_such_bundle: " in r.stdout) == strict

@@ -10,6 +10,12 @@ $EPCC_GPU_BUNDLES overrides the bundle directory (default .gpu/bundles at the re
 $EPCC_GPU_TIMEOUT the seconds one torchrun may take (default 1200).  The EP4 case needs 4 GPUs
 (h200x4, h200x4_fp8, h200x4_t128); the EP2 case runs on GPUs 0 and 1 (h200x2, h200x2_fp8,
 h200x2_t128).  Each must exit 0 and print "ALL OK"; on failure the test shows the output tail.
+
+The GPU proxy path (issue 6) runs through bench/ep_bench.py --strict on the 2-vnode plan of two
+GPUs (h200x2_2vnode_50_proxy), once per transport: `emulated` (the copy engine paced to 50 GB/s)
+and `nvshmem` (put with signal over NVLink; skipped where NVSHMEM's wheel is not installed).  The
+bench checks every result against the oracle (dispatch bit-exact, combine within bf16-wire
+rounding) and --strict makes a failed check or a timeout exit 1.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "ep_worker.py"
+BENCH = ROOT / "bench" / "ep_bench.py"
+PROXY_BUNDLE = "h200x2_2vnode_50_proxy"
 BUNDLES = Path(os.environ.get("EPCC_GPU_BUNDLES") or ROOT / ".gpu" / "bundles")
 HOW = ("to run: `.venv/bin/python tests/gpu/bundles.py .gpu/bundles` on a CPU machine with MLIR, carry .gpu "
        "to the GPU machine (or set EPCC_GPU_BUNDLES), run `python -m pytest tests/gpu/test_gpu.py` there")
@@ -92,3 +100,37 @@ def test_ep_worker_all_ok(gpus):
         f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
     # the worker's summary (shown by `pytest -rA`): what ran where
     print("\n".join(line for line in r.stdout.splitlines() if "GPU checks" in line or line.startswith("bundle")))
+
+
+@pytest.mark.parametrize("transport", ["emulated", "nvshmem"])
+def test_gpu_proxy_path(transport, tmp_path):
+    """The RDMA step through the host proxy loop and a real transport, results checked by the bench."""
+    why = _why_not(2)
+    if not why and not (BUNDLES / PROXY_BUNDLE / "cuda" / "manifest.json").is_file():
+        why = f"bundle missing under {BUNDLES}: {PROXY_BUNDLE}; {HOW}"
+    if not why and transport == "nvshmem":
+        from epcc.backends.rdma.build import BuildError, nvshmem_home
+
+        try:
+            nvshmem_home()
+        except BuildError as e:
+            why = str(e)
+    if why:
+        pytest.skip(why)
+    env = dict(os.environ)
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               CUDA_VISIBLE_DEVICES="0,1")
+    env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # one host: NVLink only, no NIC probing
+    cmd = [_torchrun(), "--standalone", "--nproc-per-node", "2", str(BENCH), "--methods", "epcc", "--strict",
+           "--iters", "3", "--warmup", "1", "--kernel-timeout", "10", "--rdma-transport", transport,
+           "--out", str(tmp_path), "--bundles", str(BUNDLES / PROXY_BUNDLE)]
+    timeout = float(os.environ.get("EPCC_GPU_TIMEOUT", "1200"))
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{' '.join(cmd)}: no result after {timeout:.0f} s")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and f"{PROXY_BUNDLE}: epcc ok" in r.stdout, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
+    used = [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("rdma ")]
+    assert used and all(f"over {transport}" in line for line in used), used
+    print("\n".join(line for line in r.stdout.splitlines() if "epcc ok" in line or line.strip().startswith("rdma ")))
