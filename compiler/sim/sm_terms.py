@@ -21,8 +21,11 @@ treats them like links):
 A chunk is the work of one SM (a role hands out chunks, not bytes, to its blocks).  A role's
 chunks are done in waves, one per SM at a time, so the first is complete only when N chunks'
 worth of bytes have moved: `PlanStep.completion_lag` = N x chunk / bytes (at most 1) holds a
-pipelined consumer back by that fraction more.  (The last wave ends with the fluid model's last
-byte, so a role gets no tail.)  An RDMA channel's chunks are serial on one link: its last chunk
+pipelined consumer back by that fraction more.  A role that consumes a producer's chunks as they
+come (a pipelined dependency) gets the producer's last chunk when the producer ends, and that
+chunk is one SM's work: the fluid model spreads it over all N SMs, so the role's flows get a tail
+of chunk / rate x (1 - 1/N).  (A role that is not pipelined behind a producer ends its last wave
+with the fluid model's last byte: no tail.)  An RDMA channel's chunks are serial on one link: its last chunk
 is staged before and applied after the wire, a tail of chunk / stage + chunk / apply, and its
 lag is the bytes the link moves while one chunk is applied.  A chunk of a step that reads or writes `output` holds a
 chunk's tokens with all their expert rows: chunk bytes x the expected rows per token (uniform
@@ -102,6 +105,8 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
                 resources[name] = n * rates[work]
                 extra.append(name)
                 lag = max(lag, min(1.0, n * chunk / f.bytes))
+                if s.pipelined_deps:  # the producer's last chunk, on one SM
+                    tail += chunk / rates[work] * (1.0 - 1.0 / n)
             if (rdma_proxy and s.link_kind == "rdma" and s.chunk_bytes and f.resources and f.bytes > 0
                     and "copy" in rates and work in rates):
                 link_bps = min(resources[r] for r in f.resources)

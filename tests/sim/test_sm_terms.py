@@ -85,9 +85,9 @@ def test_a_deep_window_leaves_the_link_the_limit():
 def test_the_sm_line_reaches_the_ir_and_the_plan_and_survives_plan_json():
     built = build_plan(str(REPO / "schedules" / "h200x2_2vnode.sched"))
     plan = built.plan
-    assert plan.sm_rates == {"copy": 28 * GB, "reduce": 11 * GB}
+    assert plan.sm_rates == {"copy": 36 * GB, "reduce": 11 * GB}
     text = str(built.compilation.module)
-    assert "epcc.sm_rates_Bps = {copy = 2.800000e+10 : f64, reduce = 1.100000e+10 : f64}" in text
+    assert "epcc.sm_rates_Bps = {copy = 3.600000e+10 : f64, reduce = 1.100000e+10 : f64}" in text
     back = Plan.from_json(plan.to_json())
     assert back.sm_rates == plan.sm_rates
     aug = with_sm_terms(plan)
@@ -118,3 +118,24 @@ def test_rows_per_token_for_the_expanded_chunks_of_output():
     plan = build_plan(str(REPO / "schedules" / "h200x2_2vnode.sched")).plan
     # top-8 of 256 experts, 128 per rank: 4 expected hits, given at least one (P = 0.9965)
     assert rows_per_token(plan) == pytest.approx(4 / 0.99651, rel=1e-4)
+
+
+def test_a_role_pipelined_behind_a_producer_ends_one_chunk_on_one_sm_after_it():
+    # producer: an RDMA-class link of 10 GB/s per rank delivers 1 GB in 100 MB chunks (0.1 s);
+    # consumer: 8 SMs x 25 GB/s (200 GB/s, never the limit) permute it as it lands.  The last
+    # chunk arrives at 0.1 s and is one SM's work: 100 MB / 25 GB/s = 4 ms, where the fluid
+    # model alone would spread it over 8 SMs (0.5 ms): tail = 4 ms x (1 - 1/8), and the role
+    # ends one chunk on one SM (4 ms) after the producer.
+    flows = [Flow(r, r, 1 - r, 1.0 * GB, (f"link:rdma:{r}>{1 - r}",)) for r in range(2)]
+    prod = PlanStep("rdma", "dispatch", "send", "rdma", "rdma", (), flows=flows, chunk_bytes=100 * MB, num_chunks=10)
+    cons_flows = [Flow(r, r, r, 1.0 * GB, (f"hbm:{r}",)) for r in range(2)]
+    cons = PlanStep("keep_far", "dispatch", "permute", "hbm", "local", ("rdma",), pipelined_deps=("rdma",),
+                    flows=cons_flows, chunk_bytes=100 * MB, num_chunks=10)
+    k = KernelPlan("dispatch_kernel", "kernel", "dispatch", 8, roles=[RolePlan("keep_far", "permuter", 0, 8, 8, "sm")])
+    res = {"hbm:0": 3000 * GB, "hbm:1": 3000 * GB, "link:rdma:0>1": 10 * GB, "link:rdma:1>0": 10 * GB}
+    p = Plan("t", 2, "test", 1, steps=[prod, cons], resources=res, kernels=[k], sm_rates={"copy": 25 * GB})
+    aug = with_sm_terms(p, rdma_proxy=False)
+    assert all(f.tail_s == pytest.approx(0.004 * 7 / 8) for f in aug.steps[1].flows)
+    assert all(f.tail_s == 0.0 for f in aug.steps[0].flows)  # not pipelined behind anything
+    r = simulate(p)
+    assert r.step("keep_far").end_s - r.step("rdma").end_s == pytest.approx(0.004, rel=0.05)
