@@ -89,7 +89,7 @@ class CudaOptions:
     proxy_blocks: int = 4  # blocks per emulated RDMA role, at least; more for fast links (PROXY_BLOCK_BPS)
     pace_rdma: bool = True  # emulated RDMA roles keep to the link's bandwidth
     copy_unroll: int = 8  # loads in flight per lane, dispatch row copies
-    accum_unroll: int = 4  # loads in flight per lane, combine accumulates
+    accum_unroll: int = 8  # loads in flight per lane, combine accumulates (4: 5-7 % slower combine on H200)
 
 
 @dataclass

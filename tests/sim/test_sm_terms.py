@@ -85,9 +85,9 @@ def test_a_deep_window_leaves_the_link_the_limit():
 def test_the_sm_line_reaches_the_ir_and_the_plan_and_survives_plan_json():
     built = build_plan(str(REPO / "schedules" / "h200x2_2vnode.sched"))
     plan = built.plan
-    assert plan.sm_rates == {"copy": 36 * GB, "reduce": 11 * GB}
+    assert plan.sm_rates == {"copy": 44 * GB, "reduce": 11 * GB}
     text = str(built.compilation.module)
-    assert "epcc.sm_rates_Bps = {copy = 3.600000e+10 : f64, reduce = 1.100000e+10 : f64}" in text
+    assert "epcc.sm_rates_Bps = {copy = 4.400000e+10 : f64, reduce = 1.100000e+10 : f64}" in text
     back = Plan.from_json(plan.to_json())
     assert back.sm_rates == plan.sm_rates
     aug = with_sm_terms(plan)

@@ -55,9 +55,9 @@ struct ProgramInfo {
 
 const ProgramInfo kPrograms[kNumPrograms] = {
     {"dispatch", true, 2u, kDispatchStepCrcs, 2u, -1, 16u, 1u,
-     25u, 256u, epcc_h200x4_dispatch_launch, epcc_h200x4_dispatch_occupancy, false},
+     25u, 512u, epcc_h200x4_dispatch_launch, epcc_h200x4_dispatch_occupancy, false},
     {"combine", true, 2u, kCombineStepCrcs, 2u, 1, 1u, 8u,
-     25u, 256u, epcc_h200x4_combine_launch, epcc_h200x4_combine_occupancy, false},
+     25u, 512u, epcc_h200x4_combine_launch, epcc_h200x4_combine_occupancy, false},
 };
 
 cudaError_t (*const kFinishLaunch)(const float*, void*, uint64_t, uint32_t, cudaStream_t) = epcc_h200x4_combine_finish_launch;

@@ -32,14 +32,14 @@ module @h200x4 attributes {epcc.num_ranks = 4 : i64, epcc.rank_classes = [array<
     %push = "epcc.transfer"(%output, %result, %push.sel) {after = [], chunk_bytes = 0 : i64, chunk_tokens = 128 : i64, dedup = "rank", depth = 4 : i64, direction = "pull", engine = "sm", epcc.chunk = {chunk_bytes = 1835008 : i64, depth = 4 : i64, num_chunks = 29 : i64, pipelined_after = []}, epcc.order = {engine = "sm", est_start_us = 0.000000e+00 : f64, est_time_us = 6.135210e+02 : f64, priority = 0 : i64, rank_u_us = 6.135210e+02 : f64}, epcc.reverse_of = "push", epcc.reverse_source = "input", epcc.volume = {max_flow_bytes = 0x41894CAC08000000 : f64, max_rank_bytes = 0x41A2F98108000000 : f64, mean_rank_bytes = 0x41A2F98108000000 : f64}, epcc.weighted = true, link = "nvlink", link_kind = "p2p", operandSegmentSizes = array<i32: 1, 1, 1, 0>, order = "", parallel = [], relation = "peer", sms = 24 : i64, src_relations = ["peer"], step = "push", title = "send each token once to every peer that needs it"} : (!epcc.buf, !epcc.buf, !epcc.sel) -> !epcc.event loc("push"("schedules/h200x4.sched":50:3 to 51:72))
   } loc("schedules/h200x4.sched":55:1 to :28)
   module @dispatch_meta attributes {epcc.kind = "kernel", epcc.program = "dispatch", epcc.sms = 2 : i64} {
-    "epcc.role"() {engine = "sm", role = "metadata", sm_begin = 0 : i64, sm_end = 2 : i64, step = "meta", warps = 8 : i64} : () -> () loc("meta"("schedules/h200x4.sched":49:3 to :67))
+    "epcc.role"() {engine = "sm", role = "metadata", sm_begin = 0 : i64, sm_end = 2 : i64, step = "meta", warps = 16 : i64} : () -> () loc("meta"("schedules/h200x4.sched":49:3 to :67))
   } loc("meta"("schedules/h200x4.sched":49:3 to :67))
   module @dispatch_kernel attributes {epcc.kind = "kernel", epcc.program = "dispatch", epcc.sms = 25 : i64} {
-    "epcc.role"() {engine = "sm", role = "sender", sm_begin = 0 : i64, sm_end = 24 : i64, step = "push", warps = 8 : i64} : () -> () loc("push"("schedules/h200x4.sched":50:3 to 51:72))
-    "epcc.role"() {engine = "sm", role = "permuter", sm_begin = 24 : i64, sm_end = 25 : i64, step = "keep", warps = 8 : i64} : () -> () loc("keep"("schedules/h200x4.sched":52:3 to :69))
+    "epcc.role"() {engine = "sm", role = "sender", sm_begin = 0 : i64, sm_end = 24 : i64, step = "push", warps = 16 : i64} : () -> () loc("push"("schedules/h200x4.sched":50:3 to 51:72))
+    "epcc.role"() {engine = "sm", role = "permuter", sm_begin = 24 : i64, sm_end = 25 : i64, step = "keep", warps = 16 : i64} : () -> () loc("keep"("schedules/h200x4.sched":52:3 to :69))
   } loc("push"("schedules/h200x4.sched":50:3 to 51:72))
   module @combine_kernel attributes {epcc.kind = "kernel", epcc.program = "combine", epcc.sms = 25 : i64} {
-    "epcc.role"() {engine = "sm", role = "reducer", sm_begin = 0 : i64, sm_end = 1 : i64, step = "keep", warps = 8 : i64} : () -> () loc("keep"("schedules/h200x4.sched":52:3 to :69))
-    "epcc.role"() {engine = "sm", role = "sender", sm_begin = 1 : i64, sm_end = 25 : i64, step = "push", warps = 8 : i64} : () -> () loc("push"("schedules/h200x4.sched":50:3 to 51:72))
+    "epcc.role"() {engine = "sm", role = "reducer", sm_begin = 0 : i64, sm_end = 1 : i64, step = "keep", warps = 16 : i64} : () -> () loc("keep"("schedules/h200x4.sched":52:3 to :69))
+    "epcc.role"() {engine = "sm", role = "sender", sm_begin = 1 : i64, sm_end = 25 : i64, step = "push", warps = 16 : i64} : () -> () loc("push"("schedules/h200x4.sched":50:3 to 51:72))
   } loc("keep"("schedules/h200x4.sched":52:3 to :69))
 } loc("schedules/h200x4.sched":1:1)
