@@ -224,6 +224,9 @@ def combine_oracle(topk_idx, experts: int, placement: str, weights, y, hidden: i
 # case) is accepted as well.  A wrong, missing or double-counted contribution changes the sum
 # by a whole |w y| term and fails all three.
 MAX_ULP = 2
+#: Unit roundoff of bf16: what a partial sum rounded to bf16 once (combine partials crossing an
+#: RDMA-class link travel as bf16 on every backend) moves, relative to its magnitude.
+BF16_ROUNDOFF = 2.0 ** -8
 MAX_REL = 1e-2
 
 

@@ -210,6 +210,16 @@ class ProcessBackend:
         self.timeout_s = timeout_s
         self.last_stats: dict[str, list[dict]] = {}
 
+    def partial_rounding(self, plan: Plan) -> float:
+        """What the combine check must admit: combine partials that cross an RDMA step travel as
+        bf16 (backends/rdma/lower.py), rounded once to its unit roundoff; 0 without such a step."""
+        from epcc.backends import rdma
+        from epcc.backends.rdma.lower import OP_ACC_F32_BF16
+        from epcc.runtime.oracle import BF16_ROUNDOFF
+
+        crossing = any(s.program == "combine" and s.op == OP_ACC_F32_BF16 for s in rdma.rdma_steps(plan))
+        return BF16_ROUNDOFF if crossing else 0.0
+
     def _run(self, plan: Plan, layout: Layout, program: str, mem: SharedMemory) -> None:
         from epcc.backends import rdma
 

@@ -38,13 +38,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from epcc.runtime.oracle import BF16_ROUNDOFF
+
 TABLE_MAGIC = 0x54435045  # "EPCT", little-endian
 TABLE_VERSION = 1
 ROW_BUF_SHIFT = 40  # source handle: (buffer id << 40) | slot
 ALIGN = 16
 NO_FLAG = 0xFFFFFFFF
 PROGRAMS = ("dispatch", "combine")
-BF16_WIRE = 2.0 ** -8  # unit roundoff of bf16: partials that cross an RDMA link are rounded to it
+BF16_WIRE = BF16_ROUNDOFF  # partials that cross an RDMA link are rounded to bf16
 
 
 def partial_rounding(manifest: dict) -> float:

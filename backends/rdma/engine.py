@@ -25,7 +25,7 @@ import numpy as np
 
 from epcc.runtime.layout_types import Copy, Layout
 
-from .lower import ENGINE, RECV_CHAN, SEND_CHAN, SEND_COPY, SEND_ROLE, rdma_steps
+from .lower import ENGINE, RECV_CHAN, SEND_CHAN, SEND_COPY, SEND_ROLE, WIRE_SHIFT, rdma_steps
 
 TP_LOCAL, TP_REMOTE_WRITE = 1, 2
 ERRLEN = 1024
@@ -169,9 +169,15 @@ class _Chan:
 
 
 def _src_row_bytes(layout: Layout, program: str, op: str) -> int:
+    """Bytes of one source row: the dispatch wire row, a bf16 expert output, an fp32 partial."""
     if program == "dispatch":
         return layout.row_bytes
     return 2 * layout.hidden if op == "acc_bf16" else 4 * layout.hidden
+
+
+def _wire_row_bytes(layout: Layout, program: str, op: str) -> int:
+    """Bytes of one row on the wire (send and landing slots): partials travel as bf16."""
+    return _src_row_bytes(layout, program, op) >> WIRE_SHIFT[op]
 
 
 def channels(plan, layout: Layout, program: str):
@@ -186,7 +192,7 @@ def channels(plan, layout: Layout, program: str):
     seq: dict[tuple[int, int], int] = {}
     for (step, _src), copies in roles.items():
         s = steps[step]
-        srb = _src_row_bytes(layout, program, s.op)
+        wrb = _wire_row_bytes(layout, program, s.op)
         nch = [len(c.chunk_starts) - 1 for c in copies]
         for r in range(max(nch, default=0)):
             for c, n in zip(copies, nch):
@@ -198,7 +204,7 @@ def channels(plan, layout: Layout, program: str):
                     ch = chans[key] = _Chan(key, s.index, c.src, c.dst, s.depth, [])
                 seq[(id(c), r)] = len(ch.chunks)
                 ch.chunks.append((c, r))
-                ch.slot_bytes = max(ch.slot_bytes, int(c.chunk_starts[r + 1] - c.chunk_starts[r]) * srb, 1)
+                ch.slot_bytes = max(ch.slot_bytes, int(c.chunk_starts[r + 1] - c.chunk_starts[r]) * wrb, 1)
     if len(chans) >= (1 << (32 - SEQ_BITS)) or any(len(ch.chunks) >= (1 << SEQ_BITS) for ch in chans.values()):
         raise ValueError(f"{program}: {len(chans)} RDMA channels or a channel of >= 2^{SEQ_BITS} chunks: more than the "
                          f"32-bit immediate carries")
@@ -260,7 +266,7 @@ class RdmaEngine:
                 peer=ch.src, step=ch.step, n_chunks=len(ch.chunks), landing=landing.ctypes.data,
                 slot_bytes=ch.slot_bytes, depth=ch.depth,
                 row_len=layout.row_bytes if program == "dispatch" else layout.hidden,
-                src_row_bytes=_src_row_bytes(layout, program, s.op), chunk_rows=arr(starts, np.int64).ctypes.data,
+                src_row_bytes=_wire_row_bytes(layout, program, s.op), chunk_rows=arr(starts, np.int64).ctypes.data,
                 dst_rows=arr(np.concatenate(dst_rows) if dst_rows else [], np.uint64).ctypes.data,
                 weights=0 if w is None else w.ctypes.data, chunk_flags=arr(flags, np.uint64).ctypes.data,
                 credit_raddr=0, credit_rkey=0, credit_src=credit_src.ctypes.data + 8 * i, credit_mr=csrc_mr,

@@ -2,7 +2,8 @@
 
 An RDMA step is a role of a kernel of kind `proxy` (kernel-formation puts every step over a link
 of kind rdma there).  For each one this module decides the receiver's row operation (dispatch:
-copy the payload row; combine: accumulate the fp32 partial, or the weighted bf16 expert output),
+copy the payload row; combine: accumulate the partial, which travels as bf16 like on the GPU path,
+or the weighted bf16 expert output),
 the chunk size and queue depth (the plan's chunk-pipeline pass, from the cost model, unless
 overridden), the C symbols, and the descriptor tables shared with the host (every field 64-bit).
 """
@@ -15,12 +16,15 @@ from dataclasses import dataclass, replace
 
 from epcc.plan import Plan
 
-OP_COPY, OP_ACC_BF16, OP_ACC_F32 = "copy", "acc_bf16", "acc_f32"
+OP_COPY, OP_ACC_BF16, OP_ACC_F32_BF16 = "copy", "acc_bf16", "acc_f32_bf16"
 _OP_TEXT = {
     OP_COPY: "copy each landed row to its destination row (memcpy)",
-    OP_ACC_F32: "accumulate each landed fp32 partial into its destination (atomic float add)",
+    OP_ACC_F32_BF16: "accumulate each landed partial into its destination (atomic float add); the fp32 partial "
+                     "travels as bf16 (rounded to nearest even by the sender), half the bytes, as on the GPU path",
     OP_ACC_BF16: "accumulate w * bf16 expert output into its destination (atomic float add)",
 }
+#: log2 of (source row bytes / wire row bytes) per operation: partials are packed fp32 -> bf16
+WIRE_SHIFT = {OP_COPY: 0, OP_ACC_BF16: 0, OP_ACC_F32_BF16: 1}
 
 #: Environment overrides of the plan's choices (docs/rdma.md).
 ENV_CHUNK_TOKENS = "EPCC_RDMA_CHUNK_TOKENS"
@@ -51,6 +55,10 @@ class RdmaStep:
     apply_symbol: str
 
     @property
+    def wire_shift(self) -> int:
+        return WIRE_SHIFT[self.op]
+
+    @property
     def bandwidth_text(self) -> str:
         return f"{self.bandwidth / 1e9:g} GB/s" if self.bandwidth else "bandwidth unknown"
 
@@ -74,7 +82,7 @@ def _symbol(text: str) -> str:
 def _op(plan: Plan, program: str, step: str) -> str:
     if program == "dispatch":
         return OP_COPY
-    return OP_ACC_BF16 if plan.step(step, program).weighted else OP_ACC_F32
+    return OP_ACC_BF16 if plan.step(step, program).weighted else OP_ACC_F32_BF16
 
 
 def rdma_steps(plan: Plan) -> list[RdmaStep]:

@@ -313,3 +313,29 @@ def test_gpu_proxy_build_names_the_transports_it_has(tmp_path):
     with pytest.raises(BuildError) as e:
         build_gpu(tmp_path, "emulated")
     assert str(e.value) == f"{tmp_path}: expected one emitted '*_proxy.c', found []"
+
+
+def test_partials_are_packed_to_bf16_rounding_to_nearest_even():
+    """The CPU path carries combine partials as bf16 (like the GPU path): the proxy's packer must
+    round as torch does (nearest, ties to even), keep NaN a NaN and infinities infinite."""
+    import ctypes
+
+    import numpy as np
+
+    torch = pytest.importorskip("torch")
+    from epcc.backends.rdma import engine
+
+    lib = engine.load(build_transport("libfabric"))
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.standard_normal(4096).astype(np.float32) * np.float32(1e3),
+                        np.array([0.0, -0.0, np.inf, -np.inf, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 3.4e38, 1e-40],
+                                 dtype=np.float32)])
+    out = np.zeros(x.size, dtype=np.uint16)
+    lib.epcc_rdma_pack_f32_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64]
+    lib.epcc_rdma_pack_f32_bf16(out.ctypes.data, x.ctypes.data, x.size)
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(out, want)
+    nan = np.array([np.nan, -np.nan], dtype=np.float32)
+    got = np.zeros(2, dtype=np.uint16)
+    lib.epcc_rdma_pack_f32_bf16(got.ctypes.data, nan.ctypes.data, 2)
+    assert all((g & 0x7f80) == 0x7f80 and (g & 0x7f) for g in got)

@@ -111,10 +111,10 @@ static inline uint64_t epcc_rdma_imm_seq(uint32_t imm, uint64_t next) {
     return base < next ? base + mod : base;
 }
 
-/* dst[j] += src[j], j < n, as atomic float adds (several steps accumulate into one row). */
-void epcc_rdma_acc_f32(float *dst, const float *src, uint64_t n);
 /* dst[j] += w * float(bf16 src[j]), atomically. */
 void epcc_rdma_acc_bf16(float *dst, const uint16_t *src, float w, uint64_t n);
+/* dst[j] = bf16(src[j]), rounded to nearest even (NaN stays NaN): an fp32 partial on the wire. */
+void epcc_rdma_pack_f32_bf16(uint16_t *dst, const float *src, uint64_t n);
 
 /* Bounded wait until *flag >= value (acquire), giving up at the deadline (EPCC_RDMA_TIMEOUT) or
  * when *abort becomes non-zero (EPCC_RDMA_ABORTED); *observed gets the last value seen. */

@@ -123,8 +123,17 @@ static inline void atomic_add_f32(float *p, float v) {
     } while (!atomic_compare_exchange_weak_explicit(w, &old, nw, memory_order_relaxed, memory_order_relaxed));
 }
 
-void epcc_rdma_acc_f32(float *dst, const float *src, uint64_t n) {
-    for (uint64_t j = 0; j < n; j++) atomic_add_f32(&dst[j], src[j]);
+void epcc_rdma_pack_f32_bf16(uint16_t *dst, const float *src, uint64_t n) {
+    for (uint64_t j = 0; j < n; j++) {
+        uint32_t bits;
+        memcpy(&bits, &src[j], 4);
+        if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) {
+            dst[j] = (uint16_t)((bits >> 16) | 0x0040u); /* NaN: keep it a (quiet) NaN */
+            continue;
+        }
+        bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest, ties to even */
+        dst[j] = (uint16_t)(bits >> 16);
+    }
 }
 
 void epcc_rdma_acc_bf16(float *dst, const uint16_t *src, float w, uint64_t n) {

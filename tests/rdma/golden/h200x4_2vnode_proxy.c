@@ -9,7 +9,7 @@
  *       1843200 bytes per post, queue depth 4; receiver: copy each landed row to its destination row (memcpy)
  *   [1] combine.rdma  DSL line 91: RDMA once per target vnode to the same-index GPU
  *       link 'rdma' (rdma), 50 GB/s, latency 5 us;
- *       1835008 bytes per post, queue depth 4; receiver: accumulate each landed fp32 partial into its destination (atomic float add)
+ *       1835008 bytes per post, queue depth 4; receiver: accumulate each landed partial into its destination (atomic float add); the fp32 partial travels as bf16 (rounded to nearest even by the sender), half the bytes, as on the GPU path
  *
  * Threads (docs/rdma.md): one producer per sending role (packs a chunk's rows into a send slot
  * once the chunk's producers are done, pushes a trigger into the role's FIFO), one proxy per
@@ -121,6 +121,7 @@ typedef struct {
     int line;
     uint64_t chunk_bytes, depth; /* the plan's */
     epcc_rdma_apply_fn apply;
+    uint32_t wire_shift; /* a row on the wire is src_row_bytes >> wire_shift bytes (1: fp32 packed as bf16) */
 } epcc_rdma_step_info;
 
 /* dispatch.rdma (DSL line 91): copy each landed row to its destination row (memcpy). */
@@ -132,18 +133,18 @@ static void epcc_rdma_apply_dispatch__rdma(const epcc_rdma_recv_chan *c, uint64_
     }
 }
 
-/* combine.rdma (DSL line 91): accumulate each landed fp32 partial into its destination (atomic float add). */
+/* combine.rdma (DSL line 91): accumulate each landed partial into its destination (atomic float add); the fp32 partial travels as bf16 (rounded to nearest even by the sender), half the bytes, as on the GPU path. */
 static void epcc_rdma_apply_combine__rdma(const epcc_rdma_recv_chan *c, uint64_t row_lo, uint64_t row_hi, const uint8_t *slot) {
     const uint64_t *dst_rows = (const uint64_t *)(uintptr_t)c->dst_rows;
     for (uint64_t k = row_lo; k < row_hi; k++) {
         const uint8_t *src = slot + (k - row_lo) * c->src_row_bytes;
-        epcc_rdma_acc_f32((float *)(uintptr_t)dst_rows[k], (const float *)(const void *)src, c->row_len);
+        epcc_rdma_acc_bf16((float *)(uintptr_t)dst_rows[k], (const uint16_t *)(const void *)src, 1.0f, c->row_len);
     }
 }
 
 static const epcc_rdma_step_info epcc_rdma_steps[EPCC_RDMA_NUM_STEPS] = {
-    {"dispatch", "rdma", 91, 1843200u, 4u, epcc_rdma_apply_dispatch__rdma},
-    {"combine", "rdma", 91, 1835008u, 4u, epcc_rdma_apply_combine__rdma},
+    {"dispatch", "rdma", 91, 1843200u, 4u, epcc_rdma_apply_dispatch__rdma, 0u},
+    {"combine", "rdma", 91, 1835008u, 4u, epcc_rdma_apply_combine__rdma, 1u},
 };
 
 /* ---- engine state (allocated by epcc_rdma_engine_init) ---------------------------------- */
@@ -285,7 +286,8 @@ int epcc_rdma_produce(epcc_rdma_engine *e, uint64_t role_index) {
             const int64_t *cs = (const int64_t *)(uintptr_t)c->chunk_starts;
             const uint64_t *rows = (const uint64_t *)(uintptr_t)c->src_rows;
             uint8_t *slot = send_buf + (tail % f->depth) * role->slot_bytes;
-            uint64_t bytes = (uint64_t)(cs[r + 1] - cs[r]) * role->src_row_bytes;
+            const uint64_t wire_row = role->src_row_bytes >> si->wire_shift;
+            uint64_t bytes = (uint64_t)(cs[r + 1] - cs[r]) * wire_row;
             if (bytes > role->slot_bytes || bytes > chans[c->chan].slot_bytes) {
                 char msg[256];
                 snprintf(msg, sizeof msg, "epcc: %s step '%s': chunk %llu holds %llu bytes, more than a send or landing "
@@ -293,9 +295,14 @@ int epcc_rdma_produce(epcc_rdma_engine *e, uint64_t role_index) {
                          (unsigned long long)bytes, (unsigned long long)role->slot_bytes);
                 return fail(e, EPCC_RDMA_FAILED, msg);
             }
-            for (int64_t k = cs[r]; k < cs[r + 1]; k++)
-                memcpy(slot + (uint64_t)(k - cs[r]) * role->src_row_bytes, (const void *)(uintptr_t)rows[k],
-                       role->src_row_bytes);
+            for (int64_t k = cs[r]; k < cs[r + 1]; k++) {
+                uint8_t *to = slot + (uint64_t)(k - cs[r]) * wire_row;
+                if (si->wire_shift)
+                    epcc_rdma_pack_f32_bf16((uint16_t *)(void *)to, (const float *)(uintptr_t)rows[k],
+                                            role->src_row_bytes / 4);
+                else
+                    memcpy(to, (const void *)(uintptr_t)rows[k], role->src_row_bytes);
+            }
             epcc_rdma_fifo_push(f, EPCC_RDMA_ENTRY_DATA, c->chan, (uint64_t)((const int64_t *)(uintptr_t)c->chunk_seq)[r],
                                 bytes);
         }
