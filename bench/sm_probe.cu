@@ -16,6 +16,13 @@
 // and also the read side alone:
 //   ld     every warp reads rows with 16-byte loads (and folds them, so they are not dead)
 //   tmald  one thread per block bulk-loads rows into the shared-memory ring
+// and the combine's reduction of bf16 rows into fp32, K = 4 rows per token (the expected expert
+// rows of a token on a rank), a token's rows a quarter of the buffer apart (as in expert-major order):
+//   red    every warp adds each bf16 row into its token's fp32 row with red.global.add.v4.f32
+//          (what the table-driven combine roles do), UNROLL vectors in flight per lane
+//   gather every warp reads a token's K rows, adds them in registers and writes its fp32 row once
+//          (no atomics)
+// Reported for red/gather: bf16 bytes read per second (the unit of `sm ... reduce` rates).
 // Time: CUDA events around the kernel on each GPU, all GPUs launched together; the slowest GPU
 // counts.  Reported: GB/s written (or read) per GPU, and per SM.  Bytes to self are counted only in
 // the `self` rows.  Rows are 16-byte aligned; sizes are exact multiples of the row.
@@ -138,6 +145,82 @@ __global__ void __launch_bounds__(32, 1) copy_tma(const char* __restrict__ src, 
   if (store) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
+__device__ __forceinline__ void bf16x8_to_f32(const uint4& v, float* f) {
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+__device__ __forceinline__ void red_add_v4(float* p, const float* x) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(x[0]), "f"(x[1]), "f"(x[2]), "f"(x[3])
+               : "memory");
+}
+
+constexpr int K = 4;  // rows per token
+
+// bf16 row r adds into fp32 token row r % q (q = rows / K): a token's rows are q apart.
+template <int U>
+__global__ void __launch_bounds__(512, 1) reduce_red(const char* __restrict__ src, char* dst, long long rows_per_block,
+                                                     long long q) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const long long r0 = blockIdx.x * rows_per_block;
+  constexpr int V = ROW / 16;
+  for (long long r = r0 + warp; r < r0 + rows_per_block; r += nw) {
+    const uint4* s = reinterpret_cast<const uint4*>(src + r * ROW);
+    float* d = reinterpret_cast<float*>(dst + (r % q) * 2 * ROW);
+    for (int v = lane; v < V; v += 32 * U) {
+      uint4 x[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (v + 32 * u < V) x[u] = __ldcg(s + v + 32 * u);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (v + 32 * u >= V) break;
+        float f[8];
+        bf16x8_to_f32(x[u], f);
+        red_add_v4(d + 8 * (v + 32 * u), f);
+        red_add_v4(d + 8 * (v + 32 * u) + 4, f + 4);
+      }
+    }
+  }
+}
+
+// fp32 token row t = the sum of bf16 rows t, t + q, ..., t + (K - 1) q, written once.
+__global__ void __launch_bounds__(512, 1) reduce_gather(const char* __restrict__ src, char* dst,
+                                                        long long tokens_per_block, long long q) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const long long t0 = blockIdx.x * tokens_per_block;
+  constexpr int V = ROW / 16;
+  for (long long t = t0 + warp; t < t0 + tokens_per_block; t += nw) {
+    float4* d = reinterpret_cast<float4*>(dst + t * 2 * ROW);
+    for (int v = lane; v < V; v += 64) {
+      uint4 x[2][K];
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < K; ++j)
+          if (v + 32 * h < V) x[h][j] = __ldcg(reinterpret_cast<const uint4*>(src + (t + j * q) * ROW) + v + 32 * h);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (v + 32 * h >= V) break;
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+        for (int j = 0; j < K; ++j) {
+          float f[8];
+          bf16x8_to_f32(x[h][j], f);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] += f[i];
+        }
+        d[2 * (v + 32 * h)] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        d[2 * (v + 32 * h) + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+      }
+    }
+  }
+}
+
 struct Gpu {
   char* src = nullptr;
   char* dst = nullptr;
@@ -198,11 +281,14 @@ int main(int argc, char** argv) {
       {"st", true, 0, 0},  {"tma", true, 8, 4}, {"tma", true, 14, 12}, {"tma", true, 4, 2},
       {"st", false, 0, 0}, {"tma", false, 8, 4}, {"tma", false, 14, 12},
       {"ld", false, 0, 0}, {"tmald", false, 8, 0}, {"tmald", false, 14, 0},
+      {"red", false, 4, 0}, {"red", false, 8, 0}, {"gather", false, 0, 0},
   };
   for (const Trial& tr : trials) {
     for (int B : blocks) {
       if (B > prop.multiProcessorCount) continue;
-      const long long per = rows / B;
+      const long long q = rows / K;  // tokens (red, gather)
+      const bool reduce = !strcmp(tr.method, "red") || !strcmp(tr.method, "gather");
+      const long long per = reduce ? q / B * K : rows / B;  // rows per block
       float worst = 0.f;
       float best_of[3];
       for (int rep = 0; rep < 3; ++rep) {
@@ -219,6 +305,9 @@ int main(int argc, char** argv) {
           CK(cudaEventRecord(g[d].a, g[d].stream));
           if (!strcmp(tr.method, "st")) copy_st<<<B, 512, 0, g[d].stream>>>(g[d].src, t, per);
           else if (!strcmp(tr.method, "ld")) read_ld<<<B, 512, 0, g[d].stream>>>(g[d].src, per, g[d].sink);
+          else if (!strcmp(tr.method, "red") && tr.S == 4) reduce_red<4><<<B, 512, 0, g[d].stream>>>(g[d].src, g[d].dst, per, q);
+          else if (!strcmp(tr.method, "red")) reduce_red<8><<<B, 512, 0, g[d].stream>>>(g[d].src, g[d].dst, per, q);
+          else if (!strcmp(tr.method, "gather")) reduce_gather<<<B, 512, 0, g[d].stream>>>(g[d].src, g[d].dst, per / K, q);
           else copy_tma<<<B, 32, (size_t)tr.S * ROW, g[d].stream>>>(g[d].src, t, per, tr.S, tr.depth,
                                                                    strcmp(tr.method, "tma") == 0);
           CK(cudaGetLastError());
@@ -238,6 +327,7 @@ int main(int argc, char** argv) {
       const double bytes = (double)per * B * ROW;
       char ring[32] = "-";
       if (!strcmp(tr.method, "tma") || !strcmp(tr.method, "tmald")) snprintf(ring, sizeof ring, "S%d/d%d", tr.S, tr.depth);
+      if (!strcmp(tr.method, "red")) snprintf(ring, sizeof ring, "unroll %d", tr.S);
       printf("%-6s %-6s %-12s %6d %10.3f %12.1f %10.2f\n", tr.method, tr.peers ? "peers" : "self", ring, B, worst,
              bytes / worst / 1e6, bytes / worst / 1e6 / B);
       fflush(stdout);
