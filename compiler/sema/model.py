@@ -164,7 +164,11 @@ class LinkInfo:
         return self.bandwidth * self.lanes * self.efficiency
 
 
-SM_WORK = ("copy", "reduce")  # row copies (dispatch, RDMA staging); fp32 accumulation (combine)
+# Kinds of SM work: row copies (dispatch, RDMA staging); weighted reduction of a token's expert
+# rows into its fp32 partial (weighted combine steps, rows gathered per token); adding one
+# partial per token into another (unweighted combine steps, the apply of a combine RDMA step: an
+# atomic scatter-add, bench/sm_probe.cu `red`).
+SM_WORK = ("copy", "reduce", "add")
 
 
 @dataclass(frozen=True)
@@ -178,7 +182,7 @@ class Topology:
     # reported): later uses stay silent instead of calling them unknown.
     broken_relations: frozenset[str] = frozenset()
     broken_links: frozenset[str] = frozenset()
-    # `sm copy 28 GB/s, reduce 10 GB/s`: bytes/s one SM of a role kernel moves, by kind of work
+    # `sm copy 44 GB/s, reduce 23 GB/s, add 12 GB/s`: bytes/s one SM of a role kernel moves, by kind of work
     # (SM_WORK); empty: SM throughput is not modelled (the simulator sees links only).
     sm_rates: Mapping[str, float] = field(default_factory=dict)
 

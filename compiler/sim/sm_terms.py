@@ -1,4 +1,4 @@
-"""SM throughput in the cost model, when the topology declares it (`sm copy 28 GB/s, reduce 10 GB/s`).
+"""SM throughput in the cost model, when the topology declares it (`sm copy 44 GB/s, reduce 23 GB/s, add 12 GB/s`).
 
 Links alone do not bound a step that SMs drive: a role of N SMs moves at most N x the per-SM
 rate of its kind of work, whatever the link could carry.  Two terms, added to a copy of the plan
@@ -7,11 +7,14 @@ treats them like links):
 
 * `sm:<program>.<step>:<rank>`, capacity N x rate: every flow a rank executes for a step that
   runs as a role of the persistent kernel (kernel-formation's roles give N).  The kind of work is
-  `copy` in dispatch and `reduce` in combine (its steps accumulate fp32 partials).
+  `copy` in dispatch; in combine `reduce` for weighted steps (a token's expert rows gathered and
+  added into its fp32 partial) and `add` for unweighted ones (one partial per token added with
+  atomics into another; `reduce` when the topology gives no `add` rate).
 * `window:<program>.<step>:<src>><dst>`, capacity depth x chunk / round trip: every flow of an
   RDMA step with a chunk size.  The GPU proxy path (docs/rdma.md) stages a chunk on one SM of the
-  sender (`copy`), writes it, and the receiver applies it on one SM (`copy` in dispatch, `reduce`
-  in combine) before its credit goes back; with `depth` chunks in flight per channel the channel
+  sender (`copy`; half that for fp32 partials, which the SM reads at twice the bytes they take
+  on the wire as bf16), writes it, and the receiver applies it on one SM (the step's kind of
+  work) before its credit goes back; with `depth` chunks in flight per channel the channel
   moves at most depth x chunk per
 
       chunk / link + chunk / stage + chunk / apply + 2 x latency
@@ -47,8 +50,15 @@ from ..plan import Plan, PlanStep, hit_probability
 THREAD_ENGINES = ("sm", "spc", "tma")
 
 
-def work_of(program: str) -> str:
-    return "reduce" if program == "combine" else "copy"
+def work_of(step: PlanStep, rates: dict | None = None) -> str:
+    """The kind of SM work of a step: `copy` in dispatch; in combine `reduce` for a weighted step
+    (a token's expert rows gathered and added) and `add` for an unweighted one (one partial per
+    token scatter-added), `reduce` where the topology gives no `add` rate."""
+    if step.program != "combine":
+        return "copy"
+    if step.weighted or (rates is not None and "add" not in rates):
+        return "reduce"
+    return "add"
 
 
 def step_sms(plan: Plan) -> dict[tuple[str, str], int]:
@@ -90,7 +100,7 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
     expand = rows_per_token(plan)
     steps: list[PlanStep] = []
     for s in plan.steps:
-        work = work_of(s.program)
+        work = work_of(s, rates)
         n = sms.get((s.program, s.name), 0)
         touches_output = "output" in s.src_buffers or s.dst_buffer == "output"
         step_chunk = (s.chunk_bytes or 0.0) * (expand if touches_output else 1.0)
@@ -110,12 +120,13 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
             if (rdma_proxy and s.link_kind == "rdma" and s.chunk_bytes and f.resources and f.bytes > 0
                     and "copy" in rates and work in rates):
                 link_bps = min(resources[r] for r in f.resources)
-                cap = window_rate(s.chunk_bytes, s.depth, link_bps, f.latency_s, rates["copy"], rates[work])
+                stage_bps = rates["copy"] / (2.0 if work == "add" else 1.0)  # fp32 partials read, bf16 sent
+                cap = window_rate(s.chunk_bytes, s.depth, link_bps, f.latency_s, stage_bps, rates[work])
                 if cap < link_bps:
                     name = f"window:{s.program}.{s.name}:{f.src}>{f.dst}"
                     resources[name] = cap
                     extra.append(name)
-                tail = chunk / rates["copy"] + chunk / rates[work]
+                tail = chunk / stage_bps + chunk / rates[work]
                 lag = max(lag, min(1.0, chunk / rates[work] * min(cap, link_bps) / f.bytes))
             flows.append(dataclasses.replace(f, resources=f.resources + tuple(extra), tail_s=f.tail_s + tail)
                          if extra or tail else f)

@@ -46,6 +46,25 @@ def test_combine_roles_use_the_reduce_rate():
     assert simulate(p).programs["combine"].step("keep").end_s == pytest.approx(1.0 / 40)
 
 
+def test_unweighted_combine_roles_use_the_add_rate_where_there_is_one():
+    # one partial per token scatter-added (atomics): `add`; without an `add` rate, `reduce`
+    p = sm_plan({"copy": 25 * GB, "reduce": 20 * GB, "add": 10 * GB}, sms=4, nbytes=1.0 * GB, program="combine")
+    assert simulate(p).programs["combine"].step("keep").end_s == pytest.approx(1.0 / 40)
+    weighted = dataclasses.replace(p, steps=[dataclasses.replace(p.steps[0], weighted=True)])
+    assert simulate(weighted).programs["combine"].step("keep").end_s == pytest.approx(1.0 / 80)
+
+
+def test_a_combine_channel_stages_fp32_partials_at_half_the_copy_rate():
+    # partials are read as fp32 and sent as bf16: staging a 2 MB chunk of wire reads 4 MB
+    rates = {"copy": 25 * GB, "reduce": 25 * GB, "add": 25 * GB}
+    p = rdma_plan(rates, depth=4)
+    p = dataclasses.replace(p, steps=[dataclasses.replace(s, program="combine") for s in p.steps])
+    w = window_rate(2 * MB, 4, 50 * GB, 5e-6, 12.5 * GB, 25 * GB)
+    aug = with_sm_terms(p)
+    assert aug.resources["window:combine.rdma:0>1"] == pytest.approx(w)
+    assert aug.steps[0].flows[0].tail_s == pytest.approx(2 * MB / (12.5 * GB) + 2 * MB / (25 * GB))
+
+
 def test_a_role_faster_than_its_link_is_held_by_the_link():
     p = sm_plan({"copy": 1000 * GB}, sms=8)
     assert simulate(p).step("keep").end_s == pytest.approx(2.0 * GB / (3000 * GB))
@@ -85,9 +104,9 @@ def test_a_deep_window_leaves_the_link_the_limit():
 def test_the_sm_line_reaches_the_ir_and_the_plan_and_survives_plan_json():
     built = build_plan(str(REPO / "schedules" / "h200x2_2vnode.sched"))
     plan = built.plan
-    assert plan.sm_rates == {"copy": 44 * GB, "reduce": 11 * GB}
+    assert plan.sm_rates == {"copy": 44 * GB, "reduce": 23 * GB, "add": 12 * GB}
     text = str(built.compilation.module)
-    assert "epcc.sm_rates_Bps = {copy = 4.400000e+10 : f64, reduce = 1.100000e+10 : f64}" in text
+    assert "epcc.sm_rates_Bps = {add = 1.200000e+10 : f64, copy = 4.400000e+10 : f64, reduce = 2.300000e+10 : f64}" in text
     back = Plan.from_json(plan.to_json())
     assert back.sm_rates == plan.sm_rates
     aug = with_sm_terms(plan)
