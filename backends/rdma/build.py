@@ -30,6 +30,13 @@ class BuildError(RuntimeError):
     """The proxy library could not be compiled (the message names the command and its output)."""
 
 
+def _run(cmd: list[str], what: str) -> None:
+    """Run a compiler or linker; a failure is a BuildError naming `what`, the command and its output."""
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise BuildError(f"{what} failed ({' '.join(cmd)}):\n{r.stderr.strip()}")
+
+
 def transport_sources(transport: str) -> tuple[list[Path], str, list[str]]:
     if transport not in TRANSPORTS:
         raise BuildError(f"transport '{transport}' is not one of {', '.join(sorted(TRANSPORTS))} (compiled by cc; "
@@ -84,9 +91,7 @@ def build(plan, transport: str = "libfabric") -> Path:
         src.write_text(text, encoding="utf-8")
         tmp = d / f".{lib.name}.{os.getpid()}.tmp"
         cmd = compile_command([src], tmp, transport)
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise BuildError(f"compiling the proxy library failed ({' '.join(cmd)}):\n{r.stderr.strip()}")
+        _run(cmd, "compiling the proxy library")
         os.replace(tmp, lib)
         return lib
 
@@ -102,9 +107,7 @@ def build_transport(transport: str) -> Path:
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / f".{lib.name}.{os.getpid()}.tmp"
         cmd = compile_command([], tmp, transport)
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise BuildError(f"compiling the transport library failed ({' '.join(cmd)}):\n{r.stderr.strip()}")
+        _run(cmd, "compiling the transport library")
         os.replace(tmp, lib)
         return lib
 
@@ -172,23 +175,17 @@ def build_gpu(rdma_dir: str | Path, transport: str = "emulated", nvcc: str | Non
         for src in c_sources:
             obj = od / (src.stem + ".o")
             cmd = [compiler(), *CFLAGS, f"-D{macro}", f"-I{d_src}", "-c", "-o", str(obj), str(src)]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                raise BuildError(f"compiling {src.name} failed ({' '.join(cmd)}):\n{r.stderr.strip()}")
+            _run(cmd, f"compiling {src.name}")
             objs.append(obj)
         obj = od / "transport.o"
         cmd = [nvcc, "-O2", "-std=c++17", "-Xcompiler", "-fPIC", f"-D{macro}", f"-I{d_src}", *inc, "-c", "-o",
                str(obj), str(d_src / tsrc)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise BuildError(f"compiling {tsrc} failed ({' '.join(cmd)}):\n{r.stderr.strip()}")
+        _run(cmd, f"compiling {tsrc}")
         objs.append(obj)
         tmp = d / f".{lib.name}.{os.getpid()}.tmp"
         # -z defs: a symbol the libraries named do not define fails here, not at load time on a GPU machine
         cmd = [nvcc, "-shared", "-o", str(tmp), *map(str, objs), *link, "-lcudart", "-Xlinker", "-z,defs"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise BuildError(f"linking the GPU proxy library failed ({' '.join(cmd)}):\n{r.stderr.strip()}")
+        _run(cmd, "linking the GPU proxy library")
         os.replace(tmp, lib)
         shutil.rmtree(od, ignore_errors=True)
         return lib

@@ -152,3 +152,39 @@ def test_gpu_proxy_kernels_compile(tmp_path):
         r = subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-c", "-o",
                             str(tmp_path / (k.file + ".o")), str(tmp_path / k.file)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
+
+
+def test_a_failed_compile_names_the_file_the_command_and_the_output(tmp_path):
+    from epcc.backends.rdma.build import BuildError, build_gpu
+
+    _nvcc()
+    (tmp_path / "broken_proxy.c").write_text("this is not C\n", encoding="utf-8")
+    with pytest.raises(BuildError) as e:
+        build_gpu(tmp_path)
+    first, _, rest = str(e.value).partition("\n")
+    assert first.startswith("compiling broken_proxy.c failed (") and first.endswith(f"{tmp_path / 'broken_proxy.c'}):")
+    assert "broken_proxy.c" in rest and "error" in rest
+
+
+def test_nvshmem_over_a_library_built_without_it_is_refused(tmp_path, monkeypatch):
+    """GpuRdma(transport="nvshmem") with a proxy library built for the emulated transport says so
+    before it allocates anything."""
+    import ctypes
+
+    from epcc.backends.rdma.build import build_gpu
+
+    _nvcc()
+    monkeypatch.setenv("EPCC_RDMA_BUILD_DIR", str(tmp_path / "build"))
+    plan, layout, *_ = small_case("h200x4_2vnode", 8, 2)
+    b = cuda.generate(plan, source_of("h200x4_2vnode"), cuda.CudaOptions(rdma="proxy"))
+    b.write(tmp_path / "cuda")
+    lib = build_gpu(tmp_path / "cuda" / "rdma")
+    try:
+        ctypes.CDLL(str(lib))
+    except OSError as e:
+        pytest.skip(f"cannot load the CUDA runtime here: {e}")
+    blob = cuda.build_tables(b.manifest, layout, "dispatch", 0).blob
+    with pytest.raises(rdma_gpu.RdmaGpuError) as e:
+        rdma_gpu.GpuRdma(proxy_lib=str(lib), cuda_lib=None, ctx=None, plan=plan, manifest=b.manifest, blob=blob,
+                         program="dispatch", rank=0, device=0, exchange=None, transport="nvshmem")
+    assert str(e.value) == f"{lib}: built without NVSHMEM (build_gpu(..., 'nvshmem') links it)"
