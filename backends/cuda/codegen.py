@@ -39,6 +39,7 @@ where the hidden size allows): weighted steps `w * bf16 -> f32`, the others fp32
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -72,7 +73,7 @@ class CudaCodegenError(ValueError):
     """The plan cannot be lowered to CUDA (no workload, no kernels, an unknown step kind)."""
 
 
-PROXY_BLOCK_BPS = 12.5e9  # what one paced block of an emulated RDMA role is given (a 50 GB/s link: 4 blocks)
+PROXY_BLOCK_BPS = 12.5e9  # what one paced block of an emulated RDMA copy role is given (a 50 GB/s link: 4 blocks)
 PROXY_MAX_BLOCKS = 16
 ONE_IPC_DOMAIN_RANKS = 8  # an HGX box: the most GPUs that can map each other's memory over NVLink
 
@@ -286,12 +287,24 @@ def _op_words(plan: Plan, op: str, access: int, unroll: int) -> str:
     return f"fp32 partial += fp32 partial ({plan.workload.hidden} channels), {access}-byte loads, atomic fp32 adds"
 
 
+def _proxy_block_bps(plan: Plan, step: PlanStep) -> float:
+    """What one paced block of an emulated RDMA role is given.  A dispatch role copies rows to the
+    peer, well above PROXY_BLOCK_BPS per block; a combine role adds fp32 partials into the peer's
+    with atomics, which one block issues at about the topology's `add` rate (bench/sm_probe.cu:
+    11.7 GB/s per SM for red.add into HBM, 9.4 GB/s paced into a peer), so it is given half of
+    that, else the atomics, not the pacing, would set the step's rate."""
+    if step.program != "combine":
+        return PROXY_BLOCK_BPS
+    add = plan.sm_rates.get("add") or plan.sm_rates.get("reduce")
+    return min(PROXY_BLOCK_BPS, add / 2) if add else PROXY_BLOCK_BPS / 2
+
+
 def _proxy_blocks(plan: Plan, step: PlanStep, opts: CudaOptions) -> int:
-    """Blocks of an emulated RDMA role: enough that each keeps to PROXY_BLOCK_BPS of the paced
-    link (a block moves well above that, so the pacing, not the SMs, sets the rate), at least
-    opts.proxy_blocks and at most PROXY_MAX_BLOCKS."""
+    """Blocks of an emulated RDMA role: enough that each keeps to what `_proxy_block_bps` gives it
+    of the paced link (a block moves above that, so the pacing, not the SMs, sets the rate), at
+    least opts.proxy_blocks and at most PROXY_MAX_BLOCKS."""
     rate = _link_rate(plan, step.link) if opts.pace_rdma else None
-    want = -(-int(rate) // int(PROXY_BLOCK_BPS)) if rate else opts.proxy_blocks
+    want = math.ceil(rate / _proxy_block_bps(plan, step)) if rate else opts.proxy_blocks
     return max(opts.proxy_blocks, min(PROXY_MAX_BLOCKS, want))
 
 

@@ -121,16 +121,30 @@ def test_manifest_tiles_the_blocks_and_keeps_the_plans_sm_ranges(name):
     assert [k["program"] for k in finish] == ["combine"]
 
 
-@pytest.mark.parametrize("gbps,blocks", [(13, 4), (50, 4), (100, 8), (400, 16)])
-def test_emulated_rdma_role_gets_blocks_for_its_rate(gbps, blocks):
+@pytest.mark.parametrize("gbps,blocks,combine_blocks", [(13, 4, 4), (50, 4, 9), (100, 8, 16), (400, 16, 16)])
+def test_emulated_rdma_role_gets_blocks_for_its_rate(gbps, blocks, combine_blocks):
+    """A dispatch role copies (12.5 GB/s a block); a combine role adds with atomics, given half the
+    topology's `add` rate a block (12 GB/s in h200x4_2vnode: 6 GB/s, 50 GB/s -> 9 blocks)."""
     import copy
 
     plan = copy.deepcopy(plan_of("h200x4_2vnode"))
+    assert plan.sm_rates["add"] == 12e9
     for k in [k for k in plan.resources if k.startswith("link:rdma:")]:
         plan.resources[k] = gbps * 1e9
     b = cuda.generate(plan)
-    got = {r.step: r.blocks for k in b.kernels for r in k.roles if r.lowered == "rdma-on-sm"}
-    assert got == {"rdma": blocks}
+    got = {(k.program, r.step): r.blocks for k in b.kernels for r in k.roles if r.lowered == "rdma-on-sm"}
+    assert got == {("dispatch", "rdma"): blocks, ("combine", "rdma"): combine_blocks}
+
+
+def test_emulated_rdma_combine_blocks_without_sm_rates():
+    """Without an `sm` line a combine block is given half of PROXY_BLOCK_BPS: 50 GB/s -> 8 blocks."""
+    import copy
+
+    plan = copy.deepcopy(plan_of("h200x4_2vnode"))
+    plan.sm_rates = {}
+    b = cuda.generate(plan)
+    got = {(k.program, r.step): r.blocks for k in b.kernels for r in k.roles if r.lowered == "rdma-on-sm"}
+    assert got == {("dispatch", "rdma"): 4, ("combine", "rdma"): 8}
 
 
 def test_rdma_roles_emulated_or_left_to_a_proxy():
