@@ -31,7 +31,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "ep_worker.py"
 BENCH = ROOT / "bench" / "ep_bench.py"
-PROXY_BUNDLE = "h200x2_2vnode_50_proxy"
+PROXY_BUNDLES = {  # GPUs -> the proxy-path bundles run on that many GPUs (tests/gpu/bundles.py writes them)
+    4: ["h200x4_2vnode_50_proxy", "h200x4_ubb2x2_50_proxy"],
+    2: ["h200x2_2vnode_50_proxy"],
+}
 BUNDLES = Path(os.environ.get("EPCC_GPU_BUNDLES") or ROOT / ".gpu" / "bundles")
 HOW = ("to run: `.venv/bin/python tests/gpu/bundles.py .gpu/bundles` on a CPU machine with MLIR, carry .gpu "
        "to the GPU machine (or set EPCC_GPU_BUNDLES), run `python -m pytest tests/gpu/test_gpu.py` there")
@@ -103,11 +106,13 @@ def test_ep_worker_all_ok(gpus):
 
 
 @pytest.mark.parametrize("transport", ["emulated", "nvshmem"])
-def test_gpu_proxy_path(transport, tmp_path):
+@pytest.mark.parametrize("gpus", sorted(PROXY_BUNDLES, reverse=True), ids=lambda n: f"ep{n}")
+def test_gpu_proxy_path(gpus, transport, tmp_path):
     """The RDMA step through the host proxy loop and a real transport, results checked by the bench."""
-    why = _why_not(2)
-    if not why and not (BUNDLES / PROXY_BUNDLE / "cuda" / "manifest.json").is_file():
-        why = f"bundle missing under {BUNDLES}: {PROXY_BUNDLE}; {HOW}"
+    why = _why_not(gpus)
+    missing = [b for b in PROXY_BUNDLES[gpus] if not (BUNDLES / b / "cuda" / "manifest.json").is_file()]
+    if not why and missing:
+        why = f"bundles missing under {BUNDLES}: {', '.join(missing)}; {HOW}"
     if not why and transport == "nvshmem":
         from epcc.backends.rdma.build import BuildError, nvshmem_home
 
@@ -118,19 +123,21 @@ def test_gpu_proxy_path(transport, tmp_path):
     if why:
         pytest.skip(why)
     env = dict(os.environ)
-    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               CUDA_VISIBLE_DEVICES="0,1")
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    if gpus == 2:
+        env["CUDA_VISIBLE_DEVICES"] = "0,1"
     env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # one host: NVLink only, no NIC probing
-    cmd = [_torchrun(), "--standalone", "--nproc-per-node", "2", str(BENCH), "--methods", "epcc", "--strict",
+    cmd = [_torchrun(), "--standalone", "--nproc-per-node", str(gpus), str(BENCH), "--methods", "epcc", "--strict",
            "--iters", "3", "--warmup", "1", "--kernel-timeout", "10", "--rdma-transport", transport,
-           "--out", str(tmp_path), "--bundles", str(BUNDLES / PROXY_BUNDLE)]
+           "--out", str(tmp_path), "--bundles", *[str(BUNDLES / b) for b in PROXY_BUNDLES[gpus]]]
     timeout = float(os.environ.get("EPCC_GPU_TIMEOUT", "1200"))
     try:
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         pytest.fail(f"{' '.join(cmd)}: no result after {timeout:.0f} s")
     out = r.stdout + r.stderr
-    assert r.returncode == 0 and f"{PROXY_BUNDLE}: epcc ok" in r.stdout, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
+    ok = all(f"{b}: epcc ok" in r.stdout for b in PROXY_BUNDLES[gpus])
+    assert r.returncode == 0 and ok, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
     used = [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("rdma ")]
     assert used and all(f"over {transport}" in line for line in used), used
     print("\n".join(line for line in r.stdout.splitlines() if "epcc ok" in line or line.strip().startswith("rdma ")))
