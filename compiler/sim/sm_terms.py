@@ -22,9 +22,15 @@ treats them like links):
   (the data's latency and the credit's).  The term is added only where it binds (below the link).
 
 A chunk is the work of one SM (a role hands out chunks, not bytes, to its blocks).  A role's
-chunks are done in waves, one per SM at a time, so the first is complete only when N chunks'
-worth of bytes have moved: `PlanStep.completion_lag` = N x chunk / bytes (at most 1) holds a
-pipelined consumer back by that fraction more.  A role that consumes a producer's chunks as they
+chunks in flight have moved bytes but are not complete: `PlanStep.completion_lag` = k x chunk /
+bytes (at most 1) holds a pipelined consumer back by that fraction more, k the chunks in flight.
+A role whose input is all there when it starts runs in waves, one chunk per SM: k = N.  A role
+that consumes a producer's chunks as they come runs no faster than its slowest pipelined
+ancestor alone (its `floor`: the longest time alone, last-chunk tails left out, along its
+pipelined dependencies), and by
+Little's law holds rate x (chunk / per-SM rate) bytes in flight: k = rate / per-SM rate, at least
+1 and at most N (a role behind a 50 GB/s NIC copying at 44 GB/s per SM has one chunk in flight,
+not one per SM).  A role that consumes a producer's chunks as they
 come (a pipelined dependency) gets the producer's last chunk when the producer ends, and that
 chunk is one SM's work: the fluid model spreads it over all N SMs, so the role's flows get a tail
 of chunk / rate x (1 - 1/N).  (A role that is not pipelined behind a producer ends its last wave
@@ -89,10 +95,28 @@ def rows_per_token(plan: Plan) -> float:
     return max(1.0, wl.topk * per / wl.experts / max(1e-12, hit_probability(wl.experts, wl.topk, per)))
 
 
+GATHER_ROWS = 4  # expert rows of one token a combine warp adds in registers before one red.add (the CUDA kernels' kRun)
+
+
+def sm_rates(plan: Plan) -> dict[str, float]:
+    """The topology's per-SM rates, `reduce` bounded by its atomics: a weighted combine role
+    gathers a token's expert rows (bf16, up to GATHER_ROWS at a time) and adds them into the
+    token's fp32 partial with one red.add per element, so it reads at most
+    add x min(rows, GATHER_ROWS) / 2 bytes per second, rows = the expected rows per token.
+    `reduce` as declared holds where that is higher (h200x2_2vnode: 4 rows per token,
+    12 x 4 / 2 = 24 GB/s against 23); with 2.2 rows per token (4 ranks, top-8 of 256) the
+    atomics bound it at 13 GB/s.  Without a workload (no rows per token) `reduce` holds."""
+    rates = dict(plan.sm_rates)
+    if "reduce" in rates and "add" in rates and plan.workload is not None:
+        rows = min(rows_per_token(plan), float(GATHER_ROWS))
+        rates["reduce"] = min(rates["reduce"], rates["add"] * rows / 2.0)
+    return rates
+
+
 def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
     """A copy of `plan` whose flows also occupy their SM and (rdma_proxy) RDMA-window resources
     (the plan itself when the topology gives no SM rates)."""
-    rates = plan.sm_rates
+    rates = sm_rates(plan)
     if not rates:
         return plan
     resources = dict(plan.resources)
@@ -131,7 +155,42 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
             flows.append(dataclasses.replace(f, resources=f.resources + tuple(extra), tail_s=f.tail_s + tail)
                          if extra or tail else f)
         steps.append(dataclasses.replace(s, flows=flows, completion_lag=lag))
-    return dataclasses.replace(plan, steps=steps, resources=resources)
+    return _little_lags(plan, steps, resources, sms, expand)
 
 
-__all__ = ["rows_per_token", "step_sms", "window_rate", "with_sm_terms", "work_of"]
+def _little_lags(plan: Plan, steps: list[PlanStep], resources: dict[str, float], sms: dict, expand: float) -> Plan:
+    """The plan with `steps`, a pipelined role's wave lag (N chunks in flight) lowered to the
+    chunks its floor rate keeps in flight (module docstring)."""
+    from .engine import SimOptions, step_alone
+
+    rates = sm_rates(plan)
+    by_name = {(s.program, s.name): s for s in steps}
+    floors: dict[tuple[str, str], float] = {}
+
+    def floor(key: tuple[str, str]) -> float:
+        if key not in floors:
+            s = by_name[key]
+            up = [floor((s.program, d)) for d in s.pipelined_deps if (s.program, d) in by_name]
+            moving = dataclasses.replace(s, flows=[dataclasses.replace(f, tail_s=0.0) for f in s.flows])
+            floors[key] = max([step_alone(moving, resources, SimOptions())] + up)
+        return floors[key]
+
+    out: list[PlanStep] = []
+    for s in steps:
+        n = sms.get((s.program, s.name), 0)
+        work = work_of(s, rates)
+        if not (s.pipelined_deps and n and work in rates and s.chunk_bytes and s.completion_lag > 0):
+            out.append(s)
+            continue
+        chunk = s.chunk_bytes * (expand if "output" in s.src_buffers or s.dst_buffer == "output" else 1.0)
+        lag = 0.0
+        t = floor((s.program, s.name))
+        for f in s.flows:
+            if f.resources and f.bytes > 0 and t > 0:
+                k = min(float(n), max(1.0, f.bytes / t / rates[work]))
+                lag = max(lag, min(1.0, k * min(chunk, f.bytes) / f.bytes))
+        out.append(dataclasses.replace(s, completion_lag=min(s.completion_lag, lag)))
+    return dataclasses.replace(plan, steps=out, resources=resources)
+
+
+__all__ = ["rows_per_token", "sm_rates", "step_sms", "window_rate", "with_sm_terms", "work_of"]

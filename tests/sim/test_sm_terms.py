@@ -158,3 +158,49 @@ def test_a_role_pipelined_behind_a_producer_ends_one_chunk_on_one_sm_after_it():
     assert all(f.tail_s == 0.0 for f in aug.steps[0].flows)  # not pipelined behind anything
     r = simulate(p)
     assert r.step("keep_far").end_s - r.step("rdma").end_s == pytest.approx(0.004, rel=0.05)
+
+
+def _chain(link_gbps: float):
+    """rdma (a link of `link_gbps` per rank, 1 GB) -> keep_far (8 SMs x 25 GB/s, pipelined, 100 MB
+    chunks) -> fwd (pipelined behind keep_far)."""
+    flows = [Flow(r, r, 1 - r, 1.0 * GB, (f"link:rdma:{r}>{1 - r}",)) for r in range(2)]
+    prod = PlanStep("rdma", "dispatch", "send", "rdma", "rdma", (), flows=flows, chunk_bytes=100 * MB, num_chunks=10)
+    mid = PlanStep("keep_far", "dispatch", "permute", "hbm", "local", ("rdma",), pipelined_deps=("rdma",),
+                   flows=[Flow(r, r, r, 1.0 * GB, (f"hbm:{r}",)) for r in range(2)], chunk_bytes=100 * MB, num_chunks=10)
+    last = PlanStep("fwd", "dispatch", "send", "nv", "p2p", ("keep_far",), pipelined_deps=("keep_far",), num_chunks=10,
+                    flows=[Flow(r, r, 1 - r, 1.0 * GB, (f"link:nv:{r}>{1 - r}",)) for r in range(2)])
+    k = KernelPlan("dispatch_kernel", "kernel", "dispatch", 8, roles=[RolePlan("keep_far", "permuter", 0, 8, 8, "sm")])
+    res = {"hbm:0": 3000 * GB, "hbm:1": 3000 * GB, "link:rdma:0>1": link_gbps * GB, "link:rdma:1>0": link_gbps * GB,
+           "link:nv:0>1": 1000 * GB, "link:nv:1>0": 1000 * GB}
+    return Plan("t", 2, "test", 1, steps=[prod, mid, last], resources=res, kernels=[k], sm_rates={"copy": 25 * GB})
+
+
+@pytest.mark.parametrize("link_gbps,in_flight", [(10, 1), (100, 4), (400, 8), (4000, 8)])
+def test_a_role_behind_a_producer_has_the_chunks_in_flight_its_rate_keeps_busy(link_gbps, in_flight):
+    # keep_far runs no faster than the link feeding it (1 GB in 1/link_gbps s): by Little's law it
+    # holds rate / 25 GB/s chunks in flight (1 behind 10 GB/s, 4 behind 100), at most its 8 SMs
+    # (the wave lag of a role whose input is all there), each 100 MB of its 1 GB
+    aug = with_sm_terms(_chain(link_gbps), rdma_proxy=False)
+    assert aug.steps[1].completion_lag == pytest.approx(in_flight * 0.1)
+
+
+def test_fwd_behind_a_slow_link_starts_one_chunk_after_the_link_not_one_wave():
+    from epcc.sim import SimOptions
+
+    r = simulate(_chain(10), SimOptions(rdma_proxy=False))
+    # rdma moves 1 GB at 10 GB/s (0.1 s); keep_far trails it by one of its 10 chunks; fwd waits
+    # until keep_far's first chunk is complete (lag 0.1) and one chunk of its own more: keep_far
+    # at 0.2, the link at 0.3 of its bytes.  With a wave of 8 chunks in flight it would be 0.9 + 0.1.
+    assert r.step("fwd").start_s == pytest.approx(0.03)
+
+
+def test_reduce_is_bounded_by_its_atomics_where_a_token_has_few_rows():
+    from epcc.sim.sm_terms import rows_per_token, sm_rates
+
+    two = build_plan(str(REPO / "schedules" / "h200x2_2vnode.sched")).plan
+    assert sm_rates(two)["reduce"] == 23 * GB  # 4 rows per token: 12 x 4 / 2 = 24 GB/s, above 23
+    four = build_plan(str(REPO / "schedules" / "h200x4_2vnode.sched")).plan
+    rows = rows_per_token(four)
+    assert 2.2 < rows < 2.3  # top-8 of 256 over 4 ranks: 2 expected rows, given a hit
+    assert sm_rates(four)["reduce"] == pytest.approx(12 * GB * rows / 2)
+    assert sm_rates(four)["copy"] == 44 * GB and sm_rates(four)["add"] == 12 * GB
