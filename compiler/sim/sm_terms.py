@@ -99,17 +99,19 @@ GATHER_ROWS = 4  # expert rows of one token a combine warp adds in registers bef
 
 
 def sm_rates(plan: Plan) -> dict[str, float]:
-    """The topology's per-SM rates, `reduce` bounded by its atomics: a weighted combine role
-    gathers a token's expert rows (bf16, up to GATHER_ROWS at a time) and adds them into the
-    token's fp32 partial with one red.add per element, so it reads at most
-    add x min(rows, GATHER_ROWS) / 2 bytes per second, rows = the expected rows per token.
-    `reduce` as declared holds where that is higher (h200x2_2vnode: 4 rows per token,
-    12 x 4 / 2 = 24 GB/s against 23); with 2.2 rows per token (4 ranks, top-8 of 256) the
-    atomics bound it at 13 GB/s.  Without a workload (no rows per token) `reduce` holds."""
+    """The topology's per-SM rates, `reduce` bounded by its atomics.  `add` is the rate of one
+    red.add of fp32 per bf16 row read (bench/sm_probe.cu `red`: 11.7 GB/s of rows per SM).  A
+    weighted combine role gathers a token's expert rows (up to GATHER_ROWS at a time), adds them
+    in registers and issues one red.add per element for all of them, so it reads at most
+    add x min(rows, GATHER_ROWS) bytes per second, rows = the expected rows per token (the
+    probe's `gred`: 22 GB/s per SM at 2 rows, 40 at 4).  `reduce` as declared holds where that is
+    higher, as in the shipped schedules (4 ranks, top-8 of 256: 2.2 rows, 12 x 2.2 = 26 GB/s
+    against 23); a plan whose tokens have one row per rank is bound at `add`.  Without a
+    workload (no rows per token) `reduce` holds."""
     rates = dict(plan.sm_rates)
     if "reduce" in rates and "add" in rates and plan.workload is not None:
         rows = min(rows_per_token(plan), float(GATHER_ROWS))
-        rates["reduce"] = min(rates["reduce"], rates["add"] * rows / 2.0)
+        rates["reduce"] = min(rates["reduce"], rates["add"] * rows)
     return rates
 
 
