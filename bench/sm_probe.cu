@@ -22,7 +22,9 @@
 //          (what the table-driven combine roles do), UNROLL vectors in flight per lane
 //   gather every warp reads a token's K rows, adds them in registers and writes its fp32 row once
 //          (no atomics)
-// Reported for red/gather: bf16 bytes read per second (the unit of `sm ... reduce` rates).
+//   gred   what the combine roles do: a warp gathers a token's KK (2 or 4) rows, adds them and issues one
+//          red.add per 4 channels into the token's fp32 row, on this GPU (self) or the next (peers)
+// Reported for red/gather/gred: bf16 bytes read per second (the unit of `sm ... reduce` rates).
 // Time: CUDA events around the kernel on each GPU, all GPUs launched together; the slowest GPU
 // counts.  Reported: GB/s written (or read) per GPU, and per SM.  Bytes to self are counted only in
 // the `self` rows.  Rows are 16-byte aligned; sizes are exact multiples of the row.
@@ -221,6 +223,35 @@ __global__ void __launch_bounds__(512, 1) reduce_gather(const char* __restrict__
   }
 }
 
+// The combine roles as they run now: a warp reads a token's KK rows, adds them in registers and adds
+// the sum into the token's fp32 row with one red.global.add.v4.f32 per 4 channels: at `dst`, on
+// this GPU (self) or on the next one over NVLink (peer: what intra/fwd/rdma roles do).
+template <int KK>
+__global__ void __launch_bounds__(512, 1) reduce_gred(const char* __restrict__ src, char* dst,
+                                                      long long tokens_per_block, long long q) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const long long t0 = blockIdx.x * tokens_per_block;
+  constexpr int V = ROW / 16;
+  for (long long t = t0 + warp; t < t0 + tokens_per_block; t += nw) {
+    float* d = reinterpret_cast<float*>(dst + t * 2 * ROW);
+    for (int v = lane; v < V; v += 32) {
+      uint4 x[KK];
+#pragma unroll
+      for (int j = 0; j < KK; ++j) x[j] = __ldcg(reinterpret_cast<const uint4*>(src + (t + j * q) * ROW) + v);
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+      for (int j = 0; j < KK; ++j) {
+        float f[8];
+        bf16x8_to_f32(x[j], f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += f[i];
+      }
+      red_add_v4(d + 8 * v, acc);
+      red_add_v4(d + 8 * v + 4, acc + 4);
+    }
+  }
+}
+
 struct Gpu {
   char* src = nullptr;
   char* dst = nullptr;
@@ -282,12 +313,14 @@ int main(int argc, char** argv) {
       {"st", false, 0, 0}, {"tma", false, 8, 4}, {"tma", false, 14, 12},
       {"ld", false, 0, 0}, {"tmald", false, 8, 0}, {"tmald", false, 14, 0},
       {"red", false, 4, 0}, {"red", false, 8, 0}, {"gather", false, 0, 0},
+      {"gred", false, 2, 0}, {"gred", true, 2, 0}, {"gred", false, 4, 0}, {"gred", true, 4, 0},
   };
   for (const Trial& tr : trials) {
     for (int B : blocks) {
       if (B > prop.multiProcessorCount) continue;
       const long long q = rows / K;  // tokens (red, gather)
-      const bool reduce = !strcmp(tr.method, "red") || !strcmp(tr.method, "gather");
+      const bool gred = !strcmp(tr.method, "gred");
+      const bool reduce = !strcmp(tr.method, "red") || !strcmp(tr.method, "gather") || gred;
       const long long per = reduce ? q / B * K : rows / B;  // rows per block
       float worst = 0.f;
       float best_of[3];
@@ -308,6 +341,12 @@ int main(int argc, char** argv) {
           else if (!strcmp(tr.method, "red") && tr.S == 4) reduce_red<4><<<B, 512, 0, g[d].stream>>>(g[d].src, g[d].dst, per, q);
           else if (!strcmp(tr.method, "red")) reduce_red<8><<<B, 512, 0, g[d].stream>>>(g[d].src, g[d].dst, per, q);
           else if (!strcmp(tr.method, "gather")) reduce_gather<<<B, 512, 0, g[d].stream>>>(g[d].src, g[d].dst, per / K, q);
+          else if (gred) {  // rows t, t + q, ... of a token; KK of them; its fp32 row here or on the next GPU
+            char* out = tr.peers ? g[(d + 1) % ngpu].dst : g[d].dst;
+            const long long toks = per / K;
+            if (tr.S == 2) reduce_gred<2><<<B, 512, 0, g[d].stream>>>(g[d].src, out, toks, q);
+            else reduce_gred<4><<<B, 512, 0, g[d].stream>>>(g[d].src, out, toks, q);
+          }
           else copy_tma<<<B, 32, (size_t)tr.S * ROW, g[d].stream>>>(g[d].src, t, per, tr.S, tr.depth,
                                                                    strcmp(tr.method, "tma") == 0);
           CK(cudaGetLastError());
@@ -324,10 +363,11 @@ int main(int argc, char** argv) {
         best_of[rep] = ms;
       }
       worst = std::min(best_of[1], best_of[2]);  // the first is a warm-up
-      const double bytes = (double)per * B * ROW;
+      const double bytes = gred ? (double)(per / K) * tr.S * B * ROW : (double)per * B * ROW;
       char ring[32] = "-";
       if (!strcmp(tr.method, "tma") || !strcmp(tr.method, "tmald")) snprintf(ring, sizeof ring, "S%d/d%d", tr.S, tr.depth);
       if (!strcmp(tr.method, "red")) snprintf(ring, sizeof ring, "unroll %d", tr.S);
+      if (gred) snprintf(ring, sizeof ring, "%d rows/tok", tr.S);
       printf("%-6s %-6s %-12s %6d %10.3f %12.1f %10.2f\n", tr.method, tr.peers ? "peers" : "self", ring, B, worst,
              bytes / worst / 1e6, bytes / worst / 1e6 / B);
       fflush(stdout);
