@@ -190,6 +190,20 @@ __global__ void __launch_bounds__(512, 1) reduce_red(const char* __restrict__ sr
   }
 }
 
+// acc = the sum of KK rows' 8 bf16 channels, in fp32.
+template <int KK>
+__device__ __forceinline__ void sum_bf16x8(const uint4 (&x)[KK], float (&acc)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int j = 0; j < KK; ++j) {
+    float f[8];
+    bf16x8_to_f32(x[j], f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] += f[i];
+  }
+}
+
 // fp32 token row t = the sum of bf16 rows t, t + q, ..., t + (K - 1) q, written once.
 __global__ void __launch_bounds__(512, 1) reduce_gather(const char* __restrict__ src, char* dst,
                                                         long long tokens_per_block, long long q) {
@@ -208,14 +222,8 @@ __global__ void __launch_bounds__(512, 1) reduce_gather(const char* __restrict__
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (v + 32 * h >= V) break;
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-        for (int j = 0; j < K; ++j) {
-          float f[8];
-          bf16x8_to_f32(x[h][j], f);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] += f[i];
-        }
+        float acc[8];
+        sum_bf16x8<K>(x[h], acc);
         d[2 * (v + 32 * h)] = make_float4(acc[0], acc[1], acc[2], acc[3]);
         d[2 * (v + 32 * h) + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
       }
@@ -238,14 +246,8 @@ __global__ void __launch_bounds__(512, 1) reduce_gred(const char* __restrict__ s
       uint4 x[KK];
 #pragma unroll
       for (int j = 0; j < KK; ++j) x[j] = __ldcg(reinterpret_cast<const uint4*>(src + (t + j * q) * ROW) + v);
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-      for (int j = 0; j < KK; ++j) {
-        float f[8];
-        bf16x8_to_f32(x[j], f);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] += f[i];
-      }
+      float acc[8];
+      sum_bf16x8<KK>(x, acc);
       red_add_v4(d + 8 * v, acc);
       red_add_v4(d + 8 * v + 4, acc + 4);
     }
