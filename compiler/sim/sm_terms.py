@@ -27,11 +27,10 @@ bytes (at most 1) holds a pipelined consumer back by that fraction more, k the c
 A role whose input is all there when it starts runs in waves, one chunk per SM: k = N.  A role
 that consumes a producer's chunks as they come runs no faster than its slowest pipelined
 ancestor alone (its `floor`: the longest time alone, last-chunk tails left out, along its
-pipelined dependencies), and by
-Little's law holds rate x (chunk / per-SM rate) bytes in flight: k = rate / per-SM rate, at least
-1 and at most N (a role behind a 50 GB/s NIC copying at 44 GB/s per SM has one chunk in flight,
-not one per SM).  A role that consumes a producer's chunks as they
-come (a pipelined dependency) gets the producer's last chunk when the producer ends, and that
+pipelined dependencies), and by Little's law holds rate x (chunk / per-SM rate) bytes in
+flight: k = rate / per-SM rate, at least 1 and at most N (a role behind a 50 GB/s NIC copying at
+44 GB/s per SM has one chunk in flight, not one per SM).  Such a role (a pipelined dependency)
+also gets the producer's last chunk when the producer ends, and that
 chunk is one SM's work: the fluid model spreads it over all N SMs, so the role's flows get a tail
 of chunk / rate x (1 - 1/N).  (A role that is not pipelined behind a producer ends its last wave
 with the fluid model's last byte: no tail.)  An RDMA channel's chunks are serial on one link: its last chunk
