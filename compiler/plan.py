@@ -73,8 +73,9 @@ class PlanStep:
     src_buffers: tuple[str, ...] = ()  # buffers the step reads (on the flow's src rank)
     dst_buffer: str | None = None  # buffer it writes (on the flow's dst rank)
     # Fraction of its bytes a step has moved before its first chunk is complete (its chunks in
-    # flight at once, one per SM): a pipelined consumer trails it by that much more.  Set by the
-    # simulator's SM terms (sim/sm_terms.py); 0: chunks complete as bytes move (the fluid model).
+    # flight: one per SM in a wave, fewer behind a slower producer): a pipelined consumer trails
+    # it by that much more.  Set by the simulator's SM terms (sim/sm_terms.py); 0: chunks
+    # complete as bytes move (the fluid model).
     completion_lag: float = 0.0
 
     @property

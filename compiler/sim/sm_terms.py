@@ -127,8 +127,7 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
     for s in plan.steps:
         work = work_of(s, rates)
         n = sms.get((s.program, s.name), 0)
-        touches_output = "output" in s.src_buffers or s.dst_buffer == "output"
-        step_chunk = (s.chunk_bytes or 0.0) * (expand if touches_output else 1.0)
+        step_chunk = _role_chunk(s, expand)
         lag = 0.0
         flows = []
         for f in s.flows:
@@ -156,15 +155,22 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
             flows.append(dataclasses.replace(f, resources=f.resources + tuple(extra), tail_s=f.tail_s + tail)
                          if extra or tail else f)
         steps.append(dataclasses.replace(s, flows=flows, completion_lag=lag))
-    return _little_lags(plan, steps, resources, sms, expand)
+    return _little_lags(plan, steps, resources, rates, sms, expand)
 
 
-def _little_lags(plan: Plan, steps: list[PlanStep], resources: dict[str, float], sms: dict, expand: float) -> Plan:
+def _role_chunk(s: PlanStep, expand: float) -> float:
+    """Bytes of one chunk of a role (0 without a chunk size): a chunk of a step that reads or
+    writes `output` holds its tokens with all their expert rows (module docstring)."""
+    touches_output = "output" in s.src_buffers or s.dst_buffer == "output"
+    return (s.chunk_bytes or 0.0) * (expand if touches_output else 1.0)
+
+
+def _little_lags(plan: Plan, steps: list[PlanStep], resources: dict[str, float], rates: dict[str, float],
+                 sms: dict, expand: float) -> Plan:
     """The plan with `steps`, a pipelined role's wave lag (N chunks in flight) lowered to the
     chunks its floor rate keeps in flight (module docstring)."""
     from .engine import SimOptions, step_alone
 
-    rates = sm_rates(plan)
     by_name = {(s.program, s.name): s for s in steps}
     floors: dict[tuple[str, str], float] = {}
 
@@ -183,7 +189,7 @@ def _little_lags(plan: Plan, steps: list[PlanStep], resources: dict[str, float],
         if not (s.pipelined_deps and n and work in rates and s.chunk_bytes and s.completion_lag > 0):
             out.append(s)
             continue
-        chunk = s.chunk_bytes * (expand if "output" in s.src_buffers or s.dst_buffer == "output" else 1.0)
+        chunk = _role_chunk(s, expand)
         lag = 0.0
         t = floor((s.program, s.name))
         for f in s.flows:

@@ -55,8 +55,8 @@ def _gpus() -> tuple[int, str]:
     return n, f"{n} CUDA device(s) visible"
 
 
-def _why_not(gpus: int) -> str | None:
-    """None when the case can run, else the skip reason (with how to run it)."""
+def _why_not(gpus: int, bundles: list[str]) -> str | None:
+    """None when the case can run on `gpus` GPUs with `bundles`, else the skip reason (with how to run it)."""
     have, what = _gpus()
     if have < 2:
         return f"needs >= 2 GPUs ({what}); {HOW}"
@@ -68,36 +68,41 @@ def _why_not(gpus: int) -> str | None:
         return f"nvcc not found (PATH, $NVCC, /usr/local/cuda*/bin): the direct kernels are built on this machine; {HOW}"
     if not BUNDLES.is_dir():
         return f"no bundle directory {BUNDLES}; {HOW}"
-    missing = [b for b in CASES[gpus] if not (BUNDLES / b / "cuda" / "manifest.json").is_file()]
+    missing = [b for b in bundles if not (BUNDLES / b / "cuda" / "manifest.json").is_file()]
     if missing:
         return f"bundles missing under {BUNDLES}: {', '.join(missing)}; {HOW}"
-    if _torchrun() is None:
+    if _torchrun_path() is None:
         return "torchrun not found (it comes with torch)"
     return None
 
 
-def _torchrun() -> str | None:
+def _torchrun_path() -> str | None:
     beside = Path(sys.executable).parent / "torchrun"
     return str(beside) if beside.is_file() else shutil.which("torchrun")
 
 
-@pytest.mark.parametrize("gpus", sorted(CASES, reverse=True), ids=lambda n: f"ep{n}")
-def test_ep_worker_all_ok(gpus):
-    why = _why_not(gpus)
-    if why:
-        pytest.skip(why)
-    env = dict(os.environ)
-    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+def _torchrun(gpus: int, script: Path, args: list[str], env: dict[str, str] | None = None):
+    """Run `script` on `gpus` GPUs (the first two for 2) under torchrun, NVLink multicast off;
+    (command, result), or the test fails after $EPCC_GPU_TIMEOUT s with the output so far."""
+    full = dict(os.environ)
+    full.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", **(env or {}))
     if gpus == 2:
-        env["CUDA_VISIBLE_DEVICES"] = "0,1"
-    cmd = [_torchrun(), "--standalone", "--nproc-per-node", str(gpus), str(WORKER),
-           *[str(BUNDLES / b) for b in CASES[gpus]]]
+        full["CUDA_VISIBLE_DEVICES"] = "0,1"
+    cmd = [_torchrun_path(), "--standalone", "--nproc-per-node", str(gpus), str(script), *args]
     timeout = float(os.environ.get("EPCC_GPU_TIMEOUT", "1200"))
     try:
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        return cmd, subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        tail = ((e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""))
+        tail = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         pytest.fail(f"{' '.join(cmd)}: no result after {timeout:.0f} s (a hung kernel wait?)\n{tail[-6000:]}")
+
+
+@pytest.mark.parametrize("gpus", sorted(CASES, reverse=True), ids=lambda n: f"ep{n}")
+def test_ep_worker_all_ok(gpus):
+    why = _why_not(gpus, CASES[gpus])
+    if why:
+        pytest.skip(why)
+    cmd, r = _torchrun(gpus, WORKER, [str(BUNDLES / b) for b in CASES[gpus]])
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "ALL OK" in r.stdout, \
         f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
@@ -109,10 +114,7 @@ def test_ep_worker_all_ok(gpus):
 @pytest.mark.parametrize("gpus", sorted(PROXY_BUNDLES, reverse=True), ids=lambda n: f"ep{n}")
 def test_gpu_proxy_path(gpus, transport, tmp_path):
     """The RDMA step through the host proxy loop and a real transport, results checked by the bench."""
-    why = _why_not(gpus)
-    missing = [b for b in PROXY_BUNDLES[gpus] if not (BUNDLES / b / "cuda" / "manifest.json").is_file()]
-    if not why and missing:
-        why = f"bundles missing under {BUNDLES}: {', '.join(missing)}; {HOW}"
+    why = _why_not(gpus, PROXY_BUNDLES[gpus])
     if not why and transport == "nvshmem":
         from epcc.backends.rdma.build import BuildError, nvshmem_home
 
@@ -122,19 +124,12 @@ def test_gpu_proxy_path(gpus, transport, tmp_path):
             why = str(e)
     if why:
         pytest.skip(why)
-    env = dict(os.environ)
-    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    if gpus == 2:
-        env["CUDA_VISIBLE_DEVICES"] = "0,1"
-    env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")  # one host: NVLink only, no NIC probing
-    cmd = [_torchrun(), "--standalone", "--nproc-per-node", str(gpus), str(BENCH), "--methods", "epcc", "--strict",
-           "--iters", "3", "--warmup", "1", "--kernel-timeout", "10", "--rdma-transport", transport,
-           "--out", str(tmp_path), "--bundles", *[str(BUNDLES / b) for b in PROXY_BUNDLES[gpus]]]
-    timeout = float(os.environ.get("EPCC_GPU_TIMEOUT", "1200"))
-    try:
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{' '.join(cmd)}: no result after {timeout:.0f} s")
+    cmd, r = _torchrun(gpus, BENCH, [
+        "--methods", "epcc", "--strict", "--iters", "3", "--warmup", "1", "--kernel-timeout", "10",
+        "--rdma-transport", transport, "--out", str(tmp_path),
+        "--bundles", *[str(BUNDLES / b) for b in PROXY_BUNDLES[gpus]]],
+        # one host: NVLink only, no NIC probing
+        env={"NVSHMEM_REMOTE_TRANSPORT": os.environ.get("NVSHMEM_REMOTE_TRANSPORT", "none")})
     out = r.stdout + r.stderr
     ok = all(f"{b}: epcc ok" in r.stdout for b in PROXY_BUNDLES[gpus])
     assert r.returncode == 0 and ok, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
