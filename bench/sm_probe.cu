@@ -2,7 +2,7 @@
 // SM budgets are set against measured per-SM rates instead of guesses.
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/sm_probe bench/sm_probe.cu
-//   /tmp/sm_probe [--gpus N] [--mib M] [--blocks 1,2,4,8,16,24,32]
+//   /tmp/sm_probe [--gpus N] [--mib M] [--blocks 1,2,4,8,16,24,32] [--only st,ld,red]
 //
 // One process drives every GPU (peer access enabled between all pairs).  In each trial every GPU
 // runs the same kernel at once with B blocks (one per SM); each block copies its share of M MiB
@@ -10,7 +10,8 @@
 //   peers  the row goes to the next peer GPU round robin (remote NVLink writes; what dispatch does)
 //   self   the row goes to another buffer of the same GPU (HBM to HBM; what replication does)
 // by one of:
-//   st     every warp copies rows with 16-byte loads and stores, 4 vectors in flight per lane
+//   st     every warp copies rows with 16-byte loads and stores, U (4, 8 or 16) vectors in flight
+//          per lane (the loads of a round are all issued before its stores)
 //   tma    one thread per block: bulk copy (cp.async.bulk) of the row into a shared-memory ring,
 //          then a bulk store of it to the destination; DEPTH stores may still be reading
 // and also the read side alone:
@@ -59,6 +60,7 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+template <int U>
 __global__ void __launch_bounds__(512, 1) copy_st(const char* __restrict__ src, Targets t, long long rows_per_block) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const long long r0 = blockIdx.x * rows_per_block;
@@ -66,13 +68,13 @@ __global__ void __launch_bounds__(512, 1) copy_st(const char* __restrict__ src, 
   for (long long r = r0 + warp; r < r0 + rows_per_block; r += nw) {
     const uint4* s = reinterpret_cast<const uint4*>(src + r * ROW);
     uint4* d = reinterpret_cast<uint4*>(t.dst[t.order[r % t.ndst]] + r * ROW);
-    for (int v = lane; v < V; v += 128) {
-      uint4 x[4];
+    for (int v = lane; v < V; v += 32 * U) {
+      uint4 x[U];
 #pragma unroll
-      for (int u = 0; u < 4; ++u)
+      for (int u = 0; u < U; ++u)
         if (v + 32 * u < V) x[u] = __ldg(s + v + 32 * u);
 #pragma unroll
-      for (int u = 0; u < 4; ++u)
+      for (int u = 0; u < U; ++u)
         if (v + 32 * u < V) d[v + 32 * u] = x[u];
     }
   }
@@ -275,12 +277,14 @@ static std::vector<int> parse_list(const char* s) {
 int main(int argc, char** argv) {
   int ngpu = 0, mib = 512;
   std::vector<int> blocks = {1, 2, 4, 8, 16, 24, 32, 48};
+  std::string only;                 // --only: a comma-separated list of methods to run
   CK(cudaGetDeviceCount(&ngpu));
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--gpus") && i + 1 < argc) ngpu = std::min(ngpu, atoi(argv[++i]));
     else if (!strcmp(argv[i], "--mib") && i + 1 < argc) mib = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--blocks") && i + 1 < argc) blocks = parse_list(argv[++i]);
-    else { fprintf(stderr, "usage: sm_probe [--gpus N] [--mib M] [--blocks 1,2,4]\n"); return 1; }
+    else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
+    else { fprintf(stderr, "usage: sm_probe [--gpus N] [--mib M] [--blocks 1,2,4] [--only st,ld]\n"); return 1; }
   }
   if (ngpu < 2) { fprintf(stderr, "sm_probe: needs at least 2 GPUs, found %d\n", ngpu); return 1; }
   ngpu = std::min(ngpu, MAXG);
@@ -311,13 +315,14 @@ int main(int argc, char** argv) {
 
   struct Trial { const char* method; bool peers; int S, depth; };
   std::vector<Trial> trials = {
-      {"st", true, 0, 0},  {"tma", true, 8, 4}, {"tma", true, 14, 12}, {"tma", true, 4, 2},
-      {"st", false, 0, 0}, {"tma", false, 8, 4}, {"tma", false, 14, 12},
+      {"st", true, 4, 0},  {"st", true, 8, 0},  {"st", true, 16, 0}, {"tma", true, 8, 4}, {"tma", true, 14, 12}, {"tma", true, 4, 2},
+      {"st", false, 4, 0}, {"st", false, 8, 0}, {"st", false, 16, 0}, {"tma", false, 8, 4}, {"tma", false, 14, 12},
       {"ld", false, 0, 0}, {"tmald", false, 8, 0}, {"tmald", false, 14, 0},
       {"red", false, 4, 0}, {"red", false, 8, 0}, {"gather", false, 0, 0},
       {"gred", false, 2, 0}, {"gred", true, 2, 0}, {"gred", false, 4, 0}, {"gred", true, 4, 0},
   };
   for (const Trial& tr : trials) {
+    if (!only.empty() && ("," + only + ",").find(std::string(",") + tr.method + ",") == std::string::npos) continue;
     for (int B : blocks) {
       if (B > prop.multiProcessorCount) continue;
       const long long q = rows / K;  // tokens (red, gather)
@@ -338,7 +343,9 @@ int main(int argc, char** argv) {
             t.order[t.ndst++] = d;
           }
           CK(cudaEventRecord(g[d].a, g[d].stream));
-          if (!strcmp(tr.method, "st")) copy_st<<<B, 512, 0, g[d].stream>>>(g[d].src, t, per);
+          if (!strcmp(tr.method, "st") && tr.S == 4) copy_st<4><<<B, 512, 0, g[d].stream>>>(g[d].src, t, per);
+          else if (!strcmp(tr.method, "st") && tr.S == 8) copy_st<8><<<B, 512, 0, g[d].stream>>>(g[d].src, t, per);
+          else if (!strcmp(tr.method, "st")) copy_st<16><<<B, 512, 0, g[d].stream>>>(g[d].src, t, per);
           else if (!strcmp(tr.method, "ld")) read_ld<<<B, 512, 0, g[d].stream>>>(g[d].src, per, g[d].sink);
           else if (!strcmp(tr.method, "red") && tr.S == 4) reduce_red<4><<<B, 512, 0, g[d].stream>>>(g[d].src, g[d].dst, per, q);
           else if (!strcmp(tr.method, "red")) reduce_red<8><<<B, 512, 0, g[d].stream>>>(g[d].src, g[d].dst, per, q);
@@ -368,7 +375,7 @@ int main(int argc, char** argv) {
       const double bytes = gred ? (double)(per / K) * tr.S * B * ROW : (double)per * B * ROW;
       char ring[32] = "-";
       if (!strcmp(tr.method, "tma") || !strcmp(tr.method, "tmald")) snprintf(ring, sizeof ring, "S%d/d%d", tr.S, tr.depth);
-      if (!strcmp(tr.method, "red")) snprintf(ring, sizeof ring, "unroll %d", tr.S);
+      if (!strcmp(tr.method, "red") || !strcmp(tr.method, "st")) snprintf(ring, sizeof ring, "unroll %d", tr.S);
       if (gred) snprintf(ring, sizeof ring, "%d rows/tok", tr.S);
       printf("%-6s %-6s %-12s %6d %10.3f %12.1f %10.2f\n", tr.method, tr.peers ? "peers" : "self", ring, B, worst,
              bytes / worst / 1e6, bytes / worst / 1e6 / B);
