@@ -152,7 +152,7 @@ class CudaEngine:
             a.timeout_ns = self.timeout_ns
             a.err = self.err_dev
         cfg = self.config
-        a.C, a.NSB, a.NR, a.W = cfg.channels(self.R), cfg.send_blocks, cfg.recv_blocks, cfg.warps
+        a.C, a.NSB, a.NR, a.W = cfg.channels(self.R, kw.get("T")), cfg.send_blocks, cfg.recv_blocks, cfg.warps
         a.NS, a.ND = cfg.combine_send_blocks, cfg.combine_reduce_blocks
         a.align = 1
         for k, v in kw.items():

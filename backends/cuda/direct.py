@@ -1,4 +1,4 @@
-"""The direct lowering: one-hop plans inside one CUDA IPC domain as TMA-driven fused kernels.
+"""The direct lowering: one-hop plans inside one CUDA IPC domain as fused, warp-specialized kernels.
 
 A plan is *direct* when its dispatch is (an optional metadata exchange plus) send steps whose
 flows go straight from every rank to every other rank, each carrying the tokens whose experts
@@ -10,9 +10,10 @@ written for the shape (templates/direct.cu.j2):
 * the metadata step runs on the GPU (meta_kernel): per-expert ranks and counts, per-destination
   dedup indices, exchanged through peer memory with one release flag per peer: no host sync;
 * dispatch sends each token once per destination GPU (deduplicated: 2.7 of 8 rows per token on
-  the wire for top-8 of 256 over 4 GPUs), TMA load into a shared-memory ring and TMA store into
-  the destination's expert-major output at the token's first row there; the destination's
-  receiver blocks replicate it into its other rows as per-channel tails advance;
+  the wire for top-8 of 256 over 4 GPUs), warp loads and 16-byte stores into the destination's
+  expert-major output at the token's first row there (bench/sm_probe.cu measured bulk copies
+  slower per SM); the destination's receiver blocks replicate it into its other rows as
+  per-channel tails advance;
 * combine reduces each (token, GPU) record into one weighted bf16 partial on the expert's GPU and
   stores it into the home GPU's staging area, where the home GPU sums the partials in fp32.
 
@@ -50,6 +51,8 @@ MAX_WARPS = DISPATCH_THREADS // 32
 TIMELINE_BLOCKS = 256  # blocks per kernel with a slot in the role timeline
 TIMELINE_WORDS = 1 + MAX_WARPS  # a block's start, then the end of each warp's role
 MAX_IPC_RANKS = 8
+META_CHUNK = 256  # tokens per metadata block: 8 warps of 32 (direct.cu.j2's MTHREADS)
+META_SHARED = 48 * 1024  # a metadata block's static shared memory: (8 + 1) x (E + R) ints of masks and counts
 FP8_GROUP = 128
 
 WAITS = [
@@ -81,12 +84,15 @@ class DirectConfig:
     def combine_sms(self) -> int:
         return self.combine_send_blocks + self.combine_reduce_blocks
 
-    def channels(self, num_ranks: int) -> int:
+    def channels(self, num_ranks: int, tokens: int | None = None) -> int:
         """Dispatch channels (contiguous token ranges, taken by sender warps in order): a few per
         sender warp so uneven ones even out, as many as the peer region has tails for and as
-        the receiver warps can poll (one (source, channel) queue per lane)."""
-        return max(1, min(MAX_CHANNELS, CHANNELS_PER_WARP * self.send_blocks * self.warps,
-                          QUEUES_PER_WARP * self.recv_blocks * self.warps // num_ranks))
+        the receiver warps can poll (one (source, channel) queue per lane), and no more than
+        there are tokens (an empty channel still costs its sender warp a take and its receiver a
+        queue: at 128 tokens most of 768 would be empty)."""
+        c = max(1, min(MAX_CHANNELS, CHANNELS_PER_WARP * self.send_blocks * self.warps,
+                       QUEUES_PER_WARP * self.recv_blocks * self.warps // num_ranks))
+        return c if tokens is None else max(1, min(c, tokens))
 
     def check(self) -> None:
         for f in fields(self):
@@ -129,6 +135,9 @@ def match(plan: Plan) -> str | None:
         return f"{R} ranks do not fit one CUDA IPC domain (at most {MAX_IPC_RANKS})"
     if R < 1 or wl.experts % R:
         return f"{wl.experts} experts cannot be divided among {R} ranks"
+    if 9 * (wl.experts + R) * 4 + 64 > META_SHARED:
+        return (f"{wl.experts} experts: the metadata kernel's per-expert masks do not fit in a block's shared "
+                f"memory (at most {(META_SHARED - 64) // 36 - R})")
     if wl.dtype == "bf16" and wl.hidden % 8:
         return f"hidden {wl.hidden} is not a multiple of 8 (16-byte bulk copies of bf16 rows)"
     if wl.dtype == "fp8" and wl.hidden % (4 * FP8_GROUP):
@@ -212,7 +221,7 @@ def constants(plan: Plan) -> dict:
     put("OFF_RANK_TJ", T * K * 4)
     put("OFF_DEDUP", T * R * 4)
     put("OFF_MYCHAN", (MAX_CHANNELS + 1) * R * 4)
-    meta_chunk = 32 * max(1, 64 // K)  # tokens per metadata block: the lanes hold 64 expert ids
+    meta_chunk = META_CHUNK
     put("OFF_CHUNKS", -(-T // meta_chunk) * (E + R + 1) * 4)
     put("OFF_RECORDS", R * T * ri * 4)
     put("OFF_RECV_W", cap * 4)

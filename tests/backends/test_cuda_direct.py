@@ -89,6 +89,12 @@ def test_reasons_for_workloads_the_kernels_cannot_copy():
     plan.workload.experts = 254
     assert direct.match(plan) == "254 experts cannot be divided among 4 ranks"
     plan = copy.deepcopy(plan_of("h200x4"))
+    plan.workload.experts = 1360  # divisible by 4, but 9 x (E + R) ints of metadata masks exceed 48 KB
+    assert direct.match(plan) == ("1360 experts: the metadata kernel's per-expert masks do not fit in a block's "
+                                  "shared memory (at most 1359)")
+    plan.workload.experts = 1356
+    assert direct.match(plan) is None
+    plan = copy.deepcopy(plan_of("h200x4"))
     plan.workload = None
     assert direct.match(plan) == "the plan has no workload"
 
@@ -164,6 +170,8 @@ def test_config_round_trip():
     assert (cfg.dispatch_sms, cfg.combine_sms) == (24, 24)
     # 4 channels per sender warp (16 x 16 x 4 = 1024), unless the receivers cannot poll them all
     assert (cfg.channels(2), cfg.channels(4), cfg.channels(8)) == (1024, 1024, 512)
+    # never more channels than tokens (an empty one still costs a take and a polled queue), at least one
+    assert (cfg.channels(4, 4096), cfg.channels(4, 128), cfg.channels(4, 1), cfg.channels(4, 0)) == (1024, 128, 1, 1)
 
 
 def test_config_unknown_and_missing_keys_are_named():

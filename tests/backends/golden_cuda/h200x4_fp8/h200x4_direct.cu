@@ -10,7 +10,7 @@
 //   combine step 'push' (schedules/h200x4.sched:50): send each token once to every peer that needs it -> combine_kernel: weighted partial per (token, GPU) into the home GPU's staging
 //
 // Kernels (one stream, in this order; every cross-GPU wait is bounded, see wait_geq):
-//   meta_count_kernel, meta_finish_kernel
+//   meta_count_kernel, meta_finish_kernel (the latter only with more than MC tokens)
 //                    routing -> per-expert ranks and counts, per-destination dedup indices and
 //                    channel ranges; counts and ranges written into every peer's meta area, then
 //                    one release flag per peer (no host round trip).
@@ -223,78 +223,127 @@ __device__ __forceinline__ bool load_experts(const Args& a, int t, int (&ex)[K])
 __device__ __forceinline__ int tokens_per_channel(int T, int C) { return T > 0 ? (T + C - 1) / C : 1; }
 
 // =============================================================================================
-// Metadata: step 'meta' (schedules/h200x4.sched:49), two kernels over chunks of MC tokens.
-// meta_count_kernel (block b = chunk b): each lane holds the experts of NB tokens in registers;
-//   warp w takes experts w, w + 8, ...: a ballot per 32 tokens gives each (token, slot) its rank
-//   among the chunk's tokens of that expert, and the chunk's count; warps also take the
-//   destination ranks (dedup: a token's position among the chunk's tokens bound for rank d).
-// meta_finish_kernel (block b = chunk b): adds the counts of earlier chunks (token order across
-//   the whole batch), writes each channel's first dedup index; the last block to finish sends
-//   the per-expert counts and the channel ranges to every peer and raises this rank's flag there.
+// Metadata: step 'meta' (schedules/h200x4.sched:49), over chunks of MC tokens, warp w of a block
+// holding the chunk's tokens [32w, 32w + 32), one per lane.
+// meta_count_kernel (block b = chunk b): every (token, slot) sets the token's bit in the shared
+//   mask of (warp, expert), every token its bit in (warp, destination rank); a token's rank among
+//   the chunk's tokens of an expert (token order) is the bits of that expert's masks of earlier
+//   warps plus the bits below its lane, the chunk's counts are all of them (the same for dedup
+//   positions per destination).  With one chunk (T <= MC: decode) that is final, and the block
+//   goes on to publish (meta_publish): one kernel, no meta_finish.
+// meta_finish_kernel (block b = chunk b, when there are several): adds the counts of earlier
+//   chunks (token order across the whole batch), writes each channel's first dedup index; the
+//   last block to finish publishes.
+// meta_publish: the per-expert counts and the channel ranges to every peer, then this rank's
+//   flag there (release, system scope).
 // =============================================================================================
-constexpr int MC = 256;          // tokens per metadata chunk
-constexpr int NB = MC / 32;                     // tokens per lane
+constexpr int MW = MTHREADS / 32;               // warps per metadata block
+constexpr int MC = 256;          // tokens per metadata chunk: 32 per warp
+static_assert(MC == 32 * MW, "a metadata warp holds 32 tokens, one per lane");
+static_assert((MW + 1) * (E + R) * 4 + 64 <= 48 * 1024, "the metadata masks fit in shared memory (direct.py)");
 
 __device__ __forceinline__ int* chunk_counts(const Args& a) {  // [MAXCHUNKS][E + R + 1]: experts, ranks, bad
   return reinterpret_cast<int*>(region(a, (int)a.me) + OFF_CHUNKS);
 }
 
+// Every thread of the last metadata block: tot[0, E) this rank's tokens per expert, tot[E, E + R)
+// per destination rank; the channels' first dedup indices are in mych.  Sends the counts to every
+// peer and each destination its channel ranges, stores the first bad token, raises the flags.
+__device__ void meta_publish(const Args& a, const int* tot, int bad, int p, unsigned long long e) {
+  const int me = (int)a.me, T = (int)a.T, C = (int)a.C, Tc = tokens_per_channel(T, C), tid = threadIdx.x;
+  const int* mych = reinterpret_cast<const int*>(region(a, me) + OFF_MYCHAN);
+  State* st = state(a);
+  for (int i = tid; i < E; i += blockDim.x) {
+    const int v = tot[i];
+#pragma unroll
+    for (int d = 0; d < R; ++d) meta_cnt(a, d, p)[me * E + i] = v;
+  }
+  for (int i = tid; i < C * R; i += blockDim.x) {
+    const int c = i / R, d = i % R;
+    const int s0 = (c * Tc < T) ? mych[c * R + d] : tot[E + d];
+    const int s1 = (c + 1 < C && (c + 1) * Tc < T) ? mych[(c + 1) * R + d] : tot[E + d];
+    int* ch = meta_chan(a, d, p) + (me * CMAX + c) * 2;
+    ch[0] = s0;
+    ch[1] = s1 - s0;
+  }
+  if (tid == 0) st->bad_token = bad;
+  __threadfence_system();
+  __syncthreads();
+  if (tid == 0) {
+    st->meta_done = 0;
+    for (int d = 0; d < R; ++d) st_release_sys(meta_flag(a, d, p, me), e);
+  }
+}
+
 __global__ void __launch_bounds__(MTHREADS) meta_count_kernel(const Args a) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, b = blockIdx.x;
-  const int T = (int)a.T, tb = b * MC;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, b = blockIdx.x, single = gridDim.x == 1;
+  const int T = (int)a.T, C = (int)a.C, Tc = tokens_per_channel(T, C), t = b * MC + warp * 32 + lane;
   char* my = region(a, (int)a.me);
   int* rank_tj = reinterpret_cast<int*>(my + OFF_RANK_TJ);   // [TMAX][K]: rank within the chunk (finished later)
   int* dedup = reinterpret_cast<int*>(my + OFF_DEDUP);       // [TMAX][R]: pos in chunk, or -(pos + 1) if absent
+  int* mych = reinterpret_cast<int*>(my + OFF_MYCHAN);       // [CMAX + 1][R]: first dedup index of each channel
   int* cc = chunk_counts(a) + b * (E + R + 1);
   const unsigned lt = (1u << lane) - 1;
+  __shared__ unsigned s_mask[MW][E + R];   // bit l of [w][i]: token 32w + l of the chunk picked expert i (i < E)
+                                           // or has rows on rank i - E
+  __shared__ int s_tot[E + R];             // the chunk's tokens per expert, then per destination rank
   __shared__ int s_bad;
+  for (int i = threadIdx.x; i < MW * (E + R); i += MTHREADS) (&s_mask[0][0])[i] = 0u;
   if (threadIdx.x == 0) s_bad = T;
   __syncthreads();
-  int ex[NB][K];
-  int bad = T;
+  int ex[K];
+  bool bad = false;
+  if (t < T) {
+    bad = load_experts(a, t, ex);
+  } else {
 #pragma unroll
-  for (int q = 0; q < NB; ++q) {
-    const int t = tb + q * 32 + lane;
-    if (t < T) {
-      if (load_experts(a, t, ex[q])) bad = min(bad, t);
-    } else {
-#pragma unroll
-      for (int j = 0; j < K; ++j) ex[q][j] = -1;
-    }
+    for (int j = 0; j < K; ++j) ex[j] = -1;
   }
-  for (int e = warp; e < E; e += MTHREADS / 32) {
-    int run = 0;
+  unsigned dst = 0;                        // bit d: the token has an expert on rank d
 #pragma unroll
-    for (int q = 0; q < NB; ++q) {
-      int jm = -1;
-#pragma unroll
-      for (int j = 0; j < K; ++j) jm = ex[q][j] == e ? j : jm;
-      const unsigned bal = __ballot_sync(~0u, jm >= 0);
-      if (jm >= 0) rank_tj[(tb + q * 32 + lane) * K + jm] = run + __popc(bal & lt);
-      run += __popc(bal);
+  for (int j = 0; j < K; ++j)
+    if (ex[j] >= 0) {
+      atomicOr(&s_mask[warp][ex[j]], 1u << lane);
+      dst |= 1u << rank_of(ex[j]);
     }
-    if (lane == 0) cc[e] = run;
+#pragma unroll
+  for (int d = 0; d < R; ++d) {
+    const unsigned m = __ballot_sync(~0u, (dst >> d) & 1u);
+    if (lane == 0) s_mask[warp][E + d] = m;
   }
-  for (int d = warp; d < R; d += MTHREADS / 32) {
-    int run = 0;
-#pragma unroll
-    for (int q = 0; q < NB; ++q) {
-      bool has = false;
-#pragma unroll
-      for (int j = 0; j < K; ++j) has |= ex[q][j] >= 0 && rank_of(ex[q][j]) == d;
-      const unsigned bal = __ballot_sync(~0u, has);
-      const int pos = run + __popc(bal & lt);
-      const int t = tb + q * 32 + lane;
-      if (t < T) dedup[t * R + d] = has ? pos : -(pos + 1);
-      run += __popc(bal);
-    }
-    if (lane == 0) cc[E + d] = run;
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) bad = min(bad, __shfl_xor_sync(~0u, bad, o));
-  if (lane == 0) atomicMin(&s_bad, bad);
+  if (bad) atomicMin(&s_bad, t);
   __syncthreads();
-  if (threadIdx.x == 0) cc[E + R] = s_bad < T ? s_bad : -1;
+  for (int i = threadIdx.x; i < E + R; i += MTHREADS) {
+    int n = 0;
+#pragma unroll
+    for (int w = 0; w < MW; ++w) n += __popc(s_mask[w][i]);
+    s_tot[i] = n;
+    cc[i] = n;
+  }
+  // the token's rank among the chunk's tokens of mask i: earlier warps' tokens, then lanes below
+  auto before = [&](int i) {
+    int n = __popc(s_mask[warp][i] & lt);
+    for (int w = 0; w < warp; ++w) n += __popc(s_mask[w][i]);
+    return n;
+  };
+  if (t < T) {
+#pragma unroll
+    for (int j = 0; j < K; ++j)
+      if (ex[j] >= 0) rank_tj[t * K + j] = before(ex[j]);
+#pragma unroll
+    for (int d = 0; d < R; ++d) {
+      const int pos = before(E + d);
+      dedup[t * R + d] = (dst >> d) & 1u ? pos : single ? -1 : -(pos + 1);
+      if (single && t % Tc == 0) mych[(t / Tc) * R + d] = pos;
+    }
+  }
+  __syncthreads();
+  const int first_bad = s_bad < T ? s_bad : -1;
+  if (threadIdx.x == 0) cc[E + R] = first_bad;
+  if (single) {
+    const unsigned long long e = state(a)->disp_epoch + 1;
+    meta_publish(a, s_tot, first_bad, (int)(e & 1), e);
+  }
 }
 
 __global__ void __launch_bounds__(MTHREADS) meta_finish_kernel(const Args a) {
@@ -303,10 +352,9 @@ __global__ void __launch_bounds__(MTHREADS) meta_finish_kernel(const Args a) {
   char* my = region(a, me);
   State* st = state(a);
   const unsigned long long e = st->disp_epoch + 1;
-  const int p = (int)(e & 1);
   int* rank_tj = reinterpret_cast<int*>(my + OFF_RANK_TJ);
   int* dedup = reinterpret_cast<int*>(my + OFF_DEDUP);
-  int* mych = reinterpret_cast<int*>(my + OFF_MYCHAN);       // [CMAX + 1][R]: first dedup index of each channel
+  int* mych = reinterpret_cast<int*>(my + OFF_MYCHAN);
   const int* cc = chunk_counts(a);
   __shared__ int base[E + R];
   __shared__ int s_last;
@@ -335,24 +383,12 @@ __global__ void __launch_bounds__(MTHREADS) meta_finish_kernel(const Args a) {
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  // ---- last block: totals to every peer, channel ranges to each destination, then the flags
+  // ---- last block: the totals over all chunks, the first bad token, then publish
+  __shared__ int s_bad;
   for (int i = tid; i < E + R; i += blockDim.x) {
     int sum = 0;
     for (int q = 0; q < G; ++q) sum += cc[q * (E + R + 1) + i];
     base[i] = sum;
-    if (i < E) {
-#pragma unroll
-      for (int d = 0; d < R; ++d) meta_cnt(a, d, p)[me * E + i] = sum;
-    }
-  }
-  __syncthreads();
-  for (int i = tid; i < C * R; i += blockDim.x) {
-    const int c = i / R, d = i % R;
-    const int s0 = (c * Tc < T) ? mych[c * R + d] : base[E + d];
-    const int s1 = (c + 1 < C && (c + 1) * Tc < T) ? mych[(c + 1) * R + d] : base[E + d];
-    int* ch = meta_chan(a, d, p) + (me * CMAX + c) * 2;
-    ch[0] = s0;
-    ch[1] = s1 - s0;
   }
   if (tid == 0) {
     int bad = -1;
@@ -360,14 +396,10 @@ __global__ void __launch_bounds__(MTHREADS) meta_finish_kernel(const Args a) {
       const int v = cc[q * (E + R + 1) + E + R];
       if (v >= 0 && (bad < 0 || v < bad)) bad = v;
     }
-    st->bad_token = bad;
+    s_bad = bad;
   }
-  __threadfence_system();
   __syncthreads();
-  if (tid == 0) {
-    st->meta_done = 0;
-    for (int d = 0; d < R; ++d) st_release_sys(meta_flag(a, d, p, me), e);
-  }
+  meta_publish(a, base, s_bad, (int)(e & 1), e);
 }
 
 // The next work item of a warp: items are taken in increasing order from a per-rank counter, so
@@ -401,22 +433,30 @@ __device__ __forceinline__ void put_at(P (&arr)[N], int i, P v) {
 }
 
 // Copy one row (NV vectors) from src to the rows of dst[0..n): warp-wide, DU vectors per lane per
-// step, loaded once and stored n times.
+// step, loaded once and stored n times; the next step's loads go out before this step's stores,
+// so a row costs about one load latency, not one per step (what a decode-sized batch waits for).
 template <int NV, int MAXN, bool INPUT>
 __device__ __forceinline__ void copy_row(const uint4* src, uint4* const (&dst)[MAXN], int n, int lane) {
-  for (int v0 = lane; v0 < NV; v0 += 32 * DU) {
-    uint4 v[DU];
+  constexpr int STEP = 32 * DU;
+  auto load = [&](uint4 (&v)[DU], int v0) {
 #pragma unroll
     for (int u = 0; u < DU; ++u)
       if (v0 + 32 * u < NV) v[u] = INPUT ? ld_in(src + v0 + 32 * u) : ld_row(src + v0 + 32 * u);
+  };
+  uint4 cur[DU], nxt[DU];
+  load(cur, lane);
+  for (int v0 = lane; v0 < NV; v0 += STEP) {
+    if (v0 + STEP < NV) load(nxt, v0 + STEP);
 #pragma unroll
     for (int k = 0; k < MAXN; ++k) {
       if (k < n) {
 #pragma unroll
         for (int u = 0; u < DU; ++u)
-          if (v0 + 32 * u < NV) dst[k][v0 + 32 * u] = v[u];
+          if (v0 + 32 * u < NV) dst[k][v0 + 32 * u] = cur[u];
       }
     }
+#pragma unroll
+    for (int u = 0; u < DU; ++u) cur[u] = nxt[u];
   }
 }
 
@@ -447,16 +487,26 @@ __device__ void dispatch_offsets(const Args& a, DispatchShared& sh, int p) {
     }
   }
   __syncthreads();
-  if (threadIdx.x < R) {
-    const int d = threadIdx.x;
+  // each destination's expert segments, in local expert order: a warp-wide scan per 32 experts
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int d = warp; d < R; d += blockDim.x >> 5) {
     int acc = 0;
-    for (int l = 0; l < EPR; ++l) {
-      const int ex = expert_at(d, l);
-      sh.seg[ex] = acc;
-      if (d == me && blockIdx.x == 0) state(a)->recv_offset[l] = acc;
-      acc += sh.tot[ex];
+    for (int l0 = 0; l0 < EPR; l0 += 32) {
+      const int l = l0 + lane, ex = expert_at(d, min(l, EPR - 1));
+      const int v = l < EPR ? sh.tot[ex] : 0;
+      int incl = v;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(~0u, incl, o);
+        if (lane >= o) incl += y;
+      }
+      if (l < EPR) {
+        sh.seg[ex] = acc + incl - v;
+        if (d == me && blockIdx.x == 0) state(a)->recv_offset[l] = acc + incl - v;
+      }
+      acc += __shfl_sync(~0u, incl, 31);
     }
-    if (d == me && blockIdx.x == 0) state(a)->recv_offset[EPR] = acc;
+    if (d == me && blockIdx.x == 0 && lane == 0) state(a)->recv_offset[EPR] = acc;
   }
   __syncthreads();
   for (int ex = threadIdx.x; ex < E; ex += blockDim.x) sh.off[ex] += sh.seg[ex];
@@ -735,8 +785,8 @@ __device__ __forceinline__ void reduce_home(int n, const uint4* const (&src)[R],
 }
 
 __global__ void __launch_bounds__(CTHREADS, 1) combine_kernel(const Args a) {
-  const int me = (int)a.me, NS = (int)a.NS, ND = (int)a.ND;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, NW = CTHREADS / 32;
+  const int me = (int)a.me, NS = (int)a.NS;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   State* st = state(a);
   const unsigned long long ce = st->comb_epoch + 1;
   const unsigned long long e = st->disp_epoch;
@@ -938,8 +988,10 @@ int epcc_direct_dispatch(const void* args, unsigned long long stream) {
   const int chunks = a->T > 0 ? (int)((a->T + MC - 1) / MC) : 1;
   cudaError_t err = launch(reinterpret_cast<const void*>(meta_count_kernel), chunks, MTHREADS, 0, false, *a, s);
   if (err != cudaSuccess) return set_error(err, "launch meta_count_kernel");
-  err = launch(reinterpret_cast<const void*>(meta_finish_kernel), chunks, MTHREADS, 0, false, *a, s);
-  if (err != cudaSuccess) return set_error(err, "launch meta_finish_kernel");
+  if (chunks > 1) {  // one chunk: meta_count_kernel finished and published itself
+    err = launch(reinterpret_cast<const void*>(meta_finish_kernel), chunks, MTHREADS, 0, false, *a, s);
+    if (err != cudaSuccess) return set_error(err, "launch meta_finish_kernel");
+  }
   err = launch(reinterpret_cast<const void*>(dispatch_kernel), (int)(a->NSB + a->NR), (int)a->W * 32, 0, true, *a, s);
   if (err != cudaSuccess) return set_error(err, "launch dispatch_kernel");
   return 0;
