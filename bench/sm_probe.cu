@@ -100,16 +100,13 @@ __global__ void __launch_bounds__(512, 1) read_ld(const char* __restrict__ src, 
   if (acc == 0x9e3779b9u) sink[0] = acc;  // practically never: keeps the loads alive
 }
 
-// One thread: ring of S stages; loads run S - depth ahead; `store` false = loads only.
-__global__ void __launch_bounds__(32, 1) copy_tma(const char* __restrict__ src, Targets t, long long rows_per_block,
-                                                  int S, int depth, int store) {
-  extern __shared__ __align__(128) unsigned char ring[];
-  __shared__ unsigned long long full[SMAX];
-  if (threadIdx.x != 0) return;
+// One thread: rows [r0, r0 + n) through a ring of S stages (ring, full: its shared memory and
+// mbarriers); loads run S - depth ahead; `store` false = loads only.
+__device__ void tma_rows(const char* __restrict__ src, const Targets& t, long long r0, long long n, int S, int depth,
+                         int store, unsigned char* ring, unsigned long long* full) {
   for (int s = 0; s < S; ++s)
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(&full[s])), "r"(1) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  const long long r0 = blockIdx.x * rows_per_block, n = rows_per_block;
   const int D = store ? S - depth : S;
   auto load = [&](long long i) {
     const int s = (int)(i % S);
@@ -147,6 +144,47 @@ __global__ void __launch_bounds__(32, 1) copy_tma(const char* __restrict__ src, 
     }
   }
   if (store) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+__global__ void __launch_bounds__(32, 1) copy_tma(const char* __restrict__ src, Targets t, long long rows_per_block,
+                                                  int S, int depth, int store) {
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ unsigned long long full[SMAX];
+  if (threadIdx.x != 0) return;
+  tma_rows(src, t, blockIdx.x * rows_per_block, rows_per_block, S, depth, store, ring, full);
+}
+
+// Both copy paths of one SM at once: warps [0, SW) copy the first st_rows rows of the block's
+// share with 16-byte loads and stores (4 in flight per lane); NI more warps each have one
+// thread bulk-copy (TMA) a contiguous part of the rest through its own ring of S stages.  SW = 0
+// is TMA alone from NI issuing threads.
+__global__ void __launch_bounds__(512, 1) copy_mix(const char* __restrict__ src, Targets t, long long rows_per_block,
+                                                   long long st_rows, int SW, int NI, int S, int depth) {
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ unsigned long long full[SMAX];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long r0 = blockIdx.x * rows_per_block;
+  constexpr int V = ROW / 16;
+  if (warp < SW) {
+    for (long long r = r0 + warp; r < r0 + st_rows; r += SW) {
+      const uint4* s = reinterpret_cast<const uint4*>(src + r * ROW);
+      uint4* d = reinterpret_cast<uint4*>(t.dst[t.order[r % t.ndst]] + r * ROW);
+      for (int v = lane; v < V; v += 128) {
+        uint4 x[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (v + 32 * u < V) x[u] = __ldg(s + v + 32 * u);
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (v + 32 * u < V) d[v + 32 * u] = x[u];
+      }
+    }
+  } else if (warp < SW + NI && lane == 0) {
+    const int i = warp - SW;
+    const long long rest = rows_per_block - st_rows, per = (rest + NI - 1) / NI;
+    const long long a = r0 + st_rows + i * per, n = per < r0 + rows_per_block - a ? per : r0 + rows_per_block - a;
+    if (n > 0) tma_rows(src, t, a, n, S, depth, 1, ring + (size_t)i * S * ROW, full + i * S);
+  }
 }
 
 __device__ __forceinline__ void bf16x8_to_f32(const uint4& v, float* f) {
@@ -306,6 +344,7 @@ int main(int argc, char** argv) {
     CK(cudaEventCreate(&g[d].a));
     CK(cudaEventCreate(&g[d].b));
     CK(cudaFuncSetAttribute(copy_tma, cudaFuncAttributeMaxDynamicSharedMemorySize, SMAX * ROW));
+    CK(cudaFuncSetAttribute(copy_mix, cudaFuncAttributeMaxDynamicSharedMemorySize, SMAX * ROW));
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
@@ -320,6 +359,10 @@ int main(int argc, char** argv) {
       {"ld", false, 0, 0}, {"tmald", false, 8, 0}, {"tmald", false, 14, 0},
       {"red", false, 4, 0}, {"red", false, 8, 0}, {"gather", false, 0, 0},
       {"gred", false, 2, 0}, {"gred", true, 2, 0}, {"gred", false, 4, 0}, {"gred", true, 4, 0},
+      // copy_mix: S = TMA issuers (NI), depth = st warps (SW); TMA alone, then with the st warps
+      {"tmaN", true, 1, 0}, {"tmaN", true, 2, 0}, {"tmaN", true, 4, 0},
+      {"tmaN", false, 1, 0}, {"tmaN", false, 2, 0}, {"tmaN", false, 4, 0},
+      {"mix", true, 4, 12}, {"mix", false, 4, 12}, {"mix", true, 2, 14}, {"mix", false, 2, 14},
   };
   for (const Trial& tr : trials) {
     if (!only.empty() && ("," + only + ",").find(std::string(",") + tr.method + ",") == std::string::npos) continue;
@@ -356,6 +399,12 @@ int main(int argc, char** argv) {
             if (tr.S == 2) reduce_gred<2><<<B, 512, 0, g[d].stream>>>(g[d].src, out, toks, q);
             else reduce_gred<4><<<B, 512, 0, g[d].stream>>>(g[d].src, out, toks, q);
           }
+          else if (!strcmp(tr.method, "tmaN") || !strcmp(tr.method, "mix")) {
+            const int NI = tr.S, SW = tr.depth, S = SMAX / NI >= 6 ? 6 : SMAX / NI;  // stages per issuer
+            // rows by st in proportion to the rates alone (46 : 31 per TMA issuer, probe), all by TMA when SW = 0
+            const long long st_rows = SW ? per * 46 / (46 + 31 * NI) : 0;
+            copy_mix<<<B, 512, (size_t)NI * S * ROW, g[d].stream>>>(g[d].src, t, per, st_rows, SW, NI, S, S / 2);
+          }
           else copy_tma<<<B, 32, (size_t)tr.S * ROW, g[d].stream>>>(g[d].src, t, per, tr.S, tr.depth,
                                                                    strcmp(tr.method, "tma") == 0);
           CK(cudaGetLastError());
@@ -377,6 +426,7 @@ int main(int argc, char** argv) {
       if (!strcmp(tr.method, "tma") || !strcmp(tr.method, "tmald")) snprintf(ring, sizeof ring, "S%d/d%d", tr.S, tr.depth);
       if (!strcmp(tr.method, "red") || !strcmp(tr.method, "st")) snprintf(ring, sizeof ring, "unroll %d", tr.S);
       if (gred) snprintf(ring, sizeof ring, "%d rows/tok", tr.S);
+      if (!strcmp(tr.method, "tmaN") || !strcmp(tr.method, "mix")) snprintf(ring, sizeof ring, "%d tma+%d st", tr.S, tr.depth);
       printf("%-6s %-6s %-12s %6d %10.3f %12.1f %10.2f\n", tr.method, tr.peers ? "peers" : "self", ring, B, worst,
              bytes / worst / 1e6, bytes / worst / 1e6 / B);
       fflush(stdout);
