@@ -60,24 +60,28 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+// One warp copies row r of src to its destination: U 16-byte vectors per lane loaded, then stored.
+template <int U>
+__device__ __forceinline__ void st_row(const char* __restrict__ src, const Targets& t, long long r, int lane) {
+  constexpr int V = ROW / 16;
+  const uint4* s = reinterpret_cast<const uint4*>(src + r * ROW);
+  uint4* d = reinterpret_cast<uint4*>(t.dst[t.order[r % t.ndst]] + r * ROW);
+  for (int v = lane; v < V; v += 32 * U) {
+    uint4 x[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (v + 32 * u < V) x[u] = __ldg(s + v + 32 * u);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (v + 32 * u < V) d[v + 32 * u] = x[u];
+  }
+}
+
 template <int U>
 __global__ void __launch_bounds__(512, 1) copy_st(const char* __restrict__ src, Targets t, long long rows_per_block) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const long long r0 = blockIdx.x * rows_per_block;
-  constexpr int V = ROW / 16;
-  for (long long r = r0 + warp; r < r0 + rows_per_block; r += nw) {
-    const uint4* s = reinterpret_cast<const uint4*>(src + r * ROW);
-    uint4* d = reinterpret_cast<uint4*>(t.dst[t.order[r % t.ndst]] + r * ROW);
-    for (int v = lane; v < V; v += 32 * U) {
-      uint4 x[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (v + 32 * u < V) x[u] = __ldg(s + v + 32 * u);
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (v + 32 * u < V) d[v + 32 * u] = x[u];
-    }
-  }
+  for (long long r = r0 + warp; r < r0 + rows_per_block; r += nw) st_row<U>(src, t, r, lane);
 }
 
 __global__ void __launch_bounds__(512, 1) read_ld(const char* __restrict__ src, long long rows_per_block, unsigned* sink) {
@@ -164,21 +168,8 @@ __global__ void __launch_bounds__(512, 1) copy_mix(const char* __restrict__ src,
   __shared__ unsigned long long full[SMAX];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long r0 = blockIdx.x * rows_per_block;
-  constexpr int V = ROW / 16;
   if (warp < SW) {
-    for (long long r = r0 + warp; r < r0 + st_rows; r += SW) {
-      const uint4* s = reinterpret_cast<const uint4*>(src + r * ROW);
-      uint4* d = reinterpret_cast<uint4*>(t.dst[t.order[r % t.ndst]] + r * ROW);
-      for (int v = lane; v < V; v += 128) {
-        uint4 x[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (v + 32 * u < V) x[u] = __ldg(s + v + 32 * u);
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (v + 32 * u < V) d[v + 32 * u] = x[u];
-      }
-    }
+    for (long long r = r0 + warp; r < r0 + st_rows; r += SW) st_row<4>(src, t, r, lane);
   } else if (warp < SW + NI && lane == 0) {
     const int i = warp - SW;
     const long long rest = rows_per_block - st_rows, per = (rest + NI - 1) / NI;
