@@ -7,7 +7,8 @@ own experts; its combine is the reverse.  That is DeepEP's intranode shape (h200
 those plans this module replaces the general table-driven kernels (codegen.py) with kernels
 written for the shape (templates/direct.cu.j2):
 
-* the metadata step runs on the GPU (meta_kernel): per-expert ranks and counts, per-destination
+* the metadata step runs on the GPU (meta_count_kernel, and meta_finish_kernel when there is more than
+  one chunk of META_CHUNK tokens): per-expert ranks and counts, per-destination
   dedup indices, exchanged through peer memory with one release flag per peer: no host sync;
 * dispatch sends each token once per destination GPU (deduplicated: 2.7 of 8 rows per token on
   the wire for top-8 of 256 over 4 GPUs), warp loads and 16-byte stores into the destination's
@@ -249,7 +250,8 @@ def describe_steps(plan: Plan) -> list[dict]:
     out = []
     for s in plan.steps:
         if s.verb == "exchange":
-            low = "meta_kernel (counts and ranks on the GPU, exchanged through peer memory)"
+            low = ("meta_count_kernel (+ meta_finish_kernel above one chunk): counts and ranks on the GPU, "
+                   "exchanged through peer memory")
         elif s.program == "dispatch" and s.verb == "send":
             low = "dispatch_kernel sender warps (one row store per destination GPU) + receiver warps (replication)"
         elif s.program == "dispatch":

@@ -3,7 +3,7 @@
 // `epcc compile schedules/h200x4.sched --target cuda`.
 //
 // Plan steps lowered here:
-//   dispatch step 'meta' (schedules/h200x4.sched:49): counts per rank and expert -> meta_kernel (counts and ranks on the GPU, exchanged through peer memory)
+//   dispatch step 'meta' (schedules/h200x4.sched:49): counts per rank and expert -> meta_count_kernel (+ meta_finish_kernel above one chunk): counts and ranks on the GPU, exchanged through peer memory
 //   dispatch step 'push' (schedules/h200x4.sched:50): send each token once to every peer that needs it -> dispatch_kernel sender warps (one row store per destination GPU) + receiver warps (replication)
 //   dispatch step 'keep' (schedules/h200x4.sched:52): own tokens to local experts -> dispatch_kernel senders with this rank as destination (local permute)
 //   combine step 'keep' (schedules/h200x4.sched:52): own tokens to local experts -> combine_kernel: home-side sum of the partials (own partial included)
