@@ -52,8 +52,15 @@ MAX_WARPS = DISPATCH_THREADS // 32
 TIMELINE_BLOCKS = 256  # blocks per kernel with a slot in the role timeline
 TIMELINE_WORDS = 1 + MAX_WARPS  # a block's start, then the end of each warp's role
 MAX_IPC_RANKS = 8
-META_CHUNK = 256  # tokens per metadata block: 8 warps of 32 (direct.cu.j2's MTHREADS)
-META_SHARED = 48 * 1024  # a metadata block's static shared memory: (8 + 1) x (E + R) ints of masks and counts
+META_THREADS = 256  # threads per metadata block, one token each: META_CHUNK tokens per block
+META_CHUNK = META_THREADS
+META_SHARED = 48 * 1024  # a block's static shared memory, which meta_count_kernel's masks must fit
+
+
+def meta_shared_bytes(experts: int, ranks: int) -> int:
+    """meta_count_kernel's shared memory: a mask per (warp, expert or rank) and a count per expert or
+    rank, (warps + 1) x (E + R) ints, plus a few scalars (direct.cu.j2 asserts the same)."""
+    return (META_THREADS // 32 + 1) * (experts + ranks) * 4 + 64
 FP8_GROUP = 128
 
 WAITS = [
@@ -136,9 +143,10 @@ def match(plan: Plan) -> str | None:
         return f"{R} ranks do not fit one CUDA IPC domain (at most {MAX_IPC_RANKS})"
     if R < 1 or wl.experts % R:
         return f"{wl.experts} experts cannot be divided among {R} ranks"
-    if 9 * (wl.experts + R) * 4 + 64 > META_SHARED:
+    if meta_shared_bytes(wl.experts, R) > META_SHARED:
+        most = next(e for e in range(wl.experts, 0, -1) if meta_shared_bytes(e, R) <= META_SHARED)
         return (f"{wl.experts} experts: the metadata kernel's per-expert masks do not fit in a block's shared "
-                f"memory (at most {(META_SHARED - 64) // 36 - R})")
+                f"memory (at most {most})")
     if wl.dtype == "bf16" and wl.hidden % 8:
         return f"hidden {wl.hidden} is not a multiple of 8 (16-byte bulk copies of bf16 rows)"
     if wl.dtype == "fp8" and wl.hidden % (4 * FP8_GROUP):
@@ -222,8 +230,7 @@ def constants(plan: Plan) -> dict:
     put("OFF_RANK_TJ", T * K * 4)
     put("OFF_DEDUP", T * R * 4)
     put("OFF_MYCHAN", (MAX_CHANNELS + 1) * R * 4)
-    meta_chunk = META_CHUNK
-    put("OFF_CHUNKS", -(-T // meta_chunk) * (E + R + 1) * 4)
+    put("OFF_CHUNKS", -(-T // META_CHUNK) * (E + R + 1) * 4)
     put("OFF_RECORDS", R * T * ri * 4)
     put("OFF_RECV_W", cap * 4)
     put("OFF_RECV_X", cap * xb)
@@ -238,7 +245,8 @@ def constants(plan: Plan) -> dict:
         "scale_bytes": sb, "publish_every": PUBLISH_EVERY, "max_warps": MAX_WARPS,
         "dispatch_threads": DISPATCH_THREADS, "combine_threads": COMBINE_THREADS, "capacity": cap,
         "placement": wl.placement, "dtype": wl.dtype, "align_max": ALIGN_MAX,
-        "meta_chunk": meta_chunk, "combine_batch": COMBINE_BATCH,
+        "meta_chunk": META_CHUNK, "meta_threads": META_THREADS, "meta_shared": META_SHARED,
+        "combine_batch": COMBINE_BATCH,
         "timeline_blocks": TIMELINE_BLOCKS, "timeline_words": TIMELINE_WORDS,
         "expert_unroll": unroll(EXPERT_UNROLL, kl), "home_unroll": unroll(HOME_UNROLL, R),
         "offsets": offsets, "region_bytes": end,

@@ -51,7 +51,7 @@ constexpr int SB = 224;         // fp32 scale bytes per row (fp8: one per 128 ch
 constexpr int PUB = 4;      // a sender warp publishes its tails every PUB tokens
 constexpr int DTHREADS = 512;
 constexpr int CTHREADS = 512;
-constexpr int MTHREADS = 256;
+constexpr int MTHREADS = 256;   // metadata block: one token per thread
 constexpr bool BLOCKED = true;
 constexpr bool FP8 = true;
 static_assert(R <= 32, "a warp writes one count per rank");
@@ -240,7 +240,7 @@ __device__ __forceinline__ int tokens_per_channel(int T, int C) { return T > 0 ?
 constexpr int MW = MTHREADS / 32;               // warps per metadata block
 constexpr int MC = 256;          // tokens per metadata chunk: 32 per warp
 static_assert(MC == 32 * MW, "a metadata warp holds 32 tokens, one per lane");
-static_assert((MW + 1) * (E + R) * 4 + 64 <= 48 * 1024, "the metadata masks fit in shared memory (direct.py)");
+static_assert((MW + 1) * (E + R) * 4 + 64 <= 49152, "the metadata masks fit in shared memory (direct.py meta_shared_bytes)");
 
 __device__ __forceinline__ int* chunk_counts(const Args& a) {  // [MAXCHUNKS][E + R + 1]: experts, ranks, bad
   return reinterpret_cast<int*>(region(a, (int)a.me) + OFF_CHUNKS);
