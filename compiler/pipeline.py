@@ -154,6 +154,7 @@ def describe_schedule(s: model.Schedule) -> str:
         bw = f"{l.bandwidth / 1e9:g} GB/s" + (f" x {l.lanes}" if l.lanes > 1 else "")
         eff = f" at {l.efficiency * 100:g} %" if l.efficiency < 1 else ""
         sh = f", shared per {l.shared_per}" if l.shared_per else ""
+        sh += f", fp32 atomics {l.atomics / 1e9:g} GB/s per pair" if l.atomics else ""
         conn = f" connects {l.relation_text} ({len(l.pairs) // 2} pairs)" if l.kind != "local" else ""
         out.append(f"  link {l.name} {l.kind}: {bw}{eff}, {l.latency * 1e6:g} us, engine {l.engine}{sh}{conn}")
     out.append(f"workload: {wl.tokens} tokens/rank, hidden {wl.hidden} {wl.dtype}, top-{wl.topk} of {wl.experts} "

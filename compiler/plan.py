@@ -70,6 +70,9 @@ class PlanStep:
     reverse_of: str | None = None  # combine steps derived from a dispatch step
     reverse_source: str | None = None  # ... and the dispatch source buffer whose copies they return
     weighted: bool = False  # a combine step that applies the routing weights (reads expert outputs)
+    # Its flows count one row per (token, expert) (a permute, `dedup none`, or the reverse of
+    # one; a combine moving expert outputs as they are), else one copy per token.
+    rows: bool = False
     src_buffers: tuple[str, ...] = ()  # buffers the step reads (on the flow's src rank)
     dst_buffer: str | None = None  # buffer it writes (on the flow's dst rank)
     # Fraction of its bytes a step has moved before its first chunk is complete (its chunks in
@@ -150,6 +153,8 @@ class Plan:
     workload: WorkloadPlan | None = None
     rank_names: list[str] = field(default_factory=list)  # "rank 3 (node 0, gpu 3)", for messages
     sm_rates: dict[str, float] = field(default_factory=dict)  # the topology's `sm` line: bytes/s per SM
+    # link name -> its `atomics` rate: fp32 bytes/s one GPU adds into another over it (per pair)
+    atomics: dict[str, float] = field(default_factory=dict)
 
     def step(self, name: str, program: str = "dispatch") -> PlanStep:
         for s in self.steps:

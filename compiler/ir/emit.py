@@ -94,6 +94,9 @@ class _Emitter:
         top = ops.topology_module(t.name, loc=span_loc(t.span))
         if t.sm_rates:  # bytes/s per SM by kind of work (the simulator's SM term)
             query.annotate(top.operation, "sm_rates_Bps", {k: float(v) for k, v in t.sm_rates.items()})
+        atomics = {l.name: float(l.atomics) for l in t.links.values() if l.atomics}
+        if atomics:  # fp32 atomic adds into a peer per GPU pair, by link (the simulator's atomics term)
+            query.annotate(top.operation, "atomics_Bps", atomics)
         with ir.InsertionPoint(top.body):
             for lv in t.space.levels:
                 ops.level(lv.name, lv.count, lv.depth, loc=span_loc(lv.span))

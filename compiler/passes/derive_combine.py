@@ -208,7 +208,8 @@ def derived_plan_steps(sched: model.Schedule, cops: list[CombineOp], adj: Adjoin
         ps = PlanStep(op.name, "combine", op.verb, link.name if link else None, link.kind if link else None,
                       op.deps, title=st.title, line=st.span.line, order=FLIP_ORDER[st.order], sms=st.sms,
                       depth=st.depth or 1, reverse_of=st.name, reverse_source=op.source, weighted=bool(op.weighted),
-                      src_buffers=(op.src_buffer,), dst_buffer=op.dst_buffer)
+                      src_buffers=(op.src_buffer,), dst_buffer=op.dst_buffer,
+                      rows=st.verb == "permute" or st.dedup == "none")  # as the step it returns (flow.py)
         _flows(ps, plan, link, space, adj.volumes[op.name].per_flow, bpt, link.latency if link else 0.0)
         plan.steps.append(ps)
 
@@ -225,7 +226,9 @@ def written_plan_steps(sched: model.Schedule, cf: WrittenCombine, plan: Plan) ->
                       src_buffers=tuple(s.buffer.name for s in st.sources),
                       dst_buffer=st.dest.buffer.name if st.dest is not None else None,
                       # A written combine applies the routing weights where it reduces expert outputs.
-                      weighted=st.verb == "reduce" and any(s.buffer.name == "output" for s in st.sources))
+                      weighted=st.verb == "reduce" and any(s.buffer.name == "output" for s in st.sources),
+                      # unweighted pieces read from output are rows (combine_flow.py)
+                      rows=any(s.buffer.name == "output" for s in st.sources))
         if st.verb == "exchange":
             for r in range(space.num_ranks):
                 per_peer = v.bytes[r] / max(len(v.per_flow[r]), 1)

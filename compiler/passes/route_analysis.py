@@ -46,7 +46,8 @@ def build_plan(sched: model.Schedule, flow: FlowAnalysis) -> Plan:
     plan = Plan(sched.name, topo.num_ranks, flow.routing.describe(), wl.bytes_per_token,
                 workload=WorkloadPlan(wl.tokens, wl.hidden, wl.dtype, wl.topk, wl.experts, wl.placement,
                                       wl.weights_travel),
-                rank_names=[space.describe(r) for r in range(topo.num_ranks)], sm_rates=dict(topo.sm_rates))
+                rank_names=[space.describe(r) for r in range(topo.num_ranks)], sm_rates=dict(topo.sm_rates),
+                atomics={l.name: l.atomics for l in topo.links.values() if l.atomics})
     max_latency = max((l.latency for l in topo.links.values()), default=0.0)
     for st in sched.dispatch.steps:
         vol = flow.volumes[st.name]
@@ -54,7 +55,8 @@ def build_plan(sched: model.Schedule, flow: FlowAnalysis) -> Plan:
         ps = PlanStep(st.name, "dispatch", st.verb, link.name if link else None, link.kind if link else None,
                       st.deps, title=st.title, line=st.span.line, order=st.order, sms=st.sms, depth=st.depth or 1,
                       src_buffers=tuple(s.buffer.name for s in st.sources),
-                      dst_buffer=st.dest.buffer.name if st.dest is not None else None)
+                      dst_buffer=st.dest.buffer.name if st.dest is not None else None,
+                      rows=st.verb == "permute" or st.dedup == "none")
         for r in range(topo.num_ranks):
             if st.verb == "exchange":
                 per_peer = vol.bytes[r] / max(len(vol.per_flow[r]), 1)

@@ -153,6 +153,10 @@ class LinkInfo:
     # rank pair whose sending rank lies in it (a NIC per card serving both dies).  None: each
     # rank has its own port.
     shared_per: str | None = None
+    # `atomics 180 GB/s`: the fp32 atomic adds (red.add) one GPU makes into another's memory over
+    # this link saturate at this rate per direction and GPU pair, below what plain stores reach
+    # (the combine roles that add into a peer's partials).  None: not declared.
+    atomics: float | None = None
 
     def connects(self, a: int, b: int) -> bool:
         if self.kind == "local":

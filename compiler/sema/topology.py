@@ -520,6 +520,18 @@ class _TopologyResolver:
                                  *_maybe(did_you_mean(sc.text, self.space.scope_names())))
                 ok = False
             shared = sc.text
+        atomics = None
+        if "atomics" in props:
+            q = props["atomics"].value
+            atomics = parse_quantity(q, "bandwidth", self.diags)
+            if kind == "local":
+                self.diags.error(props["atomics"].span, "'atomics' is the rate of adds into another GPU's memory; "
+                                 "a local link has none", "drop 'atomics' (the `sm` line's 'add' rate bounds local adds)")
+                atomics = None
+            elif atomics is not None and atomics <= 0:
+                self.diags.error(q.span, f"atomics must be positive, not {_num(q)}")
+                atomics = None
+            ok &= atomics is not None
         pairs: frozenset[tuple[int, int]] = frozenset()
         rel_text = ""
         if kind == "local":
@@ -542,7 +554,7 @@ class _TopologyResolver:
                     rel_text = _rel_text(expr)
         if not ok:
             return None
-        return model.LinkInfo(lk.name.text, kind, bw, lat, engine, lanes, eff, pairs, rel_text, lk.span, shared)
+        return model.LinkInfo(lk.name.text, kind, bw, lat, engine, lanes, eff, pairs, rel_text, lk.span, shared, atomics)
 
 
 # --------------------------------------------------------------------------- helpers

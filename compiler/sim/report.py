@@ -84,8 +84,9 @@ def table(res: SimResult, passes_run: list[str] | None = None) -> str:
             out.append(f"{mark}{s.name:<{w}} {s.link or '-':<{lw}} {s.link_kind or '-':<6} {_ms(s.start_s):>8} "
                        f"{_ms(s.end_s):>8} {s.max_rank_bytes / 1e6:>9.2f} {gbps:>8} {s.num_chunks:>6} {_ms(s.alone_s):>8}")
         out.append("link busy (busiest instance; busy = bytes / capacity, active = wall time with traffic):")
+        cw = max([10] + [len(c.name) for c in p.link_classes.values()])
         for c in sorted(p.link_classes.values(), key=lambda c: -c.work_s):
-            out.append(f"  {c.name:<10} {c.kind or '-':<6} busy {_ms(c.work_s):>8} ms  active {_ms(c.active_s):>8} ms"
+            out.append(f"  {c.name:<{cw}} {c.kind or '-':<6} busy {_ms(c.work_s):>8} ms  active {_ms(c.active_s):>8} ms"
                        f"  ({c.busiest}, {c.instances} instance{'s' if c.instances != 1 else ''})")
         if p.bottleneck:
             out.append(f"bottleneck: {p.bottleneck.describe()}")

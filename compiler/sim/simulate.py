@@ -121,6 +121,8 @@ def link_class_of(resource: str, steps_using: list[PlanStep]) -> tuple[str, str 
     if resource.startswith("window:"):  # an RDMA channel's credit window
         links = sorted({s.link for s in steps_using if s.link})
         return f"{'/'.join(links) or 'rdma'} window", kind
+    if resource.startswith("atomics:"):  # fp32 adds into a peer over a link (the link's `atomics`)
+        return f"{resource.split(':')[1]} atomics", kind
     if resource.startswith("link:"):
         return resource.split(":")[1], kind
     links = sorted({s.link for s in steps_using if s.link})

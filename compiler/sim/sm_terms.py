@@ -1,15 +1,22 @@
 """SM throughput in the cost model, when the topology declares it (`sm copy 44 GB/s, reduce 23 GB/s, add 12 GB/s`).
 
 Links alone do not bound a step that SMs drive: a role of N SMs moves at most N x the per-SM
-rate of its kind of work, whatever the link could carry.  Two terms, added to a copy of the plan
-before simulating (each one more resource on the flows concerned, so the fair-share engine
+rate of its kind of work, whatever the link could carry.  Three terms, added to a copy of the
+plan before simulating (each one more resource on the flows concerned, so the fair-share engine
 treats them like links):
 
 * `sm:<program>.<step>:<rank>`, capacity N x rate: every flow a rank executes for a step that
   runs as a role of the persistent kernel (kernel-formation's roles give N).  The kind of work is
   `copy` in dispatch; in combine `reduce` for weighted steps (a token's expert rows gathered and
   added into its fp32 partial) and `add` for unweighted ones (one partial per token added with
-  atomics into another; `reduce` when the topology gives no `add` rate).
+  atomics into another; `reduce` when the topology gives no `add` rate).  A send or pull into
+  or out of `output` whose flows count one copy per token (not `PlanStep.rows`) still writes
+  (dispatch) or reads (combine) every expert row of the token in the role kernels: capacity
+  N x rate / rows per token, in the flows' bytes.
+* `atomics:<link>:<src>><dst>`, capacity = the link's `atomics` rate / 2: every flow of a combine
+  step that adds into another GPU over a link declaring one (fp32 red.add saturates per GPU pair
+  below what stores reach; a flow counts bf16 partials, its adds are fp32, twice the bytes).  Not
+  for an RDMA step on the GPU proxy path (the receiver applies a landed chunk with local adds).
 * `window:<program>.<step>:<src>><dst>`, capacity depth x chunk / round trip: every flow of an
   RDMA step with a chunk size.  The GPU proxy path (docs/rdma.md) stages a chunk on one SM of the
   sender (`copy`; half that for fp32 partials, which the SM reads at twice the bytes they take
@@ -35,9 +42,10 @@ chunk is one SM's work: the fluid model spreads it over all N SMs, so the role's
 of chunk / rate x (1 - 1/N).  (A role that is not pipelined behind a producer ends its last wave
 with the fluid model's last byte: no tail.)  An RDMA channel's chunks are serial on one link: its last chunk
 is staged before and applied after the wire, a tail of chunk / stage + chunk / apply, and its
-lag is the bytes the link moves while one chunk is applied.  A chunk of a step that reads or writes `output` holds a
-chunk's tokens with all their expert rows: chunk bytes x the expected rows per token (uniform
-routing: topk / ranks / P(a token hits the rank)), the unit both terms use.
+lag is the bytes the link moves while one chunk is applied.  Chunks are counted in the flows'
+bytes: a chunk of a step whose flows count rows and that reads or writes `output` (a permute, its
+reverse) holds a chunk's tokens with all their expert rows, chunk bytes x the expected rows per
+token (uniform routing: topk / ranks / P(a token hits the rank)); a send's chunk its tokens once.
 
 `epcc simulate --rdma emulate` (SimOptions.rdma_proxy False) leaves the RDMA terms out: the
 table kernels' default lowering runs an RDMA step as paced SM roles writing the peer directly,
@@ -94,6 +102,7 @@ def rows_per_token(plan: Plan) -> float:
     return max(1.0, wl.topk * per / wl.experts / max(1e-12, hit_probability(wl.experts, wl.topk, per)))
 
 
+FP32_ADD_PER_FLOW_BYTE = 2.0  # a combine flow counts bf16 partials (2 B per channel); its adds are fp32 (4 B)
 GATHER_ROWS = 4  # expert rows of one token a combine warp adds in registers before one red.add (the CUDA kernels' kRun)
 
 
@@ -116,9 +125,9 @@ def sm_rates(plan: Plan) -> dict[str, float]:
 
 def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
     """A copy of `plan` whose flows also occupy their SM and (rdma_proxy) RDMA-window resources
-    (the plan itself when the topology gives no SM rates)."""
+    (the plan itself when the topology gives neither SM rates nor link atomics)."""
     rates = sm_rates(plan)
-    if not rates:
+    if not rates and not plan.atomics:
         return plan
     resources = dict(plan.resources)
     sms = step_sms(plan)
@@ -128,6 +137,8 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
         work = work_of(s, rates)
         n = sms.get((s.program, s.name), 0)
         step_chunk = _role_chunk(s, expand)
+        per_byte = _sm_bytes_per_flow_byte(s, expand)
+        atomics = _atomics(plan, s, rdma_proxy)
         lag = 0.0
         flows = []
         for f in s.flows:
@@ -136,11 +147,15 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
             chunk = min(step_chunk, f.bytes)  # no chunk size: no chunk terms (lag, tail)
             if n and work in rates and f.resources and f.bytes > 0:
                 name = f"sm:{s.program}.{s.name}:{f.rank}"
-                resources[name] = n * rates[work]
+                resources[name] = n * rates[work] / per_byte
                 extra.append(name)
                 lag = max(lag, min(1.0, n * chunk / f.bytes))
                 if s.pipelined_deps:  # the producer's last chunk, on one SM
-                    tail += chunk / rates[work] * (1.0 - 1.0 / n)
+                    tail += chunk * per_byte / rates[work] * (1.0 - 1.0 / n)
+            if atomics and f.resources and f.bytes > 0 and f.src != f.dst:
+                name = f"atomics:{s.link}:{f.src}>{f.dst}"
+                resources[name] = atomics / FP32_ADD_PER_FLOW_BYTE
+                extra.append(name)
             if (rdma_proxy and s.link_kind == "rdma" and s.chunk_bytes and f.resources and f.bytes > 0
                     and "copy" in rates and work in rates):
                 link_bps = min(resources[r] for r in f.resources)
@@ -158,11 +173,32 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
     return _little_lags(plan, steps, resources, rates, sms, expand)
 
 
+def _touches_output(s: PlanStep) -> bool:
+    return "output" in s.src_buffers or s.dst_buffer == "output"
+
+
 def _role_chunk(s: PlanStep, expand: float) -> float:
-    """Bytes of one chunk of a role (0 without a chunk size): a chunk of a step that reads or
-    writes `output` holds its tokens with all their expert rows (module docstring)."""
-    touches_output = "output" in s.src_buffers or s.dst_buffer == "output"
-    return (s.chunk_bytes or 0.0) * (expand if touches_output else 1.0)
+    """One chunk of a role in its flows' bytes (0 without a chunk size): a chunk of a step whose
+    flows count rows (`PlanStep.rows`) and that reads or writes `output` holds its tokens with
+    all their expert rows (module docstring); a step whose flows count tokens counts a chunk's
+    tokens once."""
+    return (s.chunk_bytes or 0.0) * (expand if s.rows and _touches_output(s) else 1.0)
+
+
+def _sm_bytes_per_flow_byte(s: PlanStep, expand: float) -> float:
+    """Bytes an SM moves per byte of the step's flows: a send or pull into or out of `output`
+    whose flows count one copy per token still writes (dispatch) or reads (combine) every expert
+    row of it in the role kernels, `expand` rows; everything else moves what the flows count."""
+    return expand if _touches_output(s) and not s.rows else 1.0
+
+
+def _atomics(plan: Plan, s: PlanStep, rdma_proxy: bool) -> float:
+    """The `atomics` rate (fp32 bytes/s per GPU pair) that bounds a combine step adding into
+    another GPU's memory over its link; 0 where none is declared, and for an RDMA step that the
+    GPU proxy path runs (the receiver applies a landed chunk with its own, local, adds)."""
+    if s.program != "combine" or s.link is None or (rdma_proxy and s.link_kind == "rdma"):
+        return 0.0
+    return plan.atomics.get(s.link, 0.0)
 
 
 def _little_lags(plan: Plan, steps: list[PlanStep], resources: dict[str, float], rates: dict[str, float],
@@ -190,11 +226,12 @@ def _little_lags(plan: Plan, steps: list[PlanStep], resources: dict[str, float],
             out.append(s)
             continue
         chunk = _role_chunk(s, expand)
+        per_byte = _sm_bytes_per_flow_byte(s, expand)
         lag = 0.0
         t = floor((s.program, s.name))
         for f in s.flows:
             if f.resources and f.bytes > 0 and t > 0:
-                k = min(float(n), max(1.0, f.bytes / t / rates[work]))
+                k = min(float(n), max(1.0, f.bytes * per_byte / t / rates[work]))
                 lag = max(lag, min(1.0, k * min(chunk, f.bytes) / f.bytes))
         out.append(dataclasses.replace(s, completion_lag=min(s.completion_lag, lag)))
     return dataclasses.replace(plan, steps=out, resources=resources)

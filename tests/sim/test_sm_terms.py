@@ -209,3 +209,90 @@ def test_reduce_is_bounded_by_its_atomics_where_a_token_has_few_rows():
     assert 1.1 < rows_per_token(sparse) < 1.2
     assert sm_rates(sparse)["reduce"] == pytest.approx(12 * GB * rows_per_token(sparse))
     assert sm_rates(sparse)["copy"] == 44 * GB and sm_rates(sparse)["add"] == 12 * GB
+
+
+def peer_plan(*, atomics=None, rates=None, kind="p2p", program="combine", verb="pull", rows=False,
+              touches_output=True, sms=0, chunk=None, nbytes=1.0 * GB, topk=8) -> Plan:
+    """One step between 2 ranks over link `nv` (1000 GB/s each way): rank r moves `nbytes` from
+    the other rank to itself, reading `output` (combine) or writing it (dispatch) if told to; top-k
+    of 256 experts, so a token hits ~topk / 2 expert rows of a rank."""
+    from epcc.plan import WorkloadPlan
+
+    flows = [Flow(r, 1 - r, r, nbytes, (f"link:nv:{1 - r}>{r}",)) for r in range(2)]
+    src, dst = (("output",), "result") if program == "combine" else (("input",), "output")
+    if not touches_output:
+        src, dst = ("staging",), "staging2"
+    st = PlanStep("intra", program, verb, "nv", kind, (), flows=flows, chunk_bytes=chunk, weighted=program == "combine",
+                  rows=rows, src_buffers=src, dst_buffer=dst)
+    kernels = []
+    if sms:
+        kernels = [KernelPlan(f"{program}_kernel", "kernel", program, sms,
+                              roles=[RolePlan("intra", "mover", 0, sms, 8, "sm")])]
+    return Plan("t", 2, "test", 1, steps=[st], resources={"link:nv:1>0": 1000 * GB, "link:nv:0>1": 1000 * GB},
+                kernels=kernels, sm_rates=dict(rates or {}), atomics={"nv": atomics} if atomics else {},
+                workload=WorkloadPlan(4096, 7168, "bf16", topk, 256, "blocked", True))
+
+
+def test_a_combine_adding_into_a_peer_is_held_by_the_links_atomics():
+    # 1 GB of bf16 partials is 2 GB of fp32 adds: at 100 GB/s of atomics per GPU pair, 20 ms
+    p = peer_plan(atomics=100 * GB)
+    aug = with_sm_terms(p)
+    assert aug.resources["atomics:nv:1>0"] == pytest.approx(50 * GB)
+    assert simulate(p).programs["combine"].step("intra").end_s == pytest.approx(1.0 / 50)
+    assert simulate(p).programs["combine"].bottleneck.link_class == "nv atomics"
+    # not declared: the link alone (1 ms)
+    assert simulate(peer_plan()).programs["combine"].step("intra").end_s == pytest.approx(1.0 / 1000)
+
+
+def test_link_atomics_bound_only_combine_steps_and_not_the_proxy_paths_rdma():
+    assert simulate(peer_plan(atomics=100 * GB, program="dispatch", verb="send")).step("intra").end_s == \
+        pytest.approx(1.0 / 1000)  # dispatch stores, it does not add
+    from epcc.sim import SimOptions
+
+    rdma = peer_plan(atomics=100 * GB, kind="rdma")
+    # the proxy path's receiver applies a landed chunk with local adds; the emulated RDMA roles
+    # add into the peer themselves
+    assert simulate(rdma, SimOptions(rdma_proxy=True)).programs["combine"].step("intra").end_s == \
+        pytest.approx(1.0 / 1000)
+    assert simulate(rdma, SimOptions(rdma_proxy=False)).programs["combine"].step("intra").end_s == \
+        pytest.approx(1.0 / 50)
+
+
+def test_a_send_into_output_counting_tokens_costs_its_sms_every_expert_row():
+    from epcc.sim.sm_terms import rows_per_token
+
+    # top-8 of 256 over 2 ranks: ~4 rows per token a rank receives; a send counting one copy per
+    # token writes all of them (the role kernels), so 8 SMs x 25 GB/s move 200 / 4 GB/s of its flow
+    tokens = peer_plan(rates={"copy": 25 * GB}, program="dispatch", verb="send", sms=8)
+    expand = rows_per_token(tokens)
+    assert 4.0 < expand < 4.1
+    assert simulate(tokens).step("intra").end_s == pytest.approx(1.0 / (200 / expand))
+    rows = peer_plan(rates={"copy": 25 * GB}, program="dispatch", verb="send", sms=8, rows=True)  # dedup none
+    assert simulate(rows).step("intra").end_s == pytest.approx(1.0 / 200)
+    elsewhere = peer_plan(rates={"copy": 25 * GB}, program="dispatch", verb="send", sms=8, touches_output=False)
+    assert simulate(elsewhere).step("intra").end_s == pytest.approx(1.0 / 200)
+
+
+def test_a_chunk_counts_expert_rows_only_where_the_flows_do():
+    # 10 MB chunks (the plan's tokens x bytes per token), 8 SMs in a wave, 1 GB: a wave is 8 chunks,
+    # 80 MB of a flow counting tokens, 8 x 10 MB x ~4 rows of a flow counting rows
+    from epcc.sim.sm_terms import rows_per_token
+
+    kw = dict(rates={"copy": 25 * GB}, program="dispatch", verb="send", sms=8, chunk=10 * MB)
+    assert with_sm_terms(peer_plan(**kw)).steps[0].completion_lag == pytest.approx(0.08)
+    rows = peer_plan(rows=True, **kw)
+    assert with_sm_terms(rows).steps[0].completion_lag == pytest.approx(0.08 * rows_per_token(rows))
+
+
+def test_link_atomics_reach_the_ir_and_the_plan_and_survive_plan_json():
+    built = build_plan(str(REPO / "schedules" / "h200x4_2vnode.sched"))
+    plan = built.plan
+    assert plan.atomics == {"nvlink": 180 * GB}
+    assert "epcc.atomics_Bps = {nvlink = 1.800000e+11 : f64}" in str(built.compilation.module)
+    back = Plan.from_json(plan.to_json())
+    assert back.atomics == plan.atomics
+    rows = {(s.program, s.name): s.rows for s in plan.steps}
+    assert rows == {(s.program, s.name): s.rows for s in back.steps}
+    # permutes and their reverses count rows; sends and their reverses one copy per token
+    assert rows[("dispatch", "keep")] and rows[("combine", "keep_far")]
+    assert not rows[("dispatch", "intra")] and not rows[("combine", "fwd")] and not rows[("combine", "rdma")]
