@@ -8,8 +8,9 @@ those plans this module replaces the general table-driven kernels (codegen.py) w
 written for the shape (templates/direct.cu.j2):
 
 * the metadata step runs on the GPU (meta_count_kernel, and meta_finish_kernel when there is more than
-  one chunk of META_CHUNK tokens): per-expert ranks and counts, per-destination
-  dedup indices, exchanged through peer memory with one release flag per peer: no host sync;
+  one chunk of META_CHUNK tokens; up to one chunk, decode, the dispatch kernel's block 0 does it,
+  so a decode dispatch is one launch): per-expert ranks and counts, per-destination dedup
+  indices, exchanged through peer memory with one release flag per peer: no host sync;
 * dispatch sends each token once per destination GPU (deduplicated: 2.7 of 8 rows per token on
   the wire for top-8 of 256 over 4 GPUs), warp loads and 16-byte stores into the destination's
   expert-major output at the token's first row there (bench/sm_probe.cu measured bulk copies
@@ -258,8 +259,8 @@ def describe_steps(plan: Plan) -> list[dict]:
     out = []
     for s in plan.steps:
         if s.verb == "exchange":
-            low = ("meta_count_kernel (+ meta_finish_kernel above one chunk): counts and ranks on the GPU, "
-                   "exchanged through peer memory")
+            low = (f"meta_count_kernel (+ meta_finish_kernel above one chunk; up to {META_CHUNK} tokens dispatch_kernel's "
+                   "block 0): counts and ranks on the GPU, exchanged through peer memory")
         elif s.program == "dispatch" and s.verb == "send":
             low = "dispatch_kernel sender warps (one row store per destination GPU) + receiver warps (replication)"
         elif s.program == "dispatch":

@@ -9,11 +9,14 @@ oracle's), combine (bf16; oracle tolerance plus the bf16 rounding of the per-GPU
 low-latency mode (sync=False, whole receive buffer), a cached-handle dispatch (the handle's
 routing reused), expert alignment 64, a CUDA graph of dispatch + combine captured once and
 replayed on new inputs, and bad input (a repeated expert, wrong shapes) raising errors that name
-the argument.  Prints one line per check on rank 0 and exits 1 if any rank failed.
+the argument.  A decode-sized bundle (one metadata chunk, whose dispatch kernel counts the
+metadata itself) runs again with 4-warp blocks, which launch the metadata kernel first.  Prints
+one line per check on rank 0 and exits 1 if any rank failed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -25,10 +28,12 @@ import torch
 import torch.distributed as dist
 
 from epcc.runtime import inputs, oracle
+from epcc.backends.cuda.direct import META_CHUNK
 from epcc.runtime.buffer import Buffer
 
 ROUTINGS = tuple(os.environ.get("EPCC_GPU_ROUTINGS", "uniform,zipf:1.2,all-to-one,no-remote,empty").split(","))
 ITERS = int(os.environ.get("EPCC_GPU_ITERS", "2"))
+CHECKS = [0]  # checks run (each one on every rank), for the summary line
 PARTIAL_ROUNDING = 2.0 ** -8  # combine sends one bf16 partial per (token, GPU): unit roundoff of bf16
 
 
@@ -168,6 +173,7 @@ def run_bundle(path: Path, dev, log, iters: int = ITERS) -> int:
 
     def report(what: str, errs: list[str]) -> None:
         nonlocal fails
+        CHECKS[0] += 1
         flag = torch.tensor([1 if errs else 0], device=dev)
         dist.all_reduce(flag)
         fails += int(flag.item() > 0)
@@ -269,6 +275,33 @@ def run_bundle(path: Path, dev, log, iters: int = ITERS) -> int:
     return fails
 
 
+def run_meta_kernel(path: Path, dev, log) -> int:
+    """A decode-sized bundle (one metadata chunk) with dispatch blocks too narrow to count the
+    metadata themselves (4 warps): the dispatch launches meta_count_kernel first, the path every
+    larger batch takes, and must give the same results as the one-launch path run_bundle checked."""
+    fails = 0
+    buf = Buffer(dist.group.WORLD, path, backend="cuda", timeout_s=20.0, config={"warps": 4})
+    for spec in ("uniform", "zipf:1.2", "empty"):
+        case = Case(buf, spec, 11, dev)
+        x, idx, w = case.gpu_inputs()
+        for sync in (True, False):
+            rx, _, rw, counts, h, _ = buf.dispatch(x, idx, w, sync=sync)
+            errs = case.check_dispatch(rx, rw, counts if sync else counts[0].cpu().tolist())
+            errs += case.check_combine(buf.combine(case.y_for(rx, h.rows), h))
+            flag = torch.tensor([1 if errs else 0], device=dev)
+            dist.all_reduce(flag)
+            fails += int(flag.item() > 0)
+            CHECKS[0] += 1
+            for e in errs:
+                print(f"[rank {buf.rank}] {path.name} warps=4 {spec}: {e}", flush=True)
+            log(f"{path.name:12s} R={buf.num_ranks} {'warps=4 ' + spec + (' sync' if sync else ' low-latency'):40s} "
+                f"{'FAIL' if flag.item() else 'ok'}")
+    buf.synchronize()
+    dist.barrier()
+    buf.close()
+    return fails
+
+
 def main(argv: list[str]) -> int:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -284,6 +317,8 @@ def main(argv: list[str]) -> int:
     for p in argv:
         try:
             fails += run_bundle(Path(p), dev, log)
+            if json.loads((Path(p) / "plan.json").read_text())["workload"]["tokens"] <= META_CHUNK:
+                fails += run_meta_kernel(Path(p), dev, log)
         except Exception:
             traceback.print_exc()
             fails += 1
@@ -291,7 +326,7 @@ def main(argv: list[str]) -> int:
     flag = torch.tensor([fails], device=dev)
     dist.all_reduce(flag)
     log(f"GPU checks: {'ALL OK' if flag.item() == 0 else str(int(flag.item())) + ' failure(s)'} "
-        f"({dist.get_world_size()} ranks, {torch.cuda.get_device_name(dev)})")
+        f"({CHECKS[0]} checks, {dist.get_world_size()} ranks, {torch.cuda.get_device_name(dev)})")
     dist.destroy_process_group()
     return 0 if flag.item() == 0 else 1
 

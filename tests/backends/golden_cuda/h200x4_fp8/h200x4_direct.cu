@@ -3,19 +3,22 @@
 // `epcc compile schedules/h200x4.sched --target cuda`.
 //
 // Plan steps lowered here:
-//   dispatch step 'meta' (schedules/h200x4.sched:49): counts per rank and expert -> meta_count_kernel (+ meta_finish_kernel above one chunk): counts and ranks on the GPU, exchanged through peer memory
+//   dispatch step 'meta' (schedules/h200x4.sched:49): counts per rank and expert -> meta_count_kernel (+ meta_finish_kernel above one chunk; up to 256 tokens dispatch_kernel's block 0): counts and ranks on the GPU, exchanged through peer memory
 //   dispatch step 'push' (schedules/h200x4.sched:50): send each token once to every peer that needs it -> dispatch_kernel sender warps (one row store per destination GPU) + receiver warps (replication)
 //   dispatch step 'keep' (schedules/h200x4.sched:52): own tokens to local experts -> dispatch_kernel senders with this rank as destination (local permute)
 //   combine step 'keep' (schedules/h200x4.sched:52): own tokens to local experts -> combine_kernel: home-side sum of the partials (own partial included)
 //   combine step 'push' (schedules/h200x4.sched:50): send each token once to every peer that needs it -> combine_kernel: weighted partial per (token, GPU) into the home GPU's staging
 //
 // Kernels (one stream, in this order; every cross-GPU wait is bounded, see wait_geq):
-//   meta_count_kernel, meta_finish_kernel (the latter only with more than MC tokens)
+//   meta_count_kernel, meta_finish_kernel (the latter only with more than MC tokens; neither up
+//                    to MC tokens with blocks of >= MC threads, when dispatch_kernel's block 0
+//                    counts: decode is one launch, see meta_in_dispatch)
 //                    routing -> per-expert ranks and counts, per-destination dedup indices and
 //                    channel ranges; counts and ranges written into every peer's meta area, then
 //                    one release flag per peer (no host round trip).
-//   dispatch_kernel  cooperative, W warps per block: blocks [0, C / W) are senders, one channel (a
-//                    contiguous token range) per warp; blocks [C / W, C / W + NR) receivers.  A
+//   dispatch_kernel  cooperative, W warps per block: blocks [0, NSB) are senders, whose warps take
+//                    channels (contiguous token ranges; the first one per warp spread over the
+//                    SMs, see slot_of); blocks [NSB, NSB + NR) receivers.  A
 //                    sender warp loads each token row once and stores it once per destination GPU,
 //                    into that GPU's expert-major output at the row of the token's first expert
 //                    there (permute fused, one copy per (token, GPU) on NVLink; into every row of
@@ -225,12 +228,15 @@ __device__ __forceinline__ int tokens_per_channel(int T, int C) { return T > 0 ?
 // =============================================================================================
 // Metadata: step 'meta' (schedules/h200x4.sched:49), over chunks of MC tokens, warp w of a block
 // holding the chunk's tokens [32w, 32w + 32), one per lane.
-// meta_count_kernel (block b = chunk b): every (token, slot) sets the token's bit in the shared
-//   mask of (warp, expert), every token its bit in (warp, destination rank); a token's rank among
-//   the chunk's tokens of an expert (token order) is the bits of that expert's masks of earlier
-//   warps plus the bits below its lane, the chunk's counts are all of them (the same for dedup
-//   positions per destination).  With one chunk (T <= MC: decode) that is final, and the block
-//   goes on to publish (meta_publish): one kernel, no meta_finish.
+// meta_count (meta_count_kernel's block b = chunk b): every (token, slot) sets the token's bit in
+//   the shared mask of (warp, expert), every token its bit in (warp, destination rank); a token's
+//   rank among the chunk's tokens of an expert (token order) is the bits of that expert's masks of
+//   earlier warps plus the bits below its lane, the chunk's counts are all of them (the same for
+//   dedup positions per destination).  With one chunk (T <= MC: decode) that is final, and the
+//   block goes on to publish (meta_publish); that block is dispatch_kernel's block 0 when its
+//   first MC threads can count (meta_in_dispatch): no metadata kernel at all.  The metadata
+//   threads meet at named barrier 1 (meta_sync), never __syncthreads, so the dispatch block's
+//   other warps go straight on to wait for the flags.
 // meta_finish_kernel (block b = chunk b, when there are several): adds the counts of earlier
 //   chunks (token order across the whole batch), writes each channel's first dedup index; the
 //   last block to finish publishes.
@@ -242,23 +248,37 @@ constexpr int MC = 256;          // tokens per metadata chunk: 32 per warp
 static_assert(MC == 32 * MW, "a metadata warp holds 32 tokens, one per lane");
 static_assert((MW + 1) * (E + R) * 4 + 64 <= 49152, "the metadata masks fit in shared memory (direct.py meta_shared_bytes)");
 
+// The MC metadata threads of a block (the whole meta kernel block; the first MC of dispatch block 0).
+__device__ __forceinline__ void meta_sync() { asm volatile("bar.sync 1, %0;" ::"n"(MTHREADS) : "memory"); }
+
+struct MetaShared {
+  unsigned mask[MW][E + R];  // bit l of [w][i]: token 32w + l of the chunk picked expert i (i < E)
+                             // or has rows on rank i - E
+  int tot[E + R];            // the chunk's tokens per expert, then per destination rank
+  int bad;
+};
+
+// One metadata chunk (decode) and dispatch blocks of at least MC threads: dispatch_kernel's block 0
+// counts and publishes, and epcc_direct_dispatch launches no metadata kernel.
+__host__ __device__ __forceinline__ bool meta_in_dispatch(const Args& a) { return a.T <= MC && a.W * 32 >= MTHREADS; }
+
 __device__ __forceinline__ int* chunk_counts(const Args& a) {  // [MAXCHUNKS][E + R + 1]: experts, ranks, bad
   return reinterpret_cast<int*>(region(a, (int)a.me) + OFF_CHUNKS);
 }
 
-// Every thread of the last metadata block: tot[0, E) this rank's tokens per expert, tot[E, E + R)
+// The MC metadata threads of the last metadata block: tot[0, E) this rank's tokens per expert, tot[E, E + R)
 // per destination rank; the channels' first dedup indices are in mych.  Sends the counts to every
 // peer and each destination its channel ranges, stores the first bad token, raises the flags.
 __device__ void meta_publish(const Args& a, const int* tot, int bad, int p, unsigned long long e) {
   const int me = (int)a.me, T = (int)a.T, C = (int)a.C, Tc = tokens_per_channel(T, C), tid = threadIdx.x;
   const int* mych = reinterpret_cast<const int*>(region(a, me) + OFF_MYCHAN);
   State* st = state(a);
-  for (int i = tid; i < E; i += blockDim.x) {
+  for (int i = tid; i < E; i += MTHREADS) {
     const int v = tot[i];
 #pragma unroll
     for (int d = 0; d < R; ++d) meta_cnt(a, d, p)[me * E + i] = v;
   }
-  for (int i = tid; i < C * R; i += blockDim.x) {
+  for (int i = tid; i < C * R; i += MTHREADS) {
     const int c = i / R, d = i % R;
     const int s0 = (c * Tc < T) ? mych[c * R + d] : tot[E + d];
     const int s1 = (c + 1 < C && (c + 1) * Tc < T) ? mych[(c + 1) * R + d] : tot[E + d];
@@ -268,15 +288,17 @@ __device__ void meta_publish(const Args& a, const int* tot, int bad, int p, unsi
   }
   if (tid == 0) st->bad_token = bad;
   __threadfence_system();
-  __syncthreads();
+  meta_sync();
   if (tid == 0) {
     st->meta_done = 0;
     for (int d = 0; d < R; ++d) st_release_sys(meta_flag(a, d, p, me), e);
   }
 }
 
-__global__ void __launch_bounds__(MTHREADS) meta_count_kernel(const Args a) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, b = blockIdx.x, single = gridDim.x == 1;
+// Chunk b's counts, by threads [0, MC) of the calling block; with `single` (one chunk) also the
+// final ranks and the publishing.
+__device__ void meta_count(const Args& a, MetaShared& sm, int b, bool single) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int T = (int)a.T, C = (int)a.C, Tc = tokens_per_channel(T, C), t = b * MC + warp * 32 + lane;
   char* my = region(a, (int)a.me);
   int* rank_tj = reinterpret_cast<int*>(my + OFF_RANK_TJ);   // [TMAX][K]: rank within the chunk (finished later)
@@ -284,13 +306,12 @@ __global__ void __launch_bounds__(MTHREADS) meta_count_kernel(const Args a) {
   int* mych = reinterpret_cast<int*>(my + OFF_MYCHAN);       // [CMAX + 1][R]: first dedup index of each channel
   int* cc = chunk_counts(a) + b * (E + R + 1);
   const unsigned lt = (1u << lane) - 1;
-  __shared__ unsigned s_mask[MW][E + R];   // bit l of [w][i]: token 32w + l of the chunk picked expert i (i < E)
-                                           // or has rows on rank i - E
-  __shared__ int s_tot[E + R];             // the chunk's tokens per expert, then per destination rank
-  __shared__ int s_bad;
+  auto& s_mask = sm.mask;
+  int* s_tot = sm.tot;
+  int& s_bad = sm.bad;
   for (int i = threadIdx.x; i < MW * (E + R); i += MTHREADS) (&s_mask[0][0])[i] = 0u;
   if (threadIdx.x == 0) s_bad = T;
-  __syncthreads();
+  meta_sync();
   int ex[K];
   bool bad = false;
   if (t < T) {
@@ -312,7 +333,7 @@ __global__ void __launch_bounds__(MTHREADS) meta_count_kernel(const Args a) {
     if (lane == 0) s_mask[warp][E + d] = m;
   }
   if (bad) atomicMin(&s_bad, t);
-  __syncthreads();
+  meta_sync();
   for (int i = threadIdx.x; i < E + R; i += MTHREADS) {
     int n = 0;
 #pragma unroll
@@ -337,13 +358,18 @@ __global__ void __launch_bounds__(MTHREADS) meta_count_kernel(const Args a) {
       if (single && t % Tc == 0) mych[(t / Tc) * R + d] = pos;
     }
   }
-  __syncthreads();
+  meta_sync();
   const int first_bad = s_bad < T ? s_bad : -1;
   if (threadIdx.x == 0) cc[E + R] = first_bad;
   if (single) {
     const unsigned long long e = state(a)->disp_epoch + 1;
     meta_publish(a, s_tot, first_bad, (int)(e & 1), e);
   }
+}
+
+__global__ void __launch_bounds__(MTHREADS) meta_count_kernel(const Args a) {
+  __shared__ MetaShared sm;
+  meta_count(a, sm, (int)blockIdx.x, gridDim.x == 1);
 }
 
 __global__ void __launch_bounds__(MTHREADS) meta_finish_kernel(const Args a) {
@@ -402,12 +428,17 @@ __global__ void __launch_bounds__(MTHREADS) meta_finish_kernel(const Args a) {
   meta_publish(a, base, s_bad, (int)(e & 1), e);
 }
 
-// The next work item of a warp: items are taken in increasing order from a per-rank counter, so
-// uneven items (tokens to more or fewer GPUs, records with more or fewer rows) even out.
-__device__ __forceinline__ int take(unsigned int* counter, int lane) {
+// Work items of a role of B blocks x W warps (S = B x W slots).  Slot k = warp x B + block takes
+// item k first: consecutive items land on different SMs, so a batch with fewer items than slots
+// (decode: 128 channels for 192 or 384 sender warps) spreads over every SM of the role instead
+// of filling the first blocks to arrive (one SM writes ~46 GB/s whatever its warps: sm_probe).
+// Items S, S + 1, ... are then taken in increasing order from a per-rank counter, so uneven
+// items (tokens to more or fewer GPUs, records with more or fewer rows) even out.
+__device__ __forceinline__ int slot_of(int block, int blocks, int warp) { return warp * blocks + block; }
+__device__ __forceinline__ int take(unsigned int* counter, int slots, int lane) {
   int v = 0;
   if (lane == 0) v = (int)atomicAdd(counter, 1u);
-  return __shfl_sync(~0u, v, 0);
+  return slots + __shfl_sync(~0u, v, 0);
 }
 
 // ---- warp-level row copies ------------------------------------------------------------------
@@ -513,7 +544,7 @@ __device__ void dispatch_offsets(const Args& a, DispatchShared& sh, int p) {
   __syncthreads();
 }
 
-// Sender warps take channels c (contiguous token ranges) in order (take): step 'push' (schedules/h200x4.sched:50) and
+// Sender warps take channels c (contiguous token ranges) one per slot, then in order (slot_of, take): step 'push' (schedules/h200x4.sched:50) and
 // its local part 'keep'.  Per token: lane j < K takes top-k slot j (expert,
 // row on the expert's rank, weight); per destination GPU the warp writes the weights of its rows,
 // a record {token, n, rows} and the row itself, loaded once: remote GPUs get it once, at the
@@ -598,21 +629,24 @@ __device__ void dispatch_channel(const Args& a, const DispatchShared& sh, int c,
 }
 
 __device__ void dispatch_send(const Args& a, const DispatchShared& sh, unsigned long long e) {
-  const int lane = threadIdx.x & 31;
-  for (int c = take(&state(a)->send_next, lane); c < (int)a.C; c = take(&state(a)->send_next, lane))
+  const int lane = threadIdx.x & 31, NB = (int)a.NSB, slots = NB * (int)(blockDim.x >> 5);
+  for (int c = slot_of((int)blockIdx.x, NB, threadIdx.x >> 5); c < (int)a.C; c = take(&state(a)->send_next, slots, lane))
     dispatch_channel(a, sh, c, e);
 }
 
-// Receiver warp: the (source, channel) queues q = gw, gw + NRW, ... (at most 32, lane i holds the
-// i-th); whenever a source publishes more records, the warp copies each record's first row into
-// its other rows.  Queues of this rank's own channels are skipped: their senders wrote every row.
-__device__ void dispatch_recv(const Args& a, int gw, int NRW, unsigned long long e, int p) {
+// Receiver warp in slot k of NRW (slot_of: consecutive slots on different SMs): the queues of the
+// (R - 1) x C (source, channel) pairs with a peer as source, j = k, k + NRW, ... (at most 32, lane
+// i holds the i-th; j = c x (R - 1) + the source's index among the peers); whenever a source
+// publishes more records, the warp copies each record's first row into its other rows.  This
+// rank's own channels have no queue: their senders wrote every row.
+__device__ void dispatch_recv(const Args& a, int k, int NRW, unsigned long long e, int p) {
   const int me = (int)a.me, C = (int)a.C, lane = threadIdx.x & 31;
   char* my = region(a, me);
   const int* chan = meta_chan(a, me, p);
-  const int q = gw + lane * NRW, s = q % R, c = q / R;
+  constexpr int PEERS = R > 1 ? R - 1 : 1;
+  const int j = k + lane * NRW, c = j / PEERS, s = j % PEERS < me ? j % PEERS : j % PEERS + 1;
   int start = 0, count = 0, done = 0;
-  if (q < R * C && s != me) {
+  if (R > 1 && c < C) {
     start = ld_volatile(chan + (s * CMAX + c) * 2);
     count = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
   }
@@ -670,11 +704,16 @@ __device__ void dispatch_recv(const Args& a, int gw, int NRW, unsigned long long
 }
 
 __global__ void __launch_bounds__(DTHREADS, 1) dispatch_kernel(const Args a) {
-  __shared__ DispatchShared sh;
+  __shared__ union {  // the metadata's masks (block 0, one chunk) are done before the offsets start
+    MetaShared meta;
+    DispatchShared disp;
+  } smem;
+  DispatchShared& sh = smem.disp;
   const int me = (int)a.me, W = (int)blockDim.x / 32, warp = threadIdx.x >> 5;
   State* st = state(a);
   const unsigned long long e = st->disp_epoch + 1;
   const int p = (int)(e & 1);
+  if (meta_in_dispatch(a) && blockIdx.x == 0 && threadIdx.x < MTHREADS) meta_count(a, smem.meta, 0, true);
   if (threadIdx.x < R) wait_geq(a, meta_flag(a, me, p, threadIdx.x), e, WHERE_META, (int)threadIdx.x, 0);
   __syncthreads();
   if (threadIdx.x == 0) stamp(a, 0, 0);
@@ -683,7 +722,7 @@ __global__ void __launch_bounds__(DTHREADS, 1) dispatch_kernel(const Args a) {
     dispatch_offsets(a, sh, p);
     dispatch_send(a, sh, e);
   } else {
-    dispatch_recv(a, ((int)blockIdx.x - SBK) * W + warp, (int)a.NR * W, e, p);
+    dispatch_recv(a, slot_of((int)blockIdx.x - SBK, (int)a.NR, warp), (int)a.NR * W, e, p);
   }
   if ((threadIdx.x & 31) == 0) stamp(a, 0, 1 + warp);
   __syncthreads();
@@ -704,11 +743,11 @@ __global__ void __launch_bounds__(DTHREADS, 1) dispatch_kernel(const Args a) {
 
 // =============================================================================================
 // combine_kernel: step 'push' (schedules/h200x4.sched:50) and 'keep'
-// Expert side (blocks [0, NS)): warps take the (channel, source) queues q = c * R + s in order
+// Expert side (blocks [0, NS)): warps take the (channel, source) queues q = c * R + s (slot_of, then in order)
 //   (channel-major, so every home rank gets its early channels first); per record a warp reduces the
 //   record's rows, weighted, in fp32 (row order), stores one bf16 partial into the home rank's
 //   staging row of the token, and publishes the queue's progress every CB records (release, sys).
-// Home side (blocks [NS, NS + ND)): warps take channels in order; per token lane d
+// Home side (blocks [NS, NS + ND)): warps take channels (slot_of, then in order); per token lane d
 //   waits for rank d's partial (bounded), then the warp sums the partials in rank order, fp32,
 //   and writes the bf16 result.
 // =============================================================================================
@@ -797,7 +836,8 @@ __global__ void __launch_bounds__(CTHREADS, 1) combine_kernel(const Args a) {
   if ((int)blockIdx.x < NS) {
     const int* chan = meta_chan(a, me, p);
     const float* rw = reinterpret_cast<const float*>(my + OFF_RECV_W);
-    for (int q = take(&st->part_next, lane); q < R * C; q = take(&st->part_next, lane)) {
+    const int slots = NS * (CTHREADS / 32);
+    for (int q = slot_of((int)blockIdx.x, NS, warp); q < R * C; q = take(&st->part_next, slots, lane)) {
       const int c = q / R, s = q % R;
       const int start = ld_volatile(chan + (s * CMAX + c) * 2), count = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
       uint4* stage_s = reinterpret_cast<uint4*>(region(a, s) + OFF_CSTAGE) + (long long)me * TMAX * HV;
@@ -828,7 +868,8 @@ __global__ void __launch_bounds__(CTHREADS, 1) combine_kernel(const Args a) {
     const uint4* stage = reinterpret_cast<const uint4*>(my + OFF_CSTAGE);
     uint4* out = reinterpret_cast<uint4*>(a.out);
     const int Tc = tokens_per_channel(T, C);
-    for (int c = take(&st->home_next, lane); c < C; c = take(&st->home_next, lane)) {
+    const int ND = (int)a.ND, slots = ND * (CTHREADS / 32);
+    for (int c = slot_of((int)blockIdx.x - NS, ND, warp); c < C; c = take(&st->home_next, slots, lane)) {
       const int t0 = c * Tc, t1 = min(T, t0 + Tc);
       const int base_l = lane < R ? mych[c * R + lane] : 0;
       for (int t = t0; t < t1; ++t) {
@@ -985,12 +1026,15 @@ int epcc_direct_dispatch(const void* args, unsigned long long stream) {
              "receiver blocks of %lld warps", a->C, a->NSB, a->NR, a->W);
     return 2;
   }
-  const int chunks = a->T > 0 ? (int)((a->T + MC - 1) / MC) : 1;
-  cudaError_t err = launch(reinterpret_cast<const void*>(meta_count_kernel), chunks, MTHREADS, 0, false, *a, s);
-  if (err != cudaSuccess) return set_error(err, "launch meta_count_kernel");
-  if (chunks > 1) {  // one chunk: meta_count_kernel finished and published itself
-    err = launch(reinterpret_cast<const void*>(meta_finish_kernel), chunks, MTHREADS, 0, false, *a, s);
-    if (err != cudaSuccess) return set_error(err, "launch meta_finish_kernel");
+  cudaError_t err;
+  if (!meta_in_dispatch(*a)) {
+    const int chunks = a->T > 0 ? (int)((a->T + MC - 1) / MC) : 1;
+    err = launch(reinterpret_cast<const void*>(meta_count_kernel), chunks, MTHREADS, 0, false, *a, s);
+    if (err != cudaSuccess) return set_error(err, "launch meta_count_kernel");
+    if (chunks > 1) {  // one chunk: meta_count_kernel finished and published itself
+      err = launch(reinterpret_cast<const void*>(meta_finish_kernel), chunks, MTHREADS, 0, false, *a, s);
+      if (err != cudaSuccess) return set_error(err, "launch meta_finish_kernel");
+    }
   }
   err = launch(reinterpret_cast<const void*>(dispatch_kernel), (int)(a->NSB + a->NR), (int)a->W * 32, 0, true, *a, s);
   if (err != cudaSuccess) return set_error(err, "launch dispatch_kernel");
