@@ -406,6 +406,26 @@ template <> struct Vec<1> { using T = char; };
 // access, kUnroll loads in flight per lane before the stores; the row's last round is predicated,
 // not a serial tail (a 7168-channel bf16 row is 3.5 rounds of 8 x 16 B per lane: a tail of one
 // access at a time cost 4 more memory latencies per row than the half round it replaces).
+// The skeleton of every row operation: a lane's vectors i = lane, lane + 32, ... of a row of n,
+// kUnroll loads (L2, never a stale L1 line) in flight before the first is used by apply(i, v).
+template <class T, int kUnroll, class Apply>
+__device__ __forceinline__ void for_row_vectors(const T* __restrict__ s, uint32_t n, uint32_t lane, Apply&& apply) {
+  for (uint32_t i0 = lane; i0 < n; i0 += 32u * kUnroll) {
+    T v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t i = i0 + 32u * u;
+      if (i < n) v[u] = __ldcg(s + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t i = i0 + 32u * u;
+      if (i >= n) break;
+      apply(i, v[u]);
+    }
+  }
+}
+
 template <int kVec, int kUnroll>
 struct CopyRows {
   static constexpr bool kWeighted = false;
@@ -416,22 +436,9 @@ struct CopyRows {
   __device__ __forceinline__ static void row(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, float,
                                              uint32_t bytes, uint32_t lane) {
     using T = typename Vec<kVec>::T;
-    const T* s = reinterpret_cast<const T*>(src);
     T* d = reinterpret_cast<T*>(dst);
-    const uint32_t n = bytes / kVec;
-    for (uint32_t i0 = lane; i0 < n; i0 += 32u * kUnroll) {
-      T v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const uint32_t i = i0 + 32u * u;
-        if (i < n) v[u] = __ldcg(s + i);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const uint32_t i = i0 + 32u * u;
-        if (i < n) d[i] = v[u];
-      }
-    }
+    for_row_vectors<T, kUnroll>(reinterpret_cast<const T*>(src), bytes / kVec, lane,
+                                [&](uint32_t i, const T& v) { d[i] = v; });
   }
 };
 
@@ -465,27 +472,14 @@ struct AccumWeightedBf16 {
   __device__ __forceinline__ static void row(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, float w,
                                              uint32_t hidden, uint32_t lane) {
     using T = typename Bf16Vec<kElems>::T;
-    const T* s = reinterpret_cast<const T*>(src);
     float* d = reinterpret_cast<float*>(dst);
-    const uint32_t n = hidden / kElems;
-    for (uint32_t i0 = lane; i0 < n; i0 += 32u * kUnroll) {
-      T v[kUnroll];
+    for_row_vectors<T, kUnroll>(reinterpret_cast<const T*>(src), hidden / kElems, lane, [&](uint32_t i, const T& v) {
+      const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&v);
+      float x[kElems];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const uint32_t i = i0 + 32u * u;
-        if (i < n) v[u] = __ldcg(s + i);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const uint32_t i = i0 + 32u * u;
-        if (i >= n) break;
-        const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&v[u]);
-        float x[kElems];
-#pragma unroll
-        for (int j = 0; j < kElems; ++j) x[j] = w * __bfloat162float(b[j]);
-        red_add_n<kElems>(d + static_cast<size_t>(i) * kElems, x);
-      }
-    }
+      for (int j = 0; j < kElems; ++j) x[j] = w * __bfloat162float(b[j]);
+      red_add_n<kElems>(d + static_cast<size_t>(i) * kElems, x);
+    });
   }
 
   // A run of n <= kRun rows with one destination (a token's expert rows lie next to each other in
@@ -550,31 +544,18 @@ struct AccumF32Rows {
   __device__ __forceinline__ static void row(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, float,
                                              uint32_t hidden, uint32_t lane) {
     using T = typename Vec<4 * kElems>::T;
-    const T* s = reinterpret_cast<const T*>(src);
     float* d = reinterpret_cast<float*>(dst);
-    const uint32_t n = hidden / kElems;
-    for (uint32_t i0 = lane; i0 < n; i0 += 32u * kUnroll) {
-      T v[kUnroll];
+    for_row_vectors<T, kUnroll>(reinterpret_cast<const T*>(src), hidden / kElems, lane, [&](uint32_t i, const T& v) {
+      const float* x = reinterpret_cast<const float*>(&v);
+      if constexpr (kBf16Wire) {
+        float r[kElems];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const uint32_t i = i0 + 32u * u;
-        if (i < n) v[u] = __ldcg(s + i);
+        for (int j = 0; j < kElems; ++j) r[j] = __bfloat162float(__float2bfloat16_rn(x[j]));
+        red_add_n<kElems>(d + static_cast<size_t>(i) * kElems, r);
+      } else {
+        red_add_n<kElems>(d + static_cast<size_t>(i) * kElems, x);
       }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const uint32_t i = i0 + 32u * u;
-        if (i >= n) break;
-        const float* x = reinterpret_cast<const float*>(&v[u]);
-        if constexpr (kBf16Wire) {
-          float r[kElems];
-#pragma unroll
-          for (int j = 0; j < kElems; ++j) r[j] = __bfloat162float(__float2bfloat16_rn(x[j]));
-          red_add_n<kElems>(d + static_cast<size_t>(i) * kElems, r);
-        } else {
-          red_add_n<kElems>(d + static_cast<size_t>(i) * kElems, x);
-        }
-      }
-    }
+    });
   }
 };
 
@@ -717,27 +698,14 @@ struct PackF32Bf16 {  // combine: an fp32 partial travels as bf16 (nearest even)
                                              uint32_t hidden, uint32_t lane) {
     using T = typename Vec<4 * kElems>::T;
     using B = typename Bf16Vec<kElems>::T;
-    const T* s = reinterpret_cast<const T*>(src);
     B* d = reinterpret_cast<B*>(dst);
-    const uint32_t n = hidden / kElems;
-    for (uint32_t i0 = lane; i0 < n; i0 += 32u * kUnroll) {
-      T v[kUnroll];
+    for_row_vectors<T, kUnroll>(reinterpret_cast<const T*>(src), hidden / kElems, lane, [&](uint32_t i, const T& v) {
+      const float* x = reinterpret_cast<const float*>(&v);
+      __align__(16) __nv_bfloat16 o[kElems];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const uint32_t i = i0 + 32u * u;
-        if (i < n) v[u] = __ldcg(s + i);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const uint32_t i = i0 + 32u * u;
-        if (i >= n) break;
-        const float* x = reinterpret_cast<const float*>(&v[u]);
-        __align__(16) __nv_bfloat16 o[kElems];
-#pragma unroll
-        for (int j = 0; j < kElems; ++j) o[j] = __float2bfloat16_rn(x[j]);
-        d[i] = *reinterpret_cast<const B*>(o);
-      }
-    }
+      for (int j = 0; j < kElems; ++j) o[j] = __float2bfloat16_rn(x[j]);
+      d[i] = *reinterpret_cast<const B*>(o);
+    });
   }
 };
 
