@@ -16,7 +16,6 @@ one line per check on rank 0 and exits 1 if any rank failed.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
@@ -33,7 +32,6 @@ from epcc.runtime.buffer import Buffer
 
 ROUTINGS = tuple(os.environ.get("EPCC_GPU_ROUTINGS", "uniform,zipf:1.2,all-to-one,no-remote,empty").split(","))
 ITERS = int(os.environ.get("EPCC_GPU_ITERS", "2"))
-CHECKS = [0]  # checks run (each one on every rank), for the summary line
 PARTIAL_ROUNDING = 2.0 ** -8  # combine sends one bf16 partial per (token, GPU): unit roundoff of bf16
 
 
@@ -165,21 +163,31 @@ class Case:
                 f"(max {chk.max_ulp} ulp, {chk.beyond_ulp} values beyond {oracle.MAX_ULP} ulp)"]
 
 
-def run_bundle(path: Path, dev, log, iters: int = ITERS) -> int:
-    fails = 0
-    buf = Buffer(dist.group.WORLD, path, backend="cuda", timeout_s=20.0)
-    name = path.name
-    R = buf.num_ranks
+class Checks:
+    """The verdicts: a check fails when it fails on any rank (agreed by an all_reduce), each one
+    logged on rank 0, every rank's own errors printed; counts the checks run and failed."""
 
-    def report(what: str, errs: list[str]) -> None:
-        nonlocal fails
-        CHECKS[0] += 1
-        flag = torch.tensor([1 if errs else 0], device=dev)
+    def __init__(self, dev, log):
+        self.dev, self.log = dev, log
+        self.run = self.failed = 0
+
+    def report(self, buf: Buffer, name: str, what: str, errs: list[str]) -> None:
+        self.run += 1
+        flag = torch.tensor([1 if errs else 0], device=self.dev)
         dist.all_reduce(flag)
-        fails += int(flag.item() > 0)
+        self.failed += int(flag.item() > 0)
         for e in errs:
             print(f"[rank {buf.rank}] {name} {what}: {e}", flush=True)
-        log(f"{name:12s} R={R} {what:40s} {'FAIL on ' + str(int(flag.item())) + ' rank(s)' if flag.item() else 'ok'}")
+        self.log(f"{name:12s} R={buf.num_ranks} {what:40s} "
+                 f"{'FAIL on ' + str(int(flag.item())) + ' rank(s)' if flag.item() else 'ok'}")
+
+
+def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
+    buf = Buffer(dist.group.WORLD, path, backend="cuda", timeout_s=20.0)
+    name = path.name
+
+    def report(what: str, errs: list[str]) -> None:
+        checks.report(buf, name, what, errs)
 
     for spec in ROUTINGS:
         for it in range(iters):
@@ -269,17 +277,18 @@ def run_bundle(path: Path, dev, log, iters: int = ITERS) -> int:
             if needle not in str(e):
                 errs.append(f"unexpected message: {e}")
     report("bad input raises", errs)
+    decode = buf._cuda.c["max_tokens"] <= META_CHUNK
     buf.synchronize()
     dist.barrier()
     buf.close()
-    return fails
+    if decode:
+        run_meta_kernel(path, dev, checks)
 
 
-def run_meta_kernel(path: Path, dev, log) -> int:
+def run_meta_kernel(path: Path, dev, checks: Checks) -> None:
     """A decode-sized bundle (one metadata chunk) with dispatch blocks too narrow to count the
     metadata themselves (4 warps): the dispatch launches meta_count_kernel first, the path every
     larger batch takes, and must give the same results as the one-launch path run_bundle checked."""
-    fails = 0
     buf = Buffer(dist.group.WORLD, path, backend="cuda", timeout_s=20.0, config={"warps": 4})
     for spec in ("uniform", "zipf:1.2", "empty"):
         case = Case(buf, spec, 11, dev)
@@ -288,18 +297,10 @@ def run_meta_kernel(path: Path, dev, log) -> int:
             rx, _, rw, counts, h, _ = buf.dispatch(x, idx, w, sync=sync)
             errs = case.check_dispatch(rx, rw, counts if sync else counts[0].cpu().tolist())
             errs += case.check_combine(buf.combine(case.y_for(rx, h.rows), h))
-            flag = torch.tensor([1 if errs else 0], device=dev)
-            dist.all_reduce(flag)
-            fails += int(flag.item() > 0)
-            CHECKS[0] += 1
-            for e in errs:
-                print(f"[rank {buf.rank}] {path.name} warps=4 {spec}: {e}", flush=True)
-            log(f"{path.name:12s} R={buf.num_ranks} {'warps=4 ' + spec + (' sync' if sync else ' low-latency'):40s} "
-                f"{'FAIL' if flag.item() else 'ok'}")
+            checks.report(buf, path.name, f"warps=4 {spec} {'sync' if sync else 'low-latency'}", errs)
     buf.synchronize()
     dist.barrier()
     buf.close()
-    return fails
 
 
 def main(argv: list[str]) -> int:
@@ -313,20 +314,19 @@ def main(argv: list[str]) -> int:
         if rank == 0:
             print(msg, flush=True)
 
-    fails = 0
+    checks = Checks(dev, log)
+    crashed = 0
     for p in argv:
         try:
-            fails += run_bundle(Path(p), dev, log)
-            if json.loads((Path(p) / "plan.json").read_text())["workload"]["tokens"] <= META_CHUNK:
-                fails += run_meta_kernel(Path(p), dev, log)
+            run_bundle(Path(p), dev, checks)
         except Exception:
             traceback.print_exc()
-            fails += 1
+            crashed = 1
             break
-    flag = torch.tensor([fails], device=dev)
+    flag = torch.tensor([checks.failed + crashed], device=dev)
     dist.all_reduce(flag)
     log(f"GPU checks: {'ALL OK' if flag.item() == 0 else str(int(flag.item())) + ' failure(s)'} "
-        f"({CHECKS[0]} checks, {dist.get_world_size()} ranks, {torch.cuda.get_device_name(dev)})")
+        f"({checks.run} checks, {dist.get_world_size()} ranks, {torch.cuda.get_device_name(dev)})")
     dist.destroy_process_group()
     return 0 if flag.item() == 0 else 1
 
