@@ -14,10 +14,16 @@ written for the shape (templates/direct.cu.j2):
 * dispatch sends each token once per destination GPU (deduplicated: 2.7 of 8 rows per token on
   the wire for top-8 of 256 over 4 GPUs), warp loads and 16-byte stores into the destination's
   expert-major output at the token's first row there (bench/sm_probe.cu measured bulk copies
-  slower per SM); the destination's receiver blocks replicate it into its other rows as
-  per-channel tails advance;
+  slower per SM); on the destination, every warp that has no channel left to send replicates it
+  into its other rows as per-channel tails advance;
 * combine reduces each (token, GPU) record into one weighted bf16 partial on the expert's GPU and
-  stores it into the home GPU's staging area, where the home GPU sums the partials in fp32.
+  stores it into the home GPU's staging area, where the home GPU sums the partials in fp32 (every
+  warp, once no record is left to reduce).
+
+Blocks have no fixed role: one SM writes ~46-50 GB/s whatever it writes (sm_probe), so a fixed
+sender/receiver split (14+10 was the best of 24 SMs on 2 GPUs) leaves SMs idle while the other
+side finishes; a warp goes from sending to replicating (from partials to sums) when its first
+kind of work runs out.
 
 Every decision (sizes, offsets, block split, ring depths) is made here; the template lays out
 text.  The runtime (direct_runtime.py) needs only the generated source and the manifest entry.
@@ -34,15 +40,16 @@ ALIGN_MAX = 128  # largest per-expert row alignment a caller may ask for (groupe
 MAX_CHANNELS = 1024  # dispatch channels (contiguous token ranges) the peer region has tails for
 PUBLISH_EVERY = 4  # tokens a sender warp copies between two releases of its tails
 COMBINE_BATCH = 4  # records an expert-side warp reduces between two releases of its queue's progress
-QUEUES_PER_WARP = 32  # (source, channel) queues one receiver warp polls: one per lane
 CHANNELS_PER_WARP = 4  # dispatch channels per sender warp (taken in order: uneven ones even out)
 DISPATCH_THREADS = 512  # at most 16 warps per dispatch block (the configuration's `warps`)
 COMBINE_THREADS = 512
 # combine: 16-byte vectors per lane and row that a reduction of N rows keeps in flight (N = 1, 2,
 # ..., then 1): all N x U loads go out before the first multiply-add.  The expert side reduces a
 # record's rows (N ~ 2 for top-8 on 4 GPUs), the home side a token's partials (N ~ 3.6); at 512
-# threads a thread has 128 registers, which these fill without spilling (ptxas -v, tested).
-EXPERT_UNROLL = (8, 4, 2)
+# threads a thread has 128 registers, which these fill without spilling (ptxas -v, tested).  A
+# warp runs both sides one after the other (combine_kernel), so one register allocation holds
+# both: U = 8 for a one-row record spilled there, 6 does not.
+EXPERT_UNROLL = (6, 4, 2)
 HOME_UNROLL = (4, 4, 4, 4)
 
 
@@ -79,11 +86,11 @@ class DirectError(ValueError):
 class DirectConfig:
     """Launch configuration: what `epcc tune` sweeps.  Blocks are one per SM."""
 
-    send_blocks: int  # dispatch sender blocks (their warps take channels from a counter)
-    recv_blocks: int  # dispatch receiver (replication) blocks
+    send_blocks: int  # dispatch blocks whose warps send channels, then replicate
+    recv_blocks: int  # dispatch blocks that only replicate (0: every SM sends first)
     warps: int  # warps per dispatch block
-    combine_send_blocks: int
-    combine_reduce_blocks: int
+    combine_send_blocks: int  # combine blocks whose warps reduce records into partials, then sum partials
+    combine_reduce_blocks: int  # combine blocks that only sum partials (0: every SM reduces records first)
 
     @property
     def dispatch_sms(self) -> int:
@@ -93,30 +100,23 @@ class DirectConfig:
     def combine_sms(self) -> int:
         return self.combine_send_blocks + self.combine_reduce_blocks
 
-    def channels(self, num_ranks: int, tokens: int | None = None) -> int:
+    def channels(self, tokens: int | None = None) -> int:
         """Dispatch channels (contiguous token ranges, taken by sender warps in order): a few per
-        sender warp so uneven ones even out, as many as the peer region has tails for and as
-        the receiver warps can poll (one (source, channel) queue per lane), and no more than
-        there are tokens (an empty channel still costs its sender warp a take and its receiver a
-        queue: at 128 tokens most of 768 would be empty)."""
-        c = max(1, min(MAX_CHANNELS, CHANNELS_PER_WARP * self.send_blocks * self.warps,
-                       QUEUES_PER_WARP * self.recv_blocks * self.warps // num_ranks))
+        sender warp so uneven ones even out, as many as the peer region has tails for, and no
+        more than there are tokens (an empty channel still costs its sender warp a take and a
+        replicating warp a queue per peer: at 128 tokens most of 1024 would be empty)."""
+        c = max(1, min(MAX_CHANNELS, CHANNELS_PER_WARP * self.send_blocks * self.warps))
         return c if tokens is None else max(1, min(c, tokens))
 
     def check(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise DirectError(f"config: {f.name} must be a positive integer, got {v!r}")
+            least = 0 if f.name in ("recv_blocks", "combine_reduce_blocks") else 1
+            if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                what = "a whole number >= 0" if least == 0 else "a positive integer"
+                raise DirectError(f"config: {f.name} must be {what}, got {v!r}")
         if self.warps > MAX_WARPS:
             raise DirectError(f"config: warps must lie in [1, {MAX_WARPS}], got {self.warps}")
-        if self.send_blocks * self.warps > MAX_CHANNELS:
-            raise DirectError(f"config: send_blocks x warps is {self.send_blocks * self.warps}, at most {MAX_CHANNELS}")
-
-    def check_ranks(self, num_ranks: int) -> None:
-        if QUEUES_PER_WARP * self.recv_blocks * self.warps < num_ranks:
-            raise DirectError(f"config: {self.recv_blocks} recv_blocks of {self.warps} warps cannot poll the queues "
-                              f"of {num_ranks} ranks (a receiver warp polls at most {QUEUES_PER_WARP})")
 
     @classmethod
     def from_dict(cls, d: dict) -> "DirectConfig":
@@ -177,17 +177,13 @@ def match(plan: Plan) -> str | None:
 
 
 def default_config(plan: Plan) -> DirectConfig:
-    """From the plan: the push step's SM budget.  Dispatch splits it 1:1 between sender and
-    receiver blocks: by rows written the senders have more (~4.7 per token for uniform top-8 of
-    256 on 4 GPUs: one per peer GPU, every row on their own GPU, against ~3.3), but `epcc tune` on
-    4x H200 found 12+12 faster than 14+10 at 24 SMs (twice, 2026-11-22).
-    Combine splits it 3:1 between partial senders (they read ~2.2 rows and write one partial per
-    record) and home reducers (18+6 was fastest at 24 SMs).  `epcc tune` rewrites both."""
+    """From the plan: the push step's SM budget (24 when it gives none), every block sending
+    first and then replicating (dispatch), reducing records first and then summing partials
+    (combine): no dedicated replicators or reducers.  `epcc tune` also tries dedicated ones."""
     push = next((s for s in _steps(plan, "dispatch") if s.verb == "send"), None)
-    sms = max(2, push.sms if push and push.sms else 24)
-    csend = max(1, (3 * sms + 3) // 4)
-    return DirectConfig(send_blocks=sms - sms // 2, recv_blocks=max(1, sms // 2), warps=MAX_WARPS,
-                        combine_send_blocks=min(csend, sms - 1), combine_reduce_blocks=max(1, sms - csend))
+    sms = max(1, push.sms if push and push.sms else 24)
+    return DirectConfig(send_blocks=sms, recv_blocks=0, warps=MAX_WARPS, combine_send_blocks=sms,
+                        combine_reduce_blocks=0)
 
 
 def row_parts(plan: Plan) -> tuple[int, int]:
@@ -262,13 +258,13 @@ def describe_steps(plan: Plan) -> list[dict]:
             low = (f"meta_count_kernel (+ meta_finish_kernel above one chunk; up to {META_CHUNK} tokens dispatch_kernel's "
                    "block 0): counts and ranks on the GPU, exchanged through peer memory")
         elif s.program == "dispatch" and s.verb == "send":
-            low = "dispatch_kernel sender warps (one row store per destination GPU) + receiver warps (replication)"
+            low = "dispatch_kernel: warps send (one row store per destination GPU), then replicate received rows"
         elif s.program == "dispatch":
             low = "dispatch_kernel senders with this rank as destination (local permute)"
         elif s.link_kind == "p2p":
-            low = "combine_kernel: weighted partial per (token, GPU) into the home GPU's staging"
+            low = "combine_kernel: weighted partial per (token, GPU) into the home GPU's staging (first)"
         else:
-            low = "combine_kernel: home-side sum of the partials (own partial included)"
+            low = "combine_kernel: home-side sum of the partials (own partial included; every warp, after its partials)"
         out.append({"program": s.program, "name": s.name, "line": s.line, "title": s.title, "lowered": low})
     return out
 

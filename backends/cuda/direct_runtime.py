@@ -91,17 +91,21 @@ def timeline_summary(raw, cfg, blocks: int, words: int) -> dict:
     """The direct kernels' role timeline from their %globaltimer stamps (`raw`: the flat
     [2][blocks][words] u64 buffer after one stamped dispatch + combine; `cfg`: the DirectConfig
     they ran with), in role_timeline's shape: per kernel and role, ms from the kernel's first block
-    start to the role's first block start, its median and its last warp end.  Stamps that are 0
-    were never written (a block or warp that did not run)."""
+    start to the role's first block start, its median and its last warp end.  A warp's end is
+    the end of all its work (a sender's includes the replication it did after sending).  Roles
+    with no blocks (no dedicated replicators or home reducers: the default) are left out.  Stamps
+    that are 0 were never written (a block or warp that did not run)."""
     st = np.asarray(raw, dtype=np.int64).reshape(2, blocks, words)
-    roles = {"dispatch": (("send", cfg.send_blocks), ("recv", cfg.recv_blocks), cfg.warps),
-             "combine": (("partial", cfg.combine_send_blocks), ("reduce", cfg.combine_reduce_blocks), words - 1)}
+    roles = {"dispatch": (("send+replicate", cfg.send_blocks), ("replicate", cfg.recv_blocks), cfg.warps),
+             "combine": (("partial+sum", cfg.combine_send_blocks), ("sum", cfg.combine_reduce_blocks), words - 1)}
     out = {}
     for k, (prog, (first, second, nwarps)) in enumerate(roles.items()):
         starts = st[k, :, 0]
         t0 = int(starts[starts > 0].min()) if (starts > 0).any() else 0
         rows, b0 = [], 0
         for name, nb in (first, second):
+            if nb == 0:
+                continue
             blk = st[k, b0:min(b0 + nb, blocks)]
             b0 += nb
             s0 = blk[:, 0][blk[:, 0] > 0]

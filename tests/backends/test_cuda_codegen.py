@@ -433,15 +433,15 @@ def test_direct_library_loads_and_matches_its_manifest(built, name):
     args = lib.Args()
     args.C, args.NSB, args.NR, args.W, args.NS, args.ND = 64, 1, 1, 0, 1, 1
     with pytest.raises(direct_runtime.DirectRuntimeError, match=r"^dispatch: bad launch configuration: 64 channels, "
-                                                                r"1 sender and 1 receiver blocks of 0 warps$"):
+                                                                r"1 sender and 1 replicator blocks of 0 warps$"):
         lib.dispatch(args, 0)
-    args.W = 1  # 4 ranks x 64 channels = 256 queues, one receiver warp polls 32
+    args.W, args.NR = 1, -1  # no replicator blocks is fine (the default), fewer than none is not
     with pytest.raises(direct_runtime.DirectRuntimeError, match=r"^dispatch: bad launch configuration: 64 channels, "
-                                                                r"1 sender and 1 receiver blocks of 1 warps$"):
+                                                                r"1 sender and -1 replicator blocks of 1 warps$"):
         lib.dispatch(args, 0)
     args.NS = 0
     with pytest.raises(direct_runtime.DirectRuntimeError,
-                       match=r"^combine: bad launch configuration: 0 partial and 1 home blocks$"):
+                       match=r"^combine: bad launch configuration: 0 partial and 1 home-only blocks$"):
         lib.combine(args, 0)
 
 

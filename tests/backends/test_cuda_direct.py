@@ -150,11 +150,11 @@ def test_default_config_passes_its_own_check():
         plan = plan_of(name, variant)
         cfg = direct.default_config(plan)
         cfg.check()
-        cfg.check_ranks(plan.num_ranks)
-        assert cfg.dispatch_sms == cfg.send_blocks + cfg.recv_blocks
-        C = cfg.channels(plan.num_ranks)
-        assert 1 <= C <= direct.MAX_CHANNELS
-        assert C * plan.num_ranks <= direct.QUEUES_PER_WARP * cfg.recv_blocks * cfg.warps  # one queue per lane
+        # no dedicated replicators or home reducers: every SM sends (reduces records) first
+        assert (cfg.recv_blocks, cfg.combine_reduce_blocks) == (0, 0)
+        push = next(s for s in plan.steps if s.program == "dispatch" and s.verb == "send")
+        assert cfg.dispatch_sms == cfg.send_blocks == cfg.combine_sms == (push.sms or 24)
+        assert 1 <= cfg.channels() <= direct.MAX_CHANNELS
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,10 +168,11 @@ def test_config_round_trip():
     cfg = DirectConfig.from_dict(dict(GOOD))
     cfg.check()
     assert (cfg.dispatch_sms, cfg.combine_sms) == (24, 24)
-    # 4 channels per sender warp (16 x 16 x 4 = 1024), unless the receivers cannot poll them all
-    assert (cfg.channels(2), cfg.channels(4), cfg.channels(8)) == (1024, 1024, 512)
-    # never more channels than tokens (an empty one still costs a take and a polled queue), at least one
-    assert (cfg.channels(4, 4096), cfg.channels(4, 128), cfg.channels(4, 1), cfg.channels(4, 0)) == (1024, 128, 1, 1)
+    # 4 channels per sender warp, at most MAX_CHANNELS (16 x 16 x 4 = 1024; 2 x 16 x 4 = 128)
+    assert cfg.channels() == 1024
+    assert DirectConfig.from_dict({**GOOD, "send_blocks": 2}).channels() == 128
+    # never more channels than tokens (an empty one still costs a take and a queue), at least one
+    assert (cfg.channels(4096), cfg.channels(128), cfg.channels(1), cfg.channels(0)) == (1024, 128, 1, 1)
 
 
 def test_config_unknown_and_missing_keys_are_named():
@@ -187,22 +188,24 @@ def test_config_unknown_and_missing_keys_are_named():
 @pytest.mark.parametrize("value", [0, -3, "8", 2.5, None])
 def test_config_values_must_be_positive_integers(key, value):
     cfg = DirectConfig.from_dict({**GOOD, key: value})
-    with pytest.raises(DirectError, match=rf"^config: {key} must be a positive integer, got {re.escape(repr(value))}$"):
+    if key in ("recv_blocks", "combine_reduce_blocks"):  # dedicated replicators / home reducers: none is fine
+        if value == 0:
+            cfg.check()
+            return
+        want = "a whole number >= 0"
+    else:
+        want = "a positive integer"
+    with pytest.raises(DirectError, match=rf"^config: {key} must be {want}, got {re.escape(repr(value))}$"):
         cfg.check()
 
 
 def test_config_limits_name_the_key():
-    big = direct.MAX_CHANNELS // 16 + 1
-    with pytest.raises(DirectError, match=rf"^config: send_blocks x warps is {big * 16}, at most "
-                                          rf"{direct.MAX_CHANNELS}$"):
-        DirectConfig.from_dict({**GOOD, "send_blocks": big}).check()
+    # more sender warps than channels is fine: a warp with no channel goes straight to replicating
+    many = DirectConfig.from_dict({**GOOD, "send_blocks": 96, "recv_blocks": 0})
+    many.check()
+    assert many.channels() == direct.MAX_CHANNELS
     with pytest.raises(DirectError, match=rf"^config: warps must lie in \[1, {direct.MAX_WARPS}\], got 17$"):
         DirectConfig.from_dict({**GOOD, "warps": 17}).check()
-    # a receiver warp polls one (source, channel) queue per lane
-    DirectConfig.from_dict({**GOOD, "recv_blocks": 1, "warps": 1}).check_ranks(32)
-    with pytest.raises(DirectError, match=r"^config: 1 recv_blocks of 1 warps cannot poll the queues of 33 ranks "
-                                          r"\(a receiver warp polls at most 32\)$"):
-        DirectConfig.from_dict({**GOOD, "recv_blocks": 1, "warps": 1}).check_ranks(33)
     assert issubclass(DirectError, ValueError)
 
 
@@ -279,9 +282,14 @@ def test_timeline_summary_reads_roles_by_block_and_warp():
     put(1, 0, 20 * ms, 21 * ms, 22 * ms, *([21 * ms] * (W - 3)))  # combine: 16 warps per block
     tl = timeline_summary(raw, cfg, B, W)
     send, recv = tl["dispatch"]["roles"]
-    assert (send["step"], send["start_ms"], send["median_end_ms"], send["end_ms"]) == ("send", 0.0, 3.0, 4.0)
-    assert (recv["step"], recv["start_ms"], recv["end_ms"]) == ("recv", 0.0, 5.0)
+    assert (send["step"], send["start_ms"], send["median_end_ms"], send["end_ms"]) == ("send+replicate", 0.0, 3.0, 4.0)
+    assert (recv["step"], recv["start_ms"], recv["end_ms"]) == ("replicate", 0.0, 5.0)
     assert tl["dispatch"]["end_ms"] == 5.0
     part, home = tl["combine"]["roles"]
     assert (part["start_ms"], part["end_ms"]) == (0.0, 2.0)
-    assert home == {"step": "reduce", "start_ms": None, "median_end_ms": None, "end_ms": None}  # never ran
+    assert home == {"step": "sum", "start_ms": None, "median_end_ms": None, "end_ms": None}  # never ran
+    # the default has no dedicated replicators or home reducers: those roles are left out
+    one = timeline_summary(raw, DirectConfig(send_blocks=3, recv_blocks=0, warps=2, combine_send_blocks=2,
+                                             combine_reduce_blocks=0), B, W)
+    assert [r["step"] for r in one["dispatch"]["roles"]] == ["send+replicate"]
+    assert one["dispatch"]["end_ms"] == 5.0 and [r["step"] for r in one["combine"]["roles"]] == ["partial+sum"]

@@ -4,10 +4,10 @@
 //
 // Plan steps lowered here:
 //   dispatch step 'meta' (schedules/h200x4.sched:49): counts per rank and expert -> meta_count_kernel (+ meta_finish_kernel above one chunk; up to 256 tokens dispatch_kernel's block 0): counts and ranks on the GPU, exchanged through peer memory
-//   dispatch step 'push' (schedules/h200x4.sched:50): send each token once to every peer that needs it -> dispatch_kernel sender warps (one row store per destination GPU) + receiver warps (replication)
+//   dispatch step 'push' (schedules/h200x4.sched:50): send each token once to every peer that needs it -> dispatch_kernel: warps send (one row store per destination GPU), then replicate received rows
 //   dispatch step 'keep' (schedules/h200x4.sched:52): own tokens to local experts -> dispatch_kernel senders with this rank as destination (local permute)
-//   combine step 'keep' (schedules/h200x4.sched:52): own tokens to local experts -> combine_kernel: home-side sum of the partials (own partial included)
-//   combine step 'push' (schedules/h200x4.sched:50): send each token once to every peer that needs it -> combine_kernel: weighted partial per (token, GPU) into the home GPU's staging
+//   combine step 'keep' (schedules/h200x4.sched:52): own tokens to local experts -> combine_kernel: home-side sum of the partials (own partial included; every warp, after its partials)
+//   combine step 'push' (schedules/h200x4.sched:50): send each token once to every peer that needs it -> combine_kernel: weighted partial per (token, GPU) into the home GPU's staging (first)
 //
 // Kernels (one stream, in this order; every cross-GPU wait is bounded, see wait_geq):
 //   meta_count_kernel, meta_finish_kernel (the latter only with more than MC tokens; neither up
@@ -16,19 +16,22 @@
 //                    routing -> per-expert ranks and counts, per-destination dedup indices and
 //                    channel ranges; counts and ranges written into every peer's meta area, then
 //                    one release flag per peer (no host round trip).
-//   dispatch_kernel  cooperative, W warps per block: blocks [0, NSB) are senders, whose warps take
-//                    channels (contiguous token ranges; the first one per warp spread over the
-//                    SMs, see slot_of); blocks [NSB, NSB + NR) receivers.  A
-//                    sender warp loads each token row once and stores it once per destination GPU,
-//                    into that GPU's expert-major output at the row of the token's first expert
-//                    there (permute fused, one copy per (token, GPU) on NVLink; into every row of
-//                    its experts on its own GPU), with the weights of every (token, expert) row and
-//                    a record {token, n, rows} per (token, GPU).  Receiver warps replicate a
-//                    record's first row into its other rows (a token that picked several experts
-//                    of the GPU) as the records' tails advance.
-//   combine_kernel   cooperative: blocks [0, NS) reduce each received record (its rows weighted,
-//                    fp32) into one bf16 partial and store it into the home GPU's staging area;
-//                    blocks [NS, NS + ND) sum the partials of each home token in fp32, write bf16.
+//   dispatch_kernel  cooperative, W warps per block: the warps of blocks [0, NSB) take channels
+//                    (contiguous token ranges; the first one per warp spread over the SMs, see
+//                    slot_of) and send them: a warp loads each token row once and stores it once
+//                    per destination GPU, into that GPU's expert-major output at the row of the
+//                    token's first expert there (permute fused, one copy per (token, GPU) on
+//                    NVLink; into every row of its experts on its own GPU), with the weights of
+//                    every (token, expert) row and a record {token, n, rows} per (token, GPU).
+//                    Then every warp (blocks [NSB, NSB + NR) from the start; NR is usually 0)
+//                    replicates the peers' records' first rows into their other rows (a token
+//                    that picked several experts of this GPU) as the records' tails advance.
+//   combine_kernel   cooperative: the warps of blocks [0, NS) reduce each received record (its
+//                    rows weighted, fp32) into one bf16 partial and store it into the home GPU's
+//                    staging area; then every warp (blocks [NS, NS + ND) from the start) sums
+//                    the partials of home tokens in fp32 and writes bf16.
+// No SM waits for a role it was not given: one SM writes ~46 GB/s by any path (sm_probe), so a
+// fixed split between sending and replicating (or partials and sums) left one side idle.
 // Rows move by 16-byte warp loads and stores (bench/sm_probe.cu measured why: not bulk copies).
 // Epochs live in device memory (CUDA-graph capturable): a kernel's last block advances them.
 #include <cstdint>
@@ -84,7 +87,7 @@ struct State {                       // OFF_STATE, this rank only
   unsigned long long disp_epoch;     // dispatches finished (the next one is disp_epoch + 1)
   unsigned long long comb_epoch;
   unsigned int meta_done, disp_done, comb_done, pad0;
-  unsigned int send_next, part_next, home_next, pad1;  // work counters: channels / queues taken so far
+  unsigned int send_next, recv_next, part_next, home_next;  // work counters: items taken beyond the first per slot
   int last_T, last_C, last_align;
   int bad_token;                     // first token whose top-k names an expert out of range or twice, else -1
   int recv_count[EPR];               // rows received per local expert (unpadded)
@@ -100,13 +103,13 @@ struct ErrorRecord {                 // host-mapped; the first failing thread fi
 
 struct Args {                        // mirrors direct_runtime.py's ctypes structure: all 64-bit
   unsigned long long base[R];        // every rank's peer region (own included)
-  long long me, T, C, NR, W, align;  // C channels = sender blocks x W warps; NR receiver blocks
+  long long me, T, C, NR, W, align;  // C channels; NR replicator blocks (besides the NSB senders)
   unsigned long long timeout_ns;
   unsigned long long err;            // ErrorRecord*, device view of host-mapped memory
   unsigned long long x, scales, topk_idx, topk_w;
   long long idx_int32, has_weights;
   unsigned long long y, out;
-  long long NS, ND;
+  long long NS, ND;                  // combine: partial blocks, home-only blocks (both sum partials)
   unsigned long long timeline;       // 0, or [2][TL_BLOCKS][TL_WORDS] u64 %globaltimer stamps (see stamp)
   long long NSB;                     // dispatch sender blocks
 };
@@ -634,50 +637,33 @@ __device__ void dispatch_send(const Args& a, const DispatchShared& sh, unsigned 
     dispatch_channel(a, sh, c, e);
 }
 
-// Receiver warp in slot k of NRW (slot_of: consecutive slots on different SMs): the queues of the
-// (R - 1) x C (source, channel) pairs with a peer as source, j = k, k + NRW, ... (at most 32, lane
-// i holds the i-th; j = c x (R - 1) + the source's index among the peers); whenever a source
-// publishes more records, the warp copies each record's first row into its other rows.  This
-// rank's own channels have no queue: their senders wrote every row.
-__device__ void dispatch_recv(const Args& a, int k, int NRW, unsigned long long e, int p) {
+// Replication: the (R - 1) x C queues j = c x (R - 1) + the source's index among the peers
+// (channel-major, the order the peers' senders fill them).  Every warp of the kernel replicates:
+// a sender block's warps once no channel is left to send, a replicator block's (NR, usually 0)
+// from the start, so no SM idles while another still has rows to write (one SM writes ~46 GB/s:
+// a fixed sender/receiver split leaves one side waiting on the other).  Warp slot k, counted
+// from the last slot (slot_of: spread over the SMs, and away from the first senders), takes queue
+// k first, then the counter hands out the rest.  Per queue the warp copies each record's first row
+// into its other rows as the source's tail advances (bounded wait).  This rank's own channels
+// have no queue: their senders wrote every row.
+__device__ void dispatch_replicate(const Args& a, unsigned long long e, int p) {
   const int me = (int)a.me, C = (int)a.C, lane = threadIdx.x & 31;
+  const int slots = (int)gridDim.x * (int)(blockDim.x >> 5);
   char* my = region(a, me);
   const int* chan = meta_chan(a, me, p);
   constexpr int PEERS = R > 1 ? R - 1 : 1;
-  const int j = k + lane * NRW, c = j / PEERS, s = j % PEERS < me ? j % PEERS : j % PEERS + 1;
-  int start = 0, count = 0, done = 0;
-  if (R > 1 && c < C) {
-    start = ld_volatile(chan + (s * CMAX + c) * 2);
-    count = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
-  }
-  unsigned long long idle_since = now_ns();
-  for (;;) {
-    int avail = done;
-    if (done < count) {
-      const unsigned long long v = ld_acquire_sys(dtail(a, me, s, c));  // (epoch << 32) | records
-      if (v >= (e << 32)) avail = (int)(v & 0xffffffffULL);
-    }
-    const unsigned left = __ballot_sync(~0u, done < count);
-    if (!left) break;
-    unsigned ready = __ballot_sync(~0u, avail > done);
-    if (!ready) {
-      const unsigned long long dt = now_ns() - idle_since;
-      if (dt > a.timeout_ns) {
-        const int l = __ffs(left) - 1;
-        const int qs = __shfl_sync(~0u, s, l), qc = __shfl_sync(~0u, c, l), qd = __shfl_sync(~0u, done, l);
-        if (lane == 0)
-          fail(a, WHERE_RECV_TAIL, qs, qc, ld_acquire_sys(dtail(a, me, qs, qc)),
-               (e << 32) | (unsigned long long)(qd + 1), dt);
-      }
-      continue;
-    }
-    for (; ready; ready &= ready - 1) {
-      const int l = __ffs(ready) - 1;
-      const int qs = __shfl_sync(~0u, s, l), r0 = __shfl_sync(~0u, start + done, l);
-      const int r1 = __shfl_sync(~0u, start + avail, l);
-      int cur = lane < RI ? __ldcg(record(a, me, qs, r0) + lane) : 0;  // lane k: int k of the record
-      for (int r = r0; r < r1; ++r) {
-        const int nxt = (r + 1 < r1 && lane < RI) ? __ldcg(record(a, me, qs, r + 1) + lane) : 0;
+  const int Q = (R - 1) * C;
+  for (int j = slots - 1 - slot_of((int)blockIdx.x, (int)gridDim.x, threadIdx.x >> 5); j < Q;
+       j = take(&state(a)->recv_next, slots, lane)) {
+    const int c = j / PEERS, s = j % PEERS < me ? j % PEERS : j % PEERS + 1;
+    const int start = ld_volatile(chan + (s * CMAX + c) * 2), count = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
+    for (int done = 0; done < count;) {
+      const unsigned long long v =
+          wait_geq(a, dtail(a, me, s, c), (e << 32) | (unsigned long long)(done + 1), WHERE_RECV_TAIL, s, c);
+      const int avail = min(count, (int)(v & 0xffffffffULL));
+      int cur = lane < RI ? __ldcg(record(a, me, s, start + done) + lane) : 0;  // lane k: int k of the record
+      for (int r = start + done; r < start + avail; ++r) {
+        const int nxt = (r + 1 < start + avail && lane < RI) ? __ldcg(record(a, me, s, r + 1) + lane) : 0;
         const int rec_l = cur;
         cur = nxt;
         const int n = __shfl_sync(~0u, rec_l, 1);
@@ -697,9 +683,8 @@ __device__ void dispatch_recv(const Args& a, int k, int NRW, unsigned long long 
           copy_row<SV, KL, false>(reinterpret_cast<const uint4*>(my + OFF_RECV_S + (long long)first * SB), sdst, n - 1,
                                   lane);
       }
+      done = avail;
     }
-    if (avail > done) done = avail;
-    idle_since = now_ns();
   }
 }
 
@@ -709,7 +694,7 @@ __global__ void __launch_bounds__(DTHREADS, 1) dispatch_kernel(const Args a) {
     DispatchShared disp;
   } smem;
   DispatchShared& sh = smem.disp;
-  const int me = (int)a.me, W = (int)blockDim.x / 32, warp = threadIdx.x >> 5;
+  const int me = (int)a.me, warp = threadIdx.x >> 5;
   State* st = state(a);
   const unsigned long long e = st->disp_epoch + 1;
   const int p = (int)(e & 1);
@@ -721,9 +706,8 @@ __global__ void __launch_bounds__(DTHREADS, 1) dispatch_kernel(const Args a) {
   if ((int)blockIdx.x < SBK) {
     dispatch_offsets(a, sh, p);
     dispatch_send(a, sh, e);
-  } else {
-    dispatch_recv(a, slot_of((int)blockIdx.x - SBK, (int)a.NR, warp), (int)a.NR * W, e, p);
   }
+  dispatch_replicate(a, e, p);
   if ((threadIdx.x & 31) == 0) stamp(a, 0, 1 + warp);
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -732,6 +716,7 @@ __global__ void __launch_bounds__(DTHREADS, 1) dispatch_kernel(const Args a) {
     if (prev == gridDim.x - 1) {
       st->disp_done = 0;
       st->send_next = 0;
+      st->recv_next = 0;
       st->last_T = (int)a.T;
       st->last_C = (int)a.C;
       st->last_align = (int)a.align;
@@ -743,13 +728,14 @@ __global__ void __launch_bounds__(DTHREADS, 1) dispatch_kernel(const Args a) {
 
 // =============================================================================================
 // combine_kernel: step 'push' (schedules/h200x4.sched:50) and 'keep'
-// Expert side (blocks [0, NS)): warps take the (channel, source) queues q = c * R + s (slot_of, then in order)
-//   (channel-major, so every home rank gets its early channels first); per record a warp reduces the
-//   record's rows, weighted, in fp32 (row order), stores one bf16 partial into the home rank's
-//   staging row of the token, and publishes the queue's progress every CB records (release, sys).
-// Home side (blocks [NS, NS + ND)): warps take channels (slot_of, then in order); per token lane d
-//   waits for rank d's partial (bounded), then the warp sums the partials in rank order, fp32,
-//   and writes the bf16 result.
+// Expert side (the warps of blocks [0, NS)): take the (channel, source) queues q = c * R + s
+//   (slot_of, then in order; channel-major, so every home rank gets its early channels first); per
+//   record a warp reduces the record's rows, weighted, in fp32 (row order), stores one bf16
+//   partial into the home rank's staging row of the token, and publishes the queue's progress
+//   every CB records (release, sys).
+// Home side (every warp, once no queue is left; blocks [NS, NS + ND) from the start): take
+//   channels (slot_of counted from the last slot, then in order); per token lane d waits for rank
+//   d's partial (bounded), then the warp sums the partials in rank order, fp32, and writes bf16.
 // =============================================================================================
 __device__ __forceinline__ void bf16x8_fma(float (&acc)[8], const uint4 v, float w) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
@@ -801,7 +787,7 @@ __device__ __forceinline__ void reduce_rows(const uint4* const (&src)[NMAX], con
 __device__ __forceinline__ void reduce_expert(int n, const uint4* const (&src)[KL], const float (&w)[KL],
                                               uint4* dst, int lane) {
   switch (n) {
-    case 1: reduce_rows<1, KL, true, 8>(src, w, dst, lane); break;
+    case 1: reduce_rows<1, KL, true, 6>(src, w, dst, lane); break;
     case 2: reduce_rows<2, KL, true, 4>(src, w, dst, lane); break;
     case 3: reduce_rows<3, KL, true, 2>(src, w, dst, lane); break;
     case 4: reduce_rows<4, KL, true, 1>(src, w, dst, lane); break;
@@ -823,80 +809,92 @@ __device__ __forceinline__ void reduce_home(int n, const uint4* const (&src)[R],
   }
 }
 
-__global__ void __launch_bounds__(CTHREADS, 1) combine_kernel(const Args a) {
-  const int me = (int)a.me, NS = (int)a.NS;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+// The expert side of one warp (blocks [0, NS)): its records' partials, queue by queue.
+__device__ void combine_partials(const Args& a, unsigned long long ce, int p, int C) {
+  const int me = (int)a.me, NS = (int)a.NS, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   State* st = state(a);
-  const unsigned long long ce = st->comb_epoch + 1;
-  const unsigned long long e = st->disp_epoch;
-  const int p = (int)(e & 1), T = st->last_T, C = st->last_C;
-  char* my = region(a, me);
   const uint4* y = reinterpret_cast<const uint4*>(a.y);
-  if (threadIdx.x == 0) stamp(a, 1, 0);
-  if ((int)blockIdx.x < NS) {
-    const int* chan = meta_chan(a, me, p);
-    const float* rw = reinterpret_cast<const float*>(my + OFF_RECV_W);
-    const int slots = NS * (CTHREADS / 32);
-    for (int q = slot_of((int)blockIdx.x, NS, warp); q < R * C; q = take(&st->part_next, slots, lane)) {
-      const int c = q / R, s = q % R;
-      const int start = ld_volatile(chan + (s * CMAX + c) * 2), count = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
-      uint4* stage_s = reinterpret_cast<uint4*>(region(a, s) + OFF_CSTAGE) + (long long)me * TMAX * HV;
-      int cur = (count > 0 && lane < RI) ? record(a, me, s, start)[lane] : 0;  // lane k: int k of the record
-      for (int r = 0; r < count; ++r) {
-        const int rec_l = cur;
-        cur = (r + 1 < count && lane < RI) ? record(a, me, s, start + r + 1)[lane] : 0;
-        const int t = __shfl_sync(~0u, rec_l, 0), n = __shfl_sync(~0u, rec_l, 1);
-        const int row_l = __shfl_sync(~0u, rec_l, (2 + lane) & 31);
-        const float w_l = lane < n ? rw[row_l] : 0.f;
-        const uint4* src[KL];
-        float w[KL];
+  const int* chan = meta_chan(a, me, p);
+  const float* rw = reinterpret_cast<const float*>(region(a, me) + OFF_RECV_W);
+  const int slots = NS * (CTHREADS / 32);
+  for (int q = slot_of((int)blockIdx.x, NS, warp); q < R * C; q = take(&st->part_next, slots, lane)) {
+    const int c = q / R, s = q % R;
+    const int start = ld_volatile(chan + (s * CMAX + c) * 2), count = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
+    uint4* stage_s = reinterpret_cast<uint4*>(region(a, s) + OFF_CSTAGE) + (long long)me * TMAX * HV;
+    int cur = (count > 0 && lane < RI) ? record(a, me, s, start)[lane] : 0;  // lane k: int k of the record
+    for (int r = 0; r < count; ++r) {
+      const int rec_l = cur;
+      cur = (r + 1 < count && lane < RI) ? record(a, me, s, start + r + 1)[lane] : 0;
+      const int t = __shfl_sync(~0u, rec_l, 0), n = __shfl_sync(~0u, rec_l, 1);
+      const int row_l = __shfl_sync(~0u, rec_l, (2 + lane) & 31);
+      const float w_l = lane < n ? rw[row_l] : 0.f;
+      const uint4* src[KL];
+      float w[KL];
 #pragma unroll
-        for (int k = 0; k < KL; ++k) {
-          src[k] = y + (long long)__shfl_sync(~0u, row_l, k) * HV;
-          w[k] = __shfl_sync(~0u, w_l, k);
-        }
-        reduce_expert(n, src, w, stage_s + (long long)t * HV, lane);
-        if ((r + 1) % CB == 0 || r + 1 == count) {
-          __syncwarp();
-          if (lane == 0) st_release_sys(ctail(a, s, me, c), (ce << 32) | (unsigned long long)(r + 1));
-        }
+      for (int k = 0; k < KL; ++k) {
+        src[k] = y + (long long)__shfl_sync(~0u, row_l, k) * HV;
+        w[k] = __shfl_sync(~0u, w_l, k);
       }
-    }
-  } else {
-    const int* dedup = reinterpret_cast<const int*>(my + OFF_DEDUP);
-    const int* mych = reinterpret_cast<const int*>(my + OFF_MYCHAN);
-    const uint4* stage = reinterpret_cast<const uint4*>(my + OFF_CSTAGE);
-    uint4* out = reinterpret_cast<uint4*>(a.out);
-    const int Tc = tokens_per_channel(T, C);
-    const int ND = (int)a.ND, slots = ND * (CTHREADS / 32);
-    for (int c = slot_of((int)blockIdx.x - NS, ND, warp); c < C; c = take(&st->home_next, slots, lane)) {
-      const int t0 = c * Tc, t1 = min(T, t0 + Tc);
-      const int base_l = lane < R ? mych[c * R + lane] : 0;
-      for (int t = t0; t < t1; ++t) {
-        const int di = lane < R ? dedup[t * R + lane] : -1;
-        if (di >= 0)
-          wait_geq(a, ctail(a, me, lane, c), (ce << 32) | (unsigned long long)(di - base_l + 1), WHERE_COMBINE_TAIL,
-                   lane, c);
-        const unsigned m = __ballot_sync(~0u, di >= 0);
-        const uint4* src[R];
-        float w[R];
-        int n = 0;
-#pragma unroll
-        for (int d = 0; d < R; ++d) {
-          src[d] = stage;
-          w[d] = 1.f;
-        }
-#pragma unroll
-        for (int d = 0; d < R; ++d)
-          if (m & (1u << d)) put_at(src, n++, stage + ((long long)d * TMAX + t) * HV);
-        if (n == 0) {
-          for (int v = lane; v < HV; v += 32) out[(long long)t * HV + v] = make_uint4(0, 0, 0, 0);
-        } else {
-          reduce_home(n, src, w, out + (long long)t * HV, lane);
-        }
+      reduce_expert(n, src, w, stage_s + (long long)t * HV, lane);
+      if ((r + 1) % CB == 0 || r + 1 == count) {
+        __syncwarp();
+        if (lane == 0) st_release_sys(ctail(a, s, me, c), (ce << 32) | (unsigned long long)(r + 1));
       }
     }
   }
+}
+
+// The home side of one warp (every block, after its partials): the sums of its channels' tokens.
+// Reads the epoch and the batch from State again rather than keeping them live through the
+// partials' loop (one register more there spills; they do not change during the kernel).
+__device__ void combine_sums(const Args& a) {
+  const int me = (int)a.me, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  State* st = state(a);
+  const unsigned long long ce = st->comb_epoch + 1;
+  const int T = st->last_T, C = st->last_C;
+  const char* my = region(a, me);
+  const int* dedup = reinterpret_cast<const int*>(my + OFF_DEDUP);
+  const int* mych = reinterpret_cast<const int*>(my + OFF_MYCHAN);
+  const uint4* stage = reinterpret_cast<const uint4*>(my + OFF_CSTAGE);
+  uint4* out = reinterpret_cast<uint4*>(a.out);
+  const int Tc = tokens_per_channel(T, C);
+  const int slots = (int)gridDim.x * (CTHREADS / 32);
+  for (int c = slots - 1 - slot_of((int)blockIdx.x, (int)gridDim.x, warp); c < C; c = take(&st->home_next, slots, lane)) {
+    const int t0 = c * Tc, t1 = min(T, t0 + Tc);
+    const int base_l = lane < R ? mych[c * R + lane] : 0;
+    for (int t = t0; t < t1; ++t) {
+      const int di = lane < R ? dedup[t * R + lane] : -1;
+      if (di >= 0)
+        wait_geq(a, ctail(a, me, lane, c), (ce << 32) | (unsigned long long)(di - base_l + 1), WHERE_COMBINE_TAIL,
+                 lane, c);
+      const unsigned m = __ballot_sync(~0u, di >= 0);
+      const uint4* src[R];
+      float w[R];
+      int n = 0;
+#pragma unroll
+      for (int d = 0; d < R; ++d) {
+        src[d] = stage;
+        w[d] = 1.f;
+      }
+#pragma unroll
+      for (int d = 0; d < R; ++d)
+        if (m & (1u << d)) put_at(src, n++, stage + ((long long)d * TMAX + t) * HV);
+      if (n == 0) {
+        for (int v = lane; v < HV; v += 32) out[(long long)t * HV + v] = make_uint4(0, 0, 0, 0);
+      } else {
+        reduce_home(n, src, w, out + (long long)t * HV, lane);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(CTHREADS, 1) combine_kernel(const Args a) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  State* st = state(a);
+  const unsigned long long ce = st->comb_epoch + 1;
+  if (threadIdx.x == 0) stamp(a, 1, 0);
+  if ((int)blockIdx.x < (int)a.NS) combine_partials(a, ce, (int)(st->disp_epoch & 1), st->last_C);
+  combine_sums(a);
   if (lane == 0) stamp(a, 1, 1 + warp);
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -1020,10 +1018,9 @@ int epcc_direct_dispatch(const void* args, unsigned long long stream) {
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   // checked before anything is launched: metadata flags raised at the peers with no dispatch kernel
   // behind them would leave the peers waiting
-  if (a->W < 1 || a->W > DTHREADS / 32 || a->C < 1 || a->C > CMAX || a->NSB < 1 || a->NR < 1 ||
-      R * a->C > 32 * a->NR * a->W) {
+  if (a->W < 1 || a->W > DTHREADS / 32 || a->C < 1 || a->C > CMAX || a->NSB < 1 || a->NR < 0) {
     snprintf(g_error, sizeof g_error, "bad launch configuration: %lld channels, %lld sender and %lld "
-             "receiver blocks of %lld warps", a->C, a->NSB, a->NR, a->W);
+             "replicator blocks of %lld warps", a->C, a->NSB, a->NR, a->W);
     return 2;
   }
   cudaError_t err;
@@ -1044,8 +1041,8 @@ int epcc_direct_dispatch(const void* args, unsigned long long stream) {
 int epcc_direct_combine(const void* args, unsigned long long stream) {
   const Args* a = static_cast<const Args*>(args);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (a->NS < 1 || a->ND < 1) {
-    snprintf(g_error, sizeof g_error, "bad launch configuration: %lld partial and %lld home blocks", a->NS, a->ND);
+  if (a->NS < 1 || a->ND < 0) {
+    snprintf(g_error, sizeof g_error, "bad launch configuration: %lld partial and %lld home-only blocks", a->NS, a->ND);
     return 2;
   }
   cudaError_t err = launch(reinterpret_cast<const void*>(combine_kernel), (int)(a->NS + a->ND), CTHREADS, 0, true,
