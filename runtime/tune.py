@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     cfg.check()
                 except DirectError:
-                    continue  # e.g. more sender warps than channels
+                    continue  # a configuration the kernels refuse (split() and --warps keep to their bounds)
                 if ("dispatch", cfg) not in trials:
                     trials.append(("dispatch", cfg))
     for sms in sms_list:

@@ -186,7 +186,7 @@ def test_config_unknown_and_missing_keys_are_named():
 
 @pytest.mark.parametrize("key", list(GOOD))
 @pytest.mark.parametrize("value", [0, -3, "8", 2.5, None])
-def test_config_values_must_be_positive_integers(key, value):
+def test_config_values_are_checked_with_the_key_named(key, value):
     cfg = DirectConfig.from_dict({**GOOD, key: value})
     if key in ("recv_blocks", "combine_reduce_blocks"):  # dedicated replicators / home reducers: none is fine
         if value == 0:

@@ -118,3 +118,15 @@ def test_tune_option_errors_are_named_before_any_gpu_work(argv, text):
     with pytest.raises(SystemExit) as e:
         tune.main(["some/bundle", *argv])
     assert str(e.value) == text
+
+
+def test_tune_splits_cover_every_sm_with_at_least_one_sender():
+    from epcc.runtime import tune
+
+    assert tune.SPLITS[0] == (1, 0)  # the default shape first: every block sends, none only replicates
+    for sms in range(2, 133):
+        got = [tune.split(sms, r) for r in tune.SPLITS]
+        assert got[0] == (sms, 0)
+        for s, r in got[1:]:
+            assert s + r == sms and s >= 1 and r >= 1, (sms, s, r)
+    assert [tune.split(24, r) for r in tune.SPLITS] == [(24, 0), (18, 6), (16, 8), (14, 10), (12, 12)]
