@@ -47,6 +47,11 @@ class Flow:
     # Time the flow is not done after its last byte moved, besides latency: an RDMA channel's last
     # chunk, staged and applied by one SM each (set by the simulator's SM terms, sim/sm_terms.py).
     tail_s: float = 0.0
+    # What one byte of the flow costs on each of its resources, in the resource's own bytes (same
+    # length as `resources`, each resource listed once; empty: 1 on every resource).  A pool of SMs
+    # charged per byte written, read and reduced (sim/direct.py) is one resource with a weight per
+    # flow; links carry a flow's bytes as they are.
+    weights: tuple[float, ...] = ()
 
 
 @dataclass
@@ -173,7 +178,7 @@ class Plan:
         d: dict[str, Any] = json.loads(text)
         steps = []
         for s in d.pop("steps"):
-            flows = [Flow(**{**f, "resources": tuple(f["resources"]),
+            flows = [Flow(**{**f, "resources": tuple(f["resources"]), "weights": tuple(f.get("weights", ())),
                              "select": None if f.get("select") is None else tuple(f["select"])})
                      for f in s.pop("flows")]
             for k in ("deps", "pipelined_deps", "src_buffers"):

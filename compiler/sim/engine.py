@@ -1,9 +1,11 @@
 """The fluid discrete-event simulator over a :class:`~epcc.plan.Plan` (the model: sim/__init__.py).
 
 One :class:`_Engine` simulates one program's steps.  State is kept in numpy arrays indexed by
-flow; the flow/resource incidence is a list of (flow, resource) pairs.  Between two events every
-rate is constant, so the state advances exactly; at every event the rates are recomputed by
-progressive filling (max-min fairness) over the resources.
+flow; the flow/resource incidence is a list of (flow, resource, weight) triples: a flow moving at
+rate x takes weight x x of the resource (`Flow.weights`, 1 without them), and the weighted sum on a
+resource stays within its capacity.  Between two events every rate is constant, so the state
+advances exactly; at every event the rates are recomputed by progressive filling (max-min
+fairness: every unfrozen flow's rate rises together) over the resources.
 """
 
 from __future__ import annotations
@@ -86,9 +88,10 @@ class ResourceStat:
 
 class _Engine:
     def __init__(self, steps: list[PlanStep], resources: dict[str, float], opts: SimOptions,
-                 known_elsewhere: set[str] = frozenset()):
+                 known_elsewhere: set[str] = frozenset(), start_s: float = 0.0):
         self.steps = steps
         self.opts = opts
+        self.start_s = float(start_s)  # the program's first steps become ready then (kernel launches)
         ns = len(steps)
         self.index = {s.name: i for i, s in enumerate(steps)}
         if len(self.index) != ns:
@@ -133,13 +136,15 @@ class _Engine:
         self.res_names = names
         self.res_index = {r: i for i, r in enumerate(names)}
         self.cap = np.array([resources[r] for r in names], dtype=float)
-        pf, pr = [], []
-        for i, (_, f) in enumerate(fl):
-            for r in dict.fromkeys(f.resources):
+        pf, pr, pw = [], [], []
+        for i, (si, f) in enumerate(fl):
+            for r, w in _incidence(steps[si], f):
                 pf.append(i)
                 pr.append(self.res_index[r])
+                pw.append(w)
         self.inc_f = np.array(pf, dtype=np.int64)
         self.inc_r = np.array(pr, dtype=np.int64)
+        self.inc_w = np.array(pw, dtype=float)  # a flow's bytes per byte it moves, on that resource
         self.nr = len(names)
 
         self._f_state = None
@@ -282,7 +287,8 @@ class _Engine:
             level = 0.0  # the common rate of the unfrozen flows
             while unf.any():
                 m = unf[self.inc_f]
-                n_r = np.bincount(self.inc_r[m], minlength=self.nr)
+                # what one more byte/s for every unfrozen flow takes of each resource
+                n_r = np.bincount(self.inc_r[m], weights=self.inc_w[m], minlength=self.nr)
                 used = n_r > 0
                 # Each unfrozen flow has rate `level` so far: room left per resource.
                 share = np.full(self.nr, INF)
@@ -351,7 +357,7 @@ class _Engine:
     def run(self):
         ns = len(self.steps)
         nf = self.nf
-        t = 0.0
+        t = self.start_s
         step_state = np.zeros(ns, dtype=np.int8)  # 0 waiting, 1 ready, 2 done
         ready_t = np.full(ns, np.nan)
         start_t = np.full(ns, np.nan)
@@ -472,7 +478,7 @@ class _Engine:
             if dt > 0:
                 moved += rate * dt
                 if self.nr:
-                    rr = np.bincount(self.inc_r, weights=rate[self.inc_f], minlength=self.nr)
+                    rr = np.bincount(self.inc_r, weights=rate[self.inc_f] * self.inc_w, minlength=self.nr)
                     res_bytes += rr * dt
                     res_active[rr > 0] += dt
                 first = act & np.isnan(start_t[self.f_step])
@@ -515,7 +521,7 @@ class _Engine:
         self.ready_t, self.start_t, self.end_t = ready_t, start_t, end_t
         self.res_bytes, self.res_active = res_bytes, res_active
         self.events = events
-        self.trace_t = np.array([0.0] + trace_t)
+        self.trace_t = np.array([self.start_s] + trace_t)
         self.trace_m = np.vstack([np.zeros(ns)] + trace_m) if trace_m else np.zeros((1, ns))
         return self
 
@@ -539,6 +545,23 @@ class _Engine:
             t0, t1 = self.trace_t[j - 1], self.trace_t[j]
             out.append(float(t0 + (t1 - t0) * ((x - m0) / (m1 - m0) if m1 > m0 else 1.0)))
         return out
+
+
+def _incidence(s: PlanStep, f: Flow) -> list[tuple[str, float]]:
+    """(resource, weight) for every resource of a flow: its `weights`, or 1 each without them (a
+    resource listed twice then counts once).  A weighted flow lists each resource once, with a
+    positive, finite weight."""
+    if not f.weights:
+        return [(r, 1.0) for r in dict.fromkeys(f.resources)]
+    where = f"step '{s.program}.{s.name}', flow {f.src}->{f.dst} of rank {f.rank}"
+    if len(f.weights) != len(f.resources):
+        raise SimulationError(f"{where}: {len(f.weights)} weights for {len(f.resources)} resources")
+    if len(set(f.resources)) != len(f.resources):
+        raise SimulationError(f"{where}: a weighted flow lists a resource twice")
+    bad = [w for w in f.weights if not (math.isfinite(w) and w > 0)]
+    if bad:
+        raise SimulationError(f"{where}: weight {bad[0]}; weights must be positive and finite")
+    return list(zip(f.resources, (float(w) for w in f.weights)))
 
 
 def simulate_steps(steps: list[PlanStep], resources: dict[str, float], opts: SimOptions | None = None,

@@ -260,6 +260,75 @@ def test_dispatch_and_combine_are_reported_separately_and_together():
     assert r.total_s == pytest.approx(3.0) and r.serial_s == pytest.approx(3.0)
 
 
+# --------------------------------------------------------------------------- weights
+
+
+def wflow(nbytes, weights: dict, rank=0, src=0, dst=1) -> Flow:
+    return Flow(rank, src, dst, float(nbytes), tuple(weights), 0.0, weights=tuple(weights.values()))
+
+
+def test_a_weighted_flow_takes_weight_times_its_rate_of_the_resource():
+    # weight 2 on a 10 GB/s resource: 5 GB/s, 1 GB in 0.2 s, and the resource carried 2 GB
+    r = simulate(plan([step("a", [wflow(1 * GB, {"pool": 2.0})])], {"pool": 10 * GB}))
+    assert ends(r) == pytest.approx({"a": 0.2})
+    res = r.programs["dispatch"].resources["pool"]
+    assert res.bytes == pytest.approx(2 * GB) and res.work_s == pytest.approx(0.2)
+
+
+def test_weighted_flows_share_a_resource_at_equal_rates():
+    # weights 1 and 3 on 10 GB/s: both at 2.5 GB/s (1 x 2.5 + 3 x 2.5 = 10) until a's 1 GB is
+    # done at 0.4 s; b has moved 1 of its 2 GB and takes the rest at 10 / 3 GB/s: 0.3 s more
+    p = plan([step("a", [wflow(1 * GB, {"pool": 1.0})]), step("b", [wflow(2 * GB, {"pool": 3.0})])],
+             {"pool": 10 * GB})
+    assert ends(simulate(p)) == pytest.approx({"a": 0.4, "b": 0.7})
+
+
+def test_a_weighted_flow_is_held_by_its_tightest_weighted_resource():
+    # x carries its bytes on A (12 GB/s) and four times them on B (20 GB/s): 5 GB/s, held by B;
+    # y, on A alone, takes the 7 GB/s of A that x leaves
+    p = plan([step("x", [wflow(1 * GB, {"A": 1.0, "B": 4.0})]), step("y", [flow(1 * GB, "A")])],
+             {"A": 12 * GB, "B": 20 * GB})
+    r = simulate(p)
+    assert ends(r) == pytest.approx({"x": 0.2, "y": 1 / 7})
+    assert r.programs["dispatch"].resources["B"].bytes == pytest.approx(4 * GB)
+    assert r.programs["dispatch"].resources["A"].bytes == pytest.approx(2 * GB)
+
+
+@pytest.mark.parametrize("weights, msg", [
+    ({"pool": 0.0}, "weights must be positive and finite"),
+    ({"pool": -1.0}, "weights must be positive and finite"),
+    ({"pool": float("inf")}, "weights must be positive and finite"),
+])
+def test_bad_weights_are_an_error(weights, msg):
+    with pytest.raises(SimulationError, match=msg):
+        simulate(plan([step("a", [wflow(1 * GB, weights)])], {"pool": 10 * GB}))
+
+
+def test_weights_must_match_the_resources():
+    f = Flow(0, 0, 1, 1.0 * GB, ("A", "B"), weights=(1.0,))
+    with pytest.raises(SimulationError, match="1 weights for 2 resources"):
+        simulate(plan([step("a", [f])], {"A": 1 * GB, "B": 1 * GB}))
+    twice = Flow(0, 0, 1, 1.0 * GB, ("A", "A"), weights=(1.0, 2.0))
+    with pytest.raises(SimulationError, match="lists a resource twice"):
+        simulate(plan([step("a", [twice])], {"A": 1 * GB}))
+
+
+def test_weights_survive_plan_json():
+    p = plan([step("a", [wflow(1 * GB, {"pool": 2.5, "A": 1.0})])], {"pool": 10 * GB, "A": 10 * GB})
+    back = Plan.from_json(p.to_json())
+    assert back.steps[0].flows[0].weights == (2.5, 1.0)
+    assert ends(simulate(back)) == pytest.approx(ends(simulate(p)))
+
+
+def test_a_program_may_start_later():
+    # its first steps become ready at start_s (the direct kernels' launches, sim/direct.py)
+    from epcc.sim.engine import _Engine
+
+    p = plan([step("a", [flow(1 * GB, "r")]), step("b", [flow(1 * GB, "r")], deps=("a",))], {"r": 10 * GB})
+    e = _Engine(p.steps, p.resources, SimOptions(), start_s=0.5).run()
+    assert list(e.ready_t) == pytest.approx([0.5, 0.6]) and list(e.end_t) == pytest.approx([0.6, 0.7])
+
+
 def test_unknown_dependency_is_an_error():
     with pytest.raises(SimulationError, match="unknown step 'nope'"):
         simulate(plan([step("a", [flow(1, "r")], deps=("nope",))], {"r": 1.0}))
