@@ -158,6 +158,9 @@ class Plan:
     workload: WorkloadPlan | None = None
     rank_names: list[str] = field(default_factory=list)  # "rank 3 (node 0, gpu 3)", for messages
     sm_rates: dict[str, float] = field(default_factory=dict)  # the topology's `sm` line: bytes/s per SM
+    # The `sm` line's `launch`: seconds one kernel launch costs before its first row moves (0: not
+    # declared).  The simulator charges it per launch where it knows the launches (sim/direct.py).
+    sm_launch_s: float = 0.0
     # link name -> its `atomics` rate: fp32 bytes/s one GPU adds into another over it (per pair)
     atomics: dict[str, float] = field(default_factory=dict)
 

@@ -94,6 +94,8 @@ class _Emitter:
         top = ops.topology_module(t.name, loc=span_loc(t.span))
         if t.sm_rates:  # bytes/s per SM by kind of work (the simulator's SM term)
             query.annotate(top.operation, "sm_rates_Bps", {k: float(v) for k, v in t.sm_rates.items()})
+        if t.sm_launch:  # seconds per kernel launch (the simulator's launches of the direct kernels)
+            query.annotate(top.operation, "sm_launch_s", float(t.sm_launch))
         atomics = {l.name: float(l.atomics) for l in t.links.values() if l.atomics}
         if atomics:  # fp32 atomic adds into a peer per GPU pair, by link (the simulator's atomics term)
             query.annotate(top.operation, "atomics_Bps", atomics)

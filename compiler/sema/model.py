@@ -168,11 +168,14 @@ class LinkInfo:
         return self.bandwidth * self.lanes * self.efficiency
 
 
-# Kinds of SM work: row copies (dispatch, RDMA staging); weighted reduction of a token's expert
-# rows into its fp32 partial (weighted combine steps, rows gathered per token); adding one
-# partial per token into another (unweighted combine steps, the apply of a combine RDMA step: an
-# atomic scatter-add, bench/sm_probe.cu `red`).
-SM_WORK = ("copy", "reduce", "add")
+# Kinds of SM work: row copies (dispatch, RDMA staging; in the direct kernels, row stores); row
+# loads that feed several stores (the direct kernels: a row loaded once, stored to every expert
+# row); weighted reduction of a token's expert rows into its fp32 partial (weighted combine
+# steps, rows gathered per token); adding one partial per token into another (unweighted combine
+# steps, the apply of a combine RDMA step: an atomic scatter-add, bench/sm_probe.cu `red`).
+SM_WORK = ("copy", "read", "reduce", "add")
+# The `sm` line's one time: what a kernel launch costs before its first row moves.
+SM_LAUNCH = "launch"
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,8 @@ class Topology:
     # `sm copy 44 GB/s, reduce 23 GB/s, add 12 GB/s`: bytes/s one SM of a role kernel moves, by kind of work
     # (SM_WORK); empty: SM throughput is not modelled (the simulator sees links only).
     sm_rates: Mapping[str, float] = field(default_factory=dict)
+    # the `sm` line's `launch 9 us`: seconds per kernel launch (0: not given)
+    sm_launch: float = 0.0
 
     @property
     def num_ranks(self) -> int:

@@ -65,31 +65,43 @@ class _TopologyResolver:
         for name in self.rel_ast:
             self._relation(name)
         links = self._links()
+        rates, launch = self._sm_rates()
         return model.Topology(self.t.name.text, space, dict(self.relations), links, self.t.span,
-                              frozenset(self.broken), frozenset(self.broken_links), self._sm_rates())
+                              frozenset(self.broken), frozenset(self.broken_links), rates, launch)
 
-    def _sm_rates(self) -> dict[str, float]:
+    def _sm_rates(self) -> tuple[dict[str, float], float]:
+        """The `sm` lines: (bytes/s per SM by kind of work, seconds per kernel launch or 0)."""
         rates: dict[str, float] = {}
+        launch = 0.0
         first: dict[str, ast.SmRate] = {}
+        keys = model.SM_WORK + (model.SM_LAUNCH,)
         for r in self.t.sm_rates:
             work = r.work.text
-            if work not in model.SM_WORK:
+            if work not in keys:
                 self.diags.error(r.work.span, f"unknown kind of SM work '{work}'",
-                                 *_maybe(did_you_mean(work, model.SM_WORK)),
-                                 f"kinds of SM work are {', '.join(model.SM_WORK)}")
+                                 *_maybe(did_you_mean(work, keys)),
+                                 f"kinds of SM work are {', '.join(model.SM_WORK)}; `{model.SM_LAUNCH}` gives "
+                                 "the time of a kernel launch")
                 continue
             if work in first:
-                self.diags.error(r.span, f"the SM rate of '{work}' is given twice",
-                                 ast_note("first given here", first[work].span))
+                what = "the kernel launch time" if work == model.SM_LAUNCH else f"the SM rate of '{work}'"
+                self.diags.error(r.span, f"{what} is given twice", ast_note("first given here", first[work].span))
                 continue
             first[work] = r
+            if work == model.SM_LAUNCH:
+                t = parse_quantity(r.rate, "time", self.diags)
+                if t is not None and t <= 0:
+                    self.diags.error(r.rate.span, f"a kernel launch time must be positive, not {_num(r.rate)}")
+                elif t is not None:
+                    launch = t
+                continue
             bw = parse_quantity(r.rate, "bandwidth", self.diags)
             if bw is not None and bw <= 0:
                 self.diags.error(r.rate.span, f"an SM rate must be positive, not {_num(r.rate)}")
                 continue
             if bw is not None:
                 rates[work] = bw
-        return rates
+        return rates, launch
 
     def _duplicate(self, what: str, name: ast.Name, first: ast.Name) -> None:
         self.diags.error(name.span, f"duplicate {what} '{name.text}'", ast_note("first defined here", first.span))

@@ -18,9 +18,9 @@ TIME = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
 SIZE = {"B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
 TOKENS = ("token", "tokens")
 
-_TABLES = {"bandwidth": BANDWIDTH, "latency": TIME}
-_LIMIT = {"bandwidth": 1e15, "latency": 3600.0}  # 1 PB/s; an hour
-_LIMIT_TEXT = {"bandwidth": "1000 TB/s", "latency": "3600 s"}
+_TABLES = {"bandwidth": BANDWIDTH, "latency": TIME, "time": TIME}
+_LIMIT = {"bandwidth": 1e15, "latency": 3600.0, "time": 3600.0}  # 1 PB/s; an hour
+_LIMIT_TEXT = {"bandwidth": "1000 TB/s", "latency": "3600 s", "time": "3600 s"}
 MAX_SIZE = 1 << 40  # tokens or bytes in a chunk or capacity
 
 
@@ -34,11 +34,11 @@ def number_text(v: int | float) -> str:
 
 def _finite(v: float, limit: float) -> bool:
     return v == v and v <= limit
-_EXAMPLE = {"bandwidth": "20 GB/s", "latency": "2 us"}
+_EXAMPLE = {"bandwidth": "20 GB/s", "latency": "2 us", "time": "5 us"}
 
 
 def parse_quantity(q: ast.Quantity, kind: str, diags: DiagnosticBag) -> float | None:
-    """A bandwidth (bytes/s) or latency (s); reports a missing or wrong unit."""
+    """A bandwidth (bytes/s), latency or time (s); reports a missing or wrong unit."""
     table = _TABLES[kind]
     if q.unit is None:
         diags.error(q.span, f"{kind} needs a unit, e.g. '{_EXAMPLE[kind]}'",

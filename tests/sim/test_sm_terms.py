@@ -114,6 +114,20 @@ def test_the_sm_line_reaches_the_ir_and_the_plan_and_survives_plan_json():
     assert tails and Plan.from_json(aug.to_json()).steps == [dataclasses.replace(s) for s in aug.steps]
 
 
+def test_read_and_launch_reach_the_ir_and_the_plan(tmp_path):
+    # `read` (row loads, the direct kernels') and `launch` (a time, per kernel launch)
+    text = (REPO / "tests" / "sema" / "cases" / "sm_rate_zero.sched").read_text()
+    src = tmp_path / "t.sched"
+    src.write_text(text.replace("sm reduce 0 GB/s", "sm copy 60 GB/s, read 172 GB/s, launch 9 us"))
+    built = build_plan(str(src))
+    plan = built.plan
+    assert plan.sm_rates == {"copy": 60 * GB, "read": 172 * GB} and plan.sm_launch_s == pytest.approx(9e-6)
+    ir = str(built.compilation.module)
+    assert "epcc.sm_launch_s = 9.000000e-06 : f64" in ir and "read = 1.720000e+11 : f64" in ir
+    back = Plan.from_json(plan.to_json())
+    assert back.sm_rates == plan.sm_rates and back.sm_launch_s == plan.sm_launch_s
+
+
 def test_a_pipelined_consumer_waits_for_the_producers_first_wave_of_chunks():
     # producer: 8 SMs x 25 GB/s over 2 GB in 100 MB chunks: its first 8 chunks (0.8 GB, 40 %)
     # complete together at t = 4 ms; a consumer of 20 chunks trails it by 1/20 more.
