@@ -4,7 +4,15 @@ The model (what `epcc simulate` prints and tests/sim pins):
 
 Resources.  Every name in `Plan.resources` is a resource with a capacity in bytes/s: a dedicated
 directed link pair (`link:<name>:<src>><dst>`), a shared port (`link:<name>:<port>:out|in`), or a
-rank's local memory (`hbm:<rank>`).  A flow occupies every resource it lists.
+rank's local memory (`hbm:<rank>`); the SM models add pools of SMs (`sm:...`).  A flow occupies
+every resource it lists, taking weight x its rate of each (`Flow.weights`; 1 without them: a link
+carries the flow's bytes, a pool of SMs what they cost it in stored bytes).
+
+SM models (only with the topology's `sm` rates): the table-driven kernels run each step as a role
+on its own SMs (sim/sm_terms.py); the direct kernels of a one-hop plan share one pool of SMs per
+rank and program among all its steps, and start each program after its kernel launches
+(sim/direct.py).  `SimOptions.direct` picks the second; `epcc simulate` sets it where the CUDA
+target lowers the plan to direct kernels.
 
 Rates.  Between two events every rate is constant; at every event the rates of all moving flows
 are recomputed by progressive filling: all unfrozen flows rise together, a resource that fills up
@@ -54,7 +62,8 @@ used by default (max-min fairness across steps); `SimOptions(priorities=True)` s
 resources in strict priority order (lower number first, the rest share what is left).
 
 Programs.  Dispatch and combine are simulated separately, each from t = 0 (expert compute sits
-between them); "together" is their sum.  A dependency on a step of the other program counts as
+between them; with the direct kernels' launches, its first steps become ready after them);
+"together" is their sum.  A dependency on a step of the other program counts as
 done.
 
 Outputs.  Per step: ready, start (first byte), end, bytes, the busiest rank's bytes, chunk
@@ -62,14 +71,16 @@ boundary times (when the step's moved bytes cross k/n), its time alone.  Per res
 busy time = bytes / capacity (the time it is busy at full rate) and active time (wall time with any
 traffic).  Per link class: the busiest instance's busy time.  The bottleneck is the link class
 whose busy time is largest (closest to the makespan), with busy / makespan as its utilisation.
-Makespan = the last step's end (with overlap); the serial sum adds every step's time alone.
+Makespan = the last step's end (with overlap); the serial sum adds every step's time alone (and
+the launches).
 """
 
 from .build import BuiltPlan, build_plan
+from .direct import DirectKernels
 from .engine import ResourceStat, SimOptions, SimulationError, StepTiming
 from .simulate import Bottleneck, LinkClassStat, ProgramResult, SimResult, simulate, simulate_subset
 
 __all__ = [
-    "Bottleneck", "BuiltPlan", "LinkClassStat", "ProgramResult", "ResourceStat", "SimOptions", "SimResult",
-    "SimulationError", "StepTiming", "build_plan", "simulate", "simulate_subset",
+    "Bottleneck", "BuiltPlan", "DirectKernels", "LinkClassStat", "ProgramResult", "ResourceStat", "SimOptions",
+    "SimResult", "SimulationError", "StepTiming", "build_plan", "simulate", "simulate_subset",
 ]

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..plan import Flow, Plan, PlanStep
+
+if TYPE_CHECKING:
+    from .direct import DirectKernels
 
 INF = float("inf")
 REL = 1e-9  # relative tolerance on fractions and simultaneous events
@@ -34,6 +38,10 @@ class SimOptions:
     # RDMA steps as the GPU proxy path runs them (credit window, chunks staged and applied by one
     # SM each: sim/sm_terms.py); False: as paced SM roles writing the peer (`--rdma emulate`).
     rdma_proxy: bool = True
+    # The plan runs as the CUDA target's direct kernels (sim/direct.py: one pool of SMs per rank and
+    # program, launches before the first step); None: SM roles as kernel-formation laid them out
+    # (sim/sm_terms.py).  `epcc simulate` sets it from the CUDA target's lowering.
+    direct: "DirectKernels | None" = None
 
 
 @dataclass

@@ -35,6 +35,7 @@ def to_dict(res: SimResult, passes_run: list[str] | None = None, tokens: int | N
             "bottleneck": _bottleneck_dict(p.bottleneck), "critical_path": p.critical_path,
             "link_busy_ms": {c.name: c.work_s * 1e3 for c in p.link_classes.values()},
             "link_active_ms": {c.name: c.active_s * 1e3 for c in p.link_classes.values()},
+            "launch_ms": p.launch_s * 1e3,
             "events": p.events,
         }
     active: dict[str, float] = {}
@@ -60,6 +61,7 @@ def to_dict(res: SimResult, passes_run: list[str] | None = None, tokens: int | N
             "pipelining": res.options.pipelining, "latency": res.options.latency,
             "priorities": res.options.priorities, "order_hints": res.options.order_hints,
             "rdma": "proxy" if res.options.rdma_proxy else "emulate",
+            "sm": res.sm_model,
         },
     }
 
@@ -68,6 +70,8 @@ def table(res: SimResult, passes_run: list[str] | None = None) -> str:
     out = [f"schedule {res.schedule}: {res.num_ranks} ranks, routing {res.routing}"]
     if passes_run is not None:
         out.append("plan after passes: " + ", ".join(passes_run))
+    if res.sm_model:
+        out.append(f"SM model: {res.sm_model['text']}")
     w = max([15] + [len(s.name) for s in res.steps])
     lw = max([7] + [len(s.link or "-") for s in res.steps])
     hdr = (f"{'step':<{w + 1}} {'link':<{lw}} {'kind':<6} {'start':>8} {'end':>8} {'MB/rank':>9} {'GB/s':>8} "
@@ -91,7 +95,8 @@ def table(res: SimResult, passes_run: list[str] | None = None) -> str:
         if p.bottleneck:
             out.append(f"bottleneck: {p.bottleneck.describe()}")
         out.append(f"critical path: {' -> '.join(p.critical_path)}")
-        out.append(f"{name}: total {_ms(p.makespan_s)} ms with overlap, serial sum {_ms(p.serial_s)} ms")
+        launches = f" (kernel launches {_ms(p.launch_s)} ms before the first step included)" if p.launch_s else ""
+        out.append(f"{name}: total {_ms(p.makespan_s)} ms with overlap, serial sum {_ms(p.serial_s)} ms{launches}")
     if len(res.programs) > 1:
         out.append("")
         out.append(f"together: total {_ms(res.total_s)} ms with overlap, serial sum {_ms(res.serial_s)} ms "

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..plan import Plan, PlanStep
+from .direct import describe, with_direct_pool
 from .engine import ResourceStat, SimOptions, StepTiming, _Engine, program_steps, step_alone
 from .sm_terms import with_sm_terms
 
@@ -51,6 +52,7 @@ class ProgramResult:
     bottleneck: Bottleneck | None
     critical_path: list[str]
     events: int
+    launch_s: float = 0.0  # kernel launches before the first step (the direct kernels; in makespan and serial)
 
     def step(self, name: str) -> StepTiming:
         for s in self.steps:
@@ -66,6 +68,8 @@ class SimResult:
     num_ranks: int
     programs: dict[str, ProgramResult] = field(default_factory=dict)
     options: SimOptions = field(default_factory=SimOptions)
+    # The SM model applied (sim/direct.py describe): model = direct | roles | links, and a text
+    sm_model: dict = field(default_factory=dict)
 
     @property
     def total_s(self) -> float:
@@ -113,7 +117,8 @@ class SimResult:
 
 
 def link_class_of(resource: str, steps_using: list[PlanStep]) -> tuple[str, str | None]:
-    """`link:<name>:...` -> name; `hbm:<rank>` -> the local link its steps name (hbm by default)."""
+    """`link:<name>:...` -> name; `hbm:<rank>` -> the local link its steps name (hbm by default);
+    `sm:...` (a role's or a direct kernel's pool of SMs) -> sm."""
     kinds = [s.link_kind for s in steps_using if s.link_kind]
     kind = kinds[0] if kinds else None
     if resource.startswith("sm:"):  # a role's SMs (sim/sm_terms.py)
@@ -125,13 +130,17 @@ def link_class_of(resource: str, steps_using: list[PlanStep]) -> tuple[str, str 
         return f"{resource.split(':')[1]} atomics", kind
     if resource.startswith("link:"):
         return resource.split(":")[1], kind
+    # a rank's memory: the local link its local steps name (the direct kernels' sends write it too)
+    local = sorted({s.link for s in steps_using if s.link and s.link_kind == "local"})
+    if resource.startswith("hbm:") and local:
+        return "/".join(local), "local"
     links = sorted({s.link for s in steps_using if s.link})
     return ("/".join(links) if links else resource.split(":")[0]), (kind or "local")
 
 
 def simulate_program(plan: Plan, program: str, steps: list[PlanStep], opts: SimOptions,
-                     other_names: set[str]) -> ProgramResult:
-    eng = _Engine(steps, plan.resources, opts, other_names).run()
+                     other_names: set[str], launch_s: float = 0.0) -> ProgramResult:
+    eng = _Engine(steps, plan.resources, opts, other_names, start_s=launch_s).run()
     timings: list[StepTiming] = []
     for i, s in enumerate(steps):
         timings.append(StepTiming(
@@ -140,8 +149,8 @@ def simulate_program(plan: Plan, program: str, steps: list[PlanStep], opts: SimO
             s.max_rank_bytes(), max(1, int(s.num_chunks or 1)), eng.chunk_times(i),
             step_alone(s, plan.resources, opts),
             moves_bytes=any(f.resources and f.bytes > 0 for f in s.flows)))
-    makespan = max((t.end_s for t in timings), default=0.0)
-    serial = sum(t.alone_s for t in timings)
+    makespan = max((t.end_s for t in timings), default=launch_s)
+    serial = launch_s + sum(t.alone_s for t in timings)
 
     users: dict[str, list[PlanStep]] = {}
     for s in steps:
@@ -182,19 +191,30 @@ def simulate_program(plan: Plan, program: str, steps: list[PlanStep], opts: SimO
             preds = [by_name[d] for d in cur.deps if d in by_name]
             cur = max(preds, key=lambda t: t.end_s) if preds else None
         path.reverse()
-    return ProgramResult(program, timings, makespan, serial, resources, classes, bottleneck, path, eng.events)
+    return ProgramResult(program, timings, makespan, serial, resources, classes, bottleneck, path, eng.events,
+                         launch_s)
+
+
+def with_sm_model(plan: Plan, opts: SimOptions) -> tuple[Plan, dict[str, float]]:
+    """The plan with the SM model of `opts` applied (the direct kernels' pools, or the table-driven
+    kernels' roles) and the launch time before each program's first step."""
+    if opts.direct is not None:
+        return with_direct_pool(plan, opts.direct)
+    return with_sm_terms(plan, rdma_proxy=opts.rdma_proxy), {}
 
 
 def simulate(plan: Plan, opts: SimOptions | None = None) -> SimResult:
-    """Simulate every program of the plan (dispatch, then combine if present), each from t = 0."""
+    """Simulate every program of the plan (dispatch, then combine if present), each from t = 0
+    (its first steps ready after its kernel launches, where the SM model counts them)."""
     opts = opts or SimOptions()
-    plan = with_sm_terms(plan, rdma_proxy=opts.rdma_proxy)
-    res = SimResult(plan.schedule, plan.routing, plan.num_ranks, options=opts)
+    model = describe(plan, opts.direct)
+    plan, launches = with_sm_model(plan, opts)
+    res = SimResult(plan.schedule, plan.routing, plan.num_ranks, options=opts, sm_model=model)
     progs = program_steps(plan)
     order = [p for p in PROGRAM_ORDER if p in progs] + sorted(p for p in progs if p not in PROGRAM_ORDER)
     for p in order:
         others = {s.name for q, ss in progs.items() if q != p for s in ss}
-        res.programs[p] = simulate_program(plan, p, progs[p], opts, others)
+        res.programs[p] = simulate_program(plan, p, progs[p], opts, others, launches.get(p, 0.0))
     return res
 
 
@@ -214,6 +234,6 @@ def simulate_subset(plan: Plan, names: list[str] | tuple[str, ...], program: str
     sub = [dataclasses.replace(s, deps=tuple(d for d in s.deps if d in wanted),
                                pipelined_deps=tuple(d for d in s.pipelined_deps if d in wanted)) for s in steps]
     others = {s.name for s in plan.steps if s.program == program and s.name not in wanted}
-    p = with_sm_terms(dataclasses.replace(plan, steps=sub), rdma_proxy=opts.rdma_proxy)
+    p, _ = with_sm_model(dataclasses.replace(plan, steps=sub), opts)  # no launches: the group alone
     sub = p.steps
     return simulate_program(p, program, sub, opts, others)

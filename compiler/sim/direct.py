@@ -1,0 +1,147 @@
+"""The direct kernels in the cost model: one pool of SMs per rank and program.
+
+The CUDA target lowers a one-hop plan inside one CUDA IPC domain to "direct" kernels
+(backends/cuda/direct.py): per program one persistent kernel on N SMs whose warps have no fixed
+role.  In dispatch every warp sends tokens (a token's row stored once into each peer GPU it hits,
+at its first expert row there, and into every expert row of its own GPU), then replicates the rows
+received from peers into their other expert rows.  In combine every warp reduces the expert rows
+of each (token, GPU) record into one weighted partial stored on the token's home GPU, then sums
+the partials of home tokens into the output.  So all steps of a program share one pool of N SMs
+on each rank, and what bounds them is what those SMs store, load and reduce, not a role's share
+of SMs (sim/sm_terms.py models the table-driven kernels' roles).
+
+with_direct_pool(plan, kernels), from the topology's `sm` line (per SM: `copy` bytes stored,
+`read` bytes loaded, `reduce` bytes of rows loaded and added in fp32; `launch` per kernel launch):
+
+* `sm:<program>:<rank>`, capacity N x copy: every flow charges the pools of the ranks whose SMs
+  work on it, in copy-equivalent bytes (a byte stored costs 1, loaded copy / read, reduced
+  copy / reduce).  With e = the expected expert rows of a token on a GPU it hits
+  (rows_per_token) and h = the expected GPUs a token hits (ranks_per_token), one token of a flow
+  costs, in SM-seconds:
+
+  - dispatch to a peer: the sender loads the row (once for the h GPUs it goes to: 1/h of a
+    load) and stores it once; the receiver loads it and stores its other e - 1 rows:
+    sender 1/copy + 1/(h read), receiver 1/read + (e - 1)/copy;
+  - dispatch to its own GPU (the permute): the sender stores all e rows: e/copy + 1/(h read);
+  - combine from the expert GPU to the home GPU: the expert GPU reduces the e rows and stores one
+    partial, e/reduce + 1/copy; the home GPU reduces the partial and, once per token (1/h of it
+    per partial), stores the output row, 1/reduce + 1/(h copy).  A local record (the reverse
+    of the permute) charges both to its one pool.
+
+  A flow counting rows (`PlanStep.rows`: the permute and its reverse) carries 1/e token per byte,
+  one counting tokens (the sends, deduplicated) 1.  Without `read` loads cost nothing; without
+  `reduce`, `copy` stands in.
+* `hbm:<rank>` (where the plan has a local link): the rows written into the rank's memory, by
+  its own SMs or a peer's (dispatch: e per token; combine: the partial, and 1/h of the output row
+  per partial).  Loads are not charged: the measured dispatch stops at ~1.9 TB/s of row writes
+  however many SMs write, while a combine loads more than that (bench/README).
+* Links carry a flow's bytes as the plan has them.
+* The kernels do not chunk (no credits, nothing to wait for between chunks): a flow pays its
+  latency once; chunk size and count are dropped.
+* A program's first steps become ready after its kernel launches x `launch` (a dispatch of more
+  than one metadata chunk launches two metadata kernels before the dispatch kernel).
+
+Expected rows and GPUs per token are those of uniform routing, as in sim/sm_terms.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..plan import Flow, Plan, PlanStep, hit_probability
+from .sm_terms import rows_per_token
+
+
+@dataclass
+class DirectKernels:
+    """How the CUDA target runs a plan it lowers to direct kernels: per program, the SMs (blocks)
+    of its one kernel, every warp doing every step, and the kernel launches it takes."""
+
+    sms: dict[str, int] = field(default_factory=dict)  # program -> SMs of its kernel
+    launches: dict[str, int] = field(default_factory=dict)  # program -> kernel launches, metadata ones included
+
+    def __post_init__(self) -> None:
+        for what, d, least in (("sms", self.sms, 1), ("launches", self.launches, 0)):
+            for p, v in d.items():
+                if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                    raise ValueError(f"DirectKernels.{what}[{p!r}] must be an integer >= {least}, got {v!r}")
+
+
+def ranks_per_token(plan: Plan) -> float:
+    """Expected GPUs one token's top-k hits (uniform routing; 1 without a workload)."""
+    wl = plan.workload
+    if wl is None or plan.num_ranks <= 0 or wl.experts <= 0:
+        return 1.0
+    return max(1.0, plan.num_ranks * hit_probability(wl.experts, wl.topk, wl.experts // plan.num_ranks))
+
+
+def sm_seconds(s: PlanStep, f: Flow, e: float, h: float, rates: dict[str, float]) -> list[tuple[int, float]]:
+    """(rank, SM-seconds) per byte of token (dispatch) or partial (combine) that flow `f` of step
+    `s` costs each rank's pool (the module docstring); a rank may appear twice."""
+    copy = rates["copy"]
+    if s.program == "combine":
+        red = rates.get("reduce", copy)
+        return [(f.src, e / red + 1.0 / copy), (f.dst, 1.0 / red + 1.0 / (h * copy))]
+    load = 1.0 / rates["read"] if "read" in rates else 0.0
+    if f.src != f.dst:
+        return [(f.src, 1.0 / copy + load / h), (f.dst, load + (e - 1.0) / copy)]
+    return [(f.src, e / copy + load / h)]
+
+
+def with_direct_pool(plan: Plan, kernels: DirectKernels) -> tuple[Plan, dict[str, float]]:
+    """(a copy of `plan` whose flows charge their ranks' SM pools and HBM as the direct kernels
+    do, the seconds of kernel launches before each program's first step)."""
+    rates = dict(plan.sm_rates)
+    e, h = rows_per_token(plan), ranks_per_token(plan)
+    resources = dict(plan.resources)
+    steps: list[PlanStep] = []
+    for s in plan.steps:
+        n = kernels.sms.get(s.program, 0)
+        per_byte = 1.0 / e if s.rows else 1.0  # tokens (partials) per byte of the flow
+        flows: list[Flow] = []
+        for f in s.flows:
+            if not f.resources or f.bytes <= 0:
+                flows.append(f)
+                continue
+            charge: dict[str, float] = {r: 1.0 for r in dict.fromkeys(f.resources) if not r.startswith("hbm:")}
+            if n and "copy" in rates:
+                for rank, sec in sm_seconds(s, f, e, h, rates):
+                    pool = f"sm:{s.program}:{rank}"
+                    resources[pool] = n * rates["copy"]
+                    charge[pool] = charge.get(pool, 0.0) + per_byte * sec * rates["copy"]
+            hbm = f"hbm:{f.dst}"
+            if hbm in plan.resources:
+                charge[hbm] = per_byte * (1.0 + 1.0 / h if s.program == "combine" else e)
+            flows.append(dataclasses.replace(f, resources=tuple(charge), weights=tuple(charge.values())))
+        steps.append(dataclasses.replace(s, flows=flows, chunk_bytes=None, num_chunks=1, depth=1,
+                                         completion_lag=0.0))
+    starts = {p: kernels.launches.get(p, 0) * plan.sm_launch_s for p in {s.program for s in plan.steps}}
+    return dataclasses.replace(plan, steps=steps, resources=resources), starts
+
+
+def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
+    """The SM model `simulate` applies to `plan`, for the report: model = direct (one pool per rank
+    and program), roles (kernel-formation's SM ranges, sim/sm_terms.py) or links (no SM rates)."""
+    rates = {k: v / 1e9 for k, v in plan.sm_rates.items()}
+    rate_text = ", ".join(f"{k} {v:g} GB/s" for k, v in rates.items())
+    if kernels is not None:
+        progs = [p for p in ("dispatch", "combine") if p in kernels.sms] + \
+            sorted(p for p in kernels.sms if p not in ("dispatch", "combine"))
+        per = "; ".join(f"{p} {kernels.sms[p]} SMs, {kernels.launches.get(p, 0)} launch"
+                        f"{'es' if kernels.launches.get(p, 0) != 1 else ''}" for p in progs)
+        if "copy" in plan.sm_rates:
+            text = (f"direct kernels: one pool of SMs per rank and program, shared by its steps ({per}; "
+                    f"sm {rate_text}; launch {plan.sm_launch_s * 1e6:g} us)")
+        else:
+            text = f"direct kernels ({per}), no SM pool: the topology gives no `sm` copy rate"
+        return {"model": "direct", "text": text, "sms": dict(kernels.sms), "launches": dict(kernels.launches),
+                "rates_gbps": rates, "launch_us": plan.sm_launch_s * 1e6}
+    if plan.sm_rates or plan.atomics:
+        text = "SM roles of the table-driven kernels (kernel-formation's SM ranges)" + \
+            (f"; sm {rate_text}" if rate_text else "; link atomics only")
+        return {"model": "roles", "text": text, "rates_gbps": rates}
+    return {"model": "links", "text": "links only: the topology gives no `sm` rates", "rates_gbps": rates}
+
+
+__all__ = ["DirectKernels", "describe", "ranks_per_token", "sm_seconds", "with_direct_pool"]

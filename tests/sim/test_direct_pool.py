@@ -1,0 +1,172 @@
+"""The direct kernels' SM pool in the simulator (compiler/sim/direct.py): its charges against an
+independent count of the rows a rank's SMs store, load and reduce, and the launches.  The rates
+are the tests' own (RATES, LAUNCH), not the shipped schedule's fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from epcc.plan import hit_probability
+from epcc.sim import DirectKernels, SimOptions, build_plan, simulate
+from epcc.sim.direct import with_direct_pool
+
+REPO = Path(__file__).resolve().parents[2]
+H200X4 = REPO / "schedules" / "h200x4.sched"
+RATES = {"copy": 50e9, "read": 200e9, "reduce": 80e9}
+LAUNCH = 5e-6
+
+
+def load_bundles():
+    """tests/gpu/bundles.py, which derives the 2-GPU schedule of the h200x2 bundles."""
+    spec = importlib.util.spec_from_file_location("bundles_under_test", REPO / "tests" / "gpu" / "bundles.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bundles_under_test"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory) -> Path:
+    """h200x4.sched on 2 GPUs, as tests/gpu/bundles.py derives it for the h200x2 bundles."""
+    return load_bundles().ep2_source(tmp_path_factory.mktemp("ep2"))
+
+
+def kernels(sms=24, dispatch_launches=3) -> DirectKernels:
+    return DirectKernels({"dispatch": sms, "combine": sms}, {"dispatch": dispatch_launches, "combine": 1})
+
+
+def with_rates(plan, rates=RATES, launch=LAUNCH):
+    return dataclasses.replace(plan, sm_rates=dict(rates), sm_launch_s=launch)
+
+
+def charges(plan, resource: str, program: str) -> float:
+    """What the flows of `program` charge `resource` (bytes x weight)."""
+    total = 0.0
+    for s in plan.steps:
+        if s.program != program:
+            continue
+        for f in s.flows:
+            w = dict(zip(f.resources, f.weights or (1.0,) * len(f.resources)))
+            total += f.bytes * w.get(resource, 0.0)
+    return total
+
+
+def counted(plan) -> dict:
+    """Per rank, counted from the workload alone (uniform routing): rows stored and loaded by its
+    SMs in dispatch, rows reduced and stored in combine, rows written into its memory."""
+    wl = plan.workload
+    R, T, K = plan.num_ranks, wl.tokens, wl.topk
+    hits = T * hit_probability(wl.experts, K, wl.experts // R)  # a rank's tokens hitting one GPU
+    return {
+        # its output's T x K rows (its own local rows, its first row at each peer, the replicas of
+        # the peers' rows on it); its input once, and each token received from a peer once
+        "dispatch_stored": T * K, "dispatch_loaded": T + (R - 1) * hits,
+        # every row of its output reduced and one partial per record stored; the partials of its
+        # tokens (one per GPU each hits) reduced and one output row per token stored
+        "combine_reduced": T * K + R * hits, "combine_stored": R * hits + T,
+        "dispatch_hbm": T * K, "combine_hbm": R * hits + T,
+    }
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_pool_charges_what_the_ranks_sms_store_load_and_reduce(ranks, ep2):
+    plan = with_rates(build_plan(str(ep2 if ranks == 2 else H200X4)).plan)
+    assert plan.num_ranks == ranks
+    aug, _ = with_direct_pool(plan, kernels())
+    r = RATES
+    n = counted(plan)
+    row, crow = plan.bytes_per_token, plan.workload.hidden * 2  # flows' bytes per dispatched / combined row
+    for rank in range(ranks):
+        # copy-equivalent bytes: a stored byte 1, a loaded one copy / read, a reduced one copy / reduce
+        want = row * (n["dispatch_stored"] + n["dispatch_loaded"] * r["copy"] / r["read"])
+        assert charges(aug, f"sm:dispatch:{rank}", "dispatch") == pytest.approx(want, rel=1e-6)
+        want = crow * (n["combine_stored"] + n["combine_reduced"] * r["copy"] / r["reduce"])
+        assert charges(aug, f"sm:combine:{rank}", "combine") == pytest.approx(want, rel=1e-6)
+        assert charges(aug, f"hbm:{rank}", "dispatch") == pytest.approx(row * n["dispatch_hbm"], rel=1e-6)
+        assert charges(aug, f"hbm:{rank}", "combine") == pytest.approx(crow * n["combine_hbm"], rel=1e-6)
+    assert aug.resources["sm:dispatch:0"] == 24 * r["copy"] and aug.resources["sm:combine:1"] == 24 * r["copy"]
+    # the links carry the flows' bytes as the plan has them
+    push = next(f for f in aug.step("push").flows if f.src != f.dst)
+    assert all(w == 1.0 for res, w in zip(push.resources, push.weights) if res.startswith("link:"))
+
+
+def test_without_read_loads_cost_nothing_and_without_reduce_copy_stands_in(ep2):
+    plan = build_plan(str(ep2)).plan
+    n = counted(plan)
+    aug, _ = with_direct_pool(with_rates(plan, {"copy": 50e9}), kernels())
+    assert charges(aug, "sm:dispatch:0", "dispatch") == pytest.approx(plan.bytes_per_token * n["dispatch_stored"])
+    crow = plan.workload.hidden * 2
+    assert charges(aug, "sm:combine:0", "combine") == \
+        pytest.approx(crow * (n["combine_stored"] + n["combine_reduced"]))
+
+
+def test_a_program_bound_by_its_pool_takes_its_work_over_its_sms(ep2):
+    plan = with_rates(build_plan(str(ep2)).plan)
+    plan = dataclasses.replace(plan, resources={k: 1e18 for k in plan.resources})  # links and HBM never bind
+    k = kernels(32)
+    res = simulate(plan, SimOptions(direct=k))
+    aug, _ = with_direct_pool(plan, k)
+    work = charges(aug, "sm:dispatch:0", "dispatch") / (32 * RATES["copy"])
+    d = res.programs["dispatch"]
+    assert d.resources["sm:dispatch:0"].work_s == pytest.approx(work)
+    # 3 launches, the 3 us metadata exchange, the pool busy throughout, then the last flow's
+    # latency (keep, over the 1 us local link: the biggest flow ends last at equal rates)
+    assert d.makespan_s == pytest.approx(3 * LAUNCH + 3e-6 + work + 1e-6, rel=1e-6)
+    assert d.bottleneck.link_class == "sm"
+
+
+@pytest.mark.parametrize("launches", [3, 1])
+def test_launches_hold_back_a_programs_first_steps(launches):
+    plan = with_rates(build_plan(str(H200X4)).plan)
+    res = simulate(plan, SimOptions(direct=kernels(dispatch_launches=launches)))
+    d, c = res.programs["dispatch"], res.programs["combine"]
+    assert d.step("meta").ready_s == pytest.approx(launches * LAUNCH) and d.launch_s == pytest.approx(launches * LAUNCH)
+    assert min(s.ready_s for s in c.steps) == pytest.approx(LAUNCH) and c.launch_s == pytest.approx(LAUNCH)
+    assert d.serial_s == pytest.approx(launches * LAUNCH + sum(s.alone_s for s in d.steps))
+    assert d.makespan_s == pytest.approx(max(s.end_s for s in d.steps))
+
+
+def test_the_direct_kernels_do_not_chunk():
+    # no credits and nothing to wait for between chunks: a flow pays its link's latency once
+    plan = with_rates(build_plan(str(H200X4)).plan)
+    assert plan.step("push").num_chunks > 1
+    aug, _ = with_direct_pool(plan, kernels())
+    assert all(s.num_chunks == 1 and s.chunk_bytes is None for s in aug.steps)
+    res = simulate(plan, SimOptions(direct=kernels()))
+    assert all(s.num_chunks == 1 for p in res.programs.values() for s in p.steps)
+
+
+def test_the_pool_and_hbm_are_reported_as_their_classes():
+    plan = with_rates(build_plan(str(H200X4)).plan)
+    d = simulate(plan, SimOptions(direct=kernels())).programs["dispatch"]
+    assert {"sm", "hbm", "nvlink"} <= set(d.link_classes)  # hbm: the local link, though sends write it too
+    assert d.link_classes["sm"].instances == 4 and d.link_classes["hbm"].kind == "local"
+
+
+def test_without_a_copy_rate_there_is_no_pool():
+    plan = with_rates(build_plan(str(H200X4)).plan, rates={})
+    res = simulate(plan, SimOptions(direct=kernels()))
+    assert not any(r.startswith("sm:") for p in res.programs.values() for r in p.resources)
+    assert res.sm_model["model"] == "direct" and "no SM pool" in res.sm_model["text"]
+
+
+def test_the_model_applied_is_described():
+    plan = build_plan(str(H200X4)).plan
+    direct = simulate(with_rates(plan), SimOptions(direct=kernels())).sm_model
+    assert direct["model"] == "direct" and direct["sms"] == {"dispatch": 24, "combine": 24}
+    assert "dispatch 24 SMs, 3 launches; combine 24 SMs, 1 launch" in direct["text"]
+    assert "sm copy 50 GB/s, read 200 GB/s, reduce 80 GB/s; launch 5 us" in direct["text"]
+    assert simulate(with_rates(plan)).sm_model["model"] == "roles"
+    assert simulate(with_rates(plan, rates={}, launch=0.0)).sm_model["model"] == "links"
+
+
+def test_direct_kernels_are_checked():
+    with pytest.raises(ValueError, match="sms"):
+        DirectKernels({"dispatch": 0}, {})
+    with pytest.raises(ValueError, match="launches"):
+        DirectKernels({"dispatch": 24}, {"dispatch": -1})
