@@ -83,6 +83,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="how the RDMA steps run, as `epcc compile --target cuda --rdma`: proxy (default: credit "
                         "window, chunks staged and applied by one SM each) or emulate (paced SM roles); matters "
                         "only with the topology's `sm` rates")
+    c.add_argument("--kernels", choices=("auto", "direct", "table"), default="auto",
+                   help="which CUDA kernels' SM model to apply: direct (the direct lowering of one-hop plans: one "
+                        "pool of SMs per rank and program shared by its steps, and its kernel launches), table "
+                        "(the table-driven kernels: one SM role per step), auto (what `epcc compile --target "
+                        "cuda` runs: direct where it lowers the plan to direct kernels; the default)")
+    c.add_argument("--sms", metavar="N",
+                   help="with the direct kernels: SMs per program (default: the push step's `sms`, as the "
+                        "CUDA target's default configuration)")
     c.set_defaults(func=cmd_simulate)
 
     c = sub.add_parser("tune", help="sweep a CUDA bundle's SMs and warps on the GPUs (torchrun); keep the best",
@@ -331,10 +339,21 @@ def cmd_simulate(args) -> int:
     tokens = options.tokens
     if args.gantt and not args.gantt.lower().endswith(".svg"):
         raise bad(f"--gantt {args.gantt}: the Gantt chart is written as SVG; name the file *.svg")
+    sms = _positive(args.sms, "--sms", "a whole number of SMs", "SMs must be at least 1")
+    if sms is not None and args.kernels == "table":
+        raise bad("--sms applies to the direct kernels, not to --kernels table (the plan's `sms` give the roles)")
     built = build_plan(args.file, options, args.sources)
     _warn(built.compilation)
+    direct = None
+    if args.kernels != "table":
+        from .backends.cuda.direct_model import direct_kernels
+
+        direct, why = direct_kernels(built.plan, sms)
+        if direct is None and (args.kernels == "direct" or sms is not None):
+            flag = "--kernels direct" if args.kernels == "direct" else "--sms"
+            raise bad(f"{flag}: the CUDA target does not lower {args.file} to direct kernels: {why}")
     try:
-        res = simulate(built.plan, SimOptions(rdma_proxy=args.rdma == "proxy"))
+        res = simulate(built.plan, SimOptions(rdma_proxy=args.rdma == "proxy", direct=direct))
     except SimulationError as e:
         raise bad(f"{args.file}: cannot simulate the plan: {e}") from None
     if args.gantt:

@@ -1,0 +1,141 @@
+"""`epcc simulate` picks the SM model of the kernels that run the plan (backends/cuda/direct_model.py:
+the direct kernels where the CUDA target lowers the plan to them) and says which; --kernels and
+--sms; the bundles' simulate.json."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from epcc.cli import main
+from epcc.sim import build_plan
+
+REPO = Path(__file__).resolve().parents[2]
+H200X4 = REPO / "schedules" / "h200x4.sched"
+EP16 = REPO / "schedules" / "ubbv2_ep16.sched"
+
+
+SM_LINE = "  sm copy 50 GB/s, read 200 GB/s, reduce 80 GB/s, launch 5 us\n"  # the tests' own rates
+
+
+@pytest.fixture
+def rated(tmp_path) -> str:
+    """h200x4.sched with the tests' own `sm` line instead of its own (if any)."""
+    text = re.sub(r"\n  sm [^\n]*", "", H200X4.read_text(encoding="utf-8"))
+    assert "  rank gpu\n" in text
+    path = tmp_path / "h200x4.sched"
+    path.write_text(text.replace("  rank gpu\n", "  rank gpu\n" + SM_LINE, 1), encoding="utf-8")
+    return str(path)
+
+
+def load_bundles():
+    spec = importlib.util.spec_from_file_location("bundles_for_cli", REPO / "tests" / "gpu" / "bundles.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bundles_for_cli"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("tokens, warps, launches", [
+    (128, 16, 1), (256, 16, 1), (128, 4, 2), (257, 16, 3), (4096, 16, 3), (4096, 4, 3)])
+def test_dispatch_launches(tokens, warps, launches):
+    # up to one metadata chunk the dispatch kernel counts the metadata itself when its blocks
+    # have the threads; else meta_count_kernel, and meta_finish_kernel above one chunk
+    from epcc.backends.cuda.direct_model import dispatch_launches
+
+    assert dispatch_launches(tokens, warps) == launches
+
+
+def test_only_plans_the_cuda_target_lowers_to_direct_kernels_get_them():
+    from epcc.backends.cuda.direct_model import direct_kernels
+
+    kernels, why = direct_kernels(build_plan(str(EP16)).plan)
+    assert kernels is None and "do not fit one CUDA IPC domain" in why
+    plan = build_plan(str(H200X4)).plan
+    kernels, why = direct_kernels(plan)
+    assert why is None and kernels.sms == {"dispatch": 24, "combine": 24}  # the push step's `sms 24`
+    assert kernels.launches == {"dispatch": 3, "combine": 1}
+    assert direct_kernels(plan, 64)[0].sms == {"dispatch": 64, "combine": 64}
+
+
+# --------------------------------------------------------------------------- epcc simulate
+
+
+def run(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_simulate_uses_the_direct_kernels_where_they_run_and_says_so(capsys, rated):
+    code, out, err = run(["simulate", rated], capsys)
+    assert code == 0, err
+    assert "SM model: direct kernels: one pool of SMs per rank and program" in out
+    assert "dispatch 24 SMs, 3 launches; combine 24 SMs, 1 launch" in out
+    assert "kernel launches 0.015 ms before the first step included" in out
+    code, out, err = run(["simulate", rated, "--kernels", "table"], capsys)
+    assert code == 0, err
+    assert "SM model: SM roles of the table-driven kernels" in out
+    code, out, err = run(["simulate", str(EP16)], capsys)
+    assert code == 0, err
+    assert "SM model: links only" in out
+
+
+def test_simulate_json_names_the_model_and_the_launches(capsys, rated):
+    code, out, err = run(["simulate", rated, "--json", "--sms", "64", "--tokens", "128"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    sm = d["model"]["sm"]
+    assert sm["model"] == "direct" and sm["sms"] == {"dispatch": 64, "combine": 64}
+    assert sm["launches"] == {"dispatch": 1, "combine": 1} and sm["launch_us"] == pytest.approx(5.0)
+    assert sm["rates_gbps"] == {"copy": 50, "read": 200, "reduce": 80}
+    assert d["programs"]["dispatch"]["launch_ms"] == pytest.approx(0.005)
+    assert d["programs"]["combine"]["launch_ms"] == pytest.approx(0.005)
+
+
+def test_more_sms_make_a_pool_bound_program_faster(capsys, rated):
+    totals = []
+    for sms in ("8", "16"):
+        code, out, err = run(["simulate", rated, "--json", "--sms", sms], capsys)
+        assert code == 0, err
+        d = json.loads(out)
+        assert d["programs"]["combine"]["bottleneck"]["link_class"] == "sm"
+        totals.append(d["programs"]["combine"]["total_ms"] - d["programs"]["combine"]["launch_ms"])
+    assert totals[1] == pytest.approx(totals[0] / 2, rel=0.02)
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--kernels", "direct"], "--kernels direct: the CUDA target does not lower"),
+    (["--sms", "64"], "--sms: the CUDA target does not lower"),
+])
+def test_direct_options_on_a_plan_without_direct_kernels_exit_1(capsys, argv, msg):
+    code, out, err = run(["simulate", str(EP16)] + argv, capsys)
+    assert code == 1 and msg in err and "do not fit one CUDA IPC domain" in err and out == ""
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--sms", "0"], "SMs must be at least 1"),
+    (["--sms", "many"], "expected a whole number of SMs"),
+    (["--sms", "8", "--kernels", "table"], "--sms applies to the direct kernels"),
+])
+def test_bad_sms_exit_1(capsys, argv, msg):
+    code, out, err = run(["simulate", str(H200X4)] + argv, capsys)
+    assert code == 1 and msg in err and out == ""
+
+
+def test_the_bundles_simulate_json_uses_the_model_their_kernels_run(capsys, tmp_path):
+    # tests/gpu/bundles.py stores `epcc simulate --json` beside every bundle: the one-hop plans'
+    # with the direct kernels' pool, the RDMA plans' (table-driven kernels) with their SM roles
+    b = load_bundles()
+    code, out, err = run(["simulate", str(b.ep2_source(tmp_path)), "--json", "--rdma", "proxy"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["model"]["sm"]["model"] == "direct"
+    code, out, err = run(["simulate", str(b.rdma_source(tmp_path, "h200x2_2vnode_50")), "--json", "--rdma", "emulate"],
+                         capsys)
+    assert code == 0, err
+    assert json.loads(out)["model"]["sm"]["model"] == "roles"
