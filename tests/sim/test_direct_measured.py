@@ -1,0 +1,139 @@
+"""`epcc simulate` against the measured direct kernels (issue 5: "epcc simulate predicts these runs
+within 15 %").
+
+MEASURED is the one table of measurements: nvidia-h200-x2 (2 H200s), the direct kernels of session
+12 (bench/README.md), median of 40 timed iterations, uniform top-8 of 256, hidden 7168, every block
+sending then replicating (dispatch) and reducing then summing (combine).  The simulator runs
+schedules/h200x4.sched on 2 GPUs, as tests/gpu/bundles.py derives it for the h200x2 bundles, with
+the direct kernels on the table's SMs.  When the kernels change, update MEASURED and re-fit the
+`sm` line of schedules/h200x4.sched (one line; its end-of-file comment says what was fit to
+what); the tests say which points are off.
+
+NOT_CLAIMED lists the points the model does not claim, with the reason: for those the test checks
+that the model is still as far off as the reason says, so that a change that brings them within
+the tolerance is noticed and the point claimed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from epcc.passes import PassOptions
+from epcc.sim import SimOptions, build_plan, simulate
+
+REPO = Path(__file__).resolve().parents[2]
+TOLERANCE = 0.15
+
+MEASURED: dict[tuple[str, int, int], tuple[float, float | None]] = {
+    # (dtype, tokens per rank, SMs): (dispatch ms, combine ms; None: not measured).  fp8 combines
+    # are the bf16 combine (the combine moves bf16 partials).
+    ("bf16", 4096, 16): (0.557, 0.630),
+    ("bf16", 4096, 24): (0.391, 0.444),
+    ("bf16", 4096, 32): (0.310, 0.363),
+    ("bf16", 4096, 48): (0.277, 0.294),
+    ("bf16", 4096, 64): (0.279, 0.263),
+    ("fp8", 4096, 24): (0.225, None),
+    ("fp8", 4096, 64): (0.162, None),
+    ("bf16", 128, 24): (0.033, 0.036),
+    ("bf16", 128, 96): (0.030, 0.034),
+}
+
+_COMBINE_LOADS = ("from 48 SMs on the measured combine stops scaling (0.294, 0.263 ms) while its SM work "
+                  "still divides by the SMs in the model: its warps wait on their loads (bench/README: a "
+                  "few 16-byte loads in flight per lane, latency-bound), and that wait grows with the load "
+                  "on the memory system, which a fluid model of rates does not see")
+_DECODE = ("128 tokens per rank are fewer than the warps (24 SMs x 16): every warp sends, replicates or "
+           "reduces one token, one after the other, at what one warp's loads in flight allow; the fluid "
+           "model spreads the rows over all SMs and sees only the fixed costs and the rates")
+
+NOT_CLAIMED: dict[tuple[str, str, int, int], str] = {
+    ("combine", "bf16", 4096, 48): _COMBINE_LOADS,
+    ("combine", "bf16", 4096, 64): _COMBINE_LOADS,
+    ("dispatch", "bf16", 128, 24): _DECODE,
+    ("combine", "bf16", 128, 24): _DECODE,
+    ("dispatch", "bf16", 128, 96): _DECODE,
+    ("combine", "bf16", 128, 96): _DECODE,
+}
+
+POINTS = [(prog, *key) for key, ms in MEASURED.items() for prog, m in zip(("dispatch", "combine"), ms)
+          if m is not None]
+CLAIMED = [p for p in POINTS if p not in NOT_CLAIMED]
+
+
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory) -> str:
+    """schedules/h200x4.sched on 2 GPUs, as tests/gpu/bundles.py derives it (ep2_source)."""
+    spec = importlib.util.spec_from_file_location("bundles_for_measured", REPO / "tests" / "gpu" / "bundles.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bundles_for_measured"] = mod
+    spec.loader.exec_module(mod)
+    return str(mod.ep2_source(tmp_path_factory.mktemp("ep2")))
+
+
+@lru_cache(maxsize=None)
+def predicted(path: str, dtype: str, tokens: int, sms: int) -> dict[str, float]:
+    """Milliseconds per program, as `epcc simulate FILE --tokens T --dtype D --sms N` gives them."""
+    from epcc.backends.cuda.direct_model import direct_kernels
+
+    plan = build_plan(path, PassOptions(tokens=tokens, dtype=dtype)).plan
+    kernels, why = direct_kernels(plan, sms)
+    assert kernels is not None, why
+    res = simulate(plan, SimOptions(direct=kernels))
+    return {p: r.makespan_s * 1e3 for p, r in res.programs.items()}
+
+
+def measured(prog: str, dtype: str, tokens: int, sms: int) -> float:
+    return MEASURED[(dtype, tokens, sms)][0 if prog == "dispatch" else 1]
+
+
+def test_the_table_is_what_the_simulator_runs(ep2):
+    assert len(CLAIMED) + len(NOT_CLAIMED) == len(POINTS)
+    assert set(NOT_CLAIMED) <= set(POINTS)
+    plan = build_plan(ep2).plan
+    assert plan.num_ranks == 2 and plan.workload.topk == 8 and plan.workload.experts == 256
+    assert plan.workload.hidden == 7168
+
+
+@pytest.mark.parametrize("prog, dtype, tokens, sms", CLAIMED)
+def test_simulate_predicts_the_measured_kernels_within_15_percent(ep2, prog, dtype, tokens, sms):
+    want = measured(prog, dtype, tokens, sms)
+    got = predicted(ep2, dtype, tokens, sms)[prog]
+    assert abs(got / want - 1) <= TOLERANCE, f"{prog} {dtype} {tokens} tokens {sms} SMs: simulated {got:.3f} ms, " \
+                                             f"measured {want:.3f} ms ({(got / want - 1) * 100:+.1f} %)"
+
+
+@pytest.mark.parametrize("prog, dtype, tokens, sms", sorted(NOT_CLAIMED))
+def test_the_points_not_claimed_are_off_for_the_reason_given(ep2, prog, dtype, tokens, sms):
+    # Every reason is a cost the model leaves out: it predicts them too fast, by more than the
+    # tolerance.  Within it, claim the point (drop it from NOT_CLAIMED).
+    want = measured(prog, dtype, tokens, sms)
+    got = predicted(ep2, dtype, tokens, sms)[prog]
+    assert got < want * (1 - TOLERANCE), f"{prog} {dtype} {tokens} tokens {sms} SMs: simulated {got:.3f} ms, " \
+                                         f"measured {want:.3f}: within {TOLERANCE:.0%} now, claim it"
+
+
+def test_four_gpus_from_the_same_rates_are_bound_by_nvlink(ep2):
+    # Not measured with these kernels yet.  On 4 GPUs a token hits ~3.6 GPUs: a dispatch sends
+    # ~160 MB of deduplicated rows to the peers of each GPU, over NVLink at 450 GB/s x 76 % (the
+    # ~340 GB/s SM stores reach with all four sending): ~0.47 ms, above what its 24 SMs need.
+    from epcc.backends.cuda.direct_model import direct_kernels
+
+    plan = build_plan(str(REPO / "schedules" / "h200x4.sched")).plan
+    kernels, _ = direct_kernels(plan)
+    res = simulate(plan, SimOptions(direct=kernels))
+    d = res.programs["dispatch"]
+    remote = sum(f.bytes for f in plan.step("push").flows if f.src == 0)
+    assert 155e6 < remote < 165e6
+    nvlink = 450e9 * 0.76
+    assert d.bottleneck.link_class == "nvlink"
+    assert d.link_classes["nvlink"].work_s == pytest.approx(remote / nvlink, rel=0.02)
+    assert d.link_classes["sm"].work_s < d.link_classes["nvlink"].work_s
+    # the same 470 MB of rows per rank as on 2 GPUs: at 64 SMs the 2-GPU dispatch is held by HBM
+    # writes, the 4-GPU one still by NVLink
+    assert predicted(str(REPO / "schedules" / "h200x4.sched"), "bf16", 4096, 64)["dispatch"] > \
+        predicted(ep2, "bf16", 4096, 64)["dispatch"]
