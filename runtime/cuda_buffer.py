@@ -103,6 +103,7 @@ class CudaEngine:
         def setup():
             self.lib = drt.DirectLibrary(lib_path, self.manifest)
             self.lib.init(self.config.warps)
+            self.lib.prepare()
             self.region = self.lib.malloc(self.lib.region_bytes)
             return self.lib.ipc_handle(self.region)
 

@@ -18,7 +18,9 @@ written for the shape (templates/direct.cu.j2):
   into its other rows as per-channel tails advance;
 * combine reduces each (token, GPU) record into one weighted bf16 partial on the expert's GPU and
   stores it into the home GPU's staging area, where the home GPU sums the partials in fp32 (every
-  warp, once no record is left to reduce).
+  warp, once no record is left to reduce); both read rows through a per-warp shared-memory ring
+  of cp.async loads (COMBINE_RING vectors per lane), so an SM keeps 192 KB of rows in flight
+  without spending registers on them.
 
 Blocks have no fixed role: one SM writes ~46-50 GB/s whatever it writes (sm_probe), so a fixed
 sender/receiver split (14+10 was the best of 24 SMs on 2 GPUs) leaves SMs idle while the other
@@ -43,19 +45,23 @@ COMBINE_BATCH = 4  # records an expert-side warp reduces between two releases of
 CHANNELS_PER_WARP = 4  # dispatch channels per sender warp (taken in order: uneven ones even out)
 DISPATCH_THREADS = 512  # at most 16 warps per dispatch block (the configuration's `warps`)
 COMBINE_THREADS = 512
-# combine: 16-byte vectors per lane and row that a reduction of N rows keeps in flight (N = 1, 2,
-# ..., then 1): all N x U loads go out before the first multiply-add.  The expert side reduces a
-# record's rows (N ~ 2 for top-8 on 4 GPUs), the home side a token's partials (N ~ 3.6); at 512
-# threads a thread has 128 registers, which these fill without spilling (ptxas -v, tested).  A
-# warp runs both sides one after the other (combine_kernel), so one register allocation holds
-# both: U = 8 for a one-row record spilled there, 6 does not.
-EXPERT_UNROLL = (6, 4, 2)
-HOME_UNROLL = (4, 4, 4, 4)
+# combine: 16-byte vectors per lane in a warp's shared-memory ring of cp.async loads (direct.cu.j2,
+# reduce_rows).  The loads in flight hold no registers: one SM keeps 16 warps x 32 lanes x RING x
+# 16 B = 192 KB of rows coming.  With loads into registers (at most ~8 vectors per lane before
+# 128 registers spilled, 4 for a 4-row record) the combine read ~64 GB/s per SM against the ~170
+# an SM reads (bench/README, "Session 13").
+COMBINE_RING = 24
+MAX_SMEM = 227 * 1024  # dynamic shared memory one block may have (sm_90)
 
 
-def unroll(table: tuple[int, ...], nmax: int) -> list[int]:
-    """U(N) for N = 1..nmax: the table, then 1."""
-    return [table[n - 1] if n <= len(table) else 1 for n in range(1, nmax + 1)]
+def ring_stages(nmax: int, ring: int = COMBINE_RING) -> list[int]:
+    """S(N) for N = 1..nmax rows: the ring slots of a reduction of N rows, each slot N vectors per
+    lane; S - 1 steps in flight, S x N <= ring, at least 2 (one being summed, one coming)."""
+    if ring < 2 * nmax:
+        raise DirectError(f"a combine ring of {ring} vectors per lane cannot double-buffer {nmax} rows")
+    return [ring // n for n in range(1, nmax + 1)]
+
+
 MAX_WARPS = DISPATCH_THREADS // 32
 TIMELINE_BLOCKS = 256  # blocks per kernel with a slot in the role timeline
 TIMELINE_WORDS = 1 + MAX_WARPS  # a block's start, then the end of each warp's role
@@ -173,6 +179,10 @@ def match(plan: Plan) -> str | None:
     for s in _steps(plan, "combine"):
         if s.reverse_of is None:
             return f"combine step '{s.name}' (line {s.line}) is not the reverse of a dispatch step"
+    rows = max(min(wl.topk, wl.experts // R), R)  # most rows a combine warp reduces at once
+    if 2 * rows > COMBINE_RING:
+        return (f"a token can have {rows} rows to reduce on one rank: the combine's ring of {COMBINE_RING} vectors "
+                f"per lane double-buffers at most {COMBINE_RING // 2}")
     return None
 
 
@@ -245,7 +255,7 @@ def constants(plan: Plan) -> dict:
         "meta_chunk": META_CHUNK, "meta_threads": META_THREADS, "meta_shared": META_SHARED,
         "combine_batch": COMBINE_BATCH,
         "timeline_blocks": TIMELINE_BLOCKS, "timeline_words": TIMELINE_WORDS,
-        "expert_unroll": unroll(EXPERT_UNROLL, kl), "home_unroll": unroll(HOME_UNROLL, R),
+        "combine_ring": COMBINE_RING, "max_smem": MAX_SMEM, "expert_stages": ring_stages(kl), "home_stages": ring_stages(R),
         "offsets": offsets, "region_bytes": end,
         "waits": [{"key": k, "text": t} for k, t in WAITS],
     }

@@ -147,6 +147,7 @@ class DirectLibrary:
             ("epcc_direct_host_error_record", [u64p, u64p], ctypes.c_int),
             ("epcc_direct_free_host", [ctypes.c_uint64], ctypes.c_int),
             ("epcc_direct_init", [ctypes.c_int], ctypes.c_int),
+            ("epcc_direct_prepare", [], ctypes.c_int),
             ("epcc_direct_dispatch", [ctypes.c_void_p, ctypes.c_uint64], ctypes.c_int),
             ("epcc_direct_combine", [ctypes.c_void_p, ctypes.c_uint64], ctypes.c_int),
         ]:
@@ -203,6 +204,10 @@ class DirectLibrary:
 
     def init(self, warps: int) -> None:
         self.check(self.lib.epcc_direct_init(warps), "init")
+
+    def prepare(self) -> None:
+        """On the device the kernels run on, before the first launch (the combine's shared memory)."""
+        self.check(self.lib.epcc_direct_prepare(), "prepare")
 
     def dispatch(self, args, stream: int) -> None:
         self.check(self.lib.epcc_direct_dispatch(ctypes.byref(args), stream), "dispatch")

@@ -428,6 +428,11 @@ def test_direct_library_loads_and_matches_its_manifest(built, name):
         with pytest.raises(direct_runtime.DirectRuntimeError, match=rf"^init: warps must lie in \[1, 16\], got {bad}$"):
             lib.init(bad)
     lib.init(c["max_warps"])  # only checks; no CUDA call
+    try:  # the first CUDA call: without a GPU or driver it says which call failed
+        lib.prepare()
+    except direct_runtime.DirectRuntimeError as e:
+        assert re.match(r"^prepare: cudaFuncSetAttribute\(combine_kernel, max dynamic shared memory\): .*\(cuda\w+\)$",
+                        str(e)), str(e)
     # a launch configuration the kernels cannot run is refused before anything is launched
     # (no metadata flags raised at the peers), so this needs no GPU either
     args = lib.Args()

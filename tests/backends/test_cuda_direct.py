@@ -95,6 +95,13 @@ def test_reasons_for_workloads_the_kernels_cannot_copy():
     plan.workload.experts = 1356
     assert direct.match(plan) is None
     plan = copy.deepcopy(plan_of("h200x4"))
+    plan.workload.topk = 13  # 64 experts per rank: up to 13 rows of one token on a rank, 2 x 13 > 24
+    assert direct.match(plan) == ("a token can have 13 rows to reduce on one rank: the combine's ring of 24 "
+                                  "vectors per lane double-buffers at most 12")
+    plan.workload.topk = 12
+    assert direct.match(plan) is None
+    assert direct.ring_stages(12) == [24, 12, 8, 6, 4, 4, 3, 3, 2, 2, 2, 2]
+    plan = copy.deepcopy(plan_of("h200x4"))
     plan.workload = None
     assert direct.match(plan) == "the plan has no workload"
 

@@ -32,7 +32,9 @@
 //                    the partials of home tokens in fp32 and writes bf16.
 // No SM waits for a role it was not given: one SM writes ~46 GB/s by any path (sm_probe), so a
 // fixed split between sending and replicating (or partials and sums) left one side idle.
-// Rows move by 16-byte warp loads and stores (bench/sm_probe.cu measured why: not bulk copies).
+// Dispatch rows move by 16-byte warp loads and stores (bench/sm_probe.cu measured why: not bulk
+// copies); the combine's loads go through per-warp shared-memory rings by cp.async, so that the
+// rows in flight hold no registers (reduce_rows).
 // Epochs live in device memory (CUDA-graph capturable): a kernel's last block advances them.
 #include <cstdint>
 #include <cstdio>
@@ -756,55 +758,82 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float (&acc)[8]) {
 
 constexpr int HV = H / 8;  // 16-byte vectors per bf16 row
 constexpr int CB = 4;  // records a warp reduces between two releases of its queue's progress
+constexpr int RING = 24;  // 16-byte vectors per lane in a combine warp's shared-memory ring
+constexpr int COMBINE_SMEM = CTHREADS * RING * 16;  // the combine kernel's dynamic shared memory
+static_assert(COMBINE_SMEM <= 232448, "combine rings exceed a block's shared memory");
 
-// sum_k w[k] * src[k] over N rows, fp32 in row order, into dst (bf16): every load of a step
-// (N rows x U vectors per lane) issued before the first multiply-add.
-template <int N, int NMAX, bool LDG, int U>
-__device__ __forceinline__ void reduce_rows(const uint4* const (&src)[NMAX], const float (&w)[NMAX], uint4* dst, int lane) {
-  for (int v0 = lane; v0 < HV; v0 += 32 * U) {
-    uint4 v[N][U];
+// This warp's ring in the combine kernel's dynamic shared memory.
+__device__ __forceinline__ uint4* warp_ring() {
+  extern __shared__ uint4 combine_ring[];
+  return combine_ring + (threadIdx.x >> 5) * 32 * RING;
+}
+
+// sum_k w[k] * src[k] over N rows, fp32 in row order, into dst (bf16).  Step i covers vector
+// lane + 32 i of every row; its N 16-byte loads go to the lane's slot (i mod S) of the warp's
+// shared-memory ring by cp.async (L2, never L1: partials written by peers during the kernel are
+// read fresh), S - 1 steps ahead of the step being summed.  The loads in flight hold no registers,
+// so a lane keeps (S - 1) x N of them going (registers held ~6 for the old unrolled loads).  A lane
+// reads only the slots it filled: no barrier, only cp.async.wait_group.
+__device__ __forceinline__ void cp_async16(uint4* smem, const uint4* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(smem))),
+               "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory"); }
+
+template <int N, int NMAX, int S>
+__device__ __forceinline__ void reduce_rows(const uint4* const (&src)[NMAX], const float (&w)[NMAX], uint4* dst, int lane,
+                                            uint4* ring) {
+  constexpr int STEPS = (HV + 31) / 32;
+  auto issue = [&](int i) {
+    const int v = lane + 32 * i;
+    if (i < STEPS && v < HV) {
 #pragma unroll
-    for (int k = 0; k < N; ++k)
+      for (int k = 0; k < N; ++k) cp_async16(ring + ((i % S) * N + k) * 32 + lane, src[k] + v);
+    }
+    cp_async_commit();  // every lane commits every step (empty groups too): the wait counts stay in step
+  };
 #pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (v0 + 32 * u < HV) v[k][u] = LDG ? __ldg(src[k] + v0 + 32 * u) : __ldcg(src[k] + v0 + 32 * u);
+  for (int i = 0; i < S - 1; ++i) issue(i);
+  for (int i = 0; i < STEPS; ++i) {
+    issue(i + S - 1);
+    cp_async_wait<S - 1>();  // groups complete in order: step i's loads have landed
+    const int v = lane + 32 * i;
+    if (v < HV) {
+      float acc[8];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (v0 + 32 * u < HV) {
-        float acc[8];
+      for (int q8 = 0; q8 < 8; ++q8) acc[q8] = 0.f;
 #pragma unroll
-        for (int q8 = 0; q8 < 8; ++q8) acc[q8] = 0.f;
-#pragma unroll
-        for (int k = 0; k < N; ++k) bf16x8_fma(acc, v[k][u], w[k]);
-        dst[v0 + 32 * u] = pack_bf16x8(acc);
-      }
+      for (int k = 0; k < N; ++k) bf16x8_fma(acc, ring[((i % S) * N + k) * 32 + lane], w[k]);
+      dst[v] = pack_bf16x8(acc);
     }
   }
 }
 
-// reduce_<side>(n, ...): reduce_rows with U(n), the 16-byte vectors per lane and row in flight
-// (direct.py: N x U(N) loads go out before the first use, as many as fit 128 registers).
+// reduce_<side>(n, ...): reduce_rows with S(n) ring slots (direct.py: as many as RING vectors per
+// lane hold, S(n) x n <= RING).
 __device__ __forceinline__ void reduce_expert(int n, const uint4* const (&src)[KL], const float (&w)[KL],
-                                              uint4* dst, int lane) {
+                                              uint4* dst, int lane, uint4* ring) {
   switch (n) {
-    case 1: reduce_rows<1, KL, true, 6>(src, w, dst, lane); break;
-    case 2: reduce_rows<2, KL, true, 4>(src, w, dst, lane); break;
-    case 3: reduce_rows<3, KL, true, 2>(src, w, dst, lane); break;
-    case 4: reduce_rows<4, KL, true, 1>(src, w, dst, lane); break;
-    case 5: reduce_rows<5, KL, true, 1>(src, w, dst, lane); break;
-    case 6: reduce_rows<6, KL, true, 1>(src, w, dst, lane); break;
-    case 7: reduce_rows<7, KL, true, 1>(src, w, dst, lane); break;
-    case 8: reduce_rows<8, KL, true, 1>(src, w, dst, lane); break;
+    case 1: reduce_rows<1, KL, 24>(src, w, dst, lane, ring); break;
+    case 2: reduce_rows<2, KL, 12>(src, w, dst, lane, ring); break;
+    case 3: reduce_rows<3, KL, 8>(src, w, dst, lane, ring); break;
+    case 4: reduce_rows<4, KL, 6>(src, w, dst, lane, ring); break;
+    case 5: reduce_rows<5, KL, 4>(src, w, dst, lane, ring); break;
+    case 6: reduce_rows<6, KL, 4>(src, w, dst, lane, ring); break;
+    case 7: reduce_rows<7, KL, 3>(src, w, dst, lane, ring); break;
+    case 8: reduce_rows<8, KL, 3>(src, w, dst, lane, ring); break;
     default: break;
   }
 }
 __device__ __forceinline__ void reduce_home(int n, const uint4* const (&src)[R], const float (&w)[R],
-                                              uint4* dst, int lane) {
+                                              uint4* dst, int lane, uint4* ring) {
   switch (n) {
-    case 1: reduce_rows<1, R, false, 4>(src, w, dst, lane); break;
-    case 2: reduce_rows<2, R, false, 4>(src, w, dst, lane); break;
-    case 3: reduce_rows<3, R, false, 4>(src, w, dst, lane); break;
-    case 4: reduce_rows<4, R, false, 4>(src, w, dst, lane); break;
+    case 1: reduce_rows<1, R, 24>(src, w, dst, lane, ring); break;
+    case 2: reduce_rows<2, R, 12>(src, w, dst, lane, ring); break;
+    case 3: reduce_rows<3, R, 8>(src, w, dst, lane, ring); break;
+    case 4: reduce_rows<4, R, 6>(src, w, dst, lane, ring); break;
     default: break;
   }
 }
@@ -835,7 +864,7 @@ __device__ void combine_partials(const Args& a, unsigned long long ce, int p, in
         src[k] = y + (long long)__shfl_sync(~0u, row_l, k) * HV;
         w[k] = __shfl_sync(~0u, w_l, k);
       }
-      reduce_expert(n, src, w, stage_s + (long long)t * HV, lane);
+      reduce_expert(n, src, w, stage_s + (long long)t * HV, lane, warp_ring());
       if ((r + 1) % CB == 0 || r + 1 == count) {
         __syncwarp();
         if (lane == 0) st_release_sys(ctail(a, s, me, c), (ce << 32) | (unsigned long long)(r + 1));
@@ -882,7 +911,7 @@ __device__ void combine_sums(const Args& a) {
       if (n == 0) {
         for (int v = lane; v < HV; v += 32) out[(long long)t * HV + v] = make_uint4(0, 0, 0, 0);
       } else {
-        reduce_home(n, src, w, out + (long long)t * HV, lane);
+        reduce_home(n, src, w, out + (long long)t * HV, lane, warp_ring());
       }
     }
   }
@@ -1004,13 +1033,21 @@ int epcc_direct_host_error_record(unsigned long long* host, unsigned long long* 
   return 0;
 }
 
-// Once per process and device: check the warps a dispatch block may have.
+// Once per process and device: check the warps a dispatch block may have (no CUDA call).
 int epcc_direct_init(int warps) {
   if (warps < 1 || warps > DTHREADS / 32) {
     snprintf(g_error, sizeof g_error, "warps must lie in [1, %d], got %d", DTHREADS / 32, warps);
     return 2;
   }
   return 0;
+}
+
+// Once per process and device, on that device, before the first launch: the combine kernel's rings
+// take more shared memory than a kernel gets without asking.
+int epcc_direct_prepare(void) {
+  cudaError_t err = cudaFuncSetAttribute(reinterpret_cast<const void*>(combine_kernel),
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, COMBINE_SMEM);
+  return err == cudaSuccess ? 0 : set_error(err, "cudaFuncSetAttribute(combine_kernel, max dynamic shared memory)");
 }
 
 int epcc_direct_dispatch(const void* args, unsigned long long stream) {
@@ -1045,8 +1082,8 @@ int epcc_direct_combine(const void* args, unsigned long long stream) {
     snprintf(g_error, sizeof g_error, "bad launch configuration: %lld partial and %lld home-only blocks", a->NS, a->ND);
     return 2;
   }
-  cudaError_t err = launch(reinterpret_cast<const void*>(combine_kernel), (int)(a->NS + a->ND), CTHREADS, 0, true,
-                           *a, s);
+  cudaError_t err = launch(reinterpret_cast<const void*>(combine_kernel), (int)(a->NS + a->ND), CTHREADS, COMBINE_SMEM,
+                           true, *a, s);
   return err == cudaSuccess ? 0 : set_error(err, "launch combine_kernel");
 }
 
