@@ -1,10 +1,10 @@
 module @h200x4 attributes {epcc.num_ranks = 4 : i64, epcc.rank_classes = [array<i64: 0, 1, 2, 3>], epcc.routing = "uniform top-k (exact)", epcc.schedule = "h200x4", epcc.source = "schedules/h200x4.sched", epcc.title = "4x H200, all pairs NVLink4, one-hop dispatch with fused permute"} {
-  module @topology attributes {epcc.sm_launch_s = 9.000000e-06 : f64, epcc.sm_rates_Bps = {copy = 6.000000e+10 : f64, read = 1.720000e+11 : f64, reduce = 7.800000e+10 : f64}, epcc.topology = "h200x4"} {
+  module @topology attributes {epcc.sm_launch_s = 9.000000e-06 : f64, epcc.sm_rates_Bps = {copy = 6.000000e+10 : f64, read = 1.720000e+11 : f64, reduce = 1.400000e+11 : f64}, epcc.topology = "h200x4"} {
     "epcc.level"() {count = 1 : i64, depth = 0 : i64, sym_name = "node"} : () -> () loc("schedules/h200x4.sched":10:10 to :16)
     "epcc.level"() {count = 4 : i64, depth = 1 : i64, sym_name = "gpu"} : () -> () loc("schedules/h200x4.sched":10:18 to :23)
     "epcc.relation"() {sym_name = "peer", targets = [array<i64: 1, 2, 3>, array<i64: 0, 2, 3>, array<i64: 0, 1, 3>, array<i64: 0, 1, 2>], text = "other gpu"} : () -> () loc("schedules/h200x4.sched":13:3 to :28)
     module @links {
-      "epcc.link"() {bandwidth_Bps = 4.500000e+11 : f64, connects = "peer", efficiency = 7.600000e-01 : f64, engine = "sm", kind = "p2p", lanes = 1 : i64, latency_s = 3.000000e-06 : f64, pairs = array<i64: 0, 1, 0, 2, 0, 3, 1, 0, 1, 2, 1, 3, 2, 0, 2, 1, 2, 3, 3, 0, 3, 1, 3, 2>, shared_per = "gpu", sym_name = "nvlink"} : () -> () loc("schedules/h200x4.sched":20:3 to 28:4)
+      "epcc.link"() {bandwidth_Bps = 4.500000e+11 : f64, connects = "peer", efficiency = 6.200000e-01 : f64, engine = "sm", kind = "p2p", lanes = 1 : i64, latency_s = 3.000000e-06 : f64, pairs = array<i64: 0, 1, 0, 2, 0, 3, 1, 0, 1, 2, 1, 3, 2, 0, 2, 1, 2, 3, 3, 0, 3, 1, 3, 2>, shared_per = "gpu", sym_name = "nvlink"} : () -> () loc("schedules/h200x4.sched":20:3 to 28:4)
       "epcc.link"() {bandwidth_Bps = 4.800000e+12 : f64, connects = "", efficiency = 4.000000e-01 : f64, engine = "sm", kind = "local", lanes = 1 : i64, latency_s = 9.9999999999999995E-7 : f64, pairs = array<i64>, shared_per = "", sym_name = "hbm"} : () -> () loc("schedules/h200x4.sched":30:3 to 34:4)
     } loc("schedules/h200x4.sched":9:1 to 35:2)
   } loc("schedules/h200x4.sched":9:1 to 35:2)
