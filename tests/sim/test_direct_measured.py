@@ -16,8 +16,6 @@ the tolerance is noticed and the point claimed.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -56,16 +54,6 @@ NOT_CLAIMED: dict[tuple[str, str, int, int], str] = {
 POINTS = [(prog, *key) for key, ms in MEASURED.items() for prog, m in zip(("dispatch", "combine"), ms)
           if m is not None]
 CLAIMED = [p for p in POINTS if p not in NOT_CLAIMED]
-
-
-@pytest.fixture(scope="module")
-def ep2(tmp_path_factory) -> str:
-    """schedules/h200x4.sched on 2 GPUs, as tests/gpu/bundles.py derives it (ep2_source)."""
-    spec = importlib.util.spec_from_file_location("bundles_for_measured", REPO / "tests" / "gpu" / "bundles.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bundles_for_measured"] = mod
-    spec.loader.exec_module(mod)
-    return str(mod.ep2_source(tmp_path_factory.mktemp("ep2")))
 
 
 @lru_cache(maxsize=None)

@@ -5,8 +5,6 @@ are the tests' own (RATES, LAUNCH), not the shipped schedule's fit."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,21 +17,6 @@ REPO = Path(__file__).resolve().parents[2]
 H200X4 = REPO / "schedules" / "h200x4.sched"
 RATES = {"copy": 50e9, "read": 200e9, "reduce": 80e9}
 LAUNCH = 5e-6
-
-
-def load_bundles():
-    """tests/gpu/bundles.py, which derives the 2-GPU schedule of the h200x2 bundles."""
-    spec = importlib.util.spec_from_file_location("bundles_under_test", REPO / "tests" / "gpu" / "bundles.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bundles_under_test"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="module")
-def ep2(tmp_path_factory) -> Path:
-    """h200x4.sched on 2 GPUs, as tests/gpu/bundles.py derives it for the h200x2 bundles."""
-    return load_bundles().ep2_source(tmp_path_factory.mktemp("ep2"))
 
 
 def kernels(sms=24, dispatch_launches=3) -> DirectKernels:

@@ -4,10 +4,8 @@ the direct kernels where the CUDA target lowers the plan to them) and says which
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,14 +29,6 @@ def rated(tmp_path) -> str:
     path = tmp_path / "h200x4.sched"
     path.write_text(text.replace("  rank gpu\n", "  rank gpu\n" + SM_LINE, 1), encoding="utf-8")
     return str(path)
-
-
-def load_bundles():
-    spec = importlib.util.spec_from_file_location("bundles_for_cli", REPO / "tests" / "gpu" / "bundles.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bundles_for_cli"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("tokens, warps, launches", [
@@ -128,10 +118,10 @@ def test_bad_sms_exit_1(capsys, argv, msg):
     assert code == 1 and msg in err and out == ""
 
 
-def test_the_bundles_simulate_json_uses_the_model_their_kernels_run(capsys, tmp_path):
+def test_the_bundles_simulate_json_uses_the_model_their_kernels_run(capsys, tmp_path, gpu_bundles):
     # tests/gpu/bundles.py stores `epcc simulate --json` beside every bundle: the one-hop plans'
     # with the direct kernels' pool, the RDMA plans' (table-driven kernels) with their SM roles
-    b = load_bundles()
+    b = gpu_bundles
     code, out, err = run(["simulate", str(b.ep2_source(tmp_path)), "--json", "--rdma", "proxy"], capsys)
     assert code == 0, err
     assert json.loads(out)["model"]["sm"]["model"] == "direct"
