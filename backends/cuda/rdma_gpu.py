@@ -10,7 +10,8 @@ two sides share, from the rank's uploaded tables:
 * channels: one per (step, sender, receiver); a chunk's sequence number on its channel is its
   position among the channel's items in the role's item order, which both sides' tables list in
   the same relative order (tables.item_order over copies sorted by flow), so no table carries it;
-* per pack role: a FIFO of `depth` entries (host-pinned: the kernel writes, the proxy reads) and
+* per pack role (one per RDMA step): a FIFO of `depth` entries (host-pinned: the kernel writes, the
+  proxy reads; the structs of all roles first, as the array the engine reads, then the entries) and
   `depth` send slots (device memory, the copy engine's source), a claim counter (device);
 * per receive channel: `depth` landing slots and `depth` signal words (device memory, targets of
   the peer's writes), a consumed word (host-pinned: the unpack role writes it, the proxy returns
@@ -49,7 +50,7 @@ from .tables import PROGRAMS, parse_tables
 ALIGN = 256
 FIFO_WORDS = 8  # epcc_rdma_fifo: tail, head, retired, flushed, depth, entries, done, external
 ENTRY_WORDS = 6  # epcc_rdma_entry: word, kind, chan, chan_seq, bytes, value
-RETIRED_WORD = 2
+RETIRED_WORD, DEPTH_WORD, ENTRIES_WORD = 2, 4, 5  # epcc_rdma_fifo's words the host fills or the kernels read
 RDMA_CHAN = np.dtype([("ring", "<u8"), ("signals", "<u8"), ("counter", "<u8"), ("credit", "<u8"),
                       ("entries", "<u8"), ("retired", "<u8"), ("depth", "<u4"), ("slot_bytes", "<u4"),
                       ("chan", "<u4"), ("chan_depth", "<u4")])  # epcc::RdmaChan (device.cu.j2)
@@ -113,6 +114,56 @@ class _Role:
     chans: list = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class FifoLayout:
+    """Where the FIFOs of a rank's pack roles lie in their one host-pinned region, in u64 words:
+    the engine reads `epcc_rdma_fifo [n_roles]` as one array (epcc_proxy.c.j2, epcc_rdma_engine_init:
+    `s->fifos = gpu_fifos`, role i's FIFO is `fifos[i]`), so the structs come first, contiguous,
+    in role order, and each FIFO's `entries` word points at its own area of `depth` entries behind
+    them (`done` is the proxy's, allocated by epcc_rdma_fifo_attach)."""
+
+    depths: tuple[int, ...]
+
+    @property
+    def n(self) -> int:
+        return len(self.depths)
+
+    def struct_word(self, i: int) -> int:
+        """Word offset of role i's epcc_rdma_fifo."""
+        return FIFO_WORDS * i
+
+    def entries_word(self, i: int) -> int:
+        """Word offset of role i's first epcc_rdma_entry."""
+        return FIFO_WORDS * self.n + ENTRY_WORDS * sum(self.depths[:i])
+
+    @property
+    def words(self) -> int:
+        return FIFO_WORDS * self.n + ENTRY_WORDS * sum(self.depths)
+
+    def fill(self, host: np.ndarray, base: int) -> None:
+        """Write each FIFO's depth and entries pointer into the zeroed region `host` (u64 words)
+        whose address is `base`; the counters start at 0."""
+        if len(host) < self.words:
+            raise RdmaGpuError(f"the FIFO region holds {len(host)} words, the layout needs {self.words}")
+        for i, depth in enumerate(self.depths):
+            host[self.struct_word(i) + DEPTH_WORD] = depth
+            host[self.struct_word(i) + ENTRIES_WORD] = base + 8 * self.entries_word(i)
+
+    def entries_ptr(self, base: int, i: int) -> int:
+        return base + 8 * self.entries_word(i)
+
+    def retired_ptr(self, base: int, i: int) -> int:
+        return base + 8 * (self.struct_word(i) + RETIRED_WORD)
+
+
+def fifo_layout(depths) -> FifoLayout:
+    """The layout of the FIFOs of pack roles of these depths (in role order)."""
+    depths = tuple(int(d) for d in depths)
+    if any(d <= 0 for d in depths):
+        raise RdmaGpuError(f"FIFO depths {list(depths)}: every pack role needs a depth of at least 1")
+    return FifoLayout(depths)
+
+
 def wire_pitch(manifest: dict, program: str) -> int:
     """Bytes of one row on the RDMA link: the dispatch wire row; combine rows travel as bf16."""
     wl = manifest["workload"]
@@ -142,6 +193,102 @@ def item_sequences(manifest: dict, parsed: dict, program: str) -> tuple[np.ndarr
             got.append((int(it["row_end"]) - int(it["row_begin"])) * wire)
         sides[side][i] = chans
     return seq, sides["rdma-pack"], sides["rdma-unpack"]
+
+
+@dataclass
+class ChannelPlan:
+    """One rank's side of a program's GPU proxy path, decided before anything is allocated."""
+
+    roles: list[_Role]  # the pack roles in kernel role order: the engine's roles, FIFOs and send slots
+    send: dict[tuple, _Chan]  # by (step, sender, receiver), sorted: a channel's index is its position
+    recv: dict[tuple, _Chan]
+    landing_bytes: int
+    sig_bytes: int
+    fifos: FifoLayout
+
+
+def channel_plan(program: str, kernel: dict, pack: dict, unpack: dict, steps: dict, wire: int) -> ChannelPlan:
+    """The channels, landing and signal offsets and FIFO layout of one rank, from its pack and
+    unpack roles (item_sequences) and the program's RDMA steps (by name, with their depth)."""
+    send: dict[tuple, _Chan] = {}
+    recv: dict[tuple, _Chan] = {}
+    roles: list[_Role] = []
+    fed_by: dict[tuple, int] = {}
+    for ri, chans in pack.items():
+        step = kernel["roles"][ri]["step"]
+        role = _Role(ri, step, steps[step].depth, wire)
+        for key, sizes in chans.items():
+            if fed_by.setdefault(key, ri) != ri:  # item_sequences numbers chunks per role and channel
+                raise RdmaGpuError(f"{program} step '{step}': channel {key[1]}->{key[2]} is fed by pack roles "
+                                   f"{fed_by[key]} and {ri}; one pack role per channel in this version")
+            ch = send.setdefault(key, _Chan(key, step, key[1], key[2], steps[step].depth))
+            ch.n_chunks += len(sizes)
+            ch.slot_bytes = max(ch.slot_bytes, max(sizes, default=1))
+            role.slot_bytes = max(role.slot_bytes, ch.slot_bytes)
+            role.chans.append(key)
+        roles.append(role)
+    for ri, chans in unpack.items():
+        step = kernel["roles"][ri]["step"]
+        for key, sizes in chans.items():
+            ch = recv.setdefault(key, _Chan(key, step, key[1], key[2], steps[step].depth))
+            ch.n_chunks += len(sizes)
+            ch.slot_bytes = max(ch.slot_bytes, max(sizes, default=1))
+    send = dict(sorted(send.items()))
+    recv = dict(sorted(recv.items()))
+    for i, ch in enumerate(send.values()):
+        ch.index = i
+    landing_bytes = sig_bytes = 0
+    for i, ch in enumerate(recv.values()):
+        ch.index = i
+        ch.slot_bytes = _align(ch.slot_bytes)
+        ch.offset = landing_bytes
+        landing_bytes += ch.depth * ch.slot_bytes
+        ch.sig_offset = sig_bytes
+        sig_bytes += 8 * ch.depth
+    for role in roles:
+        role.slot_bytes = _align(role.slot_bytes)
+    return ChannelPlan(roles, send, recv, landing_bytes, sig_bytes, fifo_layout(r.depth for r in roles))
+
+
+@dataclass(frozen=True)
+class Regions:
+    """The addresses the kernels' descriptors point into (device memory, or host-pinned and mapped)."""
+
+    send_bufs: tuple[int, ...]  # per pack role: depth x slot_bytes send slots
+    claims: int  # u64 [n pack roles]: FIFO indices claimed
+    credits: int  # u64 [n send channels]: written by the receivers' proxies
+    fifos: int  # the FIFO region (ChannelPlan.fifos)
+    landing: int  # the landing slots of every receive channel
+    signals: int  # their signal words
+    consumed: int  # u64 [n receive channels], host-pinned
+
+
+def descriptors(parsed: dict, kernel: dict, cp: ChannelPlan, at: Regions, peer_depth: dict) -> np.ndarray:
+    """The kernels' RdmaChan table (one per CopyDesc): a pack role's copies point at the role's own
+    send slots, claim counter, FIFO entries and retired word, and their channel's credit word; an
+    unpack role's at their channel's landing slots, signal words and consumed word.  `peer_depth`:
+    the receiver's landing slots of each send channel (the credit window)."""
+    desc = np.zeros(max(len(parsed["copies"]), 1), dtype=RDMA_CHAN)
+    for i, role in enumerate(cp.roles):
+        rd = parsed["roles"][role.index]
+        for k in range(int(rd["item_count"])):
+            it = parsed["items"][int(rd["item_begin"]) + k]
+            c = parsed["copies"][int(it["copy"])]
+            ch = cp.send[(role.step, int(c["src_rank"]), int(c["dst_rank"]))]
+            desc[int(it["copy"])] = (at.send_bufs[i], 0, at.claims + 8 * i, at.credits + 8 * ch.index,
+                                     cp.fifos.entries_ptr(at.fifos, i), cp.fifos.retired_ptr(at.fifos, i), role.depth,
+                                     role.slot_bytes, ch.index, peer_depth[ch.key])
+    for ri, role in enumerate(kernel["roles"]):
+        if role.get("lowered") != "rdma-unpack":
+            continue
+        rd = parsed["roles"][ri]
+        for k in range(int(rd["item_count"])):
+            it = parsed["items"][int(rd["item_begin"]) + k]
+            c = parsed["copies"][int(it["copy"])]
+            ch = cp.recv[(role["step"], int(c["src_rank"]), int(c["dst_rank"]))]
+            desc[int(it["copy"])] = (at.landing + ch.offset, at.signals + ch.sig_offset, at.consumed + 8 * ch.index,
+                                     0, 0, 0, ch.depth, ch.slot_bytes, 0, 0)
+    return desc
 
 
 class GpuRdma:
@@ -185,42 +332,9 @@ class GpuRdma:
         wire = wire_pitch(manifest, program)
         step_index = {s.step: s.index for s in steps.values()}
 
-        # ---- this rank's channels (the same numbering on both sides: sorted keys)
-        send: dict[tuple, _Chan] = {}
-        recv: dict[tuple, _Chan] = {}
-        roles: list[_Role] = []
-        for ri, chans in pack.items():
-            step = kernel["roles"][ri]["step"]
-            role = _Role(ri, step, steps[step].depth, wire)
-            for key, sizes in chans.items():
-                ch = send.setdefault(key, _Chan(key, step, key[1], key[2], steps[step].depth))
-                ch.n_chunks += len(sizes)
-                ch.slot_bytes = max(ch.slot_bytes, max(sizes, default=1))
-                role.slot_bytes = max(role.slot_bytes, ch.slot_bytes)
-                role.chans.append(key)
-            roles.append(role)
-        for ri, chans in unpack.items():
-            step = kernel["roles"][ri]["step"]
-            for key, sizes in chans.items():
-                ch = recv.setdefault(key, _Chan(key, step, key[1], key[2], steps[step].depth))
-                ch.n_chunks += len(sizes)
-                ch.slot_bytes = max(ch.slot_bytes, max(sizes, default=1))
-        send = dict(sorted(send.items()))
-        recv = dict(sorted(recv.items()))
-        for i, ch in enumerate(send.values()):
-            ch.index = i
-        landing_bytes = sig_bytes = 0
-        for i, ch in enumerate(recv.values()):
-            ch.index = i
-            ch.slot_bytes = _align(ch.slot_bytes)
-            ch.offset = landing_bytes
-            landing_bytes += ch.depth * ch.slot_bytes
-            ch.sig_offset = sig_bytes
-            sig_bytes += 8 * ch.depth
-        for role in roles:
-            role.slot_bytes = _align(role.slot_bytes)
-        if len(roles) > 1:  # the engine reads epcc_rdma_fifo [n_roles] contiguous; laid out one per role below
-            raise RdmaGpuError(f"{program}: {len(roles)} RDMA steps; one per program in this version")
+        cp = channel_plan(program, kernel, pack, unpack, steps, wire)
+        roles, send, recv = cp.roles, cp.send, cp.recv
+        landing_bytes, sig_bytes = cp.landing_bytes, cp.sig_bytes
 
         # ---- memory: device (cudaMalloc'd, zeroed; peers write the first three) and host-pinned
         def dmalloc(n: int) -> int:
@@ -250,18 +364,12 @@ class GpuRdma:
             shared = [dmalloc(n) for n in shared]
         landing, signals, credits, *send_bufs = shared
         claims = dmalloc(8 * len(roles))
-        fifo_words = sum(FIFO_WORDS + ENTRY_WORDS * r.depth for r in roles)
-        fifo_host, fifo_ptr = pinned(fifo_words)
-        self._fifo_host = fifo_host
+        fifo_host, fifo_ptr = pinned(cp.fifos.words)
+        cp.fifos.fill(fifo_host, fifo_ptr)
+        self._fifo_host, self._fifos = fifo_host, cp.fifos
         consumed_host, consumed_ptr = pinned(len(recv))
         self._consumed_host, self._n_recv = consumed_host, len(recv)
         _, credit_src_ptr = pinned(len(recv))
-        fifo_at, at = [], 0
-        for r in roles:
-            fifo_at.append(at)
-            fifo_host[at + 4] = r.depth  # depth
-            fifo_host[at + 5] = fifo_ptr + 8 * (at + FIFO_WORDS)  # entries, right behind the struct
-            at += FIFO_WORDS + ENTRY_WORDS * r.depth
 
         # ---- transport: open, register, exchange, connect
         try:
@@ -334,27 +442,10 @@ class GpuRdma:
             raise RdmaGpuError(f"rank {rank}: the proxy engine could not be set up (FIFO depth or memory)")
 
         # ---- the kernels' descriptors: one RdmaChan per CopyDesc, the items' sequence numbers
-        desc = np.zeros(max(len(parsed["copies"]), 1), dtype=RDMA_CHAN)
-        for ri, role in zip(pack, roles):
-            rd = parsed["roles"][ri]
-            for k in range(int(rd["item_count"])):
-                it = parsed["items"][int(rd["item_begin"]) + k]
-                c = parsed["copies"][int(it["copy"])]
-                key = (role.step, int(c["src_rank"]), int(c["dst_rank"]))
-                ch = send[key]
-                depth = everyone[ch.dst]["recv"][key][3]
-                desc[int(it["copy"])] = (send_bufs[roles.index(role)], 0, claims + 8 * roles.index(role),
-                                         credits + 8 * ch.index, fifo_ptr + 8 * (fifo_at[0] + FIFO_WORDS),
-                                         fifo_ptr + 8 * (fifo_at[0] + RETIRED_WORD), role.depth, role.slot_bytes,
-                                         ch.index, depth)
-        for ri, chans in unpack.items():
-            rd = parsed["roles"][ri]
-            for k in range(int(rd["item_count"])):
-                it = parsed["items"][int(rd["item_begin"]) + k]
-                c = parsed["copies"][int(it["copy"])]
-                ch = recv[(kernel["roles"][ri]["step"], int(c["src_rank"]), int(c["dst_rank"]))]
-                desc[int(it["copy"])] = (landing + ch.offset, signals + ch.sig_offset, consumed_ptr + 8 * ch.index, 0,
-                                         0, 0, ch.depth, ch.slot_bytes, 0, 0)
+        regions = Regions(send_bufs=tuple(send_bufs), claims=claims, credits=credits, fifos=fifo_ptr, landing=landing,
+                          signals=signals, consumed=consumed_ptr)
+        peer_depth = {k: everyone[ch.dst]["recv"][k][3] for k, ch in send.items()}
+        desc = descriptors(parsed, kernel, cp, regions, peer_depth)
         self.desc_dev = dmalloc(desc.nbytes)
         self.seq_dev = dmalloc(seq.nbytes)
         cuda_lib.copy_to_device(self.desc_dev, desc.view(np.uint8))
@@ -396,11 +487,13 @@ class GpuRdma:
 
     def state(self) -> str:
         """One line for a failure report: what the proxy saw and did (FIFO counters, consumed words)."""
-        f = self._fifo_host
+        f, lay = self._fifo_host, self._fifos
         posted = int(self.lib.epcc_rdma_engine_posted(self.engine.ctypes.data)) if self.engine is not None else -1
         words = ", ".join(f"0x{int(v):x}" for v in self._consumed_host[: self._n_recv])
-        return (f"{self.program} proxy: status {self.status}, posted {posted}, FIFO head {int(f[1])} retired "
-                f"{int(f[2])}, consumed [{words}], transport {self.tp.stats() if self.tp else '-'}")
+        fifos = ", ".join(f"head {int(f[lay.struct_word(i) + 1])} retired {int(f[lay.struct_word(i) + RETIRED_WORD])}"
+                          for i in range(lay.n))
+        return (f"{self.program} proxy: status {self.status}, posted {posted}, FIFOs [{fifos}], consumed [{words}], "
+                f"transport {self.tp.stats() if self.tp else '-'}")
 
     def close(self) -> None:
         """Stop the proxy (every launch using it must have completed), release everything."""

@@ -188,3 +188,95 @@ def test_nvshmem_over_a_library_built_without_it_is_refused(tmp_path, monkeypatc
         rdma_gpu.GpuRdma(proxy_lib=str(lib), cuda_lib=None, ctx=None, plan=plan, manifest=b.manifest, blob=blob,
                          program="dispatch", rank=0, device=0, exchange=None, transport="nvshmem")
     assert str(e.value) == f"{lib}: built without NVSHMEM (build_gpu(..., 'nvshmem') links it)"
+
+
+# ------------------------------------------------------------ several RDMA steps per program
+
+def test_fifo_layout_is_the_array_the_engine_reads():
+    """The engine reads `epcc_rdma_fifo [n_roles]` from one address (epcc_rdma_engine_init): the
+    structs are contiguous in role order, each `entries` word points at its own area behind them."""
+    lay = rdma_gpu.fifo_layout([4, 2, 3])
+    F, E = rdma_gpu.FIFO_WORDS, rdma_gpu.ENTRY_WORDS
+    assert [lay.struct_word(i) for i in range(3)] == [0, F, 2 * F]
+    assert [lay.entries_word(i) for i in range(3)] == [3 * F, 3 * F + 4 * E, 3 * F + 6 * E]
+    assert lay.words == 3 * F + 9 * E
+    base = 0x7F00_0000_1000
+    host = np.zeros(lay.words, dtype=np.uint64)
+    lay.fill(host, base)
+    areas = []
+    for i, depth in enumerate((4, 2, 3)):
+        s = lay.struct_word(i)
+        assert list(host[s:s + F]) == [0, 0, 0, 0, depth, base + 8 * lay.entries_word(i), 0, 0]
+        assert lay.entries_ptr(base, i) == base + 8 * lay.entries_word(i)
+        assert lay.retired_ptr(base, i) == base + 8 * (s + rdma_gpu.RETIRED_WORD)
+        areas.append((lay.entries_word(i), lay.entries_word(i) + E * depth))
+    assert areas[0][0] >= 3 * F and areas[-1][1] == lay.words  # behind the structs, inside the region
+    assert all(a[1] <= b[0] for a, b in zip(areas, areas[1:]))  # no two FIFOs share an entry
+    with pytest.raises(rdma_gpu.RdmaGpuError, match="the FIFO region holds 3 words, the layout needs"):
+        lay.fill(np.zeros(3, dtype=np.uint64), base)
+    with pytest.raises(rdma_gpu.RdmaGpuError) as e:
+        rdma_gpu.fifo_layout([2, 0])
+    assert str(e.value) == "FIFO depths [2, 0]: every pack role needs a depth of at least 1"
+
+
+def _relay_side(program, rank, tokens=24, chunk=3):
+    """h200x2_2vnode_relay (two RDMA steps per program): one rank's tables, roles and channel plan."""
+    from epcc.backends.rdma.lower import rdma_steps
+
+    plan, layout, *_ = small_case("h200x2_2vnode_relay", tokens, chunk)
+    m = cuda.generate(plan, source_of("h200x2_2vnode_relay"), cuda.CudaOptions(rdma="proxy")).manifest
+    parsed = cuda.parse_tables(cuda.build_tables(m, layout, program, rank).blob)
+    _, pack, unpack = rdma_gpu.item_sequences(m, parsed, program)
+    kernel = next(k for k in m["kernels"] if k["program"] == program and k["kind"] == "main")
+    steps = {s.step: s for s in rdma_steps(plan) if s.program == program}
+    cp = rdma_gpu.channel_plan(program, kernel, pack, unpack, steps, rdma_gpu.wire_pitch(m, program))
+    return parsed, kernel, cp
+
+
+@pytest.mark.parametrize("program", tables.PROGRAMS)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_two_rdma_steps_each_pack_role_points_at_its_own_fifo(program, rank):
+    parsed, kernel, cp = _relay_side(program, rank)
+    assert [r.step for r in cp.roles] == [kernel["roles"][r.index]["step"] for r in cp.roles]
+    assert sorted(r.step for r in cp.roles) == ["relay", "there"]  # two pack roles, two FIFOs
+    assert cp.fifos.depths == tuple(r.depth for r in cp.roles)
+    assert len(cp.send) == len(cp.recv) == 2  # one channel per step, each way
+    at = rdma_gpu.Regions(send_bufs=(0x10000, 0x20000), claims=0x30000, credits=0x40000, fifos=0x50000,
+                          landing=0x60000, signals=0x70000, consumed=0x80000)
+    peer_depth = {k: 5 + ch.index for k, ch in cp.send.items()}
+    desc = rdma_gpu.descriptors(parsed, kernel, cp, at, peer_depth)
+    seen = {}
+    for i, role in enumerate(cp.roles):
+        rd = parsed["roles"][role.index]
+        assert int(rd["item_count"]) > 0
+        for k in range(int(rd["item_count"])):
+            it = parsed["items"][int(rd["item_begin"]) + k]
+            c = parsed["copies"][int(it["copy"])]
+            ch = cp.send[(role.step, int(c["src_rank"]), int(c["dst_rank"]))]
+            d = desc[int(it["copy"])]
+            assert int(d["entries"]) == at.fifos + 8 * cp.fifos.entries_word(i)
+            assert int(d["retired"]) == at.fifos + 8 * (rdma_gpu.FIFO_WORDS * i + rdma_gpu.RETIRED_WORD)
+            assert (int(d["ring"]), int(d["counter"])) == (at.send_bufs[i], at.claims + 8 * i)
+            assert (int(d["credit"]), int(d["chan"])) == (at.credits + 8 * ch.index, ch.index)
+            assert (int(d["depth"]), int(d["slot_bytes"]), int(d["chan_depth"])) == (
+                role.depth, role.slot_bytes, 5 + ch.index)
+            seen.setdefault(i, set()).add(int(d["entries"]))
+    assert len(seen) == 2 and seen[0] != seen[1] and all(len(v) == 1 for v in seen.values())
+    landed = set()
+    for ri, role in enumerate(kernel["roles"]):
+        if role.get("lowered") != "rdma-unpack":
+            continue
+        rd = parsed["roles"][ri]
+        for k in range(int(rd["item_count"])):
+            it = parsed["items"][int(rd["item_begin"]) + k]
+            c = parsed["copies"][int(it["copy"])]
+            ch = cp.recv[(role["step"], int(c["src_rank"]), int(c["dst_rank"]))]
+            d = desc[int(it["copy"])]
+            assert (int(d["ring"]), int(d["signals"]), int(d["counter"])) == (
+                at.landing + ch.offset, at.signals + ch.sig_offset, at.consumed + 8 * ch.index)
+            assert int(d["entries"]) == int(d["retired"]) == 0
+            landed.add(ch.key)
+    assert landed == set(cp.recv)
+    # the two landing rings and signal areas do not overlap
+    rings = sorted((ch.offset, ch.offset + ch.depth * ch.slot_bytes) for ch in cp.recv.values())
+    assert rings[0][1] <= rings[1][0] and rings[1][1] == cp.landing_bytes

@@ -339,3 +339,196 @@ def test_partials_are_packed_to_bf16_rounding_to_nearest_even():
     got = np.zeros(2, dtype=np.uint16)
     lib.epcc_rdma_pack_f32_bf16(got.ctypes.data, nan.ctypes.data, 2)
     assert all((g & 0x7f80) == 0x7f80 and (g & 0x7f) for g in got)
+
+
+# ------------------------------------------------------------ the GPU proxy loop, on the CPU
+
+@pytest.fixture(scope="module")
+def gpu_loop(tmp_path_factory):
+    """The emitted loop of h200x2_2vnode_relay (two RDMA steps per program) with the test-only
+    loopback transport (tests/rdma/loopback_transport.c): epcc_rdma_proxy_gpu over host memory."""
+    from epcc.backends.rdma.build import CFLAGS
+
+    d = tmp_path_factory.mktemp("gpu_loop")
+    plan = _plan("h200x2_2vnode_relay.sched")
+    src = d / rdma.proxy_file_name(plan)
+    src.write_text(rdma.proxy_source(plan), encoding="utf-8")
+    out = d / "libloop.so"
+    subprocess.run([compiler(), *CFLAGS, "-shared", f"-I{NATIVE_DIR}", "-o", str(out), str(src),
+                    str(NATIVE_DIR / "epcc_transport.c"), str(NATIVE_DIR / "epcc_proxy_prim.c"),
+                    str(Path(__file__).parent / "loopback_transport.c")], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.epcc_test_loopback_open.argtypes, lib.epcc_test_loopback_open.restype = [ctypes.c_int, ctypes.c_int], \
+        ctypes.c_void_p
+    for f in ("epcc_rdma_engine_init", "epcc_rdma_proxy_gpu"):
+        getattr(lib, f).argtypes, getattr(lib, f).restype = [ctypes.c_void_p], ctypes.c_int
+    lib.epcc_rdma_engine_fini.argtypes, lib.epcc_rdma_engine_fini.restype = [ctypes.c_void_p], None
+    lib.epcc_rdma_engine_posted.argtypes, lib.epcc_rdma_engine_posted.restype = [ctypes.c_void_p], ctypes.c_uint64
+    lib.epcc_tp_close.argtypes = [ctypes.c_void_p]
+    return lib, plan
+
+
+class _GpuSide:
+    """One rank of the GPU path with two pack roles (dispatch `there` and `relay`, to rank 1), the
+    FIFO region laid out by rdma_gpu.fifo_layout, and Python standing in for the kernels."""
+
+    SLOT = 64
+
+    def __init__(self, lib, plan, depths=(3, 2), chan_depths=(2, 3)):
+        import numpy as np
+
+        from epcc.backends.cuda import rdma_gpu
+        from epcc.backends.rdma import engine as eng
+        from epcc.backends.rdma.lower import rdma_steps
+
+        self.np, self.lib, self.keep = np, lib, []
+        steps = [s for s in rdma_steps(plan) if s.program == "dispatch"]
+        assert [s.step for s in steps] == ["there", "relay"]
+        self.lay = rdma_gpu.fifo_layout(depths)
+        self.fifo = np.zeros(self.lay.words, dtype=np.uint64)
+        self.lay.fill(self.fifo, self.fifo.ctypes.data)
+        self.depths, self.chan_depths = depths, chan_depths
+        self.send_bufs = [np.zeros(d * self.SLOT, dtype=np.uint8) for d in depths]
+        self.landing = [np.zeros(d * self.SLOT, dtype=np.uint8) for d in chan_depths]
+        self.signals = [np.zeros(d, dtype=np.uint64) for d in chan_depths]
+        self.tp = lib.epcc_test_loopback_open(0, 2)
+        assert self.tp
+        # one receive channel (rank 1 -> 0, step there): its consumed word comes back as credit
+        self.consumed, self.credit_src, self.credit_dst = (np.zeros(1, dtype=np.uint64) for _ in range(3))
+        t = lambda table, rows: eng.u64_table(self.keep, table, rows).ctypes.data  # noqa: E731
+        roles = [dict(step=s.index, depth=d, slot_bytes=self.SLOT, src_row_bytes=self.SLOT,
+                      send_buf=b.ctypes.data, mr=0) for s, d, b in zip(steps, depths, self.send_bufs)]
+        chans = [dict(peer=1, remote_addr=land.ctypes.data, slot_bytes=self.SLOT, depth=cd, imm_chan=i,
+                      credit_name=eng.c_string(self.keep, f"chan{i}.credit"), signal_addr=sig.ctypes.data)
+                 for i, (land, sig, cd) in enumerate(zip(self.landing, self.signals, chan_depths))]
+        recv = [dict(peer=1, step=steps[0].index, n_chunks=4, depth=2, slot_bytes=self.SLOT,
+                     credit_raddr=self.credit_dst.ctypes.data, credit_src=self.credit_src.ctypes.data,
+                     name=eng.c_string(self.keep, "recv0"), consumed=self.consumed.ctypes.data)]
+        self.err = ctypes.create_string_buffer(eng.ERRLEN)
+        self.stop, self.abort = np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64)
+        self.engine = eng.u64_table(self.keep, eng.ENGINE, [dict(
+            tp=self.tp, rank_desc=eng.c_string(self.keep, "rank 0 (test)"), timeout_ns=10 ** 10,
+            abort=self.abort.ctypes.data, stop=self.stop.ctypes.data, n_roles=2, roles=t(eng.SEND_ROLE, roles),
+            n_send_chans=2, send_chans=t(eng.SEND_CHAN, chans), n_recv_chans=1, recv_chans=t(eng.RECV_CHAN, recv),
+            err=ctypes.addressof(self.err), errlen=eng.ERRLEN, gpu_fifos=self.fifo.ctypes.data)])
+        assert lib.epcc_rdma_engine_init(self.engine.ctypes.data) == 0
+        self.claims = [0, 0]
+        self.status = None
+
+    def start(self):
+        import threading
+
+        def run():
+            self.status = self.lib.epcc_rdma_proxy_gpu(self.engine.ctypes.data)
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def word(self, role, w):
+        return int(self.fifo[self.lay.struct_word(role) + w])
+
+    def wait(self, cond, what):
+        import time
+
+        end = time.monotonic() + 20
+        while not cond():
+            assert self.status in (None, 0), self.err.value.decode()
+            assert time.monotonic() < end, what
+            time.sleep(0.0005)
+
+    def push(self, role, chan, seq, payload, kind=1):
+        """What run_pack does: claim an index, wait for its send slot, fill it, publish the entry."""
+        from epcc.backends.cuda.rdma_gpu import ENTRY_WORDS, RETIRED_WORD
+
+        idx = self.claims[role]
+        self.claims[role] += 1
+        depth = self.depths[role]
+        if idx >= depth:
+            self.wait(lambda: self.word(role, RETIRED_WORD) >= idx - depth + 1, f"role {role} slot {idx}")
+        self.send_bufs[role][(idx % depth) * self.SLOT:][:len(payload)] = payload
+        e = self.lay.entries_word(role) + ENTRY_WORDS * (idx % depth)
+        self.fifo[e + 1:e + 6] = [kind, chan, seq, len(payload), (1 << 32) | (seq + 1)]
+        self.fifo[e] = (idx << 1) | 1  # the valid word last
+
+    def close(self):
+        self.stop[0] = 1
+        self.thread.join(20)
+        self.lib.epcc_rdma_engine_fini(self.engine.ctypes.data)
+        self.lib.epcc_tp_close(self.tp)
+
+
+def test_gpu_proxy_loop_serves_two_fifos(gpu_loop):
+    """Two pack roles, each with its own FIFO in the region rdma_gpu lays out: the loop finds both
+    (epcc_rdma_engine_init checks each FIFO's depth against its role), posts every chunk of each
+    to its own channel's landing slot and signal word, retires each FIFO's entries in order over
+    out-of-order completions, and returns the consumed count as credit."""
+    import numpy as np
+
+    lib, plan = gpu_loop
+    g = _GpuSide(lib, plan)
+    g.start()
+    try:
+        rng = np.random.default_rng(7)
+        n = (7, 5)  # chunks per role: role 0 -> channel 0 (there), role 1 -> channel 1 (relay)
+        payloads = {(r, s): rng.integers(0, 256, size=int(rng.integers(1, g.SLOT + 1)), dtype=np.uint8)
+                    for r in (0, 1) for s in range(n[r])}
+
+        def check(chan, seq):  # the receiver: wait for the signal, then the payload is in place
+            cd = g.chan_depths[chan]
+            g.wait(lambda: int(g.signals[chan][seq % cd]) == (1 << 32) | (seq + 1), f"chan {chan} chunk {seq}")
+            p = payloads[(chan, seq)]
+            assert bytes(g.landing[chan][(seq % cd) * g.SLOT:][:len(p)]) == p.tobytes(), (chan, seq)
+
+        for s in range(max(n)):
+            for r in (0, 1):
+                if s < n[r]:
+                    if s >= g.chan_depths[r]:  # the landing slot is reused: its previous chunk was consumed
+                        check(r, s - g.chan_depths[r])
+                    g.push(r, r, s, payloads[(r, s)])
+        for r in (0, 1):
+            for s in range(max(0, n[r] - g.chan_depths[r]), n[r]):
+                check(r, s)
+            g.wait(lambda: g.word(r, 2) == n[r], f"role {r} retired")
+            assert (g.word(r, 0), g.word(r, 1), g.word(r, 2)) == (0, n[r], n[r])  # tail is the kernels' claims
+        assert lib.epcc_rdma_engine_posted(g.engine.ctypes.data) == sum(n)
+        g.consumed[0] = (1 << 32) | 4
+        g.wait(lambda: int(g.credit_dst[0]) == (1 << 32) | 4, "credit returned")
+    finally:
+        g.close()
+    assert g.status == 0, g.err.value.decode()
+
+
+def test_gpu_proxy_loop_names_the_step_of_the_fifo_a_bad_entry_is_in(gpu_loop):
+    """A bad entry in the second FIFO is reported against the second role's step (`relay`)."""
+    import numpy as np
+
+    lib, plan = gpu_loop
+    g = _GpuSide(lib, plan)
+    g.start()
+    try:
+        g.push(1, 9, 0, np.ones(8, dtype=np.uint8))  # channel 9: there are 2
+        g.thread.join(20)
+    finally:
+        g.close()
+    assert g.status == 3
+    assert g.err.value.decode() == ("epcc: rank 0 (test) step 'relay': FIFO entry 0 is not a chunk (kind 1, channel 9)")
+
+
+def test_gpu_proxy_engine_refuses_fifos_of_another_layout(gpu_loop):
+    """FIFOs laid out one behind the other (struct, entries, struct, ...) are not the array the
+    engine reads: its depth check fails instead of the loop reading entries as FIFOs."""
+    from epcc.backends.cuda import rdma_gpu
+
+    lib, plan = gpu_loop
+    g = _GpuSide(lib, plan)  # a valid engine, to borrow its tables
+    lib.epcc_rdma_engine_fini(g.engine.ctypes.data)
+    F, E = rdma_gpu.FIFO_WORDS, rdma_gpu.ENTRY_WORDS
+    g.fifo[:] = 0
+    at = 0
+    for d in g.depths:  # the old interleaved layout
+        g.fifo[at + rdma_gpu.DEPTH_WORD] = d
+        g.fifo[at + rdma_gpu.ENTRIES_WORD] = g.fifo.ctypes.data + 8 * (at + F)
+        at += F + E * d
+    assert lib.epcc_rdma_engine_init(g.engine.ctypes.data) == -1
+    lib.epcc_rdma_engine_fini(g.engine.ctypes.data)
+    lib.epcc_tp_close(g.tp)
