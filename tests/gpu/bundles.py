@@ -50,6 +50,9 @@ RDMA_VARIANTS = {  # name -> (schedule, RDMA link name, GB/s)
     "h200x4_ubb2x2_400": ("h200x4_ubb2x2", "nic", 400),
     # the proxy path with the nvshmem transport runs at NVLink speed, not at a paced link's
     "h200x2_2vnode_400": ("h200x2_2vnode", "rdma", 400),
+    # two RDMA steps per program (a staged relay: `relay` sends on what `there` landed): the proxy
+    # path with two pack roles and two FIFOs per rank and program, on a 2-GPU machine
+    "h200x2_2vnode_relay_50": ("h200x2_2vnode_relay", "rdma", 50),
 }
 
 

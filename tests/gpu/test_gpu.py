@@ -12,7 +12,8 @@ $EPCC_GPU_TIMEOUT the seconds one torchrun may take (default 1200).  The EP4 cas
 h200x2_t128).  Each must exit 0 and print "ALL OK"; on failure the test shows the output tail.
 
 The GPU proxy path (issue 6) runs through bench/ep_bench.py --strict on the 2-vnode plan of two
-GPUs (h200x2_2vnode_50_proxy), once per transport: `emulated` (the copy engine paced to 50 GB/s)
+GPUs (h200x2_2vnode_50_proxy, and h200x2_2vnode_relay_50_proxy: two RDMA steps per program, so two
+pack roles and two FIFOs per rank and program), once per transport: `emulated` (the copy engine paced to 50 GB/s)
 and `nvshmem` (put with signal over NVLink; skipped where NVSHMEM's wheel is not installed).  The
 bench checks every result against the oracle (dispatch bit-exact, combine within bf16-wire
 rounding) and --strict makes a failed check or a timeout exit 1.
@@ -33,7 +34,7 @@ WORKER = Path(__file__).resolve().parent / "ep_worker.py"
 BENCH = ROOT / "bench" / "ep_bench.py"
 PROXY_BUNDLES = {  # GPUs -> the proxy-path bundles run on that many GPUs (tests/gpu/bundles.py writes them)
     4: ["h200x4_2vnode_50_proxy", "h200x4_ubb2x2_50_proxy"],
-    2: ["h200x2_2vnode_50_proxy"],
+    2: ["h200x2_2vnode_50_proxy", "h200x2_2vnode_relay_50_proxy"],
 }
 BUNDLES = Path(os.environ.get("EPCC_GPU_BUNDLES") or ROOT / ".gpu" / "bundles")
 HOW = ("to run: `.venv/bin/python tests/gpu/bundles.py .gpu/bundles` on a CPU machine with MLIR, carry .gpu "
