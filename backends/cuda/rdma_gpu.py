@@ -170,6 +170,17 @@ def wire_pitch(manifest: dict, program: str) -> int:
     return int(wl["row_bytes"]) if program == "dispatch" else 2 * int(wl["hidden"])
 
 
+def role_items(parsed: dict, ri: int, step: str):
+    """Role ri's items in item order, as (item index, item, its copy, its channel); an item's
+    channel is (step, the copy's sender, its receiver)."""
+    rd = parsed["roles"][ri]
+    begin = int(rd["item_begin"])
+    for item in range(begin, begin + int(rd["item_count"])):
+        it = parsed["items"][item]
+        c = parsed["copies"][int(it["copy"])]
+        yield item, it, c, (step, int(c["src_rank"]), int(c["dst_rank"]))
+
+
 def item_sequences(manifest: dict, parsed: dict, program: str) -> tuple[np.ndarray, dict, dict]:
     """(seq uint32 [num_items], pack roles {role index: {channel key: [chunk bytes...]}}, unpack
     roles likewise): each item of a pack or unpack role numbered on its channel, in item order."""
@@ -181,13 +192,8 @@ def item_sequences(manifest: dict, parsed: dict, program: str) -> tuple[np.ndarr
         side = role.get("lowered")
         if side not in sides:
             continue
-        rd = parsed["roles"][i]
         chans: dict[tuple[str, int, int], list[int]] = {}
-        for k in range(int(rd["item_count"])):
-            item = int(rd["item_begin"]) + k
-            it = parsed["items"][item]
-            c = parsed["copies"][int(it["copy"])]
-            key = (role["step"], int(c["src_rank"]), int(c["dst_rank"]))
+        for item, it, _, key in role_items(parsed, i, role["step"]):
             got = chans.setdefault(key, [])
             seq[item] = len(got)
             got.append((int(it["row_end"]) - int(it["row_begin"])) * wire)
@@ -270,22 +276,16 @@ def descriptors(parsed: dict, kernel: dict, cp: ChannelPlan, at: Regions, peer_d
     the receiver's landing slots of each send channel (the credit window)."""
     desc = np.zeros(max(len(parsed["copies"]), 1), dtype=RDMA_CHAN)
     for i, role in enumerate(cp.roles):
-        rd = parsed["roles"][role.index]
-        for k in range(int(rd["item_count"])):
-            it = parsed["items"][int(rd["item_begin"]) + k]
-            c = parsed["copies"][int(it["copy"])]
-            ch = cp.send[(role.step, int(c["src_rank"]), int(c["dst_rank"]))]
+        for _, it, _, key in role_items(parsed, role.index, role.step):
+            ch = cp.send[key]
             desc[int(it["copy"])] = (at.send_bufs[i], 0, at.claims + 8 * i, at.credits + 8 * ch.index,
                                      cp.fifos.entries_ptr(at.fifos, i), cp.fifos.retired_ptr(at.fifos, i), role.depth,
                                      role.slot_bytes, ch.index, peer_depth[ch.key])
     for ri, role in enumerate(kernel["roles"]):
         if role.get("lowered") != "rdma-unpack":
             continue
-        rd = parsed["roles"][ri]
-        for k in range(int(rd["item_count"])):
-            it = parsed["items"][int(rd["item_begin"]) + k]
-            c = parsed["copies"][int(it["copy"])]
-            ch = cp.recv[(role["step"], int(c["src_rank"]), int(c["dst_rank"]))]
+        for _, it, _, key in role_items(parsed, ri, role["step"]):
+            ch = cp.recv[key]
             desc[int(it["copy"])] = (at.landing + ch.offset, at.signals + ch.sig_offset, at.consumed + 8 * ch.index,
                                      0, 0, 0, ch.depth, ch.slot_bytes, 0, 0)
     return desc

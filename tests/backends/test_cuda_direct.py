@@ -101,6 +101,9 @@ def test_reasons_for_workloads_the_kernels_cannot_copy():
     plan.workload.topk = 12
     assert direct.match(plan) is None
     assert direct.ring_stages(12) == [24, 12, 8, 6, 4, 4, 3, 3, 2, 2, 2, 2]
+    with pytest.raises(DirectError) as e:  # what match() keeps from generate
+        direct.ring_stages(13)
+    assert str(e.value) == "a combine ring of 24 vectors per lane cannot double-buffer 13 rows"
     plan = copy.deepcopy(plan_of("h200x4"))
     plan.workload = None
     assert direct.match(plan) == "the plan has no workload"

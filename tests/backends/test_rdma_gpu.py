@@ -28,12 +28,7 @@ def test_both_sides_number_every_channel_alike(name, tokens, chunk):
             seq, pack, unpack = rdma_gpu.item_sequences(m, parsed, program)
             for side, roles, out in (("rdma-pack", pack, sent), ("rdma-unpack", unpack, landed)):
                 for ri in roles:
-                    rd = parsed["roles"][ri]
-                    for k in range(int(rd["item_count"])):
-                        item = int(rd["item_begin"]) + k
-                        it = parsed["items"][item]
-                        c = parsed["copies"][int(it["copy"])]
-                        key = (kernel["roles"][ri]["step"], int(c["src_rank"]), int(c["dst_rank"]))
+                    for item, it, c, key in rdma_gpu.role_items(parsed, ri, kernel["roles"][ri]["step"]):
                         # the pack role runs on the sender, the unpack role on the receiver
                         assert rank == (key[1] if side == "rdma-pack" else key[2])
                         if side == "rdma-pack":
@@ -212,11 +207,25 @@ def test_fifo_layout_is_the_array_the_engine_reads():
         areas.append((lay.entries_word(i), lay.entries_word(i) + E * depth))
     assert areas[0][0] >= 3 * F and areas[-1][1] == lay.words  # behind the structs, inside the region
     assert all(a[1] <= b[0] for a, b in zip(areas, areas[1:]))  # no two FIFOs share an entry
-    with pytest.raises(rdma_gpu.RdmaGpuError, match="the FIFO region holds 3 words, the layout needs"):
+    with pytest.raises(rdma_gpu.RdmaGpuError) as e:
         lay.fill(np.zeros(3, dtype=np.uint64), base)
+    assert str(e.value) == f"the FIFO region holds 3 words, the layout needs {lay.words}"
     with pytest.raises(rdma_gpu.RdmaGpuError) as e:
         rdma_gpu.fifo_layout([2, 0])
     assert str(e.value) == "FIFO depths [2, 0]: every pack role needs a depth of at least 1"
+
+
+def test_a_channel_fed_by_two_pack_roles_is_refused():
+    # chunks are numbered per pack role and channel (item_sequences): two roles on one channel
+    # would give two chunks the same number
+    from types import SimpleNamespace
+
+    kernel = {"roles": [{"step": "there"}, {"step": "there"}]}
+    pack = {0: {("there", 0, 1): [4096]}, 1: {("there", 0, 1): [4096]}}
+    with pytest.raises(rdma_gpu.RdmaGpuError) as e:
+        rdma_gpu.channel_plan("dispatch", kernel, pack, {}, {"there": SimpleNamespace(depth=4)}, 14336)
+    assert str(e.value) == ("dispatch step 'there': channel 0->1 is fed by pack roles 0 and 1; one pack role per "
+                            "channel in this version")
 
 
 def _relay_side(program, rank, tokens=24, chunk=3):
@@ -247,12 +256,9 @@ def test_two_rdma_steps_each_pack_role_points_at_its_own_fifo(program, rank):
     desc = rdma_gpu.descriptors(parsed, kernel, cp, at, peer_depth)
     seen = {}
     for i, role in enumerate(cp.roles):
-        rd = parsed["roles"][role.index]
-        assert int(rd["item_count"]) > 0
-        for k in range(int(rd["item_count"])):
-            it = parsed["items"][int(rd["item_begin"]) + k]
-            c = parsed["copies"][int(it["copy"])]
-            ch = cp.send[(role.step, int(c["src_rank"]), int(c["dst_rank"]))]
+        assert int(parsed["roles"][role.index]["item_count"]) > 0
+        for _, it, _, key in rdma_gpu.role_items(parsed, role.index, role.step):
+            ch = cp.send[key]
             d = desc[int(it["copy"])]
             assert int(d["entries"]) == at.fifos + 8 * cp.fifos.entries_word(i)
             assert int(d["retired"]) == at.fifos + 8 * (rdma_gpu.FIFO_WORDS * i + rdma_gpu.RETIRED_WORD)
@@ -266,11 +272,8 @@ def test_two_rdma_steps_each_pack_role_points_at_its_own_fifo(program, rank):
     for ri, role in enumerate(kernel["roles"]):
         if role.get("lowered") != "rdma-unpack":
             continue
-        rd = parsed["roles"][ri]
-        for k in range(int(rd["item_count"])):
-            it = parsed["items"][int(rd["item_begin"]) + k]
-            c = parsed["copies"][int(it["copy"])]
-            ch = cp.recv[(role["step"], int(c["src_rank"]), int(c["dst_rank"]))]
+        for _, it, _, key in rdma_gpu.role_items(parsed, ri, role["step"]):
+            ch = cp.recv[key]
             d = desc[int(it["copy"])]
             assert (int(d["ring"]), int(d["signals"]), int(d["counter"])) == (
                 at.landing + ch.offset, at.signals + ch.sig_offset, at.consumed + 8 * ch.index)
