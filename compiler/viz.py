@@ -187,15 +187,42 @@ def overlap_groups(steps) -> list[list]:
     return groups
 
 
+def _direct_program_label(program: str, pres, sm_model: dict) -> str:
+    """A program's line under the direct kernels' model (sim/direct.py describe(), as `sm_model`):
+    its one kernel's SMs per rank, shared by all its steps, and its launches."""
+    n = sm_model["sms"].get(program)
+    launches = sm_model["launches"].get(program, 0)
+    if n is None:
+        sms = "no SMs of its own"
+    elif "copy" in sm_model.get("rates_gbps", {}):
+        sms = f"{n} SMs per rank, shared by all its steps"
+    else:
+        sms = f"{n} SMs per rank (no SM pool: the topology gives no `sm` copy rate)"
+    text = f"direct kernel: {sms}, {launches} launch{'es' if launches != 1 else ''}"
+    if pres.launch_s > 0:
+        text += f" ({pres.launch_s * 1e3:.3f} ms before its first step)"
+    return text
+
+
 def build_scheduled_graph(built, res) -> graphviz.Digraph:
     """The plan as the compiler scheduled it: per program, overlap groups (steps that run at the
     same time in the simulation), each step with its chunking, SM role and simulated interval;
-    pipelined dependencies dashed ("chunk by chunk"), the critical path in red."""
+    pipelined dependencies dashed ("chunk by chunk"), the critical path in red.
+
+    The simulation's SM model decides what is drawn: under the table-driven kernels' model every
+    step shows its plan chunking and kernel-formation's SM role; under the direct kernels' model
+    (res.sm_model["model"] == "direct", sim/direct.py) the steps of a program share one kernel's
+    pool of SMs and are not chunked, so the graph and program labels give that model (describe()'s
+    text) and the steps show neither roles nor chunks."""
     plan = built.plan
+    direct = res.sm_model.get("model") == "direct"
+    label = (f"{plan.schedule}: scheduled plan, {plan.routing}; total {res.total_s * 1e3:.3f} ms "
+             f"(serial {res.serial_s * 1e3:.3f} ms); red: critical path")
+    if direct:
+        label += f"\nSM model: {res.sm_model['text']}"
     g = graphviz.Digraph(name=f"{plan.schedule}_scheduled", graph_attr={
         "rankdir": "LR", "fontname": "Helvetica", "fontsize": "11", "compound": "true", "newrank": "true",
-        "label": (f"{plan.schedule}: scheduled plan, {plan.routing}; total {res.total_s * 1e3:.3f} ms "
-                  f"(serial {res.serial_s * 1e3:.3f} ms); red: critical path"), "labelloc": "t",
+        "label": label, "labelloc": "t",
     }, node_attr={"fontname": "Helvetica", "fontsize": "10", "shape": "box", "style": "rounded,filled"},
         edge_attr={"fontname": "Helvetica", "fontsize": "9"})
     roles = {(k.program, r.step): (k.name, r) for k in plan.kernels for r in k.roles}
@@ -204,7 +231,10 @@ def build_scheduled_graph(built, res) -> graphviz.Digraph:
         crit = set(pres.critical_path)
         crit_edges = set(zip(pres.critical_path, pres.critical_path[1:]))
         with g.subgraph(name=f"cluster_{program}") as pc:
-            pc.attr(label=f"{program}: {pres.makespan_s * 1e3:.3f} ms", style="solid", color="#666666")
+            plabel = f"{program}: {pres.makespan_s * 1e3:.3f} ms"
+            if direct:
+                plabel += "\n" + _direct_program_label(program, pres, res.sm_model)
+            pc.attr(label=plabel, style="solid", color="#666666")
             for gi, members in enumerate(overlap_groups(pres.steps)):
                 t0 = min(s.start_s for s in members) * 1e3
                 t1 = max(s.end_s for s in members) * 1e3
@@ -217,9 +247,12 @@ def build_scheduled_graph(built, res) -> graphviz.Digraph:
                         lines = [st.name + (f" ({ps.reverse_of})" if ps.reverse_of and ps.reverse_of != st.name else ""),
                                  f"{kind or 'no link'} '{ps.link}'" if ps.link else "metadata",
                                  f"{_mb(st.max_rank_bytes)} / rank"]
-                        if ps.verb != "exchange":
+                        if direct:
+                            if ps.verb != "exchange":
+                                lines.append(f"in the {program} kernel, not chunked")
+                        elif ps.verb != "exchange":
                             lines.append(f"{ps.num_chunks} chunks x {_mb(ps.chunk_bytes or 0)}, depth {ps.depth}")
-                        kr = roles.get((program, st.name))
+                        kr = None if direct else roles.get((program, st.name))
                         if kr:
                             kname, r = kr
                             sm = f", SMs {r.sm_begin}-{r.sm_end - 1}" if r.sm_end > r.sm_begin else ""
