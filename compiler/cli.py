@@ -64,9 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("file", metavar="FILE", help="the .sched file")
     c.add_argument("-o", "--output", metavar="OUT", required=True, help="picture to write: .svg, .png, .pdf or .dot")
     c.add_argument("--scheduled", action="store_true",
-                   help="draw the scheduled plan instead: overlap groups from the simulation, chunks, SM roles, "
-                        "pipelined dependencies and the critical path")
+                   help="draw the scheduled plan instead, simulated as `epcc simulate` does (--kernels, --sms): "
+                        "overlap groups from the simulation, pipelined dependencies and the critical path; per "
+                        "program the direct kernels' SM pool where they run it, else per step its chunks and SM role")
     _plan_options(c)
+    _kernel_options(c, only="with --scheduled: ")
     c.set_defaults(func=cmd_viz)
 
     c = sub.add_parser("simulate", help="simulate a schedule's plan: step times, link busy time, bottleneck",
@@ -83,14 +85,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="how the RDMA steps run, as `epcc compile --target cuda --rdma`: proxy (default: credit "
                         "window, chunks staged and applied by one SM each) or emulate (paced SM roles); matters "
                         "only with the topology's `sm` rates")
-    c.add_argument("--kernels", choices=("auto", "direct", "table"), default="auto",
-                   help="which CUDA kernels' SM model to apply: direct (the direct lowering of one-hop plans: one "
-                        "pool of SMs per rank and program shared by its steps, and its kernel launches), table "
-                        "(the table-driven kernels: one SM role per step), auto (what `epcc compile --target "
-                        "cuda` runs: direct where it lowers the plan to direct kernels; the default)")
-    c.add_argument("--sms", metavar="N",
-                   help="with the direct kernels: SMs per program (default: the push step's `sms`, as the "
-                        "CUDA target's default configuration)")
+    _kernel_options(c)
     c.set_defaults(func=cmd_simulate)
 
     c = sub.add_parser("tune", help="sweep a CUDA bundle's SMs and warps on the GPUs (torchrun); keep the best",
@@ -152,6 +147,21 @@ def _plan_options(c: argparse.ArgumentParser) -> None:
                         "or a .npy file of top-k indices [N, k] or expert popularity [E] (default: uniform)")
     c.add_argument("--tokens", metavar="N", help="tokens per rank (default: the workload's)")
     c.add_argument("--dtype", choices=("bf16", "fp8"), help="dispatch dtype (default: the workload's)")
+
+
+def _kernel_options(c: argparse.ArgumentParser, only: str = "") -> None:
+    """--kernels and --sms: which kernels' SM model the simulation applies (resolved by _simulation).
+    `only` prefixes the help of a command that simulates only with another option; there the
+    default is None (not given, which means auto) so that giving them without it is an error."""
+    c.add_argument("--kernels", choices=("auto", "direct", "table"), default=None if only else "auto",
+                   help=only + "which CUDA kernels' SM model to apply: direct (the direct lowering of one-hop "
+                        "plans: one pool of SMs per rank and program shared by its steps, and its kernel "
+                        "launches), table (the table-driven kernels: one SM role per step), auto (what `epcc "
+                        "compile --target cuda` runs: direct where it lowers the plan to direct kernels; the "
+                        "default)")
+    c.add_argument("--sms", metavar="N",
+                   help=only + "with the direct kernels: SMs per program (default: the push step's `sms`, as the "
+                        "CUDA target's default configuration)")
 
 
 def _positive(text, flag: str, expected: str, too_small: str) -> int | None:
@@ -312,13 +322,14 @@ def cmd_viz(args) -> int:
     from .viz import render, render_scheduled
 
     if args.scheduled:
-        from .sim import build_plan, simulate
-
-        built = build_plan(args.file, _options(args), args.sources)
-        _warn(built.compilation)
-        path = render_scheduled(built, simulate(built.plan), args.output)
+        built, res = _simulation(args, _options(args))
+        path = render_scheduled(built, res, args.output)
         print(f"{args.file}: scheduled DAG written to {path}")
         return EXIT_OK
+    given = [f for f, v in (("--kernels", args.kernels), ("--sms", args.sms)) if v is not None]
+    if given:
+        raise _user_error(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with "
+                          f"--scheduled: the DAG without it is not simulated")
     c = pipeline.run(args.file, "model", args.sources, _options(args))
     _warn(c)
     path = render(c.schedule, args.output)
@@ -326,41 +337,50 @@ def cmd_viz(args) -> int:
     return EXIT_OK
 
 
-def cmd_simulate(args) -> int:
-    from .diagnostics import Diagnostic
+def _simulation(args, options):
+    """(the built plan, its simulation) under the SM model of the kernels that `--kernels` and `--sms`
+    pick (`epcc simulate` and `epcc viz --scheduled`): auto (default) is what the CUDA target runs, the
+    direct kernels where it lowers the plan to them (backends/cuda/direct_model.py), else the
+    table-driven kernels' SM roles.  Bad values and direct options on a plan without direct kernels
+    are user errors (exit 1); the options are checked before the plan is built."""
     from .sim import SimOptions, SimulationError, build_plan, simulate
+
+    kernels = args.kernels or "auto"
+    sms = _positive(args.sms, "--sms", "a whole number of SMs", "SMs must be at least 1")
+    if sms is not None and kernels == "table":
+        raise _user_error("--sms applies to the direct kernels, not to --kernels table (the plan's `sms` give the "
+                          "roles)")
+    built = build_plan(args.file, options, args.sources)
+    _warn(built.compilation)
+    direct = None
+    if kernels != "table":
+        from .backends.cuda.direct_model import direct_kernels
+
+        direct, why = direct_kernels(built.plan, sms)
+        if direct is None and (kernels == "direct" or sms is not None):
+            flag = "--kernels direct" if kernels == "direct" else "--sms"
+            raise _user_error(f"{flag}: the CUDA target does not lower {args.file} to direct kernels: {why}")
+    try:
+        res = simulate(built.plan, SimOptions(rdma_proxy=getattr(args, "rdma", "proxy") == "proxy", direct=direct))
+    except SimulationError as e:
+        raise _user_error(f"{args.file}: cannot simulate the plan: {e}") from None
+    return built, res
+
+
+def cmd_simulate(args) -> int:
     from .sim.gantt import write_svg
     from .sim.report import table, to_dict
-
-    def bad(msg: str) -> CompileError:
-        return CompileError([Diagnostic("error", msg, None)])
 
     options = _options(args)
     tokens = options.tokens
     if args.gantt and not args.gantt.lower().endswith(".svg"):
-        raise bad(f"--gantt {args.gantt}: the Gantt chart is written as SVG; name the file *.svg")
-    sms = _positive(args.sms, "--sms", "a whole number of SMs", "SMs must be at least 1")
-    if sms is not None and args.kernels == "table":
-        raise bad("--sms applies to the direct kernels, not to --kernels table (the plan's `sms` give the roles)")
-    built = build_plan(args.file, options, args.sources)
-    _warn(built.compilation)
-    direct = None
-    if args.kernels != "table":
-        from .backends.cuda.direct_model import direct_kernels
-
-        direct, why = direct_kernels(built.plan, sms)
-        if direct is None and (args.kernels == "direct" or sms is not None):
-            flag = "--kernels direct" if args.kernels == "direct" else "--sms"
-            raise bad(f"{flag}: the CUDA target does not lower {args.file} to direct kernels: {why}")
-    try:
-        res = simulate(built.plan, SimOptions(rdma_proxy=args.rdma == "proxy", direct=direct))
-    except SimulationError as e:
-        raise bad(f"{args.file}: cannot simulate the plan: {e}") from None
+        raise _user_error(f"--gantt {args.gantt}: the Gantt chart is written as SVG; name the file *.svg")
+    built, res = _simulation(args, options)
     if args.gantt:
         try:
             write_svg(res, args.gantt)
         except OSError as e:
-            raise bad(f"--gantt {args.gantt}: cannot write the chart: {e.strerror or e}") from None
+            raise _user_error(f"--gantt {args.gantt}: cannot write the chart: {e.strerror or e}") from None
     if args.json:
         d = to_dict(res, built.passes_run, tokens if tokens is not None else built.schedule.workload.tokens)
         print(json.dumps(d, indent=1))

@@ -274,6 +274,176 @@ def test_viz_of_a_broken_schedule_writes_nothing(tmp_path, capsys):
     assert not out_file.exists()
 
 
+# --------------------------------------------------------------------------- viz --scheduled: the SM model
+
+H200X4 = "schedules/h200x4.sched"  # one-hop: the CUDA target lowers it to the direct kernels
+EP16 = "schedules/ubbv2_ep16.sched"  # 16 ranks: table-driven kernels only
+ROLE_RANGE = re.compile(r"^\w+: \w+, SMs \d+-\d+$", re.M)  # kernel-formation's "kernel: role, SMs a-b" line
+
+
+def _scheduled_dot(argv: list[str], tmp_path, capsys) -> str:
+    out_file = tmp_path / "scheduled.dot"
+    rc, out, err = run(["viz", *argv, "-o", str(out_file), "--scheduled"], capsys)
+    assert (rc, err) == (0, ""), err
+    assert out == f"{argv[0]}: scheduled DAG written to {out_file}\n"
+    return out_file.read_text(encoding="utf-8")
+
+
+def _cluster_label(dot: str, program: str) -> str:
+    m = re.search(rf'subgraph cluster_{program} {{\n\s*color="#666666" label="([^"]*)"', dot)
+    assert m, f"no cluster for program {program}"
+    return m.group(1)
+
+
+def _node_label(dot: str, program: str, step: str) -> str:
+    m = re.search(rf'^\s*"{program}\.{step}" \[label="([^"]*)"', dot, re.M)
+    assert m, f"no node {program}.{step}"
+    return m.group(1)
+
+
+def _critical_nodes(dot: str) -> set[str]:
+    return set(re.findall(r'^\s*"(\w+\.\w+)" \[label="[^"]*" color="#d62728" [^\]]*penwidth=3\]', dot, re.M))
+
+
+def _simulated(rel: str, sms=None, table=False):
+    from epcc.backends.cuda.direct_model import direct_kernels
+    from epcc.sim import SimOptions, build_plan, simulate
+    from epcc.sim.direct import describe
+
+    plan = build_plan(rel).plan
+    kernels = None if table else direct_kernels(plan, sms)[0]
+    return plan, kernels, describe(plan, kernels), simulate(plan, SimOptions(direct=kernels))
+
+
+@pytest.mark.parametrize("argv", [[], ["--kernels", "auto"], ["--kernels", "direct"]])
+def test_viz_scheduled_draws_the_direct_kernels_where_they_run(argv, tmp_path, capsys):
+    dot = _scheduled_dot([H200X4, *argv], tmp_path, capsys)
+    plan, kernels, model, res = _simulated(H200X4)
+    assert kernels is not None and model["model"] == "direct"
+    # the model as describe() words it, in the graph's label; per program its pool and launches
+    assert f"\nSM model: {model['text']}\"" in dot
+    for program, pres in res.programs.items():
+        n, launches = kernels.sms[program], kernels.launches[program]
+        assert _cluster_label(dot, program) == (
+            f"{program}: {pres.makespan_s * 1e3:.3f} ms\ndirect kernel: {n} SMs per rank, shared by all its steps, "
+            f"{launches} launch{'es' if launches != 1 else ''} ({pres.launch_s * 1e3:.3f} ms before its first step)")
+        for st in pres.steps:
+            label = _node_label(dot, program, st.name)
+            assert label.endswith(f"\n{st.start_s * 1e3:.3f}-{st.end_s * 1e3:.3f} ms")
+            assert "chunks x" not in label and "SMs" not in label
+            if st.verb != "exchange":
+                assert f"\nin the {program} kernel, not chunked\n" in label
+    # no SM role of the table-driven kernels anywhere; times and the critical path are the direct model's
+    assert not ROLE_RANGE.search(dot)
+    assert f"total {res.total_s * 1e3:.3f} ms (serial {res.serial_s * 1e3:.3f} ms)" in dot
+    assert _critical_nodes(dot) == {f"{p}.{s}" for p, pr in res.programs.items() for s in pr.critical_path}
+
+
+def test_viz_scheduled_table_model_is_the_table_driven_drawing(tmp_path, capsys):
+    from epcc.sim import build_plan, simulate
+    from epcc.viz import build_scheduled_graph
+
+    dot = _scheduled_dot([H200X4, "--kernels", "table"], tmp_path, capsys)
+    plan, _kernels, model, res = _simulated(H200X4, table=True)
+    assert model["model"] == "roles"
+    # unchanged: what viz drew before it knew of the direct kernels (the default SimOptions)
+    built = build_plan(H200X4)
+    assert dot == build_scheduled_graph(built, simulate(built.plan)).source
+    assert "SM model" not in dot and "direct kernel" not in dot and "not chunked" not in dot
+    roles = {(k.program, r.step): (k.name, r) for k in plan.kernels for r in k.roles}
+    for program, pres in res.programs.items():
+        assert _cluster_label(dot, program) == f"{program}: {pres.makespan_s * 1e3:.3f} ms"
+        for st in pres.steps:
+            kname, r = roles[(program, st.name)]
+            assert f"\n{kname}: {r.role}, SMs {r.sm_begin}-{r.sm_end - 1}\n" in _node_label(dot, program, st.name)
+    assert _critical_nodes(dot) == {f"{p}.{s}" for p, pr in res.programs.items() for s in pr.critical_path}
+
+
+def test_viz_scheduled_direct_and_table_models_differ_on_h200x4(tmp_path, capsys):
+    # the reason for --kernels: the two models give h200x4 different times (and here critical paths)
+    direct = _scheduled_dot([H200X4], tmp_path, capsys)
+    table = _scheduled_dot([H200X4, "--kernels", "table"], tmp_path, capsys)
+    assert direct != table
+    _p, _k, _m, dres = _simulated(H200X4)
+    _p, _k, _m, tres = _simulated(H200X4, table=True)
+    assert f"total {dres.total_s * 1e3:.3f} ms" in direct and f"total {tres.total_s * 1e3:.3f} ms" in table
+    assert round(dres.total_s * 1e3, 3) != round(tres.total_s * 1e3, 3)
+
+
+def test_viz_scheduled_sms_sets_the_pool(tmp_path, capsys):
+    dot = _scheduled_dot([H200X4, "--sms", "64"], tmp_path, capsys)
+    _plan, kernels, model, res = _simulated(H200X4, sms=64)
+    assert kernels.sms == {"dispatch": 64, "combine": 64}
+    assert f"\nSM model: {model['text']}\"" in dot and "dispatch 64 SMs" in model["text"]
+    for program in ("dispatch", "combine"):
+        assert "\ndirect kernel: 64 SMs per rank, shared by all its steps, " in _cluster_label(dot, program)
+    assert f"total {res.total_s * 1e3:.3f} ms" in dot
+
+
+def test_viz_scheduled_direct_kernels_without_sm_rates(tmp_path, capsys):
+    # the direct kernels run the plan, but without the topology's `sm` line there is no pool to charge
+    text = re.sub(r"\n  sm [^\n]*", "", (REPO / H200X4).read_text(encoding="utf-8"))
+    assert "\n  sm " not in text
+    src = tmp_path / "h200x4_no_sm.sched"
+    src.write_text(text, encoding="utf-8")
+    dot = _scheduled_dot([str(src)], tmp_path, capsys)
+    _plan, kernels, model, _res = _simulated(str(src))
+    assert model["model"] == "direct" and "no SM pool" in model["text"]
+    assert f"\nSM model: {model['text']}\"" in dot
+    for program in ("dispatch", "combine"):
+        assert _cluster_label(dot, program).endswith(
+            f"\ndirect kernel: {kernels.sms[program]} SMs per rank (no SM pool: the topology gives no `sm` copy "
+            f"rate), {kernels.launches[program]} launch{'es' if kernels.launches[program] != 1 else ''}")
+    assert not ROLE_RANGE.search(dot)
+
+
+def test_viz_scheduled_auto_on_a_plan_without_direct_kernels_draws_the_roles(tmp_path, capsys):
+    dot = _scheduled_dot([EP16, "--tokens", "256"], tmp_path, capsys)
+    assert "SM model" not in dot and "direct kernel" not in dot
+    assert ROLE_RANGE.search(dot)
+
+
+VIZ_ONLY_SCHEDULED = "only with --scheduled: the DAG without it is not simulated"
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--kernels", "direct"], f"--kernels applies {VIZ_ONLY_SCHEDULED}"),
+    (["--kernels", "auto"], f"--kernels applies {VIZ_ONLY_SCHEDULED}"),
+    (["--sms", "8"], f"--sms applies {VIZ_ONLY_SCHEDULED}"),
+    (["--kernels", "table", "--sms", "8"], f"--kernels and --sms apply {VIZ_ONLY_SCHEDULED}"),
+])
+def test_viz_kernel_options_need_scheduled(argv, msg, tmp_path, capsys):
+    out_file = tmp_path / "dag.dot"
+    rc, out, err = run(["viz", H200X4, "-o", str(out_file), *argv], capsys)
+    assert (rc, out, err) == (1, "", f"epcc: error: {msg}\n")
+    assert not out_file.exists()
+
+
+@pytest.mark.parametrize("command", ["simulate", "viz"])
+@pytest.mark.parametrize("rel, argv, msg", [
+    (H200X4, ["--sms", "0"], "--sms 0: SMs must be at least 1"),
+    (H200X4, ["--sms", "many"], "--sms many: expected a whole number of SMs"),
+    (H200X4, ["--sms", "8", "--kernels", "table"],
+     "--sms applies to the direct kernels, not to --kernels table (the plan's `sms` give the roles)"),
+    (EP16, ["--kernels", "direct"], f"--kernels direct: the CUDA target does not lower {EP16} to direct kernels: "
+                                    "16 ranks do not fit one CUDA IPC domain (at most 8)"),
+    (EP16, ["--sms", "64"], f"--sms: the CUDA target does not lower {EP16} to direct kernels: 16 ranks do not fit "
+                            "one CUDA IPC domain (at most 8)"),
+])
+def test_kernel_option_errors_are_the_same_in_simulate_and_viz(command, rel, argv, msg, tmp_path, capsys):
+    out_file = tmp_path / "scheduled.dot"
+    extra = ["-o", str(out_file), "--scheduled"] if command == "viz" else []
+    rc, out, err = run([command, rel, *extra, *argv], capsys)
+    assert (rc, out, err) == (1, "", f"epcc: error: {msg}\n")
+    assert not out_file.exists()
+
+
+def test_viz_kernels_is_a_choice(capsys):
+    rc, out, err = run(["viz", H200X4, "-o", "x.dot", "--scheduled", "--kernels", "fast"], capsys)
+    assert rc == 2 and out == ""
+    assert "argument --kernels: invalid choice: 'fast' (choose from 'auto', 'direct', 'table')" in err
+
+
 # --------------------------------------------------------------------------- a real process
 
 
