@@ -62,7 +62,9 @@ def load(lib_path) -> ctypes.CDLL:
     lib.epcc_tp_flush.argtypes = [vp, u64]
     lib.epcc_tp_close.argtypes, lib.epcc_tp_close.restype = [vp], None
     lib.epcc_tp_stats_get.argtypes, lib.epcc_tp_stats_get.restype = [vp, ctypes.POINTER(TpStats)], None
-    lib.epcc_tp_post_write_signal.argtypes = [vp, i32, vp, ctypes.c_size_t, vp, u64, u64, u64, u64, u64, u64, u64]
+    lib.epcc_tp_post_write_signal.argtypes = [vp, i32, ctypes.c_uint, vp, ctypes.c_size_t, vp, u64, u64, u64, u64, u64,
+                                              u64, u64]
+    lib.epcc_tp_links.argtypes, lib.epcc_tp_links.restype = [vp], i32
     if not hasattr(lib, "epcc_rdma_proxy"):
         return lib  # a transport alone (build_transport)
     for name in ("epcc_rdma_engine_init", "epcc_rdma_proxy", "epcc_rdma_receive"):
@@ -107,6 +109,11 @@ class Transport:
     @property
     def description(self) -> str:
         return self.lib.epcc_tp_describe(self.ptr).decode()
+
+    @property
+    def links(self) -> int:
+        """How many links (send queues paced on their own) the transport has; posts name one below."""
+        return int(self.lib.epcc_tp_links(self.ptr))
 
     def error(self) -> str:
         return self.lib.epcc_tp_error(self.ptr).decode(errors="replace")

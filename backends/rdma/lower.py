@@ -200,6 +200,7 @@ SEND_CHAN = Table("epcc_rdma_send_chan", "a (step, this rank -> peer) channel: t
     Field("credit_name", U64, "const char *, for the messages"),
     Field("signal_addr", U64, "GPU path: the receiver's landing signal words (one per slot), as registered"),
     Field("signal_key", U64),
+    Field("link", U64, "the transport link its chunks are posted on (the link class of its step; 0: one link)"),
 ))
 RECV_CHAN = Table("epcc_rdma_recv_chan", "a (step, peer -> this rank) channel: the landing ring and what each chunk does", (
     Field("peer", U64),
@@ -220,6 +221,7 @@ RECV_CHAN = Table("epcc_rdma_recv_chan", "a (step, peer -> this rank) channel: t
     Field("credit_mr", U64),
     Field("name", U64, "const char *, for the messages"),
     Field("consumed", U64, "GPU path: u64 the receiving kernel writes (launch << 32 | chunks consumed), host-mapped"),
+    Field("link", U64, "the transport link its credits go back on (the link class of its step; 0: one link)"),
 ))
 ENGINE = Table("epcc_rdma_engine", "one process's proxy engine", (
     Field("tp", U64, "epcc_tp *"),

@@ -225,6 +225,78 @@ def test_cuda_transports_compile(tmp_path, name, macro):
         assert has
 
 
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """The emulated transport alone (epcc_transport.c + transport_emulated.cu), built with nvcc and
+    loaded; its spec is parsed before any CUDA call, so bad specs are checked without a GPU."""
+    from epcc.backends.rdma import engine
+
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        pytest.skip("nvcc is not on PATH")
+    out = tmp_path_factory.mktemp("emulated") / "libemu.so"
+    subprocess.run([nvcc, "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-Wall,-Werror", "-DEPCC_TP_HAVE_EMULATED",
+                    f"-I{NATIVE_DIR}", "-x", "cu", str(NATIVE_DIR / "epcc_transport.c"), "-x", "cu",
+                    str(NATIVE_DIR / "transport_emulated.cu"), "-o", str(out), "-lcudart"], check=True)
+    try:
+        return engine.load(out)
+    except OSError as e:
+        pytest.skip(f"cannot load the CUDA runtime here: {e}")
+
+
+FORM = ("BANDWIDTH_GBPS[/BANDWIDTH_GBPS...],LATENCY_US[/LATENCY_US...][,DEVICE[,signal]], e.g. '50,5' or "
+        "'50/25,5,0,signal'")
+
+
+@pytest.mark.parametrize("spec,msg", [
+    ("", f"emulated: spec '' must be {FORM}"),
+    ("50", f"emulated: spec '50' must be {FORM}"),
+    ("50/x,5", "emulated: spec '50/x,5': bandwidth 'x' of link 1 is not a number > 0"),
+    ("50/0,5", "emulated: spec '50/0,5': bandwidth '0' of link 1 is not a number > 0"),
+    ("50//25,5", "emulated: spec '50//25,5': bandwidth '' of link 1 is not a number > 0"),
+    ("nan,5", "emulated: spec 'nan,5': bandwidth 'nan' of link 0 is not a number > 0"),
+    ("inf,5", "emulated: spec 'inf,5': bandwidth 'inf' of link 0 is not a number > 0"),
+    ("50/25,5/-1", "emulated: spec '50/25,5/-1': latency '-1' of link 1 is not a number >= 0"),
+    ("50/25/13,5/5", "emulated: spec '50/25/13,5/5': 3 bandwidths but 2 latencies: give one latency per link, or "
+                     "one for all"),
+    ("1/2/3/4/5/6/7/8/9,5", "emulated: spec '1/2/3/4/5/6/7/8/9,5': more than 8 links"),
+    ("50,5,gpu0,signal", "emulated: spec '50,5,gpu0,signal': device 'gpu0' is not a GPU index (a whole number >= 0, "
+                         "or empty for the current GPU)"),
+    ("50,5,-1", "emulated: spec '50,5,-1': device '-1' is not a GPU index (a whole number >= 0, or empty for the "
+                "current GPU)"),
+    ("50,5,0,fast", "emulated: spec '50,5,0,fast': 'fast' after the device is not 'signal'"),
+    ("50,5,0,signal,x", f"emulated: spec '50,5,0,signal,x' has more than 4 fields: it must be {FORM}"),
+])
+def test_emulated_spec_errors_name_the_spec_and_the_field(emulated, spec, msg):
+    from epcc.backends.rdma import engine
+
+    with pytest.raises(engine.TransportError) as e:
+        engine.Transport(emulated, "emulated", spec, 0, 2)
+    assert str(e.value) == msg
+
+
+@pytest.mark.parametrize("spec,links,desc", [
+    ("50,5", 1, "paced to 50 GB/s, 5 us)"),
+    ("13,5,signal", 1, "paced to 13 GB/s, 5 us)"),
+    ("50/25,5,0,signal", 2, "2 links paced to 50 GB/s 5 us, 25 GB/s 5 us)"),
+    ("50/25/12.5,5/2/0,,signal", 3, "3 links paced to 50 GB/s 5 us, 25 GB/s 2 us, 12.5 GB/s 0 us)"),
+])
+def test_emulated_spec_gives_one_link_per_bandwidth(emulated, spec, links, desc):
+    """A good spec passes the parser: here (no GPU) the open fails only at the device; on a GPU
+    machine the transport has one link per bandwidth and says how each is paced."""
+    from epcc.backends.rdma import engine
+
+    try:
+        tp = engine.Transport(emulated, "emulated", spec, 0, 1)
+    except engine.TransportError as e:
+        assert str(e) == "emulated: no CUDA device"
+        return
+    try:
+        assert tp.links == links and tp.description.endswith(desc), tp.description
+    finally:
+        tp.close()
+
+
 # ------------------------------------------------------------------ real multi-process runs
 
 def _libfabric_tcp() -> str | None:
@@ -297,9 +369,13 @@ def test_write_signal_is_refused_by_transports_without_it():
     lib = engine.load(build_transport("libfabric"))
     tp = engine.Transport(lib, "libfabric", "tcp", 0, 1)
     try:
-        assert lib.epcc_tp_post_write_signal(tp.ptr, 0, None, 0, None, 0, 0, 0, 0, 0, 0, 0) != 0
+        assert lib.epcc_tp_post_write_signal(tp.ptr, 0, 0, None, 0, None, 0, 0, 0, 0, 0, 0, 0) != 0
         assert tp.error() == ("epcc transport: 'libfabric' has no write + remote signal (the GPU proxy path needs it: "
                               "use 'emulated' or 'nvshmem')")
+        # one endpoint, one link: a post on another is refused before the transport sees it
+        assert tp.links == 1
+        assert lib.epcc_tp_post_write_signal(tp.ptr, 0, 1, None, 0, None, 0, 0, 0, 0, 0, 0, 0) != 0
+        assert tp.error() == "epcc transport: write on link 1, but 'libfabric' has 1 link"
     finally:
         tp.close()
 
@@ -358,8 +434,10 @@ def gpu_loop(tmp_path_factory):
                     str(NATIVE_DIR / "epcc_transport.c"), str(NATIVE_DIR / "epcc_proxy_prim.c"),
                     str(Path(__file__).parent / "loopback_transport.c")], check=True)
     lib = ctypes.CDLL(str(out))
-    lib.epcc_test_loopback_open.argtypes, lib.epcc_test_loopback_open.restype = [ctypes.c_int, ctypes.c_int], \
-        ctypes.c_void_p
+    lib.epcc_test_loopback_open.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.epcc_test_loopback_open.restype = ctypes.c_void_p
+    lib.epcc_test_loopback_link_stats.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.epcc_test_loopback_link_stats.restype = ctypes.c_uint64
     for f in ("epcc_rdma_engine_init", "epcc_rdma_proxy_gpu"):
         getattr(lib, f).argtypes, getattr(lib, f).restype = [ctypes.c_void_p], ctypes.c_int
     lib.epcc_rdma_engine_fini.argtypes, lib.epcc_rdma_engine_fini.restype = [ctypes.c_void_p], None
@@ -370,11 +448,13 @@ def gpu_loop(tmp_path_factory):
 
 class _GpuSide:
     """One rank of the GPU path with two pack roles (dispatch `there` and `relay`, to rank 1), the
-    FIFO region laid out by rdma_gpu.fifo_layout, and Python standing in for the kernels."""
+    FIFO region laid out by rdma_gpu.fifo_layout, and Python standing in for the kernels.  The
+    loopback transport has `n_links` links; send channel i posts on links[i], the receive
+    channel's credits go back on recv_link."""
 
     SLOT = 64
 
-    def __init__(self, lib, plan, depths=(3, 2), chan_depths=(2, 3)):
+    def __init__(self, lib, plan, depths=(3, 2), chan_depths=(2, 3), n_links=1, links=(0, 0), recv_link=0):
         import numpy as np
 
         from epcc.backends.cuda import rdma_gpu
@@ -391,7 +471,7 @@ class _GpuSide:
         self.send_bufs = [np.zeros(d * self.SLOT, dtype=np.uint8) for d in depths]
         self.landing = [np.zeros(d * self.SLOT, dtype=np.uint8) for d in chan_depths]
         self.signals = [np.zeros(d, dtype=np.uint64) for d in chan_depths]
-        self.tp = lib.epcc_test_loopback_open(0, 2)
+        self.tp = lib.epcc_test_loopback_open(0, 2, n_links)
         assert self.tp
         # one receive channel (rank 1 -> 0, step there): its consumed word comes back as credit
         self.consumed, self.credit_src, self.credit_dst = (np.zeros(1, dtype=np.uint64) for _ in range(3))
@@ -399,11 +479,11 @@ class _GpuSide:
         roles = [dict(step=s.index, depth=d, slot_bytes=self.SLOT, src_row_bytes=self.SLOT,
                       send_buf=b.ctypes.data, mr=0) for s, d, b in zip(steps, depths, self.send_bufs)]
         chans = [dict(peer=1, remote_addr=land.ctypes.data, slot_bytes=self.SLOT, depth=cd, imm_chan=i,
-                      credit_name=eng.c_string(self.keep, f"chan{i}.credit"), signal_addr=sig.ctypes.data)
-                 for i, (land, sig, cd) in enumerate(zip(self.landing, self.signals, chan_depths))]
+                      credit_name=eng.c_string(self.keep, f"chan{i}.credit"), signal_addr=sig.ctypes.data, link=ln)
+                 for i, (land, sig, cd, ln) in enumerate(zip(self.landing, self.signals, chan_depths, links))]
         recv = [dict(peer=1, step=steps[0].index, n_chunks=4, depth=2, slot_bytes=self.SLOT,
                      credit_raddr=self.credit_dst.ctypes.data, credit_src=self.credit_src.ctypes.data,
-                     name=eng.c_string(self.keep, "recv0"), consumed=self.consumed.ctypes.data)]
+                     name=eng.c_string(self.keep, "recv0"), consumed=self.consumed.ctypes.data, link=recv_link)]
         self.err = ctypes.create_string_buffer(eng.ERRLEN)
         self.stop, self.abort = np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64)
         self.engine = eng.u64_table(self.keep, eng.ENGINE, [dict(
@@ -450,11 +530,12 @@ class _GpuSide:
         self.fifo[e + 1:e + 6] = [kind, chan, seq, len(payload), (1 << 32) | (seq + 1)]
         self.fifo[e] = (idx << 1) | 1  # the valid word last
 
-    def close(self):
+    def close(self, keep_transport=False):
         self.stop[0] = 1
         self.thread.join(20)
         self.lib.epcc_rdma_engine_fini(self.engine.ctypes.data)
-        self.lib.epcc_tp_close(self.tp)
+        if not keep_transport:
+            self.lib.epcc_tp_close(self.tp)
 
 
 def test_gpu_proxy_loop_serves_two_fifos(gpu_loop):
@@ -462,10 +543,53 @@ def test_gpu_proxy_loop_serves_two_fifos(gpu_loop):
     (epcc_rdma_engine_init checks each FIFO's depth against its role), posts every chunk of each
     to its own channel's landing slot and signal word, retires each FIFO's entries in order over
     out-of-order completions, and returns the consumed count as credit."""
+    lib, plan = gpu_loop
+    g, _, _ = _serve_two_fifos(lib, plan)
+    lib.epcc_tp_close(g.tp)
+
+
+def test_gpu_proxy_loop_posts_each_channel_on_its_link(gpu_loop):
+    """Steps over links of different speeds (h200x2_2vnode_mixed): channel 0 on link 0, channel 1
+    on link 1, the receive channel's credits on link 1.  The transport sees every chunk of a
+    channel, and nothing else, on that channel's link."""
+    lib, plan = gpu_loop
+    g, n, payloads = _serve_two_fifos(lib, plan, n_links=2, links=(0, 1), recv_link=1)
+    stats = {(link, what): int(lib.epcc_test_loopback_link_stats(g.tp, link, what)) for link in (0, 1, 2)
+             for what in (0, 1)}
+    lib.epcc_tp_close(g.tp)
+    sent = [sum(len(payloads[(r, s)]) for s in range(n[r])) for r in (0, 1)]
+    assert (stats[(0, 0)], stats[(0, 1)]) == (n[0], sent[0])
+    assert (stats[(1, 0)], stats[(1, 1)]) == (n[1] + 1, sent[1] + 8)  # and the one credit write, 8 bytes
+    assert (stats[(2, 0)], stats[(2, 1)]) == (0, 0)
+
+
+def test_gpu_proxy_loop_names_the_link_a_transport_does_not_have(gpu_loop):
+    """A channel on link 2 of a two-link transport: the post is refused, and the loop stops with the
+    step, what it did and the transport's message."""
     import numpy as np
 
     lib, plan = gpu_loop
-    g = _GpuSide(lib, plan)
+    g = _GpuSide(lib, plan, n_links=2, links=(0, 2))
+    g.start()
+    try:
+        g.push(0, 0, 0, np.ones(8, dtype=np.uint8))  # link 0: fine
+        g.wait(lambda: g.word(0, 2) == 1, "role 0 retired")
+        g.push(1, 1, 0, np.ones(8, dtype=np.uint8))
+        g.thread.join(20)
+    finally:
+        g.close()
+    assert g.status == 3
+    assert g.err.value.decode() == ("epcc: rank 0 (test) step 'relay': posting a chunk: epcc transport: write on "
+                                    "link 2, but 'loopback' has 2 links")
+
+
+def _serve_two_fifos(lib, plan, **links):
+    """Push chunks through both pack roles of a _GpuSide, check what landed and the credit; returns
+    (the side, stopped, its transport still open for the caller to read and close; chunks per
+    role; payloads by (role, seq))."""
+    import numpy as np
+
+    g = _GpuSide(lib, plan, **links)
     g.start()
     try:
         rng = np.random.default_rng(7)
@@ -494,8 +618,9 @@ def test_gpu_proxy_loop_serves_two_fifos(gpu_loop):
         g.consumed[0] = (1 << 32) | 4
         g.wait(lambda: int(g.credit_dst[0]) == (1 << 32) | 4, "credit returned")
     finally:
-        g.close()
+        g.close(keep_transport=True)
     assert g.status == 0, g.err.value.decode()
+    return g, n, payloads
 
 
 def test_gpu_proxy_loop_names_the_step_of_the_fifo_a_bad_entry_is_in(gpu_loop):

@@ -46,6 +46,7 @@ int epcc_tp_open(const char *kind, const char *spec, int rank, int nranks, epcc_
                 (*out)->ops = transports[i];
                 (*out)->rank = rank;
                 (*out)->nranks = nranks;
+                if ((*out)->n_links < 1) (*out)->n_links = 1;
             }
             return rc;
         }
@@ -56,6 +57,18 @@ int epcc_tp_open(const char *kind, const char *spec, int rank, int nranks, epcc_
 
 const char *epcc_tp_error(const epcc_tp *tp) { return tp ? tp->err : ""; }
 const char *epcc_tp_describe(const epcc_tp *tp) { return tp ? tp->desc : ""; }
+int epcc_tp_links(const epcc_tp *tp) { return tp && tp->n_links > 0 ? tp->n_links : 1; }
+
+/* A post's peer and link, checked for every transport alike. */
+static int check_post(epcc_tp *tp, int peer, unsigned link) {
+    if (peer < 0 || peer >= tp->nranks)
+        return epcc_tp_fail(tp, -EINVAL, "epcc transport: write to rank %d, but there are %d ranks", peer,
+                            tp->nranks);
+    if (link >= (unsigned)epcc_tp_links(tp))
+        return epcc_tp_fail(tp, -EINVAL, "epcc transport: write on link %u, but '%s' has %d link%s", link,
+                            tp->ops->name, epcc_tp_links(tp), epcc_tp_links(tp) == 1 ? "" : "s");
+    return 0;
+}
 
 int epcc_tp_reg(epcc_tp *tp, void *buf, size_t len, unsigned access, epcc_tp_mr **mr) {
     return tp->ops->reg(tp, buf, len, access, mr);
@@ -70,23 +83,20 @@ int epcc_tp_address(epcc_tp *tp, void *buf, size_t *len) { return tp->ops->addre
 int epcc_tp_connect(epcc_tp *tp, const void *blobs, size_t blob_len) {
     return tp->ops->connect(tp, blobs, blob_len);
 }
-int epcc_tp_post_write(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *mr, uint64_t raddr,
-                       uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx, uint64_t timeout_ns) {
-    if (peer < 0 || peer >= tp->nranks)
-        return epcc_tp_fail(tp, -EINVAL, "epcc transport: write to rank %d, but there are %d ranks", peer,
-                            tp->nranks);
-    return tp->ops->post_write(tp, peer, src, len, mr, raddr, rkey, imm_valid, imm, ctx, timeout_ns);
+int epcc_tp_post_write(epcc_tp *tp, int peer, unsigned link, const void *src, size_t len, epcc_tp_mr *mr,
+                       uint64_t raddr, uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx, uint64_t timeout_ns) {
+    int rc = check_post(tp, peer, link);
+    return rc ? rc : tp->ops->post_write(tp, peer, link, src, len, mr, raddr, rkey, imm_valid, imm, ctx, timeout_ns);
 }
-int epcc_tp_post_write_signal(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *mr,
+int epcc_tp_post_write_signal(epcc_tp *tp, int peer, unsigned link, const void *src, size_t len, epcc_tp_mr *mr,
                               uint64_t raddr, uint64_t rkey, uint64_t sig_raddr, uint64_t sig_rkey,
                               uint64_t sig_value, uint64_t ctx, uint64_t timeout_ns) {
-    if (peer < 0 || peer >= tp->nranks)
-        return epcc_tp_fail(tp, -EINVAL, "epcc transport: write to rank %d, but there are %d ranks", peer,
-                            tp->nranks);
+    int rc = check_post(tp, peer, link);
+    if (rc) return rc;
     if (!tp->ops->post_write_signal)
         return epcc_tp_fail(tp, -ENOTSUP, "epcc transport: '%s' has no write + remote signal (the GPU proxy path "
                             "needs it: use 'emulated' or 'nvshmem')", tp->ops->name);
-    return tp->ops->post_write_signal(tp, peer, src, len, mr, raddr, rkey, sig_raddr, sig_rkey, sig_value, ctx,
+    return tp->ops->post_write_signal(tp, peer, link, src, len, mr, raddr, rkey, sig_raddr, sig_rkey, sig_value, ctx,
                                       timeout_ns);
 }
 int epcc_tp_poll(epcc_tp *tp, epcc_tp_event *events, int max) { return tp->ops->poll(tp, events, max); }

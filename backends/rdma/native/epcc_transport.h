@@ -15,11 +15,17 @@
  *   epcc_tp_address(tp, buf, &len)                 this rank's address blob
  *   epcc_tp_connect(tp, blobs, blob_len)           every rank's blob (all-gathered by the
  *                                                  caller: torch.distributed or a file)
- *   epcc_tp_post_write(tp, peer, src, len, mr, raddr, rkey, imm_valid, imm, ctx)
+ *   epcc_tp_post_write(tp, peer, link, src, len, mr, raddr, rkey, imm_valid, imm, ctx)
  *   epcc_tp_poll(tp, events, max)                  local completions (ctx) and remote
  *                                                  immediates, non-blocking
  *   epcc_tp_flush(tp, timeout_ns)                  every posted write completed locally
  *   epcc_tp_close(tp)
+ *
+ * Links: a transport has epcc_tp_links(tp) links to every peer (at least 1), each with send
+ * queues of its own, like the ports of a NIC (one queue pair per port); every post names the link
+ * it goes out on.  The emulated transport paces each link at its own bandwidth and latency (its
+ * spec lists them); libfabric, ibverbs and nvshmem have one link (one endpoint), and a post on a
+ * link the transport does not have fails with a message naming both.
  *
  * Thread safety: post, poll and flush may be called from several threads at once (each
  * transport serialises what its engine needs).  Events go to whoever polls: callers route them
@@ -70,6 +76,8 @@ int epcc_tp_open(const char *kind, const char *spec, int rank, int nranks, epcc_
 const char *epcc_tp_error(const epcc_tp *tp);
 /* The provider / device actually used, e.g. "libfabric tcp;ofi_rxm (FI_EP_RDM) on lo". */
 const char *epcc_tp_describe(const epcc_tp *tp);
+/* How many links (independent send queues to every peer) the transport has: posts name one below. */
+int epcc_tp_links(const epcc_tp *tp);
 
 int epcc_tp_reg(epcc_tp *tp, void *buf, size_t len, unsigned access, epcc_tp_mr **mr);
 /* What a peer needs to write into `mr`: the address to pass as raddr for byte 0 of the region
@@ -81,24 +89,25 @@ int epcc_tp_address(epcc_tp *tp, void *buf, size_t *len);
 int epcc_tp_connect(epcc_tp *tp, const void *blobs, size_t blob_len);
 
 /* Post one write of `len` bytes from `src` (inside local registration `mr`) to `raddr` (as
- * epcc_tp_mr_remote gave it, plus an offset) with key `rkey` on rank `peer`.  With imm_valid,
+ * epcc_tp_mr_remote gave it, plus an offset) with key `rkey` on rank `peer`, over `link` (below
+ * epcc_tp_links: writes on one link are sent in order, links are independent).  With imm_valid,
  * the peer gets an EPCC_TP_EV_REMOTE event carrying `imm` once the data has landed.  `ctx` comes
  * back in the EPCC_TP_EV_LOCAL event of this write.  Retries internally (progressing the
  * engine) while the provider's queue is full, up to timeout_ns; then returns -EAGAIN. */
-int epcc_tp_post_write(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *mr,
+int epcc_tp_post_write(epcc_tp *tp, int peer, unsigned link, const void *src, size_t len, epcc_tp_mr *mr,
                        uint64_t raddr, uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx,
                        uint64_t timeout_ns);
 
-/* Up to `max` events, non-blocking; returns how many (0: none), < 0 on a transport failure. */
-/* Write + remote signal: `len` bytes from `src` to (raddr, rkey) on `peer`, then, ordered after
+/* Write + remote signal: `len` bytes from `src` to (raddr, rkey) on `peer` over `link`, then, ordered after
  * them, the 8-byte value `sig_value` to (sig_raddr, sig_rkey) on the same peer; one local
  * completion (`ctx`) once both are done.  The GPU path's kernels wait on such signal words (one
  * per landing slot) instead of a host thread reading immediates.  Transports without it
  * (libfabric, ibverbs in this version) fail with a message naming themselves. */
-int epcc_tp_post_write_signal(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *mr,
+int epcc_tp_post_write_signal(epcc_tp *tp, int peer, unsigned link, const void *src, size_t len, epcc_tp_mr *mr,
                               uint64_t raddr, uint64_t rkey, uint64_t sig_raddr, uint64_t sig_rkey,
                               uint64_t sig_value, uint64_t ctx, uint64_t timeout_ns);
 
+/* Up to `max` events, non-blocking; returns how many (0: none), < 0 on a transport failure. */
 int epcc_tp_poll(epcc_tp *tp, epcc_tp_event *events, int max);
 
 /* Progress until every write posted so far has completed locally (events it reaps are kept

@@ -27,23 +27,25 @@ typedef struct epcc_tp_ops {
     int (*dereg)(epcc_tp *tp, epcc_tp_mr *mr);
     int (*address)(epcc_tp *tp, void *buf, size_t *len);
     int (*connect)(epcc_tp *tp, const void *blobs, size_t blob_len);
-    int (*post_write)(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *mr, uint64_t raddr,
-                      uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx, uint64_t timeout_ns);
+    /* `link` is below the transport's n_links (epcc_transport.c checks it) */
+    int (*post_write)(epcc_tp *tp, int peer, unsigned link, const void *src, size_t len, epcc_tp_mr *mr,
+                      uint64_t raddr, uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx, uint64_t timeout_ns);
     int (*poll)(epcc_tp *tp, epcc_tp_event *events, int max);
     int (*flush)(epcc_tp *tp, uint64_t timeout_ns);
     void (*close)(epcc_tp *tp);
     /* Optional (NULL: the transport cannot): a write of `len` bytes followed, once it has landed,
      * by an 8-byte write of `sig_value` at (sig_raddr, sig_rkey) on the same peer (the GPU path's
      * per-slot landing flags: write + remote signal instead of an immediate). */
-    int (*post_write_signal)(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *mr, uint64_t raddr,
-                             uint64_t rkey, uint64_t sig_raddr, uint64_t sig_rkey, uint64_t sig_value, uint64_t ctx,
-                             uint64_t timeout_ns);
+    int (*post_write_signal)(epcc_tp *tp, int peer, unsigned link, const void *src, size_t len, epcc_tp_mr *mr,
+                             uint64_t raddr, uint64_t rkey, uint64_t sig_raddr, uint64_t sig_rkey, uint64_t sig_value,
+                             uint64_t ctx, uint64_t timeout_ns);
 } epcc_tp_ops;
 
 /* The first member of every transport object. */
 struct epcc_tp {
     const epcc_tp_ops *ops;
     int rank, nranks;
+    int n_links; /* links (send queues of their own) to every peer; epcc_tp_open makes 0 a 1 */
     char err[EPCC_TP_ERRLEN];
     char desc[256];
     epcc_tp_stats stats;

@@ -4,21 +4,29 @@
  * the link class's bandwidth and latency, so RDMA-bound schedules run and are timed on GPUs
  * without a NIC (h200x4_2vnode.sched).
  *
- * spec: "BANDWIDTH_GBPS,LATENCY_US[,DEVICE[,signal]]", e.g. "50,5" or "13,5,2,signal" (signal:
- * the caller uses write + signal only, so the immediate inbox is never read).
+ * spec: "BANDWIDTH_GBPS[/BANDWIDTH_GBPS...],LATENCY_US[/LATENCY_US...][,DEVICE[,signal]]", e.g.
+ * "50,5", "13,5,2,signal" or "50/25,5,0,signal".  Each '/'-separated bandwidth is one link (link
+ * 0 first, at most EMU_MAX_LINKS), with the latency at the same place, or the one latency given for
+ * all; DEVICE: the GPU (empty: the current one); signal: the caller uses write + signal only, so
+ * the immediate inbox is never read.  A bad spec fails epcc_tp_open with a message naming the
+ * spec and the field ("emulated: spec '50/x,5': bandwidth 'x' of link 1 is not a number > 0").
  * Registration: GPU memory (cudaMalloc'd); every region registered before epcc_tp_address() is
  * exported by IPC handle in the address blob, keyed by its registration index; a peer maps it in
  * connect().  Immediates: each rank has an inbox in GPU memory (nranks x EMU_INBOX u64 slots);
  * after the payload copy, the same stream copies (imm | valid) into slot [sender][seq] of the
  * target's inbox, so it lands after the data.  The target's poll reads its inbox.
- * Pacing: a write starts no earlier than the link (this rank's egress) is free: its copy is issued
- * then (start); its signal or immediate is issued at start + bytes / bandwidth + latency (ready),
- * ordered after the copy by an event, so the target learns of the chunk when a link of that
- * class would have delivered it, not when the copy engine (NVLink, much faster) did.  The local
- * completion comes at `ready` too, and not before the copies are done.  Writes of at most
- * EMU_CONTROL_BYTES (the proxy's credits) are paced on a queue of their own, as on a NIC that
- * interleaves queue pairs per packet; bulk chunks keep their order.  Writes are issued by
- * whoever calls post or poll (the proxy thread spins on poll), so pacing is as fine as polling.
+ * Pacing: a write starts no earlier than its link (this rank's egress port of that link) is free:
+ * its copy is issued then (start); its signal or immediate is issued at start + bytes / bandwidth
+ * + latency of that link (ready), ordered after the copy by an event, so the target learns of the
+ * chunk when a link of that class would have delivered it, not when the copy engine (NVLink, much
+ * faster) did.  The local completion comes at `ready` too, and not before the copies are done.
+ * Every link has its own send queues (its own streams), like the ports of a NIC with a queue pair
+ * each: a post names its link (epcc_tp_post_write's `link`), and the links are paced
+ * independently, so one program's RDMA steps over links of different speeds each run at their
+ * own link's rate.  Within a link, writes of at most EMU_CONTROL_BYTES (the proxy's credits) are
+ * paced on a control queue of their own, as on a NIC that interleaves queue pairs per packet;
+ * bulk chunks keep their order.  Writes are issued by whoever calls post or poll (the proxy thread
+ * spins on poll), so pacing is as fine as polling.
  */
 #include "epcc_transport_impl.h"
 
@@ -29,6 +37,9 @@
 #define EMU_INBOX 4096
 #define EMU_MAX_INFLIGHT 4096
 #define EMU_CONTROL_BYTES 64 /* writes this small (credits) go on the control queue */
+#define EMU_MAX_LINKS 8
+#define EMU_SPEC_FORM "BANDWIDTH_GBPS[/BANDWIDTH_GBPS...],LATENCY_US[/LATENCY_US...][,DEVICE[,signal]], e.g. '50,5' " \
+                      "or '50/25,5,0,signal'"
 
 typedef struct {
     cudaIpcMemHandle_t handle;
@@ -56,12 +67,12 @@ typedef struct {
     int state;          /* 0 nothing issued, 1 copy issued, 2 signal issued */
 } emu_op;
 
-/* One send queue of the link, like a NIC's queue pair: its writes are paced one after the other
- * (link order) and complete in order.  Two per transport: bulk writes, and control writes of at
- * most EMU_CONTROL_BYTES (credits), which a NIC interleaves with the bulk traffic of other queue
- * pairs at packet granularity, so they do not wait behind megabytes of queued chunks. */
+/* One send queue of a link, like a NIC's queue pair: its writes are paced one after the other
+ * (link order) and complete in order.  Two per link: bulk writes, and control writes of at most
+ * EMU_CONTROL_BYTES (credits), which a NIC interleaves with the bulk traffic of other queue pairs
+ * at packet granularity, so they do not wait behind megabytes of queued chunks. */
 typedef struct {
-    const char *name;
+    char name[24];
     emu_op ops[EMU_MAX_INFLIGHT];
     uint64_t head, tail;
     uint64_t link_free_ns;
@@ -70,12 +81,17 @@ typedef struct {
     uint64_t *sig_host;      /* pinned: [EMU_MAX_INFLIGHT] signal values, by op slot */
 } emu_queue;
 
+/* One link of the spec: its rate and its two send queues. */
+typedef struct {
+    double bytes_per_ns, latency_ns;
+    emu_queue qs[2]; /* bulk, control */
+} emu_link;
+
 typedef struct {
     epcc_tp base;
     pthread_mutex_t lock;
     int device;
-    double bytes_per_ns, latency_ns;
-    emu_queue qs[2];          /* bulk, control */
+    emu_link *links;          /* [base.n_links] */
     cudaStream_t poll_stream; /* reading the inbox */
     int signal_only;          /* spec ",signal": no immediates, the inbox is never read */
     uint64_t *inbox;       /* device: [nranks][EMU_INBOX] */
@@ -108,23 +124,104 @@ struct epcc_tp_mr {
  * for the device, which is what a stuck write may be waiting for). */
 __global__ void emu_probe_kernel(unsigned long long *p) { *p = 1; }
 
+/* One '/'-separated list of numbers (a spec field): each finite and > 0 (`positive`) or >= 0.
+ * Returns how many, or -EINVAL with the message in err. */
+static int parse_list(const char *spec, const char *field, size_t len, const char *what, int positive,
+                      double *out, int max, char *err, size_t errlen) {
+    int n = 0;
+    for (size_t at = 0;;) {
+        size_t end = at;
+        while (end < len && field[end] != '/') end++;
+        char item[64];
+        int fits = end - at < sizeof item;
+        snprintf(item, sizeof item, "%.*s", (int)(end - at), field + at);
+        char *stop = NULL;
+        double v = fits && item[0] ? strtod(item, &stop) : 0.0;
+        if (!fits || !item[0] || *stop || !(v == v) || v > 1e300 || (positive ? v <= 0 : v < 0))
+            return epcc_tp_fail_buf(err, errlen, -EINVAL, "emulated: spec '%s': %s '%.*s' of link %d is not a number %s",
+                                    spec, what, (int)(end - at), field + at, n, positive ? "> 0" : ">= 0");
+        if (n == max)
+            return epcc_tp_fail_buf(err, errlen, -EINVAL, "emulated: spec '%s': more than %d links", spec, max);
+        out[n++] = v;
+        if (end == len) return n;
+        at = end + 1;
+    }
+}
+
+/* The spec (see the header): links, device (-1: the current one), signal-only. */
+static int parse_spec(const char *spec, double *gbps, double *lat_us, int *n_links, int *dev, int *signal_only,
+                      char *err, size_t errlen) {
+    const char *f[5];
+    size_t len[5];
+    int nf = 0;
+    for (const char *at = spec;; nf++) {
+        const char *comma = strchr(at, ',');
+        if (nf == 4)
+            return epcc_tp_fail_buf(err, errlen, -EINVAL, "emulated: spec '%s' has more than 4 fields: it must be "
+                                    EMU_SPEC_FORM, spec);
+        f[nf] = at;
+        len[nf] = comma ? (size_t)(comma - at) : strlen(at);
+        if (!comma) {
+            nf++;
+            break;
+        }
+        at = comma + 1;
+    }
+    if (nf < 2)
+        return epcc_tp_fail_buf(err, errlen, -EINVAL, "emulated: spec '%s' must be " EMU_SPEC_FORM, spec);
+    double lat[EMU_MAX_LINKS];
+    int nb = parse_list(spec, f[0], len[0], "bandwidth", 1, gbps, EMU_MAX_LINKS, err, errlen);
+    if (nb < 0) return nb;
+    int nl = parse_list(spec, f[1], len[1], "latency", 0, lat, EMU_MAX_LINKS, err, errlen);
+    if (nl < 0) return nl;
+    if (nl != nb && nl != 1)
+        return epcc_tp_fail_buf(err, errlen, -EINVAL, "emulated: spec '%s': %d bandwidths but %d latencies: give one "
+                                "latency per link, or one for all", spec, nb, nl);
+    for (int i = 0; i < nb; i++) lat_us[i] = lat[nl == 1 ? 0 : i];
+    *n_links = nb;
+    *dev = -1;
+    *signal_only = 0;
+    int next = 2;
+    if (nf > 2 && !(nf == 3 && len[2] == 6 && strncmp(f[2], "signal", 6) == 0)) { /* "BW,LAT,signal": no device */
+        char text[16], *stop = NULL;
+        snprintf(text, sizeof text, "%.*s", (int)len[2], f[2]);
+        long d = len[2] && len[2] < sizeof text ? strtol(text, &stop, 10) : -1;
+        if (len[2] && (len[2] >= sizeof text || *stop || d < 0 || d > 1 << 20))
+            return epcc_tp_fail_buf(err, errlen, -EINVAL, "emulated: spec '%s': device '%.*s' is not a GPU index (a "
+                                    "whole number >= 0, or empty for the current GPU)", spec, (int)len[2], f[2]);
+        *dev = len[2] ? (int)d : -1;
+        next = 3;
+    }
+    if (next < nf) {
+        if (len[next] != 6 || strncmp(f[next], "signal", 6) != 0)
+            return epcc_tp_fail_buf(err, errlen, -EINVAL, "emulated: spec '%s': '%.*s' after the device is not "
+                                    "'signal'", spec, (int)len[next], f[next]);
+        *signal_only = 1;
+    }
+    return 0;
+}
+
 static int emu_open(const char *spec, int rank, int nranks, epcc_tp **out, char *err, size_t errlen) {
     (void)rank;
-    double gbps = 0, lat_us = 0;
-    int dev = -1;
-    if (sscanf(spec, "%lf,%lf,%d", &gbps, &lat_us, &dev) < 2 || gbps <= 0 || lat_us < 0)
-        return epcc_tp_fail_buf(err, errlen, -EINVAL,
-                                "emulated: spec '%s' must be BANDWIDTH_GBPS,LATENCY_US[,DEVICE], e.g. '50,5'", spec);
+    double gbps[EMU_MAX_LINKS], lat_us[EMU_MAX_LINKS];
+    int n_links = 0, dev = -1, signal_only = 0;
+    int rc = parse_spec(spec, gbps, lat_us, &n_links, &dev, &signal_only, err, errlen);
+    if (rc) return rc;
     int ndev = 0;
     if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0)
         return epcc_tp_fail_buf(err, errlen, -ENODEV, "emulated: no CUDA device");
     emu_tp *t = (emu_tp *)calloc(1, sizeof *t);
     *out = &t->base;
     pthread_mutex_init(&t->lock, NULL);
-    t->bytes_per_ns = gbps; /* GB/s == bytes/ns */
-    t->latency_ns = lat_us * 1e3;
+    t->base.n_links = n_links;
+    t->links = (emu_link *)calloc((size_t)n_links, sizeof *t->links);
+    if (!t->links) return epcc_tp_fail_buf(err, errlen, -ENOMEM, "emulated: out of memory");
+    for (int l = 0; l < n_links; l++) {
+        t->links[l].bytes_per_ns = gbps[l]; /* GB/s == bytes/ns */
+        t->links[l].latency_ns = lat_us[l] * 1e3;
+    }
     t->device = dev >= 0 ? dev : 0;
-    t->signal_only = strstr(spec, ",signal") != NULL;
+    t->signal_only = signal_only;
     if (dev < 0) cudaGetDevice(&t->device);
     cudaFuncAttributes probe_attr;
     t->seen = (uint64_t *)calloc((size_t)nranks, 8);
@@ -138,9 +235,12 @@ static int emu_open(const char *spec, int rank, int nranks, epcc_tp **out, char 
         cudaMemset(t->inbox, 0, (size_t)nranks * EMU_INBOX * 8) != cudaSuccess ||
         cudaFuncGetAttributes(&probe_attr, emu_probe_kernel) != cudaSuccess)
         return epcc_tp_fail_buf(err, errlen, -EIO, "emulated: CUDA setup on device %d failed", t->device);
-    for (int k = 0; k < 2; k++) {
-        emu_queue *qu = &t->qs[k];
-        qu->name = k ? "control" : "bulk";
+    for (int q = 0; q < 2 * n_links; q++) {
+        emu_queue *qu = &t->links[q / 2].qs[q % 2];
+        if (n_links == 1)
+            snprintf(qu->name, sizeof qu->name, "%s", q % 2 ? "control" : "bulk");
+        else
+            snprintf(qu->name, sizeof qu->name, "link %d %s", q / 2, q % 2 ? "control" : "bulk");
         if (cudaStreamCreateWithFlags(&qu->stream, cudaStreamNonBlocking) != cudaSuccess ||
             cudaStreamCreateWithFlags(&qu->sig_stream, cudaStreamNonBlocking) != cudaSuccess ||
             cudaHostAlloc((void **)&qu->sig_host, EMU_MAX_INFLIGHT * 8, cudaHostAllocPortable) != cudaSuccess)
@@ -150,8 +250,17 @@ static int emu_open(const char *spec, int rank, int nranks, epcc_tp **out, char 
             cudaEventCreateWithFlags(&qu->ops[i].copied, cudaEventDisableTiming);
         }
     }
-    snprintf(t->base.desc, sizeof t->base.desc, "emulated (copy engine on GPU %d, paced to %g GB/s, %g us)", t->device,
-             gbps, lat_us);
+    if (n_links == 1) {
+        snprintf(t->base.desc, sizeof t->base.desc, "emulated (copy engine on GPU %d, paced to %g GB/s, %g us)",
+                 t->device, gbps[0], lat_us[0]);
+    } else {
+        size_t n = (size_t)snprintf(t->base.desc, sizeof t->base.desc, "emulated (copy engine on GPU %d, %d links "
+                                    "paced to", t->device, n_links);
+        for (int l = 0; l < n_links && n < sizeof t->base.desc; l++)
+            n += (size_t)snprintf(t->base.desc + n, sizeof t->base.desc - n, "%s %g GB/s %g us", l ? "," : "",
+                                  gbps[l], lat_us[l]);
+        if (n < sizeof t->base.desc) snprintf(t->base.desc + n, sizeof t->base.desc - n, ")");
+    }
     return 0;
 }
 
@@ -259,8 +368,9 @@ static int progress_queue(emu_tp *t, emu_queue *qu, uint64_t now) {
 
 static int progress(emu_tp *t) {
     uint64_t now = epcc_tp_now_ns();
-    for (int k = 0; k < 2; k++)
-        if (progress_queue(t, &t->qs[k], now)) return -EIO;
+    for (int l = 0; l < t->base.n_links; l++)
+        for (int k = 0; k < 2; k++)
+            if (progress_queue(t, &t->links[l].qs[k], now)) return -EIO;
     return 0;
 }
 
@@ -281,7 +391,7 @@ static const char *probe_wait(cudaStream_t s, cudaError_t e) {
     return e == cudaSuccess ? "done" : e == cudaErrorNotReady ? "pending" : cudaGetErrorString(e);
 }
 
-static void probe_copy(emu_tp *t, const emu_op *o, char *out, size_t n) {
+static void probe_copy(emu_tp *t, const emu_queue *qu, const emu_op *o, char *out, size_t n) {
     cudaStream_t s[4];
     for (int i = 0; i < 4; i++)
         if (cudaStreamCreateWithFlags(&s[i], cudaStreamNonBlocking) != cudaSuccess) {
@@ -295,7 +405,7 @@ static void probe_copy(emu_tp *t, const emu_op *o, char *out, size_t n) {
     emu_probe_kernel<<<1, 1, 0, s[3]>>>((unsigned long long *)t->inbox);
     const char *kernel = probe_wait(s[3], cudaGetLastError());
     for (int i = 0; i < 4; i++) cudaStreamDestroy(s[i]);
-    cudaError_t sq = cudaStreamQuery(t->qs[0].stream);
+    cudaError_t sq = cudaStreamQuery(qu->stream);
     snprintf(out, n, "probes on fresh streams: the same copy %s, a local copy %s, 8 B to the same peer address %s, "
              "a kernel %s; the transport's stream %s", same, local, peer, kernel,
              sq == cudaSuccess ? "idle" : sq == cudaErrorNotReady ? "busy" : cudaGetErrorString(sq));
@@ -312,7 +422,7 @@ static int reap_queue(emu_tp *t, emu_queue *qu) {
             if (now > o->ready_ns + 2000000000ull) { /* a copy engine transfer stuck for 2 s: say which */
                 cudaError_t c = cudaEventQuery(o->copied);
                 char probe[320];
-                probe_copy(t, o, probe, sizeof probe);
+                probe_copy(t, qu, o, probe, sizeof probe);
                 return epcc_tp_fail(&t->base, -ETIMEDOUT, "emulated: %s write %llu (%zu bytes) not complete 2 s after "
                                     "its paced time: payload copy %s, signal %s; %s", qu->name,
                                     (unsigned long long)qu->head, o->len,
@@ -332,8 +442,9 @@ static int reap_queue(emu_tp *t, emu_queue *qu) {
 
 static int reap(emu_tp *t) {
     if (progress(t)) return -EIO;
-    for (int k = 0; k < 2; k++)
-        if (reap_queue(t, &t->qs[k])) return -EIO;
+    for (int l = 0; l < t->base.n_links; l++)
+        for (int k = 0; k < 2; k++)
+            if (reap_queue(t, &t->links[l].qs[k])) return -EIO;
     if (t->signal_only) return 0;
     int n = t->base.nranks;
     /* Its own non-blocking stream: never ordered behind a kernel on the legacy default stream. */
@@ -353,11 +464,12 @@ static int reap(emu_tp *t) {
     return 0;
 }
 
-/* Queue one paced op: the copy, then (optional) 8 bytes of `sig_value` at `sig_dst`. */
-static int enqueue(emu_tp *t, int peer, const void *src, size_t len, uint64_t raddr, uint64_t rkey, uint64_t *sig_dst,
-                   uint64_t sig_value, uint64_t ctx, uint64_t timeout_ns) {
+/* Queue one paced op on `link`: the copy, then (optional) 8 bytes of `sig_value` at `sig_dst`. */
+static int enqueue(emu_tp *t, int peer, unsigned link, const void *src, size_t len, uint64_t raddr, uint64_t rkey,
+                   uint64_t *sig_dst, uint64_t sig_value, uint64_t ctx, uint64_t timeout_ns) {
     uint64_t deadline = epcc_tp_deadline(timeout_ns);
-    emu_queue *qu = &t->qs[len <= EMU_CONTROL_BYTES ? 1 : 0];
+    emu_link *ln = &t->links[link]; /* below n_links: epcc_transport.c checked it */
+    emu_queue *qu = &ln->qs[len <= EMU_CONTROL_BYTES ? 1 : 0];
     while (qu->tail - qu->head >= EMU_MAX_INFLIGHT) {
         t->base.stats.eagain++;
         if (reap(t) || epcc_tp_now_ns() >= deadline)
@@ -368,12 +480,12 @@ static int enqueue(emu_tp *t, int peer, const void *src, size_t len, uint64_t ra
         return epcc_tp_fail(&t->base, -EINVAL, "emulated: rank %d has no region %llu", peer, (unsigned long long)rkey);
     uint64_t now = epcc_tp_now_ns();
     uint64_t start = now > qu->link_free_ns ? now : qu->link_free_ns;
-    uint64_t busy = (uint64_t)((double)len / t->bytes_per_ns);
+    uint64_t busy = (uint64_t)((double)len / ln->bytes_per_ns);
     qu->link_free_ns = start + busy;
     uint64_t i = qu->tail;
     emu_op *o = &qu->ops[i % EMU_MAX_INFLIGHT];
     o->start_ns = start;
-    o->ready_ns = start + busy + (uint64_t)t->latency_ns;
+    o->ready_ns = start + busy + (uint64_t)ln->latency_ns;
     o->ctx = ctx;
     o->dst = (char *)t->peer_regions[peer][rkey] + raddr;
     o->src = src;
@@ -387,8 +499,9 @@ static int enqueue(emu_tp *t, int peer, const void *src, size_t len, uint64_t ra
     return progress(t);
 }
 
-static int emu_post_write(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *m, uint64_t raddr,
-                          uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx, uint64_t timeout_ns) {
+static int emu_post_write(epcc_tp *tp, int peer, unsigned link, const void *src, size_t len, epcc_tp_mr *m,
+                          uint64_t raddr, uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx,
+                          uint64_t timeout_ns) {
     emu_tp *t = (emu_tp *)tp;
     (void)m;
     pthread_mutex_lock(&t->lock);
@@ -402,18 +515,18 @@ static int emu_post_write(epcc_tp *tp, int peer, const void *src, size_t len, ep
     } else if (imm_valid) {
         uint64_t k = t->sent[peer]++;
         uint64_t word = (((k / EMU_INBOX) * 2 + 1) << 32) | imm;
-        rc = enqueue(t, peer, src, len, raddr, rkey, t->peer_inbox[peer] + (size_t)tp->rank * EMU_INBOX + k % EMU_INBOX,
-                     word, ctx, timeout_ns);
+        rc = enqueue(t, peer, link, src, len, raddr, rkey,
+                     t->peer_inbox[peer] + (size_t)tp->rank * EMU_INBOX + k % EMU_INBOX, word, ctx, timeout_ns);
     } else {
-        rc = enqueue(t, peer, src, len, raddr, rkey, NULL, 0, ctx, timeout_ns);
+        rc = enqueue(t, peer, link, src, len, raddr, rkey, NULL, 0, ctx, timeout_ns);
     }
     pthread_mutex_unlock(&t->lock);
     return rc;
 }
 
-static int emu_post_write_signal(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *m, uint64_t raddr,
-                                 uint64_t rkey, uint64_t sig_raddr, uint64_t sig_rkey, uint64_t sig_value, uint64_t ctx,
-                                 uint64_t timeout_ns) {
+static int emu_post_write_signal(epcc_tp *tp, int peer, unsigned link, const void *src, size_t len, epcc_tp_mr *m,
+                                 uint64_t raddr, uint64_t rkey, uint64_t sig_raddr, uint64_t sig_rkey,
+                                 uint64_t sig_value, uint64_t ctx, uint64_t timeout_ns) {
     emu_tp *t = (emu_tp *)tp;
     (void)m;
     pthread_mutex_lock(&t->lock);
@@ -424,8 +537,8 @@ static int emu_post_write_signal(epcc_tp *tp, int peer, const void *src, size_t 
         rc = epcc_tp_fail(tp, -EINVAL, "emulated: rank %d has no signal word at region %llu offset %llu", peer,
                           (unsigned long long)sig_rkey, (unsigned long long)sig_raddr);
     else
-        rc = enqueue(t, peer, src, len, raddr, rkey, (uint64_t *)((char *)t->peer_regions[peer][sig_rkey] + sig_raddr),
-                     sig_value, ctx, timeout_ns);
+        rc = enqueue(t, peer, link, src, len, raddr, rkey,
+                     (uint64_t *)((char *)t->peer_regions[peer][sig_rkey] + sig_raddr), sig_value, ctx, timeout_ns);
     pthread_mutex_unlock(&t->lock);
     return rc;
 }
@@ -445,7 +558,8 @@ static int emu_flush(epcc_tp *tp, uint64_t timeout_ns) {
     for (;;) {
         pthread_mutex_lock(&t->lock);
         int r = on_device(t) ? -EIO : reap(t);
-        uint64_t left = (t->qs[0].tail - t->qs[0].head) + (t->qs[1].tail - t->qs[1].head);
+        uint64_t left = 0;
+        for (int q = 0; q < 2 * tp->n_links; q++) left += t->links[q / 2].qs[q % 2].tail - t->links[q / 2].qs[q % 2].head;
         pthread_mutex_unlock(&t->lock);
         if (r) return r;
         if (!left) return 0;
@@ -462,8 +576,8 @@ static void emu_close(epcc_tp *tp) {
         if (r != tp->rank && t->peer_inbox && t->peer_inbox[r]) cudaIpcCloseMemHandle(t->peer_inbox[r]);
         if (t->peer_regions) free(t->peer_regions[r]);
     }
-    for (int k = 0; k < 2; k++) {
-        emu_queue *qu = &t->qs[k];
+    for (int q = 0; t->links && q < 2 * tp->n_links; q++) {
+        emu_queue *qu = &t->links[q / 2].qs[q % 2];
         for (int i = 0; i < EMU_MAX_INFLIGHT; i++) {
             if (qu->ops[i].done) cudaEventDestroy(qu->ops[i].done);
             if (qu->ops[i].copied) cudaEventDestroy(qu->ops[i].copied);
@@ -472,6 +586,7 @@ static void emu_close(epcc_tp *tp) {
         if (qu->stream) cudaStreamDestroy(qu->stream);
         if (qu->sig_stream) cudaStreamDestroy(qu->sig_stream);
     }
+    free(t->links);
     cudaFree(t->inbox);
     cudaStreamDestroy(t->poll_stream);
     free(t->peer_regions);

@@ -7,6 +7,7 @@
  * spec: "DEVICE[:PORT[:GID_INDEX]]", e.g. "mlx5_0:1:3"; empty: the first device, port 1, GID 0.
  * Address blob: lid (u16), gid (16 bytes), nranks QP numbers (u32); connect() moves QP r to
  * RTR/RTS against rank r's QP for this rank.  Fails with a clear message where no device exists.
+ * Links: one (one port, one QP per peer); every post is on link 0.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "epcc_transport_impl.h"
@@ -222,9 +223,11 @@ static int reap(ib_tp *t) {
     return n;
 }
 
-static int ib_post_write(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *m, uint64_t raddr,
-                         uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx, uint64_t timeout_ns) {
+static int ib_post_write(epcc_tp *tp, int peer, unsigned link, const void *src, size_t len, epcc_tp_mr *m,
+                         uint64_t raddr, uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx,
+                         uint64_t timeout_ns) {
     ib_tp *t = (ib_tp *)tp;
+    (void)link; /* one QP per peer: one link */
     struct ibv_sge sge = {(uint64_t)(uintptr_t)src, (uint32_t)len, m ? m->mr->lkey : 0};
     struct ibv_send_wr wr, *bad = NULL;
     memset(&wr, 0, sizeof wr);

@@ -14,6 +14,7 @@
  * FI_MR_ENDPOINT binding).  Progress is driven by polling (the proxy and receiver threads poll
  * the CQ all the time, which covers FI_PROGRESS_MANUAL providers such as tcp); one mutex
  * serialises every call into the provider (the domain is opened FI_THREAD_DOMAIN).
+ * Links: one (the endpoint); every post is on link 0.
  */
 #define _POSIX_C_SOURCE 200809L
 #include "epcc_transport_impl.h"
@@ -335,9 +336,11 @@ static int reap(lf_tp *t) {
     return (int)n;
 }
 
-static int lf_post_write(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *m, uint64_t raddr,
-                         uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx, uint64_t timeout_ns) {
+static int lf_post_write(epcc_tp *tp, int peer, unsigned link, const void *src, size_t len, epcc_tp_mr *m,
+                         uint64_t raddr, uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx,
+                         uint64_t timeout_ns) {
     lf_tp *t = (lf_tp *)tp;
+    (void)link; /* one endpoint: one link */
     if (!t->connected) return epcc_tp_fail(tp, -ENOTCONN, "libfabric: write before epcc_tp_connect");
     pthread_mutex_lock(&t->lock);
     lf_op *o = op_get(t);

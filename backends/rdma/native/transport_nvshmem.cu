@@ -22,6 +22,8 @@
  * Queues: bulk writes go on one stream; 8-byte writes from host memory (the proxy's credits) are
  * signal operations (the value is read at post time, no source registration) on a second stream,
  * so a credit never waits behind queued chunks, as on a NIC that interleaves queue pairs.
+ * Links: one (epcc_tp_links), whatever NVSHMEM reaches; not paced, so a plan's RDMA steps over
+ * links of different speeds all post on link 0 (backends/cuda/rdma_gpu.py).
  */
 #if defined(__has_include)
 #if __has_include(<nvshmem.h>) && defined(EPCC_TP_HAVE_NVSHMEM)
@@ -239,9 +241,11 @@ static int host_memory(const void *p) {
     return a.type == cudaMemoryTypeHost || a.type == cudaMemoryTypeUnregistered;
 }
 
-static int nv_post_write(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *m, uint64_t raddr,
-                         uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx, uint64_t timeout_ns) {
+static int nv_post_write(epcc_tp *tp, int peer, unsigned link, const void *src, size_t len, epcc_tp_mr *m,
+                         uint64_t raddr, uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx,
+                         uint64_t timeout_ns) {
     nv_tp *t = (nv_tp *)tp;
+    (void)link; /* one link: whatever NVSHMEM reaches, not paced */
     (void)m;
     (void)rkey;
     (void)timeout_ns;
@@ -265,10 +269,11 @@ static int nv_post_write(epcc_tp *tp, int peer, const void *src, size_t len, epc
 
 /* Write + signal: one put with signal (NVSHMEM orders the signal after the payload), the signal
  * word set to `sig_value`; both regions in the symmetric heap, addresses symmetric. */
-static int nv_post_write_signal(epcc_tp *tp, int peer, const void *src, size_t len, epcc_tp_mr *m, uint64_t raddr,
-                                uint64_t rkey, uint64_t sig_raddr, uint64_t sig_rkey, uint64_t sig_value, uint64_t ctx,
-                                uint64_t timeout_ns) {
+static int nv_post_write_signal(epcc_tp *tp, int peer, unsigned link, const void *src, size_t len, epcc_tp_mr *m,
+                                uint64_t raddr, uint64_t rkey, uint64_t sig_raddr, uint64_t sig_rkey,
+                                uint64_t sig_value, uint64_t ctx, uint64_t timeout_ns) {
     nv_tp *t = (nv_tp *)tp;
+    (void)link;
     (void)m;
     (void)rkey;
     (void)sig_rkey;

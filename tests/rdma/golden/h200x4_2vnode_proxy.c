@@ -70,6 +70,7 @@ typedef struct {
     uint64_t credit_name; /* const char *, for the messages */
     uint64_t signal_addr; /* GPU path: the receiver's landing signal words (one per slot), as registered */
     uint64_t signal_key;
+    uint64_t link; /* the transport link its chunks are posted on (the link class of its step; 0: one link) */
 } epcc_rdma_send_chan;
 
 /* struct epcc_rdma_recv_chan: a (step, peer -> this rank) channel: the landing ring and what each chunk does */
@@ -92,6 +93,7 @@ typedef struct {
     uint64_t credit_mr;
     uint64_t name; /* const char *, for the messages */
     uint64_t consumed; /* GPU path: u64 the receiving kernel writes (launch << 32 | chunks consumed), host-mapped */
+    uint64_t link; /* the transport link its credits go back on (the link class of its step; 0: one link) */
 } epcc_rdma_recv_chan;
 
 /* struct epcc_rdma_engine: one process's proxy engine */
@@ -388,7 +390,8 @@ int epcc_rdma_proxy(epcc_rdma_engine *e) {
                 const uint8_t *src = (const uint8_t *)(uintptr_t)roles[i].send_buf + (head % f->depth) * roles[i].slot_bytes;
                 uint64_t raddr = c->remote_addr + (en->chan_seq % c->depth) * c->slot_bytes;
                 uint64_t ctx = EPCC_RDMA_CTX_DATA | (i << 32) | (head & 0xffffffffu);
-                if (epcc_tp_post_write(tp, (int)c->peer, src, en->bytes, (epcc_tp_mr *)(uintptr_t)roles[i].mr, raddr,
+                if (epcc_tp_post_write(tp, (int)c->peer, (unsigned)c->link, src, en->bytes,
+                                       (epcc_tp_mr *)(uintptr_t)roles[i].mr, raddr,
                                        c->remote_key, 1, epcc_rdma_imm(c->imm_chan, en->chan_seq), ctx, e->timeout_ns))
                     return fail_tp(e, si->step, "posting a chunk");
                 epcc_rdma_fifo_take(f);
@@ -463,7 +466,7 @@ int epcc_rdma_receive(epcc_rdma_engine *e) {
                 *(uint64_t *)(uintptr_t)c->credit_src = tr->next;
                 atomic_store_explicit(&s->credit_inflight[i], 1, memory_order_release);
                 s->credit_sent[i] = tr->next;
-                if (epcc_tp_post_write(tp, (int)c->peer, (const void *)(uintptr_t)c->credit_src, 8,
+                if (epcc_tp_post_write(tp, (int)c->peer, (unsigned)c->link, (const void *)(uintptr_t)c->credit_src, 8,
                                        (epcc_tp_mr *)(uintptr_t)c->credit_mr, c->credit_raddr, c->credit_rkey, 0, 0, i,
                                        e->timeout_ns))
                     return fail_tp(e, epcc_rdma_steps[c->step].step, "returning credits");
@@ -498,7 +501,9 @@ int epcc_rdma_receive(epcc_rdma_engine *e) {
  * `seq % depth`, then `value` into that slot's signal word, which the receiver's unpack role
  * waits on), retires entries as writes complete (the pack roles wait on `retired` for a free send
  * slot), and returns credits: the unpack roles write their consumed count (launch << 32 | chunks)
- * into a host-mapped word per channel, this loop writes it into the sender's credit word.  It
+ * into a host-mapped word per channel, this loop writes it into the sender's credit word.  Each
+ * channel posts its chunks and credits on its own transport link (`link`: the link class of its
+ * step, so the emulated transport paces every step at its own link's speed).  It
  * spins (a dedicated core, as NCCL's and DeepEP's proxies do): the emulated link is paced by
  * how often it polls. */
 int epcc_rdma_proxy_gpu(epcc_rdma_engine *e) {
@@ -537,7 +542,8 @@ int epcc_rdma_proxy_gpu(epcc_rdma_engine *e) {
                 const uint8_t *src = (const uint8_t *)(uintptr_t)roles[i].send_buf + (head % f->depth) * roles[i].slot_bytes;
                 uint64_t slot = en->chan_seq % c->depth;
                 uint64_t ctx = EPCC_RDMA_CTX_DATA | (i << 32) | (head & 0xffffffffu);
-                if (epcc_tp_post_write_signal(tp, (int)c->peer, src, en->bytes, (epcc_tp_mr *)(uintptr_t)roles[i].mr,
+                if (epcc_tp_post_write_signal(tp, (int)c->peer, (unsigned)c->link, src, en->bytes,
+                                              (epcc_tp_mr *)(uintptr_t)roles[i].mr,
                                               c->remote_addr + slot * c->slot_bytes, c->remote_key,
                                               c->signal_addr + slot * 8, c->signal_key, en->value, ctx, e->timeout_ns))
                     return fail_tp(e, si->step, "posting a chunk");
@@ -553,7 +559,7 @@ int epcc_rdma_proxy_gpu(epcc_rdma_engine *e) {
             *(volatile uint64_t *)(uintptr_t)c->credit_src = v;
             atomic_store_explicit(&s->credit_inflight[i], 1, memory_order_release);
             s->credit_sent[i] = v;
-            if (epcc_tp_post_write(tp, (int)c->peer, (const void *)(uintptr_t)c->credit_src, 8,
+            if (epcc_tp_post_write(tp, (int)c->peer, (unsigned)c->link, (const void *)(uintptr_t)c->credit_src, 8,
                                    (epcc_tp_mr *)(uintptr_t)c->credit_mr, c->credit_raddr, c->credit_rkey, 0, 0, i,
                                    e->timeout_ns))
                 return fail_tp(e, epcc_rdma_steps[c->step].step, "returning credits");
