@@ -20,9 +20,14 @@ two sides share, from the rank's uploaded tables:
 * the RdmaChan descriptors (one per CopyDesc) and the items' sequence numbers, in device memory,
   handed to the launcher with `Context.set_rdma`.
 
-Transports: `emulated` (the copy engine, paced to the plan's RDMA link: RDMA-bound schedules on
+Transports: `emulated` (the copy engine, paced to the plan's RDMA links: RDMA-bound schedules on
 one host) and `nvshmem` (put with signal over whatever NVSHMEM reaches: NVLink on one host,
-IBRC/IBGDA on a cluster).  For `nvshmem` this module bootstraps NVSHMEM from rank 0's unique id
+IBRC/IBGDA on a cluster).  Links: every link class the program's RDMA steps use is one link of the
+transport (step_links, in step order), and each channel posts its chunks and credits on its
+step's link.  The emulated transport gets one BANDWIDTH,LATENCY per link in its spec
+(emulated_spec: "50/25,5/5,DEVICE,signal" for steps over a 50 and a 25 GB/s link) and paces each
+on send queues of its own, like the ports of a NIC; a one-link plan gets the spec it always had
+("50,5,DEVICE,signal").  NVSHMEM has one link and is not paced: every step posts on it.  For `nvshmem` this module bootstraps NVSHMEM from rank 0's unique id
 (all-gathered by the caller's exchange, i.e. torch.distributed) and allocates every region a peer
 writes, and the send slots, in the symmetric heap (collective: every rank allocates the largest
 size any rank needs, in the same order).
@@ -58,6 +63,59 @@ assert RDMA_CHAN.itemsize == 64
 
 
 TRANSPORTS = ("emulated", "nvshmem")
+PACED = ("emulated",)  # transports that pace each link at its plan's speed: one transport link per link class
+
+
+@dataclass(frozen=True)
+class Link:
+    """One link class a program's RDMA steps run over: one link (send queues) of the transport."""
+
+    name: str
+    bandwidth: float  # bytes/s (0: unknown)
+    latency_s: float
+
+    @property
+    def text(self) -> str:
+        return f"'{self.name}' {self.bandwidth / 1e9:g} GB/s {self.latency_s * 1e6:g} us"
+
+
+def step_links(steps) -> tuple[list[Link], dict[str, int]]:
+    """(the links, one per link class in the order the RDMA steps `steps` first use them; each
+    step's link index).  Steps over one class share its link; a class's bandwidth and latency are
+    the largest its steps give (the plan gives every step of a class the same)."""
+    order: dict[str, list] = {}
+    index: dict[str, int] = {}
+    for s in sorted(steps, key=lambda s: s.index):
+        got = order.setdefault(s.link, [len(order), 0.0, 0.0])
+        got[1], got[2] = max(got[1], s.bandwidth), max(got[2], s.latency_s)
+        index[s.step] = got[0]
+    return [Link(name, bw, lat) for name, (_, bw, lat) in order.items()], index
+
+
+def emulated_spec(program: str, links: list[Link], device: int) -> str:
+    """The emulated transport's spec for `links` (transport_emulated.cu): '/'-separated bandwidths
+    (GB/s) and latencies (us), one per link, then the device, write + signal only."""
+    for link in links:
+        if not link.bandwidth:
+            raise RdmaGpuError(f"{program}: the RDMA link '{link.name}' has no bandwidth in the plan; give the "
+                               f"transport spec")
+    bw = "/".join(f"{link.bandwidth / 1e9:g}" for link in links)
+    lat = "/".join(f"{link.latency_s * 1e6:g}" for link in links)
+    return f"{bw},{lat},{device},signal"
+
+
+def transport_links(program: str, transport: str, spec: str, have: int, links: list[Link],
+                    step_link: dict[str, int]) -> dict[str, int]:
+    """Each step's link on a transport of `have` links: its link class's (step_links) on a paced
+    transport, which must have a link per class; link 0 on one that is not paced (nvshmem)."""
+    if transport not in PACED:
+        return {step: 0 for step in step_link}
+    if have < len(links):
+        raise RdmaGpuError(f"{program}: transport '{transport}' ({spec}) has {have} link{'s' if have != 1 else ''}, "
+                           f"but the RDMA steps run over {len(links)} link classes "
+                           f"({', '.join(link.text for link in links)}): give one BANDWIDTH_GBPS,LATENCY_US per "
+                           f"link, '/'-separated (e.g. '50/25,5/5')")
+    return dict(step_link)
 
 
 class RdmaGpuError(RuntimeError):
@@ -310,15 +368,9 @@ class GpuRdma:
             raise RdmaGpuError(f"{program}: the plan has no RDMA step")
         if transport not in TRANSPORTS:
             raise RdmaGpuError(f"transport '{transport}': the GPU proxy path runs {' or '.join(TRANSPORTS)}")
-        if transport == "emulated" and spec is None:  # paced to the plan's link
-            links = {(s.bandwidth, s.latency_s) for s in steps.values()}
-            if len(links) != 1:
-                raise RdmaGpuError(f"{program}: RDMA steps over links of different speeds ({sorted(links)}): one "
-                                   f"emulated link per rank and program in this version")
-            bw, lat = links.pop()
-            if not bw:
-                raise RdmaGpuError(f"{program}: the RDMA link has no bandwidth in the plan; give the transport spec")
-            spec = f"{bw / 1e9:g},{lat * 1e6:g},{device},signal"
+        links, step_link = step_links(steps.values())
+        if transport == "emulated" and spec is None:  # each link paced to its link class in the plan
+            spec = emulated_spec(program, links, device)
         elif spec is None:
             spec = "signal"  # write + signal only: no immediates to read
         self.lib = load(proxy_lib)
@@ -377,6 +429,10 @@ class GpuRdma:
         except TransportError as e:
             raise RdmaGpuError(f"rank {rank}: transport '{transport}' ({spec}): {e}") from None
         self.description = self.tp.description
+        try:
+            step_link = transport_links(program, transport, spec, self.tp.links, links, step_link)
+        except RdmaGpuError as e:
+            raise RdmaGpuError(f"rank {rank}: {e}") from None
 
         def reg(ptr: int, n: int, access: int) -> tuple[int, int, int]:
             try:
@@ -416,7 +472,8 @@ class GpuRdma:
             raddr, rkey, slot, depth, saddr, skey, imm_chan = everyone[ch.dst]["recv"][k]
             send_rows.append(dict(peer=ch.dst, remote_addr=raddr, remote_key=rkey, slot_bytes=slot, depth=depth,
                                   n_chunks=ch.n_chunks, imm_chan=imm_chan, credit=0,
-                                  credit_name=cstr(name[k] + ".credit"), signal_addr=saddr, signal_key=skey))
+                                  credit_name=cstr(name[k] + ".credit"), signal_addr=saddr, signal_key=skey,
+                                  link=step_link[ch.step]))
         recv_rows = []
         for k, ch in recv.items():
             craddr, crkey = everyone[ch.src]["send"][k]
@@ -424,7 +481,8 @@ class GpuRdma:
                                   landing=landing + ch.offset, slot_bytes=ch.slot_bytes, depth=ch.depth,
                                   row_len=wire, src_row_bytes=wire, credit_raddr=craddr, credit_rkey=crkey,
                                   credit_src=credit_src_ptr + 8 * ch.index, credit_mr=0,
-                                  name=cstr(name[k] + ".landed"), consumed=consumed_ptr + 8 * ch.index))
+                                  name=cstr(name[k] + ".landed"), consumed=consumed_ptr + 8 * ch.index,
+                                  link=step_link[ch.step]))
         role_rows = [dict(step=step_index[r.step], depth=r.depth, slot_bytes=r.slot_bytes, src_row_bytes=r.wire,
                           send_buf=p, mr=mr) for r, p, mr in zip(roles, send_bufs, send_mrs)]
         self.err = ctypes.create_string_buffer(ERRLEN)
@@ -454,6 +512,8 @@ class GpuRdma:
         self.summary = (f"{program}: {len(send)} send / {len(recv)} receive channels, depth "
                         f"{', '.join(str(r.depth) for r in roles) or '-'}, send slots of "
                         f"{', '.join(str(r.slot_bytes) for r in roles) or '-'} B over {self.description}")
+        if len(set(step_link.values())) > 1:  # which step went out on which link
+            self.summary += "; links: " + ", ".join(f"{step} {i}" for step, i in step_link.items())
         if log:
             log(self.summary)
 

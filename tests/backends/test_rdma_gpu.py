@@ -283,3 +283,54 @@ def test_two_rdma_steps_each_pack_role_points_at_its_own_fifo(program, rank):
     # the two landing rings and signal areas do not overlap
     rings = sorted((ch.offset, ch.offset + ch.depth * ch.slot_bytes) for ch in cp.recv.values())
     assert rings[0][1] <= rings[1][0] and rings[1][1] == cp.landing_bytes
+
+
+# ------------------------------------------------------------ RDMA steps over links of different speeds
+
+def _links(name, program):
+    from epcc.backends.rdma.lower import rdma_steps
+
+    plan, *_ = small_case(name, 8, 2)
+    return rdma_gpu.step_links(s for s in rdma_steps(plan) if s.program == program)
+
+
+@pytest.mark.parametrize("program", tables.PROGRAMS)
+def test_steps_over_two_link_classes_get_a_link_each(program):
+    """h200x2_2vnode_mixed: `there` over rdma (50 GB/s), `relay` over rdma_slow (25 GB/s): two
+    links of the transport, each step on its own, and the emulated spec paces each."""
+    links, step_link = _links("h200x2_2vnode_mixed", program)
+    by_name = {link.name: link for link in links}
+    assert sorted(by_name) == ["rdma", "rdma_slow"]
+    assert (by_name["rdma"].bandwidth, by_name["rdma_slow"].bandwidth) == (50e9, 25e9)
+    assert by_name["rdma"].latency_s == by_name["rdma_slow"].latency_s == pytest.approx(5e-6)
+    assert links[step_link["there"]].name == "rdma" and links[step_link["relay"]].name == "rdma_slow"
+    assert sorted(step_link.values()) == [0, 1]
+    bw = "/".join(f"{link.bandwidth / 1e9:g}" for link in links)
+    assert rdma_gpu.emulated_spec(program, links, 1) == f"{bw},5/5,1,signal"  # 50/25 or 25/50: step order
+    assert rdma_gpu.transport_links(program, "emulated", "-", 2, links, step_link) == step_link
+    # NVSHMEM is not paced: one link, every step on it
+    assert rdma_gpu.transport_links(program, "nvshmem", "signal", 1, links, step_link) == {"there": 0, "relay": 0}
+
+
+@pytest.mark.parametrize("name", ["h200x2_2vnode_relay", "h200x2_2vnode"])
+def test_one_link_class_gets_the_spec_it_always_had(name):
+    links, step_link = _links(name, "dispatch")
+    assert [link.name for link in links] == ["rdma"] and set(step_link.values()) == {0}
+    assert rdma_gpu.emulated_spec("dispatch", links, 0) == "50,5,0,signal"
+
+
+def test_a_paced_transport_with_too_few_links_is_refused():
+    links, step_link = _links("h200x2_2vnode_mixed", "dispatch")
+    with pytest.raises(rdma_gpu.RdmaGpuError) as e:
+        rdma_gpu.transport_links("dispatch", "emulated", "50,5,0,signal", 1, links, step_link)
+    texts = ", ".join(link.text for link in links)
+    assert "'rdma' 50 GB/s 5 us" in texts and "'rdma_slow' 25 GB/s 5 us" in texts
+    assert str(e.value) == (f"dispatch: transport 'emulated' (50,5,0,signal) has 1 link, but the RDMA steps run over "
+                            f"2 link classes ({texts}): give one BANDWIDTH_GBPS,LATENCY_US per link, '/'-separated "
+                            f"(e.g. '50/25,5/5')")
+
+
+def test_a_link_without_bandwidth_asks_for_the_spec():
+    with pytest.raises(rdma_gpu.RdmaGpuError) as e:
+        rdma_gpu.emulated_spec("combine", [rdma_gpu.Link("rdma", 50e9, 5e-6), rdma_gpu.Link("nic2", 0.0, 5e-6)], 0)
+    assert str(e.value) == "combine: the RDMA link 'nic2' has no bandwidth in the plan; give the transport spec"
