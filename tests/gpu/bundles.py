@@ -14,7 +14,9 @@ RDMA-class link at 50 GB/s (the shipped files), at 13 GB/s (the seed's RoCE NIC)
 400 GB/s (so that the rest of the schedule shows what it takes by itself); the link's `bandwidth`
 line is replaced and the derived file written next to the bundles.  Every bundle gets
 `simulate.json` (`epcc simulate --json` of the same file and options), which ep_bench prints
-beside the measured times.
+beside the measured times.  On two GPUs: h200x2_2vnode (one RDMA step per program),
+h200x2_2vnode_relay (two, over one link) and h200x2_2vnode_mixed (two, over links of 50 and
+25 GB/s).
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ RDMA_VARIANTS = {  # name -> (schedule, RDMA link name, GB/s)
     # two RDMA steps per program (a staged relay: `relay` sends on what `there` landed): the proxy
     # path with two pack roles and two FIFOs per rank and program, on a 2-GPU machine
     "h200x2_2vnode_relay_50": ("h200x2_2vnode_relay", "rdma", 50),
+    # the same relay with its two steps on links of different speeds (`there` over rdma at 50 GB/s,
+    # `relay` over rdma_slow at 25): the emulated transport paces each step on its own link
+    "h200x2_2vnode_mixed_50": ("h200x2_2vnode_mixed", "rdma", 50),
 }
 
 

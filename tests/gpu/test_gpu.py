@@ -12,11 +12,16 @@ $EPCC_GPU_TIMEOUT the seconds one torchrun may take (default 1200).  The EP4 cas
 h200x2_t128).  Each must exit 0 and print "ALL OK"; on failure the test shows the output tail.
 
 The GPU proxy path (issue 6) runs through bench/ep_bench.py --strict on the 2-vnode plan of two
-GPUs (h200x2_2vnode_50_proxy, and h200x2_2vnode_relay_50_proxy: two RDMA steps per program, so two
-pack roles and two FIFOs per rank and program), once per transport: `emulated` (the copy engine paced to 50 GB/s)
-and `nvshmem` (put with signal over NVLink; skipped where NVSHMEM's wheel is not installed).  The
-bench checks every result against the oracle (dispatch bit-exact, combine within bf16-wire
-rounding) and --strict makes a failed check or a timeout exit 1.
+GPUs (h200x2_2vnode_50_proxy; h200x2_2vnode_relay_50_proxy: two RDMA steps per program, so two
+pack roles and two FIFOs per rank and program; h200x2_2vnode_mixed_50_proxy: the same two steps
+over links of 50 and 25 GB/s, each paced on its own link), once per transport: `emulated` (the
+copy engine paced to each step's link) and `nvshmem` (put with signal over NVLink; skipped where
+NVSHMEM's wheel is not installed).  The bench checks every result against the oracle (dispatch
+bit-exact, combine within bf16-wire rounding) and --strict makes a failed check or a timeout exit
+1.  With `emulated`, the 2-GPU bundles' median dispatch and combine must be within 15 % of
+`epcc simulate` (the bundle's simulate.json), and on the mixed plan the step over the fast link
+must land within 15 % of its simulated end (rank 0's role timeline): a link paced at the other's
+speed, or both steps on one queue, moves it by 40 % or more.
 """
 
 from __future__ import annotations
@@ -34,8 +39,13 @@ WORKER = Path(__file__).resolve().parent / "ep_worker.py"
 BENCH = ROOT / "bench" / "ep_bench.py"
 PROXY_BUNDLES = {  # GPUs -> the proxy-path bundles run on that many GPUs (tests/gpu/bundles.py writes them)
     4: ["h200x4_2vnode_50_proxy", "h200x4_ubb2x2_50_proxy"],
-    2: ["h200x2_2vnode_50_proxy", "h200x2_2vnode_relay_50_proxy"],
+    2: ["h200x2_2vnode_50_proxy", "h200x2_2vnode_relay_50_proxy", "h200x2_2vnode_mixed_50_proxy"],
 }
+SIM_TOLERANCE = 0.15  # emulated: measured median against `epcc simulate`, these bundles
+SIM_CHECKED = {"h200x2_2vnode_50_proxy", "h200x2_2vnode_relay_50_proxy", "h200x2_2vnode_mixed_50_proxy"}
+# the mixed plan (links of 50 and 25 GB/s): the step over the fast link, whose landing role's end
+# on rank 0 must match the simulated end of the step (dispatch: `there` first, then `relay`)
+FAST_STEP = {"h200x2_2vnode_mixed_50_proxy": ("dispatch", "there")}
 BUNDLES = Path(os.environ.get("EPCC_GPU_BUNDLES") or ROOT / ".gpu" / "bundles")
 HOW = ("to run: `.venv/bin/python tests/gpu/bundles.py .gpu/bundles` on a CPU machine with MLIR, carry .gpu "
        "to the GPU machine (or set EPCC_GPU_BUNDLES), run `python -m pytest tests/gpu/test_gpu.py` there")
@@ -136,4 +146,43 @@ def test_gpu_proxy_path(gpus, transport, tmp_path):
     assert r.returncode == 0 and ok, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
     used = [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("rdma ")]
     assert used and all(f"over {transport}" in line for line in used), used
-    print("\n".join(line for line in r.stdout.splitlines() if "epcc ok" in line or line.strip().startswith("rdma ")))
+    print("\n".join(line for line in r.stdout.splitlines() if "epcc ok" in line or line.strip().startswith("rdma ")
+                    or "measured" in line or "timeline" in line))
+    if transport == "emulated":
+        assert not [m for m in sim_mismatches(tmp_path / "ep_bench.json") if m.split(":")[0] in PROXY_BUNDLES[gpus]], \
+            sim_mismatches(tmp_path / "ep_bench.json")
+        if "h200x2_2vnode_mixed_50_proxy" in PROXY_BUNDLES[gpus]:  # each step on its own paced link
+            assert any("2 links paced to" in line and "25 GB/s 5 us" in line and "50 GB/s 5 us" in line
+                       for line in used), used
+
+
+def sim_mismatches(report_path: Path) -> list[str]:
+    """What of bench/ep_bench.py's report (ep_bench.json) is off `epcc simulate` by more than
+    SIM_TOLERANCE: the median dispatch and combine of the SIM_CHECKED bundles, and the landing of
+    the FAST_STEP; one line per miss, starting with the bundle's name."""
+    import json
+
+    out = []
+    for b in json.loads(report_path.read_text(encoding="utf-8"))["bundles"]:
+        name, sim = b["name"], b.get("simulate")
+        if name not in SIM_CHECKED:
+            continue
+        r = b.get("methods", {}).get("epcc", {})
+        if not sim or "summary" not in r:
+            out.append(f"{name}: no simulate.json or no epcc result to compare")
+            continue
+        for p in ("dispatch", "combine"):
+            m, s = r["summary"][p]["median_ms"], sim[p]["total_ms"]
+            if abs(m / s - 1) > SIM_TOLERANCE:
+                out.append(f"{name}: {p} measured {m:.3f} ms, simulated {s:.3f} ms ({(m / s - 1) * 100:+.0f} %)")
+        if name in FAST_STEP:
+            p, step = FAST_STEP[name]
+            tl = (r.get("per_rank") or [{}])[0].get("timeline") or {}
+            role = next((x for x in tl.get(p, {}).get("roles", []) if x["step"] == f"{step} (unpack)"), None)
+            want = sim[p]["steps"].get(step, [None, None])[1]
+            if role is None or role["end_ms"] is None or want is None:
+                out.append(f"{name}: no {p} timeline of '{step} (unpack)' or no simulated '{step}'")
+            elif abs(role["end_ms"] / want - 1) > SIM_TOLERANCE:
+                out.append(f"{name}: {p} '{step}' landed by {role['end_ms']:.3f} ms on rank 0, simulated "
+                           f"{want:.3f} ms ({(role['end_ms'] / want - 1) * 100:+.0f} %)")
+    return out
