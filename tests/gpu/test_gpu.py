@@ -20,8 +20,9 @@ NVSHMEM's wheel is not installed).  The bench checks every result against the or
 bit-exact, combine within bf16-wire rounding) and --strict makes a failed check or a timeout exit
 1.  With `emulated`, the 2-GPU bundles' median dispatch and combine must be within 15 % of
 `epcc simulate` (the bundle's simulate.json), and on the mixed plan the step over the fast link
-must land within 15 % of its simulated end (rank 0's role timeline): a link paced at the other's
-speed, or both steps on one queue, moves it by 40 % or more.
+must have landed (rank 0's role timeline) by FAST_BY of the time the step over the slow link
+landed: simulated 0.51, measured 0.58 on 2 H200s; both steps on one queue, or both paced at one
+link's speed, give 0.9 or more (h200x2_2vnode_relay, one link: 0.93).
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ PROXY_BUNDLES = {  # GPUs -> the proxy-path bundles run on that many GPUs (tests
 }
 SIM_TOLERANCE = 0.15  # emulated: measured median against `epcc simulate`, these bundles
 SIM_CHECKED = {"h200x2_2vnode_50_proxy", "h200x2_2vnode_relay_50_proxy", "h200x2_2vnode_mixed_50_proxy"}
-# the mixed plan (links of 50 and 25 GB/s): the step over the fast link, whose landing role's end
-# on rank 0 must match the simulated end of the step (dispatch: `there` first, then `relay`)
-FAST_STEP = {"h200x2_2vnode_mixed_50_proxy": ("dispatch", "there")}
+# the mixed plan (links of 50 and 25 GB/s): (program, the step over the fast link, the step over the
+# slow one); the fast one's landing role must end on rank 0 by FAST_BY of the slow one's end
+FAST_STEP = {"h200x2_2vnode_mixed_50_proxy": ("dispatch", "there", "relay")}
+FAST_BY = 0.75
 BUNDLES = Path(os.environ.get("EPCC_GPU_BUNDLES") or ROOT / ".gpu" / "bundles")
 HOW = ("to run: `.venv/bin/python tests/gpu/bundles.py .gpu/bundles` on a CPU machine with MLIR, carry .gpu "
        "to the GPU machine (or set EPCC_GPU_BUNDLES), run `python -m pytest tests/gpu/test_gpu.py` there")
@@ -157,9 +159,10 @@ def test_gpu_proxy_path(gpus, transport, tmp_path):
 
 
 def sim_mismatches(report_path: Path) -> list[str]:
-    """What of bench/ep_bench.py's report (ep_bench.json) is off `epcc simulate` by more than
-    SIM_TOLERANCE: the median dispatch and combine of the SIM_CHECKED bundles, and the landing of
-    the FAST_STEP; one line per miss, starting with the bundle's name."""
+    """What of bench/ep_bench.py's report (ep_bench.json) is off: the median dispatch and combine of
+    the SIM_CHECKED bundles off `epcc simulate` by more than SIM_TOLERANCE, and a FAST_STEP that
+    did not land by FAST_BY of its slow step's landing; one line per miss, starting with the
+    bundle's name."""
     import json
 
     out = []
@@ -176,13 +179,15 @@ def sim_mismatches(report_path: Path) -> list[str]:
             if abs(m / s - 1) > SIM_TOLERANCE:
                 out.append(f"{name}: {p} measured {m:.3f} ms, simulated {s:.3f} ms ({(m / s - 1) * 100:+.0f} %)")
         if name in FAST_STEP:
-            p, step = FAST_STEP[name]
+            p, fast, slow = FAST_STEP[name]
             tl = (r.get("per_rank") or [{}])[0].get("timeline") or {}
-            role = next((x for x in tl.get(p, {}).get("roles", []) if x["step"] == f"{step} (unpack)"), None)
-            want = sim[p]["steps"].get(step, [None, None])[1]
-            if role is None or role["end_ms"] is None or want is None:
-                out.append(f"{name}: no {p} timeline of '{step} (unpack)' or no simulated '{step}'")
-            elif abs(role["end_ms"] / want - 1) > SIM_TOLERANCE:
-                out.append(f"{name}: {p} '{step}' landed by {role['end_ms']:.3f} ms on rank 0, simulated "
-                           f"{want:.3f} ms ({(role['end_ms'] / want - 1) * 100:+.0f} %)")
+            end = {x["step"]: x["end_ms"] for x in tl.get(p, {}).get("roles", [])}
+            got = [end.get(f"{s} (unpack)") for s in (fast, slow)]
+            if None in got:
+                out.append(f"{name}: no {p} timeline of '{fast} (unpack)' and '{slow} (unpack)' on rank 0")
+            elif got[0] > FAST_BY * got[1]:
+                sim_end = [sim[p]["steps"].get(s, [0, float("nan")])[1] for s in (fast, slow)]
+                out.append(f"{name}: {p} '{fast}' (fast link) landed by {got[0]:.3f} ms on rank 0, "
+                           f"{got[0] / got[1]:.2f} of '{slow}' (slow link, {got[1]:.3f} ms); at most {FAST_BY:g} "
+                           f"(simulated {sim_end[0]:.3f} / {sim_end[1]:.3f} ms = {sim_end[0] / sim_end[1]:.2f})")
     return out
