@@ -159,8 +159,11 @@ class Plan:
     rank_names: list[str] = field(default_factory=list)  # "rank 3 (node 0, gpu 3)", for messages
     sm_rates: dict[str, float] = field(default_factory=dict)  # the topology's `sm` line: bytes/s per SM
     # The `sm` line's `launch`: seconds one kernel launch costs before its first row moves (0: not
-    # declared).  The simulator charges it per launch where it knows the launches (sim/direct.py).
+    # declared).  The simulator charges it once per program where it knows the kernels (sim/direct.py).
     sm_launch_s: float = 0.0
+    # The `sm` line's `meta`: seconds one pass of a dispatch's metadata takes (counting a chunk of
+    # tokens; finishing the chunks' ranks), exchange latency apart (0: not declared).
+    sm_meta_s: float = 0.0
     # link name -> its `atomics` rate: fp32 bytes/s one GPU adds into another over it (per pair)
     atomics: dict[str, float] = field(default_factory=dict)
 

@@ -26,6 +26,12 @@ def dispatch_launches(tokens: int, warps: int) -> int:
     return 2 if chunks == 1 else 3
 
 
+def meta_passes(tokens: int) -> int:
+    """Metadata passes before a dispatch's rows move: one counts a chunk of META_CHUNK tokens (each
+    chunk in parallel), a second finishes the ranks when there is more than one chunk."""
+    return 1 if tokens <= direct.META_CHUNK else 2
+
+
 def direct_kernels(plan: Plan, sms: int | None = None) -> tuple[DirectKernels | None, str | None]:
     """(the direct kernels of `plan`, None) when the CUDA target lowers the plan to them, else
     (None, why not).  Their configuration is default_config's (every block sends, then
@@ -41,5 +47,9 @@ def direct_kernels(plan: Plan, sms: int | None = None) -> tuple[DirectKernels | 
     progs = {s.program for s in plan.steps}
     sms = {"dispatch": cfg.dispatch_sms, "combine": cfg.combine_sms}
     launches = {"dispatch": dispatch_launches(plan.workload.tokens, cfg.warps), "combine": 1}
+    passes = {"dispatch": meta_passes(plan.workload.tokens)}
+    warps = {"dispatch": cfg.warps, "combine": direct.COMBINE_THREADS // 32}
     return DirectKernels({p: n for p, n in sms.items() if p in progs},
-                         {p: n for p, n in launches.items() if p in progs}), None
+                         {p: n for p, n in launches.items() if p in progs},
+                         {p: n for p, n in passes.items() if p in progs},
+                         {p: n for p, n in warps.items() if p in progs}), None

@@ -96,6 +96,8 @@ class _Emitter:
             query.annotate(top.operation, "sm_rates_Bps", {k: float(v) for k, v in t.sm_rates.items()})
         if t.sm_launch:  # seconds per kernel launch (the simulator's launches of the direct kernels)
             query.annotate(top.operation, "sm_launch_s", float(t.sm_launch))
+        if t.sm_meta:  # seconds per metadata pass (the simulator's metadata of the direct kernels)
+            query.annotate(top.operation, "sm_meta_s", float(t.sm_meta))
         atomics = {l.name: float(l.atomics) for l in t.links.values() if l.atomics}
         if atomics:  # fp32 atomic adds into a peer per GPU pair, by link (the simulator's atomics term)
             query.annotate(top.operation, "atomics_Bps", atomics)

@@ -47,7 +47,7 @@ def build_plan(sched: model.Schedule, flow: FlowAnalysis) -> Plan:
                 workload=WorkloadPlan(wl.tokens, wl.hidden, wl.dtype, wl.topk, wl.experts, wl.placement,
                                       wl.weights_travel),
                 rank_names=[space.describe(r) for r in range(topo.num_ranks)], sm_rates=dict(topo.sm_rates),
-                sm_launch_s=topo.sm_launch,
+                sm_launch_s=topo.sm_launch, sm_meta_s=topo.sm_meta,
                 atomics={l.name: l.atomics for l in topo.links.values() if l.atomics})
     max_latency = max((l.latency for l in topo.links.values()), default=0.0)
     for st in sched.dispatch.steps:

@@ -174,8 +174,11 @@ class LinkInfo:
 # steps, rows gathered per token); adding one partial per token into another (unweighted combine
 # steps, the apply of a combine RDMA step: an atomic scatter-add, bench/sm_probe.cu `red`).
 SM_WORK = ("copy", "read", "reduce", "add")
-# The `sm` line's one time: what a kernel launch costs before its first row moves.
+# The `sm` line's times: what a kernel launch costs before its first row moves, and what one pass
+# of the dispatch's metadata (counting a chunk of tokens, or finishing the chunks) takes.
 SM_LAUNCH = "launch"
+SM_META = "meta"
+SM_TIMES = {SM_LAUNCH: "kernel launch", SM_META: "metadata pass"}
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,8 @@ class Topology:
     sm_rates: Mapping[str, float] = field(default_factory=dict)
     # the `sm` line's `launch 9 us`: seconds per kernel launch (0: not given)
     sm_launch: float = 0.0
+    # the `sm` line's `meta 6 us`: seconds per metadata pass of a dispatch (0: not given)
+    sm_meta: float = 0.0
 
     @property
     def num_ranks(self) -> int:

@@ -65,35 +65,36 @@ class _TopologyResolver:
         for name in self.rel_ast:
             self._relation(name)
         links = self._links()
-        rates, launch = self._sm_rates()
+        rates, times = self._sm_rates()
         return model.Topology(self.t.name.text, space, dict(self.relations), links, self.t.span,
-                              frozenset(self.broken), frozenset(self.broken_links), rates, launch)
+                              frozenset(self.broken), frozenset(self.broken_links), rates,
+                              times.get(model.SM_LAUNCH, 0.0), times.get(model.SM_META, 0.0))
 
-    def _sm_rates(self) -> tuple[dict[str, float], float]:
-        """The `sm` lines: (bytes/s per SM by kind of work, seconds per kernel launch or 0)."""
+    def _sm_rates(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The `sm` lines: (bytes/s per SM by kind of work, seconds by kind of time given)."""
         rates: dict[str, float] = {}
-        launch = 0.0
+        times: dict[str, float] = {}
         first: dict[str, ast.SmRate] = {}
-        keys = model.SM_WORK + (model.SM_LAUNCH,)
+        keys = model.SM_WORK + tuple(model.SM_TIMES)
         for r in self.t.sm_rates:
             work = r.work.text
             if work not in keys:
                 self.diags.error(r.work.span, f"unknown kind of SM work '{work}'",
                                  *_maybe(did_you_mean(work, keys)),
                                  f"kinds of SM work are {', '.join(model.SM_WORK)}; `{model.SM_LAUNCH}` gives "
-                                 "the time of a kernel launch")
+                                 f"the time of a kernel launch, `{model.SM_META}` that of a metadata pass")
                 continue
             if work in first:
-                what = "the kernel launch time" if work == model.SM_LAUNCH else f"the SM rate of '{work}'"
+                what = f"the {model.SM_TIMES[work]} time" if work in model.SM_TIMES else f"the SM rate of '{work}'"
                 self.diags.error(r.span, f"{what} is given twice", ast_note("first given here", first[work].span))
                 continue
             first[work] = r
-            if work == model.SM_LAUNCH:
+            if work in model.SM_TIMES:
                 t = parse_quantity(r.rate, "time", self.diags)
                 if t is not None and t <= 0:
-                    self.diags.error(r.rate.span, f"a kernel launch time must be positive, not {_num(r.rate)}")
+                    self.diags.error(r.rate.span, f"a {model.SM_TIMES[work]} time must be positive, not {_num(r.rate)}")
                 elif t is not None:
-                    launch = t
+                    times[work] = t
                 continue
             bw = parse_quantity(r.rate, "bandwidth", self.diags)
             if bw is not None and bw <= 0:
@@ -101,7 +102,7 @@ class _TopologyResolver:
                 continue
             if bw is not None:
                 rates[work] = bw
-        return rates, launch
+        return rates, times
 
     def _duplicate(self, what: str, name: ast.Name, first: ast.Name) -> None:
         self.diags.error(name.span, f"duplicate {what} '{name.text}'", ast_note("first defined here", first.span))

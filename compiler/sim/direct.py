@@ -38,8 +38,17 @@ with_direct_pool(plan, kernels), from the topology's `sm` line (per SM: `copy` b
 * Links carry a flow's bytes as the plan has them.
 * The kernels do not chunk (no credits, nothing to wait for between chunks): a flow pays its
   latency once; chunk size and count are dropped.
-* A program's first steps become ready after its kernel launches x `launch` (a dispatch of more
-  than one metadata chunk launches two metadata kernels before the dispatch kernel).
+* A program's first steps become ready after one `launch` (a later launch queues behind the
+  running kernel: folding the two metadata kernels into the dispatch kernel, three launches to
+  one, changed no measured time in session 14) and, for a dispatch, its metadata passes x `meta`
+  (one pass counts a chunk of tokens; above one chunk a second pass finishes the chunks' ranks).
+* The last wave is not hidden (`drain`): a warp's second-phase work on a record (replicating it;
+  summing its partial) waits for its first phase (the send; the reduction on the expert's GPU),
+  which the fluid pools overlap perfectly.  At the end of a program one wave of first-phase work
+  per SM, min(warps, records per SM) records at the SM's rates, still has its second phase
+  ahead; each flow between two GPUs ends that much after its last byte (Flow.tail_s).  It is
+  what the fluid model misses at 128-1024 tokens (session 14's token and SM sweeps), little at
+  4096.
 
 Expected rows and GPUs per token are those of uniform routing, as in sim/sm_terms.py.
 """
@@ -60,9 +69,12 @@ class DirectKernels:
 
     sms: dict[str, int] = field(default_factory=dict)  # program -> SMs of its kernel
     launches: dict[str, int] = field(default_factory=dict)  # program -> kernel launches, metadata ones included
+    meta_passes: dict[str, int] = field(default_factory=dict)  # program -> metadata passes before its rows move
+    warps: dict[str, int] = field(default_factory=dict)  # program -> warps per block (default 16)
 
     def __post_init__(self) -> None:
-        for what, d, least in (("sms", self.sms, 1), ("launches", self.launches, 0)):
+        for what, d, least in (("sms", self.sms, 1), ("launches", self.launches, 0),
+                               ("meta_passes", self.meta_passes, 0), ("warps", self.warps, 1)):
             for p, v in d.items():
                 if not isinstance(v, int) or isinstance(v, bool) or v < least:
                     raise ValueError(f"DirectKernels.{what}[{p!r}] must be an integer >= {least}, got {v!r}")
@@ -89,6 +101,22 @@ def sm_seconds(s: PlanStep, f: Flow, e: float, h: float, rates: dict[str, float]
     return [(f.src, e / copy + load / h)]
 
 
+def drain_s(plan: Plan, program: str, kernels: DirectKernels, e: float, h: float) -> float:
+    """The last wave of `program`'s first-phase work on one SM (the module docstring): min(warps,
+    records per SM) records, each one row sent (dispatch: stored once, loaded 1/h of a time) or
+    reduced from its e rows and stored (combine), at the `sm` line's rates; 0 without them."""
+    wl, rates, n = plan.workload, plan.sm_rates, kernels.sms.get(program, 0)
+    if wl is None or not n or "copy" not in rates:
+        return 0.0
+    copy = rates["copy"]
+    if program == "combine":
+        per_record = wl.hidden * 2 * (e / rates.get("reduce", copy) + 1.0 / copy)  # bf16 rows
+    else:
+        per_record = plan.bytes_per_token * (1.0 / copy + (1.0 / (h * rates["read"]) if "read" in rates else 0.0))
+    records = wl.tokens * h / n
+    return min(float(kernels.warps.get(program, 16)), records) * per_record
+
+
 def with_direct_pool(plan: Plan, kernels: DirectKernels) -> tuple[Plan, dict[str, float]]:
     """(a copy of `plan` whose flows charge their ranks' SM pools and HBM as the direct kernels
     do, the seconds of kernel launches before each program's first step)."""
@@ -96,6 +124,7 @@ def with_direct_pool(plan: Plan, kernels: DirectKernels) -> tuple[Plan, dict[str
     e, h = rows_per_token(plan), ranks_per_token(plan)
     resources = dict(plan.resources)
     steps: list[PlanStep] = []
+    drains = {p: drain_s(plan, p, kernels, e, h) for p in {s.program for s in plan.steps}}
     for s in plan.steps:
         n = kernels.sms.get(s.program, 0)
         per_byte = 1.0 / e if s.rows else 1.0  # tokens (partials) per byte of the flow
@@ -113,10 +142,12 @@ def with_direct_pool(plan: Plan, kernels: DirectKernels) -> tuple[Plan, dict[str
             hbm = f"hbm:{f.dst}"
             if hbm in plan.resources:
                 charge[hbm] = per_byte * (1.0 + 1.0 / h if s.program == "combine" else e)
-            flows.append(dataclasses.replace(f, resources=tuple(charge), weights=tuple(charge.values())))
+            flows.append(dataclasses.replace(f, resources=tuple(charge), weights=tuple(charge.values()),
+                                             tail_s=f.tail_s + (drains[s.program] if f.src != f.dst else 0.0)))
         steps.append(dataclasses.replace(s, flows=flows, chunk_bytes=None, num_chunks=1, depth=1,
                                          completion_lag=0.0))
-    starts = {p: kernels.launches.get(p, 0) * plan.sm_launch_s for p in {s.program for s in plan.steps}}
+    starts = {p: min(1, kernels.launches.get(p, 0)) * plan.sm_launch_s + kernels.meta_passes.get(p, 0) * plan.sm_meta_s
+              for p in {s.program for s in plan.steps}}
     return dataclasses.replace(plan, steps=steps, resources=resources), starts
 
 
@@ -128,15 +159,26 @@ def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
     if kernels is not None:
         progs = [p for p in ("dispatch", "combine") if p in kernels.sms] + \
             sorted(p for p in kernels.sms if p not in ("dispatch", "combine"))
-        per = "; ".join(f"{p} {kernels.sms[p]} SMs, {kernels.launches.get(p, 0)} launch"
-                        f"{'es' if kernels.launches.get(p, 0) != 1 else ''}" for p in progs)
+        e, h = rows_per_token(plan), ranks_per_token(plan)
+        drains = {p: drain_s(plan, p, kernels, e, h) for p in progs}
+
+        def one(p: str) -> str:
+            n, m = kernels.launches.get(p, 0), kernels.meta_passes.get(p, 0)
+            text = f"{p} {kernels.sms[p]} SMs, {n} launch{'es' if n != 1 else ''}"
+            if m:
+                text += f", {m} metadata pass{'es' if m != 1 else ''}"
+            return text + (f", drain {drains[p] * 1e6:.1f} us" if drains[p] else "")
+
+        per = "; ".join(one(p) for p in progs)
         if "copy" in plan.sm_rates:
+            times = f"launch {plan.sm_launch_s * 1e6:g} us" + (f", meta {plan.sm_meta_s * 1e6:g} us" if plan.sm_meta_s else "")
             text = (f"direct kernels: one pool of SMs per rank and program, shared by its steps ({per}; "
-                    f"sm {rate_text}; launch {plan.sm_launch_s * 1e6:g} us)")
+                    f"sm {rate_text}; {times})")
         else:
             text = f"direct kernels ({per}), no SM pool: the topology gives no `sm` copy rate"
         return {"model": "direct", "text": text, "sms": dict(kernels.sms), "launches": dict(kernels.launches),
-                "rates_gbps": rates, "launch_us": plan.sm_launch_s * 1e6}
+                "meta_passes": dict(kernels.meta_passes), "drain_us": {p: d * 1e6 for p, d in drains.items()},
+                "rates_gbps": rates, "launch_us": plan.sm_launch_s * 1e6, "meta_us": plan.sm_meta_s * 1e6}
     if plan.sm_rates or plan.atomics:
         text = "SM roles of the table-driven kernels (kernel-formation's SM ranges)" + \
             (f"; sm {rate_text}" if rate_text else "; link atomics only")
@@ -144,4 +186,4 @@ def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
     return {"model": "links", "text": "links only: the topology gives no `sm` rates", "rates_gbps": rates}
 
 
-__all__ = ["DirectKernels", "describe", "ranks_per_token", "sm_seconds", "with_direct_pool"]
+__all__ = ["DirectKernels", "describe", "drain_s", "ranks_per_token", "sm_seconds", "with_direct_pool"]

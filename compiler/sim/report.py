@@ -95,7 +95,7 @@ def table(res: SimResult, passes_run: list[str] | None = None) -> str:
         if p.bottleneck:
             out.append(f"bottleneck: {p.bottleneck.describe()}")
         out.append(f"critical path: {' -> '.join(p.critical_path)}")
-        launches = f" (kernel launches {_ms(p.launch_s)} ms before the first step included)" if p.launch_s else ""
+        launches = f" (kernel launch and metadata {_ms(p.launch_s)} ms before the first step included)" if p.launch_s else ""
         out.append(f"{name}: total {_ms(p.makespan_s)} ms with overlap, serial sum {_ms(p.serial_s)} ms{launches}")
     if len(res.programs) > 1:
         out.append("")

@@ -52,7 +52,7 @@ class ProgramResult:
     bottleneck: Bottleneck | None
     critical_path: list[str]
     events: int
-    launch_s: float = 0.0  # kernel launches before the first step (the direct kernels; in makespan and serial)
+    launch_s: float = 0.0  # kernel launch and metadata passes before the first step (the direct kernels; in makespan and serial)
 
     def step(self, name: str) -> StepTiming:
         for s in self.steps:

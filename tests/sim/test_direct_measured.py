@@ -9,9 +9,9 @@ the direct kernels on the table's SMs.  When the kernels change, update MEASURED
 `sm` line of schedules/h200x4.sched (one line; its end-of-file comment says what was fit to
 what); the tests say which points are off.
 
-NOT_CLAIMED lists the points the model does not claim, with the reason: for those the test checks
-that the model is still as far off as the reason says, so that a change that brings them within
-the tolerance is noticed and the point claimed.
+Every point is claimed.  Until session 14 the 128-token points were not: the model charged
+every kernel launch (3 before a 4096-token dispatch) and no metadata work, and had no drain, so
+it was ~27 % fast at 128 tokens; compiler/sim/direct.py says what it charges now and why.
 """
 
 from __future__ import annotations
@@ -40,20 +40,21 @@ MEASURED: dict[tuple[str, int, int], tuple[float, float | None]] = {
     ("bf16", 4096, 96): (0.264, 0.216),
     ("fp8", 4096, 24): (0.226, None),
     ("bf16", 128, 24): (0.033, 0.026),
-}
-
-_DECODE = ("128 tokens per rank are fewer than the warps (24 SMs x 16): every warp sends, replicates or "
-           "reduces one token, one after the other, at what one warp's loads in flight allow; the fluid "
-           "model spreads the rows over all SMs and sees only the fixed costs and the rates")
-
-NOT_CLAIMED: dict[tuple[str, str, int, int], str] = {
-    ("dispatch", "bf16", 128, 24): _DECODE,
-    ("combine", "bf16", 128, 24): _DECODE,
+    # Session 14, the same kernels: ep_bench --methods epcc --tokens T on the h200x2 bundle at 24
+    # SMs, and `epcc tune` on h200x2_t128 (--sms 4,8,16,24,48,96 --warps 16 --iters 20, N+0 rows).
+    ("bf16", 256, 24): (0.045, 0.038),
+    ("bf16", 512, 24): (0.083, 0.055),
+    ("bf16", 1024, 24): (0.123, 0.095),
+    ("bf16", 2048, 24): (0.211, 0.165),
+    ("bf16", 128, 4): (0.084, 0.069),
+    ("bf16", 128, 8): (0.053, 0.042),
+    ("bf16", 128, 16): (0.035, 0.027),
+    ("bf16", 128, 48): (0.029, 0.021),
+    ("bf16", 128, 96): (0.029, 0.020),
 }
 
 POINTS = [(prog, *key) for key, ms in MEASURED.items() for prog, m in zip(("dispatch", "combine"), ms)
           if m is not None]
-CLAIMED = [p for p in POINTS if p not in NOT_CLAIMED]
 
 
 @lru_cache(maxsize=None)
@@ -73,29 +74,18 @@ def measured(prog: str, dtype: str, tokens: int, sms: int) -> float:
 
 
 def test_the_table_is_what_the_simulator_runs(ep2):
-    assert len(CLAIMED) + len(NOT_CLAIMED) == len(POINTS)
-    assert set(NOT_CLAIMED) <= set(POINTS)
+    assert len(POINTS) == 2 * len(MEASURED) - 1  # the fp8 combine is the bf16 one
     plan = build_plan(ep2).plan
     assert plan.num_ranks == 2 and plan.workload.topk == 8 and plan.workload.experts == 256
     assert plan.workload.hidden == 7168
 
 
-@pytest.mark.parametrize("prog, dtype, tokens, sms", CLAIMED)
+@pytest.mark.parametrize("prog, dtype, tokens, sms", POINTS)
 def test_simulate_predicts_the_measured_kernels_within_15_percent(ep2, prog, dtype, tokens, sms):
     want = measured(prog, dtype, tokens, sms)
     got = predicted(ep2, dtype, tokens, sms)[prog]
     assert abs(got / want - 1) <= TOLERANCE, f"{prog} {dtype} {tokens} tokens {sms} SMs: simulated {got:.3f} ms, " \
                                              f"measured {want:.3f} ms ({(got / want - 1) * 100:+.1f} %)"
-
-
-@pytest.mark.parametrize("prog, dtype, tokens, sms", sorted(NOT_CLAIMED))
-def test_the_points_not_claimed_are_off_for_the_reason_given(ep2, prog, dtype, tokens, sms):
-    # Every reason is a cost the model leaves out: it predicts them too fast, by more than the
-    # tolerance.  Within it, claim the point (drop it from NOT_CLAIMED).
-    want = measured(prog, dtype, tokens, sms)
-    got = predicted(ep2, dtype, tokens, sms)[prog]
-    assert got < want * (1 - TOLERANCE), f"{prog} {dtype} {tokens} tokens {sms} SMs: simulated {got:.3f} ms, " \
-                                         f"measured {want:.3f}: within {TOLERANCE:.0%} now, claim it"
 
 
 def test_four_gpus_from_the_same_rates_are_bound_by_nvlink(ep2):

@@ -1,6 +1,6 @@
 """The direct kernels' SM pool in the simulator (compiler/sim/direct.py): its charges against an
 independent count of the rows a rank's SMs store, load and reduce, and the launches.  The rates
-are the tests' own (RATES, LAUNCH), not the shipped schedule's fit."""
+are the tests' own (RATES, LAUNCH, META), not the shipped schedule's fit."""
 
 from __future__ import annotations
 
@@ -11,20 +11,23 @@ import pytest
 
 from epcc.plan import hit_probability
 from epcc.sim import DirectKernels, SimOptions, build_plan, simulate
-from epcc.sim.direct import with_direct_pool
+from epcc.sim.direct import drain_s, ranks_per_token, with_direct_pool
+from epcc.sim.sm_terms import rows_per_token
 
 REPO = Path(__file__).resolve().parents[2]
 H200X4 = REPO / "schedules" / "h200x4.sched"
 RATES = {"copy": 50e9, "read": 200e9, "reduce": 80e9}
 LAUNCH = 5e-6
+META = 4e-6
 
 
-def kernels(sms=24, dispatch_launches=3) -> DirectKernels:
-    return DirectKernels({"dispatch": sms, "combine": sms}, {"dispatch": dispatch_launches, "combine": 1})
+def kernels(sms=24, dispatch_launches=3, passes=2) -> DirectKernels:
+    return DirectKernels({"dispatch": sms, "combine": sms}, {"dispatch": dispatch_launches, "combine": 1},
+                         {"dispatch": passes})
 
 
-def with_rates(plan, rates=RATES, launch=LAUNCH):
-    return dataclasses.replace(plan, sm_rates=dict(rates), sm_launch_s=launch)
+def with_rates(plan, rates=RATES, launch=LAUNCH, meta=META):
+    return dataclasses.replace(plan, sm_rates=dict(rates), sm_launch_s=launch, sm_meta_s=meta)
 
 
 def charges(plan, resource: str, program: str) -> float:
@@ -97,20 +100,47 @@ def test_a_program_bound_by_its_pool_takes_its_work_over_its_sms(ep2):
     work = charges(aug, "sm:dispatch:0", "dispatch") / (32 * RATES["copy"])
     d = res.programs["dispatch"]
     assert d.resources["sm:dispatch:0"].work_s == pytest.approx(work)
-    # 3 launches, the 3 us metadata exchange, the pool busy throughout, then the last flow's
-    # latency (keep, over the 1 us local link: the biggest flow ends last at equal rates)
-    assert d.makespan_s == pytest.approx(3 * LAUNCH + 3e-6 + work + 1e-6, rel=1e-6)
+    # one exposed launch of 3, two metadata passes, the 3 us metadata exchange, the pool busy
+    # throughout, then the last flow's latency (keep, over the 1 us local link: the biggest flow
+    # ends last at equal rates; the sends, drain and all, end before it)
+    assert d.makespan_s == pytest.approx(LAUNCH + 2 * META + 3e-6 + work + 1e-6, rel=1e-6)
+    assert d.step("push").end_s < d.step("keep").end_s
     assert d.bottleneck.link_class == "sm"
 
 
-@pytest.mark.parametrize("launches", [3, 1])
-def test_launches_hold_back_a_programs_first_steps(launches):
+def test_the_drain_is_one_wave_of_first_phase_records_per_sm(ep2):
+    plan = with_rates(build_plan(str(ep2)).plan)
+    wl = plan.workload
+    e, h = rows_per_token(plan), ranks_per_token(plan)
+    row, crow = plan.bytes_per_token, wl.hidden * 2
+    send = row * (1 / RATES["copy"] + 1 / (h * RATES["read"]))  # a record sent: one row stored, 1/h loaded
+    reduce = crow * (e / RATES["reduce"] + 1 / RATES["copy"])  # a record reduced from e rows, partial stored
+    for sms, waves in ((24, 16), (4096, wl.tokens * h / 4096)):  # 16 warps per SM, or fewer records than that
+        k = kernels(sms)
+        assert drain_s(plan, "dispatch", k, e, h) == pytest.approx(waves * send)
+        assert drain_s(plan, "combine", k, e, h) == pytest.approx(waves * reduce)
+    k = dataclasses.replace(kernels(24), warps={"dispatch": 4})
+    assert drain_s(plan, "dispatch", k, e, h) == pytest.approx(4 * send)
+    assert drain_s(with_rates(plan, {}), "dispatch", kernels(), e, h) == 0.0
+    # the flows between two GPUs end that much after their bytes; a rank's own flows do not
+    aug, _ = with_direct_pool(plan, kernels(24))
+    for s in aug.steps:
+        for f in s.flows:
+            if f.bytes > 0 and any(r.startswith("sm:") for r in f.resources):
+                want = drain_s(plan, s.program, kernels(24), e, h) if f.src != f.dst else 0.0
+                assert f.tail_s == pytest.approx(want), (s.name, f.src, f.dst)
+
+
+@pytest.mark.parametrize("launches, passes", [(3, 2), (1, 1), (1, 2), (0, 0)])
+def test_one_launch_and_the_metadata_passes_hold_back_a_programs_first_steps(launches, passes):
+    # later launches queue behind the running kernel: only the first is charged
     plan = with_rates(build_plan(str(H200X4)).plan)
-    res = simulate(plan, SimOptions(direct=kernels(dispatch_launches=launches)))
+    res = simulate(plan, SimOptions(direct=kernels(dispatch_launches=launches, passes=passes)))
     d, c = res.programs["dispatch"], res.programs["combine"]
-    assert d.step("meta").ready_s == pytest.approx(launches * LAUNCH) and d.launch_s == pytest.approx(launches * LAUNCH)
+    before = min(1, launches) * LAUNCH + passes * META
+    assert d.step("meta").ready_s == pytest.approx(before) and d.launch_s == pytest.approx(before)
     assert min(s.ready_s for s in c.steps) == pytest.approx(LAUNCH) and c.launch_s == pytest.approx(LAUNCH)
-    assert d.serial_s == pytest.approx(launches * LAUNCH + sum(s.alone_s for s in d.steps))
+    assert d.serial_s == pytest.approx(before + sum(s.alone_s for s in d.steps))
     assert d.makespan_s == pytest.approx(max(s.end_s for s in d.steps))
 
 
@@ -142,8 +172,14 @@ def test_the_model_applied_is_described():
     plan = build_plan(str(H200X4)).plan
     direct = simulate(with_rates(plan), SimOptions(direct=kernels())).sm_model
     assert direct["model"] == "direct" and direct["sms"] == {"dispatch": 24, "combine": 24}
-    assert "dispatch 24 SMs, 3 launches; combine 24 SMs, 1 launch" in direct["text"]
-    assert "sm copy 50 GB/s, read 200 GB/s, reduce 80 GB/s; launch 5 us" in direct["text"]
+    e, h = rows_per_token(plan), ranks_per_token(plan)
+    dd, dc = (drain_s(with_rates(plan), p, kernels(), e, h) * 1e6 for p in ("dispatch", "combine"))
+    assert direct["text"] == (
+        "direct kernels: one pool of SMs per rank and program, shared by its steps (dispatch 24 SMs, 3 launches, "
+        f"2 metadata passes, drain {dd:.1f} us; combine 24 SMs, 1 launch, drain {dc:.1f} us; sm copy 50 GB/s, "
+        "read 200 GB/s, reduce 80 GB/s; launch 5 us, meta 4 us)")
+    assert direct["meta_passes"] == {"dispatch": 2} and direct["meta_us"] == pytest.approx(4.0)
+    assert direct["drain_us"] == pytest.approx({"dispatch": dd, "combine": dc})
     assert simulate(with_rates(plan)).sm_model["model"] == "roles"
     assert simulate(with_rates(plan, rates={}, launch=0.0)).sm_model["model"] == "links"
 
@@ -153,3 +189,7 @@ def test_direct_kernels_are_checked():
         DirectKernels({"dispatch": 0}, {})
     with pytest.raises(ValueError, match="launches"):
         DirectKernels({"dispatch": 24}, {"dispatch": -1})
+    with pytest.raises(ValueError, match=r"DirectKernels.meta_passes\['dispatch'\] must be an integer >= 0, got -1"):
+        DirectKernels({"dispatch": 24}, {}, {"dispatch": -1})
+    with pytest.raises(ValueError, match=r"DirectKernels.warps\['combine'\] must be an integer >= 1, got 0"):
+        DirectKernels({"dispatch": 24}, {}, {}, {"combine": 0})

@@ -31,6 +31,14 @@ def rated(tmp_path) -> str:
     return str(path)
 
 
+@pytest.mark.parametrize("tokens, passes", [(1, 1), (256, 1), (257, 2), (4096, 2)])
+def test_meta_passes(tokens, passes):
+    # one pass counts each chunk of 256 tokens; above one chunk a second finishes the ranks
+    from epcc.backends.cuda.direct_model import meta_passes
+
+    assert meta_passes(tokens) == passes
+
+
 @pytest.mark.parametrize("tokens, warps, launches", [
     (128, 16, 1), (256, 16, 1), (128, 4, 2), (257, 16, 3), (4096, 16, 3), (4096, 4, 3)])
 def test_dispatch_launches(tokens, warps, launches):
@@ -50,6 +58,8 @@ def test_only_plans_the_cuda_target_lowers_to_direct_kernels_get_them():
     kernels, why = direct_kernels(plan)
     assert why is None and kernels.sms == {"dispatch": 24, "combine": 24}  # the push step's `sms 24`
     assert kernels.launches == {"dispatch": 3, "combine": 1}
+    assert kernels.meta_passes == {"dispatch": 2}  # 4096 tokens: count the chunks, then finish them
+    assert kernels.warps == {"dispatch": 16, "combine": 16}
     assert direct_kernels(plan, 64)[0].sms == {"dispatch": 64, "combine": 64}
 
 
@@ -66,8 +76,10 @@ def test_simulate_uses_the_direct_kernels_where_they_run_and_says_so(capsys, rat
     code, out, err = run(["simulate", rated], capsys)
     assert code == 0, err
     assert "SM model: direct kernels: one pool of SMs per rank and program" in out
-    assert "dispatch 24 SMs, 3 launches; combine 24 SMs, 1 launch" in out
-    assert "kernel launches 0.015 ms before the first step included" in out
+    assert "dispatch 24 SMs, 3 launches, 2 metadata passes, drain " in out
+    assert "combine 24 SMs, 1 launch, drain " in out
+    # one launch charged (the later ones queue behind the running kernel); no `meta` on this line
+    assert "kernel launch and metadata 0.005 ms before the first step included" in out
     code, out, err = run(["simulate", rated, "--kernels", "table"], capsys)
     assert code == 0, err
     assert "SM model: SM roles of the table-driven kernels" in out

@@ -1,5 +1,5 @@
 module @h200x4 attributes {epcc.num_ranks = 4 : i64, epcc.rank_classes = [array<i64: 0, 1, 2, 3>], epcc.routing = "uniform top-k (exact)", epcc.schedule = "h200x4", epcc.source = "schedules/h200x4.sched", epcc.title = "4x H200, all pairs NVLink4, one-hop dispatch with fused permute"} {
-  module @topology attributes {epcc.sm_launch_s = 9.000000e-06 : f64, epcc.sm_rates_Bps = {copy = 6.000000e+10 : f64, read = 1.720000e+11 : f64, reduce = 1.400000e+11 : f64}, epcc.topology = "h200x4"} {
+  module @topology attributes {epcc.sm_launch_s = 9.000000e-06 : f64, epcc.sm_meta_s = 7.9999999999999996E-6 : f64, epcc.sm_rates_Bps = {copy = 6.000000e+10 : f64, read = 1.720000e+11 : f64, reduce = 1.400000e+11 : f64}, epcc.topology = "h200x4"} {
     "epcc.level"() {count = 1 : i64, depth = 0 : i64, sym_name = "node"} : () -> () loc("schedules/h200x4.sched":10:10 to :16)
     "epcc.level"() {count = 4 : i64, depth = 1 : i64, sym_name = "gpu"} : () -> () loc("schedules/h200x4.sched":10:18 to :23)
     "epcc.relation"() {sym_name = "peer", targets = [array<i64: 1, 2, 3>, array<i64: 0, 2, 3>, array<i64: 0, 1, 3>, array<i64: 0, 1, 2>], text = "other gpu"} : () -> () loc("schedules/h200x4.sched":13:3 to :28)
