@@ -189,18 +189,18 @@ def overlap_groups(steps) -> list[list]:
 
 def _direct_program_label(program: str, pres, sm_model: dict) -> str:
     """A program's line under the direct kernels' model (sim/direct.py describe(), as `sm_model`):
-    its one kernel's SMs per rank, shared by all its steps, and its launches."""
+    its one kernel's SMs per rank, shared by all its steps, and its launches, metadata passes and
+    drain as describe() words them."""
     n = sm_model["sms"].get(program)
-    launches = sm_model["launches"].get(program, 0)
     if n is None:
         sms = "no SMs of its own"
     elif "copy" in sm_model.get("rates_gbps", {}):
         sms = f"{n} SMs per rank, shared by all its steps"
     else:
         sms = f"{n} SMs per rank (no SM pool: the topology gives no `sm` copy rate)"
-    text = f"direct kernel: {sms}, {launches} launch{'es' if launches != 1 else ''}"
+    text = f"direct kernel: {sms}" + (f", {sm_model['per_program'][program]}" if n is not None else "")
     if pres.launch_s > 0:
-        text += f" ({pres.launch_s * 1e3:.3f} ms before its first step)"
+        text += f" ({pres.launch_s * 1e3:.3f} ms of launch and metadata before its first step)"
     return text
 
 

@@ -88,17 +88,19 @@ def ranks_per_token(plan: Plan) -> float:
     return max(1.0, plan.num_ranks * hit_probability(wl.experts, wl.topk, wl.experts // plan.num_ranks))
 
 
-def sm_seconds(s: PlanStep, f: Flow, e: float, h: float, rates: dict[str, float]) -> list[tuple[int, float]]:
-    """(rank, SM-seconds) per byte of token (dispatch) or partial (combine) that flow `f` of step
-    `s` costs each rank's pool (the module docstring); a rank may appear twice."""
+def sm_seconds(program: str, src: int, dst: int, e: float, h: float,
+               rates: dict[str, float]) -> list[tuple[int, float]]:
+    """(rank, SM-seconds) per byte of token (dispatch) or partial (combine) that a flow of
+    `program` from `src` to `dst` costs each rank's pool (the module docstring): the first phase's
+    rank first; a rank may appear twice."""
     copy = rates["copy"]
-    if s.program == "combine":
+    if program == "combine":
         red = rates.get("reduce", copy)
-        return [(f.src, e / red + 1.0 / copy), (f.dst, 1.0 / red + 1.0 / (h * copy))]
+        return [(src, e / red + 1.0 / copy), (dst, 1.0 / red + 1.0 / (h * copy))]
     load = 1.0 / rates["read"] if "read" in rates else 0.0
-    if f.src != f.dst:
-        return [(f.src, 1.0 / copy + load / h), (f.dst, load + (e - 1.0) / copy)]
-    return [(f.src, e / copy + load / h)]
+    if src != dst:
+        return [(src, 1.0 / copy + load / h), (dst, load + (e - 1.0) / copy)]
+    return [(src, e / copy + load / h)]
 
 
 def drain_s(plan: Plan, program: str, kernels: DirectKernels, e: float, h: float) -> float:
@@ -108,11 +110,9 @@ def drain_s(plan: Plan, program: str, kernels: DirectKernels, e: float, h: float
     wl, rates, n = plan.workload, plan.sm_rates, kernels.sms.get(program, 0)
     if wl is None or not n or "copy" not in rates:
         return 0.0
-    copy = rates["copy"]
-    if program == "combine":
-        per_record = wl.hidden * 2 * (e / rates.get("reduce", copy) + 1.0 / copy)  # bf16 rows
-    else:
-        per_record = plan.bytes_per_token * (1.0 / copy + (1.0 / (h * rates["read"]) if "read" in rates else 0.0))
+    row = wl.hidden * 2 if program == "combine" else plan.bytes_per_token  # combine: bf16 partials
+    (_, first), _ = sm_seconds(program, 0, 1, e, h, rates)  # a record to another GPU, its first phase
+    per_record = row * first
     records = wl.tokens * h / n
     return min(float(kernels.warps.get(program, 16)), records) * per_record
 
@@ -135,7 +135,7 @@ def with_direct_pool(plan: Plan, kernels: DirectKernels) -> tuple[Plan, dict[str
                 continue
             charge: dict[str, float] = {r: 1.0 for r in dict.fromkeys(f.resources) if not r.startswith("hbm:")}
             if n and "copy" in rates:
-                for rank, sec in sm_seconds(s, f, e, h, rates):
+                for rank, sec in sm_seconds(s.program, f.src, f.dst, e, h, rates):
                     pool = f"sm:{s.program}:{rank}"
                     resources[pool] = n * rates["copy"]
                     charge[pool] = charge.get(pool, 0.0) + per_byte * sec * rates["copy"]
@@ -162,14 +162,15 @@ def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
         e, h = rows_per_token(plan), ranks_per_token(plan)
         drains = {p: drain_s(plan, p, kernels, e, h) for p in progs}
 
-        def one(p: str) -> str:
+        def costs(p: str) -> str:  # a program's launches, metadata passes and drain, in words
             n, m = kernels.launches.get(p, 0), kernels.meta_passes.get(p, 0)
-            text = f"{p} {kernels.sms[p]} SMs, {n} launch{'es' if n != 1 else ''}"
+            text = f"{n} launch{'es' if n != 1 else ''}"
             if m:
                 text += f", {m} metadata pass{'es' if m != 1 else ''}"
             return text + (f", drain {drains[p] * 1e6:.1f} us" if drains[p] else "")
 
-        per = "; ".join(one(p) for p in progs)
+        per_program = {p: costs(p) for p in progs}
+        per = "; ".join(f"{p} {kernels.sms[p]} SMs, {per_program[p]}" for p in progs)
         if "copy" in plan.sm_rates:
             times = f"launch {plan.sm_launch_s * 1e6:g} us" + (f", meta {plan.sm_meta_s * 1e6:g} us" if plan.sm_meta_s else "")
             text = (f"direct kernels: one pool of SMs per rank and program, shared by its steps ({per}; "
@@ -178,6 +179,7 @@ def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
             text = f"direct kernels ({per}), no SM pool: the topology gives no `sm` copy rate"
         return {"model": "direct", "text": text, "sms": dict(kernels.sms), "launches": dict(kernels.launches),
                 "meta_passes": dict(kernels.meta_passes), "drain_us": {p: d * 1e6 for p, d in drains.items()},
+                "per_program": per_program,
                 "rates_gbps": rates, "launch_us": plan.sm_launch_s * 1e6, "meta_us": plan.sm_meta_s * 1e6}
     if plan.sm_rates or plan.atomics:
         text = "SM roles of the table-driven kernels (kernel-formation's SM ranges)" + \

@@ -320,13 +320,16 @@ def test_viz_scheduled_draws_the_direct_kernels_where_they_run(argv, tmp_path, c
     dot = _scheduled_dot([H200X4, *argv], tmp_path, capsys)
     plan, kernels, model, res = _simulated(H200X4)
     assert kernels is not None and model["model"] == "direct"
-    # the model as describe() words it, in the graph's label; per program its pool and launches
+    # the model as describe() words it, in the graph's label; per program its pool, launches,
+    # metadata passes and drain
     assert f"\nSM model: {model['text']}\"" in dot
+    assert model["per_program"]["dispatch"].startswith("3 launches, 2 metadata passes, drain ")
+    assert model["per_program"]["combine"].startswith("1 launch, drain ")
     for program, pres in res.programs.items():
-        n, launches = kernels.sms[program], kernels.launches[program]
         assert _cluster_label(dot, program) == (
-            f"{program}: {pres.makespan_s * 1e3:.3f} ms\ndirect kernel: {n} SMs per rank, shared by all its steps, "
-            f"{launches} launch{'es' if launches != 1 else ''} ({pres.launch_s * 1e3:.3f} ms before its first step)")
+            f"{program}: {pres.makespan_s * 1e3:.3f} ms\ndirect kernel: {kernels.sms[program]} SMs per rank, shared "
+            f"by all its steps, {model['per_program'][program]} ({pres.launch_s * 1e3:.3f} ms of launch and "
+            f"metadata before its first step)")
         for st in pres.steps:
             label = _node_label(dot, program, st.name)
             assert label.endswith(f"\n{st.start_s * 1e3:.3f}-{st.end_s * 1e3:.3f} ms")
@@ -393,7 +396,8 @@ def test_viz_scheduled_direct_kernels_without_sm_rates(tmp_path, capsys):
     for program in ("dispatch", "combine"):
         assert _cluster_label(dot, program).endswith(
             f"\ndirect kernel: {kernels.sms[program]} SMs per rank (no SM pool: the topology gives no `sm` copy "
-            f"rate), {kernels.launches[program]} launch{'es' if kernels.launches[program] != 1 else ''}")
+            f"rate), {model['per_program'][program]}")
+        assert model["per_program"][program].startswith(f"{kernels.launches[program]} launch")
     assert not ROLE_RANGE.search(dot)
 
 
