@@ -1052,7 +1052,8 @@ def load_prediction(bundle: str | Path) -> dict | None:
     d = json.loads(path.read_text(encoding="utf-8"))
     steps = {p: {s["name"]: [s["start_ms"], s["end_ms"]] for s in d.get("steps", []) if s.get("program") == p}
              for p in ("dispatch", "combine")}
-    return {"tokens": d.get("tokens"),
+    sms = ((d.get("model") or {}).get("sm") or {}).get("sms")  # the direct kernels' SMs it assumed
+    return {"tokens": d.get("tokens"), "sms": sms if isinstance(sms, dict) else None,
             **{p: {"total_ms": d["programs"][p]["total_ms"], "serial_ms": d["programs"][p]["serial_ms"],
                    "bottleneck": d["programs"][p]["bottleneck"]["link_class"], "steps": steps[p]}
                for p in ("dispatch", "combine")}}
@@ -1068,6 +1069,13 @@ def format_predictions(report: dict) -> list[str]:
         if sim.get("tokens") not in (None, b.get("workload", {}).get("tokens")):
             out.append(f"{b['name']}: simulate.json is for {sim['tokens']} tokens, the run for "
                        f"{b['workload']['tokens']}: not compared")
+            continue
+        run_sms, sim_sms = r.get("sms"), sim.get("sms")
+        if isinstance(run_sms, dict) and sim_sms and any(run_sms.get(p) != n for p, n in sim_sms.items()):
+            # a tuned configuration: the prediction was made for the plan's SMs
+            out.append(f"{b['name']}: simulate.json is for {_sms({'sms': sim_sms})} SMs, the run used "
+                       f"{_sms(r)}: not compared (`epcc simulate --sms N` predicts other SM counts)")
+            out += format_timeline(b, r, None)
             continue
         cells = []
         for p in ("dispatch", "combine"):

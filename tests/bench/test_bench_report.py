@@ -75,6 +75,24 @@ def test_prediction_for_other_tokens_not_compared(ep_bench, tmp_path):
     assert lines[1] == "v: simulate.json is for 4096 tokens, the run for 64: not compared"
 
 
+@pytest.mark.parametrize("run_sms, compared", [({"dispatch": 24, "combine": 24}, True),
+                                               ({"dispatch": 64, "combine": 24}, False)])
+def test_prediction_for_other_sms_not_compared(ep_bench, tmp_path, run_sms, compared):
+    # simulate.json of a direct-kernel bundle names the SMs it assumed; a tuned run may use others
+    sim = dict(_sim_json(4096), model={"sm": {"model": "direct", "sms": {"dispatch": 24, "combine": 24}}})
+    (tmp_path / "simulate.json").write_text(json.dumps(sim))
+    pred = ep_bench.load_prediction(tmp_path)
+    assert pred["sms"] == {"dispatch": 24, "combine": 24}
+    rep = _report(pred, 4096, 1.0, 1.0)
+    rep["bundles"][0]["methods"]["epcc"]["sms"] = run_sms
+    lines = ep_bench.format_predictions(rep)
+    if compared:
+        assert lines[1].startswith("v: dispatch measured 1.000 ms, simulate 1.250 ms")
+    else:
+        assert lines[1] == ("v: simulate.json is for 24/24 SMs, the run used 64/24: not compared "
+                            "(`epcc simulate --sms N` predicts other SM counts)")
+
+
 def test_no_prediction_no_lines(ep_bench, tmp_path):
     assert ep_bench.load_prediction(tmp_path) is None
     assert ep_bench.format_predictions(_report(None, 64, 1.0, 1.0)) == []
