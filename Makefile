@@ -16,13 +16,7 @@ demo: setup
 	@mkdir -p build
 	$(EPCC) compile $(SCHED) -o $(OUT)
 	$(EPCC) viz $(SCHED) -o $(OUT).svg
-	@# Capability check: the simulator is not in every version of epcc.
-	@if $(EPCC) simulate --help >/dev/null 2>&1; then \
-		echo "$(EPCC) simulate $(SCHED)"; \
-		$(EPCC) simulate $(SCHED); \
-	else \
-		echo "epcc simulate: not available in this version"; \
-	fi
+	$(EPCC) simulate $(SCHED)
 	@echo "produced:"
 	@for p in $(OUT) $(OUT).svg; do if [ -e "$$p" ]; then echo "  $$p"; fi; done
 
