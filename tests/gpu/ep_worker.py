@@ -12,6 +12,13 @@ replayed on new inputs, and bad input (a repeated expert, wrong shapes) raising 
 the argument.  A decode-sized bundle (one metadata chunk, whose dispatch kernel counts the
 metadata itself) runs again with 4-warp blocks, which launch the metadata kernel first.  Prints
 one line per check on rank 0 and exits 1 if any rank failed.
+
+More ranks than GPUs (e.g. the EP4 bundles on a 2-GPU machine: `torchrun --nproc-per-node 4` with
+two GPUs visible): rank r runs on GPU r mod #GPUs and the ranks of one GPU share it, their
+kernels time-sliced by the driver (one context at a time), so a rank's bounded waits on a peer of
+its own GPU last until the next time slice.  The results are checked exactly as with a GPU per
+rank (they do not depend on timing); nothing here is a performance measurement.  NCCL refuses two
+ranks on one GPU, so the process group is gloo then (only objects and flags cross it).
 """
 
 from __future__ import annotations
@@ -168,7 +175,7 @@ class Checks:
     logged on rank 0, every rank's own errors printed; counts the checks run and failed."""
 
     def __init__(self, dev, log):
-        self.dev, self.log = dev, log
+        self.dev, self.log = dev, log  # dev: where the verdict flags are all-reduced
         self.run = self.failed = 0
 
     def report(self, buf: Buffer, name: str, what: str, errs: list[str]) -> None:
@@ -310,16 +317,25 @@ def run_config(path: Path, dev, checks: Checks, config: dict, label: str) -> Non
 
 def main(argv: list[str]) -> int:
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    dev = torch.device("cuda", local)
+    world, gpus = int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.device_count()
+    shared = world > gpus  # ranks share GPUs (time-sliced): gloo, since NCCL wants a GPU per rank
+    dev = torch.device("cuda", local % gpus)
+    torch.cuda.set_device(dev)
+    if shared:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl", device_id=dev)
     rank = dist.get_rank()
+    flag_dev = torch.device("cpu") if shared else dev
 
     def log(msg: str) -> None:
         if rank == 0:
             print(msg, flush=True)
 
-    checks = Checks(dev, log)
+    if shared:
+        log(f"{world} ranks on {gpus} GPU(s): rank r on GPU r mod {gpus}, kernels of one GPU's ranks time-sliced "
+            "(a correctness run, not a timing)")
+    checks = Checks(flag_dev, log)
     crashed = 0
     for p in argv:
         try:
@@ -328,10 +344,11 @@ def main(argv: list[str]) -> int:
             traceback.print_exc()
             crashed = 1
             break
-    flag = torch.tensor([checks.failed + crashed], device=dev)
+    flag = torch.tensor([checks.failed + crashed], device=flag_dev)
     dist.all_reduce(flag)
+    where = f"{gpus} x {torch.cuda.get_device_name(dev)}, shared" if shared else torch.cuda.get_device_name(dev)
     log(f"GPU checks: {'ALL OK' if flag.item() == 0 else str(int(flag.item())) + ' failure(s)'} "
-        f"({checks.run} checks, {dist.get_world_size()} ranks, {torch.cuda.get_device_name(dev)})")
+        f"({checks.run} checks, {dist.get_world_size()} ranks, {where})")
     dist.destroy_process_group()
     return 0 if flag.item() == 0 else 1
 

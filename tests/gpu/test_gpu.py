@@ -9,7 +9,9 @@ directory to the GPU machine, run pytest there:
 $EPCC_GPU_BUNDLES overrides the bundle directory (default .gpu/bundles at the repository root);
 $EPCC_GPU_TIMEOUT the seconds one torchrun may take (default 1200).  The EP4 case needs 4 GPUs
 (h200x4, h200x4_fp8, h200x4_t128); the EP2 case runs on GPUs 0 and 1 (h200x2, h200x2_fp8,
-h200x2_t128).  Each must exit 0 and print "ALL OK"; on failure the test shows the output tail.
+h200x2_t128).  With 2 or 3 GPUs the EP4 bundles run as `ep4-shared` instead: 4 ranks on GPUs 0
+and 1, two per GPU, time-sliced (ep_worker.py: the same checks, no timing).  Each must exit 0 and
+print "ALL OK"; on failure the test shows the output tail.
 
 The GPU proxy path (issue 6) runs through bench/ep_bench.py --strict on the 2-vnode plan of two
 GPUs (h200x2_2vnode_50_proxy; h200x2_2vnode_relay_50_proxy: two RDMA steps per program, so two
@@ -55,6 +57,7 @@ CASES = {  # GPUs -> bundles (tests/gpu/bundles.py writes them)
     4: ["h200x4", "h200x4_fp8", "h200x4_t128"],
     2: ["h200x2", "h200x2_fp8", "h200x2_t128"],
 }
+SHARED = (4, 2)  # the EP4 bundles' 4 ranks on 2 GPUs, where fewer than 4 are present
 
 pytestmark = pytest.mark.gpu
 
@@ -94,14 +97,15 @@ def _torchrun_path() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("torchrun")
 
 
-def _torchrun(gpus: int, script: Path, args: list[str], env: dict[str, str] | None = None):
-    """Run `script` on `gpus` GPUs (the first two for 2) under torchrun, NVLink multicast off;
-    (command, result), or the test fails after $EPCC_GPU_TIMEOUT s with the output so far."""
+def _torchrun(gpus: int, script: Path, args: list[str], env: dict[str, str] | None = None, ranks: int | None = None):
+    """Run `script` as `ranks` processes (default one per GPU) on `gpus` GPUs (the first two for 2)
+    under torchrun, NVLink multicast off; (command, result), or the test fails after
+    $EPCC_GPU_TIMEOUT s with the output so far."""
     full = dict(os.environ)
     full.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", **(env or {}))
     if gpus == 2:
         full["CUDA_VISIBLE_DEVICES"] = "0,1"
-    cmd = [_torchrun_path(), "--standalone", "--nproc-per-node", str(gpus), str(script), *args]
+    cmd = [_torchrun_path(), "--standalone", "--nproc-per-node", str(ranks or gpus), str(script), *args]
     timeout = float(os.environ.get("EPCC_GPU_TIMEOUT", "1200"))
     try:
         return cmd, subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout)
@@ -121,6 +125,23 @@ def test_ep_worker_all_ok(gpus):
         f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
     # the worker's summary (shown by `pytest -rA`): what ran where
     print("\n".join(line for line in r.stdout.splitlines() if "GPU checks" in line or line.startswith("bundle")))
+
+
+def test_ep_worker_ep4_shared_gpus():
+    """The EP4 bundles where fewer than 4 GPUs are present: 4 ranks on 2 GPUs, checked like ep4
+    (a 4-GPU machine runs test_ep_worker_all_ok[ep4] instead)."""
+    ranks, gpus = SHARED
+    have, what = _gpus()
+    if have >= ranks:
+        pytest.skip(f"{what}: the ep4 case runs the EP4 bundles on a GPU each")
+    why = _why_not(gpus, CASES[ranks])
+    if why:
+        pytest.skip(why)
+    cmd, r = _torchrun(gpus, WORKER, [str(BUNDLES / b) for b in CASES[ranks]], ranks=ranks)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "ALL OK" in r.stdout and f"{ranks} ranks, {gpus} x " in r.stdout, \
+        f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
+    print("\n".join(line for line in r.stdout.splitlines() if "GPU checks" in line or "time-sliced" in line))
 
 
 @pytest.mark.parametrize("transport", ["emulated", "nvshmem"])
