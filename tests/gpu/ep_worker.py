@@ -318,6 +318,10 @@ def run_config(path: Path, dev, checks: Checks, config: dict, label: str) -> Non
 def main(argv: list[str]) -> int:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     world, gpus = int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.device_count()
+    if gpus == 0:
+        print("ep_worker: no CUDA device visible (the GPU checks need GPUs; run it under torchrun there)",
+              file=sys.stderr)
+        return 1
     shared = world > gpus  # ranks share GPUs (time-sliced): gloo, since NCCL wants a GPU per rank
     dev = torch.device("cuda", local % gpus)
     torch.cuda.set_device(dev)

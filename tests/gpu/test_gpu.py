@@ -9,8 +9,8 @@ directory to the GPU machine, run pytest there:
 $EPCC_GPU_BUNDLES overrides the bundle directory (default .gpu/bundles at the repository root);
 $EPCC_GPU_TIMEOUT the seconds one torchrun may take (default 1200).  The EP4 case needs 4 GPUs
 (h200x4, h200x4_fp8, h200x4_t128); the EP2 case runs on GPUs 0 and 1 (h200x2, h200x2_fp8,
-h200x2_t128).  With 2 or 3 GPUs the EP4 bundles run as `ep4-shared` instead: 4 ranks on GPUs 0
-and 1, two per GPU, time-sliced (ep_worker.py: the same checks, no timing).  Each must exit 0 and
+h200x2_t128).  With 2 or 3 GPUs the EP4 bundles run instead as 4 ranks on GPUs 0 and 1, two
+per GPU, time-sliced (test_ep_worker_ep4_shared_gpus; ep_worker.py: the same checks, no timing).  Each must exit 0 and
 print "ALL OK"; on failure the test shows the output tail.
 
 The GPU proxy path (issue 6) runs through bench/ep_bench.py --strict on the 2-vnode plan of two
