@@ -62,7 +62,9 @@ class Shapes:
         return s.get(program)
 
 
-def _shape_of(workload: dict) -> str | None:
+def _shape_of(workload) -> str | None:
+    if not isinstance(workload, dict):
+        return None
     if workload.get("tokens") == TOKENS_NORMAL:
         return {"bf16": "bf16", "fp8": "fp8"}.get(workload.get("dtype"))
     return "decode" if workload.get("tokens") == TOKENS_DECODE else None
@@ -84,13 +86,13 @@ def load(path: str | Path) -> Shapes:
     for b in rep["bundles"]:
         if not isinstance(b, dict) or "error" in b:
             continue
-        shape = _shape_of(b.get("workload") or {})
+        shape = _shape_of(b.get("workload"))
         if shape is None:
             continue
         if shape in found:
-            raise ReportError(f"{p}: two bundles of the {shape} shape ('{found[shape]['name']}' and "
-                              f"'{b['name']}'); give a report with one of each")
-        found[shape] = b
+            raise ReportError(f"{p}: two bundles of the {shape} shape ('{found[shape].get('name', '?')}' and "
+                              f"'{b.get('name', '?')}'); give a report with one of each")
+        found[shape] = dict(b, name=str(b.get("name", "?")))
     missing = [s for s in ("bf16", "fp8", "decode") if s not in found]
     if missing:
         raise ReportError(f"{p}: no bundle of the {', '.join(missing)} shape(s) (4096 tokens bf16 and fp8, "
