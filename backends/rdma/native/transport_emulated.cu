@@ -211,6 +211,7 @@ static int emu_open(const char *spec, int rank, int nranks, epcc_tp **out, char 
     if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0)
         return epcc_tp_fail_buf(err, errlen, -ENODEV, "emulated: no CUDA device");
     emu_tp *t = (emu_tp *)calloc(1, sizeof *t);
+    if (!t) return epcc_tp_fail_buf(err, errlen, -ENOMEM, "emulated: out of memory");
     *out = &t->base;
     pthread_mutex_init(&t->lock, NULL);
     t->base.n_links = n_links;
@@ -229,6 +230,8 @@ static int emu_open(const char *spec, int rank, int nranks, epcc_tp **out, char 
     t->inbox_host = (uint64_t *)calloc((size_t)nranks * EMU_INBOX, 8);
     t->peer_regions = (void ***)calloc((size_t)nranks, sizeof(void **));
     t->peer_inbox = (uint64_t **)calloc((size_t)nranks, sizeof(uint64_t *));
+    if (!t->seen || !t->sent || !t->inbox_host || !t->peer_regions || !t->peer_inbox)
+        return epcc_tp_fail_buf(err, errlen, -ENOMEM, "emulated: out of memory");
     if (cudaSetDevice(t->device) != cudaSuccess ||
         cudaStreamCreateWithFlags(&t->poll_stream, cudaStreamNonBlocking) != cudaSuccess ||
         cudaMalloc((void **)&t->inbox, (size_t)nranks * EMU_INBOX * 8) != cudaSuccess ||
@@ -268,6 +271,7 @@ static int emu_reg(epcc_tp *tp, void *buf, size_t len, unsigned access, epcc_tp_
     emu_tp *t = (emu_tp *)tp;
     if (t->n_regions >= EMU_MAX_REGIONS) return epcc_tp_fail(tp, -ENOSPC, "emulated: more than %d regions", EMU_MAX_REGIONS);
     epcc_tp_mr *m = (epcc_tp_mr *)calloc(1, sizeof *m);
+    if (!m) return epcc_tp_fail(tp, -ENOMEM, "emulated: out of memory");
     m->tp = tp;
     m->index = t->n_regions++;
     m->base = buf;
@@ -312,6 +316,7 @@ static int emu_connect(epcc_tp *tp, const void *blobs, size_t blob_len) {
         emu_addr a;
         memcpy(&a, (const char *)blobs + (size_t)r * blob_len, sizeof a);
         t->peer_regions[r] = (void **)calloc(EMU_MAX_REGIONS, sizeof(void *));
+        if (!t->peer_regions[r]) return epcc_tp_fail(tp, -ENOMEM, "emulated: out of memory");
         if (r == tp->rank) {
             t->peer_inbox[r] = t->inbox;
             for (uint32_t i = 0; i < t->n_regions; i++) t->peer_regions[r][i] = t->regions[i];

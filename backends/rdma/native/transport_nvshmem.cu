@@ -130,6 +130,7 @@ static int nv_open(const char *spec, int rank, int nranks, epcc_tp **out, char *
     if (spec && *spec && strcmp(spec, "signal") != 0)
         return epcc_tp_fail_buf(err, errlen, -EINVAL, "nvshmem: spec '%s' is not '' or 'signal'", spec);
     nv_tp *t = (nv_tp *)calloc(1, sizeof *t);
+    if (!t) return epcc_tp_fail_buf(err, errlen, -ENOMEM, "nvshmem: out of memory");
     *out = &t->base;
     pthread_mutex_init(&t->lock, NULL);
     t->imms_read = !(spec && strcmp(spec, "signal") == 0);
@@ -139,6 +140,7 @@ static int nv_open(const char *spec, int rank, int nranks, epcc_tp **out, char *
     t->signals_host = (uint64_t *)calloc(1, n);
     t->seen = (uint64_t *)calloc((size_t)nranks, 8);
     t->sent = (uint64_t *)calloc((size_t)nranks, 8);
+    if (!t->signals_host || !t->seen || !t->sent) return epcc_tp_fail_buf(err, errlen, -ENOMEM, "nvshmem: out of memory");
     if (!t->signals || cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking) != cudaSuccess ||
         cudaStreamCreateWithFlags(&t->ctrl, cudaStreamNonBlocking) != cudaSuccess ||
         cudaStreamCreateWithFlags(&t->poll_stream, cudaStreamNonBlocking) != cudaSuccess ||
@@ -174,6 +176,7 @@ static int nv_reg(epcc_tp *tp, void *buf, size_t len, unsigned access, epcc_tp_m
         return epcc_tp_fail(tp, -EINVAL, "nvshmem: %zu bytes at %p are not in the symmetric heap (nvshmem_malloc)", len,
                             buf);
     epcc_tp_mr *m = (epcc_tp_mr *)calloc(1, sizeof *m);
+    if (!m) return epcc_tp_fail(tp, -ENOMEM, "nvshmem: out of memory");
     m->tp = tp;
     m->base = buf;
     *out = m;
