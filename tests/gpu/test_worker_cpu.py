@@ -41,3 +41,10 @@ def test_worker_checks_agree_with_the_oracle(dtype):
     assert c.check_combine(torch.from_numpy(ref[1]).to(torch.bfloat16)) == []
     errs = c.check_combine(torch.from_numpy(ref[1] * 1.05).to(torch.bfloat16))
     assert len(errs) == 1 and errs[0].startswith("combine: token ")
+
+
+def test_worker_without_a_gpu_is_a_clear_error(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert W.main([]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "ep_worker: no CUDA device visible (the GPU checks need GPUs; run it under torchrun there)")
