@@ -121,6 +121,27 @@ def test_manifest_tiles_the_blocks_and_keeps_the_plans_sm_ranges(name):
     assert [k["program"] for k in finish] == ["combine"]
 
 
+@pytest.mark.parametrize("rdma", ["emulate", "proxy"])
+def test_role_warps_by_lowering(rdma):
+    """SM roles keep the plan's warps (16); the proxy path's pack and unpack roles, which stage or
+    apply one whole chunk per block inside every credit round trip, get 16 too; paced and DMA
+    stand-in roles 8.  The kernel's block holds the widest role's warps."""
+    plan = plan_of("h200x4_2vnode")
+    b = cuda.generate(plan, source_of("h200x4_2vnode"), cuda.CudaOptions(rdma=rdma))
+    m = json.loads(b.files["manifest.json"])
+    want = {"sm": 16, "rdma-pack": 16, "rdma-unpack": 16, "rdma-on-sm": 8, "dma-on-sm": 8}
+    seen = set()
+    for k in (k for k in m["kernels"] if k["kind"] == "main"):
+        assert k["block"] == 32 * max(r["warps"] for r in k["roles"])
+        for r in k["roles"]:
+            assert r["warps"] == want[r["lowered"]], (k["program"], r["step"], r["lowered"], r["warps"])
+            seen.add(r["lowered"])
+            if r["lowered"] in ("rdma-pack", "rdma-unpack"):
+                assert f'{r["function"]}' in b.files[k["file"]]
+                assert f'{r["warps"]}u' in b.files[k["file"]].split(f'void {r["function"]}(')[1].split("}")[0]
+    assert {"sm", *(("rdma-pack", "rdma-unpack") if rdma == "proxy" else ("rdma-on-sm",))} <= seen, seen
+
+
 @pytest.mark.parametrize("gbps,blocks,combine_blocks", [(13, 4, 4), (50, 4, 9), (100, 8, 16), (400, 16, 16)])
 def test_emulated_rdma_role_gets_blocks_for_its_rate(gbps, blocks, combine_blocks):
     """A dispatch role copies (12.5 GB/s a block); a combine role adds with atomics, given half the
