@@ -568,7 +568,11 @@ using AccumF32Bf16Wire = AccumF32Rows<kElems, kUnroll, true>;
 // A role's items (one chunk of one copy each, in the order the host chose) go round-robin to
 // its blocks; a block waits for the chunk's producers (thread 0), its first kWarps warps copy
 // the rows (warp w: rows w, w + kWarps, ...), then thread 0 publishes the chunk once the
-// copy's earlier chunks are published.  No deadlock: a role's items are ordered so that every
+// copy's earlier chunks are published.  A gathering role (a combine step adding a token's expert
+// rows in registers) hands rows out dynamically instead: a warp claims the next row from a
+// shared counter and adds the run of rows it starts, skipping rows inside a run.  Runs vary in
+// length (a token's experts on the rank), so a fixed stride left the warps of a block unevenly
+// loaded at the chunk's end, the more so the smaller the chunk.  No deadlock: a role's items are ordered so that every
 // chunk comes after the earlier chunks of its copy, and each block takes its items in order,
 // so the first unfinished item of the role always has what it needs from its own role.
 // bytes_per_ns > 0 paces the role (an emulated link): each block keeps to its share of the rate,
@@ -590,10 +594,12 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
   const uint32_t R = a.num_ranks;
   uint64_t link_free = 0;  // paced: when this block's share of the link is free again
   uint64_t ready = 0;
+  __shared__ uint32_t next_row;  // gathering roles: the next row of the item a warp may claim
   for (uint32_t k = block; k < rd.item_count; k += blocks) {
     const ItemDesc it = items[rd.item_begin + k];
     const CopyDesc c = copies[it.copy];
     if (threadIdx.x == 0) {
+      next_row = it.row_begin;  // every warp left the previous item's loop (the barrier below it)
       for (uint32_t j = 0; j < it.wait_count; ++j) {
         const WaitDesc wd = waits[it.wait_begin + j];
         wait_ge(a, flag_ptr(a, wd.flag_rank, wd.flag_id), wd.value, step, static_cast<int32_t>(role),
@@ -617,7 +623,11 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
       if constexpr (gathers<Op>(nullptr)) {
         // The warp whose row starts a run of rows with one destination adds the whole run (in
         // pieces of kRun rows); the others skip theirs.  A run is cut at the item's bounds.
-        for (uint32_t r = it.row_begin + warp; r < it.row_end; r += kWarps) {
+        for (;;) {
+          uint32_t r = 0;
+          if (lane == 0) r = atomicAdd(&next_row, 1u);
+          r = __shfl_sync(0xffffffffu, r, 0);
+          if (r >= it.row_end) break;
           const int64_t dr = __ldg(dst_rows + r);
           if (r > it.row_begin && __ldg(dst_rows + r - 1) == dr) continue;
           uint8_t* dst = dst_base + static_cast<uint64_t>(dr) * dst_pitch;
