@@ -23,8 +23,9 @@ bit-exact, combine within bf16-wire rounding) and --strict makes a failed check 
 1.  With `emulated`, the 2-GPU bundles' median dispatch and combine must be within 15 % of
 `epcc simulate` (the bundle's simulate.json), and on the mixed plan the step over the fast link
 must have landed (rank 0's role timeline) by FAST_BY of the time the step over the slow link
-landed: simulated 0.51, measured 0.58 on 2 H200s; both steps on one queue, or both paced at one
-link's speed, give 0.9 or more (h200x2_2vnode_relay, one link: 0.93).
+landed: simulated 0.51, measured 0.49-0.50 on 2 H200s (0.58 with 128-token chunks 4 deep, whose
+credit window held the fast step); both steps on one queue, or both paced at one link's speed,
+give 0.9 or more (h200x2_2vnode_relay, one link: 0.93).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ SIM_CHECKED = {"h200x2_2vnode_50_proxy", "h200x2_2vnode_relay_50_proxy", "h200x2
 # the mixed plan (links of 50 and 25 GB/s): (program, the step over the fast link, the step over the
 # slow one); the fast one's landing role must end on rank 0 by FAST_BY of the slow one's end
 FAST_STEP = {"h200x2_2vnode_mixed_50_proxy": ("dispatch", "there", "relay")}
-FAST_BY = 0.75
+FAST_BY = 0.6
 BUNDLES = Path(os.environ.get("EPCC_GPU_BUNDLES") or ROOT / ".gpu" / "bundles")
 HOW = ("to run: `.venv/bin/python tests/gpu/bundles.py .gpu/bundles` on a CPU machine with MLIR, carry .gpu "
        "to the GPU machine (or set EPCC_GPU_BUNDLES), run `python -m pytest tests/gpu/test_gpu.py` there")
