@@ -572,9 +572,10 @@ using AccumF32Bf16Wire = AccumF32Rows<kElems, kUnroll, true>;
 // rows in registers) hands rows out dynamically instead: a warp claims the next row from a
 // shared counter and adds the run of rows it starts, skipping rows inside a run.  Runs vary in
 // length (a token's experts on the rank), so a fixed stride left the warps of a block unevenly
-// loaded at the chunk's end, the more so the smaller the chunk.  No deadlock: a role's items are ordered so that every
-// chunk comes after the earlier chunks of its copy, and each block takes its items in order,
-// so the first unfinished item of the role always has what it needs from its own role.
+// loaded at the chunk's end, the more so the smaller the chunk.  No deadlock: a role's items are
+// ordered so that every chunk comes after the earlier chunks of its copy, and each block takes
+// its items in order, so the first unfinished item of the role always has what it needs from
+// its own role.
 // bytes_per_ns > 0 paces the role (an emulated link): each block keeps to its share of the rate,
 // counting the bytes a row takes on that link (Op::wire_pitch), from when each chunk is ready (a
 // link idle while the chunk's producers were not done is not made up for later).
