@@ -106,6 +106,14 @@ class BufferPlan:
     worst_case_bytes: int | None = None
 
 
+# A role's block on an SM: 16 warps.  A role's rate per SM is the bytes it keeps in flight over
+# the memory latency (each warp holds unroll x 16 B per lane); on 2x H200 the dispatch permute
+# moved 36 GB/s per SM with 8 warps and 44 GB/s with 16 (bench/ep_bench.py role timeline,
+# h200x2_2vnode): the rate the topologies' `sm copy` gives.  kernel-formation gives it to SM
+# roles, the CUDA backend to the proxy path's pack and unpack roles.
+WARPS_PER_SM = 16
+
+
 @dataclass
 class RolePlan:
     step: str

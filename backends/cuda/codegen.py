@@ -47,7 +47,7 @@ from pathlib import Path
 import jinja2
 
 from epcc import __version__ as EPCC_VERSION
-from epcc.plan import KernelPlan, Plan, PlanStep, RolePlan
+from epcc.plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
 from . import direct, tables
 
 TARGET_ARCH = "sm_90a"
@@ -76,13 +76,12 @@ class CudaCodegenError(ValueError):
 PROXY_BLOCK_BPS = 12.5e9  # what one paced block of an emulated RDMA copy role is given (a 50 GB/s link: 4 blocks)
 PROXY_MAX_BLOCKS = 16
 # Warps of a role the plan gives none (its blocks are chosen here): 8 for the paced and DMA
-# stand-in roles, whose rate is set by pacing; 16 for the proxy path's pack and unpack roles,
-# which stage or apply one whole chunk per block, so a chunk's staging time (one SM's copy rate)
-# is part of every credit round trip.  At 16 warps (what kernel-formation gives SM roles) the
+# stand-in roles, whose rate is set by pacing; an SM role's WARPS_PER_SM for the proxy path's
+# pack and unpack roles, which stage or apply one whole chunk per block, so a chunk's staging
+# time (one SM's copy rate) is part of every credit round trip.  With 16 warps instead of 8 the
 # 2-GPU vnode plan at 50 GB/s went 1.615 -> 1.492 ms dispatch and 2.937 -> 2.688 ms combine
 # (nvidia-h200-x2, chunk 128 tokens depth 4, median of 20; docs/rdma.md).
 ROLE_WARPS = 8
-PROXY_ROLE_WARPS = 16
 ONE_IPC_DOMAIN_RANKS = 8  # an HGX box: the most GPUs that can map each other's memory over NVLink
 
 
@@ -364,7 +363,7 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelS
             begin, end = at, at + n
             plan_sms = None
         at = max(at, end)
-        warps = r.warps or (PROXY_ROLE_WARPS if how in ("rdma-pack", "rdma-unpack") else ROLE_WARPS)
+        warps = r.warps or (WARPS_PER_SM if how in ("rdma-pack", "rdma-unpack") else ROLE_WARPS)
         op, op_type, access, unroll = (_proxy_op(plan, step, opts, how) if how in ("rdma-pack", "rdma-unpack")
                                        else _op(plan, step, opts))
         rate = _link_rate(plan, step.link) if how == "rdma-on-sm" and opts.pace_rdma else None

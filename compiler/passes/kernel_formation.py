@@ -24,16 +24,12 @@ from __future__ import annotations
 from mlir import ir
 
 from ..ir import ops, query
-from ..plan import KernelPlan, Plan, PlanStep, RolePlan
+from ..plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
 from . import Pass, PassContext, register
 from .overlap_schedule import step_times
 
 DEFAULT_SMS = 24
 META_SMS = 2  # counting and exchanging counts is latency-bound: a couple of SMs
-# A role's block: 16 warps.  A role's rate per SM is the bytes it keeps in flight over the memory
-# latency (each warp holds unroll x 16 B per lane); on 2x H200 the dispatch permute moved 36 GB/s
-# per SM with 8 warps and 44 GB/s with 16 (bench/ep_bench.py role timeline, h200x2_2vnode).
-WARPS_PER_SM = 16
 THREAD_ENGINES = ("sm", "spc", "tma")
 
 
