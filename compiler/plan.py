@@ -18,7 +18,8 @@ rank's local memory, with capacities in bytes/s in `Plan.resources`.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import asdict, dataclass, field, replace
 from math import comb
 from typing import Any
 
@@ -95,6 +96,17 @@ class PlanStep:
         for f in self.flows:
             per[f.rank] = per.get(f.rank, 0.0) + f.bytes
         return max(per.values(), default=0.0)
+
+    def chunk_count(self, chunk_bytes: float | None) -> int:
+        """Chunks of `chunk_bytes` its biggest flow takes (1 without a chunk size or bytes)."""
+        biggest = max((f.bytes for f in self.flows), default=0.0)
+        return max(1, math.ceil(biggest / chunk_bytes)) if chunk_bytes and biggest > 0 else 1
+
+    def chunked(self, chunk_bytes: float, depth: int) -> "PlanStep":
+        """A copy cut into chunks of `chunk_bytes`, `depth` in flight (at most its chunks), as the
+        chunk-pipeline pass sets them."""
+        n = self.chunk_count(chunk_bytes)
+        return replace(self, chunk_bytes=chunk_bytes, num_chunks=n, depth=max(1, min(depth, n)))
 
 
 @dataclass

@@ -105,7 +105,9 @@ def rdma_steps(plan: Plan) -> list[RdmaStep]:
     return out
 
 
-def _positive_env(name: str, value: str | None, limit: int | None = None) -> int | None:
+def positive_setting(name: str, value: str | None, limit: int | None = None) -> int | None:
+    """`value` of the setting `name` (a variable, or an argument) as a whole number in 1..limit;
+    None when empty.  RdmaConfigError names the setting and the value."""
     if value is None or value == "":
         return None
     try:
@@ -125,11 +127,11 @@ def with_overrides(plan: Plan, *, chunk_tokens: int | None = None, depth: int | 
     layout's chunks (and so every wait), so override the plan before computing the layout."""
     env = os.environ if env is None else env
     if chunk_tokens is None:
-        chunk_tokens = _positive_env(ENV_CHUNK_TOKENS, env.get(ENV_CHUNK_TOKENS))
+        chunk_tokens = positive_setting(ENV_CHUNK_TOKENS, env.get(ENV_CHUNK_TOKENS))
     elif chunk_tokens < 1:
         raise RdmaConfigError(f"chunk_tokens={chunk_tokens}: must be >= 1")
     if depth is None:
-        depth = _positive_env(ENV_DEPTH, env.get(ENV_DEPTH), MAX_DEPTH)
+        depth = positive_setting(ENV_DEPTH, env.get(ENV_DEPTH), MAX_DEPTH)
     elif not 1 <= depth <= MAX_DEPTH:
         raise RdmaConfigError(f"depth={depth}: must be between 1 and {MAX_DEPTH}")
     if chunk_tokens is None and depth is None:
@@ -139,8 +141,7 @@ def with_overrides(plan: Plan, *, chunk_tokens: int | None = None, depth: int | 
     for s in plan.steps:
         if (s.program, s.name) in names:
             per_token = plan.bytes_per_token if s.program == "dispatch" else 2 * (plan.workload.hidden if plan.workload else 0)
-            s = replace(s, chunk_bytes=float(chunk_tokens * per_token) if chunk_tokens else s.chunk_bytes,
-                        depth=depth or s.depth)
+            s = s.chunked(float(chunk_tokens * per_token) if chunk_tokens else s.chunk_bytes, depth or s.depth)
         steps.append(s)
     return replace(plan, steps=steps)
 

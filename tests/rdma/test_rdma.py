@@ -4,6 +4,7 @@ multi-process runs of epcc run --transport libfabric-tcp (docs/rdma.md)."""
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import shutil
 import subprocess
@@ -174,6 +175,11 @@ def test_overrides_change_the_rdma_steps_only():
     p2 = rdma.with_overrides(plan, env={"EPCC_RDMA_CHUNK_TOKENS": "16", "EPCC_RDMA_DEPTH": "2"})
     assert p2.step("rdma").chunk_bytes == 16 * plan.bytes_per_token and p2.step("rdma").depth == 2
     assert p2.step("intra").chunk_bytes == plan.step("intra").chunk_bytes
+    # the chunk count follows the chunk (the simulator reads it), as chunk-pipeline sets it
+    biggest = max(f.bytes for f in plan.step("rdma").flows)
+    assert p2.step("rdma").num_chunks == math.ceil(biggest / (16 * plan.bytes_per_token)) > plan.step("rdma").num_chunks
+    one = rdma.with_overrides(plan, chunk_tokens=1 << 20, depth=8, env={})
+    assert (one.step("rdma").num_chunks, one.step("rdma").depth) == (1, 1)  # no deeper than its chunks
     with pytest.raises(rdma.RdmaConfigError, match="EPCC_RDMA_DEPTH=0"):
         rdma.with_overrides(plan, env={"EPCC_RDMA_DEPTH": "0"})
     with pytest.raises(rdma.RdmaConfigError, match="EPCC_RDMA_CHUNK_TOKENS='x'"):
