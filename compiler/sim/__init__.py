@@ -75,7 +75,6 @@ Makespan = the last step's end (with overlap); the serial sum adds every step's 
 the launches).
 """
 
-from .build import BuiltPlan, build_plan
 from .direct import DirectKernels
 from .engine import ResourceStat, SimOptions, SimulationError, StepTiming
 from .simulate import Bottleneck, LinkClassStat, ProgramResult, SimResult, simulate, simulate_subset
@@ -84,3 +83,13 @@ __all__ = [
     "Bottleneck", "BuiltPlan", "DirectKernels", "LinkClassStat", "ProgramResult", "ResourceStat", "SimOptions",
     "SimResult", "SimulationError", "StepTiming", "build_plan", "simulate", "simulate_subset",
 ]
+
+
+def __getattr__(name: str):
+    """`build_plan` / `BuiltPlan` on first use: they run the compiler (lark, MLIR), which the
+    simulator itself does not need (the GPU machine simulates a bundle's plan.json without them)."""
+    if name in ("BuiltPlan", "build_plan"):
+        from . import build
+
+        return getattr(build, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
