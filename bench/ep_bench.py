@@ -31,6 +31,12 @@ oracle.compare_combine), timed iterations alternating two input sets.  An iterat
 maximum over ranks; the table gives the median and minimum over iterations.  A method whose check
 fails reports no numbers.  Rank 0 prints the table last and writes OUT_DIR/ep_bench.json.
 
+--rdma-chunks TxD[,TxD...]: a bundle compiled with --rdma proxy runs once per RDMA chunking (T
+tokens per chunk, D in flight), its plan re-chunked here (backends/rdma/lower.py with_overrides:
+the layout, tables, rings and FIFOs follow, the kernels do not change), reported as
+BUNDLE@TxD beside `epcc simulate` of the re-chunked plan, simulated here (the simulator reads
+only the plan); the baselines run once per bundle.
+
 --dry-run: no CUDA, no NCCL: gloo on CPU tensors (all_to_all_single emulated with all_gather),
 wall-clock timing; the epcc child does the host part (layout, tables) and checks the tables with
 the NumPy emulator of the kernels (backends/cuda/emulate.py) instead of launching them.
@@ -623,6 +629,8 @@ def _epcc_child(cfg: dict) -> dict:
     from epcc.backends.cuda import build_tables, buffer_sizes, partial_rounding
 
     plan, manifest = load_bundle(cfg["bundle"])
+    if cfg.get("rdma_chunking"):
+        plan = rechunk(plan, cfg["rdma_chunking"])
     wl, R, T = plan.workload, plan.num_ranks, cfg["tokens"]
     H = wl.hidden
     idx, w = make_routing(plan, T, cfg["seed"])
@@ -903,12 +911,14 @@ def free_port() -> int:
     return port
 
 
-def run_epcc(comm: Comm, args, bundle: str, lib: str | None, lib_error: str | None, T: int) -> dict:
-    """Start this rank's child for `bundle`, wait for its answer (bounded), collect every rank's."""
+def run_epcc(comm: Comm, args, bundle: str, lib: str | None, lib_error: str | None, T: int,
+             chunking: tuple | None = None) -> dict:
+    """Start this rank's child for `bundle` (its RDMA steps re-chunked to `chunking`, (tokens,
+    depth), where given), wait for its answer (bounded), collect every rank's."""
     if lib_error:
         return {"error": lib_error}
     port = comm.all_gather_object(free_port() if comm.rank == 0 else None)[0]
-    cfg = {"bundle": bundle, "lib": lib, "rank": comm.rank, "world": comm.world,
+    cfg = {"bundle": bundle, "lib": lib, "rank": comm.rank, "world": comm.world, "rdma_chunking": chunking,
            "local_rank": comm.dev.index if comm.dev.type == "cuda" else 0,
            "addr": os.environ.get("MASTER_ADDR", "127.0.0.1"), "port": port, "seed": args.seed, "tokens": T,
            "warmup": args.warmup, "iters": args.iters, "kernel_timeout": args.kernel_timeout,
@@ -1043,13 +1053,55 @@ def format_table(report: dict) -> str:
     return "\n".join(out + lines)
 
 
+def _is_proxy_bundle(bundle: str | Path) -> bool:
+    try:
+        return load_bundle(bundle)[1].get("options", {}).get("rdma") == "proxy"
+    except Exception:  # noqa: BLE001  (the run itself reports an unreadable bundle)
+        return False
+
+
+def rechunk(plan: Plan, chunking: tuple[int | None, int | None]) -> Plan:
+    """The plan with its RDMA steps re-chunked: `chunking` = (tokens per chunk, depth), None keeps
+    the plan's (backends/rdma/lower.py with_overrides; the environment is not read again)."""
+    from epcc.backends.rdma.lower import with_overrides
+
+    return with_overrides(plan, chunk_tokens=chunking[0], depth=chunking[1], env={})
+
+
+def rdma_chunking_of(plan: Plan) -> dict:
+    """{program.step: {chunk_tokens, depth, chunks}} of the plan's RDMA steps."""
+    out = {}
+    for s in plan.steps:
+        if s.link_kind == "rdma" and s.chunk_bytes:
+            bpt = plan.bytes_per_token if s.program == "dispatch" else 2 * plan.workload.hidden
+            out[f"{s.program}.{s.name}"] = {"chunk_tokens": round(s.chunk_bytes / bpt), "depth": s.depth,
+                                            "chunks": s.num_chunks}
+    return out
+
+
+def predict(plan: Plan, T: int) -> dict | None:
+    """`epcc simulate --rdma proxy` of a re-chunked plan, run here: the simulator reads only the
+    plan (no MLIR), so the GPU machine can run it.  None where it cannot (said on stderr)."""
+    try:
+        from epcc.sim.report import to_dict
+        from epcc.sim.simulate import SimOptions, simulate
+
+        return _prediction(to_dict(simulate(plan, SimOptions(rdma_proxy=True)), tokens=T))
+    except Exception as e:  # noqa: BLE001
+        sys.stderr.write(f"ep_bench: cannot simulate the re-chunked plan: {type(e).__name__}: {e}\n")
+        return None
+
+
 def load_prediction(bundle: str | Path) -> dict | None:
     """`epcc simulate --json` of the bundle's schedule, where tests/gpu/bundles.py stored it
     (simulate.json: the simulator needs the compiler, which the GPU machine does not have)."""
     path = Path(bundle) / "simulate.json"
     if not path.is_file():
         return None
-    d = json.loads(path.read_text(encoding="utf-8"))
+    return _prediction(json.loads(path.read_text(encoding="utf-8")))
+
+
+def _prediction(d: dict) -> dict:
     steps = {p: {s["name"]: [s["start_ms"], s["end_ms"]] for s in d.get("steps", []) if s.get("program") == p}
              for p in ("dispatch", "combine")}
     sms = ((d.get("model") or {}).get("sm") or {}).get("sms")  # the direct kernels' SMs it assumed
@@ -1085,7 +1137,7 @@ def format_predictions(report: dict) -> list[str]:
         out.append(f"{b['name']}: " + "; ".join(cells))
         out += format_timeline(b, r, sim)
     if out:
-        out.insert(0, "against epcc simulate (bundle's simulate.json):")
+        out.insert(0, "against epcc simulate (the bundle's simulate.json; a re-chunked plan (name@TxD) simulated here):")
     return out
 
 
@@ -1166,6 +1218,12 @@ def parse(argv=None):
                     help="epcc, bundles compiled with --rdma proxy: the transport of their RDMA steps (emulated: "
                          "the copy engine paced to the plan's link; nvshmem: put with signal at what NVSHMEM "
                          "reaches); default $EPCC_RDMA_TRANSPORT or emulated")
+    ap.add_argument("--rdma-chunks", default=None, metavar="TxD[,TxD...]",
+                    help="epcc, bundles compiled with --rdma proxy: run each once per RDMA chunking, T tokens per "
+                         "chunk x D chunks in flight per channel (e.g. 32x16,64x8; T or D alone keeps the plan's "
+                         "other one: 64x, x8), re-chunking the plan at run time (the layout, tables, rings and the "
+                         "prediction follow; the kernels do not change); default: $EPCC_RDMA_CHUNK_TOKENS x "
+                         "$EPCC_RDMA_DEPTH where set, else the plan's")
     ap.add_argument("--emulate-max-tokens", type=int, default=1024,
                     help="dry run: emulate the kernels only when ranks x tokens is at most this")
     args = ap.parse_args(argv)
@@ -1175,7 +1233,40 @@ def parse(argv=None):
         ap.error(f"--methods: unknown {bad}; choose from {list(METHODS)}")
     if args.iters < 1 or args.warmup < 0:
         ap.error("--iters must be >= 1 and --warmup >= 0")
+    try:
+        args.rdma_chunks = rdma_chunkings(args.rdma_chunks, os.environ)
+    except ValueError as e:
+        ap.error(str(e))
     return args
+
+
+def rdma_chunkings(text: str | None, env) -> list[tuple[int | None, int | None]]:
+    """--rdma-chunks (or $EPCC_RDMA_CHUNK_TOKENS / $EPCC_RDMA_DEPTH) as [(tokens, depth)], None
+    where the plan's value stays; [] when neither is given (the plan's chunking only).  A bad
+    value is a ValueError naming it."""
+    from epcc.backends.rdma.lower import ENV_CHUNK_TOKENS, ENV_DEPTH, MAX_DEPTH, positive_setting
+
+    if text is None:
+        c, d = env.get(ENV_CHUNK_TOKENS, ""), env.get(ENV_DEPTH, "")
+        if not c and not d:
+            return []
+        return [(positive_setting(ENV_CHUNK_TOKENS, c), positive_setting(ENV_DEPTH, d, MAX_DEPTH))]
+    out = []
+    for item in (t.strip() for t in text.split(",")):
+        if item.count("x") != 1:
+            raise ValueError(f"--rdma-chunks: {item!r} is not TOKENSxDEPTH (e.g. 64x8, 64x or x8)")
+        c, d = item.split("x")
+        one = (positive_setting(f"--rdma-chunks {item}: tokens", c),
+               positive_setting(f"--rdma-chunks {item}: depth", d, MAX_DEPTH))
+        if one == (None, None):
+            raise ValueError(f"--rdma-chunks: {item!r} gives neither tokens nor depth")
+        if one not in out:
+            out.append(one)
+    return out
+
+
+def chunking_label(c: tuple[int | None, int | None]) -> str:
+    return f"{c[0] or ''}x{c[1] or ''}"
 
 
 def main(argv=None) -> int:
@@ -1221,19 +1312,29 @@ def main(argv=None) -> int:
                         "iterations; GB/s = mean bytes per rank / median time" if not args.dry_run else
                         "dry run: wall clock on CPU (meaningless as performance)",
               "bundles": []}
+    runs: list[tuple[int, str, tuple | None]] = []  # (bundle index, bundle, RDMA chunking or None)
     for bi, bundle in enumerate(args.bundles):
-        name = Path(bundle).name
+        proxy = _is_proxy_bundle(bundle)
+        for c in (args.rdma_chunks if proxy and args.rdma_chunks else [None]):
+            runs.append((bi, bundle, c))
+    for ri, (bi, bundle, chunking) in enumerate(runs):
+        first_of_bundle = ri == 0 or runs[ri - 1][0] != bi
+        name = Path(bundle).name + (f"@{chunking_label(chunking)}" if chunking else "")
         entry: dict = {"name": name, "path": str(bundle), "methods": {}}
         report["bundles"].append(entry)
-        sim = load_prediction(bundle)
-        if sim:
-            entry["simulate"] = sim
         try:
             plan, manifest = load_bundle(bundle)
+            if chunking:
+                plan = rechunk(plan, chunking)
         except Exception as e:  # noqa: BLE001
             entry["error"] = f"cannot load: {type(e).__name__}: {e}"
             say(f"{name}: {entry['error']}")
             continue
+        if chunking:
+            entry["rdma_chunking"] = rdma_chunking_of(plan)
+        sim = predict(plan, T=args.tokens or plan.workload.tokens) if chunking else load_prediction(bundle)
+        if sim:
+            entry["simulate"] = sim
         wl, R = plan.workload, plan.num_ranks
         T = args.tokens or wl.tokens
         entry["workload"] = {"ranks": R, "tokens": T, "hidden": wl.hidden, "dtype": wl.dtype, "topk": wl.topk,
@@ -1252,13 +1353,13 @@ def main(argv=None) -> int:
         per_method: dict[str, list[dict]] = {}
         if "epcc" in args.methods:
             lib, err = libs[bi]
-            res = run_epcc(comm, args, bundle, lib, err, T)
+            res = run_epcc(comm, args, bundle, lib, err, T, chunking)
             per_method["epcc"] = comm.all_gather_object(res)
             say(f"[{time.perf_counter() - t_start:6.1f} s] {name}: epcc "
                 + _status(per_method["epcc"]))
             for line in res.get("rdma", []):  # the GPU proxy path: which transport, what rings
                 say(f"    rdma {line}")
-        base = [m for m in args.methods if m != "epcc"]
+        base = [m for m in args.methods if m != "epcc"] if first_of_bundle else []  # once per bundle
         if base:
             res = bench_baselines(comm, timer, args, plan, T, idx, w, base)
             for m in base:

@@ -32,8 +32,9 @@ on send queues of its own, like the ports of a NIC; a one-link plan gets the spe
 writes, and the send slots, in the symmetric heap (collective: every rank allocates the largest
 size any rank needs, in the same order).
 
-Depth and chunk size are the plan's (chunk-pipeline pass; EPCC_RDMA_CHUNK_TOKENS / EPCC_RDMA_DEPTH
-override them at compile time through `rdma.with_overrides`).  Addresses and keys are exchanged
+Depth and chunk size are the plan's (chunk-pipeline pass, from the cost model where the file gives
+none); `rdma.with_overrides` re-chunks the plan before the layout is computed (bench/ep_bench.py
+--rdma-chunks, or EPCC_RDMA_CHUNK_TOKENS / EPCC_RDMA_DEPTH), and everything here follows it.  Addresses and keys are exchanged
 with the caller's all-gather (torch.distributed's all_gather_object).  The proxy thread spins on a
 core for the engine's life (the emulated link is paced by its polling) and is stopped by close().
 """

@@ -139,3 +139,41 @@ def test_strict_exits_1_when_a_bundle_failed(tmp_path, strict):
     report = json.loads((tmp_path / "ep_bench.json").read_text())
     assert "error" in report["bundles"][0]
     assert ("--strict: 1 failed: no_such_bundle: " in r.stdout) == strict
+
+
+def test_rdma_chunkings_parse_and_refuse(ep_bench):
+    assert ep_bench.rdma_chunkings("32x16,64x8,64x,x4,64x8", {}) == [(32, 16), (64, 8), (64, None), (None, 4)]
+    assert ep_bench.rdma_chunkings(None, {}) == []
+    assert ep_bench.rdma_chunkings(None, {"EPCC_RDMA_CHUNK_TOKENS": "48"}) == [(48, None)]
+    assert ep_bench.chunking_label((64, None)) == "64x"
+    for bad, msg in (("64", "'64' is not TOKENSxDEPTH"), ("x", "gives neither"), ("0x8", "0x8: tokens=0: must be >= 1"),
+                     ("64x99999", "depth=99999: must be between 1 and 65536"),
+                     ("ax8", "ax8: tokens='a': expected a positive whole number")):
+        with pytest.raises(ValueError, match=msg):
+            ep_bench.rdma_chunkings(bad, {})
+    with pytest.raises(ValueError, match="EPCC_RDMA_DEPTH=0: must be between 1 and"):
+        ep_bench.rdma_chunkings(None, {"EPCC_RDMA_DEPTH": "0"})
+
+
+def test_a_rechunked_plan_is_predicted_as_if_compiled_so(ep_bench, tmp_path):
+    """--rdma-chunks re-chunks the bundle's plan at run time and simulates it there (no MLIR on
+    the GPU machine): the same prediction as compiling the schedule with that chunking."""
+    from epcc.plan import Plan
+    from epcc.sim import SimOptions, build_plan, simulate
+    from epcc.sim.report import to_dict
+
+    src = (ROOT / "schedules" / "h200x2_2vnode.sched").read_text(encoding="utf-8")
+    plan = Plan.from_json(build_plan(str(ROOT / "schedules" / "h200x2_2vnode.sched")).plan.to_json())
+    rechunked = ep_bench.rechunk(plan, (32, 4))
+    assert ep_bench.rdma_chunking_of(rechunked) == {
+        "dispatch.rdma": {"chunk_tokens": 32, "depth": 4, "chunks": 128},
+        "combine.rdma": {"chunk_tokens": 32, "depth": 4, "chunks": 128}}
+    text = src.replace("send tokens for rail.vnode from input to rail.rdma_recv over rdma\n",
+                       "send tokens for rail.vnode from input to rail.rdma_recv over rdma chunk 32 tokens depth 4\n")
+    assert text != src
+    (tmp_path / "h200x2_2vnode.sched").write_text(text, encoding="utf-8")
+    compiled = build_plan(str(tmp_path / "h200x2_2vnode.sched")).plan
+    want = ep_bench._prediction(to_dict(simulate(compiled, SimOptions(rdma_proxy=True)), tokens=4096))
+    got = ep_bench.predict(rechunked, T=4096)
+    assert got == want
+    assert got["dispatch"]["total_ms"] != ep_bench.predict(plan, T=4096)["dispatch"]["total_ms"]
