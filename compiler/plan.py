@@ -186,6 +186,8 @@ class Plan:
     sm_meta_s: float = 0.0
     # link name -> its `atomics` rate: fp32 bytes/s one GPU adds into another over it (per pair)
     atomics: dict[str, float] = field(default_factory=dict)
+    # link name -> its `post`: seconds of the RDMA proxy's host time per chunk posted over it
+    post_s: dict[str, float] = field(default_factory=dict)
 
     def step(self, name: str, program: str = "dispatch") -> PlanStep:
         for s in self.steps:

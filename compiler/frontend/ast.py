@@ -163,7 +163,7 @@ class Table:
 
 @dataclass(frozen=True)
 class LinkProp:
-    key: str  # connects | bandwidth | latency | engine | lanes | efficiency | shared | atomics
+    key: str  # connects | bandwidth | latency | engine | lanes | efficiency | shared | atomics | post
     value: object  # RelExpr | Quantity | Name | int
     span: Span
 

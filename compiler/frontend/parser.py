@@ -361,7 +361,7 @@ class _Builder:
             c = p.children
             if d == "connects_prop":
                 val = self.rel_expr(c[0])
-            elif d in ("bandwidth_prop", "latency_prop", "atomics_prop"):
+            elif d in ("bandwidth_prop", "latency_prop", "atomics_prop", "post_prop"):
                 val = self.quantity(c[0])
             elif d == "engine_prop":
                 val = self.name(c[0])

@@ -101,6 +101,9 @@ class _Emitter:
         atomics = {l.name: float(l.atomics) for l in t.links.values() if l.atomics}
         if atomics:  # fp32 atomic adds into a peer per GPU pair, by link (the simulator's atomics term)
             query.annotate(top.operation, "atomics_Bps", atomics)
+        post = {l.name: float(l.post) for l in t.links.values() if l.post}
+        if post:  # the RDMA proxy's host time per chunk, by link (the simulator's window term)
+            query.annotate(top.operation, "post_s", post)
         with ir.InsertionPoint(top.body):
             for lv in t.space.levels:
                 ops.level(lv.name, lv.count, lv.depth, loc=span_loc(lv.span))

@@ -6,6 +6,19 @@ model picks the smallest whole number of tokens whose transfer time is at least
 of the bandwidth), never less than `MIN_CHUNK_BYTES`, and never smaller than the chunks of the
 producers it follows (a consumer works at its producers' granularity).
 
+An RDMA step (a link of kind rdma) whose file gives no chunk or no depth gets them from the
+window model the simulator uses for the GPU proxy path (sim/sm_terms.py, window_rate): of
+`RDMA_CHUNK_TOKENS` x `RDMA_DEPTHS` with at most `RDMA_WINDOW_BYTES` in flight per channel, the
+pair with the shortest time for the step's biggest flow alone, bytes / min(link, window) plus
+the first chunk's staging and the last one's apply and latency: for each chunk size the
+shallowest depth that reaches its best time, and of the chunk sizes within `RDMA_TIE` of the
+fastest the one with the fewest chunks (the least proxy work).  The window counts each chunk's staging and
+apply on one SM (the topology's `sm` rates), both latencies, and the link's `post` (the proxy's
+host time per chunk, which also caps a channel at chunk / post), counted at 1 / `RDMA_HEADROOM`
+of what it models: chunks too small to amortise the post, or a window too shallow for the round
+trip, lose.  Without `sm` rates the latency rule
+below holds.
+
 Depth.  From the file, else `DEFAULT_DEPTH` (double buffering plus one).  Bounded by staging
 buffers: a buffer declared with a capacity must hold `depth` chunks from each rank that writes
 into it at once; the depth shrinks to fit, and a buffer that cannot hold one chunk from each
@@ -28,11 +41,21 @@ from ..diagnostics import Note
 from ..ir import ops, query
 from ..plan import Plan, PlanStep
 from ..sema import model
+from ..sim.sm_terms import proxy_rates, sm_rates, window_rate, work_of
 from . import Pass, PassContext, register
 
 LATENCY_FACTOR = 16
 MIN_CHUNK_BYTES = 64 * 1024
 DEFAULT_DEPTH = 3
+RDMA_CHUNK_TOKENS = (16, 32, 64, 128, 256, 512)
+RDMA_DEPTHS = (2, 4, 8, 16)
+RDMA_WINDOW_BYTES = 16 * 1024 * 1024  # in flight per channel: its landing slots (and the sender's slots)
+RDMA_TIE = 0.01  # chunk sizes this close to the fastest count as fast: the fewest chunks wins
+RDMA_SAME = 0.001  # depths this close to a chunk size's fastest count as equal: the shallowest wins
+# The window a choice may count on: 1 / RDMA_HEADROOM of the modelled one.  On the GPU machine's
+# emulated transport round trips ran up to ~2x the model (64-token chunks at 400 GB/s: ~120 us
+# per 8 chunks against 64 modelled), and a window that only just covers the link loses it.
+RDMA_HEADROOM = 1.5
 
 
 def writers_per_rank(sched: model.Schedule, program: str, buffer: str) -> int:
@@ -64,6 +87,51 @@ def choose_chunk(st: model.Step | None, ps: PlanStep, bpt: int, link: model.Link
     return float(tokens * bpt), tokens
 
 
+def rdma_step_time(flow_bytes: float, chunk: float, depth: int, link: model.LinkInfo, stage_bps: float,
+                   apply_bps: float) -> float:
+    """Seconds one channel of an RDMA step takes alone on the GPU proxy path (module docstring)."""
+    bw = link.effective_bandwidth
+    rate = min(bw, window_rate(chunk, depth, bw, link.latency, stage_bps, apply_bps, link.post) / RDMA_HEADROOM)
+    return flow_bytes / rate + chunk / stage_bps + chunk / apply_bps + link.latency
+
+
+def choose_rdma_chunking(ps: PlanStep, bpt: int, link: model.LinkInfo, rates: dict[str, float],
+                         chunk_fixed: float | None = None, depth_fixed: int | None = None,
+                         min_chunk: float = 0.0) -> tuple[float, int, int | None] | None:
+    """(chunk bytes, depth, chunk tokens or None) for an RDMA step from the window model (module
+    docstring), the file's own chunk or depth kept, no chunk below `min_chunk` (its producers'
+    chunks); None without the `sm` rates it needs."""
+    if "copy" not in rates or work_of(ps, rates) not in rates:
+        return None
+    stage_bps, apply_bps = proxy_rates(rates, ps)
+    biggest = max((f.bytes for f in ps.flows), default=0.0)
+    if biggest <= 0:
+        return None
+    if chunk_fixed:
+        chunks: list[tuple[float, int | None]] = [(chunk_fixed, None)]
+    else:
+        floor = max(MIN_CHUNK_BYTES, min_chunk)
+        chunks = [(float(t * bpt), t) for t in RDMA_CHUNK_TOKENS if t * bpt >= floor]
+        if not chunks:
+            t = max(RDMA_CHUNK_TOKENS[-1], math.ceil(floor / bpt))
+            chunks = [(float(t * bpt), t)]
+    scored: list[tuple[float, int, float, int, int | None]] = []  # per chunk size: its shallowest fastest depth
+    for chunk, tokens in chunks:
+        n = ps.chunk_count(chunk)
+        depths = [(rdma_step_time(biggest, chunk, d, link, stage_bps, apply_bps), d)
+                  for d in sorted({min(d, n) for d in ((depth_fixed,) if depth_fixed else RDMA_DEPTHS)})
+                  if depth_fixed or d == 1 or d * chunk <= RDMA_WINDOW_BYTES]
+        if depths:
+            best = min(t for t, _ in depths)
+            t, d = min((x for x in depths if x[0] <= best * (1 + RDMA_SAME)), key=lambda x: x[1])
+            scored.append((t, n, chunk, d, tokens))
+    if not scored:
+        return None
+    fastest = min(x[0] for x in scored)
+    _, _, chunk, d, tokens = min((x for x in scored if x[0] <= fastest * (1 + RDMA_TIE)), key=lambda x: (x[1], x[0]))
+    return chunk, d, tokens
+
+
 @register
 class ChunkPipeline(Pass):
     name = "chunk-pipeline"
@@ -74,6 +142,7 @@ class ChunkPipeline(Pass):
         plan: Plan = ctx.get("plan")
         wl = sched.workload
         links = sched.topology.links
+        rates = sm_rates(plan)  # the topology's `sm` line, as the simulator reads it
         for ps in plan.steps:
             by_name = {s.name: s for s in plan.program_steps(ps.program)}
             prog = sched.dispatch if ps.program == "dispatch" else sched.combine
@@ -84,8 +153,18 @@ class ChunkPipeline(Pass):
             if ps.verb == "exchange":
                 ps.num_chunks, ps.depth, ps.chunk_bytes = 1, 1, None
                 continue
-            chunk_bytes, chunk_tokens = choose_chunk(st or src_step, ps, bpt, link)
-            explicit_chunk = bool((st or src_step) and ((st or src_step).chunk_tokens or (st or src_step).chunk_bytes))
+            given = st or src_step
+            chunk_bytes, chunk_tokens = choose_chunk(given, ps, bpt, link)
+            explicit_chunk = bool(given and (given.chunk_tokens or given.chunk_bytes))
+            given_depth = given.depth if given is not None and given.depth else None
+            auto = None
+            if ps.link_kind == "rdma" and link is not None and not (explicit_chunk and given_depth):
+                producers = max((by_name[d].chunk_bytes or 0.0 for d in ps.deps
+                                 if d in by_name and by_name[d].verb != "exchange"), default=0.0)
+                auto = choose_rdma_chunking(ps, bpt, link, rates, chunk_bytes if explicit_chunk else None, given_depth,
+                                            min_chunk=producers)
+            if auto is not None:
+                chunk_bytes, chunk_tokens = auto[0], (auto[2] if not explicit_chunk else chunk_tokens)
             if not explicit_chunk:
                 # Follow producers at their granularity: a consumer chunk never smaller than theirs.
                 for d in ps.deps:
@@ -94,11 +173,9 @@ class ChunkPipeline(Pass):
                         chunk_bytes = p.chunk_bytes
                         chunk_tokens = max(1, int(round(chunk_bytes / bpt)))
                         chunk_bytes = float(chunk_tokens * bpt)
-            biggest = max((f.bytes for f in ps.flows), default=0.0)
             ps.chunk_bytes = chunk_bytes
-            ps.num_chunks = max(1, math.ceil(biggest / chunk_bytes)) if biggest > 0 else 1
-            depth = (st.depth if st is not None and st.depth else None) or \
-                    (src_step.depth if src_step is not None and src_step.depth else None) or DEFAULT_DEPTH
+            ps.num_chunks = ps.chunk_count(chunk_bytes)
+            depth = given_depth or (auto[1] if auto is not None else DEFAULT_DEPTH)
             dest = st.dest.buffer if st is not None and st.dest is not None else None
             if dest is not None and dest.role == "staging" and (dest.capacity_tokens or dest.capacity_bytes):
                 cap = dest.capacity_bytes or dest.capacity_tokens * bpt

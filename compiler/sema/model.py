@@ -157,6 +157,10 @@ class LinkInfo:
     # this link saturate at this rate per direction and GPU pair, below what plain stores reach
     # (the combine roles that add into a peer's partials).  None: not declared.
     atomics: float | None = None
+    # `post 10 us` (RDMA links): host time the proxy spends on each chunk it posts over this link,
+    # the credit it returns for one included; one proxy thread per rank and program posts them
+    # one after another, so a channel moves at most chunk / post.  0: not declared.
+    post: float = 0.0
 
     def connects(self, a: int, b: int) -> bool:
         if self.kind == "local":

@@ -545,6 +545,18 @@ class _TopologyResolver:
                 self.diags.error(q.span, f"atomics must be positive, not {_num(q)}")
                 atomics = None
             ok &= atomics is not None
+        post = 0.0
+        if "post" in props:
+            q = props["post"].value
+            post = parse_quantity(q, "time", self.diags)
+            if kind != "rdma":
+                self.diags.error(props["post"].span, f"'post' is the RDMA proxy's host time per chunk; a {kind} link "
+                                 f"is written by SMs, not posted", "drop 'post', or make the link 'rdma'")
+                post = None
+            elif post is not None and post < 0:
+                self.diags.error(q.span, "post cannot be negative")
+                post = None
+            ok &= post is not None
         pairs: frozenset[tuple[int, int]] = frozenset()
         rel_text = ""
         if kind == "local":
@@ -567,7 +579,8 @@ class _TopologyResolver:
                     rel_text = _rel_text(expr)
         if not ok:
             return None
-        return model.LinkInfo(lk.name.text, kind, bw, lat, engine, lanes, eff, pairs, rel_text, lk.span, shared, atomics)
+        return model.LinkInfo(lk.name.text, kind, bw, lat, engine, lanes, eff, pairs, rel_text, lk.span, shared, atomics,
+                              post)
 
 
 # --------------------------------------------------------------------------- helpers

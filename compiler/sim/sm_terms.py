@@ -24,9 +24,13 @@ treats them like links):
   work) before its credit goes back; with `depth` chunks in flight per channel the channel
   moves at most depth x chunk per
 
-      chunk / link + chunk / stage + chunk / apply + 2 x latency
+      chunk / link + chunk / stage + chunk / apply + 2 x latency + post
 
-  (the data's latency and the credit's).  The term is added only where it binds (below the link).
+  (the data's latency and the credit's; `post`, the link's host time per chunk on the proxy,
+  0 where the topology declares none), and, the proxy posting one chunk after another, at most
+  chunk / post.  The term is added only where it binds (below the link).  On the GPU machine's
+  emulated transport (~8 CUDA calls per chunk and credit) `post` is ~10 us: 2 x H200,
+  h200x2_2vnode at 400 GB/s, 16-token chunks take ~10 us each whatever the depth.
 
 A chunk is the work of one SM (a role hands out chunks, not bytes, to its blocks).  A role's
 chunks in flight have moved bytes but are not complete: `PlanStep.completion_lag` = k x chunk /
@@ -87,10 +91,19 @@ def step_sms(plan: Plan) -> dict[tuple[str, str], int]:
 
 
 def window_rate(chunk: float, depth: int, link_bps: float, latency_s: float, stage_bps: float,
-                apply_bps: float) -> float:
+                apply_bps: float, post_s: float = 0.0) -> float:
     """Bytes/s one credit-windowed RDMA channel can sustain (see the module docstring)."""
-    trip = chunk / link_bps + chunk / stage_bps + chunk / apply_bps + 2 * latency_s
-    return max(1, depth) * chunk / trip
+    trip = chunk / link_bps + chunk / stage_bps + chunk / apply_bps + 2 * latency_s + post_s
+    rate = max(1, depth) * chunk / trip
+    return min(rate, chunk / post_s) if post_s > 0 else rate
+
+
+def proxy_rates(rates: dict[str, float], step: PlanStep) -> tuple[float, float]:
+    """(stage, apply) bytes/s of one SM for a chunk of an RDMA step on the GPU proxy path, in the
+    wire's bytes: the sender stages at `copy` (half that for fp32 partials, read at twice the bytes
+    they take on the wire as bf16), the receiver applies at the step's kind of work."""
+    work = work_of(step, rates)
+    return rates["copy"] / (2.0 if work == "add" else 1.0), rates[work]
 
 
 def rows_per_token(plan: Plan) -> float:
@@ -159,14 +172,15 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
             if (rdma_proxy and s.link_kind == "rdma" and s.chunk_bytes and f.resources and f.bytes > 0
                     and "copy" in rates and work in rates):
                 link_bps = min(resources[r] for r in f.resources)
-                stage_bps = rates["copy"] / (2.0 if work == "add" else 1.0)  # fp32 partials read, bf16 sent
-                cap = window_rate(s.chunk_bytes, s.depth, link_bps, f.latency_s, stage_bps, rates[work])
+                stage_bps, apply_bps = proxy_rates(rates, s)
+                cap = window_rate(s.chunk_bytes, s.depth, link_bps, f.latency_s, stage_bps, apply_bps,
+                                  plan.post_s.get(s.link or "", 0.0))
                 if cap < link_bps:
                     name = f"window:{s.program}.{s.name}:{f.src}>{f.dst}"
                     resources[name] = cap
                     extra.append(name)
-                tail = chunk / stage_bps + chunk / rates[work]
-                lag = max(lag, min(1.0, chunk / rates[work] * min(cap, link_bps) / f.bytes))
+                tail = chunk / stage_bps + chunk / apply_bps
+                lag = max(lag, min(1.0, chunk / apply_bps * min(cap, link_bps) / f.bytes))
             flows.append(dataclasses.replace(f, resources=f.resources + tuple(extra), tail_s=f.tail_s + tail)
                          if extra or tail else f)
         steps.append(dataclasses.replace(s, flows=flows, completion_lag=lag))
@@ -237,4 +251,4 @@ def _little_lags(plan: Plan, steps: list[PlanStep], resources: dict[str, float],
     return dataclasses.replace(plan, steps=out, resources=resources)
 
 
-__all__ = ["rows_per_token", "sm_rates", "step_sms", "window_rate", "with_sm_terms", "work_of"]
+__all__ = ["proxy_rates", "rows_per_token", "sm_rates", "step_sms", "window_rate", "with_sm_terms", "work_of"]

@@ -83,6 +83,24 @@ def test_window_rate_closed_form():
     assert window_rate(2 * MB, 4, 50 * GB, 5e-6, 25 * GB, 25 * GB) == pytest.approx(4 * 2 * MB / 210e-6)
 
 
+def test_window_rate_with_the_proxys_post():
+    # `post 10 us`: one more term of the round trip, and the proxy posts one chunk at a time
+    assert window_rate(2 * MB, 4, 50 * GB, 5e-6, 25 * GB, 25 * GB, 10e-6) == pytest.approx(4 * 2 * MB / 220e-6)
+    assert window_rate(0.25 * MB, 16, 50 * GB, 5e-6, 25 * GB, 25 * GB, 10e-6) == pytest.approx(0.25 * MB / 10e-6)
+
+
+def test_a_small_chunk_is_held_by_the_proxys_post():
+    # 0.5 MB chunks 16 deep: the window covers the link, but a proxy that spends 20 us per chunk
+    # posts 25 GB/s; without `post` the link holds it
+    p = rdma_plan({"copy": 25 * GB}, depth=16, chunk=0.5 * MB)
+    assert not any(r.startswith("window:") for r in with_sm_terms(p).resources)
+    slow = dataclasses.replace(p, post_s={"rdma": 20e-6})
+    aug = with_sm_terms(slow)
+    assert aug.resources["window:dispatch.rdma:0>1"] == pytest.approx(0.5 * MB / 20e-6)
+    assert simulate(slow).step("rdma").end_s > 64 * MB / (25 * GB)
+    assert Plan.from_json(slow.to_json()).post_s == {"rdma": 20e-6}
+
+
 def test_an_rdma_channel_is_held_by_its_credit_window_when_that_binds():
     p = rdma_plan({"copy": 25 * GB}, depth=4)
     w = window_rate(2 * MB, 4, 50 * GB, 5e-6, 25 * GB, 25 * GB)  # 38 GB/s < 50
@@ -296,6 +314,12 @@ def test_a_chunk_counts_expert_rows_only_where_the_flows_do():
     assert with_sm_terms(peer_plan(**kw)).steps[0].completion_lag == pytest.approx(0.08)
     rows = peer_plan(rows=True, **kw)
     assert with_sm_terms(rows).steps[0].completion_lag == pytest.approx(0.08 * rows_per_token(rows))
+
+
+def test_link_post_reaches_the_ir_and_the_plan():
+    built = build_plan(str(REPO / "schedules" / "h200x2_2vnode.sched"))
+    assert built.plan.post_s == {"rdma": pytest.approx(10e-6)}
+    assert "epcc.post_s = {rdma = 9.9999999999999991E-6 : f64}" in str(built.compilation.module)
 
 
 def test_link_atomics_reach_the_ir_and_the_plan_and_survive_plan_json():

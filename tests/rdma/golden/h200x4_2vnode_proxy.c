@@ -6,10 +6,10 @@
  * plan's chunk-pipeline pass, overridable at run time through the role descriptors):
  *   [0] dispatch.rdma  DSL line 92: RDMA once per target vnode to the same-index GPU
  *       link 'rdma' (rdma), 50 GB/s, latency 5 us;
- *       1843200 bytes per post, queue depth 4; receiver: copy each landed row to its destination row (memcpy)
+ *       921600 bytes per post, queue depth 8; receiver: copy each landed row to its destination row (memcpy)
  *   [1] combine.rdma  DSL line 92: RDMA once per target vnode to the same-index GPU
  *       link 'rdma' (rdma), 50 GB/s, latency 5 us;
- *       1835008 bytes per post, queue depth 4; receiver: accumulate each landed partial into its destination (atomic float add); the fp32 partial travels as bf16 (rounded to nearest even by the sender), half the bytes, as on the GPU path
+ *       1835008 bytes per post, queue depth 8; receiver: accumulate each landed partial into its destination (atomic float add); the fp32 partial travels as bf16 (rounded to nearest even by the sender), half the bytes, as on the GPU path
  *
  * Threads (docs/rdma.md): one producer per sending role (packs a chunk's rows into a send slot
  * once the chunk's producers are done, pushes a trigger into the role's FIFO), one proxy per
@@ -145,8 +145,8 @@ static void epcc_rdma_apply_combine__rdma(const epcc_rdma_recv_chan *c, uint64_t
 }
 
 static const epcc_rdma_step_info epcc_rdma_steps[EPCC_RDMA_NUM_STEPS] = {
-    {"dispatch", "rdma", 92, 1843200u, 4u, epcc_rdma_apply_dispatch__rdma, 0u},
-    {"combine", "rdma", 92, 1835008u, 4u, epcc_rdma_apply_combine__rdma, 1u},
+    {"dispatch", "rdma", 92, 921600u, 8u, epcc_rdma_apply_dispatch__rdma, 0u},
+    {"combine", "rdma", 92, 1835008u, 8u, epcc_rdma_apply_combine__rdma, 1u},
 };
 
 /* ---- engine state (allocated by epcc_rdma_engine_init) ---------------------------------- */
