@@ -34,6 +34,7 @@ IR: an `epcc.chunk_loop` marker before every chunked step, and `epcc.chunk` on t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from mlir import ir
 
@@ -95,12 +96,24 @@ def rdma_step_time(flow_bytes: float, chunk: float, depth: int, link: model.Link
     return flow_bytes / rate + chunk / stage_bps + chunk / apply_bps + link.latency
 
 
+@dataclass(frozen=True)
+class RdmaChoice:
+    chunk_bytes: float
+    depth: int
+    tokens: int | None  # None: the file's chunk, in bytes
+    seconds: float  # the step's biggest flow alone, as the model estimates it
+
+    def describe(self, link: model.LinkInfo) -> str:
+        return (f"cost model: {self.seconds * 1e3:.3f} ms alone over '{link.name}' "
+                f"({link.effective_bandwidth / 1e9:g} GB/s, post {link.post * 1e6:g} us)")
+
+
 def choose_rdma_chunking(ps: PlanStep, bpt: int, link: model.LinkInfo, rates: dict[str, float],
                          chunk_fixed: float | None = None, depth_fixed: int | None = None,
-                         min_chunk: float = 0.0) -> tuple[float, int, int | None] | None:
-    """(chunk bytes, depth, chunk tokens or None) for an RDMA step from the window model (module
-    docstring), the file's own chunk or depth kept, no chunk below `min_chunk` (its producers'
-    chunks); None without the `sm` rates it needs."""
+                         min_chunk: float = 0.0) -> RdmaChoice | None:
+    """The chunk and depth of an RDMA step from the window model (module docstring), the file's
+    own chunk or depth kept, no chunk below `min_chunk` (its producers' chunks); None without the
+    `sm` rates it needs."""
     if "copy" not in rates or work_of(ps, rates) not in rates:
         return None
     stage_bps, apply_bps = proxy_rates(rates, ps)
@@ -128,8 +141,8 @@ def choose_rdma_chunking(ps: PlanStep, bpt: int, link: model.LinkInfo, rates: di
     if not scored:
         return None
     fastest = min(x[0] for x in scored)
-    _, _, chunk, d, tokens = min((x for x in scored if x[0] <= fastest * (1 + RDMA_TIE)), key=lambda x: (x[1], x[0]))
-    return chunk, d, tokens
+    t, _, chunk, d, tokens = min((x for x in scored if x[0] <= fastest * (1 + RDMA_TIE)), key=lambda x: (x[1], x[0]))
+    return RdmaChoice(chunk, d, tokens, t)
 
 
 @register
@@ -140,6 +153,7 @@ class ChunkPipeline(Pass):
     def run(self, module, ctx: PassContext) -> None:
         sched = ctx.schedule
         plan: Plan = ctx.get("plan")
+        self.chosen: dict[tuple[str, str], str] = {}  # RDMA steps chunked by the cost model: why
         wl = sched.workload
         links = sched.topology.links
         rates = sm_rates(plan)  # the topology's `sm` line, as the simulator reads it
@@ -164,7 +178,8 @@ class ChunkPipeline(Pass):
                 auto = choose_rdma_chunking(ps, bpt, link, rates, chunk_bytes if explicit_chunk else None, given_depth,
                                             min_chunk=producers)
             if auto is not None:
-                chunk_bytes, chunk_tokens = auto[0], (auto[2] if not explicit_chunk else chunk_tokens)
+                chunk_bytes, chunk_tokens = auto.chunk_bytes, (auto.tokens if not explicit_chunk else chunk_tokens)
+                self.chosen[(ps.program, ps.name)] = auto.describe(link)
             if not explicit_chunk:
                 # Follow producers at their granularity: a consumer chunk never smaller than theirs.
                 for d in ps.deps:
@@ -175,7 +190,7 @@ class ChunkPipeline(Pass):
                         chunk_bytes = float(chunk_tokens * bpt)
             ps.chunk_bytes = chunk_bytes
             ps.num_chunks = ps.chunk_count(chunk_bytes)
-            depth = given_depth or (auto[1] if auto is not None else DEFAULT_DEPTH)
+            depth = given_depth or (auto.depth if auto is not None else DEFAULT_DEPTH)
             dest = st.dest.buffer if st is not None and st.dest is not None else None
             if dest is not None and dest.role == "staging" and (dest.capacity_tokens or dest.capacity_bytes):
                 cap = dest.capacity_bytes or dest.capacity_tokens * bpt
@@ -209,10 +224,13 @@ class ChunkPipeline(Pass):
                     continue
                 bpt = plan.bytes_per_token if kind == "dispatch" else ctx.schedule.workload.combine_bytes_per_token
                 tokens = int(ps.chunk_bytes // bpt) if ps.chunk_bytes else 0
-                query.annotate(op, "chunk", {
+                attrs = {
                     "chunk_bytes": int(ps.chunk_bytes or 0), "num_chunks": ps.num_chunks, "depth": ps.depth,
                     "pipelined_after": ir.ArrayAttr.get([ir.StringAttr.get(d) for d in ps.pipelined_deps]),
-                })
+                }
+                if (kind, ps.name) in self.chosen:
+                    attrs["chosen_by"] = self.chosen[(kind, ps.name)]
+                query.annotate(op, "chunk", attrs)
                 loc = query.named_loc(op, f"{ps.name}.chunks")
                 with ir.InsertionPoint(op), loc:
                     ops.chunk_loop(step=ps.name, chunks=ps.num_chunks, chunk_tokens=tokens, depth=ps.depth, loc=loc)

@@ -46,3 +46,12 @@ def test_without_sm_rates_the_latency_rule_holds(tmp_path):
     tokens, depth = _chunking(tmp_path, text)
     # LATENCY_FACTOR x latency x bandwidth = 16 x 5 us x 50 GB/s = 4 MB, in whole tokens
     assert (tokens, depth) == (-(-16 * 5e-6 * 50e9 // 14400), cp.DEFAULT_DEPTH) == (278, 3)
+
+
+def test_the_ir_says_which_chunks_the_cost_model_chose():
+    from epcc import pipeline
+
+    c = pipeline.run(str(REPO / "schedules" / "h200x2_2vnode.sched"), "chunk-pipeline")
+    text = str(c.module)
+    assert text.count('chosen_by = "cost model: ') == 2  # dispatch.rdma and combine.rdma, not the SM steps
+    assert "ms alone over 'rdma' (50 GB/s, post 10 us)" in text
