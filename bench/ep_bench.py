@@ -646,6 +646,10 @@ def _epcc_child(cfg: dict) -> dict:
     t2 = time.perf_counter()
     out["host_ms"] = {"layout": (t1 - t0) * 1e3, "tables": (t2 - t1) * 1e3}
     out["wire_bytes"] = epcc_wire_bytes(layout)
+    rdma = {(st.program, st.name) for st in plan.steps if st.link_kind == "rdma"}
+    out["rdma_chunk_rows"] = {  # the largest chunk of each RDMA step this rank sends, in rows
+        f"{p}.{n}": max((int(np.diff(c.chunk_starts).max(initial=0)) for c in layout.copies
+                         if (c.program, c.step) == (p, n) and c.rank == rank), default=0) for p, n in sorted(rdma)}
     out["sms"] = kernel_sms(manifest)
 
     # ---- data (the same generator as the baselines: same rows)
@@ -1315,6 +1319,8 @@ def main(argv=None) -> int:
     runs: list[tuple[int, str, tuple | None]] = []  # (bundle index, bundle, RDMA chunking or None)
     for bi, bundle in enumerate(args.bundles):
         proxy = _is_proxy_bundle(bundle)
+        if args.rdma_chunks and not proxy:
+            say(f"note: {Path(bundle).name} was not compiled with --rdma proxy: it runs once, at its own chunking")
         for c in (args.rdma_chunks if proxy and args.rdma_chunks else [None]):
             runs.append((bi, bundle, c))
     for ri, (bi, bundle, chunking) in enumerate(runs):
