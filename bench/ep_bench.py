@@ -75,6 +75,7 @@ L2_FLUSH_BYTES = 256 << 20
 SLEEP_CYCLES = 4_000_000  # about 2 ms at 2 GHz: the host enqueues the timed work meanwhile (GPU time is
 # measured, not the host's launch cost, which a training step hides by running ahead)
 CHECK_CHUNK = 1024  # tokens per compare_combine call (bounds its float64 temporaries)
+TIMELINE_ROUNDS = 5  # stamped rounds after the timed ones; the role timeline is their median
 
 
 def import_epcc() -> None:
@@ -750,14 +751,19 @@ def _epcc_child(cfg: dict) -> dict:
 
     try:
         out.update(run_iterations(timer, cfg["warmup"], cfg["iters"], step, check))
-        # one more (untimed) round with the kernels' per-block stamps: when each role ran
-        from epcc.backends.cuda import role_timeline
+        # TIMELINE_ROUNDS more (untimed) rounds with the kernels' per-block stamps: when each role
+        # ran, the median over the rounds
+        from epcc.backends.cuda import median_timeline, role_timeline
 
         for p in programs:
             ctx.enable_timeline(p)
-        comm.barrier()
-        step(0, "timeline")
-        out["timeline"] = {p: role_timeline(manifest, p, ctx.read_timeline(p)) for p in programs}
+        rounds: dict[str, list] = {p: [] for p in programs}
+        for i in range(TIMELINE_ROUNDS):
+            comm.barrier()
+            step(i % 2, "timeline")
+            for p in programs:
+                rounds[p].append(role_timeline(manifest, p, ctx.read_timeline(p)))
+        out["timeline"] = {p: median_timeline(rounds[p]) for p in programs}
     except (CheckFailed, PeerFailed):
         raise  # already agreed with every rank
     except Exception as e:  # noqa: BLE001
@@ -1146,8 +1152,8 @@ def format_predictions(report: dict) -> list[str]:
 
 
 def format_timeline(b: dict, r: dict, sim: dict | None) -> list[str]:
-    """Rank 0's role timeline of the untimed round (ms after the entry barrier: first block
-    moving rows .. last block done), beside the simulator's step start .. end."""
+    """Rank 0's role timeline, the median of the untimed stamped rounds (ms after the entry
+    barrier: first block moving rows .. last block done), beside the simulator's step start .. end."""
     tl = (r.get("per_rank") or [{}])[0].get("timeline")
     if not tl:
         return []

@@ -89,13 +89,13 @@ the dispatch); every rank launches the same sequence; a context whose kernel tra
 """
 
 from .launcher import (Context, CudaError, KernelTimeout, Library, build_library, find_nvcc,
-                       load_manifest, role_timeline)
+                       load_manifest, median_timeline, role_timeline)
 from .tables import (TABLE_VERSION, TableError, Tables, buffer_sizes, build_tables, parse_tables, partial_rounding)
 
 __all__ = ["Context", "CudaBundle", "CudaCodegenError", "CudaError", "CudaOptions", "KernelSpec", "KernelTimeout",
            "Library", "RoleSpec", "TABLE_VERSION", "TableError", "Tables", "buffer_sizes", "build_library",
-           "build_tables", "emit", "find_nvcc", "generate", "load_manifest", "parse_tables", "partial_rounding",
-           "role_timeline"]
+           "build_tables", "emit", "find_nvcc", "generate", "load_manifest", "median_timeline", "parse_tables",
+           "partial_rounding", "role_timeline"]
 
 _CODEGEN = ("CudaBundle", "CudaCodegenError", "CudaOptions", "KernelSpec", "RoleSpec", "emit", "generate")
 

@@ -10,6 +10,7 @@ import ctypes
 import json
 import os
 import shutil
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -45,6 +46,24 @@ def role_timeline(manifest: dict, program: str, stamps: np.ndarray) -> dict:
                       "start_ms": ms(min(started)) if started else None,
                       "end_ms": ms(stamps[b0:b1, 2].max()) if started else None})
     return {"roles": roles, "end_ms": ms(stamps[0, 3])}
+
+
+def median_timeline(rounds: list[dict]) -> dict:
+    """Several launches' role_timeline as one: each role's start and end, and the kernel's end,
+    the median over the launches (a single launch's proxy-path roles vary by ~10 % with the host
+    threads' scheduling)."""
+    if not rounds:
+        raise ValueError("median_timeline: no launches")
+
+    def med(vals: list) -> float | None:
+        vals = sorted(v for v in vals if v is not None)
+        return statistics.median(vals) if vals else None
+
+    roles = []
+    for i, r in enumerate(rounds[0]["roles"]):
+        roles.append({**r, "start_ms": med([x["roles"][i]["start_ms"] for x in rounds]),
+                      "end_ms": med([x["roles"][i]["end_ms"] for x in rounds])})
+    return {"roles": roles, "end_ms": med([x["end_ms"] for x in rounds]), "launches": len(rounds)}
 
 
 class CudaError(RuntimeError):

@@ -22,10 +22,13 @@ NVSHMEM's wheel is not installed).  The bench checks every result against the or
 bit-exact, combine within bf16-wire rounding) and --strict makes a failed check or a timeout exit
 1.  With `emulated`, the 2-GPU bundles' median dispatch and combine must be within 15 % of
 `epcc simulate` (the bundle's simulate.json), and on the mixed plan the step over the fast link
-must have landed (rank 0's role timeline) by FAST_BY of the time the step over the slow link
-landed: simulated 0.51, measured 0.49-0.50 on 2 H200s (0.58 with 128-token chunks 4 deep, whose
-credit window held the fast step); both steps on one queue, or both paced at one link's speed,
-give 0.9 or more (h200x2_2vnode_relay, one link: 0.93).
+must have landed (rank 0's role timeline, the median of 5 stamped rounds) by FAST_BY of the time
+the step over the slow link landed: simulated 0.51; measured on 2 H200s 0.49-0.54 in single
+rounds and once 0.61, and 0.55-0.58 as medians of 5 (session 17: one proxy thread posts both
+steps' chunks, ~80 % busy while both run, so the host's scheduling moves the fast step by
+~10 %); both steps on one queue, or both paced at one link's speed, give 0.9 or more
+(h200x2_2vnode_relay, one link: 0.93).  (Session 16 set 0.6 from two rounds at 0.49-0.50; a
+later run's 0.61 failed it.)
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ SIM_CHECKED = {"h200x2_2vnode_50_proxy", "h200x2_2vnode_relay_50_proxy", "h200x2
 # the mixed plan (links of 50 and 25 GB/s): (program, the step over the fast link, the step over the
 # slow one); the fast one's landing role must end on rank 0 by FAST_BY of the slow one's end
 FAST_STEP = {"h200x2_2vnode_mixed_50_proxy": ("dispatch", "there", "relay")}
-FAST_BY = 0.6
+FAST_BY = 0.7
 BUNDLES = Path(os.environ.get("EPCC_GPU_BUNDLES") or ROOT / ".gpu" / "bundles")
 HOW = ("to run: `.venv/bin/python tests/gpu/bundles.py .gpu/bundles` on a CPU machine with MLIR, carry .gpu "
        "to the GPU machine (or set EPCC_GPU_BUNDLES), run `python -m pytest tests/gpu/test_gpu.py` there")
