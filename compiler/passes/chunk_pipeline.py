@@ -12,12 +12,11 @@ window model the simulator uses for the GPU proxy path (sim/sm_terms.py, window_
 pair with the shortest time for the step's biggest flow alone, bytes / min(link, window) plus
 the first chunk's staging and the last one's apply and latency: for each chunk size the
 shallowest depth that reaches its best time, and of the chunk sizes within `RDMA_TIE` of the
-fastest the one with the fewest chunks (the least proxy work).  The window counts each chunk's staging and
-apply on one SM (the topology's `sm` rates), both latencies, and the link's `post` (the proxy's
-host time per chunk, which also caps a channel at chunk / post), counted at 1 / `RDMA_HEADROOM`
-of what it models: chunks too small to amortise the post, or a window too shallow for the round
-trip, lose.  Without `sm` rates the latency rule
-below holds.
+fastest the one with the fewest chunks (the least proxy work).  The window counts each chunk's
+staging and apply on one SM (the topology's `sm` rates), both latencies, and the link's `post`
+(the proxy's host time per chunk, which also caps a channel at chunk / post), counted at
+1 / `RDMA_HEADROOM` of what it models: chunks too small to amortise the post, or a window too
+shallow for the round trip, lose.  Without `sm` rates the latency rule below holds.
 
 Depth.  From the file, else `DEFAULT_DEPTH` (double buffering plus one).  Bounded by staging
 buffers: a buffer declared with a capacity must hold `depth` chunks from each rank that writes

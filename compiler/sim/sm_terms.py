@@ -29,7 +29,7 @@ treats them like links):
   (the data's latency and the credit's; `post`, the link's host time per chunk on the proxy,
   0 where the topology declares none), and, the proxy posting one chunk after another, at most
   chunk / post.  The term is added only where it binds (below the link).  On the GPU machine's
-  emulated transport (~8 CUDA calls per chunk and credit) `post` is ~10 us: 2 x H200,
+  emulated transport (~11 CUDA calls per chunk and its credit) `post` is ~10 us: 2 x H200,
   h200x2_2vnode at 400 GB/s, 16-token chunks take ~10 us each whatever the depth.
 
 A chunk is the work of one SM (a role hands out chunks, not bytes, to its blocks).  A role's
