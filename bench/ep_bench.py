@@ -1063,13 +1063,6 @@ def format_table(report: dict) -> str:
     return "\n".join(out + lines)
 
 
-def _is_proxy_bundle(bundle: str | Path) -> bool:
-    try:
-        return load_bundle(bundle)[1].get("options", {}).get("rdma") == "proxy"
-    except Exception:  # noqa: BLE001  (the run itself reports an unreadable bundle)
-        return False
-
-
 def rechunk(plan: Plan, chunking: tuple[int | None, int | None]) -> Plan:
     """The plan with its RDMA steps re-chunked: `chunking` = (tokens per chunk, depth), None keeps
     the plan's (backends/rdma/lower.py with_overrides; the environment is not read again)."""
@@ -1080,10 +1073,12 @@ def rechunk(plan: Plan, chunking: tuple[int | None, int | None]) -> Plan:
 
 def rdma_chunking_of(plan: Plan) -> dict:
     """{program.step: {chunk_tokens, depth, chunks}} of the plan's RDMA steps."""
+    from epcc.backends.rdma.lower import rdma_bytes_per_token
+
     out = {}
     for s in plan.steps:
         if s.link_kind == "rdma" and s.chunk_bytes:
-            bpt = plan.bytes_per_token if s.program == "dispatch" else 2 * plan.workload.hidden
+            bpt = rdma_bytes_per_token(plan, s.program)
             out[f"{s.program}.{s.name}"] = {"chunk_tokens": round(s.chunk_bytes / bpt), "depth": s.depth,
                                             "chunks": s.num_chunks}
     return out
@@ -1245,8 +1240,9 @@ def parse(argv=None):
         ap.error("--iters must be >= 1 and --warmup >= 0")
     try:
         args.rdma_chunks = rdma_chunkings(args.rdma_chunks, os.environ)
-    except ValueError as e:
-        ap.error(str(e))
+    except ValueError as e:  # bad input: the setting and its value, exit status 1
+        print(f"ep_bench: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     return args
 
 
@@ -1322,26 +1318,29 @@ def main(argv=None) -> int:
                         "iterations; GB/s = mean bytes per rank / median time" if not args.dry_run else
                         "dry run: wall clock on CPU (meaningless as performance)",
               "bundles": []}
-    runs: list[tuple[int, str, tuple | None]] = []  # (bundle index, bundle, RDMA chunking or None)
+    runs: list[tuple[int, str, tuple | None, object]] = []  # (bundle index, bundle, RDMA chunking, its load)
     for bi, bundle in enumerate(args.bundles):
-        proxy = _is_proxy_bundle(bundle)
-        if args.rdma_chunks and not proxy:
+        try:
+            loaded: object = load_bundle(bundle)
+        except Exception as e:  # noqa: BLE001
+            loaded = f"cannot load: {type(e).__name__}: {e}"
+        proxy = not isinstance(loaded, str) and loaded[1].get("options", {}).get("rdma") == "proxy"
+        if args.rdma_chunks and not proxy and not isinstance(loaded, str):
             say(f"note: {Path(bundle).name} was not compiled with --rdma proxy: it runs once, at its own chunking")
         for c in (args.rdma_chunks if proxy and args.rdma_chunks else [None]):
-            runs.append((bi, bundle, c))
-    for ri, (bi, bundle, chunking) in enumerate(runs):
+            runs.append((bi, bundle, c, loaded))
+    for ri, (bi, bundle, chunking, loaded) in enumerate(runs):
         first_of_bundle = ri == 0 or runs[ri - 1][0] != bi
         name = Path(bundle).name + (f"@{chunking_label(chunking)}" if chunking else "")
         entry: dict = {"name": name, "path": str(bundle), "methods": {}}
         report["bundles"].append(entry)
-        try:
-            plan, manifest = load_bundle(bundle)
-            if chunking:
-                plan = rechunk(plan, chunking)
-        except Exception as e:  # noqa: BLE001
-            entry["error"] = f"cannot load: {type(e).__name__}: {e}"
+        if isinstance(loaded, str):
+            entry["error"] = loaded
             say(f"{name}: {entry['error']}")
             continue
+        plan, manifest = loaded
+        if chunking:
+            plan = rechunk(plan, chunking)  # checked by --rdma-chunks' parsing: cannot fail here
         if chunking:
             entry["rdma_chunking"] = rdma_chunking_of(plan)
         sim = predict(plan, T=args.tokens or plan.workload.tokens) if chunking else load_prediction(bundle)

@@ -18,9 +18,8 @@ rank's local memory, with capacities in bytes/s in `Plan.resources`.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, replace
-from math import comb
+from math import ceil, comb
 from typing import Any
 
 
@@ -100,7 +99,7 @@ class PlanStep:
     def chunk_count(self, chunk_bytes: float | None) -> int:
         """Chunks of `chunk_bytes` its biggest flow takes (1 without a chunk size or bytes)."""
         biggest = max((f.bytes for f in self.flows), default=0.0)
-        return max(1, math.ceil(biggest / chunk_bytes)) if chunk_bytes and biggest > 0 else 1
+        return max(1, ceil(biggest / chunk_bytes)) if chunk_bytes and biggest > 0 else 1
 
     def chunked(self, chunk_bytes: float, depth: int) -> "PlanStep":
         """A copy cut into chunks of `chunk_bytes`, `depth` in flight (at most its chunks), as the

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .build import NATIVE_DIR, BuildError, build, compile_command, transport_sources
-from .lower import RdmaConfigError, RdmaStep, rdma_steps, with_overrides
+from .lower import RdmaConfigError, RdmaStep, rdma_bytes_per_token, rdma_steps, with_overrides
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 STATIC_SOURCES = ("epcc_transport.h", "epcc_transport_impl.h", "epcc_transport.c", "epcc_proxy.h",
@@ -70,4 +70,4 @@ def emit(plan, out_dir) -> list[Path]:
 
 
 __all__ = ["BuildError", "RdmaConfigError", "RdmaStep", "build", "compile_command", "emit", "proxy_file_name",
-           "proxy_source", "rdma_steps", "transport_sources", "with_overrides"]
+           "proxy_source", "rdma_bytes_per_token", "rdma_steps", "transport_sources", "with_overrides"]

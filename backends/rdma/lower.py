@@ -120,6 +120,12 @@ def positive_setting(name: str, value: str | None, limit: int | None = None) -> 
     return v
 
 
+def rdma_bytes_per_token(plan: Plan, program: str) -> int:
+    """Bytes one token takes in a chunk of an RDMA step: the dispatch payload row, or in combine
+    the partial as it travels (bf16, 2 bytes per channel)."""
+    return plan.bytes_per_token if program == "dispatch" else 2 * (plan.workload.hidden if plan.workload else 0)
+
+
 def with_overrides(plan: Plan, *, chunk_tokens: int | None = None, depth: int | None = None,
                    env: dict | None = None) -> Plan:
     """The plan with its RDMA steps' chunk size (tokens per post) and queue depth replaced:
@@ -140,7 +146,7 @@ def with_overrides(plan: Plan, *, chunk_tokens: int | None = None, depth: int | 
     steps = []
     for s in plan.steps:
         if (s.program, s.name) in names:
-            per_token = plan.bytes_per_token if s.program == "dispatch" else 2 * (plan.workload.hidden if plan.workload else 0)
+            per_token = rdma_bytes_per_token(plan, s.program)
             s = s.chunked(float(chunk_tokens * per_token) if chunk_tokens else s.chunk_bytes, depth or s.depth)
         steps.append(s)
     return replace(plan, steps=steps)

@@ -170,23 +170,20 @@ class ChunkPipeline(Pass):
             chunk_bytes, chunk_tokens = choose_chunk(given, ps, bpt, link)
             explicit_chunk = bool(given and (given.chunk_tokens or given.chunk_bytes))
             given_depth = given.depth if given is not None and given.depth else None
+            # the largest chunk of the (non-exchange) steps it depends on
+            producers = max((by_name[d].chunk_bytes or 0.0 for d in ps.deps
+                             if d in by_name and by_name[d].verb != "exchange"), default=0.0)
             auto = None
             if ps.link_kind == "rdma" and link is not None and not (explicit_chunk and given_depth):
-                producers = max((by_name[d].chunk_bytes or 0.0 for d in ps.deps
-                                 if d in by_name and by_name[d].verb != "exchange"), default=0.0)
                 auto = choose_rdma_chunking(ps, bpt, link, rates, chunk_bytes if explicit_chunk else None, given_depth,
                                             min_chunk=producers)
             if auto is not None:
                 chunk_bytes, chunk_tokens = auto.chunk_bytes, (auto.tokens if not explicit_chunk else chunk_tokens)
                 self.chosen[(ps.program, ps.name)] = auto.describe(link)
-            if not explicit_chunk:
+            if not explicit_chunk and producers > chunk_bytes:
                 # Follow producers at their granularity: a consumer chunk never smaller than theirs.
-                for d in ps.deps:
-                    p = by_name.get(d)
-                    if p is not None and p.verb != "exchange" and p.chunk_bytes and p.chunk_bytes > chunk_bytes:
-                        chunk_bytes = p.chunk_bytes
-                        chunk_tokens = max(1, int(round(chunk_bytes / bpt)))
-                        chunk_bytes = float(chunk_tokens * bpt)
+                chunk_tokens = max(1, int(round(producers / bpt)))
+                chunk_bytes = float(chunk_tokens * bpt)
             ps.chunk_bytes = chunk_bytes
             ps.num_chunks = ps.chunk_count(chunk_bytes)
             depth = given_depth or (auto.depth if auto is not None else DEFAULT_DEPTH)

@@ -146,13 +146,25 @@ def test_rdma_chunkings_parse_and_refuse(ep_bench):
     assert ep_bench.rdma_chunkings(None, {}) == []
     assert ep_bench.rdma_chunkings(None, {"EPCC_RDMA_CHUNK_TOKENS": "48"}) == [(48, None)]
     assert ep_bench.chunking_label((64, None)) == "64x"
-    for bad, msg in (("64", "'64' is not TOKENSxDEPTH"), ("x", "gives neither"), ("0x8", "0x8: tokens=0: must be >= 1"),
-                     ("64x99999", "depth=99999: must be between 1 and 65536"),
-                     ("ax8", "ax8: tokens='a': expected a positive whole number")):
-        with pytest.raises(ValueError, match=msg):
+    for bad, msg in (
+            ("64", "--rdma-chunks: '64' is not TOKENSxDEPTH (e.g. 64x8, 64x or x8)"),
+            ("x", "--rdma-chunks: 'x' gives neither tokens nor depth"),
+            ("0x8", "--rdma-chunks 0x8: tokens=0: must be >= 1"),
+            ("64x99999", "--rdma-chunks 64x99999: depth=99999: must be between 1 and 65536"),
+            ("ax8", "--rdma-chunks ax8: tokens='a': expected a positive whole number")):
+        with pytest.raises(ValueError) as e:
             ep_bench.rdma_chunkings(bad, {})
-    with pytest.raises(ValueError, match="EPCC_RDMA_DEPTH=0: must be between 1 and"):
+        assert str(e.value) == msg
+    with pytest.raises(ValueError) as e:
         ep_bench.rdma_chunkings(None, {"EPCC_RDMA_DEPTH": "0"})
+    assert str(e.value) == "EPCC_RDMA_DEPTH=0: must be between 1 and 65536"
+
+
+def test_a_bad_rdma_chunking_exits_1_naming_it(ep_bench, capsys):
+    with pytest.raises(SystemExit) as e:
+        ep_bench.parse(["--bundles", "b", "--out", "o", "--rdma-chunks", "64x0"])
+    assert e.value.code == 1
+    assert capsys.readouterr().err == "ep_bench: error: --rdma-chunks 64x0: depth=0: must be between 1 and 65536\n"
 
 
 def test_a_rechunked_plan_is_predicted_as_if_compiled_so(ep_bench, tmp_path):
@@ -207,3 +219,18 @@ def test_rechunked_proxy_bundle_checked_by_the_emulator(tmp_path):
     assert {r["rdma_chunk_rows"]["combine.rdma"] for r in runs["b@16x"]["methods"]["epcc"]["per_rank"]} == {16}
     for b in runs.values():  # both ranks' tables ran through the emulator and matched the oracle
         assert all("checked with the NumPy emulator" in r["skipped"] and r["check"] for r in b["methods"]["epcc"]["per_rank"])
+
+
+def test_a_plan_that_cannot_be_simulated_has_no_prediction_and_says_why(ep_bench, monkeypatch, capsys):
+    from epcc.plan import Plan
+    from epcc.sim import SimulationError, build_plan
+
+    plan = Plan.from_json(build_plan(str(ROOT / "schedules" / "h200x2_2vnode.sched")).plan.to_json())
+
+    def fail(*a, **k):
+        raise SimulationError("step 'rdma' has no resources")
+
+    monkeypatch.setattr(sys.modules["epcc.sim.simulate"], "simulate", fail)  # the module, not sim.simulate()
+    assert ep_bench.predict(plan, T=4096) is None
+    assert capsys.readouterr().err == ("ep_bench: cannot simulate the re-chunked plan: SimulationError: "
+                                       "step 'rdma' has no resources\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from epcc.backends.rdma.lower import rdma_bytes_per_token
 from epcc.passes import chunk_pipeline as cp
 from epcc.sim import build_plan
 
@@ -18,7 +19,7 @@ def _chunking(tmp_path: Path, text: str, program: str = "dispatch") -> tuple[int
     path.write_text(text, encoding="utf-8")
     plan = build_plan(str(path)).plan
     s = plan.step("rdma", program)
-    bpt = plan.bytes_per_token if program == "dispatch" else 2 * plan.workload.hidden
+    bpt = rdma_bytes_per_token(plan, program)
     return round(s.chunk_bytes / bpt), s.depth
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from epcc.backends.rdma.lower import rdma_bytes_per_token
 from epcc.sim import SimOptions, build_plan, simulate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,7 +72,7 @@ def tmp(tmp_path_factory) -> Path:
 
 def _chosen(plan, program: str) -> tuple[int, int]:
     s = plan.step("rdma", program)
-    bpt = plan.bytes_per_token if program == "dispatch" else 2 * plan.workload.hidden
+    bpt = rdma_bytes_per_token(plan, program)
     return round(s.chunk_bytes / bpt), s.depth
 
 
