@@ -37,6 +37,13 @@ the layout, tables, rings and FIFOs follow, the kernels do not change), reported
 BUNDLE@TxD beside `epcc simulate` of the re-chunked plan, simulated here (the simulator reads
 only the plan); the baselines run once per bundle.
 
+More ranks than GPUs (4 ranks on a 2-GPU machine): rank r runs on GPU r mod #GPUs, the groups are
+gloo (NCCL wants a GPU per rank), only epcc runs, and the driver time-slices the kernels of one
+GPU's ranks, so a wait on the other rank of one's own GPU lasts until the next slice: a
+correctness run of the plan's kernels and proxy path (every result checked as above), whose
+times are not the plan's and are compared with nothing (tests/gpu/test_gpu.py runs the 4-rank
+proxy bundles so where 4 GPUs are missing).
+
 --dry-run: no CUDA, no NCCL: gloo on CPU tensors (all_to_all_single emulated with all_gather),
 wall-clock timing; the epcc child does the host part (layout, tables) and checks the tables with
 the NumPy emulator of the kernels (backends/cuda/emulate.py) instead of launching them.
@@ -277,11 +284,13 @@ def traffic(idx: np.ndarray, experts: int, placement: str, hidden: int, row_byte
 
 
 class Comm:
-    """The collectives one process needs: the default group (NCCL, or gloo in a dry run) and a gloo
-    group for host-side agreement."""
+    """The collectives one process needs: the default group (NCCL; gloo in a dry run, and where
+    ranks share GPUs) and a gloo group for host-side agreement.  `shared`: more ranks than GPUs,
+    rank r on GPU r mod #GPUs (NCCL wants a GPU per rank), so device tensors cross gloo through
+    the host."""
 
-    def __init__(self, dry: bool, dev: torch.device, cpu_group):
-        self.dry, self.dev, self.cpu = dry, dev, cpu_group
+    def __init__(self, dry: bool, dev: torch.device, cpu_group, shared: bool = False):
+        self.dry, self.dev, self.cpu, self.shared = dry, dev, cpu_group, shared
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
     def all_gather_object(self, obj):
@@ -295,8 +304,8 @@ class Comm:
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[world, *t.shape] (every rank's t)."""
         out = torch.empty((self.world,) + tuple(t.shape), dtype=t.dtype, device=t.device)
-        if self.dry:
-            parts = self.all_gather_object(t.contiguous())
+        if self.dry or self.shared:
+            parts = self.all_gather_object(t.detach().cpu().contiguous())
             for r, p in enumerate(parts):
                 out[r].copy_(p)
         else:
@@ -333,7 +342,8 @@ class Timer:
     def align(self, ok: bool = True, why: str = "") -> None:
         """Every rank: device idle, then a gloo barrier that carries each rank's status (PeerFailed
         if another rank failed), then (GPU) L2 flush, device sleep, and an NCCL all_reduce that
-        lines the GPUs up; the host meanwhile enqueues the timed work."""
+        lines the GPUs up (not where ranks share GPUs: no NCCL group there); the host
+        meanwhile enqueues the timed work."""
         if not self.dry:
             torch.cuda.synchronize()
         st = self.comm.all_gather_object((ok, why))
@@ -346,7 +356,8 @@ class Timer:
             self.l2.zero_()
         if hasattr(torch.cuda, "_sleep"):
             torch.cuda._sleep(SLEEP_CYCLES)
-        dist.all_reduce(self.tick)
+        if not self.comm.shared:
+            dist.all_reduce(self.tick)
 
     def time(self, fn, after=None) -> tuple[float, object]:
         """Milliseconds of fn() on this rank (events around it on the current stream), its result."""
@@ -618,13 +629,18 @@ def _epcc_child(cfg: dict) -> dict:
         dev = torch.device("cpu")
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=PG_TIMEOUT)
         cpu_group = dist.group.WORLD
+    elif cfg["shared"]:  # ranks share GPUs: no NCCL (one GPU per rank); the bundle's own paths need none
+        dev = torch.device("cuda", cfg["local_rank"])
+        torch.cuda.set_device(dev)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=PG_TIMEOUT)
+        cpu_group = dist.group.WORLD
     else:
         dev = torch.device("cuda", cfg["local_rank"])
         torch.cuda.set_device(dev)
         dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=PG_TIMEOUT,
                                 device_id=dev)
         cpu_group = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
-    comm = Comm(dry, dev, cpu_group)
+    comm = Comm(dry, dev, cpu_group, cfg["shared"])
     timer = Timer(comm, cfg["flush"])
     from epcc.runtime.layout import compute_layout
     from epcc.backends.cuda import build_tables, buffer_sizes, partial_rounding
@@ -932,7 +948,8 @@ def run_epcc(comm: Comm, args, bundle: str, lib: str | None, lib_error: str | No
            "local_rank": comm.dev.index if comm.dev.type == "cuda" else 0,
            "addr": os.environ.get("MASTER_ADDR", "127.0.0.1"), "port": port, "seed": args.seed, "tokens": T,
            "warmup": args.warmup, "iters": args.iters, "kernel_timeout": args.kernel_timeout,
-           "dry_run": args.dry_run, "flush": not args.no_flush, "emulate_max_tokens": args.emulate_max_tokens,
+           "dry_run": args.dry_run, "shared": comm.shared, "flush": not args.no_flush,
+           "emulate_max_tokens": args.emulate_max_tokens,
            "rdma_transport": args.rdma_transport}
     ctx = mp.get_context("spawn")
     rd, wr = ctx.Pipe(duplex=False)
@@ -1117,7 +1134,10 @@ def _prediction(d: dict) -> dict:
 
 
 def format_predictions(report: dict) -> list[str]:
-    """Measured epcc medians against `epcc simulate` (with overlap, and its serial sum), per bundle."""
+    """Measured epcc medians against `epcc simulate` (with overlap, and its serial sum), per bundle;
+    none where ranks shared GPUs (time-sliced kernels: not the plan's times)."""
+    if report.get("shared_gpus") and any(b.get("simulate") for b in report["bundles"]):
+        return [f"against epcc simulate: not compared ({report['shared_gpus']}: the times are not the plan's)"]
     out = []
     for b in report["bundles"]:
         sim, r = b.get("simulate"), b.get("methods", {}).get("epcc", {})
@@ -1281,6 +1301,7 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    shared, gpus = False, 0
     if args.dry_run:
         dev = torch.device("cpu")
         dist.init_process_group("gloo", timeout=GLOO_TIMEOUT)
@@ -1289,17 +1310,29 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             print("no CUDA device: use --dry-run", file=sys.stderr)
             return 2
-        dev = torch.device("cuda", local)
+        gpus = torch.cuda.device_count()
+        shared = world > gpus  # more ranks than GPUs: rank r on GPU r mod #GPUs, kernels time-sliced
+        dev = torch.device("cuda", local % gpus)
         torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", timeout=PG_TIMEOUT, device_id=dev)
-        cpu_group = dist.new_group(backend="gloo", timeout=GLOO_TIMEOUT)
-    comm = Comm(args.dry_run, dev, cpu_group)
+        if shared:
+            dist.init_process_group("gloo", timeout=GLOO_TIMEOUT)
+            cpu_group = dist.group.WORLD
+        else:
+            dist.init_process_group("nccl", timeout=PG_TIMEOUT, device_id=dev)
+            cpu_group = dist.new_group(backend="gloo", timeout=GLOO_TIMEOUT)
+    comm = Comm(args.dry_run, dev, cpu_group, shared)
     timer = Timer(comm, not args.no_flush)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     if _OVERRIDDEN:
         say(f"note: forced {_NO_MULTICAST} (the environment had {_OVERRIDDEN})")
     say(f"ep_bench: {world} ranks, {'dry run (CPU, gloo)' if args.dry_run else torch.cuda.get_device_name(dev)}, "
         f"torch {torch.__version__}, methods {args.methods}")
+    if shared:
+        dropped = [m for m in args.methods if m != "epcc"]
+        args.methods = [m for m in args.methods if m == "epcc"]
+        say(f"note: {world} ranks on {gpus} GPU(s): rank r on GPU r mod {gpus}, the kernels of one GPU's ranks "
+            f"time-sliced by the driver: a correctness run (every result checked), its times are not the "
+            f"plan's" + (f"; {', '.join(dropped)} not run (NCCL wants a GPU per rank)" if dropped else ""))
 
     libs: list = [(None, None)] * len(args.bundles)
     if "epcc" in args.methods:
@@ -1314,6 +1347,7 @@ def main(argv=None) -> int:
 
     report = {"args": vars(args), "world": world, "env": {k: os.environ.get(k) for k in _NO_MULTICAST},
               "device": None if args.dry_run else torch.cuda.get_device_name(dev), "torch": torch.__version__,
+              "shared_gpus": f"{world} ranks on {gpus} GPUs, time-sliced" if shared else None,
               "timing": "CUDA events per rank; iteration time = max over ranks; median and min over timed "
                         "iterations; GB/s = mean bytes per rank / median time" if not args.dry_run else
                         "dry run: wall clock on CPU (meaningless as performance)",
@@ -1407,6 +1441,8 @@ def main(argv=None) -> int:
         print("GB/s per GPU: dedup = remote bytes, a token once per other rank holding one of its experts "
               "(the minimum any method moves); wire = remote bytes the method actually moves; DeepEP = "
               "recv tokens incl. self x hidden x 2 (fp8 x (1+4/128)/2)")
+        if report.get("shared_gpus"):
+            print(f"{report['shared_gpus']}: the times below are a correctness run's, not the plan's")
         print(format_table(report))
         for line in format_predictions(report):
             print(line)

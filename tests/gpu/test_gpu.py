@@ -11,7 +11,9 @@ $EPCC_GPU_TIMEOUT the seconds one torchrun may take (default 1200).  The EP4 cas
 (h200x4, h200x4_fp8, h200x4_t128); the EP2 case runs on GPUs 0 and 1 (h200x2, h200x2_fp8,
 h200x2_t128).  With 2 or 3 GPUs the EP4 bundles run instead as 4 ranks on GPUs 0 and 1, two
 per GPU, time-sliced (test_ep_worker_ep4_shared_gpus; ep_worker.py: the same checks, no timing).  Each must exit 0 and
-print "ALL OK"; on failure the test shows the output tail.
+print "ALL OK"; on failure the test shows the output tail.  Likewise the 4-rank proxy bundles
+(two virtual nodes of two GPUs) run as 4 ranks on 2 GPUs where 4 are missing
+(test_gpu_proxy_path_ep4_shared_gpus: every result checked, no timing).
 
 The GPU proxy path (issue 6) runs through bench/ep_bench.py --strict on the 2-vnode plan of two
 GPUs (h200x2_2vnode_50_proxy; h200x2_2vnode_relay_50_proxy: two RDMA steps per program, so two
@@ -181,6 +183,32 @@ def test_gpu_proxy_path(gpus, transport, tmp_path):
         if "h200x2_2vnode_mixed_50_proxy" in PROXY_BUNDLES[gpus]:  # each step on its own paced link
             assert any("2 links paced to" in line and "25 GB/s 5 us" in line and "50 GB/s 5 us" in line
                        for line in used), used
+
+
+def test_gpu_proxy_path_ep4_shared_gpus(tmp_path):
+    """The 4-rank proxy bundles (2 virtual nodes x 2 GPUs: NVLink forwards inside a vnode, the
+    RDMA step through the proxy and the emulated transport between them) where fewer than 4 GPUs
+    are present: 4 ranks on GPUs 0 and 1, two per GPU, time-sliced; every result checked by the
+    bench, no timing (a 4-GPU machine runs test_gpu_proxy_path[ep4-*] instead)."""
+    ranks, gpus = SHARED
+    have, what = _gpus()
+    if have >= ranks:
+        pytest.skip(f"{what}: test_gpu_proxy_path[ep4-*] runs the 4-rank proxy bundles on a GPU each")
+    why = _why_not(gpus, PROXY_BUNDLES[ranks])
+    if why:
+        pytest.skip(why)
+    cmd, r = _torchrun(gpus, BENCH, [
+        "--methods", "epcc", "--strict", "--iters", "2", "--warmup", "1", "--kernel-timeout", "60",
+        "--child-timeout", "600", "--rdma-transport", "emulated", "--out", str(tmp_path),
+        "--bundles", *[str(BUNDLES / b) for b in PROXY_BUNDLES[ranks]]], ranks=ranks)
+    out = r.stdout + r.stderr
+    ok = all(f"{b}: epcc ok" in r.stdout for b in PROXY_BUNDLES[ranks])
+    assert r.returncode == 0 and ok and f"{ranks} ranks on {gpus} GPU(s)" in r.stdout, \
+        f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
+    used = [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("rdma ")]
+    assert used and all("over emulated" in line for line in used), used
+    print("\n".join(line for line in r.stdout.splitlines() if "epcc ok" in line or line.strip().startswith("rdma ")
+                    or "time-sliced" in line))
 
 
 def sim_mismatches(report_path: Path) -> list[str]:
