@@ -796,8 +796,8 @@ def _epcc_child(cfg: dict) -> dict:
         notify_failure(comm, detail)
         raise KernelFailed(detail) from None
     comm.barrier()
-    for eng in rdma_engines:
-        out.setdefault("rdma_stats", []).append(eng.stats())
+    for p, eng in zip(programs, rdma_engines):
+        out.setdefault("rdma_stats", {})[p] = eng.stats()
         eng.close()
     comm.barrier()  # no peer's proxy writes into this rank's rings any more
     for p in opened:
@@ -1404,6 +1404,8 @@ def main(argv=None) -> int:
                 + _status(per_method["epcc"]))
             for line in res.get("rdma", []):  # the GPU proxy path: which transport, what rings
                 say(f"    rdma {line}")
+            for p, st in (res.get("rdma_stats") or {}).items():  # and what the proxy thread cost
+                say(f"    rdma {p} proxy: {proxy_cost(st)}")
         base = [m for m in args.methods if m != "epcc"] if first_of_bundle else []  # once per bundle
         if base:
             res = bench_baselines(comm, timer, args, plan, T, idx, w, base)
@@ -1458,6 +1460,19 @@ def main(argv=None) -> int:
         return status
     sys.stdout.flush()
     os._exit(status)  # skip NCCL teardown: nothing left to do, and it can hang after a peer's failure
+
+
+def proxy_cost(st: dict) -> str:
+    """This rank's proxy thread over the whole run (warm-up, timed and stamped rounds): writes
+    posted, host time per post call, and chunks found waiting per FIFO pass (above 1: the kernels
+    pushed chunks faster than the thread posted them, so the proxy set the pace)."""
+    w = st.get("writes_posted", 0)
+    out = f"{w} writes"
+    if w and st.get("post_ns") is not None:
+        out += f", {st['post_ns'] / w / 1e3:.2f} us mean host time per post call"
+    if st.get("passes"):
+        out += f", {st['drained'] / st['passes']:.1f} chunks waiting per FIFO pass"
+    return out
 
 
 def _first_error(errs: list[tuple[int, str]]) -> str:

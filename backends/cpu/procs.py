@@ -133,6 +133,7 @@ def _worker(rank: int, nranks: int, init_file: str, plan: Plan, layout: Layout, 
                 tp.flush(timeout_s)
             stats.update(transport=tp.description, **tp.stats())
             stats["posted"], stats["applied"] = eng.counts()
+            stats["drained"], stats["passes"] = eng.backlog()
             if failure is not None and (eng.timed_out() or jit_error is None or
                                         not isinstance(jit_error, CpuBackendTimeout)):
                 raise RankFailed(failure)
@@ -307,6 +308,10 @@ class ProcessBackend:
             posted = sum(s.get("writes_posted", 0) or 0 for s in stats)
             chunks = sum(s.get("posted", 0) for s in stats)
             nbytes = sum(s.get("bytes_posted", 0) or 0 for s in stats)
-            parts.append(f"{program} {chunks} chunks / {posted} writes / {nbytes / 1e6:.2f} MB")
+            post_ns = sum(s.get("post_ns", 0) or 0 for s in stats)
+            drained, passes = (sum(s.get(k, 0) or 0 for s in stats) for k in ("drained", "passes"))
+            parts.append(f"{program} {chunks} chunks / {posted} writes / {nbytes / 1e6:.2f} MB"
+                         + (f" ({post_ns / posted / 1e3:.1f} us mean host time per post, "
+                            f"{drained / max(passes, 1):.1f} chunks waiting per FIFO pass)" if posted else ""))
         desc = next((s["transport"] for st in self.last_stats.values() for s in st if s.get("transport")), None)
         return f"{desc or 'no RDMA step'}: " + ", ".join(parts) if parts else ""

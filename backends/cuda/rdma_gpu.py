@@ -544,7 +544,14 @@ class GpuRdma:
         return self.status == STATUS_TIMEOUT
 
     def stats(self) -> dict:
-        return self.tp.stats()
+        """The transport's counters (writes, bytes, completions, post_ns: host time in post calls)
+        and the proxy's backlog (drained chunk entries over the FIFO passes that found any)."""
+        out = self.tp.stats()
+        if self.engine is not None and hasattr(self.lib, "epcc_rdma_engine_drained"):
+            p = self.engine.ctypes.data
+            out["drained"] = int(self.lib.epcc_rdma_engine_drained(p))
+            out["passes"] = int(self.lib.epcc_rdma_engine_passes(p))
+        return out
 
     def state(self) -> str:
         """One line for a failure report: what the proxy saw and did (FIFO counters, consumed words)."""

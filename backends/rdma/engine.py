@@ -43,7 +43,8 @@ class RdmaTimeout(RuntimeError):
 
 class TpStats(ctypes.Structure):
     _fields_ = [("writes_posted", ctypes.c_uint64), ("bytes_posted", ctypes.c_uint64),
-                ("imm_received", ctypes.c_uint64), ("local_completions", ctypes.c_uint64), ("eagain", ctypes.c_uint64)]
+                ("imm_received", ctypes.c_uint64), ("local_completions", ctypes.c_uint64), ("eagain", ctypes.c_uint64),
+                ("post_ns", ctypes.c_uint64)]
 
 
 def load(lib_path) -> ctypes.CDLL:
@@ -71,8 +72,10 @@ def load(lib_path) -> ctypes.CDLL:
         getattr(lib, name).argtypes, getattr(lib, name).restype = [vp], i32
     lib.epcc_rdma_produce.argtypes, lib.epcc_rdma_produce.restype = [vp, u64], i32
     lib.epcc_rdma_engine_fini.argtypes, lib.epcc_rdma_engine_fini.restype = [vp], None
-    for name in ("epcc_rdma_engine_posted", "epcc_rdma_engine_applied"):
-        getattr(lib, name).argtypes, getattr(lib, name).restype = [vp], u64
+    for name in ("epcc_rdma_engine_posted", "epcc_rdma_engine_applied", "epcc_rdma_engine_drained",
+                 "epcc_rdma_engine_passes"):
+        if hasattr(lib, name):  # the backlog counters: not in proxy loops emitted before them
+            getattr(lib, name).argtypes, getattr(lib, name).restype = [vp], u64
     return lib
 
 
@@ -385,6 +388,12 @@ class RdmaEngine:
     def counts(self) -> tuple[int, int]:
         p = self.engine.ctypes.data
         return int(self.lib.epcc_rdma_engine_posted(p)), int(self.lib.epcc_rdma_engine_applied(p))
+
+    def backlog(self) -> tuple[int, int]:
+        """(chunk entries the proxy took, FIFO passes that found any): their ratio above 1 means
+        the producers pushed chunks faster than the proxy posted them."""
+        p = self.engine.ctypes.data
+        return int(self.lib.epcc_rdma_engine_drained(p)), int(self.lib.epcc_rdma_engine_passes(p))
 
     def close(self) -> None:
         if self.engine is not None:

@@ -234,3 +234,13 @@ def test_a_plan_that_cannot_be_simulated_has_no_prediction_and_says_why(ep_bench
     assert ep_bench.predict(plan, T=4096) is None
     assert capsys.readouterr().err == ("ep_bench: cannot simulate the re-chunked plan: SimulationError: "
                                        "step 'rdma' has no resources\n")
+
+
+def test_proxy_cost_line(ep_bench):
+    """What the bench prints per program for the GPU proxy: writes, mean host time per post call,
+    chunks found waiting per FIFO pass; the backlog only where the proxy loop counted it."""
+    st = {"writes_posted": 4590, "post_ns": 26_392_500, "drained": 4500, "passes": 411}
+    assert ep_bench.proxy_cost(st) == ("4590 writes, 5.75 us mean host time per post call, "
+                                       "10.9 chunks waiting per FIFO pass")
+    assert ep_bench.proxy_cost({"writes_posted": 0, "post_ns": 0}) == "0 writes"
+    assert ep_bench.proxy_cost({"writes_posted": 8, "post_ns": 8000}) == "8 writes, 1.00 us mean host time per post call"

@@ -173,7 +173,8 @@ def test_gpu_proxy_path(gpus, transport, tmp_path):
     out = r.stdout + r.stderr
     ok = all(f"{b}: epcc ok" in r.stdout for b in PROXY_BUNDLES[gpus])
     assert r.returncode == 0 and ok, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
-    used = [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("rdma ")]
+    used = [line.strip() for line in r.stdout.splitlines()
+            if line.strip().startswith("rdma ") and " proxy: " not in line]
     assert used and all(f"over {transport}" in line for line in used), used
     print("\n".join(line for line in r.stdout.splitlines() if "epcc ok" in line or line.strip().startswith("rdma ")
                     or "measured" in line or "timeline" in line))
@@ -185,28 +186,39 @@ def test_gpu_proxy_path(gpus, transport, tmp_path):
                        for line in used), used
 
 
-def test_gpu_proxy_path_ep4_shared_gpus(tmp_path):
+@pytest.mark.parametrize("transport", ["emulated", "nvshmem"])
+def test_gpu_proxy_path_ep4_shared_gpus(transport, tmp_path):
     """The 4-rank proxy bundles (2 virtual nodes x 2 GPUs: NVLink forwards inside a vnode, the
-    RDMA step through the proxy and the emulated transport between them) where fewer than 4 GPUs
-    are present: 4 ranks on GPUs 0 and 1, two per GPU, time-sliced; every result checked by the
-    bench, no timing (a 4-GPU machine runs test_gpu_proxy_path[ep4-*] instead)."""
+    RDMA step through the proxy and the transport between them) where fewer than 4 GPUs are
+    present: 4 ranks on GPUs 0 and 1, two per GPU, time-sliced (NVSHMEM runs two PEs per GPU);
+    every result checked by the bench, no timing (a 4-GPU machine runs test_gpu_proxy_path[ep4-*]
+    instead)."""
     ranks, gpus = SHARED
     have, what = _gpus()
     if have >= ranks:
         pytest.skip(f"{what}: test_gpu_proxy_path[ep4-*] runs the 4-rank proxy bundles on a GPU each")
     why = _why_not(gpus, PROXY_BUNDLES[ranks])
+    if not why and transport == "nvshmem":
+        from epcc.backends.rdma.build import BuildError, nvshmem_home
+
+        try:
+            nvshmem_home()
+        except BuildError as e:
+            why = str(e)
     if why:
         pytest.skip(why)
     cmd, r = _torchrun(gpus, BENCH, [
         "--methods", "epcc", "--strict", "--iters", "2", "--warmup", "1", "--kernel-timeout", "60",
-        "--child-timeout", "600", "--rdma-transport", "emulated", "--out", str(tmp_path),
-        "--bundles", *[str(BUNDLES / b) for b in PROXY_BUNDLES[ranks]]], ranks=ranks)
+        "--child-timeout", "600", "--rdma-transport", transport, "--out", str(tmp_path),
+        "--bundles", *[str(BUNDLES / b) for b in PROXY_BUNDLES[ranks]]], ranks=ranks,
+        env={"NVSHMEM_REMOTE_TRANSPORT": os.environ.get("NVSHMEM_REMOTE_TRANSPORT", "none")})
     out = r.stdout + r.stderr
     ok = all(f"{b}: epcc ok" in r.stdout for b in PROXY_BUNDLES[ranks])
     assert r.returncode == 0 and ok and f"{ranks} ranks on {gpus} GPU(s)" in r.stdout, \
         f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
-    used = [line.strip() for line in r.stdout.splitlines() if line.strip().startswith("rdma ")]
-    assert used and all("over emulated" in line for line in used), used
+    used = [line.strip() for line in r.stdout.splitlines()
+            if line.strip().startswith("rdma ") and " proxy: " not in line]
+    assert used and all(f"over {transport}" in line for line in used), used
     print("\n".join(line for line in r.stdout.splitlines() if "epcc ok" in line or line.strip().startswith("rdma ")
                     or "time-sliced" in line))
 

@@ -342,6 +342,10 @@ def test_libfabric_tcp_run_matches_the_oracle(sched, extra):
     for program in ("dispatch", "combine"):
         n = int(line.split(f"{program} ")[1].split(" chunks")[0])
         assert n > 0, line
+        # what the proxy thread paid: host time per post (> 0), chunks found waiting per FIFO pass (>= 1)
+        cost = line.split(f"{program} ")[1].split(" MB (")[1].split(")")[0]
+        us, waiting = cost.split(" us mean host time per post, ")
+        assert float(us) > 0 and float(waiting.split(" chunks waiting")[0]) >= 1.0, line
 
 
 @needs_tcp

@@ -86,7 +86,11 @@ int epcc_tp_connect(epcc_tp *tp, const void *blobs, size_t blob_len) {
 int epcc_tp_post_write(epcc_tp *tp, int peer, unsigned link, const void *src, size_t len, epcc_tp_mr *mr,
                        uint64_t raddr, uint64_t rkey, int imm_valid, uint32_t imm, uint64_t ctx, uint64_t timeout_ns) {
     int rc = check_post(tp, peer, link);
-    return rc ? rc : tp->ops->post_write(tp, peer, link, src, len, mr, raddr, rkey, imm_valid, imm, ctx, timeout_ns);
+    if (rc) return rc;
+    uint64_t t0 = epcc_tp_now_ns();
+    rc = tp->ops->post_write(tp, peer, link, src, len, mr, raddr, rkey, imm_valid, imm, ctx, timeout_ns);
+    tp->stats.post_ns += epcc_tp_now_ns() - t0;
+    return rc;
 }
 int epcc_tp_post_write_signal(epcc_tp *tp, int peer, unsigned link, const void *src, size_t len, epcc_tp_mr *mr,
                               uint64_t raddr, uint64_t rkey, uint64_t sig_raddr, uint64_t sig_rkey,
@@ -96,8 +100,11 @@ int epcc_tp_post_write_signal(epcc_tp *tp, int peer, unsigned link, const void *
     if (!tp->ops->post_write_signal)
         return epcc_tp_fail(tp, -ENOTSUP, "epcc transport: '%s' has no write + remote signal (the GPU proxy path "
                             "needs it: use 'emulated' or 'nvshmem')", tp->ops->name);
-    return tp->ops->post_write_signal(tp, peer, link, src, len, mr, raddr, rkey, sig_raddr, sig_rkey, sig_value, ctx,
-                                      timeout_ns);
+    uint64_t t0 = epcc_tp_now_ns();
+    rc = tp->ops->post_write_signal(tp, peer, link, src, len, mr, raddr, rkey, sig_raddr, sig_rkey, sig_value, ctx,
+                                    timeout_ns);
+    tp->stats.post_ns += epcc_tp_now_ns() - t0;
+    return rc;
 }
 int epcc_tp_poll(epcc_tp *tp, epcc_tp_event *events, int max) { return tp->ops->poll(tp, events, max); }
 int epcc_tp_flush(epcc_tp *tp, uint64_t timeout_ns) { return tp->ops->flush(tp, timeout_ns); }

@@ -69,6 +69,7 @@ typedef struct {
     uint64_t imm_received;
     uint64_t local_completions;
     uint64_t eagain; /* posts retried because the provider's queue was full */
+    uint64_t post_ns; /* host time inside epcc_tp_post_write(_signal): what a write costs the proxy */
 } epcc_tp_stats;
 
 int epcc_tp_open(const char *kind, const char *spec, int rank, int nranks, epcc_tp **out,

@@ -160,6 +160,9 @@ typedef struct {
     _Atomic uint64_t arr_head, arr_tail;
     _Atomic uint64_t failed;    /* first failure recorded */
     _Atomic uint64_t posted, applied;
+    /* The proxy's backlog: chunk entries taken, over the passes that found at least one.  More than
+     * one per pass means the producers pushed chunks faster than this thread posted them. */
+    _Atomic uint64_t drained, passes;
 } epcc_rdma_state;
 
 static epcc_rdma_state *state_of(epcc_rdma_engine *e) { return (epcc_rdma_state *)(uintptr_t)e->state; }
@@ -248,6 +251,15 @@ void epcc_rdma_engine_fini(epcc_rdma_engine *e) {
 
 uint64_t epcc_rdma_engine_posted(epcc_rdma_engine *e) { return atomic_load(&state_of(e)->posted); }
 uint64_t epcc_rdma_engine_applied(epcc_rdma_engine *e) { return atomic_load(&state_of(e)->applied); }
+uint64_t epcc_rdma_engine_drained(epcc_rdma_engine *e) { return atomic_load(&state_of(e)->drained); }
+uint64_t epcc_rdma_engine_passes(epcc_rdma_engine *e) { return atomic_load(&state_of(e)->passes); }
+
+/* One pass over a FIFO took `n` chunk entries. */
+static void count_pass(epcc_rdma_state *s, uint64_t n) {
+    if (!n) return;
+    atomic_fetch_add_explicit(&s->drained, n, memory_order_relaxed);
+    atomic_fetch_add_explicit(&s->passes, 1, memory_order_relaxed);
+}
 
 /* ---- producer: one per sending role ------------------------------------------------------ */
 int epcc_rdma_produce(epcc_rdma_engine *e, uint64_t role_index) {
@@ -366,6 +378,7 @@ int epcc_rdma_proxy(epcc_rdma_engine *e) {
             epcc_rdma_fifo *f = &s->fifos[i];
             const epcc_rdma_step_info *si = &epcc_rdma_steps[roles[i].step];
             epcc_rdma_entry *en;
+            uint64_t taken = 0;
             while ((en = epcc_rdma_fifo_peek(f)) != NULL) {
                 uint64_t head = atomic_load(&f->head);
                 if (en->kind == EPCC_RDMA_ENTRY_FLUSH) {
@@ -396,8 +409,10 @@ int epcc_rdma_proxy(epcc_rdma_engine *e) {
                     return fail_tp(e, si->step, "posting a chunk");
                 epcc_rdma_fifo_take(f);
                 atomic_fetch_add(&s->posted, 1);
+                taken++;
                 busy = 1;
             }
+            count_pass(s, taken);
         }
         if (!blocked) blocked_since = 0;
         int n = epcc_tp_poll(tp, evs, EPCC_RDMA_POLL_BATCH);
@@ -522,6 +537,7 @@ int epcc_rdma_proxy_gpu(epcc_rdma_engine *e) {
             epcc_rdma_fifo *f = &s->fifos[i];
             const epcc_rdma_step_info *si = &epcc_rdma_steps[roles[i].step];
             epcc_rdma_entry *en;
+            uint64_t taken = 0;
             while ((en = epcc_rdma_fifo_peek(f)) != NULL) {
                 uint64_t head = atomic_load(&f->head);
                 if (en->kind != EPCC_RDMA_ENTRY_DATA || en->chan >= e->n_send_chans) {
@@ -549,8 +565,10 @@ int epcc_rdma_proxy_gpu(epcc_rdma_engine *e) {
                     return fail_tp(e, si->step, "posting a chunk");
                 epcc_rdma_fifo_take(f);
                 atomic_fetch_add(&s->posted, 1);
+                taken++;
                 busy = 1;
             }
+            count_pass(s, taken);
         }
         for (uint64_t i = 0; i < e->n_recv_chans; i++) {
             const epcc_rdma_recv_chan *c = &rchans[i];
