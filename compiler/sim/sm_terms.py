@@ -29,8 +29,9 @@ treats them like links):
   (the data's latency and the credit's; `post`, the link's host time per chunk on the proxy,
   0 where the topology declares none), and, the proxy posting one chunk after another, at most
   chunk / post.  The term is added only where it binds (below the link).  On the GPU machine's
-  emulated transport (~11 CUDA calls per chunk and its credit) `post` is ~10 us: 2 x H200,
-  h200x2_2vnode at 400 GB/s, 16-token chunks take ~10 us each whatever the depth.
+  emulated transport `post` is ~10 us: 2 x H200, h200x2_2vnode at 400 GB/s, 16-token chunks
+  take ~10 us each whatever the depth, and the proxy finds 11-15 chunks waiting per FIFO pass
+  (ep_bench's proxy line, docs/rdma.md session 18).
 
 A chunk is the work of one SM (a role hands out chunks, not bytes, to its blocks).  A role's
 chunks in flight have moved bytes but are not complete: `PlanStep.completion_lag` = k x chunk /
