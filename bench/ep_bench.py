@@ -1311,7 +1311,9 @@ def main(argv=None) -> int:
             print("no CUDA device: use --dry-run", file=sys.stderr)
             return 2
         gpus = torch.cuda.device_count()
-        shared = world > gpus  # more ranks than GPUs: rank r on GPU r mod #GPUs, kernels time-sliced
+        # more ranks on this host than GPUs: rank r on GPU r mod #GPUs, kernels time-sliced (on
+        # several hosts, torchrun's LOCAL_WORLD_SIZE is this host's ranks, not WORLD_SIZE)
+        shared = int(os.environ.get("LOCAL_WORLD_SIZE", str(world))) > gpus
         dev = torch.device("cuda", local % gpus)
         torch.cuda.set_device(dev)
         if shared:

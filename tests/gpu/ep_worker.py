@@ -322,7 +322,8 @@ def main(argv: list[str]) -> int:
         print("ep_worker: no CUDA device visible (the GPU checks need GPUs; run it under torchrun there)",
               file=sys.stderr)
         return 1
-    shared = world > gpus  # ranks share GPUs (time-sliced): gloo, since NCCL wants a GPU per rank
+    # ranks share this host's GPUs (time-sliced): gloo, since NCCL wants a GPU per rank
+    shared = int(os.environ.get("LOCAL_WORLD_SIZE", str(world))) > gpus
     dev = torch.device("cuda", local % gpus)
     torch.cuda.set_device(dev)
     if shared:
