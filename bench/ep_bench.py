@@ -629,17 +629,16 @@ def _epcc_child(cfg: dict) -> dict:
         dev = torch.device("cpu")
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=PG_TIMEOUT)
         cpu_group = dist.group.WORLD
-    elif cfg["shared"]:  # ranks share GPUs: no NCCL (one GPU per rank); the bundle's own paths need none
-        dev = torch.device("cuda", cfg["local_rank"])
-        torch.cuda.set_device(dev)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=PG_TIMEOUT)
-        cpu_group = dist.group.WORLD
     else:
         dev = torch.device("cuda", cfg["local_rank"])
         torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=PG_TIMEOUT,
-                                device_id=dev)
-        cpu_group = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
+        if cfg["shared"]:  # ranks share GPUs: no NCCL (one GPU per rank); the bundle's own paths need none
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=PG_TIMEOUT)
+            cpu_group = dist.group.WORLD
+        else:
+            dist.init_process_group("nccl", store=store, rank=rank, world_size=world, timeout=PG_TIMEOUT,
+                                    device_id=dev)
+            cpu_group = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
     comm = Comm(dry, dev, cpu_group, cfg["shared"])
     timer = Timer(comm, cfg["flush"])
     from epcc.runtime.layout import compute_layout
@@ -1468,13 +1467,10 @@ def proxy_cost(st: dict) -> str:
     """This rank's proxy thread over the whole run (warm-up, timed and stamped rounds): writes
     posted, host time per post call, and chunks found waiting per FIFO pass (above 1: the kernels
     pushed chunks faster than the thread posted them, so the proxy set the pace)."""
-    w = st.get("writes_posted", 0)
-    out = f"{w} writes"
-    if w and st.get("post_ns") is not None:
-        out += f", {st['post_ns'] / w / 1e3:.2f} us mean host time per post call"
-    if st.get("passes"):
-        out += f", {st['drained'] / st['passes']:.1f} chunks waiting per FIFO pass"
-    return out
+    from epcc.backends.rdma.engine import cost_phrase
+
+    cost = cost_phrase(st)
+    return f"{st.get('writes_posted', 0)} writes" + (f", {cost}" if cost else "")
 
 
 def _first_error(errs: list[tuple[int, str]]) -> str:

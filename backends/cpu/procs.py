@@ -303,15 +303,14 @@ class ProcessBackend:
 
     def summary(self) -> str:
         """What went over the transport in the last runs, one phrase."""
+        from epcc.backends.rdma import engine as rdma_engine
+
         parts = []
         for program, stats in self.last_stats.items():
-            posted = sum(s.get("writes_posted", 0) or 0 for s in stats)
-            chunks = sum(s.get("posted", 0) for s in stats)
-            nbytes = sum(s.get("bytes_posted", 0) or 0 for s in stats)
-            post_ns = sum(s.get("post_ns", 0) or 0 for s in stats)
-            drained, passes = (sum(s.get(k, 0) or 0 for s in stats) for k in ("drained", "passes"))
-            parts.append(f"{program} {chunks} chunks / {posted} writes / {nbytes / 1e6:.2f} MB"
-                         + (f" ({post_ns / posted / 1e3:.1f} us mean host time per post, "
-                            f"{drained / max(passes, 1):.1f} chunks waiting per FIFO pass)" if posted else ""))
+            total = {k: sum(s.get(k, 0) or 0 for s in stats)
+                     for k in ("writes_posted", "posted", "bytes_posted", "post_ns", "drained", "passes")}
+            cost = rdma_engine.cost_phrase(total)
+            parts.append(f"{program} {total['posted']} chunks / {total['writes_posted']} writes / "
+                         f"{total['bytes_posted'] / 1e6:.2f} MB" + (f" ({cost})" if cost else ""))
         desc = next((s["transport"] for st in self.last_stats.values() for s in st if s.get("transport")), None)
         return f"{desc or 'no RDMA step'}: " + ", ".join(parts) if parts else ""

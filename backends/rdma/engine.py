@@ -79,6 +79,18 @@ def load(lib_path) -> ctypes.CDLL:
     return lib
 
 
+def cost_phrase(stats: dict) -> str:
+    """What a proxy thread cost, from its counters (one engine's, or summed over ranks): mean host
+    time per post call, and chunks found waiting per FIFO pass (above 1: the producers pushed
+    chunks faster than the thread posted them, so the proxy set the pace); '' without posts."""
+    writes, parts = stats.get("writes_posted") or 0, []
+    if writes and stats.get("post_ns") is not None:
+        parts.append(f"{stats['post_ns'] / writes / 1e3:.2f} us mean host time per post call")
+    if stats.get("passes"):
+        parts.append(f"{stats['drained'] / stats['passes']:.1f} chunks waiting per FIFO pass")
+    return ", ".join(parts)
+
+
 def c_string(keep: list, text: str) -> int:
     """Address of a NUL-terminated copy of `text`, kept alive in `keep` (names in the messages)."""
     b = ctypes.create_string_buffer(text.encode())

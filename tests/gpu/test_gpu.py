@@ -150,11 +150,12 @@ def test_ep_worker_ep4_shared_gpus():
     print("\n".join(line for line in r.stdout.splitlines() if "GPU checks" in line or "time-sliced" in line))
 
 
-@pytest.mark.parametrize("transport", ["emulated", "nvshmem"])
-@pytest.mark.parametrize("gpus", sorted(PROXY_BUNDLES, reverse=True), ids=lambda n: f"ep{n}")
-def test_gpu_proxy_path(gpus, transport, tmp_path):
-    """The RDMA step through the host proxy loop and a real transport, results checked by the bench."""
-    why = _why_not(gpus, PROXY_BUNDLES[gpus])
+def _proxy_bench(gpus: int, bundles: list[str], transport: str, tmp_path: Path, bench_args: list[str],
+                 ranks: int | None = None) -> tuple[str, list[str]]:
+    """bench/ep_bench.py --strict on `bundles` over `transport` (the test skips where the case or
+    NVSHMEM is missing); every bundle must come back `epcc ok` over that transport.  (stdout, the
+    transport lines `rdma PROGRAM: ... over TRANSPORT (...)`)."""
+    why = _why_not(gpus, bundles)
     if not why and transport == "nvshmem":
         from epcc.backends.rdma.build import BuildError, nvshmem_home
 
@@ -165,18 +166,26 @@ def test_gpu_proxy_path(gpus, transport, tmp_path):
     if why:
         pytest.skip(why)
     cmd, r = _torchrun(gpus, BENCH, [
-        "--methods", "epcc", "--strict", "--iters", "3", "--warmup", "1", "--kernel-timeout", "10",
-        "--rdma-transport", transport, "--out", str(tmp_path),
-        "--bundles", *[str(BUNDLES / b) for b in PROXY_BUNDLES[gpus]]],
+        "--methods", "epcc", "--strict", *bench_args, "--rdma-transport", transport, "--out", str(tmp_path),
+        "--bundles", *[str(BUNDLES / b) for b in bundles]], ranks=ranks,
         # one host: NVLink only, no NIC probing
         env={"NVSHMEM_REMOTE_TRANSPORT": os.environ.get("NVSHMEM_REMOTE_TRANSPORT", "none")})
     out = r.stdout + r.stderr
-    ok = all(f"{b}: epcc ok" in r.stdout for b in PROXY_BUNDLES[gpus])
+    ok = all(f"{b}: epcc ok" in r.stdout for b in bundles)
     assert r.returncode == 0 and ok, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
     used = [line.strip() for line in r.stdout.splitlines()
             if line.strip().startswith("rdma ") and " proxy: " not in line]
     assert used and all(f"over {transport}" in line for line in used), used
-    print("\n".join(line for line in r.stdout.splitlines() if "epcc ok" in line or line.strip().startswith("rdma ")
+    return r.stdout, used
+
+
+@pytest.mark.parametrize("transport", ["emulated", "nvshmem"])
+@pytest.mark.parametrize("gpus", sorted(PROXY_BUNDLES, reverse=True), ids=lambda n: f"ep{n}")
+def test_gpu_proxy_path(gpus, transport, tmp_path):
+    """The RDMA step through the host proxy loop and a real transport, results checked by the bench."""
+    stdout, used = _proxy_bench(gpus, PROXY_BUNDLES[gpus], transport, tmp_path,
+                                ["--iters", "3", "--warmup", "1", "--kernel-timeout", "10"])
+    print("\n".join(line for line in stdout.splitlines() if "epcc ok" in line or line.strip().startswith("rdma ")
                     or "measured" in line or "timeline" in line))
     if transport == "emulated":
         assert not [m for m in sim_mismatches(tmp_path / "ep_bench.json") if m.split(":")[0] in PROXY_BUNDLES[gpus]], \
@@ -197,29 +206,11 @@ def test_gpu_proxy_path_ep4_shared_gpus(transport, tmp_path):
     have, what = _gpus()
     if have >= ranks:
         pytest.skip(f"{what}: test_gpu_proxy_path[ep4-*] runs the 4-rank proxy bundles on a GPU each")
-    why = _why_not(gpus, PROXY_BUNDLES[ranks])
-    if not why and transport == "nvshmem":
-        from epcc.backends.rdma.build import BuildError, nvshmem_home
-
-        try:
-            nvshmem_home()
-        except BuildError as e:
-            why = str(e)
-    if why:
-        pytest.skip(why)
-    cmd, r = _torchrun(gpus, BENCH, [
-        "--methods", "epcc", "--strict", "--iters", "2", "--warmup", "1", "--kernel-timeout", "60",
-        "--child-timeout", "600", "--rdma-transport", transport, "--out", str(tmp_path),
-        "--bundles", *[str(BUNDLES / b) for b in PROXY_BUNDLES[ranks]]], ranks=ranks,
-        env={"NVSHMEM_REMOTE_TRANSPORT": os.environ.get("NVSHMEM_REMOTE_TRANSPORT", "none")})
-    out = r.stdout + r.stderr
-    ok = all(f"{b}: epcc ok" in r.stdout for b in PROXY_BUNDLES[ranks])
-    assert r.returncode == 0 and ok and f"{ranks} ranks on {gpus} GPU(s)" in r.stdout, \
-        f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
-    used = [line.strip() for line in r.stdout.splitlines()
-            if line.strip().startswith("rdma ") and " proxy: " not in line]
-    assert used and all(f"over {transport}" in line for line in used), used
-    print("\n".join(line for line in r.stdout.splitlines() if "epcc ok" in line or line.strip().startswith("rdma ")
+    stdout, _ = _proxy_bench(gpus, PROXY_BUNDLES[ranks], transport, tmp_path,
+                             ["--iters", "2", "--warmup", "1", "--kernel-timeout", "60", "--child-timeout", "600"],
+                             ranks=ranks)
+    assert f"{ranks} ranks on {gpus} GPU(s)" in stdout, stdout[-6000:]
+    print("\n".join(line for line in stdout.splitlines() if "epcc ok" in line or line.strip().startswith("rdma ")
                     or "time-sliced" in line))
 
 
