@@ -1376,7 +1376,6 @@ def main(argv=None) -> int:
         plan, manifest = loaded
         if chunking:
             plan = rechunk(plan, chunking)  # checked by --rdma-chunks' parsing: cannot fail here
-        if chunking:
             entry["rdma_chunking"] = rdma_chunking_of(plan)
         sim = predict(plan, T=args.tokens or plan.workload.tokens) if chunking else load_prediction(bundle)
         if sim:

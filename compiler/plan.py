@@ -133,6 +133,10 @@ class RolePlan:
     sm_end: int
     warps: int
     engine: str
+    # An RDMA step on the GPU proxy path (epcc compile --rdma proxy): blocks of the sender's pack
+    # role and of the receiver's unpack role (kernel-formation sizes them for the link); 0 elsewhere.
+    pack_sms: int = 0
+    unpack_sms: int = 0
 
 
 @dataclass

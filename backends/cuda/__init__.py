@@ -15,7 +15,8 @@ Design
 ------
 * Dispatch kernel and combine kernel: one cooperative launch each, `grid` blocks (one per SM of
   the plan's role ranges, plus `dma_blocks` per DMA role and, with rdma="emulate",
-  `proxy_blocks` per RDMA role), `8 * 32` threads.  `blockIdx.x` selects the role; a role's
+  `proxy_blocks` per RDMA role; with rdma="proxy" the plan's `pack_sms` and `unpack_sms` per
+  RDMA step, sized for the link by kernel-formation), `8 * 32` threads.  `blockIdx.x` selects the role; a role's
   work items (one chunk of one copy, ordered chunk-major across the copies) go round-robin to
   its blocks; a block's warps split the chunk's rows (one row per warp, 16-byte accesses, 8
   loads in flight per lane).  Per chunk: bounded waits on the producers' counters (acquire,

@@ -94,7 +94,8 @@ class CudaOptions:
     # plan has at most ONE_IPC_DOMAIN_RANKS ranks, else external.
     rdma: str = "auto"
     dma_blocks: int = 2  # blocks per DMA role (SM stand-in for the copy engine)
-    proxy_blocks: int = 4  # blocks per emulated RDMA role, at least; more for fast links (PROXY_BLOCK_BPS)
+    proxy_blocks: int = 4  # blocks per emulated RDMA role, at least; more for fast links (PROXY_BLOCK_BPS); the
+    # pack and unpack roles of rdma="proxy" take theirs from the plan (kernel-formation's pack_sms / unpack_sms)
     pace_rdma: bool = True  # emulated RDMA roles keep to the link's bandwidth
     copy_unroll: int = 8  # loads in flight per lane, dispatch row copies
     accum_unroll: int = 8  # loads in flight per lane, combine accumulates (4: 5-7 % slower combine on H200)
@@ -315,6 +316,12 @@ def _proxy_blocks(plan: Plan, step: PlanStep, opts: CudaOptions) -> int:
     return max(opts.proxy_blocks, min(PROXY_MAX_BLOCKS, want))
 
 
+def _pack_blocks(r: RolePlan, how: str, opts: CudaOptions) -> int:
+    """Blocks of a GPU proxy path's pack or unpack role: what kernel-formation sized for the link
+    (RolePlan.pack_sms / unpack_sms), opts.proxy_blocks for a plan written before it did."""
+    return (r.pack_sms if how == "rdma-pack" else r.unpack_sms) or opts.proxy_blocks
+
+
 def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelSpec | None:
     sched = ident(plan.schedule)
     groups: dict[str, list[tuple[KernelPlan, RolePlan]]] = {"kernel": [], "dma": [], "proxy": [], "meta": []}
@@ -358,7 +365,8 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelS
             begin, end = r.sm_begin, r.sm_end
             plan_sms = (r.sm_begin, r.sm_end)
         else:
-            n = (opts.dma_blocks if how == "dma-on-sm" else opts.proxy_blocks if how in ("rdma-pack", "rdma-unpack")
+            n = (opts.dma_blocks if how == "dma-on-sm"
+                 else _pack_blocks(r, how, opts) if how in ("rdma-pack", "rdma-unpack")
                  else _proxy_blocks(plan, step, opts))
             begin, end = at, at + n
             plan_sms = None
@@ -388,8 +396,10 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelS
         raise CudaCodegenError(f"{program}: the first role starts at SM {roles[0].block_begin}, not 0")
     for rs in roles:
         title = f" ({rs.title})" if rs.title else ""
+        sized = {"rdma-pack": "the plan's pack_sms", "rdma-unpack": "the plan's unpack_sms"}.get(
+            rs.lowered, "the plan gives it no SMs")
         where = (f"blocks [{rs.block_begin}, {rs.block_end}) = plan SMs [{rs.plan_sms[0]}, {rs.plan_sms[1]})"
-                 if rs.plan_sms else f"blocks [{rs.block_begin}, {rs.block_end}) (the plan gives it no SMs)")
+                 if rs.plan_sms else f"blocks [{rs.block_begin}, {rs.block_end}) ({sized})")
         how = {"sm": "", "dma-on-sm": "; copy-engine step run by SMs in this version",
                "rdma-on-sm": "; RDMA emulated by SMs over peer memory" + (
                    f", paced to {rs.bytes_per_s / 1e9:g} GB/s" if rs.bytes_per_s else ""),

@@ -15,22 +15,38 @@ SMs.  A step that names `sms N` gets N.  The others share what is left of the ke
 (overlap-schedule), at least one SM each.  Roles are laid out on consecutive SM ranges.
 Metadata kernels get `META_SMS`.
 
+An RDMA step (a proxy role) takes no SMs of the plan's ranges, but on the GPU proxy path (`epcc
+compile --rdma proxy`) the sender packs its chunks on SMs and the receiver applies them on SMs:
+`RolePlan.pack_sms` and `unpack_sms` size those two roles for the link, enough that the busiest
+rank's link rate does not wait on them (link rate / the per-SM rate of the side's work, the
+topology's `sm` line: packing at `copy`, half that for fp32 partials, applying at the step's kind
+of work; compiler/sim/sm_terms.py proxy_rates), at least `PROXY_MIN_SMS` and at most
+`PROXY_MAX_SMS`.  Without `sm` rates both are `PROXY_MIN_SMS`.  A combine chunk is applied with
+fp32 atomic adds (~12 GB/s per SM), so a 50 GB/s link needs 5 unpack SMs where 4 held it at
+~43 GB/s (docs/rdma.md, session 19).
+
 IR: one `builtin.module @<name> attributes {epcc.kind = "kernel" | "proxy" | "dma"}` per group,
 holding an `epcc.role` per step, at the location of the step.
 """
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
+
 from mlir import ir
 
 from ..ir import ops, query
 from ..plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
+from ..sim.sm_terms import PROXY_MIN_SMS, proxy_rates, sm_rates
 from . import Pass, PassContext, register
-from .overlap_schedule import step_times
+from .overlap_schedule import busy_time, step_times
 
 DEFAULT_SMS = 24
 META_SMS = 2  # counting and exchanging counts is latency-bound: a couple of SMs
 THREAD_ENGINES = ("sm", "spc", "tma")
+
+PROXY_MAX_SMS = 16  # blocks of a GPU proxy path's pack or unpack role at most (at least: sm_terms.PROXY_MIN_SMS)
 
 
 def role_of(ps: PlanStep, verb_of_dispatch: str | None) -> str:
@@ -64,6 +80,34 @@ def split_sms(steps: list[PlanStep], times: dict[str, float], budget: int | None
             left -= 1
         out.update(shares)
     return out
+
+
+def link_rates(ps: PlanStep, capacity: dict[str, float]) -> tuple[float, float]:
+    """(sent, received) bytes/s of the busiest rank while `ps` runs alone at its links' rate: the
+    rank's bytes over the time of the step's busiest resource."""
+    sent: dict[int, float] = defaultdict(float)
+    received: dict[int, float] = defaultdict(float)
+    for f in ps.flows:
+        sent[f.src] += f.bytes
+        received[f.dst] += f.bytes
+    busy = busy_time(ps, capacity)
+    if busy <= 0:
+        return 0.0, 0.0
+    return max(sent.values(), default=0.0) / busy, max(received.values(), default=0.0) / busy
+
+
+def proxy_sms(plan: Plan, ps: PlanStep) -> tuple[int, int]:
+    """(pack, unpack) SMs of an RDMA step on the GPU proxy path (module docstring)."""
+    rates = sm_rates(plan)
+    if "copy" not in rates:
+        return PROXY_MIN_SMS, PROXY_MIN_SMS
+    stage_bps, apply_bps = proxy_rates(rates, ps)
+    sent, received = link_rates(ps, plan.resources)
+
+    def fit(rate: float, per_sm: float) -> int:
+        return max(PROXY_MIN_SMS, min(PROXY_MAX_SMS, math.ceil(rate / per_sm - 1e-9)))
+
+    return fit(sent, stage_bps), fit(received, apply_bps)
 
 
 @register
@@ -108,8 +152,9 @@ class KernelFormation(Pass):
                     engine = links[s.link].engine if s.link in links else "sm"
                     ds_verb = sched.dispatch.step(s.reverse_of).verb if s.reverse_of else None
                     n_sm = sms.get(s.name, 0)
+                    pack, unpack = proxy_sms(plan, s) if kind == "proxy" else (0, 0)
                     kp.roles.append(RolePlan(s.name, role_of(s, ds_verb), at, at + n_sm,
-                                             WARPS_PER_SM if n_sm else 0, engine))
+                                             WARPS_PER_SM if n_sm else 0, engine, pack, unpack))
                     at += n_sm
                 kp.sms = at
                 kernels.append(kp)
@@ -125,8 +170,11 @@ class KernelFormation(Pass):
                 query.annotate(km.operation, "program", kp.program)
                 with ir.InsertionPoint(km.body):
                     for r in kp.roles:
-                        ops.role(step=r.step, role=r.role, sm_begin=r.sm_begin, sm_end=r.sm_end, warps=r.warps,
-                                 engine=r.engine, loc=self._loc(module, kp.program, r.step) or loc)
+                        op = ops.role(step=r.step, role=r.role, sm_begin=r.sm_begin, sm_end=r.sm_end, warps=r.warps,
+                                      engine=r.engine, loc=self._loc(module, kp.program, r.step) or loc)
+                        if r.pack_sms or r.unpack_sms:
+                            query.annotate(op, "pack_sms", r.pack_sms)
+                            query.annotate(op, "unpack_sms", r.unpack_sms)
         ctx.results["kernels"] = kernels
 
     @staticmethod

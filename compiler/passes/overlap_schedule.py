@@ -29,15 +29,19 @@ def step_times(ctx: PassContext, program: str) -> dict[str, float]:
     return ctx.results.get("overlap", {}).get(program, ({}, {}, {}))[0]
 
 
-def step_time(ps: PlanStep, capacity: dict[str, float]) -> float:
-    """Seconds a step takes alone: its busiest resource, plus chunk latency not hidden by depth."""
+def busy_time(ps: PlanStep, capacity: dict[str, float]) -> float:
+    """Seconds the step's busiest resource takes for the step's bytes alone."""
     load: dict[str, float] = defaultdict(float)
     for f in ps.flows:
         for r in f.resources:
             load[r] += f.bytes
-    busy = max((b / capacity[r] for r, b in load.items() if capacity.get(r)), default=0.0)
+    return max((b / capacity[r] for r, b in load.items() if capacity.get(r)), default=0.0)
+
+
+def step_time(ps: PlanStep, capacity: dict[str, float]) -> float:
+    """Seconds a step takes alone: its busiest resource, plus chunk latency not hidden by depth."""
     lat = max((f.latency_s for f in ps.flows), default=0.0)
-    return busy + lat * math.ceil(ps.num_chunks / max(ps.depth, 1))
+    return busy_time(ps, capacity) + lat * math.ceil(ps.num_chunks / max(ps.depth, 1))
 
 
 def upward_ranks(steps: list[PlanStep], times: dict[str, float]) -> dict[str, float]:

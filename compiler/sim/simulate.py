@@ -118,7 +118,9 @@ class SimResult:
 
 def link_class_of(resource: str, steps_using: list[PlanStep]) -> tuple[str, str | None]:
     """`link:<name>:...` -> name; `hbm:<rank>` -> the local link its steps name (hbm by default);
-    `sm:...` (a role's or a direct kernel's pool of SMs) -> sm."""
+    `sm:...` (a role's or a direct kernel's pool of SMs) -> sm; `pack:` / `unpack:` (the GPU proxy
+    path's blocks of an RDMA step) -> rdma pack / rdma unpack; `post:` (a rank's proxy thread) ->
+    rdma proxy."""
     kinds = [s.link_kind for s in steps_using if s.link_kind]
     kind = kinds[0] if kinds else None
     if resource.startswith("sm:"):  # a role's SMs (sim/sm_terms.py)
@@ -126,6 +128,10 @@ def link_class_of(resource: str, steps_using: list[PlanStep]) -> tuple[str, str 
     if resource.startswith("window:"):  # an RDMA channel's credit window
         links = sorted({s.link for s in steps_using if s.link})
         return f"{'/'.join(links) or 'rdma'} window", kind
+    if resource.startswith(("pack:", "unpack:")):  # the GPU proxy path's pack or unpack blocks
+        return f"rdma {resource.split(':')[0]}", "sm"
+    if resource.startswith("post:"):  # a rank's proxy thread, posting one chunk after another
+        return "rdma proxy", kind
     if resource.startswith("atomics:"):  # fp32 adds into a peer over a link (the link's `atomics`)
         return f"{resource.split(':')[1]} atomics", kind
     if resource.startswith("link:"):

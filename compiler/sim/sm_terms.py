@@ -33,6 +33,17 @@ treats them like links):
   take ~10 us each whatever the depth, and the proxy finds 11-15 chunks waiting per FIFO pass
   (ep_bench's proxy line, docs/rdma.md session 18).
 
+* `post:<program>.<step>:<rank>`, capacity chunk / post: every flow of an RDMA step that a rank's
+  proxy posts (its sends) where the link declares `post`.  One proxy thread posts for every
+  channel of the rank, so a rank writing to several peers shares the chunk / post of the window
+  term among them (in the shipped plans a rank has one RDMA peer per step: no difference).
+* `pack:<program>.<step>:<rank>` and `unpack:<program>.<step>:<rank>`, capacity N x the stage or
+  apply rate: every flow of an RDMA step on the GPU proxy path, on its sender and its receiver.
+  The sender's chunks are packed by the step's pack role, N = `RolePlan.pack_sms` blocks, each
+  chunk on one of them, and applied by the receiver's unpack role (`unpack_sms`): whatever the
+  window, a rank moves no more than its blocks do (kernel-formation sizes them for the link;
+  4 each in a plan from before it did, which held a combine's unpack at 50 GB/s to ~43 GB/s).
+
 A chunk is the work of one SM (a role hands out chunks, not bytes, to its blocks).  A role's
 chunks in flight have moved bytes but are not complete: `PlanStep.completion_lag` = k x chunk /
 bytes (at most 1) holds a pipelined consumer back by that fraction more, k the chunks in flight.
@@ -62,10 +73,12 @@ Without an `sm` line in the topology the plan is simulated as it is: links only.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 from ..plan import Plan, PlanStep, hit_probability
 
 THREAD_ENGINES = ("sm", "spc", "tma")
+PROXY_MIN_SMS = 4  # blocks of a pack or unpack role at least (and in a plan that does not give them)
 
 
 def work_of(step: PlanStep, rates: dict | None = None) -> str:
@@ -89,6 +102,12 @@ def step_sms(plan: Plan) -> dict[tuple[str, str], int]:
             if r.engine in THREAD_ENGINES and r.sm_end > r.sm_begin:
                 out[(k.program, r.step)] = out.get((k.program, r.step), 0) + (r.sm_end - r.sm_begin)
     return out
+
+
+def proxy_blocks(plan: Plan) -> dict[tuple[str, str], tuple[int, int]]:
+    """(program, step) -> (pack, unpack) blocks of each RDMA step on the GPU proxy path."""
+    return {(k.program, r.step): (r.pack_sms or PROXY_MIN_SMS, r.unpack_sms or PROXY_MIN_SMS)
+            for k in plan.kernels if k.kind == "proxy" for r in k.roles}
 
 
 def window_rate(chunk: float, depth: int, link_bps: float, latency_s: float, stage_bps: float,
@@ -145,6 +164,7 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
         return plan
     resources = dict(plan.resources)
     sms = step_sms(plan)
+    sides = proxy_blocks(plan)
     expand = rows_per_token(plan)
     steps: list[PlanStep] = []
     for s in plan.steps:
@@ -153,6 +173,8 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
         step_chunk = _role_chunk(s, expand)
         per_byte = _sm_bytes_per_flow_byte(s, expand)
         atomics = _atomics(plan, s, rdma_proxy)
+        post_s = plan.post_s.get(s.link or "", 0.0)
+        channels = Counter(f.src for f in s.flows if f.resources and f.bytes > 0)  # per sending rank
         lag = 0.0
         flows = []
         for f in s.flows:
@@ -174,11 +196,19 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
                     and "copy" in rates and work in rates):
                 link_bps = min(resources[r] for r in f.resources)
                 stage_bps, apply_bps = proxy_rates(rates, s)
-                cap = window_rate(s.chunk_bytes, s.depth, link_bps, f.latency_s, stage_bps, apply_bps,
-                                  plan.post_s.get(s.link or "", 0.0))
+                cap = window_rate(s.chunk_bytes, s.depth, link_bps, f.latency_s, stage_bps, apply_bps, post_s)
                 if cap < link_bps:
                     name = f"window:{s.program}.{s.name}:{f.src}>{f.dst}"
                     resources[name] = cap
+                    extra.append(name)
+                if post_s > 0 and channels[f.src] > 1:
+                    name = f"post:{s.program}.{s.name}:{f.src}"
+                    resources[name] = s.chunk_bytes / post_s
+                    extra.append(name)
+                pack, unpack = sides.get((s.program, s.name), (PROXY_MIN_SMS, PROXY_MIN_SMS))
+                for side, rank, blocks, bps in (("pack", f.src, pack, stage_bps), ("unpack", f.dst, unpack, apply_bps)):
+                    name = f"{side}:{s.program}.{s.name}:{rank}"
+                    resources[name] = blocks * bps
                     extra.append(name)
                 tail = chunk / stage_bps + chunk / apply_bps
                 lag = max(lag, min(1.0, chunk / apply_bps * min(cap, link_bps) / f.bytes))
@@ -252,4 +282,5 @@ def _little_lags(plan: Plan, steps: list[PlanStep], resources: dict[str, float],
     return dataclasses.replace(plan, steps=out, resources=resources)
 
 
-__all__ = ["proxy_rates", "rows_per_token", "sm_rates", "step_sms", "window_rate", "with_sm_terms", "work_of"]
+__all__ = ["proxy_blocks", "proxy_rates", "rows_per_token", "sm_rates", "step_sms", "window_rate", "with_sm_terms",
+           "work_of"]

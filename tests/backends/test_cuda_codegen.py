@@ -168,6 +168,30 @@ def test_emulated_rdma_combine_blocks_without_sm_rates():
     assert got == {("dispatch", "rdma"): 4, ("combine", "rdma"): 8}
 
 
+def test_proxy_pack_and_unpack_blocks_are_the_plans():
+    """rdma="proxy": the pack and unpack roles run on the blocks kernel-formation sized for the link
+    (h200x4_2vnode at 50 GB/s: the combine's unpack adds at ~12 GB/s per SM, 5 blocks), and a plan
+    written before it did (0) falls back to opts.proxy_blocks."""
+    import copy
+
+    plan = plan_of("h200x4_2vnode")
+    sized = {(k.program, r.step): (r.pack_sms, r.unpack_sms)
+             for k in plan.kernels if k.kind == "proxy" for r in k.roles}
+    assert sized == {("dispatch", "rdma"): (4, 4), ("combine", "rdma"): (4, 5)}
+    b = cuda.generate(plan, source_of("h200x4_2vnode"), cuda.CudaOptions(rdma="proxy"))
+    got = {(k.program, r.step, r.lowered): r.blocks
+           for k in b.kernels for r in k.roles if r.lowered.startswith("rdma-")}
+    assert got == {("dispatch", "rdma", "rdma-pack"): 4, ("dispatch", "rdma", "rdma-unpack"): 4,
+                   ("combine", "rdma", "rdma-pack"): 4, ("combine", "rdma", "rdma-unpack"): 5}
+    assert "(the plan's unpack_sms)" in b.files["h200x4_2vnode_combine.cu"]
+    old = copy.deepcopy(plan)
+    for k in old.kernels:
+        for r in k.roles:
+            r.pack_sms = r.unpack_sms = 0
+    b = cuda.generate(old, None, cuda.CudaOptions(rdma="proxy", proxy_blocks=3))
+    assert {r.blocks for k in b.kernels for r in k.roles if r.lowered.startswith("rdma-")} == {3}
+
+
 def test_rdma_roles_emulated_or_left_to_a_proxy():
     plan = plan_of("h200x4_2vnode")
     emu = cuda.generate(plan, source_of("h200x4_2vnode"))

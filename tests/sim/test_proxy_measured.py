@@ -1,17 +1,21 @@
 """The GPU proxy path's RDMA chunking against measurements (issue 6: "chunk size and queue depth
 come from the cost model"; "measured times within 15 % of the simulator").
 
-SWEEP is one table of measurements: nvidia-h200-x2 (2 H200s), session 17, h200x2_2vnode at 13,
-50 and 400 GB/s (the emulated transport), one bundle per rate re-chunked at run time
+SWEEP is one table of measurements: nvidia-h200-x2 (2 H200s), session 19, h200x2_2vnode at 13,
+50 and 400 GB/s (the emulated transport), the shipped bundle of each rate re-chunked at run time
 (`bench/ep_bench.py --rdma-chunks`, both programs at the same chunking), medians of 20 timed
-iterations (40 for the rows marked shipped: the bundles as compiled, each program at the
-chunking chunk-pipeline chose), every run checked against the oracle.  Commands in docs/rdma.md.
+iterations, every run checked against the oracle.  SHIPPED: the bundles as compiled, each
+program at the chunking chunk-pipeline chose, medians of 20 in one process with the bundles of
+the commit before (`previous` in docs/rdma.md).  Session 19 sized the pack and unpack roles for
+the link (kernel-formation's pack_sms / unpack_sms; before: 4 blocks each): the combine's unpack
+got 5 blocks at 50 GB/s and 16 at 400, and the combines moved from 1.702 to 1.540 ms (50 GB/s)
+and from 1.673 to 1.388 (400).  Commands in docs/rdma.md.
 
 Two claims: chunk-pipeline's choice for each rate and program measures within `NEAR_BEST` of the
 fastest chunking measured, and the simulator predicts the shipped bundles within 15 %.  The
 sweep also shows why the model has `post` (the emulated proxy's host time per chunk, ~10 us):
-16- and 32-token chunks take ~10-13 us each whatever the depth (400 GB/s: 2.61 and 1.75 ms for
-a dispatch the link moves in 0.15 ms).
+32-token chunks at 400 GB/s take ~11 us each (1.37 ms for a dispatch the link moves in 0.15 ms),
+16-token ones did ~10 us in session 17's sweep.
 """
 
 from __future__ import annotations
@@ -30,28 +34,36 @@ NEAR_BEST = 0.05
 
 SWEEP: dict[tuple[int, str, int, int], float] = {
     # (link GB/s, program, tokens per chunk, depth): median ms
-    (400, "dispatch", 16, 16): 2.605, (400, "combine", 16, 16): 2.761,
-    (400, "dispatch", 32, 16): 1.753, (400, "combine", 32, 16): 2.102,
-    (400, "dispatch", 64, 8): 1.157, (400, "combine", 64, 8): 1.713,
-    (400, "dispatch", 64, 16): 0.844, (400, "combine", 64, 16): 1.703,
-    (400, "dispatch", 128, 8): 0.893, (400, "combine", 128, 8): 1.672,
-    (400, "dispatch", 256, 4): 1.009, (400, "combine", 256, 4): 2.224,
-    (50, "dispatch", 16, 32): 2.278, (50, "combine", 16, 32): 2.474,
-    (50, "dispatch", 32, 16): 1.497, (50, "combine", 32, 16): 1.821,
-    (50, "dispatch", 32, 32): 1.726, (50, "combine", 32, 32): 2.012,
-    (50, "dispatch", 64, 8): 1.335, (50, "combine", 64, 8): 1.742,
-    (50, "dispatch", 128, 8): 1.364, (50, "combine", 128, 8): 1.749,
-    (50, "dispatch", 128, 4): 1.445, (50, "combine", 128, 4): 2.533,
-    (50, "dispatch", 256, 4): 1.490, (50, "combine", 256, 4): 2.507,
+    (400, "dispatch", 32, 16): 1.373, (400, "combine", 32, 16): 1.955,
+    (400, "dispatch", 64, 4): 1.369, (400, "combine", 64, 4): 2.505,
+    (400, "dispatch", 64, 8): 1.131, (400, "combine", 64, 8): 1.493,
+    (400, "dispatch", 64, 16): 0.897, (400, "combine", 64, 16): 1.413,
+    (400, "dispatch", 128, 4): 1.077, (400, "combine", 128, 4): 2.235,
+    (400, "dispatch", 128, 8): 0.895, (400, "combine", 128, 8): 1.472,
+    (400, "dispatch", 256, 4): 1.019, (400, "combine", 256, 4): 2.210,
+    (50, "dispatch", 32, 16): 1.559, (50, "combine", 32, 16): 1.561,
+    (50, "dispatch", 64, 4): 1.603, (50, "combine", 64, 4): 2.727,
+    (50, "dispatch", 64, 8): 1.315, (50, "combine", 64, 8): 1.613,
+    (50, "dispatch", 64, 16): 1.315, (50, "combine", 64, 16): 1.537,
+    (50, "dispatch", 128, 4): 1.430, (50, "combine", 128, 4): 2.516,
+    (50, "dispatch", 128, 8): 1.362, (50, "combine", 128, 8): 1.644,
+    (50, "dispatch", 256, 4): 1.554, (50, "combine", 256, 4): 2.512,
+    (13, "dispatch", 32, 16): 4.629, (13, "combine", 32, 16): 4.815,
+    (13, "dispatch", 64, 4): 4.645, (13, "combine", 64, 4): 4.859,
     (13, "dispatch", 64, 8): 4.647, (13, "combine", 64, 8): 4.859,
-    (13, "dispatch", 128, 4): 4.696, (13, "combine", 128, 4): 4.977,
+    (13, "dispatch", 64, 16): 4.647, (13, "combine", 64, 16): 4.858,
+    (13, "dispatch", 128, 4): 4.694, (13, "combine", 128, 4): 4.977,
+    (13, "dispatch", 128, 8): 4.696, (13, "combine", 128, 8): 4.977,
+    (13, "dispatch", 256, 4): 4.775, (13, "combine", 256, 4): 5.183,
 }
 SHIPPED: dict[tuple[int, str], float] = {
-    # the bundles as compiled (tests/gpu/bundles.py), median of 40
-    (50, "dispatch"): 1.324, (50, "combine"): 1.699,
-    (13, "dispatch"): 4.647, (13, "combine"): 4.857,
-    (400, "dispatch"): 0.878, (400, "combine"): 1.666,
+    # the bundles as compiled (tests/gpu/bundles.py), median of 20
+    (50, "dispatch"): 1.320, (50, "combine"): 1.540,
+    (13, "dispatch"): 4.646, (13, "combine"): 4.856,
+    (400, "dispatch"): 0.884, (400, "combine"): 1.388,
 }
+# Before session 19 (pack and unpack 4 blocks each), same process: 50 GB/s 1.315 / 1.702, 400 GB/s
+# 0.860 / 1.673, 13 GB/s 4.649 / 4.857.
 
 
 @lru_cache(maxsize=None)
@@ -107,8 +119,20 @@ def test_the_shipped_bundles_within_tolerance(tmp, gbps):
 
 
 def test_small_chunks_are_held_by_the_post():
-    """The sweep's small chunks: ~10 us each on the emulated proxy whatever the depth, what
-    `post 10 us` in schedules/h200x2_2vnode.sched says (4082 tokens: 256 and 128 chunks)."""
-    for tokens, depth in ((16, 16), (32, 16)):
-        per_chunk_us = SWEEP[(400, "dispatch", tokens, depth)] * 1e3 / -(-4082 // tokens)
-        assert 9.0 <= per_chunk_us <= 14.0
+    """The sweep's small chunks: ~11 us each on the emulated proxy at 400 GB/s whatever the depth,
+    what `post 10 us` in schedules/h200x2_2vnode.sched says (4082 tokens: 128 chunks of 32)."""
+    per_chunk_us = SWEEP[(400, "dispatch", 32, 16)] * 1e3 / -(-4082 // 32)
+    assert 9.0 <= per_chunk_us <= 14.0
+
+
+def test_the_unpack_is_sized_for_the_link(tmp):
+    """A combine chunk is applied with fp32 atomic adds at ~12 GB/s per SM (`sm ... add`), so the
+    combine's unpack role gets ceil(link / 12 GB/s) blocks: 5 at 50 GB/s (4 held it at ~43 GB/s),
+    the 16 most at 400; the pack (copy, 44 GB/s; fp32 partials read at half that) 4 below 88
+    GB/s.  What the sweep above was measured with."""
+    sms = {(g, k.program): (r.pack_sms, r.unpack_sms)
+           for g in (13, 50, 400) for k in _plan(g, tmp).kernels if k.kind == "proxy"
+           for r in k.roles}
+    assert sms == {(13, "dispatch"): (4, 4), (13, "combine"): (4, 4),
+                   (50, "dispatch"): (4, 4), (50, "combine"): (4, 5),
+                   (400, "dispatch"): (10, 10), (400, "combine"): (16, 16)}

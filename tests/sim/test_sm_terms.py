@@ -101,6 +101,48 @@ def test_a_small_chunk_is_held_by_the_proxys_post():
     assert Plan.from_json(slow.to_json()).post_s == {"rdma": 20e-6}
 
 
+def test_an_rdma_step_moves_no_faster_than_its_pack_and_unpack_blocks():
+    # a 16-deep window covers the 50 GB/s link, but one unpack block applying at 25 GB/s does not:
+    # the GPU proxy path stages and applies each chunk on one of the role's blocks
+    p = rdma_plan({"copy": 25 * GB}, depth=16)
+    k = KernelPlan("dispatch_proxy", "proxy", "dispatch", 0,
+                   roles=[RolePlan("rdma", "rdma_poster", 0, 0, 0, "nic", pack_sms=2, unpack_sms=1)])
+    slow = dataclasses.replace(p, kernels=[k])
+    aug = with_sm_terms(slow)
+    assert aug.resources["pack:dispatch.rdma:0"] == pytest.approx(50 * GB)
+    assert aug.resources["unpack:dispatch.rdma:1"] == pytest.approx(25 * GB)
+    assert aug.steps[0].flows[0].resources == ("link:rdma:0>1", "pack:dispatch.rdma:0", "unpack:dispatch.rdma:1")
+    lat = 5e-6 * (32 // 16)
+    tail = 2 * 2 * MB / (25 * GB)
+    res = simulate(slow)
+    assert res.step("rdma").end_s == pytest.approx(64 * MB / (25 * GB) + lat + tail)
+    assert res.programs["dispatch"].bottleneck.link_class == "rdma unpack"
+    # without kernels (a hand-made plan) each side has PROXY_MIN_SMS = 4 blocks: 100 GB/s, the link binds
+    assert simulate(p).step("rdma").end_s == pytest.approx(64 * MB / (50 * GB) + lat + tail)
+    back = Plan.from_json(slow.to_json()).kernels[0].roles[0]
+    assert (back.pack_sms, back.unpack_sms) == (2, 1)
+
+
+def test_one_proxy_posts_for_all_of_a_ranks_channels():
+    # rank 0 writes 32 MB to each of ranks 1 and 2 over links of their own; 1 MB chunks and
+    # `post 40 us`: each channel alone could take 25 GB/s, but rank 0's one proxy thread posts
+    # 25 GB/s in all
+    flows = [Flow(0, 0, 1, 32 * MB, ("link:rdma:0>1",), 5e-6), Flow(0, 0, 2, 32 * MB, ("link:rdma:0>2",), 5e-6)]
+    st = PlanStep("rdma", "dispatch", "send", "rdma", "rdma", (), flows=flows, chunk_bytes=1 * MB,
+                  num_chunks=32, depth=16)
+    p = Plan("t", 3, "test", 1, steps=[st], resources={"link:rdma:0>1": 50 * GB, "link:rdma:0>2": 50 * GB},
+             sm_rates={"copy": 1000 * GB}, post_s={"rdma": 40e-6})
+    aug = with_sm_terms(p)
+    assert aug.resources["post:dispatch.rdma:0"] == pytest.approx(1 * MB / 40e-6)
+    assert aug.resources["window:dispatch.rdma:0>1"] == pytest.approx(1 * MB / 40e-6)
+    res = simulate(p)
+    assert res.step("rdma").end_s >= 64 * MB / (25 * GB)
+    assert res.programs["dispatch"].bottleneck.link_class == "rdma proxy"
+    # one peer: the window's own chunk / post, no shared term
+    one = dataclasses.replace(p, steps=[dataclasses.replace(st, flows=flows[:1])])
+    assert not any(r.startswith("post:") for r in with_sm_terms(one).resources)
+
+
 def test_an_rdma_channel_is_held_by_its_credit_window_when_that_binds():
     p = rdma_plan({"copy": 25 * GB}, depth=4)
     w = window_rate(2 * MB, 4, 50 * GB, 5e-6, 25 * GB, 25 * GB)  # 38 GB/s < 50
