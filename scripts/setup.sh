@@ -83,6 +83,34 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV" || die "'$PY -m venv' failed (on Debian: apt-get install python3-venv)"
 fi
 
+# A fresh install writes ~2.2 GB into .venv, and pip unpacks what it downloads (up to ~1 GB) in its
+# temporary directory first.  A CI machine once ran out of disk half-way through (ENOSPC from pip);
+# check first and say what is short and where.  When the temporary directory's file system is the
+# small one, pip works in build/pip-tmp beside the venv instead.  --no-cache-dir: no second copy of
+# the wheels in ~/.cache/pip.
+VENV_NEED_MB=2600
+TMP_NEED_MB=1200
+free_mb() { df -Pm "$1" 2>/dev/null | awk 'NR == 2 { print $4 }'; }
+check_disk() {
+    local venv_free tmp tmp_free
+    venv_free="$(free_mb "$VENV")"
+    tmp="${TMPDIR:-/tmp}"
+    tmp_free="$(free_mb "$tmp")"
+    say "disk: $VENV has ${venv_free:-?} MB free, $tmp ${tmp_free:-?} MB"
+    if [ -n "$venv_free" ] && [ "$venv_free" -lt "$VENV_NEED_MB" ]; then
+        die "not enough disk for the Python packages: $VENV's file system has ${venv_free} MB free, a fresh install needs ~${VENV_NEED_MB} MB; free some space and re-run"
+    fi
+    if [ -n "$tmp_free" ] && [ "$tmp_free" -lt "$TMP_NEED_MB" ]; then
+        mkdir -p "$ROOT/build/pip-tmp"
+        export TMPDIR="$ROOT/build/pip-tmp"
+        venv_free="$(free_mb "$TMPDIR")"
+        if [ -n "$venv_free" ] && [ "$venv_free" -lt $((VENV_NEED_MB + TMP_NEED_MB)) ]; then
+            die "not enough disk: $tmp has ${tmp_free} MB free and $ROOT's file system ${venv_free} MB; a fresh install needs ~${TMP_NEED_MB} MB of temporary space and ~${VENV_NEED_MB} MB for .venv"
+        fi
+        say "pip's temporary files go to $TMPDIR ($tmp is short of space)"
+    fi
+}
+
 # The stamp covers what decides the installed set, and where the repo is
 # (the editable install points at this checkout).
 install_inputs() { local f; for f in pyproject.toml setup.py; do if [ -f "$f" ]; then cat "$f"; fi; done; }
@@ -92,10 +120,11 @@ if [ "$want_stamp" = "$have_stamp" ] && [ -x "$VENV/bin/epcc" ]; then
     say "python packages up to date ($VENV)"
 else
     rm -f "$STAMP"
+    check_disk
     say "upgrading pip in .venv"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
-    say "pip install -e '.[test,runtime]' (a fresh venv downloads the MLIR/LLVM wheels and torch: ~2 GB installed)"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,runtime]'
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir --upgrade pip
+    say "pip install -e '.[test,runtime]' (a fresh venv downloads the MLIR/LLVM wheels and torch: ~2.2 GB installed)"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir -e '.[test,runtime]'
     [ -x "$VENV/bin/epcc" ] || die "installed, but there is no .venv/bin/epcc"
     (cd / && "$VENV/bin/python" -c 'import epcc, epcc.dialect') \
         || die "installed, but 'import epcc, epcc.dialect' fails"
