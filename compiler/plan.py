@@ -30,6 +30,39 @@ def hit_probability(experts: int, topk: int, n_experts: int) -> float:
     return 1.0 - comb(experts - n, topk) / comb(experts, topk)
 
 
+def ramp_sizes(tokens_per_chunk: int, halvings: int) -> list[int]:
+    """Chunk sizes, in tokens, of one end of a ramped copy, smallest first: `tokens_per_chunk`
+    tokens in chunks of tokens_per_chunk >> halvings, the next as many in chunks twice that, ...,
+    the last in chunks of tokens_per_chunk >> 1 (halvings 3, 64 tokens: 8 x 8, 4 x 16, 2 x 32).
+    A size never falls below one token; the halvings stop where it would."""
+    out: list[int] = []
+    for j in range(halvings, 0, -1):
+        size = tokens_per_chunk >> j
+        if size >= 1:
+            out += [size] * (tokens_per_chunk // size)
+    return out
+
+
+def chunk_sizes(tokens: int, tokens_per_chunk: int | None, head: int = 0, tail: int = 0) -> list[int]:
+    """How a copy of `tokens` tokens is cut into chunks (tokens each, in order): chunks of
+    `tokens_per_chunk`; `head` / `tail` halvings make the first / last chunks smaller (ramp_sizes,
+    the tail mirrored) where the copy is long enough to hold both ends and one whole chunk
+    between them; a partial chunk (the remainder) comes last before the tail, as without
+    halvings, where chunk c holds tokens c x tokens_per_chunk onwards.  One chunk without a
+    chunk size; none without tokens."""
+    if tokens <= 0:
+        return []
+    if not tokens_per_chunk:
+        return [tokens]
+    front = ramp_sizes(tokens_per_chunk, head)
+    back = ramp_sizes(tokens_per_chunk, tail)[::-1]
+    if sum(front) + sum(back) + tokens_per_chunk > tokens:
+        front, back = [], []
+    middle = tokens - sum(front) - sum(back)
+    whole, rest = divmod(middle, tokens_per_chunk)
+    return front + [tokens_per_chunk] * whole + ([rest] if rest else []) + back
+
+
 @dataclass
 class Flow:
     """Bytes one executing rank moves from `src` to `dst` in one step."""
@@ -47,6 +80,9 @@ class Flow:
     # Time the flow is not done after its last byte moved, besides latency: an RDMA channel's last
     # chunk, staged and applied by one SM each (set by the simulator's SM terms, sim/sm_terms.py).
     tail_s: float = 0.0
+    # Time after its step is ready before the flow moves its first byte: an RDMA channel's first
+    # chunk staged on an SM and posted by the proxy before the wire carries it (sim/sm_terms.py).
+    lead_s: float = 0.0
     # What one byte of the flow costs on each of its resources, in the resource's own bytes (same
     # length as `resources`, each resource listed once; empty: 1 on every resource).  A pool of SMs
     # charged per byte written, read and reduced (sim/direct.py) is one resource with a weight per
@@ -72,6 +108,11 @@ class PlanStep:
     priority: int = 0
     order: str | None = None  # first | last (user hint)
     sms: int | None = None
+    # Halvings of the first (head) and last (tail) chunks of each copy (chunk_sizes): a step
+    # that others follow chunk by chunk hands them its first chunk sooner, one that follows a
+    # producer spreads the producer's last chunk over its SMs (chunk-pipeline; 0: uniform chunks).
+    ramp_head: int = 0
+    ramp_tail: int = 0
     reverse_of: str | None = None  # combine steps derived from a dispatch step
     reverse_source: str | None = None  # ... and the dispatch source buffer whose copies they return
     weighted: bool = False  # a combine step that applies the routing weights (reads expert outputs)
@@ -100,6 +141,14 @@ class PlanStep:
         """Chunks of `chunk_bytes` its biggest flow takes (1 without a chunk size or bytes)."""
         biggest = max((f.bytes for f in self.flows), default=0.0)
         return max(1, ceil(biggest / chunk_bytes)) if chunk_bytes and biggest > 0 else 1
+
+    @property
+    def whole_chunks(self) -> int:
+        """Its chunk count without the ramps' smaller chunks (chunk_count of its chunk size): what
+        sets its latency rounds and how far it trails a producer in the middle of the copy, where
+        chunks are whole (the ramps' first / last chunks enter the simulator as a step's
+        completion lag and tail, sim/sm_terms.py)."""
+        return self.chunk_count(self.chunk_bytes) if self.chunk_bytes else max(1, int(self.num_chunks or 1))
 
     def chunked(self, chunk_bytes: float, depth: int) -> "PlanStep":
         """A copy cut into chunks of `chunk_bytes`, `depth` in flight (at most its chunks), as the

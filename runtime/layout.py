@@ -56,6 +56,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from ..plan import chunk_sizes
 from .layout_types import Copy, FlagInfo, Layout
 from .oracle import check_topk, check_weights, expert_rank
 
@@ -85,14 +86,20 @@ def _ordinals(key: np.ndarray) -> np.ndarray:
     return np.cumsum(ch) - 1
 
 
-def _chunk_starts(tok: np.ndarray, tpc: int | None) -> np.ndarray:
+def _chunk_starts(tok: np.ndarray, tpc: int | None, st=None) -> np.ndarray:
     """Row offsets of the chunks of a copy whose rows belong to tokens `tok` (non-decreasing
-    ordinals 0..m-1): chunk c holds the rows of tokens c*tpc .. (c+1)*tpc-1."""
+    ordinals 0..m-1): chunk c holds the rows of tokens c*tpc .. (c+1)*tpc-1, or, where the
+    step `st` ramps its ends (PlanStep.ramp_head / ramp_tail), the tokens plan.chunk_sizes gives."""
     n = tok.size
     if n == 0:
         return np.zeros(1, dtype=np.int64)
     if tpc is None:
         return np.array([0, n], dtype=np.int64)
+    head, tail = (st.ramp_head, st.ramp_tail) if st is not None else (0, 0)
+    if head or tail:
+        bounds = np.cumsum([0] + chunk_sizes(int(tok[-1]) + 1, tpc, head, tail))
+        starts = np.searchsorted(tok, bounds[:-1], side="left")
+        return np.append(starts, n).astype(np.int64)
     cid = tok // tpc
     nch = int(cid[-1]) + 1
     starts = np.searchsorted(cid, np.arange(nch), side="left")
@@ -251,7 +258,7 @@ class _Builder:
                     self.writers[key].append(cid)
                 names = list(st.src_buffers)
                 c.src_buffers = [names[x] for x in rid.tolist()] if len(names) > 1 else names * int(rid.size)
-                c.chunk_starts = _chunk_starts(tok, tpc)
+                c.chunk_starts = _chunk_starts(tok, tpc, st)
             for key, parts in pending.items():
                 for g in parts:
                     store.append(key, g)
@@ -421,7 +428,7 @@ class _Builder:
                          cs.dst_buffer, np.concatenate(dst_slots) if dst_slots else _EMPTY,
                          weights=(np.concatenate(wts).astype(np.float32) if wts else np.zeros(0, np.float32))
                          if cs.weighted else None)
-                c.chunk_starts = _chunk_starts(tok, tpc)
+                c.chunk_starts = _chunk_starts(tok, tpc, cs)
                 self._add_copy(c, tok, np.zeros(ss.size, dtype=np.int64))
         for cb, db in self.partial_of.items():
             if cb == "output":
@@ -512,7 +519,7 @@ class _Builder:
                 names = list(cs.src_buffers)
                 c = Copy("combine", cs.name, ci, fi, f.rank, f.src, f.dst, [names[x] for x in rid.tolist()],
                          src_slots, dst_buf, dst_slots, weights=wv)
-                c.chunk_starts = _chunk_starts(tok, tpc)
+                c.chunk_starts = _chunk_starts(tok, tpc, cs)
                 self._add_copy(c, tok, rid)
         for (b, r), _ in list(store.size.items()):
             g = store.gids((b, r))

@@ -17,6 +17,8 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from ..diagnostics import CompileError, Diagnostic, Note, SourceMap, Span, did_you_mean
 from . import ast
 
+MAX_EXPR_DEPTH = 200  # operators nested in one expression (relations, selections)
+
 # How a terminal is named in "expected ..." lists.
 TOKEN_WORDS = {
     "NAME": "a name",
@@ -333,15 +335,18 @@ class _Builder:
         "bin_sub": "-", "bin_mul": "*", "bin_div": "/", "bin_mod": "%",
     }
 
-    def expr(self, t: Tree | Token):
+    def expr(self, t: Tree | Token, depth: int = 0):
         if isinstance(t, Token):  # pragma: no cover - atoms are always wrapped
             return ast.Lit(int(t), self.span(t))
         if t.data == "lit":
             return ast.Lit(int(t.children[0]), self.span(t))
         if t.data == "var":
             return ast.Var(str(t.children[0]), self.span(t))
+        if depth >= MAX_EXPR_DEPTH:  # every later stage walks expressions recursively
+            raise CompileError([Diagnostic("error", f"expression too long: more than {MAX_EXPR_DEPTH} operators "
+                                                    f"nested; write it in fewer terms", self.span(t))])
         op = self._BINOPS[t.data]
-        return ast.BinOp(op, self.expr(t.children[0]), self.expr(t.children[1]), self.span(t))
+        return ast.BinOp(op, self.expr(t.children[0], depth + 1), self.expr(t.children[1], depth + 1), self.span(t))
 
     def table(self, t: Tree) -> ast.Table:
         name, level, cols, *rows = t.children
@@ -486,6 +491,8 @@ class _Builder:
             return ast.StepOpt("order", d[len("order_"):], sp)
         if d == "sms_opt":
             return ast.StepOpt("sms", int(c[0]), sp)
+        if d == "ramp_opt":
+            return ast.StepOpt("ramp", int(c[0]), sp)
         if d == "dedup_opt":
             return ast.StepOpt("dedup", self.name(c[0]), sp)
         raise AssertionError(d)  # pragma: no cover

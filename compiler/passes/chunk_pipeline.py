@@ -27,6 +27,18 @@ Pipelining.  A step follows a data dependency chunk by chunk (it may start on ch
 its producer has delivered chunk i) when both move tokens one by one: every data dependency
 except metadata exchanges (their layout must be complete) and explicit `after` orderings.
 
+Ramps.  A chunk is one SM's work, so a pipeline fills and drains a whole chunk at a time: the
+consumer of an SM role waits for the first wave of whole chunks (64 tokens of a combine's
+gather into partials: ~0.16 ms on one SM of H200, before the RDMA behind it moves a byte), and
+the role that follows a producer gets the producer's last chunk on one SM while its other SMs
+idle.  So an SM role's ends are cut finer (PlanStep.ramp_head / ramp_tail, plan.chunk_sizes):
+one that others follow chunk by chunk starts with its first chunk's tokens in chunks of
+1 / 2^k of a chunk, the next as many in chunks of 2 / 2^k, ..., and one that follows a producer
+ends mirrored; k = the step's `ramp` (default `RAMP_HEAD_DEFAULT` / `RAMP_TAIL_DEFAULT`, and then no chunk below
+`RAMP_MIN_BYTES`).  The middle keeps whole chunks.  RDMA steps keep uniform chunks (their credit
+window is sized in chunks), as do copy-engine (DMA) steps, where a chunk is not one SM's work,
+and steps without a chunk size.
+
 IR: an `epcc.chunk_loop` marker before every chunked step, and `epcc.chunk` on the step op.
 """
 
@@ -39,7 +51,7 @@ from mlir import ir
 
 from ..diagnostics import Note
 from ..ir import ops, query
-from ..plan import Plan, PlanStep
+from ..plan import Plan, PlanStep, chunk_sizes
 from ..sema import model
 from ..sim.sm_terms import proxy_rates, sm_rates, window_rate, work_of
 from . import Pass, PassContext, register
@@ -56,6 +68,15 @@ RDMA_SAME = 0.001  # depths this close to a chunk size's fastest count as equal:
 # emulated transport round trips ran up to ~2x the model (64-token chunks at 400 GB/s: ~120 us
 # per 8 chunks against 64 modelled), and a window that only just covers the link loses it.
 RDMA_HEADROOM = 1.5
+THREAD_ENGINES = ("sm", "spc", "tma")  # engines whose chunks are one SM's (SPC's) work: the ones ramped
+# Default halvings of a followed step's head and of a following step's tail (a step's `ramp N`
+# sets both).  3: 1/8, 1/4, 1/2 of a chunk, a role of 8 SMs spreads one chunk over its first or
+# last wave.  Heads are whole by default: measured on 2 H200s (docs/rdma.md, session 20) the
+# combine's RDMA started 77 us sooner behind a ramped gather but ended no sooner (the gather,
+# 8 SMs at ~46 GB/s of partials, holds it) and the gather's extra chunks cost it ~1 %.
+RAMP_HEAD_DEFAULT = 0
+RAMP_TAIL_DEFAULT = 3
+RAMP_MIN_BYTES = 64 * 1024  # the default ramp stops above this (an explicit `ramp N` goes down to one token)
 
 
 def writers_per_rank(sched: model.Schedule, program: str, buffer: str) -> int:
@@ -156,6 +177,7 @@ class ChunkPipeline(Pass):
         wl = sched.workload
         links = sched.topology.links
         rates = sm_rates(plan)  # the topology's `sm` line, as the simulator reads it
+        too_small: set = set()  # chunk options already reported (a dispatch step's and its reverse's)
         for ps in plan.steps:
             by_name = {s.name: s for s in plan.program_steps(ps.program)}
             prog = sched.dispatch if ps.program == "dispatch" else sched.combine
@@ -167,6 +189,13 @@ class ChunkPipeline(Pass):
                 ps.num_chunks, ps.depth, ps.chunk_bytes = 1, 1, None
                 continue
             given = st or src_step
+            if given is not None and given.chunk_bytes and given.chunk_bytes < bpt:
+                span = given.opt_spans.get("chunk") or given.span
+                if (span.path, span.line, span.col) not in too_small:
+                    too_small.add((span.path, span.line, span.col))
+                    ctx.diags.error(span, f"a chunk of {given.chunk_bytes} B holds no whole token: one token of "
+                                          f"{ps.program} is {bpt} B; give at least that, or the chunk in tokens")
+                continue
             chunk_bytes, chunk_tokens = choose_chunk(given, ps, bpt, link)
             explicit_chunk = bool(given and (given.chunk_tokens or given.chunk_bytes))
             given_depth = given.depth if given is not None and given.depth else None
@@ -206,7 +235,39 @@ class ChunkPipeline(Pass):
             explicit = set(st.after) if st is not None else set()
             ps.pipelined_deps = tuple(d for d in ps.deps if d not in exchanges and d not in explicit)
         ctx.diags.raise_if_errors()
+        for ps in plan.steps:
+            self._ramp(sched, plan, ps)
         self._annotate(module, ctx, plan)
+
+    @staticmethod
+    def _ramp(sched: model.Schedule, plan: Plan, ps: PlanStep) -> None:
+        """ramp_head / ramp_tail of a chunked SM role (module docstring), and its chunk count."""
+        link = sched.topology.links.get(ps.link) if ps.link else None
+        engine = link.engine if link is not None else "sm"
+        if ps.verb == "exchange" or ps.link_kind == "rdma" or engine not in THREAD_ENGINES or not ps.chunk_bytes:
+            return
+        prog = sched.dispatch if ps.program == "dispatch" else sched.combine
+        given = (_step(prog, ps.name) if ps.reverse_of is None else None) or _step(sched.dispatch, ps.reverse_of)
+        bpt = plan.bytes_per_token if ps.program == "dispatch" else sched.workload.combine_bytes_per_token
+        tokens = int(ps.chunk_bytes // bpt)
+        explicit = given is not None and given.ramp is not None
+
+        def halvings(want: int) -> int:
+            k = 0
+            while k < want:
+                size = tokens >> (k + 1)
+                if size < 1 or (not explicit and size * bpt < RAMP_MIN_BYTES):
+                    break
+                k += 1
+            return k
+
+        followed = any(ps.name in s.pipelined_deps for s in plan.program_steps(ps.program))
+        ps.ramp_head = halvings(given.ramp if explicit else RAMP_HEAD_DEFAULT) if followed else 0
+        ps.ramp_tail = halvings(given.ramp if explicit else RAMP_TAIL_DEFAULT) if ps.pipelined_deps else 0
+        if ps.ramp_head or ps.ramp_tail:
+            biggest = max((f.bytes for f in ps.flows), default=0.0)
+            ps.num_chunks = max(1, len(chunk_sizes(round(biggest / ps.chunk_bytes * tokens), tokens,
+                                                   ps.ramp_head, ps.ramp_tail)))
 
     def _annotate(self, module, ctx: PassContext, plan: Plan) -> None:
         for kind in ("dispatch", "combine"):
@@ -224,6 +285,8 @@ class ChunkPipeline(Pass):
                     "chunk_bytes": int(ps.chunk_bytes or 0), "num_chunks": ps.num_chunks, "depth": ps.depth,
                     "pipelined_after": ir.ArrayAttr.get([ir.StringAttr.get(d) for d in ps.pipelined_deps]),
                 }
+                if ps.ramp_head or ps.ramp_tail:
+                    attrs["ramp"] = [ps.ramp_head, ps.ramp_tail]
                 if (kind, ps.name) in self.chosen:
                     attrs["chosen_by"] = self.chosen[(kind, ps.name)]
                 query.annotate(op, "chunk", attrs)

@@ -41,7 +41,7 @@ def busy_time(ps: PlanStep, capacity: dict[str, float]) -> float:
 def step_time(ps: PlanStep, capacity: dict[str, float]) -> float:
     """Seconds a step takes alone: its busiest resource, plus chunk latency not hidden by depth."""
     lat = max((f.latency_s for f in ps.flows), default=0.0)
-    return busy_time(ps, capacity) + lat * math.ceil(ps.num_chunks / max(ps.depth, 1))
+    return busy_time(ps, capacity) + lat * math.ceil(ps.whole_chunks / max(ps.depth, 1))
 
 
 def upward_ranks(steps: list[PlanStep], times: dict[str, float]) -> dict[str, float]:
@@ -69,7 +69,7 @@ def earliest_starts(steps: list[PlanStep], times: dict[str, float]) -> dict[str,
         for d in s.deps:
             p = by[d]
             if d in s.pipelined_deps:
-                t = max(t, start[d] + times[d] / max(p.num_chunks, 1))
+                t = max(t, start[d] + times[d] / p.whole_chunks)
             else:
                 t = max(t, start[d] + times[d])
         start[s.name] = t

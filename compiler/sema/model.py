@@ -330,6 +330,7 @@ class Step:
     chunk_bytes: int | None = None
     depth: int | None = None
     sms: int | None = None
+    ramp: int | None = None  # most halvings of its first / last chunks (None: chunk-pipeline's default)
     order: str | None = None  # first | last
     dedup: str = "rank"  # rank | none
     after: tuple[str, ...] = ()

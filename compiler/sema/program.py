@@ -30,9 +30,10 @@ VERBS_BY_KIND = {
 }
 EXCHANGE_WHAT = ("counts", "routing", "layout")
 DEDUP = ("rank", "none")
-_DEFAULTABLE = ("chunk", "depth", "sms", "dedup")
+_DEFAULTABLE = ("chunk", "depth", "sms", "ramp", "dedup")
 MAX_DEPTH = 1 << 16
 MAX_SMS = 4096
+MAX_RAMP = 8  # halvings: a chunk of 256 tokens ramps from 1
 
 
 def resolve_program(p: ast.Program, topo: model.Topology, wl: model.Workload | None,
@@ -401,6 +402,11 @@ class _ProgramResolver:
                 elif o.value > MAX_SMS:
                     self.err(o.span, f"{number_text(o.value)} SMs is out of range (at most {MAX_SMS})")
                 st.sms = o.value
+            elif key == "ramp":
+                if o.value > MAX_RAMP:
+                    self.err(o.span, f"ramp {number_text(o.value)} is out of range (at most {MAX_RAMP} halvings; "
+                             f"0 keeps every chunk whole)")
+                st.ramp = o.value
             elif key == "dedup":
                 if o.value.text not in DEDUP:
                     self.err(o.value.span, f"unknown dedup mode '{o.value.text}'", *_maybe(did_you_mean(o.value.text, DEDUP)),

@@ -36,7 +36,9 @@ a flow that reads rank x's buffer (its `src`) may have moved a fraction of its b
     cap = F - 1/n    (F < 1),      cap = 1    (F = 1),
 
 where F is the fraction of the bytes the producer lands on x (its flows with dst == x) that has
-moved, and n the consumer's `num_chunks`: it trails its producer by one of its own chunks, and
+moved, and n the consumer's whole chunks (`PlanStep.whole_chunks`: a ramped step's smaller first
+and last chunks enter as the producer's completion lag and the consumer's tail, sm_terms.py):
+it trails its producer by one of its own chunks, and
 finishes the last chunk after the producer's last byte.  A producer that lands nothing on x does
 not hold the flow back; with several pipelined producers the smallest cap holds.  A flow at its
 cap moves at the rate the cap rises (b x dF/dt), found together with the fair rates of everyone

@@ -132,6 +132,7 @@ class _Engine:
         self.f_dst = np.array([f.dst for _, f in fl], dtype=np.int64)
         self.f_nores = np.array([not f.resources for _, f in fl], dtype=bool)
         self.f_lat = np.array([self._exposed_latency(steps[si], f) + f.tail_s for si, f in fl], dtype=float)
+        self.f_lead = np.array([f.lead_s for _, f in fl], dtype=float)
         self.f_prio = np.array([steps[si].priority for si, _ in fl], dtype=np.int64)
 
         names = sorted({r for _, f in fl for r in f.resources})
@@ -181,7 +182,7 @@ class _Engine:
         if not self.opts.latency:
             return 0.0
         if s.chunk_bytes and s.chunk_bytes > 0 and f.resources:
-            n = max(1, math.ceil(f.bytes / s.chunk_bytes - 1e-9))
+            n = max(1, math.ceil(f.bytes / s.chunk_bytes - 1e-9))  # whole chunks (PlanStep.whole_chunks)
         else:
             n = max(1, int(s.num_chunks or 1))
         return f.latency_s * math.ceil(n / max(1, int(s.depth or 1)))
@@ -218,7 +219,7 @@ class _Engine:
             si = int(self.f_step[i])
             if self.f_bytes[i] <= 0 or not self.pdeps[si]:
                 continue
-            n = max(1, int(self.steps[si].num_chunks or 1))
+            n = self.steps[si].whole_chunks
             for p in self.pdeps[si]:
                 key = (p, int(self.f_src[i]))
                 producers = by_step_dst.get(key)
@@ -374,6 +375,7 @@ class _Engine:
         self._f_state = f_state
         moved = np.zeros(nf)
         tail_end = np.full(nf, INF)
+        lead_end = np.zeros(nf)  # a flow moves no byte before (its step ready + Flow.lead_s)
         res_bytes = np.zeros(self.nr)
         res_active = np.zeros(self.nr)
         flows_of = [np.flatnonzero(self.f_step == i) for i in range(ns)]
@@ -398,6 +400,7 @@ class _Engine:
                             changed = True
                             continue
                         f_state[fs] = 1
+                        lead_end[fs] = now + self.f_lead[fs]
                         nores = fs[self.f_nores[fs] | (self.f_bytes[fs] <= 0)]
                         if nores.size:
                             f_state[nores] = 2
@@ -420,7 +423,8 @@ class _Engine:
             held = np.zeros(nf, dtype=bool)
             if self.h_f.size:
                 np.logical_or.at(held, self.h_f, ~bytes_done[self.h_b])
-            cand = moving & ~held
+            leading = moving & (lead_end > t + REL * max(t, 1e-9))
+            cand = moving & ~held & ~leading
             bounds = np.full(nf, INF)
             gs = self._gate_state(moved, np.zeros(nf)) if self.ng else None
             cap = dcap = None
@@ -456,6 +460,8 @@ class _Engine:
             tails = f_state == 2
             if tails.any():
                 dt = min(dt, float(tail_end[tails].min()) - t)
+            if leading.any():
+                dt = min(dt, float(lead_end[leading].min()) - t)
             if self.ng:
                 F, dF = self._gate_state(moved, rate)
                 cap, dcap, cap_p, dcap_p, Fp, dFp = self._caps(F, dF)

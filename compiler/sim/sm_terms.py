@@ -56,9 +56,15 @@ flight: k = rate / per-SM rate, at least 1 and at most N (a role behind a 50 GB/
 also gets the producer's last chunk when the producer ends, and that
 chunk is one SM's work: the fluid model spreads it over all N SMs, so the role's flows get a tail
 of chunk / rate x (1 - 1/N).  (A role that is not pipelined behind a producer ends its last wave
-with the fluid model's last byte: no tail.)  An RDMA channel's chunks are serial on one link: its last chunk
-is staged before and applied after the wire, a tail of chunk / stage + chunk / apply, and its
-lag is the bytes the link moves while one chunk is applied.  Chunks are counted in the flows'
+with the fluid model's last byte: no tail.)  An RDMA channel's chunks are serial on one link: its first chunk
+is staged and posted before the wire moves a byte, a lead of chunk / stage + post (Flow.lead_s),
+its last chunk is applied after the wire, a tail of chunk / apply, and its lag is the bytes the
+link moves while one chunk is applied (the others are staged while the wire carries earlier
+ones).  Until session 20 the staging was a tail instead of a lead and `post` was not in it: the
+same total, but the dispatch's keep_far at 400 GB/s was simulated to start at 0.05 ms; it
+started at 0.14-0.17 on 2 H200s.  A ramped role (PlanStep.ramp_head / ramp_tail, chunk-pipeline) counts
+its first chunk, 1 / 2^ramp_head of one, in its lag, and spreads the producer's last chunk over
+min(N, 2^ramp_tail) SMs in its tail.  Chunks are counted in the flows'
 bytes: a chunk of a step whose flows count rows and that reads or writes `output` (a permute, its
 reverse) holds a chunk's tokens with all their expert rows, chunk bytes x the expected rows per
 token (uniform routing: topk / ranks / P(a token hits the rank)); a send's chunk its tokens once.
@@ -179,15 +185,15 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
         flows = []
         for f in s.flows:
             extra: list[str] = []
-            tail = 0.0
+            tail = lead = 0.0
             chunk = min(step_chunk, f.bytes)  # no chunk size: no chunk terms (lag, tail)
             if n and work in rates and f.resources and f.bytes > 0:
                 name = f"sm:{s.program}.{s.name}:{f.rank}"
                 resources[name] = n * rates[work] / per_byte
                 extra.append(name)
-                lag = max(lag, min(1.0, n * chunk / f.bytes))
-                if s.pipelined_deps:  # the producer's last chunk, on one SM
-                    tail += chunk * per_byte / rates[work] * (1.0 - 1.0 / n)
+                lag = max(lag, min(1.0, n * first_chunk(s, chunk) / f.bytes))
+                if s.pipelined_deps:  # the producer's last chunk, on as many SMs as the ramped tail gives it
+                    tail += chunk * per_byte / rates[work] * max(0.0, 1.0 / min(n, 2 ** s.ramp_tail) - 1.0 / n)
             if atomics and f.resources and f.bytes > 0 and f.src != f.dst:
                 name = f"atomics:{s.link}:{f.src}>{f.dst}"
                 resources[name] = atomics / FP32_ADD_PER_FLOW_BYTE
@@ -210,12 +216,23 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
                     name = f"{side}:{s.program}.{s.name}:{rank}"
                     resources[name] = blocks * bps
                     extra.append(name)
-                tail = chunk / stage_bps + chunk / apply_bps
+                # The first chunk is staged and posted before the wire moves a byte (the flow's
+                # lead); the last one is applied after it (its tail).  Staging the others overlaps
+                # the wire, and a consumer trails the wire by the chunk being applied (its lag).
+                lead = chunk / stage_bps + post_s
+                tail = chunk / apply_bps
                 lag = max(lag, min(1.0, chunk / apply_bps * min(cap, link_bps) / f.bytes))
-            flows.append(dataclasses.replace(f, resources=f.resources + tuple(extra), tail_s=f.tail_s + tail)
-                         if extra or tail else f)
+            flows.append(dataclasses.replace(f, resources=f.resources + tuple(extra), tail_s=f.tail_s + tail,
+                                             lead_s=f.lead_s + lead)
+                         if extra or tail or lead else f)
         steps.append(dataclasses.replace(s, flows=flows, completion_lag=lag))
     return _little_lags(plan, steps, resources, rates, sms, expand)
+
+
+def first_chunk(s: PlanStep, chunk: float) -> float:
+    """The first chunk of a role whose chunks are `chunk`: 1 / 2^ramp_head of it where the step
+    ramps its head (plan.chunk_sizes)."""
+    return chunk / 2 ** s.ramp_head
 
 
 def _touches_output(s: PlanStep) -> bool:
@@ -259,7 +276,7 @@ def _little_lags(plan: Plan, steps: list[PlanStep], resources: dict[str, float],
         if key not in floors:
             s = by_name[key]
             up = [floor((s.program, d)) for d in s.pipelined_deps if (s.program, d) in by_name]
-            moving = dataclasses.replace(s, flows=[dataclasses.replace(f, tail_s=0.0) for f in s.flows])
+            moving = dataclasses.replace(s, flows=[dataclasses.replace(f, tail_s=0.0, lead_s=0.0) for f in s.flows])
             floors[key] = max([step_alone(moving, resources, SimOptions())] + up)
         return floors[key]
 
@@ -277,7 +294,7 @@ def _little_lags(plan: Plan, steps: list[PlanStep], resources: dict[str, float],
         for f in s.flows:
             if f.resources and f.bytes > 0 and t > 0:
                 k = min(float(n), max(1.0, f.bytes * per_byte / t / rates[work]))
-                lag = max(lag, min(1.0, k * min(chunk, f.bytes) / f.bytes))
+                lag = max(lag, min(1.0, k * first_chunk(s, min(chunk, f.bytes)) / f.bytes))
         out.append(dataclasses.replace(s, completion_lag=min(s.completion_lag, lag)))
     return dataclasses.replace(plan, steps=out, resources=resources)
 

@@ -1,12 +1,12 @@
 """The GPU proxy path's RDMA chunking against measurements (issue 6: "chunk size and queue depth
 come from the cost model"; "measured times within 15 % of the simulator").
 
-SWEEP is one table of measurements: nvidia-h200-x2 (2 H200s), session 19, h200x2_2vnode at 13,
-50 and 400 GB/s (the emulated transport), the shipped bundle of each rate re-chunked at run time
-(`bench/ep_bench.py --rdma-chunks`, both programs at the same chunking), medians of 20 timed
-iterations, every run checked against the oracle.  SHIPPED: the bundles as compiled, each
-program at the chunking chunk-pipeline chose, medians of 20 in one process with the bundles of
-the commit before (`previous` in docs/rdma.md).  Session 19 sized the pack and unpack roles for
+SWEEP is one table of measurements: nvidia-h200-x2 (2 H200s), session 19 (before the ramps),
+h200x2_2vnode at 13, 50 and 400 GB/s (the emulated transport), the shipped bundle of each rate
+re-chunked at run time (`bench/ep_bench.py --rdma-chunks`, both programs at the same chunking),
+medians of 20 timed iterations, every run checked against the oracle.  SHIPPED: the bundles as
+compiled, each program at the chunking chunk-pipeline chose, medians of 40 in one process with
+the same plans at `ramp 0` (session 20; docs/rdma.md).  Session 19 sized the pack and unpack roles for
 the link (kernel-formation's pack_sms / unpack_sms; before: 4 blocks each): the combine's unpack
 got 5 blocks at 50 GB/s and 16 at 400, and the combines moved from 1.702 to 1.540 ms (50 GB/s)
 and from 1.673 to 1.388 (400).  Commands in docs/rdma.md.
@@ -57,11 +57,14 @@ SWEEP: dict[tuple[int, str, int, int], float] = {
     (13, "dispatch", 256, 4): 4.775, (13, "combine", 256, 4): 5.183,
 }
 SHIPPED: dict[tuple[int, str], float] = {
-    # the bundles as compiled (tests/gpu/bundles.py), median of 20
-    (50, "dispatch"): 1.320, (50, "combine"): 1.540,
-    (13, "dispatch"): 4.646, (13, "combine"): 4.856,
-    (400, "dispatch"): 0.884, (400, "combine"): 1.388,
+    # the bundles as compiled (tests/gpu/bundles.py), median of 40, session 20: the dispatch's
+    # keep_far ramps its tail (chunk-pipeline, RAMP_TAIL_DEFAULT), the combine is session 19's
+    (50, "dispatch"): 1.308, (50, "combine"): 1.543,
+    (13, "dispatch"): 4.603, (13, "combine"): 4.863,
+    (400, "dispatch"): 0.891, (400, "combine"): 1.416,
 }
+# The same run, the dispatch with whole chunks (`ramp 0`): 1.315 (50 GB/s), 0.926 (400), 4.650 (13).
+# Another run, medians of 20: ramped 1.300 / 0.927 / 4.603, whole 1.329 / 0.889 / 4.647.
 # Before session 19 (pack and unpack 4 blocks each), same process: 50 GB/s 1.315 / 1.702, 400 GB/s
 # 0.860 / 1.673, 13 GB/s 4.649 / 4.857.
 

@@ -62,7 +62,19 @@ def test_a_combine_channel_stages_fp32_partials_at_half_the_copy_rate():
     w = window_rate(2 * MB, 4, 50 * GB, 5e-6, 12.5 * GB, 25 * GB)
     aug = with_sm_terms(p)
     assert aug.resources["window:combine.rdma:0>1"] == pytest.approx(w)
-    assert aug.steps[0].flows[0].tail_s == pytest.approx(2 * MB / (12.5 * GB) + 2 * MB / (25 * GB))
+    f = aug.steps[0].flows[0]
+    assert f.lead_s == pytest.approx(2 * MB / (12.5 * GB))  # the first chunk staged before the wire (no post here)
+    assert f.tail_s == pytest.approx(2 * MB / (25 * GB))  # the last one applied after it
+
+
+def test_an_rdma_channel_moves_its_first_byte_once_its_first_chunk_is_staged_and_posted():
+    # 2 MB chunks staged at 25 GB/s (80 us) and posted (post 10 us) before the wire starts; the
+    # last one applied at 25 GB/s (80 us) after it; 64 MB at 50 GB/s take 1.28 ms on the wire,
+    # and 32 chunks 16 deep expose 2 latencies of 5 us
+    p = dataclasses.replace(rdma_plan({"copy": 25 * GB}, depth=16), post_s={"rdma": 10e-6})
+    step = simulate(p).programs["dispatch"].step("rdma")
+    assert step.start_s == pytest.approx(90e-6)
+    assert step.end_s == pytest.approx(90e-6 + 64 * MB / (50 * GB) + 80e-6 + 2 * 5e-6)
 
 
 def test_a_role_faster_than_its_link_is_held_by_the_link():
