@@ -43,6 +43,12 @@ class BundleError(ValueError):
     """The bundle cannot be used (missing, unreadable, or compiled for another group)."""
 
 
+#: DeepEP's layout and stream arguments, which dispatch accepts and ignores (the plan's metadata
+#: step computes the layout; epcc runs on the current stream).
+DEEPEP_LAYOUT_ARGS = frozenset({"num_tokens_per_rank", "num_tokens_per_rdma_rank", "num_tokens_per_expert",
+                                "is_token_in_rank", "previous_event", "async_finish", "allocate_on_comm_stream"})
+
+
 @dataclass
 class Handle:
     """What combine needs from the dispatch it reverses."""
@@ -50,11 +56,17 @@ class Handle:
     layout: Layout
     tokens: int
     recv_rows: int
+    weights: np.ndarray | None = None  # [tokens, topk] float32: the routing weights dispatch was given
 
 
 class Buffer:
     def __init__(self, group: dist.ProcessGroup | None, bundle: str | Path, *, backend: str | None = None,
                  timeout_s: float = 30.0, config: dict | None = None):
+        if not isinstance(bundle, (str, Path)):
+            raise TypeError(f"Buffer: bundle must be a path (str or pathlib.Path), not {type(bundle).__name__}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0 \
+                or timeout_s == float("inf"):
+            raise ValueError(f"Buffer: timeout_s must be a positive number of seconds, not {timeout_s!r}")
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
@@ -90,6 +102,8 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
         """DeepEP's layout: (num_tokens_per_rank [R] int32, None (no RDMA ranks in this plan's
         view), num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, None)."""
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int):
+            raise TypeError(f"get_dispatch_layout: num_experts must be an int, not {type(num_experts).__name__}")
         if num_experts != self.experts:
             raise ValueError(f"get_dispatch_layout: num_experts is {num_experts}, but the bundle was compiled "
                              f"for {self.experts} experts")
@@ -123,7 +137,7 @@ class Buffer:
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x, topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None, *,
-                 sync: bool = True, expert_alignment: int = 1, handle=None, **_deepep_layout: Any):
+                 sync: bool = True, expert_alignment: int = 1, handle=None, **deepep_layout: Any):
         """Returns (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event).
 
         x: [T, hidden] bfloat16, or (x_fp8 [T, hidden] float8_e4m3fn, scales [T, hidden/128] float32) for
@@ -134,6 +148,11 @@ class Buffer:
         `sync=False` is the low-latency mode (no host sync, CUDA-graph capturable: recv_x is the whole
         receive buffer, the counts come as device tensors (counts, offsets), recv_topk_idx is None);
         `handle` (instead of topk_idx/topk_weights) reuses an earlier dispatch's routing."""
+        unknown = sorted(set(deepep_layout) - DEEPEP_LAYOUT_ARGS)
+        if unknown:
+            raise TypeError(f"dispatch: unexpected keyword argument(s) {', '.join(unknown)} (besides x, topk_idx, "
+                            f"topk_weights, sync, expert_alignment and handle it takes DeepEP's layout arguments, "
+                            f"ignored: {', '.join(sorted(DEEPEP_LAYOUT_ARGS))})")
         if self._cuda is not None:
             return self._cuda.dispatch(x, topk_idx, topk_weights, sync=sync, expert_alignment=expert_alignment,
                                        handle=handle)
@@ -159,7 +178,7 @@ class Buffer:
         recv_idx = torch.from_numpy(entries[:, 2].astype(np.int64))
         recv_w = torch.from_numpy(np.ascontiguousarray(layout.output_weights[self.rank], dtype=np.float32))
         counts = [int(c) for c in layout.recv_counts[self.rank]]
-        return recv_x, recv_idx, recv_w, counts, Handle(layout, tokens, recv.shape[0]), None
+        return recv_x, recv_idx, recv_w, counts, Handle(layout, tokens, recv.shape[0], w), None
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -168,13 +187,23 @@ class Buffer:
         x: [recv rows, hidden] bfloat16, rows in dispatch's order.  The weights of dispatch are used
         (`topk_weights`, if given, must equal them: combine cannot re-route)."""
         if self._cuda is not None:
+            given = getattr(handle, "topk_weights", None)
+            if topk_weights is not None and given is not None and not (
+                    isinstance(topk_weights, torch.Tensor) and topk_weights.shape == given.shape
+                    and torch.equal(topk_weights.to(given.device, given.dtype), given)):
+                raise ValueError("combine: topk_weights differ from the weights dispatch was given (combine applies "
+                                 "dispatch's; dispatch again to change them)")
             return self._cuda.combine(x, handle)
         if not isinstance(handle, Handle):
             raise TypeError(f"combine: handle must be the handle dispatch returned, not {type(handle).__name__}")
         check_tensor("combine", "x", x, (handle.recv_rows, self.hidden), (torch.bfloat16,))
         if topk_weights is not None:
             check_tensor("combine", "topk_weights", topk_weights, (handle.tokens, self.topk), (torch.float32,))
-        y = x.contiguous().view(torch.int16).numpy().view(np.uint16)
+            if not np.array_equal(topk_weights.detach().numpy(), handle.weights):
+                raise ValueError("combine: topk_weights differ from the weights dispatch was given (combine applies "
+                                 "dispatch's; dispatch again to change them)")
+        y = (np.zeros((0, self.hidden), dtype=np.uint16) if x.shape[0] == 0 else
+             x.detach().contiguous().view(torch.int16).numpy().view(np.uint16))
         mem = self._prepare("combine", handle.layout,
                             lambda m: m.buffer("combine", "output", self.rank).__setitem__(slice(None), y))
         result = self._run("combine", handle.layout, mem)[self.rank]
@@ -203,7 +232,11 @@ class Buffer:
         if w is None:
             return np.ones(shape, dtype=np.float32)
         check_tensor(fn, "topk_weights", w, tuple(shape), (torch.float32,))
-        return w.numpy().astype(np.float32)
+        out = w.detach().numpy().astype(np.float32)
+        if not np.isfinite(out).all():
+            bad = np.argwhere(~np.isfinite(out))[0]
+            raise ValueError(f"{fn}: topk_weights[{bad[0]}, {bad[1]}] is {out[tuple(bad)]}; routing weights must be finite")
+        return out
 
     def _pack_x(self, x) -> tuple[np.ndarray, int]:
         if self.dtype == "fp8":
@@ -218,7 +251,9 @@ class Buffer:
         if isinstance(x, tuple):
             raise TypeError("dispatch: this bundle dispatches bf16: pass x as one [tokens, hidden] bfloat16 tensor")
         check_tensor("dispatch", "x", x, (None, self.hidden), (torch.bfloat16,))
-        return x.contiguous().view(torch.uint8).numpy(), x.shape[0]
+        if x.shape[0] == 0:  # no rows: torch cannot view an empty tensor of any stride as bytes
+            return np.zeros((0, 2 * self.hidden), dtype=np.uint8), 0
+        return x.detach().contiguous().view(torch.uint8).numpy(), x.shape[0]
 
     def _gather_routing(self, idx: np.ndarray, w: np.ndarray):
         t = torch.from_numpy(np.concatenate([idx.astype(np.float64), w.astype(np.float64)], axis=1))
@@ -331,7 +366,9 @@ def _unpack_rows(rows: np.ndarray, dtype: str, hidden: int):
             return (torch.empty((0, hidden), dtype=torch.float8_e4m3fn),
                     torch.empty((0, hidden // FP8_GROUP), dtype=torch.float32))
         return torch.empty((0, hidden), dtype=torch.bfloat16)
-    t = torch.from_numpy(np.ascontiguousarray(rows))
+    # A copy: `rows` lies in this rank's peer segment, which the next call reuses (or unmaps when it
+    # grows): recv_x must stay the caller's after that.
+    t = torch.from_numpy(np.array(rows, copy=True, order="C"))
     if dtype == "fp8":
         x8 = t[:, :hidden].contiguous().view(torch.float8_e4m3fn)
         sc = t[:, hidden:].contiguous().view(torch.float32)
@@ -352,7 +389,12 @@ def _load_bundle(path: Path) -> tuple[Plan, dict]:
     except (ValueError, TypeError, KeyError) as e:
         raise BundleError(f"{pj}: unreadable plan ({e})") from None
     mf = path / "manifest.json"
-    manifest = json.loads(mf.read_text(encoding="utf-8")) if mf.is_file() else {}
+    try:
+        manifest = json.loads(mf.read_text(encoding="utf-8")) if mf.is_file() else {}
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BundleError(f"{mf}: unreadable manifest ({e})") from None
+    if not isinstance(manifest, dict):
+        raise BundleError(f"{mf}: unreadable manifest (a JSON object expected)")
     if plan.workload is None:
         raise BundleError(f"{pj}: the plan has no workload; recompile it with this epcc")
     return plan, manifest

@@ -48,11 +48,17 @@ class _ProgramResolver:
         self.topo = topo
         self.space = topo.space
         self.diags = diags
+        self._said: set = set()  # (path, line, col, message) of the errors reported (err)
         self.buffers: dict[str, model.BufferInfo] = {}
         self.buffer_ast: dict[str, ast.Buffer] = {}
         self.broken_buffers: set[str] = set()
 
     def err(self, span: Span, msg: str, *notes) -> None:
+        # once per place and message: a bad `defaults` option is checked for every step inheriting it
+        key = (span.path, span.line, span.col, msg) if span is not None else None
+        if key is not None and key in self._said:
+            return
+        self._said.add(key)
         self.diags.error(span, msg, *notes)
 
     def run(self) -> model.Program | None:

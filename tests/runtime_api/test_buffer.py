@@ -67,10 +67,13 @@ def _worker(rank: int, ranks: int, bundle: str, store: str, result_dir: str, sha
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks)
         t, h, k, e = shape["tokens"], shape["hidden"], shape["topk"], shape["experts"]
         buf = Buffer(None, bundle)
+        kept = None
         for seed in (1, 2):  # twice: the second call reuses the peer buffers
             ins = [_inputs(r, ranks, t, h, k, e, seed) for r in range(ranks)]
             x, idx, w = ins[rank]
             recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(x, idx, w)
+            if kept is None:
+                kept = (recv_x, recv_x.clone())
             rows = np.stack([i[0].view(torch.uint8).numpy() for i in ins])
             idx_all = np.stack([i[1].numpy() for i in ins])
             w_all = np.stack([i[2].numpy() for i in ins])
@@ -86,6 +89,8 @@ def _worker(rank: int, ranks: int, bundle: str, store: str, result_dir: str, sha
             ref, mag = combine_oracle(idx_all, e, "blocked", w_all, ys, h, return_abs=True)
             check = compare_combine(got.float().numpy(), ref[rank], mag[rank], k)
             assert check.ok, f"combine differs: {check}"
+        # recv_x is the caller's: the second call reused the peer segment it was received in
+        assert torch.equal(kept[0], kept[1]), "the first dispatch's recv_x changed under a later call"
         buf.close()
         dist.destroy_process_group()
         path.write_text("ok")
@@ -140,7 +145,20 @@ def _arg_worker(rank: int, bundle: str, store: str, result_dir: str) -> None:
             (lambda: buf.get_dispatch_layout(idx, 16),
              "get_dispatch_layout: num_experts is 16, but the bundle was compiled for 8 experts"),
             (lambda: buf.combine(x, None), "combine: handle must be the handle dispatch returned, not NoneType"),
+            (lambda: buf.get_dispatch_layout(idx, "8"), "get_dispatch_layout: num_experts must be an int, not str"),
+            (lambda: buf.dispatch(x, idx, topk_weight=torch.ones(8, 4)),
+             "dispatch: unexpected keyword argument(s) topk_weight (besides x, topk_idx, topk_weights, sync, "
+             "expert_alignment and handle it takes DeepEP's layout arguments, ignored: allocate_on_comm_stream, "
+             "async_finish, is_token_in_rank, num_tokens_per_expert, num_tokens_per_rank, num_tokens_per_rdma_rank, "
+             "previous_event)"),
+            (lambda: buf.dispatch(x, idx, torch.full((8, 4), float("nan"))),
+             "dispatch: topk_weights[0, 0] is nan; routing weights must be finite"),
         ]
+        w = torch.rand(8, 4, requires_grad=True)  # weights that require grad are read, not refused
+        recv_x, _, _, _, handle, _ = buf.dispatch(x, idx, w)
+        cases.append((lambda: buf.combine(recv_x, handle, (w * 2).detach()),
+                      "combine: topk_weights differ from the weights dispatch was given (combine applies dispatch's; "
+                      "dispatch again to change them)"))
         for fn, msg in cases:
             try:
                 fn()
@@ -148,6 +166,9 @@ def _arg_worker(rank: int, bundle: str, store: str, result_dir: str) -> None:
             except (TypeError, ValueError) as e:
                 if str(e) != msg:
                     out.append(f"expected {msg!r}, got {str(e)!r}")
+        buf.combine(recv_x, handle, w.detach())  # the same weights: accepted
+        empty = torch.zeros(256, 0, dtype=torch.bfloat16).t()  # no rows, and a last stride that is not 1
+        buf.dispatch(empty, torch.zeros(0, 4, dtype=torch.int64))
         buf.close()
         dist.destroy_process_group()
         (Path(result_dir) / f"rank{rank}.txt").write_text("\n".join(out) or "ok")
@@ -172,3 +193,17 @@ def test_bundle_for_another_group_size_is_refused(tmp_path):
     assert plan.num_ranks == 2
     with pytest.raises(BundleError, match="not an epcc bundle"):
         _load_bundle(tmp_path)
+    (bundle / "manifest.json").write_text("{broken", encoding="utf-8")
+    with pytest.raises(BundleError, match=r"manifest.json: unreadable manifest \(Expecting"):
+        _load_bundle(bundle)
+
+
+@pytest.mark.parametrize("bad", ["5", -1, 0, float("nan"), True])
+def test_a_bad_timeout_is_refused_before_any_collective(tmp_path, bad):
+    from epcc.runtime.buffer import Buffer
+
+    bundle = compile_bundle(tmp_path, ONE_HOP.format(r=2, t=8, h=256, dtype="bf16", k=4, e=8))
+    with pytest.raises(ValueError, match="Buffer: timeout_s must be a positive number of seconds"):
+        Buffer(None, bundle, timeout_s=bad)  # no process group: the check comes first
+    with pytest.raises(TypeError, match="Buffer: bundle must be a path"):
+        Buffer(None, None)
