@@ -164,8 +164,8 @@ def _kernel_options(c: argparse.ArgumentParser, only: str = "") -> None:
                         "CUDA target's default configuration)")
 
 
-def _positive(text, flag: str, expected: str, too_small: str) -> int | None:
-    """A positive integer option, or a located-at-the-flag user error."""
+def _positive(text, flag: str, expected: str, too_small: str, most: int | None = None) -> int | None:
+    """A positive integer option (at most `most`), or a located-at-the-flag user error."""
     from .diagnostics import Diagnostic
 
     if text is None:
@@ -176,6 +176,9 @@ def _positive(text, flag: str, expected: str, too_small: str) -> int | None:
         raise CompileError([Diagnostic("error", f"{flag} {text}: expected {expected}", None)]) from None
     if v <= 0:
         raise CompileError([Diagnostic("error", f"{flag} {text}: {too_small}", None)])
+    if most is not None and v > most:
+        raise CompileError([Diagnostic("error", f"{flag} {text}: out of range (at most {most}, as in a .sched file)",
+                                       None)])
     return v
 
 
@@ -183,10 +186,12 @@ def _options(args):
     """PassOptions from --routing/--tokens/--hidden; a bad value is a user error (exit 1)."""
     from .passes import PassOptions
 
+    from .sema.workload import _LIMITS as LIMITS
+
     tokens = _positive(args.tokens, "--tokens", "a whole number of tokens per rank, e.g. --tokens 4096",
-                       "tokens per rank must be at least 1")
+                       "tokens per rank must be at least 1", LIMITS["tokens"])
     hidden = _positive(getattr(args, "hidden", None), "--hidden", "a whole number of channels, e.g. --hidden 256",
-                       "the hidden size must be at least 1")
+                       "the hidden size must be at least 1", LIMITS["hidden"])
     return PassOptions(routing=args.routing, tokens=tokens, hidden=hidden, dtype=getattr(args, "dtype", None))
 
 
@@ -212,6 +217,9 @@ def cmd_tune(args) -> int:
     nproc = manifest["num_ranks"] if args.nproc is None else args.nproc
     if nproc < 1:
         raise CompileError([Diagnostic("error", f"--nproc {nproc}: expected a number of GPUs, at least 1", None)])
+    if not args.iters.isdigit() or int(args.iters) < 1:
+        raise CompileError([Diagnostic("error", f"--iters {args.iters}: expected a number of timed calls, at least 1",
+                                       None)])
     try:
         import torch
     except ImportError as e:
@@ -246,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return EXIT_OK
+    except OSError as e:  # a path the user gave cannot be read or written (-o /proc/x, -o FILE, ...)
+        what = f"{e.filename}: " if e.filename else ""
+        print(f"epcc: error: {what}{e.strerror or e}", file=sys.stderr)
+        return EXIT_USER
     except Exception as e:  # an epcc bug: say so, without a traceback unless asked for
         if os.environ.get("EPCC_DEBUG"):
             traceback.print_exc()
@@ -275,6 +287,11 @@ def cmd_compile(args) -> int:
     def print_after(name: str, text: str) -> None:
         sys.stdout.write(f"// IR after {name}\n{text}")
 
+    if args.rdma != "auto" and getattr(args, "target", None) != "cuda":
+        from .diagnostics import Diagnostic
+
+        raise CompileError([Diagnostic("error", f"--rdma {args.rdma} chooses how the CUDA backend runs RDMA steps: "
+                                                f"add --target cuda", None)])
     c = pipeline.run(args.file, until, args.sources, _options(args),
                      print_after if args.print_ir_after_all else None)
     _warn(c)

@@ -228,6 +228,8 @@ def _from_file(path: str, wl, space, rng, limited) -> Routing:
     if arr.ndim == 2 and np.issubdtype(arr.dtype, np.integer):
         if arr.shape[1] != wl.topk:
             raise _bad(f"{path}: top-k indices have {arr.shape[1]} columns; the workload's topk is {wl.topk}")
+        if arr.shape[0] == 0:
+            raise _bad(f"{path}: no tokens (shape {list(arr.shape)}): a measured routing needs at least one row")
         if arr.size and (arr.min() < 0 or arr.max() >= wl.experts):
             raise _bad(f"{path}: expert indices must lie in 0..{wl.experts - 1}")
         if any(len(set(row)) != len(row) for row in arr.tolist()[:4096]):
@@ -235,6 +237,8 @@ def _from_file(path: str, wl, space, rng, limited) -> Routing:
         return SampledRouting(wl, space, arr.astype(np.int64), f"measured {p.name}")
     if arr.ndim == 1 and arr.shape[0] == wl.experts and np.issubdtype(arr.dtype, np.number):
         w = arr.astype(float)
+        if not np.isfinite(w).all():
+            raise _bad(f"{path}: popularity must be finite (entry {int(np.flatnonzero(~np.isfinite(w))[0])} is not)")
         if (w < 0).any() or not (w > 0).sum() >= wl.topk:
             raise _bad(f"{path}: popularity must be >= 0 with at least topk={wl.topk} positive entries")
         idx = (_node_limited(wl, space, w, SAMPLE_TOKENS, rng) if limited

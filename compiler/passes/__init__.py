@@ -109,8 +109,8 @@ def run_pipeline(module: ir.Module, ctx: PassContext, *, until: str | None = Non
         def body(op, mlir_pass, _p=p):
             try:
                 _p.run(op, ctx)
-            except CompileError as e:
-                ctx.diags.items.extend(e.diagnostics)
+            except CompileError as e:  # from ctx.diags.raise_if_errors() (already there) or raised directly
+                ctx.diags.items.extend(d for d in e.diagnostics if not any(d is x for x in ctx.diags.items))
                 mlir_pass.signal_pass_failure()
             except BaseException as e:  # keep the Python error; MLIR only sees a failure
                 failure.append(e)

@@ -162,25 +162,25 @@ class KernelFormation(Pass):
         self._emit(module, ctx, kernels)
 
     def _emit(self, module, ctx: PassContext, kernels: list[KernelPlan]) -> None:
+        # each program's step ops once (a lookup per role walked the program per step: quadratic)
+        steps = {p: query.step_ops(m) for p in ("dispatch", "combine")
+                 if (m := query.program_module(module, p)) is not None}
+
+        def step_loc(program: str, step: str):
+            op = steps.get(program, {}).get(step)
+            return op.location if op is not None else None
+
         with ir.InsertionPoint(query.body(module)):
             for kp in kernels:
-                loc = self._loc(module, kp.program, kp.roles[0].step) or module.location
+                loc = step_loc(kp.program, kp.roles[0].step) or module.location
                 km = ops.code_module(kp.name, kp.kind, loc=loc)
                 query.annotate(km.operation, "sms", kp.sms)
                 query.annotate(km.operation, "program", kp.program)
                 with ir.InsertionPoint(km.body):
                     for r in kp.roles:
                         op = ops.role(step=r.step, role=r.role, sm_begin=r.sm_begin, sm_end=r.sm_end, warps=r.warps,
-                                      engine=r.engine, loc=self._loc(module, kp.program, r.step) or loc)
+                                      engine=r.engine, loc=step_loc(kp.program, r.step) or loc)
                         if r.pack_sms or r.unpack_sms:
                             query.annotate(op, "pack_sms", r.pack_sms)
                             query.annotate(op, "unpack_sms", r.unpack_sms)
         ctx.results["kernels"] = kernels
-
-    @staticmethod
-    def _loc(module, program: str, step: str):
-        prog = query.program_module(module, program)
-        if prog is None:
-            return None
-        op = query.step_ops(prog).get(step)
-        return op.location if op is not None else None

@@ -34,6 +34,7 @@ from . import Pass, PassContext, register
 from .overlap_schedule import step_times
 
 MIN_TIMEOUT_NS = 1_000_000_000
+MAX_TIMEOUT_NS = 1 << 62  # ~146 years: an i64 attribute, whatever a (very slow) link makes of the estimate
 TIMEOUT_FACTOR = 100
 
 
@@ -109,7 +110,7 @@ class SyncInsertion(Pass):
             producers: dict[str, _Producer] = {}
             waits: list[tuple[_Producer, PlanStep]] = []
             for c in psteps.values():
-                timeout = max(MIN_TIMEOUT_NS, int(TIMEOUT_FACTOR * times.get(c.name, 0.0) * 1e9))
+                timeout = min(MAX_TIMEOUT_NS, max(MIN_TIMEOUT_NS, int(TIMEOUT_FACTOR * times.get(c.name, 0.0) * 1e9)))
                 for d in c.deps:
                     pr = producers.setdefault(d, _Producer(psteps[d], sched))
                     op = step_ops[c.name]

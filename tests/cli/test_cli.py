@@ -471,3 +471,66 @@ def test_exit_statuses_of_the_real_process(tmp_path):
 
     version = epcc("--version")
     assert (version.returncode, version.stdout) == (0, "epcc 0.1.0\n")
+
+
+# --------------------------------------------------------------------------- hardening (session 20 audit)
+
+def test_an_output_path_that_cannot_be_written_is_a_user_error(capsys, tmp_path):
+    for argv in (["compile", SMALL, "-o", "/proc/epcc_out"], ["compile", SMALL, "-o", SMALL],
+                 ["viz", SMALL, "-o", "/proc/epcc_out.svg"]):
+        rc, out, err = run(argv, capsys)
+        assert rc == 1 and no_crash(err) and err.startswith("epcc: error: "), (argv, err)
+
+
+def test_rdma_without_the_cuda_target_is_refused(capsys, tmp_path):
+    rc, out, err = run(["compile", SMALL, "--rdma", "proxy", "-o", str(tmp_path / "b")], capsys)
+    assert rc == 1 and "--rdma proxy chooses how the CUDA backend runs RDMA steps: add --target cuda" in err
+
+
+def _variant(tmp_path: Path, name: str, old: str, new: str) -> str:
+    text = (REPO / "schedules" / name).read_text(encoding="utf-8")
+    assert text.count(old) == 1, old
+    path = tmp_path / name
+    path.write_text(text.replace(old, new), encoding="utf-8")
+    return str(path)
+
+
+def test_a_link_slow_enough_to_overflow_the_wait_timeout_still_compiles(capsys, tmp_path):
+    # 2 B/s: a step's estimate is ~1e10 s, 100 x that in ns passes int64; the timeout is clamped
+    src = _variant(tmp_path, "h200x4.sched", "bandwidth 450 GB/s", "bandwidth 2 B/s")
+    rc, out, err = run(["compile", src, "-o", str(tmp_path / "b")], capsys)
+    assert rc == 0 and no_crash(err), err
+
+
+def test_a_chunk_smaller_than_a_token_is_an_error_reported_once(capsys, tmp_path):
+    src = _variant(tmp_path, "h200x2_2vnode.sched", "chunk 64 tokens depth 8\n  step keep_far",
+                   "chunk 1 B depth 8\n  step keep_far")
+    rc, out, err = run(["compile", src, "-o", str(tmp_path / "b")], capsys)
+    assert rc == 1 and no_crash(err)
+    assert err.count("error: a chunk of 1 B holds no whole token: one token of dispatch is 14400 B") == 1, err
+    assert "1 error generated" in err or err.count(" error: ") == 1
+
+
+def test_an_expression_too_long_is_located(capsys, tmp_path):
+    src = _variant(tmp_path, "ubbv2_ep16.sched", "relation mate = ", "relation mate = ")
+    text = Path(src).read_text(encoding="utf-8")
+    line = next(l for l in text.splitlines() if l.strip().startswith("relation mate = "))
+    rhs = line.split("->", 1)[1].split("#")[0].strip()
+    long = line.split("->", 1)[0] + "-> " + rhs + " + 0" * 300
+    Path(src).write_text(text.replace(line, long), encoding="utf-8")
+    rc, out, err = run(["check", src], capsys)
+    assert rc == 1 and no_crash(err)
+    assert re.search(r"ubbv2_ep16\.sched:\d+:\d+: error: expression too long: more than 200 operators nested", err)
+
+
+def test_an_empty_or_non_finite_routing_file_is_refused(capsys, tmp_path):
+    import numpy as np
+
+    empty, inf = tmp_path / "empty.npy", tmp_path / "inf.npy"
+    np.save(empty, np.zeros((0, 8), dtype=np.int64))
+    pop = np.ones(256)
+    pop[3] = np.inf
+    np.save(inf, pop)
+    for path, msg in ((empty, "no tokens (shape [0, 8])"), (inf, "popularity must be finite (entry 3 is not)")):
+        rc, out, err = run(["simulate", "schedules/h200x4.sched", "--routing", str(path)], capsys)
+        assert rc == 1 and no_crash(err) and msg in err, err
