@@ -78,7 +78,8 @@ class Flow:
     # receiver and place one row per (token, receiver's expert).
     select: tuple[int, ...] | None = None
     # Time the flow is not done after its last byte moved, besides latency: an RDMA channel's last
-    # chunk, staged and applied by one SM each (set by the simulator's SM terms, sim/sm_terms.py).
+    # chunk applied by one SM, a pipelined role's last chunk on fewer SMs than it has (set by the
+    # simulator's SM terms, sim/sm_terms.py).
     tail_s: float = 0.0
     # Time after its step is ready before the flow moves its first byte: an RDMA channel's first
     # chunk staged on an SM and posted by the proxy before the wire carries it (sim/sm_terms.py).
