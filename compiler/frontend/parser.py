@@ -50,7 +50,10 @@ def read_source(path: str) -> str:
     if data[:2] in (b"\xff\xfe", b"\xfe\xff") and b"\x00" in data[2:64]:
         raise CompileError([Diagnostic("error", f"{path}: the file is UTF-16 encoded; save it as UTF-8", None)])
     if b"\x00" in data:
-        raise CompileError([Diagnostic("error", f"{path}: binary file (contains NUL bytes); expected .sched text", None)])
+        at = data.index(b"\x00")
+        line = data[:at].count(b"\n") + 1
+        col = at - (data.rfind(b"\n", 0, at) + 1) + 1
+        raise CompileError([Diagnostic("error", "NUL byte: a binary file? expected .sched text", Span.point(path, line, col))])
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -70,6 +70,7 @@ class _ProgramResolver:
         defaults = self._defaults()
         steps: list[model.Step] = []
         by_name: dict[str, ast.Step] = {}
+        dropped = False
         for i, s in enumerate(self.p.steps):
             if s.name.text in by_name:
                 self.err(s.name.span, f"duplicate step '{s.name.text}'", Note("first defined here", by_name[s.name.text].name.span))
@@ -78,8 +79,12 @@ class _ProgramResolver:
             st = self._step(s, len(steps), defaults)
             if st is not None:
                 steps.append(st)
+            elif self.diags.has_errors:
+                dropped = True
         if any(d.severity == "error" for d in self.diags.items[n_err:]):
             return None
+        if dropped:  # a step that an earlier error (its relation, its link) made unresolvable: the
+            return None  # dataflow checks would only report its absence as errors of their own
         if not self.p.steps:
             self.err(self.p.head_span, f"the {self.kind} program has no steps")
             return None
