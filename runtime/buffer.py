@@ -39,6 +39,10 @@ from .shm import PeerMemory
 FP8_GROUP = 128
 
 
+WEIGHTS_DIFFER = ("combine: topk_weights differ from the weights dispatch was given (combine applies dispatch's; "
+                  "dispatch again to change them)")
+
+
 class BundleError(ValueError):
     """The bundle cannot be used (missing, unreadable, or compiled for another group)."""
 
@@ -191,8 +195,7 @@ class Buffer:
             if topk_weights is not None and given is not None and not (
                     isinstance(topk_weights, torch.Tensor) and topk_weights.shape == given.shape
                     and torch.equal(topk_weights.to(given.device, given.dtype), given)):
-                raise ValueError("combine: topk_weights differ from the weights dispatch was given (combine applies "
-                                 "dispatch's; dispatch again to change them)")
+                raise ValueError(WEIGHTS_DIFFER)
             return self._cuda.combine(x, handle)
         if not isinstance(handle, Handle):
             raise TypeError(f"combine: handle must be the handle dispatch returned, not {type(handle).__name__}")
@@ -200,8 +203,7 @@ class Buffer:
         if topk_weights is not None:
             check_tensor("combine", "topk_weights", topk_weights, (handle.tokens, self.topk), (torch.float32,))
             if not np.array_equal(topk_weights.detach().numpy(), handle.weights):
-                raise ValueError("combine: topk_weights differ from the weights dispatch was given (combine applies "
-                                 "dispatch's; dispatch again to change them)")
+                raise ValueError(WEIGHTS_DIFFER)
         y = (np.zeros((0, self.hidden), dtype=np.uint16) if x.shape[0] == 0 else
              x.detach().contiguous().view(torch.int16).numpy().view(np.uint16))
         mem = self._prepare("combine", handle.layout,

@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     sms_list, warp_list = _ints(args.sms, "--sms"), _ints(args.warps, "--warps")
     if max(warp_list) > MAX_WARPS:
         raise SystemExit(f"epcc tune: --warps {args.warps}: at most {MAX_WARPS} warps per block")
+    if args.iters < 1:
+        raise SystemExit(f"epcc tune: --iters {args.iters}: at least 1 timed call (the median of none is no time)")
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)

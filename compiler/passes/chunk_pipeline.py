@@ -53,7 +53,7 @@ from ..diagnostics import Note
 from ..ir import ops, query
 from ..plan import Plan, PlanStep, chunk_sizes
 from ..sema import model
-from ..sim.sm_terms import proxy_rates, sm_rates, window_rate, work_of
+from ..sim.sm_terms import THREAD_ENGINES, proxy_rates, sm_rates, window_rate, work_of
 from . import Pass, PassContext, register
 
 LATENCY_FACTOR = 16
@@ -68,7 +68,6 @@ RDMA_SAME = 0.001  # depths this close to a chunk size's fastest count as equal:
 # emulated transport round trips ran up to ~2x the model (64-token chunks at 400 GB/s: ~120 us
 # per 8 chunks against 64 modelled), and a window that only just covers the link loses it.
 RDMA_HEADROOM = 1.5
-THREAD_ENGINES = ("sm", "spc", "tma")  # engines whose chunks are one SM's (SPC's) work: the ones ramped
 # Default halvings of a followed step's head and of a following step's tail (a step's `ramp N`
 # sets both).  3: 1/8, 1/4, 1/2 of a chunk, a role of 8 SMs spreads one chunk over its first or
 # last wave.  Heads are whole by default: measured on 2 H200s (docs/rdma.md, session 20) the
@@ -178,6 +177,7 @@ class ChunkPipeline(Pass):
         links = sched.topology.links
         rates = sm_rates(plan)  # the topology's `sm` line, as the simulator reads it
         too_small: set = set()  # chunk options already reported (a dispatch step's and its reverse's)
+        resolved: dict[int, tuple] = {}  # id(plan step) -> (its file step, bytes per token, link): for the ramps
         for ps in plan.steps:
             by_name = {s.name: s for s in plan.program_steps(ps.program)}
             prog = sched.dispatch if ps.program == "dispatch" else sched.combine
@@ -234,21 +234,20 @@ class ChunkPipeline(Pass):
             exchanges = {s.name for s in plan.program_steps(ps.program) if s.verb == "exchange"}
             explicit = set(st.after) if st is not None else set()
             ps.pipelined_deps = tuple(d for d in ps.deps if d not in exchanges and d not in explicit)
+            resolved[id(ps)] = (given, bpt, link)
         ctx.diags.raise_if_errors()
         for ps in plan.steps:
-            self._ramp(sched, plan, ps)
+            if id(ps) in resolved:  # the pipelining of every step is known now: who follows whom
+                self._ramp(plan, ps, *resolved[id(ps)])
         self._annotate(module, ctx, plan)
 
     @staticmethod
-    def _ramp(sched: model.Schedule, plan: Plan, ps: PlanStep) -> None:
-        """ramp_head / ramp_tail of a chunked SM role (module docstring), and its chunk count."""
-        link = sched.topology.links.get(ps.link) if ps.link else None
+    def _ramp(plan: Plan, ps: PlanStep, given: model.Step | None, bpt: int, link: model.LinkInfo | None) -> None:
+        """ramp_head / ramp_tail of a chunked SM role (module docstring), and its chunk count;
+        `given` is the file's step (a reverse step's: the dispatch step it returns)."""
         engine = link.engine if link is not None else "sm"
-        if ps.verb == "exchange" or ps.link_kind == "rdma" or engine not in THREAD_ENGINES or not ps.chunk_bytes:
+        if ps.link_kind == "rdma" or engine not in THREAD_ENGINES or not ps.chunk_bytes:
             return
-        prog = sched.dispatch if ps.program == "dispatch" else sched.combine
-        given = (_step(prog, ps.name) if ps.reverse_of is None else None) or _step(sched.dispatch, ps.reverse_of)
-        bpt = plan.bytes_per_token if ps.program == "dispatch" else sched.workload.combine_bytes_per_token
         tokens = int(ps.chunk_bytes // bpt)
         explicit = given is not None and given.ramp is not None
 

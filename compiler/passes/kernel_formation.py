@@ -44,7 +44,6 @@ from .overlap_schedule import busy_time, step_times
 
 DEFAULT_SMS = 24
 META_SMS = 2  # counting and exchanging counts is latency-bound: a couple of SMs
-THREAD_ENGINES = ("sm", "spc", "tma")
 
 PROXY_MAX_SMS = 16  # blocks of a GPU proxy path's pack or unpack role at most (at least: sm_terms.PROXY_MIN_SMS)
 

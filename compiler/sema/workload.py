@@ -23,7 +23,7 @@ def resolve_workload(w: ast.Workload, topo: model.Topology | None, diags: Diagno
     if missing:
         return None
     ok = True
-    for key, limit in _LIMITS.items():
+    for key, limit in LIMITS.items():
         it = items.get(key)
         if it is not None and isinstance(it.values[0], int) and it.values[0] > limit:
             diags.error(it.span, f"{key} {number_text(it.values[0])} is out of range (at most {limit})")
@@ -120,7 +120,7 @@ def resolve_workload(w: ast.Workload, topo: model.Topology | None, diags: Diagno
                           topo.num_ranks, w.span)
 
 
-_LIMITS = {"tokens": 1 << 24, "hidden": 1 << 20, "topk": 1024, "experts": 1 << 16, "node_limit": 1 << 16}
+LIMITS = {"tokens": 1 << 24, "hidden": 1 << 20, "topk": 1024, "experts": 1 << 16, "node_limit": 1 << 16}
 
 _EXAMPLES = {
     "tokens": "add e.g. 'tokens 4096 per rank'",

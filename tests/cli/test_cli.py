@@ -476,10 +476,20 @@ def test_exit_statuses_of_the_real_process(tmp_path):
 # --------------------------------------------------------------------------- hardening (session 20 audit)
 
 def test_an_output_path_that_cannot_be_written_is_a_user_error(capsys, tmp_path):
-    for argv in (["compile", SMALL, "-o", "/proc/epcc_out"], ["compile", SMALL, "-o", SMALL],
-                 ["viz", SMALL, "-o", "/proc/epcc_out.svg"]):
+    for argv, text in ((["compile", SMALL, "-o", "/proc/epcc_out"], "/proc/epcc_out: No such file or directory"),
+                       (["compile", SMALL, "-o", SMALL], f"{SMALL}: File exists"),
+                       (["viz", SMALL, "-o", "/proc/epcc_out.svg"], "/proc/epcc_out.svg: No such file or directory")):
         rc, out, err = run(argv, capsys)
-        assert rc == 1 and no_crash(err) and err.startswith("epcc: error: "), (argv, err)
+        assert (rc, err) == (1, f"epcc: error: {text}\n"), argv
+
+
+def test_tokens_and_hidden_beyond_the_files_limits_are_refused(capsys):
+    for argv, text in ((["simulate", SMALL, "--tokens", "99999999999"],
+                        "--tokens 99999999999: out of range (at most 16777216, as in a .sched file)"),
+                       (["run", SMALL, "--hidden", "2000000"],
+                        "--hidden 2000000: out of range (at most 1048576, as in a .sched file)")):
+        rc, out, err = run(argv, capsys)
+        assert (rc, err) == (1, f"epcc: error: {text}\n"), argv
 
 
 def test_rdma_without_the_cuda_target_is_refused(capsys, tmp_path):
@@ -531,6 +541,7 @@ def test_an_empty_or_non_finite_routing_file_is_refused(capsys, tmp_path):
     pop = np.ones(256)
     pop[3] = np.inf
     np.save(inf, pop)
-    for path, msg in ((empty, "no tokens (shape [0, 8])"), (inf, "popularity must be finite (entry 3 is not)")):
+    for path, msg in ((empty, "no tokens (shape [0, 8]): a measured routing needs at least one row"),
+                      (inf, "popularity must be finite (entry 3 is not)")):
         rc, out, err = run(["simulate", "schedules/h200x4.sched", "--routing", str(path)], capsys)
-        assert rc == 1 and no_crash(err) and msg in err, err
+        assert (rc, err) == (1, f"epcc: error: {path}: {msg}\n")

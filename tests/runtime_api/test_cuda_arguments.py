@@ -111,6 +111,7 @@ def test_read_timeline_before_enable_timeline_is_refused():
     (["--warps", "17"], "epcc tune: --warps 17: at most 16 warps per block"),
     (["--warps", "8,x"], "epcc tune: --warps 8,x: expected comma-separated whole numbers, e.g. 8,16,24"),
     (["--sms", "1,8"], "epcc tune: --sms 1,8: every value must be at least 2"),
+    (["--iters", "0"], "epcc tune: --iters 0: at least 1 timed call (the median of none is no time)"),
 ])
 def test_tune_option_errors_are_named_before_any_gpu_work(argv, text):
     from epcc.runtime import tune
