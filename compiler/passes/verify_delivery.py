@@ -57,8 +57,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..analysis.combine_flow import Problem, WrittenCombine, head_span, route_text
+from ..analysis.findings import Problem, head_span, route_text
 from ..analysis.flow import FlowAnalysis, Stream
+from ..analysis.written_combine import WrittenCombine
 from ..diagnostics import DiagnosticBag, Note, Span
 from ..ir import query
 from ..sema import model
