@@ -16,6 +16,12 @@ result return the :class:`mlir.ir.Value`; the others return the :class:`mlir.ir.
 
 The few decoders at the end turn encoded attributes (relation targets, link pairs) back into the
 model's Python values, so that passes do not re-implement the encoding either.
+
+Why this file is over 400 lines: it is one concern, the dialect's spelling, kept in one place on
+purpose.  Every builder is the same few lines over the same private encoders (`_str`, `_i64`,
+`_segments`, `_create`), and the compiler uses the module as one namespace (`ops.TRANSFER`,
+`ops.transfer`, `ops.STEP_OPS`); split by op family, each part would need those encoders and this
+module would be left re-exporting its sixty-odd names.
 """
 
 from __future__ import annotations

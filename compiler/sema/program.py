@@ -3,16 +3,23 @@
 Every rank runs every step (SPMD).  In a step, `me` is the executing rank; a buffer written as
 `rel.buf` is `buf` on each rank that `rel` relates to the executing rank (the *far* rank), and
 `rel` inside a selection means that far rank.
+
+This module resolves a program's buffers and each step's action (its verb, buffers, relation
+and selection).  The rest of a program is resolved beside it: rank sets in
+:mod:`epcc.sema.ranksets`, step options, defaults and links in :mod:`epcc.sema.step_options`,
+and the dependency graph of the steps in :mod:`epcc.sema.step_graph`.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
-from ..diagnostics import DiagnosticBag, Note, Span, did_you_mean
+from ..diagnostics import DiagnosticBag, Note, Span
 from ..frontend import ast
 from . import model
-from .units import number_text, parse_size
+from .hints import suggestion
+from .ranksets import RankSetResolver
+from .step_graph import check_step_graph
+from .step_options import StepOptions, program_defaults
+from .units import parse_size
 
 BUILTINS = {
     "dispatch": {"input": "source", "output": "sink"},
@@ -29,11 +36,6 @@ VERBS_BY_KIND = {
     "combine": ("send", "pull", "copy", "reduce", "exchange"),
 }
 EXCHANGE_WHAT = ("counts", "routing", "layout")
-DEDUP = ("rank", "none")
-_DEFAULTABLE = ("chunk", "depth", "sms", "ramp", "dedup")
-MAX_DEPTH = 1 << 16
-MAX_SMS = 4096
-MAX_RAMP = 8  # halvings: a chunk of 256 tokens ramps from 1
 
 
 def resolve_program(p: ast.Program, topo: model.Topology, wl: model.Workload | None,
@@ -52,6 +54,8 @@ class _ProgramResolver:
         self.buffers: dict[str, model.BufferInfo] = {}
         self.buffer_ast: dict[str, ast.Buffer] = {}
         self.broken_buffers: set[str] = set()
+        self.ranksets = RankSetResolver(topo, self.err)
+        self.options = StepOptions(topo, diags, self.err)
 
     def err(self, span: Span, msg: str, *notes) -> None:
         # once per place and message: a bad `defaults` option is checked for every step inheriting it
@@ -67,7 +71,7 @@ class _ProgramResolver:
             self.buffers[name] = model.BufferInfo(name, role, None, None, None)
         for b in self.p.buffers:
             self._buffer(b)
-        defaults = self._defaults()
+        defaults = program_defaults(self.p, self.err)
         steps: list[model.Step] = []
         by_name: dict[str, ast.Step] = {}
         dropped = False
@@ -88,7 +92,7 @@ class _ProgramResolver:
         if not self.p.steps:
             self.err(self.p.head_span, f"the {self.kind} program has no steps")
             return None
-        self._dataflow(steps, by_name)
+        check_step_graph(steps, self.buffers, self.diags, self.err)
         self._check_sink(steps)
         if any(d.severity == "error" for d in self.diags.items[n_err:]):
             return None
@@ -114,20 +118,6 @@ class _ProgramResolver:
         self.buffer_ast[name] = b
         self.buffers[name] = model.BufferInfo(name, "staging", toks, byts, b.span)
 
-    def _defaults(self) -> dict[str, ast.StepOpt]:
-        out: dict[str, ast.StepOpt] = {}
-        for d in self.p.defaults:
-            for o in d.opts:
-                if o.key not in _DEFAULTABLE:
-                    self.err(o.span, f"'{o.key}' cannot be a default; it belongs to one step",
-                             f"defaults may set {', '.join(_DEFAULTABLE)}")
-                    continue
-                if o.key in out:
-                    self.err(o.span, f"default '{o.key}' is given twice", Note("first given here", out[o.key].span))
-                    continue
-                out[o.key] = o
-        return out
-
     # ------------------------------------------------------------------ steps
     def _step(self, s: ast.Step, index: int, defaults: dict[str, ast.StepOpt]) -> model.Step | None:
         a = s.action
@@ -142,18 +132,18 @@ class _ProgramResolver:
         st = model.Step(s.name.text, s.title, verb, s.span, index)
         ok = self._exchange(st, a) if verb == "exchange" else self._transfer(st, a)
         # Links are checked against the step's rank pairs: only once the step itself resolved.
-        self._options(st, s, defaults, resolve_link=ok)
+        self.options.apply(st, s, defaults, resolve_link=ok)
         if not ok or any(d.severity == "error" for d in self.diags.items[n_err:]):
             return None
         return st
 
     def _exchange(self, st: model.Step, a: ast.Action) -> bool:
         if a.what.text not in EXCHANGE_WHAT:
-            self.err(a.what.span, f"cannot exchange '{a.what.text}'", *_maybe(did_you_mean(a.what.text, EXCHANGE_WHAT)),
+            self.err(a.what.span, f"cannot exchange '{a.what.text}'", *suggestion(a.what.text, EXCHANGE_WHAT),
                      f"exchangeable metadata: {', '.join(EXCHANGE_WHAT)}")
             return False
         st.exchange_what = a.what.text
-        st.exchange_peers = self._rankset(a.peers, far=None)
+        st.exchange_peers = self.ranksets.rankset(a.peers, far=None)
         if st.exchange_peers is None:
             return False
         if not any(st.exchange_peers.evaluate(r, None) - {r} for r in range(self.space.num_ranks)):
@@ -282,7 +272,7 @@ class _ProgramResolver:
             return None  # declared, but its declaration is wrong: already reported there
         if b.buf.text not in self.buffers:
             cands = list(self.buffers)
-            notes = list(_maybe(did_you_mean(b.buf.text, cands)))
+            notes = list(suggestion(b.buf.text, cands))
             if not notes:
                 notes.append(f"declare it: 'buffer {b.buf.text}'")
             self.err(b.buf.span, f"unknown buffer '{b.buf.text}'", *notes)
@@ -294,7 +284,7 @@ class _ProgramResolver:
         if n.text in self.topo.broken_relations:
             return None  # declared, but its declaration is wrong: already reported there
         if n.text not in rels:
-            self.err(n.span, f"unknown relation '{n.text}'", *_maybe(did_you_mean(n.text, rels)))
+            self.err(n.span, f"unknown relation '{n.text}'", *suggestion(n.text, rels))
             return None
         return rels[n.text]
 
@@ -309,330 +299,18 @@ class _ProgramResolver:
             self.err(sel.span, "combine selects partial sums by their home rank: write 'tokens of ...'",
                      "'tokens for S' (by destination) is for dispatch")
             return None
-        rs = self._rankset(sel.ranks, far)
+        rs = self.ranksets.rankset(sel.ranks, far)
         if rs is None:
             return None
         return model.Selection(sel.mode, rs, sel.span)
 
-    # ------------------------------------------------------------------ rank sets
-    def _rankset(self, rs: ast.RankSet, far: model.RelationInfo | None) -> model.RankSetExpr | None:
-        fns: list[tuple[str, Callable[[int, int | None], frozenset[int]]]] = []
-        texts = []
-        for op, term in rs.terms:
-            fn = self._rank_term(term, far)
-            if fn is None:
-                return None
-            fns.append((op, fn))
-            t = term.base.text + (f".{term.member.text}" if term.member else "")
-            texts.append(t if not texts else f"{op} {t}")
-
-        def evaluate(r: int, f: int | None, _fns=tuple(fns)) -> frozenset[int]:
-            acc: frozenset[int] = frozenset()
-            for op, fn in _fns:
-                acc = acc | fn(r, f) if op == "+" else acc - fn(r, f)
-            return acc
-
-        return model.RankSetExpr(" ".join(texts), evaluate, rs.span)
-
-    def _rank_term(self, t: ast.RankTerm, far: model.RelationInfo | None):
-        space = self.space
-        base = t.base.text
-        scopes = space.scope_names()
-        rels = self.topo.relations
-        member = None
-        if t.member is not None:
-            member = t.member.text
-            if member not in scopes and member not in rels and member not in self.topo.broken_relations:
-                self.err(t.member.span, f"unknown level, group or relation '{member}'",
-                         *_maybe(did_you_mean(member, scopes + list(rels))))
-                return None
-        broken = self.topo.broken_relations
-        if base in broken or (member is not None and member in broken):
-            return None  # a broken relation: already reported at its declaration
-        pick = self._member_fn(member)
-        if base == "me":
-            return lambda r, f: pick(r)
-        if base == "all":
-            if member is not None:
-                self.err(t.span, "'all' is every rank; it has no members to pick", f"write '{member}' for my {member}")
-                return None
-            everyone = frozenset(range(space.num_ranks))
-            return lambda r, f: everyone
-        if base in rels:
-            rel = rels[base]
-            if far is not None and rel.name == far.name:
-                return lambda r, f: pick(f)
-            # Another relation: all of the executing rank's related ranks.
-            return lambda r, f: frozenset().union(*(pick(g) for g in rel.of(r)))
-        if base in scopes:
-            if member is not None:
-                self.err(t.span, f"'{base}' is a level or group; '{base}.{member}' means nothing",
-                         f"write '{base}' for my {base}, or '<relation>.{member}'")
-                return None
-            return lambda r, f: space.members(r, base)
-        cands = ["me", "all"] + list(rels) + scopes
-        self.err(t.base.span, f"unknown rank set '{base}'", *_maybe(did_you_mean(base, cands)),
-                 "rank sets are 'me', 'all', relations, levels and groups (e.g. 'mate.vnode')")
-        return None
-
-    def _member_fn(self, member: str | None) -> Callable[[int], frozenset[int]]:
-        """`x.member`: x itself, the ranks of x's level/group instance, or x's related ranks."""
-        space = self.space
-        if member is None:
-            return lambda q: frozenset((q,))
-        if member in self.topo.relations:
-            rel = self.topo.relations[member]
-            return lambda q: frozenset(rel.of(q))
-        return lambda q: space.members(q, member)
-
-    # ------------------------------------------------------------------ options
-    def _options(self, st: model.Step, s: ast.Step, defaults: dict[str, ast.StepOpt], resolve_link: bool) -> None:
-        given: dict[str, ast.StepOpt] = {}
-        for o in s.opts:
-            if o.key in given:
-                self.err(o.span, f"'{o.key}' is given twice for step '{st.name}'", Note("first given here", given[o.key].span))
-                continue
-            given[o.key] = o
-        opts = dict(defaults)
-        opts.update(given)
-        for key, o in opts.items():
-            st.opt_spans[key] = o.span
-            if key == "chunk":
-                res = parse_size(o.value, "a chunk", self.diags)
-                if res is not None:
-                    st.chunk_tokens, st.chunk_bytes = res
-            elif key == "depth":
-                if o.value < 1:
-                    self.err(o.span, f"pipeline depth must be at least 1, not {o.value}")
-                elif o.value > MAX_DEPTH:
-                    self.err(o.span, f"pipeline depth {number_text(o.value)} is out of range (at most {MAX_DEPTH})")
-                st.depth = o.value
-            elif key == "sms":
-                if o.value < 1:
-                    self.err(o.span, f"a step needs at least 1 SM, not {o.value}")
-                elif o.value > MAX_SMS:
-                    self.err(o.span, f"{number_text(o.value)} SMs is out of range (at most {MAX_SMS})")
-                st.sms = o.value
-            elif key == "ramp":
-                if o.value > MAX_RAMP:
-                    self.err(o.span, f"ramp {number_text(o.value)} is out of range (at most {MAX_RAMP} halvings; "
-                             f"0 keeps every chunk whole)")
-                st.ramp = o.value
-            elif key == "dedup":
-                if o.value.text not in DEDUP:
-                    self.err(o.value.span, f"unknown dedup mode '{o.value.text}'", *_maybe(did_you_mean(o.value.text, DEDUP)),
-                             "dedup rank: one copy per token and receiving rank; dedup none: one copy per expert")
-                st.dedup = o.value.text
-            elif key == "order":
-                st.order = o.value
-            elif key == "after":
-                st.after = tuple(n.text for n in o.value)
-            elif key == "parallel":
-                st.parallel = tuple(n.text for n in o.value)
-        if resolve_link:
-            self._link(st, given.get("over"))
-
-    def _link(self, st: model.Step, over: ast.StepOpt | None) -> None:
-        links = self.topo.links
-        local = st.verb in ("copy", "permute", "reduce")
-        if over is not None:
-            name = over.value
-            if name.text in self.topo.broken_links:
-                return  # the link's declaration is wrong: already reported there
-            if name.text not in links:
-                self.err(name.span, f"unknown link '{name.text}'", *_maybe(did_you_mean(name.text, links)))
-                return
-            link = links[name.text]
-            if local and link.kind != "local":
-                self.err(name.span, f"'{st.verb}' stays on the rank, but '{link.name}' is a {link.kind} link",
-                         "use a local link (e.g. 'link hbm local { bandwidth 3 TB/s }') or drop 'over'")
-                return
-            if not local and link.kind == "local":
-                self.err(name.span, f"step '{st.name}' moves data between ranks, but '{link.name}' is a local link")
-                return
-            if st.verb == "exchange":
-                self._check_exchange_link(st, link, name.span)
-            elif not local:
-                self._check_link_pairs(st, link, name.span)
-            st.link = link
-            return
-        if local:
-            cands = self.topo.local_links()
-            if len(cands) == 1:
-                st.link = cands[0]
-            elif len(cands) > 1:
-                self.err(st.span, f"step '{st.name}' could use any of the local links "
-                                  f"{', '.join(l.name for l in cands)}; name one with 'over'")
-            return
-        if st.verb == "exchange":
-            return  # metadata is routed by the compiler over whatever links reach the peers
-        cands = [l for l in links.values() if l.kind != "local" and all(
-            l.connects(a, b) for r in range(self.space.num_ranks) for a, b in st.flows(r))]
-        if len(cands) == 1:
-            st.link = cands[0]
-            return
-        if not cands:
-            # Name the first pair no link joins.
-            for r in range(self.space.num_ranks):
-                for a, b in st.flows(r):
-                    if not any(l.connects(a, b) for l in links.values()):
-                        self.err(st.span, f"no link connects {self.space.describe(a)} to {self.space.describe(b)}, "
-                                          f"which step '{st.name}' moves data between ({_rel_role(st)})",
-                                 *( [f"links: {', '.join(links)}"] if links else ["the topology declares no links"]))
-                        return
-            self.err(st.span, f"no single link connects every pair that step '{st.name}' moves data between",
-                     "split the step by link, or name one with 'over'")
-            return
-        self.err(st.span, f"step '{st.name}' could use any of the links {', '.join(l.name for l in cands)}; "
-                          f"name one with 'over'")
-
-    def _check_link_pairs(self, st: model.Step, link: model.LinkInfo, span: Span) -> None:
-        for r in range(self.space.num_ranks):
-            for a, b in st.flows(r):
-                if not link.connects(a, b):
-                    others = [l.name for l in self.topo.links.values() if l.connects(a, b) and l.kind != "local"]
-                    notes = [f"link '{link.name}' connects '{link.relation_text}'"]
-                    if others:
-                        notes.append(f"{'link' if len(others) == 1 else 'links'} {', '.join(others)} "
-                                     f"{'connects' if len(others) == 1 else 'connect'} that pair")
-                    self.err(span, f"link '{link.name}' does not connect {self.space.describe(a)} to "
-                                   f"{self.space.describe(b)} ({_rel_role(st)})", *notes)
-                    return
-
-    def _check_exchange_link(self, st: model.Step, link: model.LinkInfo, span: Span) -> None:
-        for r in range(self.space.num_ranks):
-            for p in sorted(st.exchange_peers.evaluate(r, None) - {r}) if st.exchange_peers else ():
-                if not link.connects(r, p):
-                    self.err(span, f"link '{link.name}' does not connect {self.space.describe(r)} to "
-                                   f"{self.space.describe(p)}, a rank it exchanges {st.exchange_what} with",
-                             "drop 'over' to let the compiler route metadata")
-                    return
-
-    # ------------------------------------------------------------------ dataflow
-    def _dataflow(self, steps: list[model.Step], by_name: dict[str, ast.Step]) -> None:
-        names = {s.name: s for s in steps}
-        writers: dict[str, list[model.Step]] = {}
-        exchanges: list[model.Step] = []
-        for s in steps:
-            # Data steps need the counts/layout that earlier metadata exchanges produce.
-            deps: list[str] = [] if s.verb == "exchange" else [x.name for x in exchanges]
-            if s.verb == "exchange":
-                data_before = [t for t in steps if t.index < s.index and t.verb != "exchange"]
-                if data_before:
-                    self.diags.warning(s.span, f"metadata exchange '{s.name}' comes after data step "
-                                               f"'{data_before[0].name}', which cannot use its {s.exchange_what}",
-                                       "exchange metadata first; later data steps wait for it")
-                exchanges.append(s)
-            for src in s.sources:
-                buf = src.buffer
-                if buf.role == "staging":
-                    ws = writers.get(buf.name, [])
-                    if not ws:
-                        later = [t for t in steps if t.index > s.index and t.dest is not None and t.dest.buffer.name == buf.name]
-                        notes = [Note(f"'{buf.name}' is first written by step '{later[0].name}', which comes later",
-                                      later[0].span)] if later else [f"no step writes '{buf.name}'"]
-                        self.err(src.span, f"buffer '{buf.name}' is read by step '{s.name}' before any step writes it", *notes)
-                        continue
-                    deps.extend(w.name for w in ws)
-            s.data_deps = tuple(dict.fromkeys(deps))
-            if s.dest is not None:
-                writers.setdefault(s.dest.buffer.name, []).append(s)
-        # Explicit dependencies and hints.
-        for s in steps:
-            for key in ("after", "parallel"):
-                for n in getattr(s, key):
-                    if n not in names:
-                        self.err(s.opt_spans[key], f"unknown step '{n}'", *_maybe(did_you_mean(n, names)))
-        if self.diags.has_errors:
-            return
-        self._cycles(steps, names)
-        if self.diags.has_errors:
-            return
-        anc = _ancestors(steps)
-        for s in steps:
-            for n in s.parallel:
-                if n == s.name:
-                    self.err(s.opt_spans["parallel"], f"step '{s.name}' is said to run in parallel with itself")
-                elif n in anc[s.name] or s.name in anc[n]:
-                    first, second = (n, s.name) if n in anc[s.name] else (s.name, n)
-                    self.err(s.opt_spans["parallel"],
-                             f"steps '{s.name}' and '{n}' cannot run in parallel: '{second}' depends on '{first}'",
-                             _why(names[second], first))
-        # Buffers nobody reads / writes.
-        read = {src.buffer.name for s in steps for src in s.sources}
-        written = {s.dest.buffer.name for s in steps if s.dest is not None}
-        for name, b in self.buffers.items():
-            if b.role != "staging":
-                continue
-            if name not in read and name not in written:
-                self.diags.warning(b.span, f"buffer '{name}' is never used")
-            elif name not in read:
-                self.diags.warning(b.span, f"data written to buffer '{name}' is never read")
-
-    def _cycles(self, steps: list[model.Step], names: dict[str, model.Step]) -> None:
-        state: dict[str, int] = {}
-        stack: list[str] = []
-
-        def visit(n: str) -> bool:
-            state[n] = 1
-            stack.append(n)
-            for d in names[n].deps:
-                if state.get(d) == 1:
-                    cyc = stack[stack.index(d):] + [d]
-                    # Report at the explicit `after` that closes the cycle.
-                    culprit = next((names[x] for x in cyc if names[x].after and any(
-                        y in names[x].after for y in cyc)), names[n])
-                    span = culprit.opt_spans.get("after", culprit.span)
-                    self.err(span, "dependency cycle: " + " -> ".join(reversed(cyc)),
-                             "a step waits for the steps it names in 'after' and for the steps whose buffers it reads")
-                    return True
-                if state.get(d) is None and visit(d):
-                    return True
-            stack.pop()
-            state[n] = 2
-            return False
-
-        for s in steps:
-            if state.get(s.name) is None and visit(s.name):
-                return
-
     def _check_sink(self, steps: list[model.Step]) -> None:
+        """The program must write its sink (`output` / `result`) somewhere."""
         sink = next(n for n, r in BUILTINS[self.kind].items() if r == "sink")
         if not any(s.dest is not None and s.dest.buffer.name == sink for s in steps):
             self.err(self.p.head_span, f"the {self.kind} program never writes '{sink}' "
                                        f"({BUILTIN_DOC[(self.kind, sink)]})",
                      "without it no token is delivered")
-
-
-def _ancestors(steps: list[model.Step]) -> dict[str, set[str]]:
-    names = {s.name: s for s in steps}
-    memo: dict[str, set[str]] = {}
-
-    def anc(n: str) -> set[str]:
-        if n not in memo:
-            memo[n] = set()
-            acc: set[str] = set()
-            for d in names[n].deps:
-                acc.add(d)
-                acc |= anc(d)
-            memo[n] = acc
-        return memo[n]
-
-    return {s.name: anc(s.name) for s in steps}
-
-
-def _why(step: model.Step, dep: str) -> str:
-    if dep in step.after:
-        return f"'{step.name}' says 'after {dep}'"
-    if dep in step.data_deps:
-        return f"'{step.name}' reads what '{dep}' writes"
-    return f"'{step.name}' waits for '{dep}' through other steps"
-
-
-def _rel_role(st: model.Step) -> str:
-    if st.verb == "send":
-        return f"'{st.name}' sends to its '{st.relation.name}'"
-    return f"'{st.name}' pulls from its '{st.relation.name}'"
 
 
 def _set_text(space: model.RankSpace, s: frozenset[int]) -> str:
@@ -643,7 +321,3 @@ def _set_text(space: model.RankSpace, s: frozenset[int]) -> str:
         return f"rank {items[0]}"
     shown = ", ".join(map(str, items[:6])) + (", ..." if len(items) > 6 else "")
     return f"ranks {{{shown}}}"
-
-
-def _maybe(x):
-    return (x,) if x else ()

@@ -31,7 +31,8 @@ from hypothesis.extra.lark import from_lark
 from epcc.cli import main
 from epcc.diagnostics import CompileError
 from epcc.frontend import ast
-from epcc.frontend.parser import _parser, parse_text
+from epcc.frontend.grammar import lark_parser as _parser
+from epcc.frontend.parser import parse_text
 from epcc.pipeline import describe_schedule
 from epcc.sema.check import analyze
 

@@ -17,6 +17,7 @@ from mlir import ir
 
 from epcc import pipeline
 from epcc.analysis.combine_flow import AdjointCombine, derive_ops
+from epcc.analysis.exactly_once import ExactlyOnce
 from epcc.dialect import new_context
 from epcc.diagnostics import CompileError
 from epcc.ir import ops as irops
@@ -24,7 +25,6 @@ from epcc.ir import query
 from epcc.ir.emit import print_module
 from epcc.passes.derive_combine import verify_adjoint
 from epcc.passes.route_analysis import link_resources
-from epcc.passes.verify_delivery import ExactlyOnce
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEDULES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "schedules").glob("*.sched"))

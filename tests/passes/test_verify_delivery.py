@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from epcc import pipeline
+from epcc.analysis.exactly_once import ExactlyOnce
 from epcc.diagnostics import CompileError
 from epcc.ir import query
-from epcc.passes.verify_delivery import ExactlyOnce, ranks_text
+from epcc.passes.verify_delivery import ranks_text
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEDULES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "schedules").glob("*.sched"))
