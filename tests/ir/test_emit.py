@@ -150,7 +150,9 @@ def test_golden(name):
 
 
 def test_goldens_present():
-    assert {"h200x4", "ubbv2_ep16"} <= set(GOLDENS)
+    # One whole-IR golden of a real plan; what emission writes for each construct is pinned by
+    # the lit tests (tests/lit/mlir/).
+    assert "ubbv2_ep16" in GOLDENS
 
 
 # ---------------------------------------------------------------------------- negative tests

@@ -1,4 +1,4 @@
-"""The IR after every pass is pinned for two schedules; every pass is registered under its name."""
+"""The IR after every pass is pinned for one real plan (goldens.py); every pass is registered under its name."""
 
 from __future__ import annotations
 
