@@ -338,8 +338,9 @@ def cmd_compile(args) -> int:
         return EXIT_OK
     out = Path(args.output or Path("build") / c.schedule.name)
     ir_file = out / f"{c.schedule.name}.mlir"
+    # the bundle directory is the compiler's: it writes NAME.mlir, plan.json, manifest.json, cuda/
     refuse_overwrite("-o", str(out), [out, ir_file, out / "plan.json", out / "manifest.json"], _inputs(args),
-                     dirs=[out / "cuda"] if getattr(args, "target", None) == "cuda" else [])
+                     dirs=[out])
     src = read_bytes(args.file, "a .sched file", SCHED_MAX_BYTES)
     out.mkdir(parents=True, exist_ok=True)
     ir_file.write_text(pipeline.show(c, until), encoding="utf-8")

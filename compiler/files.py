@@ -173,6 +173,8 @@ def read_npy(path: str | os.PathLike, what: str, limit: int = NPY_MAX_BYTES) -> 
         shape, fortran, dtype = read_header(f, max_header_size=1 << 16)
     except (ValueError, OSError, SyntaxError, EOFError) as e:
         raise ContentError(name, f"not a NumPy .npy array ({e})") from None
+    if any(n < 0 for n in shape):
+        raise ContentError(name, f"not a NumPy .npy array (the header gives shape {list(shape)})")
     if dtype.hasobject:
         raise ContentError(name, f"the array holds Python objects ({dtype}); expected numbers")
     count = math.prod(shape)
@@ -198,14 +200,17 @@ def _inside(p: Path, directory: Path) -> bool:
 
 def refuse_overwrite(flag: str, given: str, outputs: Iterable[str | os.PathLike], inputs: Iterable[str],
                      dirs: Iterable[str | os.PathLike] = ()) -> None:
-    """FileError `FLAG GIVEN: would overwrite the input X` when a file the command is about to
-    write (`outputs`), or a directory whose contents it rewrites (`dirs`), is or holds one of
-    its `inputs` -- compared by the files they resolve to, links and `..` included."""
+    """FileError when a file the command is about to write (`outputs`) is one of its `inputs`
+    (`FLAG GIVEN: would overwrite the input X`), or when the output directory it fills (`dirs`) is
+    or holds one, at any depth (`FLAG GIVEN: the output directory holds the input X`) -- compared
+    by the files they resolve to, links, hard links and `..` included."""
     ins = [Path(i) for i in inputs if i]
     for i in ins:
-        hit = any(_same(Path(o), i) for o in outputs) or any(_same(Path(d), i) or _inside(i, Path(d)) for d in dirs)
-        if hit:
+        if any(_same(Path(o), i) for o in outputs):
             raise FileError(f"{flag} {given}: would overwrite the input {i}")
+        for d in dirs:
+            if _same(Path(d), i) or _inside(i, Path(d)):
+                raise FileError(f"{flag} {given}: the output directory holds the input {i}")
 
 
 __all__ = ["ContentError", "FileError", "JSON_MAX_BYTES", "JSON_MAX_DEPTH", "NPY_MAX_BYTES", "SCHED_MAX_BYTES", "read_bytes",

@@ -21,12 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from mlir import ir
 
 from epcc import pipeline
 from epcc.backends import cuda, rdma
 from epcc.backends.cpu import codegen as cpu_codegen
 from epcc.backends.rdma.build import CFLAGS, NATIVE_DIR
 from epcc.cli import main
+from epcc.dialect import new_context
 from epcc.textsafe import (UnsafeText, c_comment, c_string, c_template_value, dot_text, llvm_comment, mlir_text,
                            svg_text, terminal)
 
@@ -160,10 +162,6 @@ def test_the_rdma_proxy_loop_of_a_hostile_schedule_compiles(tmp_path, capsys):
 
 
 def test_emit_mlir_of_a_hostile_schedule_parses_back(hostile, capsys):
-    from mlir import ir
-
-    from epcc.dialect import new_context
-
     rc, out, err = _epcc(["compile", str(hostile), "--emit", "mlir"], capsys)
     assert rc == 0, err
     module = ir.Module.parse(out, context=new_context())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,9 @@ import numpy as np
 import pytest
 
 from epcc import cli, limits
+from epcc.backends.cpu.procs import ProcessBackend
 from epcc.cli import main
+from epcc.plan_check import check_plan_json
 
 from test_cli import REPO, SMALL, _at_repo_root, no_crash  # noqa: F401 (the fixture applies here too)
 from test_cli import run as run_cli
@@ -90,8 +93,6 @@ def test_a_link_to_a_device_is_refused_unread(device, tmp_path, capsys):
 
 
 def test_a_socket_and_an_empty_name_are_refused(tmp_path, capsys):
-    import socket
-
     path = tmp_path / "s.sched"
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(path))
@@ -162,6 +163,9 @@ def test_npy_that_is_truncated_or_holds_objects_or_is_not_npy(tmp_path, capsys):
     np.save(p, np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
     refused(["simulate", SMALL, "--routing", str(p)],
             f"{p}: the array holds Python objects (object); expected numbers", capsys)
+    p = _npy_with_header(tmp_path / "negative.npy", (-4, 2))
+    refused(["simulate", SMALL, "--routing", str(p)],
+            f"{p}: not a NumPy .npy array (the header gives shape [-4, 2])", capsys)
     p = tmp_path / "text.npy"
     p.write_text("uniform\n")
     rc, out, err = run(["simulate", SMALL, "--routing", str(p)], capsys)
@@ -196,9 +200,10 @@ def test_compile_does_not_write_over_its_schedule(tmp_path, capsys):
         refused(["compile", str(src), "-o", str(d / ".." / "bundle")],
                 f"-o {d / '..' / 'bundle'}: would overwrite the input {src}", capsys)
         assert src.read_text(encoding="utf-8") == SMALL_TEXT
-    src = _copy_small(d / "cuda" / "s.sched")  # --target cuda rewrites cuda/
-    refused(["compile", str(src), "--target", "cuda", "-o", str(d)], f"-o {d}: would overwrite the input {src}",
-            capsys)
+    src = _copy_small(d / "cuda" / "s.sched")  # the bundle directory is the compiler's, cuda/ included
+    for target in ([], ["--target", "cuda"]):
+        refused(["compile", str(src), *target, "-o", str(d)], f"-o {d}: the output directory holds the input {src}",
+                capsys)
     refused(["compile", str(src), "-o", str(src)], f"-o {src}: would overwrite the input {src}", capsys)
     assert sorted(p.name for p in d.rglob("*")) == ["cuda", "manifest.json", "plan.json", "s.sched", "t.mlir"]
     # beside its output is fine
@@ -322,8 +327,6 @@ def test_plans_that_are_not_json_or_not_plans(plan_dict, tmp_path, capsys):
 
 
 def test_every_shipped_kind_of_plan_passes_the_check(tmp_path):
-    from epcc.plan_check import check_plan_json
-
     for rel in ("schedules/h200x4.sched", "schedules/h200x4_2vnode.sched", "schedules/ubbv2_ep16.sched",
                 "schedules/nvl8_hybrid.sched"):
         out = tmp_path / Path(rel).stem
@@ -527,8 +530,6 @@ def test_every_command_refuses_the_same_zipf_exponents(spec, why, tmp_path, caps
 
 
 def test_timeouts_are_bounded_everywhere_they_are_accepted():
-    from epcc.backends.cpu.procs import ProcessBackend
-
     for bad in (1e18, float("inf"), 86400.5, 0, -1, "5", True, float("nan")):
         with pytest.raises(ValueError) as e:
             ProcessBackend("libfabric-tcp", timeout_s=bad)
