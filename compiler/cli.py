@@ -15,8 +15,12 @@ import sys
 import traceback
 from pathlib import Path
 
-from . import __version__
+from . import __version__, limits
 from .diagnostics import CompileError, SourceMap, format_all
+from .files import JSON_MAX_BYTES, SCHED_MAX_BYTES, ContentError, FileError, read_bytes, read_json, refuse_overwrite
+from .plan_check import PlanJsonError, check_plan_json
+from .sema.rank_space import MAX_RANKS
+from .textsafe import terminal
 from . import pipeline
 
 EXIT_OK, EXIT_USER, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
@@ -203,20 +207,34 @@ def cmd_tune(args) -> int:
 
     bundle = Path(args.bundle)
     man = bundle / "cuda" / "manifest.json"
-    if not man.is_file():
+    if not os.path.lexists(man):
         raise CompileError([Diagnostic("error", f"{bundle}: no cuda/manifest.json; write the bundle with "
                                                 f"`epcc compile FILE --target cuda -o {bundle}`", None)])
+
+    def malformed(why: str) -> CompileError:
+        return _user_error(f"{man}: not a manifest written by epcc ({why}); recompile the bundle")
+
     try:
-        manifest = json.loads(man.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise CompileError([Diagnostic("error", f"{man}: not a manifest written by epcc ({e}); recompile the "
-                                                f"bundle", None)]) from None
+        manifest = read_json(man, "a CUDA bundle manifest")
+    except ContentError as e:
+        raise malformed(e.reason) from None
+
+    if not isinstance(manifest, dict):
+        raise malformed("the top level is not a JSON object")
+    ranks = manifest.get("num_ranks")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
+        raise malformed(f"num_ranks: expected a whole number of ranks in 1..{MAX_RANKS}, got {ranks!r}"[:240])
+    if "direct" in manifest and not isinstance(manifest["direct"], dict):
+        raise malformed("direct: expected a JSON object")
     if "direct" not in manifest:
-        raise CompileError([Diagnostic("error", f"{bundle}: nothing to tune: the plan is not one-hop "
-                                                f"({manifest.get('direct_not_used', '?')})", None)])
-    nproc = manifest["num_ranks"] if args.nproc is None else args.nproc
+        why = manifest.get("direct_not_used")
+        raise _user_error(f"{bundle}: nothing to tune: the plan is not one-hop "
+                          f"({why if isinstance(why, str) else '?'})")
+    nproc = ranks if args.nproc is None else args.nproc
     if nproc < 1:
-        raise CompileError([Diagnostic("error", f"--nproc {nproc}: expected a number of GPUs, at least 1", None)])
+        raise _user_error(f"--nproc {nproc}: expected a number of GPUs, at least 1")
+    if nproc > MAX_RANKS:
+        raise _user_error(f"--nproc {nproc}: more GPUs than epcc supports ranks ({MAX_RANKS})")
     try:
         import torch
     except ImportError as e:
@@ -234,7 +252,8 @@ def cmd_tune(args) -> int:
                                                 "run this on the GPU machine", None)])
     cmd = [torchrun, "--nproc-per-node", str(nproc), "-m", "epcc.runtime.tune", str(bundle),
            "--sms", args.sms, "--warps", args.warps, "--iters", str(args.iters)]
-    print(" ".join(cmd), flush=True)
+    _say(" ".join(cmd))
+    sys.stdout.flush()
     return subprocess.call(cmd)
 
 
@@ -245,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except CompileError as e:
-        print(format_all(e.diagnostics, sources), file=sys.stderr)
+        _say_lines(format_all(e.diagnostics, sources), err=True)
+        return EXIT_USER
+    except FileError as e:  # a file the user named: missing, not a regular file, too large, an input as output
+        _say(f"epcc: error: {e}", err=True)
         return EXIT_USER
     except KeyboardInterrupt:
         return 130
@@ -253,20 +275,38 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     except OSError as e:  # a path the user gave cannot be read or written (-o /proc/x, -o FILE, ...)
         what = f"{e.filename}: " if e.filename else ""
-        print(f"epcc: error: {what}{e.strerror or e}", file=sys.stderr)
+        _say(f"epcc: error: {what}{e.strerror or e}", err=True)
         return EXIT_USER
     except Exception as e:  # an epcc bug: say so, without a traceback unless asked for
         if os.environ.get("EPCC_DEBUG"):
             traceback.print_exc()
         where = getattr(args, "file", "")
-        print(f"epcc: internal compiler error while processing {where}: {type(e).__name__}: {e}\n"
-              f"epcc: please report this with the input file; set EPCC_DEBUG=1 for a traceback", file=sys.stderr)
+        _say(f"epcc: internal compiler error while processing {where}: {type(e).__name__}: {e}", err=True)
+        _say("epcc: please report this with the input file; set EPCC_DEBUG=1 for a traceback", err=True)
         return EXIT_INTERNAL
+
+
+def _say(line: str, err: bool = False) -> None:
+    """Print one line, terminal-safe: no escape sequence, control character, line break or
+    bidirectional override from a file name, a plan or a file reaches the terminal (epcc.textsafe)."""
+    print(terminal(line), file=sys.stderr if err else sys.stdout)
+
+
+def _say_lines(text: str, err: bool = False) -> None:
+    """Print epcc's own multi-line text (diagnostics, tables, IR) with each line terminal-safe;
+    user text inside must already be escaped, as format_all does."""
+    print("\n".join(terminal(line) for line in str(text).split("\n")), file=sys.stderr if err else sys.stdout)
 
 
 def _warn(c: pipeline.Compilation) -> None:
     if c.warnings:
-        print(format_all(c.warnings, c.sources), file=sys.stderr)
+        _say_lines(format_all(c.warnings, c.sources), err=True)
+
+
+def _inputs(args) -> list[str]:
+    """The files a command reads: its FILE and a --routing .npy."""
+    routing = getattr(args, "routing", "")
+    return [args.file] + ([routing] if routing.endswith(".npy") else [])
 
 
 def cmd_check(args) -> int:
@@ -274,7 +314,7 @@ def cmd_check(args) -> int:
     _warn(c)
     s = c.schedule
     combine = "derived from dispatch" if s.combine is None else f"{len(s.combine.steps)} steps"
-    print(f"{args.file}: ok: {s.topology.num_ranks} ranks, {len(s.dispatch.steps)} dispatch steps, combine {combine}")
+    _say(f"{args.file}: ok: {s.topology.num_ranks} ranks, {len(s.dispatch.steps)} dispatch steps, combine {combine}")
     return EXIT_OK
 
 
@@ -294,15 +334,18 @@ def cmd_compile(args) -> int:
     _warn(c)
     if args.emit:
         if not args.print_ir_after_all:
-            sys.stdout.write(pipeline.show(c, args.emit).rstrip("\n") + "\n")
+            _say_lines(pipeline.show(c, args.emit).rstrip("\n"))
         return EXIT_OK
     out = Path(args.output or Path("build") / c.schedule.name)
-    out.mkdir(parents=True, exist_ok=True)
     ir_file = out / f"{c.schedule.name}.mlir"
+    # the bundle directory is the compiler's: it writes NAME.mlir, plan.json, manifest.json, cuda/
+    refuse_overwrite("-o", str(out), [out, ir_file, out / "plan.json", out / "manifest.json"], _inputs(args),
+                     dirs=[out])
+    src = read_bytes(args.file, "a .sched file", SCHED_MAX_BYTES)
+    out.mkdir(parents=True, exist_ok=True)
     ir_file.write_text(pipeline.show(c, until), encoding="utf-8")
     plan = c.passes.get("plan")
     (out / "plan.json").write_text(plan.to_json() + "\n", encoding="utf-8")
-    src = Path(args.file).read_bytes()
     manifest = {
         "epcc_version": __version__,
         "schedule": c.schedule.name,
@@ -314,7 +357,7 @@ def cmd_compile(args) -> int:
         "files": {"ir": ir_file.name, "plan": "plan.json"},
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    print(f"{args.file}: compiled to {out}/ ({ir_file.name}, plan.json, manifest.json)")
+    _say(f"{args.file}: compiled to {out}/ ({ir_file.name}, plan.json, manifest.json)")
     if getattr(args, "target", None) == "cuda":
         from .backends.cuda import CudaCodegenError, CudaOptions, emit
         from .diagnostics import Diagnostic
@@ -323,22 +366,23 @@ def cmd_compile(args) -> int:
             written = emit(plan, out / "cuda", source=str(args.file), options=CudaOptions(rdma=args.rdma))
         except CudaCodegenError as e:
             raise CompileError([Diagnostic("error", f"--target cuda: {e}", None)]) from None
-        print(f"{args.file}: CUDA sources in {out}/cuda/ ({', '.join(p.relative_to(out / 'cuda').as_posix() for p in written)})")
+        _say(f"{args.file}: CUDA sources in {out}/cuda/ ({', '.join(p.relative_to(out / 'cuda').as_posix() for p in written)})")
         cm = json.loads((out / "cuda" / "manifest.json").read_text(encoding="utf-8"))
         if cm.get("lowering") == "direct":
-            print(f"{args.file}: lowering: direct kernels ({cm['direct']['source']}; the Buffer API runs them)")
+            _say(f"{args.file}: lowering: direct kernels ({cm['direct']['source']}; the Buffer API runs them)")
         else:
-            print(f"{args.file}: lowering: table-driven kernels (no direct lowering: {cm.get('direct_not_used', '?')})")
+            _say(f"{args.file}: lowering: table-driven kernels (no direct lowering: {cm.get('direct_not_used', '?')})")
     return EXIT_OK
 
 
 def cmd_viz(args) -> int:
     from .viz import render, render_scheduled
 
+    refuse_overwrite("-o", args.output, [args.output], _inputs(args))
     if args.scheduled:
         built, res = _simulation(args, _options(args))
         path = render_scheduled(built, res, args.output)
-        print(f"{args.file}: scheduled DAG written to {path}")
+        _say(f"{args.file}: scheduled DAG written to {path}")
         return EXIT_OK
     given = [f for f, v in (("--kernels", args.kernels), ("--sms", args.sms)) if v is not None]
     if given:
@@ -347,7 +391,7 @@ def cmd_viz(args) -> int:
     c = pipeline.run(args.file, "model", args.sources, _options(args))
     _warn(c)
     path = render(c.schedule, args.output)
-    print(f"{args.file}: DAG written to {path}")
+    _say(f"{args.file}: DAG written to {path}")
     return EXIT_OK
 
 
@@ -389,6 +433,8 @@ def cmd_simulate(args) -> int:
     tokens = options.tokens
     if args.gantt and not args.gantt.lower().endswith(".svg"):
         raise _user_error(f"--gantt {args.gantt}: the Gantt chart is written as SVG; name the file *.svg")
+    if args.gantt:
+        refuse_overwrite("--gantt", args.gantt, [args.gantt], _inputs(args))
     built, res = _simulation(args, options)
     if args.gantt:
         try:
@@ -399,9 +445,9 @@ def cmd_simulate(args) -> int:
         d = to_dict(res, built.passes_run, tokens if tokens is not None else built.schedule.workload.tokens)
         print(json.dumps(d, indent=1))
     else:
-        print(table(res, built.passes_run))
+        _say_lines(table(res, built.passes_run))
         if args.gantt:
-            print(f"Gantt chart written to {args.gantt}")
+            _say(f"Gantt chart written to {args.gantt}")
     return EXIT_OK
 
 
@@ -415,21 +461,32 @@ def _user_error(msg: str) -> CompileError:
 
 
 def _load_plan_json(path: str):
+    """The Plan in `path`, read as every input is (a regular file of bounded size) and checked
+    field by field before it is built (epcc.plan_check): a user error for anything else."""
     from .plan import Plan
 
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise _user_error(f"{path}: no such file") from None
-    except OSError as e:
-        raise _user_error(f"{path}: cannot read it: {e.strerror or e}") from None
+        d = read_json(path, "a plan.json", JSON_MAX_BYTES)
+    except ContentError as e:
+        raise _user_error(f"{path}: not a plan written by 'epcc compile': {e.reason}") from None
     try:
-        plan = Plan.from_json(text)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise _user_error(f"{path}: not a plan written by 'epcc compile' ({type(e).__name__}: {e})") from None
+        check_plan_json(d)
+    except PlanJsonError as e:
+        raise _user_error(f"{path}: not a plan written by 'epcc compile': {e}") from None
+    plan = Plan.from_dict(d)
     if plan.workload is None:
         raise _user_error(f"{path}: the plan has no workload (written by an older epcc? recompile the schedule)")
     return plan
+
+
+def _run_bytes(R: int, tokens: int, hidden: int, dtype: str, topk: int) -> int:
+    """About the most memory `epcc run` holds at once, in bytes: per token of every rank its
+    payload row, its top-k dispatched rows (the backend's and the oracle's), their expert outputs
+    (bf16), the combine results (fp32, the backend's and stacked) and the oracle's float64 sums,
+    magnitudes and error terms."""
+    row = hidden * 2 if dtype == "bf16" else hidden + (hidden // 128) * 4
+    per_token = row + 2 * topk * row + 2 * topk * hidden + hidden * (2 * 4 + 5 * 8)
+    return R * tokens * per_token
 
 
 def _load_backend(name: str):
@@ -564,6 +621,12 @@ def cmd_run(args) -> int:
         schedule = c.schedule.name
     wl = plan.workload
     R = plan.num_ranks
+    need, avail = _run_bytes(R, tokens, wl.hidden, wl.dtype, wl.topk), limits.available_memory()
+    if avail is not None and need > avail:
+        raise _user_error(f"{R} ranks x {tokens} tokens x hidden {wl.hidden} ({wl.dtype}): the run needs about "
+                          f"{limits.memory_text(need)} of memory (inputs, dispatched rows, expert outputs, combine "
+                          f"results, the oracle's sums), {limits.memory_text(avail)} are available; use smaller "
+                          f"--tokens or --hidden")
     names = list(plan.rank_names) or [f"rank {r}" for r in range(R)]
     try:
         routing = timed("inputs", inputs.make_routing, args.routing, R, tokens, wl.topk, wl.experts, wl.placement,
@@ -585,14 +648,14 @@ def cmd_run(args) -> int:
         raise _user_error(f"{args.file}: cannot lay out the plan: {e}") from None
     backend, why = _load_backend(args.backend)
     if backend is None:
-        print(f"epcc: error: {why}\nepcc: note: '--backend reference' runs the NumPy reference executor",
-              file=sys.stderr)
+        _say(f"epcc: error: {why}", err=True)
+        _say("epcc: note: '--backend reference' runs the NumPy reference executor", err=True)
         return EXIT_USER
     transport = getattr(args, "transport", "inproc")
     if transport != "inproc":
         backend = _transport_backend(args.backend, transport)
         if isinstance(backend, str):
-            print(f"epcc: error: {backend}", file=sys.stderr)
+            _say(f"epcc: error: {backend}", err=True)
             return EXIT_USER
     head = (f"{schedule}: {R} ranks x {tokens} tokens, hidden {wl.hidden} {wl.dtype}, top-{wl.topk} of {wl.experts}, "
             f"routing {routing.describe()}, seed {seed}, backend {args.backend}"
@@ -605,8 +668,8 @@ def cmd_run(args) -> int:
     def backend_failed(phase: str, e: BaseException) -> int:
         if os.environ.get("EPCC_DEBUG"):
             traceback.print_exc()
-        print(f"{head}: {phase} FAILED; {times()}")
-        print(f"epcc: error: backend '{args.backend}' failed in {phase}: {type(e).__name__}: {e}", file=sys.stderr)
+        _say(f"{head}: {phase} FAILED; {times()}")
+        _say(f"epcc: error: backend '{args.backend}' failed in {phase}: {type(e).__name__}: {e}", err=True)
         return EXIT_USER
 
     try:
@@ -618,8 +681,8 @@ def cmd_run(args) -> int:
     recv = f"{sum(rows)} rows received ({min(rows)}..{max(rows)} per rank)"
     diff = _dispatch_difference(layout, got, want, names)
     if diff is not None:
-        print(f"{head}: {recv}; dispatch MISMATCH, combine not run; {times()}")
-        print(f"epcc: error: dispatch differs from the oracle: {diff}", file=sys.stderr)
+        _say(f"{head}: {recv}; dispatch MISMATCH, combine not run; {times()}")
+        _say(f"epcc: error: dispatch differs from the oracle: {diff}", err=True)
         return EXIT_USER
     y = timed("inputs", inputs.make_expert_outputs, rows, wl.hidden, seed)
     try:
@@ -630,9 +693,9 @@ def cmd_run(args) -> int:
                                                              wl.hidden, return_abs=True))
     shape = (tokens, wl.hidden)
     if len(res) != R or any(np.asarray(r).shape != shape for r in res):
-        print(f"{head}: {recv}; dispatch OK; combine MISMATCH; {times()}")
-        print(f"epcc: error: backend '{args.backend}' returned combine results of shapes "
-              f"{[list(np.asarray(r).shape) for r in res]}, expected {R} x {list(shape)}", file=sys.stderr)
+        _say(f"{head}: {recv}; dispatch OK; combine MISMATCH; {times()}")
+        _say(f"epcc: error: backend '{args.backend}' returned combine results of shapes "
+             f"{[list(np.asarray(r).shape) for r in res]}, expected {R} x {list(shape)}", err=True)
         return EXIT_USER
     got_all = np.stack([np.asarray(r, dtype=np.float32) for r in res])
     rounding = backend.partial_rounding(plan) if hasattr(backend, "partial_rounding") else 0.0
@@ -645,13 +708,13 @@ def cmd_run(args) -> int:
     if not chk.ok:
         h, t, ch = chk.first_bad
         experts = [int(e) for e in routing.topk_idx[h, t] if e >= 0]
-        print(f"{head}: {recv}; dispatch OK (bit-exact); combine MISMATCH ({err}); {times()}")
-        print(f"epcc: error: combine differs from the oracle: {_token_text(names, h, t)} (experts {experts}), "
-              f"channel {ch}: got {chk.got:.6g}, expected {chk.want:.6g}", file=sys.stderr)
+        _say(f"{head}: {recv}; dispatch OK (bit-exact); combine MISMATCH ({err}); {times()}")
+        _say(f"epcc: error: combine differs from the oracle: {_token_text(names, h, t)} (experts {experts}), "
+             f"channel {ch}: got {chk.got:.6g}, expected {chk.want:.6g}", err=True)
         return EXIT_USER
-    print(f"{head}: {recv}; dispatch OK (bit-exact); combine OK ({err}); {times()}")
+    _say(f"{head}: {recv}; dispatch OK (bit-exact); combine OK ({err}); {times()}")
     if hasattr(backend, "summary") and backend.summary():
-        print(f"transport: {backend.summary()}")
+        _say(f"transport: {backend.summary()}")
     return EXIT_OK
 
 

@@ -9,7 +9,10 @@ the phase is done, so a user sees every semantic error of a file in one run.  Th
       ^~~~~~
     path:line:col: note: ...
 
-which is what editors and CI log parsers understand.
+which is what editors and CI log parsers understand.  Everything printed passes through
+:func:`epcc.textsafe.terminal` (no escape sequence or control character of the input reaches the
+terminal), and the caret counts display columns: an escaped character takes its escape's width, a
+wide (East Asian) character two columns.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
+
+from .textsafe import terminal, terminal_width
 
 
 @dataclass(frozen=True, order=True)
@@ -103,7 +108,7 @@ class SourceMap:
         self._lines: dict[str, list[str]] = {}
 
     def add(self, path: str, text: str) -> None:
-        self._lines[path] = text.splitlines()
+        self._lines[path] = source_lines(text)
 
     def line(self, path: str, line: int) -> str | None:
         lines = self._lines.get(path)
@@ -112,32 +117,42 @@ class SourceMap:
         return lines[line - 1]
 
 
+def source_lines(text: str) -> list[str]:
+    """The lines of a source text as the parser counts them: split at LF only (the frontend has
+    turned CR LF and lone CR into LF), so that form feeds, NEL or U+2028 inside a line do not
+    shift the lines a diagnostic points at."""
+    lines = text.split("\n")
+    return lines[:-1] if lines and lines[-1] == "" else lines
+
+
 def format_diagnostic(d: Diagnostic, sources: SourceMap | None = None) -> str:
     out: list[str] = []
-    head = f"{d.span}: " if d.span else "epcc: "
-    out.append(f"{head}{d.severity}: {d.message}")
+    head = f"{terminal(str(d.span))}: " if d.span else "epcc: "
+    out.append(f"{head}{d.severity}: {terminal(d.message)}")
     if d.span is not None and sources is not None:
         out.extend(_excerpt(d.span, sources))
     for n in d.notes:
-        where = f"{n.span}: " if n.span else ""
-        out.append(f"{where}note: {n.message}")
+        where = f"{terminal(str(n.span))}: " if n.span else ""
+        out.append(f"{where}note: {terminal(n.message)}")
         if n.span is not None and sources is not None:
             out.extend(_excerpt(n.span, sources))
     return "\n".join(out)
 
 
 def _excerpt(span: Span, sources: SourceMap) -> list[str]:
+    """The source line (terminal-safe, a tab shown as one space) and a caret line under the span,
+    aligned by display columns."""
     text = sources.line(span.path, span.line)
     if text is None:
         return []
-    text = text.expandtabs(1)
-    start = max(span.col - 1, 0)
-    if span.end_line == span.line:
-        width = max(span.end_col - span.col, 1)
-    else:
-        width = max(len(text) - start, 1)
-    width = min(width, max(len(text) - start, 1))
-    return ["  " + text, "  " + " " * start + "^" + "~" * (width - 1)]
+    text = text.replace("\t", " ")
+    cols = [0]  # cols[i]: the display column where character i starts
+    for ch in text:
+        cols.append(cols[-1] + terminal_width(ch))
+    first = min(max(span.col - 1, 0), len(text))
+    last = min(max(span.end_col - 1, first + 1), len(text)) if span.end_line == span.line else len(text)
+    width = max(cols[last] - cols[first], 1) if last > first else 1
+    return ["  " + terminal(text), "  " + " " * cols[first] + "^" + "~" * (width - 1)]
 
 
 def format_all(diags: Sequence[Diagnostic], sources: SourceMap | None = None) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .diagnostics import SourceMap
+from .textsafe import terminal
 from .frontend import ast as ast_mod
 from .frontend.parser import parse_file
 from .sema import model
@@ -49,6 +50,7 @@ class Stage:
 
 def _parse(c: Compilation) -> None:
     c.ast = parse_file(c.path, c.sources)
+    c.warnings = list(c.ast.warnings)  # sema reports them again with its own
 
 
 def _sema(c: Compilation) -> None:
@@ -142,7 +144,7 @@ def describe_schedule(s: model.Schedule) -> str:
     t = s.topology
     sp = t.space
     wl = s.workload
-    out = [f"schedule {s.name}" + (f"  # {s.title}" if s.title else "")]
+    out = [f"schedule {s.name}" + (f"  # {terminal(s.title)}" if s.title else "")]
     out.append(f"topology {t.name}: " + " x ".join(f"{lv.count} {lv.name}" for lv in sp.levels)
                + f" = {t.num_ranks} ranks")
     for g in sp.groups.values():

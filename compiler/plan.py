@@ -256,7 +256,12 @@ class Plan:
 
     @staticmethod
     def from_json(text: str) -> "Plan":
-        d: dict[str, Any] = json.loads(text)
+        return Plan.from_dict(json.loads(text))
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Plan":
+        """The Plan of a parsed plan.json (consumed); a plan from outside is checked first
+        (epcc.plan_check)."""
         steps = []
         for s in d.pop("steps"):
             flows = [Flow(**{**f, "resources": tuple(f["resources"]), "weights": tuple(f.get("weights", ())),

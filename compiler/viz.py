@@ -17,6 +17,7 @@ import graphviz
 from .analysis.flow import FlowAnalysis
 from .diagnostics import CompileError, Diagnostic
 from .sema import model
+from .textsafe import dot_text
 
 KIND_COLOR = {"p2p": "#1f77b4", "d2d": "#9467bd", "rdma": "#d62728", "local": "#2ca02c", None: "#7f7f7f"}
 KIND_FILL = {"p2p": "#dbe9f6", "d2d": "#ece2f4", "rdma": "#f9dcdc", "local": "#dff1df", None: "#eeeeee"}
@@ -46,7 +47,7 @@ def _mb(x: float) -> str:
 
 def build_graph(sched: model.Schedule) -> graphviz.Digraph:
     flows = FlowAnalysis(sched)
-    g = graphviz.Digraph(name=sched.name, graph_attr={
+    g = graphviz.Digraph(name=dot_text(sched.name), graph_attr={
         "rankdir": "LR", "fontname": "Helvetica", "fontsize": "11", "compound": "true",
         "label": _title(sched), "labelloc": "t", "newrank": "true",
     }, node_attr={"fontname": "Helvetica", "fontsize": "10", "shape": "box", "style": "rounded,filled"},
@@ -61,33 +62,34 @@ def build_graph(sched: model.Schedule) -> graphviz.Digraph:
         # Local steps bracket the pipeline (first reorder, last permute): no box around them.
         local = label.startswith("on each")
         with g.subgraph(name=f"{'group' if local else 'cluster'}_{i}") as c:
-            c.attr(label=label, style="dashed", color="#999999", fontcolor="#555555")
+            c.attr(label=dot_text(label), style="dashed", color="#999999", fontcolor="#555555")
             for st in steps:
-                c.node(st.name, _node_label(sched, st, flows), fillcolor=KIND_FILL[_kind(st)],
-                       color=KIND_COLOR[_kind(st)], penwidth="1.5", tooltip=f"{sched.path}:{st.span.line}")
+                c.node(dot_text(st.name), _node_label(sched, st, flows), fillcolor=KIND_FILL[_kind(st)],
+                       color=KIND_COLOR[_kind(st)], penwidth="1.5", tooltip=f"{dot_text(sched.path)}:{st.span.line}")
     writers: dict[str, list[str]] = {}
     for st in prog.steps:
         for src in st.sources:
             b = src.buffer.name
             if b == "input":
-                g.edge("input", st.name, color="#555555")
+                g.edge("input", dot_text(st.name), color="#555555")
         for d in st.data_deps:
             dep = prog.step(d)
             if dep.verb == "exchange":  # the layout must be known before data moves
-                g.edge(d, st.name, style="dashed", color="#888888", label=dep.exchange_what)
+                g.edge(dot_text(d), dot_text(st.name), style="dashed", color="#888888", label=dot_text(dep.exchange_what))
                 continue
             bufs = sorted({s.buffer.name for s in st.sources} & {dep.dest.buffer.name})
-            g.edge(d, st.name, label=", ".join(bufs), color="#555555")
+            g.edge(dot_text(d), dot_text(st.name), label=dot_text(", ".join(bufs)), color="#555555")
         for d in st.after:
             if d not in st.data_deps:
-                g.edge(d, st.name, style="dashed", color="#aa5500", label="after")
+                g.edge(dot_text(d), dot_text(st.name), style="dashed", color="#aa5500", label="after")
         for p in st.parallel:
             if st.name < p or st.name not in prog.step(p).parallel:
-                g.edge(st.name, p, style="dotted", dir="none", color="#888888", constraint="false", label="parallel")
+                g.edge(dot_text(st.name), dot_text(p), style="dotted", dir="none", color="#888888", constraint="false",
+                       label="parallel")
         if st.dest is not None:
             writers.setdefault(st.dest.buffer.name, []).append(st.name)
     for w in writers.get("output", []):
-        g.edge(w, "output", color="#555555")
+        g.edge(dot_text(w), "output", color="#555555")
     _legend(g)
     return g
 
@@ -99,19 +101,19 @@ def _kind(st: model.Step) -> str | None:
 def _title(sched: model.Schedule) -> str:
     t = sched.topology
     wl = sched.workload
-    head = sched.title or sched.name
+    head = dot_text(sched.title or sched.name)
     return (f"{head}\n{t.num_ranks} ranks, {wl.tokens} tokens/rank x {wl.hidden} {wl.dtype}, "
             f"top-{wl.topk} of {wl.experts}; volumes: expected bytes per rank, uniform routing")
 
 
 def _node_label(sched: model.Schedule, st: model.Step, flows: FlowAnalysis) -> str:
-    lines = [st.name if not st.title else f"{st.name}: {st.title}", st.describe()]
+    lines = [dot_text(st.name if not st.title else f"{st.name}: {st.title}"), dot_text(st.describe())]
     v = flows.volumes[st.name]
     if st.verb == "exchange":
         lines.append(f"metadata {_mb(v.max_bytes)}")
     else:
         link = st.link
-        via = f"{link.kind} '{link.name}'" if link else "no link (free)"
+        via = f"{link.kind} '{dot_text(link.name)}'" if link else "no link (free)"
         fan = max((len(pf) for pf in v.per_flow), default=1)
         per = max((c for pf in v.per_flow for (_, _, c) in pf), default=0.0) * sched.workload.bytes_per_token
         vol = _mb(v.max_bytes)
@@ -216,11 +218,11 @@ def build_scheduled_graph(built, res) -> graphviz.Digraph:
     text) and the steps show neither roles nor chunks."""
     plan = built.plan
     direct = res.sm_model.get("model") == "direct"
-    label = (f"{plan.schedule}: scheduled plan, {plan.routing}; total {res.total_s * 1e3:.3f} ms "
+    label = (f"{dot_text(plan.schedule)}: scheduled plan, {dot_text(plan.routing)}; total {res.total_s * 1e3:.3f} ms "
              f"(serial {res.serial_s * 1e3:.3f} ms); red: critical path")
     if direct:
-        label += f"\nSM model: {res.sm_model['text']}"
-    g = graphviz.Digraph(name=f"{plan.schedule}_scheduled", graph_attr={
+        label += f"\nSM model: {dot_text(res.sm_model['text'])}"
+    g = graphviz.Digraph(name=dot_text(f"{plan.schedule}_scheduled"), graph_attr={
         "rankdir": "LR", "fontname": "Helvetica", "fontsize": "11", "compound": "true", "newrank": "true",
         "label": label, "labelloc": "t",
     }, node_attr={"fontname": "Helvetica", "fontsize": "10", "shape": "box", "style": "rounded,filled"},
@@ -233,7 +235,7 @@ def build_scheduled_graph(built, res) -> graphviz.Digraph:
         with g.subgraph(name=f"cluster_{program}") as pc:
             plabel = f"{program}: {pres.makespan_s * 1e3:.3f} ms"
             if direct:
-                plabel += "\n" + _direct_program_label(program, pres, res.sm_model)
+                plabel += "\n" + dot_text(_direct_program_label(program, pres, res.sm_model))
             pc.attr(label=plabel, style="solid", color="#666666")
             for gi, members in enumerate(overlap_groups(pres.steps)):
                 t0 = min(s.start_s for s in members) * 1e3
@@ -244,8 +246,9 @@ def build_scheduled_graph(built, res) -> graphviz.Digraph:
                     for st in members:
                         ps = psteps[st.name]
                         kind = ps.link_kind
-                        lines = [st.name + (f" ({ps.reverse_of})" if ps.reverse_of and ps.reverse_of != st.name else ""),
-                                 f"{kind or 'no link'} '{ps.link}'" if ps.link else "metadata",
+                        lines = [dot_text(st.name + (f" ({ps.reverse_of})" if ps.reverse_of and ps.reverse_of != st.name
+                                                     else "")),
+                                 f"{dot_text(kind or 'no link')} '{dot_text(ps.link)}'" if ps.link else "metadata",
                                  f"{_mb(st.max_rank_bytes)} / rank"]
                         if direct:
                             if ps.verb != "exchange":
@@ -256,10 +259,10 @@ def build_scheduled_graph(built, res) -> graphviz.Digraph:
                         if kr:
                             kname, r = kr
                             sm = f", SMs {r.sm_begin}-{r.sm_end - 1}" if r.sm_end > r.sm_begin else ""
-                            lines.append(f"{kname}: {r.role}{sm}")
+                            lines.append(dot_text(f"{kname}: {r.role}") + sm)
                         lines.append(f"{st.start_s * 1e3:.3f}-{st.end_s * 1e3:.3f} ms")
                         on_path = st.name in crit
-                        c.node(f"{program}.{st.name}", "\n".join(lines), fillcolor=KIND_FILL[kind],
+                        c.node(dot_text(f"{program}.{st.name}"), "\n".join(lines), fillcolor=KIND_FILL[kind],
                                color="#d62728" if on_path else KIND_COLOR[kind], penwidth="3" if on_path else "1.2")
             for st in pres.steps:
                 for d in st.deps:
@@ -267,7 +270,7 @@ def build_scheduled_graph(built, res) -> graphviz.Digraph:
                         continue
                     on_path = (d, st.name) in crit_edges
                     pipelined = d in st.pipelined_deps
-                    g.edge(f"{program}.{d}", f"{program}.{st.name}", style="dashed" if pipelined else "solid",
+                    g.edge(dot_text(f"{program}.{d}"), dot_text(f"{program}.{st.name}"), style="dashed" if pipelined else "solid",
                            color="#d62728" if on_path else "#555555", penwidth="2.5" if on_path else "1",
                            label="chunk by chunk" if pipelined else "")
     _legend(g)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..limits import timeout_seconds
 from ..plan import Plan
 from .layout import compute_layout
 from .layout_types import Layout
@@ -68,9 +69,7 @@ class Buffer:
                  timeout_s: float = 30.0, config: dict | None = None):
         if not isinstance(bundle, (str, Path)):
             raise TypeError(f"Buffer: bundle must be a path (str or pathlib.Path), not {type(bundle).__name__}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0 \
-                or timeout_s == float("inf"):
-            raise ValueError(f"Buffer: timeout_s must be a positive number of seconds, not {timeout_s!r}")
+        timeout_s = timeout_seconds(timeout_s, "Buffer")  # positive, at most a day: deadlines fit 64 bits
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)

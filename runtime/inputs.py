@@ -20,10 +20,11 @@ Routings (`make_routing`), top-k expert indices [R, T, k]:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
+from ..files import read_npy
+from ..limits import zipf_exponent
 from .oracle import check_topk, expert_rank, f32_to_bf16
 
 NAMED = ("uniform", "one-hot", "empty", "no-remote")
@@ -58,12 +59,9 @@ def check_spec(spec: str) -> None:
 
 def _zipf_exponent(spec: str) -> float:
     try:
-        s = float(spec[5:])
-    except ValueError:
-        raise ValueError(f"routing '{spec}': the Zipf exponent must be a number, e.g. zipf:1.2") from None
-    if not (s >= 0) or s == float("inf"):
-        raise ValueError(f"routing '{spec}': the Zipf exponent must be a finite number >= 0")
-    return s
+        return zipf_exponent(spec)  # the compiler's check: every command accepts the same exponents
+    except ValueError as e:
+        raise ValueError(f"routing '{spec}': {e}") from None
 
 
 def _expert_of(rank: np.ndarray, local: np.ndarray, num_ranks: int, epr: int, placement: str) -> np.ndarray:
@@ -158,13 +156,8 @@ def make_routing(spec: str, num_ranks: int, tokens: int, topk: int, experts: int
 
 
 def load_topk(path: str, num_ranks: int, tokens: int, topk: int, experts: int) -> np.ndarray:
-    p = Path(path)
-    try:
-        arr = np.load(p, allow_pickle=False)
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a NumPy .npy array ({e})") from None
+    # a regular file holding exactly [R, T, k] int64 at most (and its header): nothing larger is read
+    arr = read_npy(path, "a routing .npy file", num_ranks * tokens * topk * 8 + (1 << 16))
     if not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{path}: expected integer top-k expert indices, got {arr.dtype}")
     if arr.ndim == 2:

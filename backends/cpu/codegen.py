@@ -37,6 +37,7 @@ from llvmlite import binding as llvm
 from llvmlite import ir
 
 from epcc.plan import Plan
+from epcc.textsafe import llvm_comment
 
 # ---------------------------------------------------------------------------------------------
 # The descriptor tables shared with the host.  Every field is 8 bytes (an i64 or a pointer), so
@@ -449,8 +450,8 @@ def build_module(plan: Plan) -> tuple[str, list[DriverInfo]]:
     text = str(g.m)
     # Keep each step's description (its DSL line, kernel, role) next to its code.
     for d in infos:
-        text = text.replace(f'define i32 @"{d.name}"(', f"; {d.describe()}\ndefine i32 @\"{d.name}\"(", 1)
-    header = (f"; epcc CPU backend: schedule '{plan.schedule}', {plan.num_ranks} ranks, "
+        text = text.replace(f'define i32 @"{d.name}"(', f"; {llvm_comment(d.describe())}\ndefine i32 @\"{d.name}\"(", 1)
+    header = (f"; epcc CPU backend: schedule '{llvm_comment(plan.schedule)}', {plan.num_ranks} ranks, "
               f"{len(infos)} drivers (one per role of the plan's kernels)\n")
     return header + text, infos
 

@@ -32,6 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
+from epcc.limits import timeout_seconds
 from epcc.plan import Plan
 from epcc.runtime.layout_types import Copy, Layout
 
@@ -318,8 +319,7 @@ def execute(plan: Plan, layout: Layout, program: str, mem: Memory, *, ranks=None
     `abort` word (int64 [1]) with the drivers: a timeout on either side stops both."""
     if program not in PROGRAMS:
         raise ValueError(f"program must be one of {PROGRAMS}, not {program!r}")
-    if timeout_s < 0:
-        raise ValueError("timeout_s must be >= 0")
+    timeout_s = timeout_seconds(timeout_s, "execute", allow_zero=True)
     ranks = None if ranks is None else {int(r) for r in ranks}
     jp = compile_plan(plan)
     timeout_ns = int(round(timeout_s * 1e9))

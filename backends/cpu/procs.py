@@ -29,6 +29,7 @@ from datetime import timedelta
 
 import numpy as np
 
+from epcc.limits import timeout_seconds
 from epcc.plan import Plan
 from epcc.runtime.layout_types import Layout
 
@@ -208,7 +209,7 @@ class ProcessBackend:
                              f"{', '.join(k for k, v in TRANSPORTS.items() if v)}, not {transport!r}")
         self.transport_name = transport
         self.transport = TRANSPORTS[transport]
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_seconds(timeout_s, "ProcessBackend")
         self.last_stats: dict[str, list[dict]] = {}
 
     def partial_rounding(self, plan: Plan) -> float:

@@ -48,6 +48,7 @@ import jinja2
 
 from epcc import __version__ as EPCC_VERSION
 from epcc.plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
+from epcc.textsafe import c_template_value, for_c_templates
 from . import direct, tables
 
 TARGET_ARCH = "sm_90a"
@@ -59,14 +60,17 @@ MAX_SLEEP_NS = 1024
 FINISH_BLOCK = 256
 _TEMPLATES = Path(__file__).resolve().parent / "templates"
 
-_ENV = jinja2.Environment(
+# User text (paths, titles, names) reaches the sources only through the c_comment and c_string
+# filters; the finalize hook refuses plain text that could leave its comment or string.
+_ENV = for_c_templates(jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(_TEMPLATES)),
     undefined=jinja2.StrictUndefined,
     trim_blocks=True,
     lstrip_blocks=True,
     keep_trailing_newline=True,
     autoescape=False,
-)
+    finalize=c_template_value,
+))
 
 
 class CudaCodegenError(ValueError):
@@ -200,10 +204,6 @@ def ident(name: str) -> str:
     """A C identifier from a step or schedule name ('final.sendbuf' -> 'final_sendbuf')."""
     s = re.sub(r"[^0-9A-Za-z_]", "_", name)
     return s if s and not s[0].isdigit() else "_" + s
-
-
-def _c_string(s: str) -> str:
-    return s.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _widest(n: int, widths: tuple[int, ...]) -> int:

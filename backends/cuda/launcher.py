@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from epcc.limits import timeout_seconds
+
 from .tables import PROGRAMS, Tables
 
 RC_OK, RC_CUDA, RC_USAGE, RC_TABLES, RC_KERNEL = 0, 1, 2, 3, 4
@@ -230,6 +232,7 @@ class Library:
     def create(self, device: int, rank: int, flag_capacity: int, timeout_s: float = 30.0) -> "Context":
         """A context for this rank on `device`; flag_capacity >= 1 + 2 x the flags of the largest
         layout (per program region: the barrier word, then two banks)."""
+        timeout_s = timeout_seconds(timeout_s, "create")
         p = ctypes.c_void_p()
         rc = self.lib.epcc_cuda_create(device, rank, flag_capacity, timeout_s, ctypes.byref(p))
         if rc != RC_OK:

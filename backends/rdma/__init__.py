@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from epcc.textsafe import c_template_value, for_c_templates
+
 from .build import NATIVE_DIR, BuildError, build, compile_command, transport_sources
 from .lower import RdmaConfigError, RdmaStep, rdma_bytes_per_token, rdma_steps, with_overrides
 
@@ -38,8 +40,9 @@ def proxy_source(plan) -> str:
     steps = rdma_steps(plan)
     if not steps:
         return ""
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), trim_blocks=True,
-                             lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
+    env = for_c_templates(jinja2.Environment(  # user text only through c_comment / c_string
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), trim_blocks=True, lstrip_blocks=True,
+        keep_trailing_newline=True, undefined=jinja2.StrictUndefined, finalize=c_template_value))
     return env.get_template("epcc_proxy.c.j2").render(
         file_name=proxy_file_name(plan), schedule=plan.schedule, num_ranks=plan.num_ranks, steps=steps,
         tables=TABLES)

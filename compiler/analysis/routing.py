@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from ..diagnostics import CompileError, Diagnostic
+from ..files import FileError, read_npy
+from ..limits import zipf_exponent
 from ..sema import model
 
 SAMPLE_TOKENS = 1 << 15
@@ -199,11 +201,9 @@ def make_routing(spec: str, wl: model.Workload, space: model.RankSpace) -> Routi
         return SampledRouting(wl, space, idx, f"uniform, node_limit {wl.node_limit} over {wl.node_limit_scope}")
     if spec.startswith("zipf:"):
         try:
-            s = float(spec[5:])
-        except ValueError:
-            raise _bad(f"--routing {spec}: the Zipf exponent must be a number, e.g. zipf:1.2") from None
-        if not (s >= 0):
-            raise _bad(f"--routing {spec}: the Zipf exponent must be >= 0")
+            s = zipf_exponent(spec)
+        except ValueError as e:
+            raise _bad(f"--routing {spec}: {e}") from None
         # Popularity by a fixed random permutation of the experts, so that hot experts are spread.
         perm = np.random.default_rng(SAMPLE_SEED + 1).permutation(wl.experts)
         weights = 1.0 / np.power(np.arange(1, wl.experts + 1, dtype=float), s)[np.argsort(perm)]
@@ -220,11 +220,9 @@ def make_routing(spec: str, wl: model.Workload, space: model.RankSpace) -> Routi
 def _from_file(path: str, wl, space, rng, limited) -> Routing:
     p = Path(path)
     try:
-        arr = np.load(p, allow_pickle=False)
-    except FileNotFoundError:
-        raise _bad(f"{path}: no such file") from None
-    except (OSError, ValueError) as e:
-        raise _bad(f"{path}: not a NumPy .npy array ({e})") from None
+        arr = read_npy(path, "a routing .npy file")
+    except FileError as e:
+        raise _bad(str(e)) from None
     if arr.ndim == 2 and np.issubdtype(arr.dtype, np.integer):
         if arr.shape[1] != wl.topk:
             raise _bad(f"{path}: top-k indices have {arr.shape[1]} columns; the workload's topk is {wl.topk}")

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Union
 
-from ..diagnostics import Span
+from ..diagnostics import Diagnostic, Span
 
 
 @dataclass(frozen=True)
@@ -322,6 +322,9 @@ class File:
     programs: tuple[Program, ...]
     reverses: tuple[CombineReverse, ...]
     span: Span
+    # What the reader noticed in the text itself (bidirectional controls), for sema to report
+    # with its own warnings.
+    warnings: tuple[Diagnostic, ...] = ()
 
 
 def dump(node: object, indent: int = 0) -> str:
@@ -331,7 +334,7 @@ def dump(node: object, indent: int = 0) -> str:
         name = type(node).__name__
         if isinstance(node, Name):
             return f"{pad}Name {node.text!r} @{node.span.line}:{node.span.col}"
-        fields = [f for f in dataclasses.fields(node) if f.name not in ("span",)]
+        fields = [f for f in dataclasses.fields(node) if f.name not in ("span", "warnings")]
         span = getattr(node, "span", None)
         where = f" @{span.line}:{span.col}" if isinstance(span, Span) else ""
         lines = [f"{pad}{name}{where}"]

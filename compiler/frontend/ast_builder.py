@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from lark import Token, Tree
 
-from ..diagnostics import CompileError, Diagnostic, Span
+from ..diagnostics import CompileError, Diagnostic, Span, source_lines
 from . import ast
 
 MAX_EXPR_DEPTH = 200  # operators nested in one expression (relations, selections)
@@ -50,7 +50,7 @@ class AstBuilder:
                 progs.append(self.program(item, kind.split("_")[0]))
             elif kind == "combine_reverse":
                 revs.append(ast.CombineReverse(self.name(item.children[0]), self.span(item)))
-        lines = text.splitlines() or [""]
+        lines = source_lines(text) or [""]
         last = max((i for i, ln in enumerate(lines) if ln.strip()), default=0)
         whole = Span(self.path, 1, 1, last + 1, len(lines[last].rstrip()) + 1)
         return ast.File(self.path, tuple(sched), tuple(topos), tuple(wls), tuple(progs), tuple(revs), whole)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from lark import Token
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
-from ..diagnostics import Diagnostic, Note, Span, did_you_mean
+from ..diagnostics import Diagnostic, Note, Span, did_you_mean, source_lines
 from .grammar import lark_parser
 
 # How a terminal is named in "expected ..." lists.
@@ -143,7 +143,7 @@ def _one_of(words: list[str]) -> str:
 
 
 def _end_position(text: str) -> tuple[int, int]:
-    lines = text.splitlines() or [""]
+    lines = source_lines(text) or [""]
     # Point just after the last non-blank line.
     for i in range(len(lines) - 1, -1, -1):
         if lines[i].strip():

@@ -21,6 +21,7 @@ from mlir import ir
 
 from ..dialect import load
 from ..diagnostics import Span
+from ..textsafe import mlir_text
 from ..sema import model
 from . import ops, query
 
@@ -65,7 +66,7 @@ def print_module(module: ir.Module) -> str:
 
 def span_loc(span: Span, name: str | None = None) -> ir.Location:
     """A source location for `span`, wrapped in a name location when `name` is given."""
-    loc = ir.Location.file(span.path, span.line, span.col, span.end_line, span.end_col)
+    loc = ir.Location.file(mlir_text(span.path), span.line, span.col, span.end_line, span.end_col)
     return ir.Location.name(name, loc) if name is not None else loc
 
 
@@ -77,7 +78,7 @@ class _Emitter:
         s = self.s
         # The schedule as a whole has no span of its own: point at the file.
         module = ops.schedule_module(s.name, s.title, s.path, s.topology.num_ranks,
-                                     loc=ir.Location.file(s.path, 1, 1))
+                                     loc=ir.Location.file(mlir_text(s.path), 1, 1))
         with ir.InsertionPoint(module.body):
             self._topology(s.topology)
             self._workload(s.workload)

@@ -32,6 +32,8 @@ from typing import Iterable, Sequence
 from mlir import ir
 from mlir.dialects import builtin
 
+from ..textsafe import mlir_text
+
 # --------------------------------------------------------------------------- names
 
 DIALECT = "epcc"
@@ -85,7 +87,7 @@ ORDER_NONE = ""
 # --------------------------------------------------------------------------- attributes
 
 def _str(s: str | None) -> ir.StringAttr:
-    return ir.StringAttr.get("" if s is None else s)
+    return ir.StringAttr.get(mlir_text(s))  # user text (titles, paths): printable, valid Unicode
 
 
 def _i64(v: int | None) -> ir.IntegerAttr:

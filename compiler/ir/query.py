@@ -11,6 +11,7 @@ from typing import Iterator
 
 from mlir import ir
 
+from ..textsafe import mlir_text
 from . import ops
 
 
@@ -55,7 +56,7 @@ def to_attr(v) -> ir.Attribute:
     if isinstance(v, float):
         return ir.FloatAttr.get_f64(v)
     if isinstance(v, str):
-        return ir.StringAttr.get(v)
+        return ir.StringAttr.get(mlir_text(v))
     if isinstance(v, dict):
         return ir.DictAttr.get({k: to_attr(x) for k, x in v.items()})
     if isinstance(v, (list, tuple)):

@@ -17,6 +17,7 @@ from .workload import resolve_workload
 def analyze(f: ast.File) -> tuple[model.Schedule, list]:
     """Resolve a parsed file.  Returns the schedule and its warnings; raises CompileError."""
     diags = DiagnosticBag()
+    diags.items.extend(f.warnings)
     _single(f.schedule, "schedule name", diags)
     _single(f.topologies, "topology", diags)
     _single(f.workloads, "workload", diags)

@@ -20,7 +20,9 @@ TOKENS = ("token", "tokens")
 
 _TABLES = {"bandwidth": BANDWIDTH, "latency": TIME, "time": TIME}
 _LIMIT = {"bandwidth": 1e15, "latency": 3600.0, "time": 3600.0}  # 1 PB/s; an hour
-_LIMIT_TEXT = {"bandwidth": "1000 TB/s", "latency": "3600 s", "time": "3600 s"}
+# Below this a positive rate is a typo (a step would take longer than any timeout can say)
+_LOW = {"bandwidth": 1.0}  # 1 B/s
+_RANGE_TEXT = {"bandwidth": "at least 1 B/s, at most 1000 TB/s", "latency": "at most 3600 s", "time": "at most 3600 s"}
 MAX_SIZE = 1 << 40  # tokens or bytes in a chunk or capacity
 
 
@@ -44,9 +46,11 @@ def parse_quantity(q: ast.Quantity, kind: str, diags: DiagnosticBag) -> float | 
         diags.error(q.span, f"{kind} needs a unit, e.g. '{_EXAMPLE[kind]}'",
                     f"units: {', '.join(table)}")
         return None
-    if q.unit in table and not _finite(q.value * table[q.unit] if q.value < 1e300 else float("inf"), _LIMIT[kind]):
-        diags.error(q.span, f"{kind} {number_text(q.value)} {q.unit} is out of range (at most {_LIMIT_TEXT[kind]})")
-        return None
+    if q.unit in table:
+        v = q.value * table[q.unit] if q.value < 1e300 else float("inf")
+        if not _finite(v, _LIMIT[kind]) or 0 < v < _LOW.get(kind, 0.0):
+            diags.error(q.span, f"{kind} {number_text(q.value)} {q.unit} is out of range ({_RANGE_TEXT[kind]})")
+            return None
     if q.unit not in table:
         fix = _case_fix(q.unit, table)
         what = _unit_kind(q.unit)

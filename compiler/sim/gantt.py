@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from xml.sax.saxutils import escape
 
+from ..textsafe import svg_text
 from .simulate import SimResult
 
 KIND_COLOR = {"p2p": "#1f77b4", "d2d": "#9467bd", "rdma": "#d62728", "local": "#2ca02c", None: "#7f7f7f"}
@@ -66,12 +66,12 @@ def render_svg(res: SimResult, title: str | None = None) -> str:
              f"viewBox='0 0 {width} {height}' {FONT} font-size='11'>")
     o.append(f"<rect x='0' y='0' width='{width}' height='{height}' fill='white'/>")
     head = title or f"{res.schedule}: {res.num_ranks} ranks, {res.routing}"
-    o.append(f"<text x='10' y='20' font-size='14' font-weight='bold'>{escape(head)}</text>")
+    o.append(f"<text x='10' y='20' font-size='14' font-weight='bold'>{svg_text(head)}</text>")
     summary = "; ".join(f"{p.program} {p.makespan_s * 1e3:.3f} ms (serial {p.serial_s * 1e3:.3f} ms)"
                         for p in programs)
     if res.bottleneck:
         summary += f"; bottleneck {res.bottleneck.link_class} {res.bottleneck.utilisation * 100:.0f} % busy"
-    o.append(f"<text x='10' y='38' fill='#333'>{escape(summary)}</text>")
+    o.append(f"<text x='10' y='38' fill='#333'>{svg_text(summary)}</text>")
 
     # Grid and axis.
     plot_top = TOP - 6
@@ -92,7 +92,7 @@ def render_svg(res: SimResult, title: str | None = None) -> str:
         if kind == "header":
             p = item
             o.append(f"<rect x='0' y='{y}' width='{width}' height='{ROW_H}' fill='#f4f4f4'/>")
-            o.append(f"<text x='10' y='{y + 16}' font-weight='bold'>{escape(p.program)}</text>")
+            o.append(f"<text x='10' y='{y + 16}' font-weight='bold'>{svg_text(p.program)}</text>")
             xm = x(p.makespan_s * 1e3)
             o.append(f"<line x1='{xm:.1f}' y1='{y}' x2='{xm:.1f}' y2='{y + ROW_H * (len(p.steps) + 1)}' "
                      f"stroke='#000' stroke-dasharray='4,3'/>")
@@ -104,19 +104,19 @@ def render_svg(res: SimResult, title: str | None = None) -> str:
         fill = KIND_FILL.get(s.link_kind, KIND_FILL[None])
         weight = " font-weight='bold'" if s.critical else ""
         label = f"{s.name} ({s.link or 'no link'})"
-        o.append(f"<text x='10' y='{y + 16}'{weight}>{escape(label)}</text>")
+        o.append(f"<text x='10' y='{y + 16}'{weight}>{svg_text(label)}</text>")
         o.append(f"<text x='{LABEL_W - 8}' y='{y + 16}' text-anchor='end' fill='#666'>"
                  f"{s.max_rank_bytes / 1e6:.1f} MB</text>")
         by = y + (ROW_H - BAR_H) / 2
         if s.start_s > s.ready_s:
             o.append(f"<rect x='{x(s.ready_s * 1e3):.2f}' y='{by + 4}' width='{(s.start_s - s.ready_s) * 1e3 * scale:.2f}' "
                      f"height='{BAR_H - 8}' fill='{fill}' stroke='{color}' stroke-width='0.5' stroke-dasharray='2,2'>"
-                     f"<title>{escape(s.name)}: ready {s.ready_s * 1e3:.3f} ms, first byte {s.start_s * 1e3:.3f} ms</title></rect>")
+                     f"<title>{svg_text(s.name)}: ready {s.ready_s * 1e3:.3f} ms, first byte {s.start_s * 1e3:.3f} ms</title></rect>")
         w = max((s.end_s - s.start_s) * 1e3 * scale, 1.0)
         stroke = "stroke='#000' stroke-width='2.2'" if s.critical else f"stroke='{color}' stroke-width='0.8'"
         gbps = f", {s.achieved_bps / 1e9:.1f} GB/s per rank" if s.achieved_bps else ""
         o.append(f"<rect x='{x(s.start_s * 1e3):.2f}' y='{by}' width='{w:.2f}' height='{BAR_H}' fill='{color}' "
-                 f"fill-opacity='0.85' {stroke}><title>{escape(s.name)} over {escape(s.link or 'no link')}: "
+                 f"fill-opacity='0.85' {stroke}><title>{svg_text(s.name)} over {svg_text(s.link or 'no link')}: "
                  f"{s.start_s * 1e3:.3f} .. {s.end_s * 1e3:.3f} ms{gbps}; alone {s.alone_s * 1e3:.3f} ms"
                  f"</title></rect>")
         for ct in s.chunk_times_s:

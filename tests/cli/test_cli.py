@@ -477,7 +477,8 @@ def test_exit_statuses_of_the_real_process(tmp_path):
 
 def test_an_output_path_that_cannot_be_written_is_a_user_error(capsys, tmp_path):
     for argv, text in ((["compile", SMALL, "-o", "/proc/epcc_out"], "/proc/epcc_out: No such file or directory"),
-                       (["compile", SMALL, "-o", SMALL], f"{SMALL}: File exists"),
+                       (["compile", SMALL, "-o", SMALL], f"-o {SMALL}: would overwrite the input {SMALL}"),
+                       (["compile", SMALL, "-o", "tests/cli/data/small.sched/x"], "tests/cli/data/small.sched/x: Not a directory"),
                        (["viz", SMALL, "-o", "/proc/epcc_out.svg"], "/proc/epcc_out.svg: No such file or directory")):
         rc, out, err = run(argv, capsys)
         assert (rc, err) == (1, f"epcc: error: {text}\n"), argv

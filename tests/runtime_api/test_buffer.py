@@ -204,14 +204,15 @@ def test_bundle_for_another_group_size_is_refused(tmp_path):
     assert str(e.value) == f"{bundle / 'manifest.json'}: unreadable manifest (a JSON object expected)"
 
 
-@pytest.mark.parametrize("bad", ["5", -1, 0, float("nan"), True])
+@pytest.mark.parametrize("bad", ["5", -1, 0, float("nan"), True, float("inf"), 1e18, 86400.001])
 def test_a_bad_timeout_is_refused_before_any_collective(tmp_path, bad):
     from epcc.runtime.buffer import Buffer
 
     bundle = compile_bundle(tmp_path, ONE_HOP.format(r=2, t=8, h=256, dtype="bf16", k=4, e=8))
     with pytest.raises(ValueError) as e:
         Buffer(None, bundle, timeout_s=bad)  # no process group: the check comes first
-    assert str(e.value) == f"Buffer: timeout_s must be a positive number of seconds, not {bad!r}"
+    assert str(e.value) == (f"Buffer: timeout_s must be a number of seconds > 0 and at most 86400 (one day), "
+                            f"not {bad!r}")
     with pytest.raises(TypeError) as e:
         Buffer(None, None)
     assert str(e.value) == "Buffer: bundle must be a path (str or pathlib.Path), not NoneType"

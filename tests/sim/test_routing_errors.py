@@ -47,7 +47,7 @@ def test_routing_file_missing_or_not_npy(tmp_path, capsys):
 
 def test_negative_zipf_exponent(capsys):
     rc, _, err = run(["compile", SCHED, "--emit", "route-analysis", "--routing", "zipf:-1"], capsys)
-    assert rc == 1 and err == "epcc: error: --routing zipf:-1: the Zipf exponent must be >= 0\n"
+    assert rc == 1 and err == "epcc: error: --routing zipf:-1: the Zipf exponent must be a finite number in 0..16, not -1\n"
 
 
 def test_measured_routing_is_used_and_labelled(tmp_path, capsys):
