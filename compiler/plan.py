@@ -19,15 +19,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
-from math import ceil, comb
+from math import ceil
 from typing import Any
-
-
-def hit_probability(experts: int, topk: int, n_experts: int) -> float:
-    """P(a token's top-k hits at least one of n given experts) under uniform top-k routing:
-    exactly 1 - C(E - n, k) / C(E, k)."""
-    n = max(0, min(n_experts, experts))
-    return 1.0 - comb(experts - n, topk) / comb(experts, topk)
 
 
 def ramp_sizes(tokens_per_chunk: int, halvings: int) -> list[int]:

@@ -58,8 +58,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..plan import Flow, Plan, PlanStep, hit_probability
-from .sm_terms import rows_per_token
+from ..costmodel.uniform import ranks_per_token, rows_per_token
+from ..plan import Flow, Plan, PlanStep
 
 
 @dataclass
@@ -78,14 +78,6 @@ class DirectKernels:
             for p, v in d.items():
                 if not isinstance(v, int) or isinstance(v, bool) or v < least:
                     raise ValueError(f"DirectKernels.{what}[{p!r}] must be an integer >= {least}, got {v!r}")
-
-
-def ranks_per_token(plan: Plan) -> float:
-    """Expected GPUs one token's top-k hits (uniform routing; 1 without a workload)."""
-    wl = plan.workload
-    if wl is None or plan.num_ranks <= 0 or wl.experts <= 0:
-        return 1.0
-    return max(1.0, plan.num_ranks * hit_probability(wl.experts, wl.topk, wl.experts // plan.num_ranks))
 
 
 def sm_seconds(program: str, src: int, dst: int, e: float, h: float,
@@ -188,4 +180,4 @@ def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
     return {"model": "links", "text": "links only: the topology gives no `sm` rates", "rates_gbps": rates}
 
 
-__all__ = ["DirectKernels", "describe", "drain_s", "ranks_per_token", "sm_seconds", "with_direct_pool"]
+__all__ = ["DirectKernels", "describe", "drain_s", "sm_seconds", "with_direct_pool"]
