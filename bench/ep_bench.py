@@ -32,7 +32,7 @@ maximum over ranks; the table gives the median and minimum over iterations.  A m
 fails reports no numbers.  Rank 0 prints the table last and writes OUT_DIR/ep_bench.json.
 
 --rdma-chunks TxD[,TxD...]: a bundle compiled with --rdma proxy runs once per RDMA chunking (T
-tokens per chunk, D in flight), its plan re-chunked here (backends/rdma/lower.py with_overrides:
+tokens per chunk, D in flight), its plan re-chunked here (plan/rdma.py with_overrides:
 the layout, tables, rings and FIFOs follow, the kernels do not change), reported as
 BUNDLE@TxD beside `epcc simulate` of the re-chunked plan, simulated here (the simulator reads
 only the plan); the baselines run once per bundle.
@@ -107,6 +107,7 @@ def import_epcc() -> None:
 
 import_epcc()
 from epcc.plan import Plan  # noqa: E402
+from epcc.plan import bundle as bundle_io  # noqa: E402
 from epcc.runtime import inputs, oracle  # noqa: E402
 
 METHODS = ("epcc", "torch_megatron", "nccl_a2a")
@@ -129,11 +130,8 @@ class KernelFailed(RuntimeError):
 
 
 def load_bundle(path: str | Path) -> tuple[Plan, dict]:
-    p = Path(path)
-    plan = Plan.from_json((p / "plan.json").read_text(encoding="utf-8"))
-    man_path = p / "cuda" / "manifest.json"
-    manifest = json.loads(man_path.read_text(encoding="utf-8")) if man_path.is_file() else {}
-    return plan, manifest
+    """The bundle's plan and its CUDA manifest ({} where it has none)."""
+    return bundle_io.load(path).plan, bundle_io.cuda_manifest(path, required=False)
 
 
 def make_routing(plan: Plan, tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -1081,15 +1079,15 @@ def format_table(report: dict) -> str:
 
 def rechunk(plan: Plan, chunking: tuple[int | None, int | None]) -> Plan:
     """The plan with its RDMA steps re-chunked: `chunking` = (tokens per chunk, depth), None keeps
-    the plan's (backends/rdma/lower.py with_overrides; the environment is not read again)."""
-    from epcc.backends.rdma.lower import with_overrides
+    the plan's (plan/rdma.py with_overrides; the environment is not read again)."""
+    from epcc.plan.rdma import with_overrides
 
     return with_overrides(plan, chunk_tokens=chunking[0], depth=chunking[1], env={})
 
 
 def rdma_chunking_of(plan: Plan) -> dict:
     """{program.step: {chunk_tokens, depth, chunks}} of the plan's RDMA steps."""
-    from epcc.backends.rdma.lower import rdma_bytes_per_token
+    from epcc.plan.rdma import rdma_bytes_per_token
 
     out = {}
     for s in plan.steps:
@@ -1269,7 +1267,7 @@ def rdma_chunkings(text: str | None, env) -> list[tuple[int | None, int | None]]
     """--rdma-chunks (or $EPCC_RDMA_CHUNK_TOKENS / $EPCC_RDMA_DEPTH) as [(tokens, depth)], None
     where the plan's value stays; [] when neither is given (the plan's chunking only).  A bad
     value is a ValueError naming it."""
-    from epcc.backends.rdma.lower import ENV_CHUNK_TOKENS, ENV_DEPTH, MAX_DEPTH, positive_setting
+    from epcc.plan.rdma import ENV_CHUNK_TOKENS, ENV_DEPTH, MAX_DEPTH, positive_setting
 
     if text is None:
         c, d = env.get(ENV_CHUNK_TOKENS, ""), env.get(ENV_DEPTH, "")

@@ -15,9 +15,10 @@ import sys
 import traceback
 from pathlib import Path
 
-from . import __version__
+from . import __version__, pipeline
 from .diagnostics import CompileError, SourceMap, format_all
-from . import pipeline
+from .plan import bundle as bundle_io
+from .plan import rdma as rdma_plan
 
 EXIT_OK, EXIT_USER, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -202,15 +203,10 @@ def cmd_tune(args) -> int:
     from .diagnostics import Diagnostic
 
     bundle = Path(args.bundle)
-    man = bundle / "cuda" / "manifest.json"
-    if not man.is_file():
-        raise CompileError([Diagnostic("error", f"{bundle}: no cuda/manifest.json; write the bundle with "
-                                                f"`epcc compile FILE --target cuda -o {bundle}`", None)])
     try:
-        manifest = json.loads(man.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise CompileError([Diagnostic("error", f"{man}: not a manifest written by epcc ({e}); recompile the "
-                                                f"bundle", None)]) from None
+        manifest = bundle_io.cuda_manifest(bundle)
+    except bundle_io.BundleError as e:
+        raise _user_error(str(e)) from None
     if "direct" not in manifest:
         raise CompileError([Diagnostic("error", f"{bundle}: nothing to tune: the plan is not one-hop "
                                                 f"({manifest.get('direct_not_used', '?')})", None)])
@@ -354,7 +350,7 @@ def cmd_viz(args) -> int:
 def _simulation(args, options):
     """(the built plan, its simulation) under the SM model of the kernels that `--kernels` and `--sms`
     pick (`epcc simulate` and `epcc viz --scheduled`): auto (default) is what the CUDA target runs, the
-    direct kernels where it lowers the plan to them (backends/cuda/direct_model.py), else the
+    direct kernels where it lowers the plan to them (Plan.direct, plan/direct.py), else the
     table-driven kernels' SM roles.  Bad values and direct options on a plan without direct kernels
     are user errors (exit 1); the options are checked before the plan is built."""
     from .sim import SimOptions, SimulationError, build_plan, simulate
@@ -367,10 +363,10 @@ def _simulation(args, options):
     built = build_plan(args.file, options, args.sources)
     _warn(built.compilation)
     direct = None
-    if kernels != "table":
-        from .backends.cuda.direct_model import direct_kernels
-
-        direct, why = direct_kernels(built.plan, sms)
+    if kernels != "table":  # kernel-formation recorded the CUDA target's choice (plan/direct.py)
+        direct, why = built.plan.direct, built.plan.direct_not_used
+        if direct is not None and sms is not None:
+            direct = direct.with_sms(sms)
         if direct is None and (kernels == "direct" or sms is not None):
             flag = "--kernels direct" if kernels == "direct" else "--sms"
             raise _user_error(f"{flag}: the CUDA target does not lower {args.file} to direct kernels: {why}")
@@ -415,21 +411,10 @@ def _user_error(msg: str) -> CompileError:
 
 
 def _load_plan_json(path: str):
-    from .plan import Plan
-
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise _user_error(f"{path}: no such file") from None
-    except OSError as e:
-        raise _user_error(f"{path}: cannot read it: {e.strerror or e}") from None
-    try:
-        plan = Plan.from_json(text)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise _user_error(f"{path}: not a plan written by 'epcc compile' ({type(e).__name__}: {e})") from None
-    if plan.workload is None:
-        raise _user_error(f"{path}: the plan has no workload (written by an older epcc? recompile the schedule)")
-    return plan
+        return bundle_io.read_plan(path)
+    except bundle_io.BundleError as e:
+        raise _user_error(str(e)) from None
 
 
 def _load_backend(name: str):
@@ -573,11 +558,9 @@ def cmd_run(args) -> int:
     except ValueError as e:
         raise _user_error(f"--routing {args.routing}: {e}") from None
     if getattr(args, "transport", "inproc") != "inproc":
-        from epcc.backends import rdma
-
         try:  # EPCC_RDMA_CHUNK_TOKENS / EPCC_RDMA_DEPTH re-chunk the RDMA steps (docs/rdma.md)
-            plan = rdma.with_overrides(plan)
-        except rdma.RdmaConfigError as e:
+            plan = rdma_plan.with_overrides(plan)
+        except rdma_plan.RdmaConfigError as e:
             raise _user_error(str(e)) from None
     try:
         layout = timed("layout", compute_layout, plan, routing.topk_idx, weights)

@@ -21,7 +21,6 @@ local expert), in the documented order: local expert, then source rank, then tok
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..plan import Plan
+from ..plan import bundle as bundle_io
+from ..plan.bundle import BundleError
 from .layout import compute_layout
 from .layout_types import Layout
 from .shm import PeerMemory
@@ -41,10 +41,6 @@ FP8_GROUP = 128
 
 WEIGHTS_DIFFER = ("combine: topk_weights differ from the weights dispatch was given (combine applies dispatch's; "
                   "dispatch again to change them)")
-
-
-class BundleError(ValueError):
-    """The bundle cannot be used (missing, unreadable, or compiled for another group)."""
 
 
 #: DeepEP's layout and stream arguments, which dispatch accepts and ignores (the plan's metadata
@@ -74,7 +70,8 @@ class Buffer:
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
-        self.plan, manifest = _load_bundle(Path(bundle))
+        loaded = bundle_io.load(bundle)
+        self.plan, manifest = loaded.plan, loaded.manifest
         self.backend_name = backend or manifest.get("backend", "cpu")
         # Errors of the call itself first, the same on every rank and before any collective:
         # a machine without a GPU must not surface as a group-size or nvcc error further in.
@@ -380,26 +377,6 @@ def _unpack_rows(rows: np.ndarray, dtype: str, hidden: int):
 
 def _global_rank(group, r: int) -> int:
     return dist.get_global_rank(group, r) if group is not dist.group.WORLD else r
-
-
-def _load_bundle(path: Path) -> tuple[Plan, dict]:
-    pj = path / "plan.json"
-    if not pj.is_file():
-        raise BundleError(f"{path}: not an epcc bundle (no plan.json); write one with `epcc compile FILE -o {path}`")
-    try:
-        plan = Plan.from_json(pj.read_text(encoding="utf-8"))
-    except (ValueError, TypeError, KeyError) as e:
-        raise BundleError(f"{pj}: unreadable plan ({e})") from None
-    mf = path / "manifest.json"
-    try:
-        manifest = json.loads(mf.read_text(encoding="utf-8")) if mf.is_file() else {}
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BundleError(f"{mf}: unreadable manifest ({e})") from None
-    if not isinstance(manifest, dict):
-        raise BundleError(f"{mf}: unreadable manifest (a JSON object expected)")
-    if plan.workload is None:
-        raise BundleError(f"{pj}: the plan has no workload; recompile it with this epcc")
-    return plan, manifest
 
 
 def _backend(name: str):

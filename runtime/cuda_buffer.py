@@ -24,6 +24,7 @@ next dispatch on this Buffer, like DeepEP's low-latency buffers.  Copy them to k
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from epcc.backends.cuda import direct_runtime as drt
-from epcc.backends.cuda.direct import DirectConfig, DirectError
+from epcc.plan.bundle import cuda_manifest
+from epcc.plan.direct import DirectConfig, DirectError
 
 from .buffer import check_tensor
 
@@ -70,12 +72,7 @@ class CudaEngine:
         self.R = dist.get_world_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
         cuda_dir = bundle / "cuda"
-        mf = cuda_dir / "manifest.json"
-        if not mf.is_file():
-            raise FileNotFoundError(f"{bundle}: no CUDA sources; compile with `epcc compile FILE --target cuda -o {bundle}`")
-        import json
-
-        self.manifest = json.loads(mf.read_text(encoding="utf-8"))
+        self.manifest = cuda_manifest(bundle)
         if "direct" not in self.manifest:
             raise DirectError(f"{bundle}: the cuda backend of Buffer runs one-hop plans; this one is not "
                               f"({self.manifest.get('direct_not_used', '?')})")

@@ -31,7 +31,7 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from epcc.backends.cuda.direct import MAX_WARPS, DirectError  # noqa: E402
+from epcc.plan.direct import MAX_WARPS, DirectError  # noqa: E402
 from epcc.runtime import inputs  # noqa: E402
 from epcc.runtime.buffer import Buffer  # noqa: E402
 

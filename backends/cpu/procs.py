@@ -30,6 +30,7 @@ from datetime import timedelta
 import numpy as np
 
 from epcc.plan import Plan
+from epcc.plan.rdma import bf16_partials, rdma_steps
 from epcc.runtime.layout_types import Layout
 
 from .host import CpuBackendTimeout, _rank_desc, execute
@@ -213,22 +214,19 @@ class ProcessBackend:
 
     def partial_rounding(self, plan: Plan) -> float:
         """What the combine check must admit: combine partials that cross an RDMA step travel as
-        bf16 (backends/rdma/lower.py), rounded once to its unit roundoff; 0 without such a step."""
-        from epcc.backends import rdma
-        from epcc.backends.rdma.lower import OP_ACC_F32_BF16
+        bf16 (plan/rdma.py), rounded once to its unit roundoff; 0 without such a step."""
         from epcc.runtime.oracle import BF16_ROUNDOFF
 
-        crossing = any(s.program == "combine" and s.op == OP_ACC_F32_BF16 for s in rdma.rdma_steps(plan))
-        return BF16_ROUNDOFF if crossing else 0.0
+        return BF16_ROUNDOFF if bf16_partials(plan) else 0.0
 
     def _run(self, plan: Plan, layout: Layout, program: str, mem: SharedMemory) -> None:
-        from epcc.backends import rdma
+        from epcc.backends.rdma.build import build
 
         import torch.distributed  # noqa: F401 - imported once here, inherited by every rank
 
         compile_plan(plan)  # JIT once, inherited by the forked ranks
-        has_rdma = any(s.program == program for s in rdma.rdma_steps(plan))
-        lib_path = rdma.build(plan, self.transport[0]) if has_rdma else None
+        has_rdma = any(s.program == program for s in rdma_steps(plan))
+        lib_path = build(plan, self.transport[0]) if has_rdma else None
         R = layout.num_ranks
         ctx = mp.get_context("fork")
         with tempfile.TemporaryDirectory(prefix="epcc-rdv-") as d:

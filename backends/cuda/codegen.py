@@ -48,6 +48,10 @@ import jinja2
 
 from epcc import __version__ as EPCC_VERSION
 from epcc.plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
+from epcc.plan.rdma import rdma_steps
+
+from ..rdma import emit as rdma_emit
+from ..rdma.sources import STATIC_SOURCES
 from . import direct, tables
 
 TARGET_ARCH = "sm_90a"
@@ -185,9 +189,7 @@ class CudaBundle:
             p.write_text(text, encoding="utf-8")
             written.append(p)
         if self.manifest.get("rdma"):
-            from epcc.backends import rdma
-
-            paths = rdma.emit(self.plan, out / RDMA_DIR)
+            paths = rdma_emit.emit(self.plan, out / RDMA_DIR)
             got = [p.relative_to(out).as_posix() for p in paths]
             if got != self.manifest["rdma"]:
                 raise CudaCodegenError(f"the RDMA proxy sources written ({got}) are not the manifest's "
@@ -504,8 +506,7 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
     }
     # The direct lowering (direct.py) for one-hop plans in one IPC domain: the runtime uses it
     # when present ("lowering": "direct"); the table-driven kernels above stay the general path.
-    why = direct.match(plan)
-    if why is None:
+    if plan.direct is not None:
         text, entry = direct.generate(plan, source, _ENV, EPCC_VERSION)
         files[entry["source"]] = text
         entry["command"] = ["nvcc", *NVCC_FLAGS, "-shared", "-o", entry["library"], entry["source"]]
@@ -513,7 +514,7 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         manifest["lowering"] = "direct"
     else:
         manifest["lowering"] = "tables"
-        manifest["direct_not_used"] = why
+        manifest["direct_not_used"] = plan.direct_not_used
     for k in kernels:
         manifest["kernels"].append({
             "name": k.name, "kind": "main", "program": k.program, "file": k.file, "launch": "cooperative",
@@ -540,11 +541,9 @@ def _rdma_sources(plan: Plan) -> list[str]:
     """The proxy sources `rdma.emit` writes for the plan's RDMA steps, relative to cuda/; [] when
     it has none.  They are the host side of rdma="external" (the SM roles wait on the counters the
     proxy bumps); with rdma="emulate" the kernels do not need them, but the bundle stays complete."""
-    from epcc.backends import rdma
-
-    if not rdma.rdma_steps(plan):
+    if not rdma_steps(plan):
         return []
-    return [f"{RDMA_DIR}/{n}" for n in (rdma.proxy_file_name(plan), *rdma.STATIC_SOURCES)]
+    return [f"{RDMA_DIR}/{n}" for n in (rdma_emit.proxy_file_name(plan), *STATIC_SOURCES)]
 
 
 def emit(plan: Plan, out_dir: str | Path, source: str | None = None,

@@ -49,7 +49,7 @@ import numpy as np
 
 from epcc.backends.rdma.engine import (ENGINE, ERRLEN, RECV_CHAN, SEND_CHAN, SEND_ROLE, STATUS_OK, STATUS_TIMEOUT,
                                        TP_LOCAL, TP_REMOTE_WRITE, Transport, TransportError, c_string, load, u64_table)
-from epcc.backends.rdma.lower import rdma_steps
+from epcc.plan.rdma import rdma_steps
 
 from .tables import PROGRAMS, parse_tables
 

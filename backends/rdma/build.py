@@ -13,7 +13,9 @@ import subprocess
 import threading
 from pathlib import Path
 
-NATIVE_DIR = Path(__file__).resolve().parent / "native"
+from .emit import proxy_file_name, proxy_source
+from .sources import NATIVE_DIR
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: transport -> (sources, macro, link flags)
@@ -75,8 +77,6 @@ def _sources_key(src_dir: Path, suffixes: tuple[str, ...], transport: str, extra
 
 def build(plan, transport: str = "libfabric") -> Path:
     """The shared library of `plan`'s proxy loop linked with `transport`; compiled if needed."""
-    from . import proxy_file_name, proxy_source
-
     text = proxy_source(plan)
     if not text:
         raise BuildError(f"schedule '{plan.schedule}' has no RDMA step: there is no proxy loop to build")

@@ -25,7 +25,9 @@ import numpy as np
 
 from epcc.runtime.layout_types import Copy, Layout
 
-from .lower import ENGINE, RECV_CHAN, SEND_CHAN, SEND_COPY, SEND_ROLE, WIRE_SHIFT, rdma_steps
+from epcc.plan.rdma import WIRE_SHIFT, rdma_steps
+
+from .abi import ENGINE, RECV_CHAN, SEND_CHAN, SEND_COPY, SEND_ROLE
 
 TP_LOCAL, TP_REMOTE_WRITE = 1, 2
 ERRLEN = 1024
@@ -99,7 +101,7 @@ def c_string(keep: list, text: str) -> int:
 
 
 def u64_table(keep: list, t, rows: list[dict]) -> np.ndarray:
-    """Rows of descriptor table `t` (lower.py; every field 8 bytes) as the C side reads them;
+    """Rows of descriptor table `t` (abi.py; every field 8 bytes) as the C side reads them;
     fields a row leaves out are 0 (e.g. the GPU path's on the CPU path)."""
     a = np.zeros((max(len(rows), 1), len(t.fields)), dtype=np.uint64)
     for i, row in enumerate(rows):

@@ -27,6 +27,10 @@ fp32 atomic adds (~12 GB/s per SM), so a 50 GB/s link needs 5 unpack SMs where 4
 
 IR: one `builtin.module @<name> attributes {epcc.kind = "kernel" | "proxy" | "dma"}` per group,
 holding an `epcc.role` per step, at the location of the step.
+
+The plan also records the CUDA target's choice for the whole plan (plan/direct.py): `Plan.direct`,
+the direct one-hop kernels and their shape where the plan has it, else the reason in
+`Plan.direct_not_used`; the CUDA code generator and `epcc simulate` read it, neither re-derives it.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from collections import defaultdict
 from mlir import ir
 
 from ..ir import ops, query
-from ..plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
 from ..costmodel.rates import PROXY_MIN_SMS, proxy_rates, sm_rates
+from ..plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
+from ..plan.direct import direct_kernels
 from . import Pass, PassContext, register
 from .overlap_schedule import busy_time, step_times
 
@@ -158,6 +163,7 @@ class KernelFormation(Pass):
                 kp.sms = at
                 kernels.append(kp)
         plan.kernels = kernels
+        plan.direct, plan.direct_not_used = direct_kernels(plan)
         self._emit(module, ctx, kernels)
 
     def _emit(self, module, ctx: PassContext, kernels: list[KernelPlan]) -> None:

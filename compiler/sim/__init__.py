@@ -77,12 +77,11 @@ Makespan = the last step's end (with overlap); the serial sum adds every step's 
 the launches).
 """
 
-from .direct import DirectKernels
 from .engine import ResourceStat, SimOptions, SimulationError, StepTiming
 from .simulate import Bottleneck, LinkClassStat, ProgramResult, SimResult, simulate, simulate_subset
 
 __all__ = [
-    "Bottleneck", "BuiltPlan", "DirectKernels", "LinkClassStat", "ProgramResult", "ResourceStat", "SimOptions",
+    "Bottleneck", "BuiltPlan", "LinkClassStat", "ProgramResult", "ResourceStat", "SimOptions",
     "SimResult", "SimulationError", "StepTiming", "build_plan", "simulate", "simulate_subset",
 ]
 

@@ -1,7 +1,8 @@
 """The direct kernels in the cost model: one pool of SMs per rank and program.
 
 The CUDA target lowers a one-hop plan inside one CUDA IPC domain to "direct" kernels
-(backends/cuda/direct.py): per program one persistent kernel on N SMs whose warps have no fixed
+(plan/direct.py decides, kernel-formation records `Plan.direct`; backends/cuda/direct.py writes
+them): per program one persistent kernel on N SMs whose warps have no fixed
 role.  In dispatch every warp sends tokens (a token's row stored once into each peer GPU it hits,
 at its first expert row there, and into every expert row of its own GPU), then replicates the rows
 received from peers into their other expert rows.  In combine every warp reduces the expert rows
@@ -56,28 +57,9 @@ Expected rows and GPUs per token are those of uniform routing, as in sim/sm_term
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
 from ..costmodel.uniform import ranks_per_token, rows_per_token
-from ..plan import Flow, Plan, PlanStep
-
-
-@dataclass
-class DirectKernels:
-    """How the CUDA target runs a plan it lowers to direct kernels: per program, the SMs (blocks)
-    of its one kernel, every warp doing every step, and the kernel launches it takes."""
-
-    sms: dict[str, int] = field(default_factory=dict)  # program -> SMs of its kernel
-    launches: dict[str, int] = field(default_factory=dict)  # program -> kernel launches, metadata ones included
-    meta_passes: dict[str, int] = field(default_factory=dict)  # program -> metadata passes before its rows move
-    warps: dict[str, int] = field(default_factory=dict)  # program -> warps per block (default 16)
-
-    def __post_init__(self) -> None:
-        for what, d, least in (("sms", self.sms, 1), ("launches", self.launches, 0),
-                               ("meta_passes", self.meta_passes, 0), ("warps", self.warps, 1)):
-            for p, v in d.items():
-                if not isinstance(v, int) or isinstance(v, bool) or v < least:
-                    raise ValueError(f"DirectKernels.{what}[{p!r}] must be an integer >= {least}, got {v!r}")
+from ..plan import DirectKernels, Flow, Plan, PlanStep
 
 
 def sm_seconds(program: str, src: int, dst: int, e: float, h: float,
@@ -180,4 +162,4 @@ def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
     return {"model": "links", "text": "links only: the topology gives no `sm` rates", "rates_gbps": rates}
 
 
-__all__ = ["DirectKernels", "describe", "drain_s", "sm_seconds", "with_direct_pool"]
+__all__ = ["describe", "drain_s", "sm_seconds", "with_direct_pool"]

@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..plan import Flow, Plan, PlanStep
-
-if TYPE_CHECKING:
-    from .direct import DirectKernels
+from ..plan import DirectKernels, Flow, Plan, PlanStep
 
 INF = float("inf")
 REL = 1e-9  # relative tolerance on fractions and simultaneous events
@@ -41,7 +37,7 @@ class SimOptions:
     # The plan runs as the CUDA target's direct kernels (sim/direct.py: one pool of SMs per rank and
     # program, launches before the first step); None: SM roles as kernel-formation laid them out
     # (sim/sm_terms.py).  `epcc simulate` sets it from the CUDA target's lowering.
-    direct: "DirectKernels | None" = None
+    direct: DirectKernels | None = None
 
 
 @dataclass

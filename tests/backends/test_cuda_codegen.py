@@ -35,7 +35,10 @@ from epcc import pipeline
 from epcc.backends import cuda
 from epcc.backends.cuda import codegen, tables
 from epcc.backends.cuda.emulate import EmulationError, emulate
+from epcc.backends.rdma import emit as rdma_emit
+from epcc.backends.rdma.sources import STATIC_SOURCES
 from epcc.cli import main
+from epcc.plan.rdma import rdma_steps
 
 import regen_cuda_golden  # tests/backends/, on sys.path under pytest
 
@@ -339,10 +342,8 @@ def direct_plan(name: str):
 
 def test_direct_list_is_every_one_hop_schedule():
     """DIRECT must follow the schedules: a new one-hop .sched gets its direct source compiled."""
-    from epcc.backends.cuda import direct
-
-    assert sorted(n for n in ALL if direct.match(plan_of(n)) is None) == sorted(n for n in DIRECT if "@" not in n)
-    assert all(direct.match(direct_plan(n)) is None for n in DIRECT)
+    assert sorted(n for n in ALL if plan_of(n).direct is not None) == sorted(n for n in DIRECT if "@" not in n)
+    assert all(direct_plan(n).direct is not None for n in DIRECT)
 
 
 @pytest.fixture(scope="module")
@@ -729,18 +730,16 @@ def test_cli_compile_target_cuda(tmp_path, capsys, monkeypatch):
 def test_cli_compile_writes_the_rdma_proxy_sources(tmp_path, capsys, monkeypatch):
     """A plan with RDMA steps gets the host proxy loop (backends/rdma, docs/rdma.md) in cuda/rdma/,
     listed in the manifest; a plan without them gets none."""
-    from epcc.backends import rdma
-
     monkeypatch.chdir(REPO)
     out = tmp_path / "vnode"
     assert main(["compile", source_of("h200x4_2vnode"), "--target", "cuda", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     m = json.loads((out / "cuda" / "manifest.json").read_text())
-    proxy = f"rdma/{rdma.proxy_file_name(plan_of('h200x4_2vnode'))}"
+    proxy = f"rdma/{rdma_emit.proxy_file_name(plan_of('h200x4_2vnode'))}"
     assert m["rdma"][0] == proxy == "rdma/h200x4_2vnode_proxy.c"
-    assert m["rdma"] == [proxy, *(f"rdma/{n}" for n in rdma.STATIC_SOURCES)]
+    assert m["rdma"] == [proxy, *(f"rdma/{n}" for n in STATIC_SOURCES)]
     assert sorted(p.relative_to(out / "cuda").as_posix() for p in (out / "cuda" / "rdma").iterdir()) == sorted(m["rdma"])
-    assert (out / "cuda" / proxy).read_text() == rdma.proxy_source(plan_of("h200x4_2vnode"))
+    assert (out / "cuda" / proxy).read_text() == rdma_emit.proxy_source(plan_of("h200x4_2vnode"))
     assert proxy in printed
     # the same from the API, and with the RDMA left to the proxy (rdma="external")
     b = cuda.generate(plan_of("h200x4_2vnode"), source_of("h200x4_2vnode"), cuda.CudaOptions(rdma="external"))
@@ -756,10 +755,8 @@ def test_cli_compile_writes_the_rdma_proxy_sources(tmp_path, capsys, monkeypatch
 
 @pytest.mark.parametrize("name", ALL)
 def test_manifest_lists_rdma_sources_exactly_for_plans_with_rdma_steps(name):
-    from epcc.backends import rdma
-
     m = cuda.generate(plan_of(name), source_of(name)).manifest
-    assert bool(m["rdma"]) == bool(rdma.rdma_steps(plan_of(name)))
+    assert bool(m["rdma"]) == bool(rdma_steps(plan_of(name)))
 
 
 def test_cli_without_target_writes_no_cuda(tmp_path, capsys, monkeypatch):

@@ -230,7 +230,7 @@ def test_a_channel_fed_by_two_pack_roles_is_refused():
 
 def _relay_side(program, rank, tokens=24, chunk=3):
     """h200x2_2vnode_relay (two RDMA steps per program): one rank's tables, roles and channel plan."""
-    from epcc.backends.rdma.lower import rdma_steps
+    from epcc.plan.rdma import rdma_steps
 
     plan, layout, *_ = small_case("h200x2_2vnode_relay", tokens, chunk)
     m = cuda.generate(plan, source_of("h200x2_2vnode_relay"), cuda.CudaOptions(rdma="proxy")).manifest
@@ -288,7 +288,7 @@ def test_two_rdma_steps_each_pack_role_points_at_its_own_fifo(program, rank):
 # ------------------------------------------------------------ RDMA steps over links of different speeds
 
 def _links(name, program):
-    from epcc.backends.rdma.lower import rdma_steps
+    from epcc.plan.rdma import rdma_steps
 
     plan, *_ = small_case(name, 8, 2)
     return rdma_gpu.step_links(s for s in rdma_steps(plan) if s.program == program)

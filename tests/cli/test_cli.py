@@ -306,12 +306,12 @@ def _critical_nodes(dot: str) -> set[str]:
 
 
 def _simulated(rel: str, sms=None, table=False):
-    from epcc.backends.cuda.direct_model import direct_kernels
-    from epcc.sim import SimOptions, build_plan, simulate
+    from epcc.sim import SimOptions, simulate
+    from epcc.sim.build import build_plan
     from epcc.sim.direct import describe
 
     plan = build_plan(rel).plan
-    kernels = None if table else direct_kernels(plan, sms)[0]
+    kernels = None if table or plan.direct is None else plan.direct if sms is None else plan.direct.with_sms(sms)
     return plan, kernels, describe(plan, kernels), simulate(plan, SimOptions(direct=kernels))
 
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from epcc.runtime import inputs, oracle
-from epcc.backends.cuda.direct import META_CHUNK
+from epcc.plan.direct import META_CHUNK
 from epcc.runtime.buffer import Buffer
 
 ROUTINGS = tuple(os.environ.get("EPCC_GPU_ROUTINGS", "uniform,zipf:1.2,all-to-one,no-remote,empty").split(","))

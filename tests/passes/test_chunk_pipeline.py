@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from epcc.backends.rdma.lower import rdma_bytes_per_token
+from epcc.plan.rdma import rdma_bytes_per_token
 from epcc.passes import chunk_pipeline as cp
 from epcc.sim import build_plan
 

@@ -15,10 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epcc.backends import rdma
+from epcc.backends.rdma import emit as rdma_emit
 from epcc.backends.cpu.host import timeout_message
 from epcc.backends.rdma.build import NATIVE_DIR, BuildError, build_transport, compiler
 from epcc.plan import Plan
+from epcc.plan import rdma as rdma_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 EPCC = [sys.executable, "-m", "epcc.cli"]
@@ -158,32 +159,32 @@ def test_bounded_wait_times_out_with_the_sync_message(prim):
 
 def test_emitted_proxy_source_golden(tmp_path):
     plan = _plan("h200x4_2vnode.sched")
-    text = rdma.proxy_source(plan)
+    text = rdma_emit.proxy_source(plan)
     golden = GOLDEN / "h200x4_2vnode_proxy.c"
     if os.environ.get("EPCC_REGEN_GOLDEN"):
         golden.write_text(text)
     assert text == golden.read_text(), "emitted proxy source changed; EPCC_REGEN_GOLDEN=1 rewrites the golden"
     assert "DSL line 92" in text and "epcc_rdma_apply_dispatch__rdma" in text and "epcc_rdma_apply_combine__rdma" in text
-    paths = rdma.emit(plan, tmp_path)
+    paths = rdma_emit.emit(plan, tmp_path)
     assert paths[0].name == "h200x4_2vnode_proxy.c" and (tmp_path / "epcc_transport.h").is_file()
-    assert rdma.emit(_plan("h200x4.sched"), tmp_path / "none") == []
+    assert rdma_emit.emit(_plan("h200x4.sched"), tmp_path / "none") == []
     assert not (tmp_path / "none").exists()
 
 
 def test_overrides_change_the_rdma_steps_only():
     plan = _plan("h200x4_2vnode.sched")
-    p2 = rdma.with_overrides(plan, env={"EPCC_RDMA_CHUNK_TOKENS": "16", "EPCC_RDMA_DEPTH": "2"})
+    p2 = rdma_plan.with_overrides(plan, env={"EPCC_RDMA_CHUNK_TOKENS": "16", "EPCC_RDMA_DEPTH": "2"})
     assert p2.step("rdma").chunk_bytes == 16 * plan.bytes_per_token and p2.step("rdma").depth == 2
     assert p2.step("intra").chunk_bytes == plan.step("intra").chunk_bytes
     # the chunk count follows the chunk (the simulator reads it), as chunk-pipeline sets it
     biggest = max(f.bytes for f in plan.step("rdma").flows)
     assert p2.step("rdma").num_chunks == math.ceil(biggest / (16 * plan.bytes_per_token)) > plan.step("rdma").num_chunks
-    one = rdma.with_overrides(plan, chunk_tokens=1 << 20, depth=8, env={})
+    one = rdma_plan.with_overrides(plan, chunk_tokens=1 << 20, depth=8, env={})
     assert (one.step("rdma").num_chunks, one.step("rdma").depth) == (1, 1)  # no deeper than its chunks
-    with pytest.raises(rdma.RdmaConfigError, match="EPCC_RDMA_DEPTH=0"):
-        rdma.with_overrides(plan, env={"EPCC_RDMA_DEPTH": "0"})
-    with pytest.raises(rdma.RdmaConfigError, match="EPCC_RDMA_CHUNK_TOKENS='x'"):
-        rdma.with_overrides(plan, env={"EPCC_RDMA_CHUNK_TOKENS": "x"})
+    with pytest.raises(rdma_plan.RdmaConfigError, match="EPCC_RDMA_DEPTH=0"):
+        rdma_plan.with_overrides(plan, env={"EPCC_RDMA_DEPTH": "0"})
+    with pytest.raises(rdma_plan.RdmaConfigError, match="EPCC_RDMA_CHUNK_TOKENS='x'"):
+        rdma_plan.with_overrides(plan, env={"EPCC_RDMA_CHUNK_TOKENS": "x"})
 
 
 def test_ibverbs_transport_compiles_links_and_says_no_device():
@@ -437,8 +438,8 @@ def gpu_loop(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("gpu_loop")
     plan = _plan("h200x2_2vnode_relay.sched")
-    src = d / rdma.proxy_file_name(plan)
-    src.write_text(rdma.proxy_source(plan), encoding="utf-8")
+    src = d / rdma_emit.proxy_file_name(plan)
+    src.write_text(rdma_emit.proxy_source(plan), encoding="utf-8")
     out = d / "libloop.so"
     subprocess.run([compiler(), *CFLAGS, "-shared", f"-I{NATIVE_DIR}", "-o", str(out), str(src),
                     str(NATIVE_DIR / "epcc_transport.c"), str(NATIVE_DIR / "epcc_proxy_prim.c"),
@@ -469,7 +470,7 @@ class _GpuSide:
 
         from epcc.backends.cuda import rdma_gpu
         from epcc.backends.rdma import engine as eng
-        from epcc.backends.rdma.lower import rdma_steps
+        from epcc.plan.rdma import rdma_steps
 
         self.np, self.lib, self.keep = np, lib, []
         steps = [s for s in rdma_steps(plan) if s.program == "dispatch"]

@@ -186,21 +186,21 @@ def test_bad_arguments_name_the_argument(tmp_path):
 
 
 def test_bundle_for_another_group_size_is_refused(tmp_path):
-    from epcc.runtime.buffer import BundleError, _load_bundle
+    from epcc.plan.bundle import BundleError, load
 
     bundle = compile_bundle(tmp_path, ONE_HOP.format(r=2, t=8, h=256, dtype="bf16", k=4, e=8))
-    plan, _ = _load_bundle(bundle)
+    plan = load(bundle).plan
     assert plan.num_ranks == 2
     with pytest.raises(BundleError, match="not an epcc bundle"):
-        _load_bundle(tmp_path)
+        load(tmp_path)
     (bundle / "manifest.json").write_text("{broken", encoding="utf-8")
     with pytest.raises(BundleError) as e:
-        _load_bundle(bundle)
+        load(bundle)
     assert str(e.value) == (f"{bundle / 'manifest.json'}: unreadable manifest (Expecting property name enclosed in "
                             f"double quotes: line 1 column 2 (char 1))")
     (bundle / "manifest.json").write_text("[1, 2]", encoding="utf-8")
     with pytest.raises(BundleError) as e:
-        _load_bundle(bundle)
+        load(bundle)
     assert str(e.value) == f"{bundle / 'manifest.json'}: unreadable manifest (a JSON object expected)"
 
 

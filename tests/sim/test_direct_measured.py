@@ -60,11 +60,9 @@ POINTS = [(prog, *key) for key, ms in MEASURED.items() for prog, m in zip(("disp
 @lru_cache(maxsize=None)
 def predicted(path: str, dtype: str, tokens: int, sms: int) -> dict[str, float]:
     """Milliseconds per program, as `epcc simulate FILE --tokens T --dtype D --sms N` gives them."""
-    from epcc.backends.cuda.direct_model import direct_kernels
-
     plan = build_plan(path, PassOptions(tokens=tokens, dtype=dtype)).plan
-    kernels, why = direct_kernels(plan, sms)
-    assert kernels is not None, why
+    assert plan.direct is not None, plan.direct_not_used
+    kernels = plan.direct.with_sms(sms)
     res = simulate(plan, SimOptions(direct=kernels))
     return {p: r.makespan_s * 1e3 for p, r in res.programs.items()}
 
@@ -92,10 +90,8 @@ def test_four_gpus_from_the_same_rates_are_bound_by_nvlink(ep2):
     # Not measured with these kernels yet.  On 4 GPUs a token hits ~3.6 GPUs: a dispatch sends
     # ~160 MB of deduplicated rows to the peers of each GPU, over NVLink at 450 GB/s x 62 % (what
     # the 2-GPU combine and NCCL reach): ~0.57 ms, above what its 24 SMs need.
-    from epcc.backends.cuda.direct_model import direct_kernels
-
     plan = build_plan(str(REPO / "schedules" / "h200x4.sched")).plan
-    kernels, _ = direct_kernels(plan)
+    kernels = plan.direct
     res = simulate(plan, SimOptions(direct=kernels))
     d = res.programs["dispatch"]
     remote = sum(f.bytes for f in plan.step("push").flows if f.src == 0)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from epcc.backends.rdma.lower import rdma_bytes_per_token
+from epcc.plan.rdma import rdma_bytes_per_token
 from epcc.sim import SimOptions, build_plan, simulate
 
 REPO = Path(__file__).resolve().parents[2]

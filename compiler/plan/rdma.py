@@ -1,11 +1,12 @@
-"""Lower a plan's RDMA steps to the proxy post loop (the decisions; the template lays out text).
+"""A plan's RDMA steps as the proxy post loop runs them (docs/rdma.md): the decisions.
 
 An RDMA step is a role of a kernel of kind `proxy` (kernel-formation puts every step over a link
 of kind rdma there).  For each one this module decides the receiver's row operation (dispatch:
 copy the payload row; combine: accumulate the partial, which travels as bf16 like on the GPU path,
-or the weighted bf16 expert output),
-the chunk size and queue depth (the plan's chunk-pipeline pass, from the cost model, unless
-overridden), the C symbols, and the descriptor tables shared with the host (every field 64-bit).
+or the weighted bf16 expert output), the chunk size and queue depth (the plan's chunk-pipeline
+pass, from the cost model, unless overridden) and the C symbol of its apply function.  The
+emitted loop (backends/rdma) and the host engines (runtime/engines) read these decisions; the
+descriptor tables they share are backends/rdma/abi.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass, replace
 
-from epcc.plan import Plan
+from .model import Plan
 
 OP_COPY, OP_ACC_BF16, OP_ACC_F32_BF16 = "copy", "acc_bf16", "acc_f32_bf16"
 _OP_TEXT = {
@@ -120,6 +121,12 @@ def positive_setting(name: str, value: str | None, limit: int | None = None) -> 
     return v
 
 
+def bf16_partials(plan: Plan) -> bool:
+    """Whether combine partials cross an RDMA step of the plan (they travel as bf16: rounded once
+    to bf16's unit roundoff on the way, which a check of the combine must admit)."""
+    return any(s.program == "combine" and s.op == OP_ACC_F32_BF16 for s in rdma_steps(plan))
+
+
 def rdma_bytes_per_token(plan: Plan, program: str) -> int:
     """Bytes one token takes in a chunk of an RDMA step: the dispatch payload row, or in combine
     the partial as it travels (bf16, 2 bytes per channel)."""
@@ -150,102 +157,3 @@ def with_overrides(plan: Plan, *, chunk_tokens: int | None = None, depth: int | 
             s = s.chunked(float(chunk_tokens * per_token) if chunk_tokens else s.chunk_bytes, depth or s.depth)
         steps.append(s)
     return replace(plan, steps=steps)
-
-
-# ---------------------------------------------------------------------------------------------
-# Descriptor tables shared by the host (engine.py) and the emitted C.  Every field is 8 bytes.
-
-@dataclass(frozen=True)
-class Field:
-    name: str
-    ctype: str
-    doc: str = ""
-
-
-@dataclass(frozen=True)
-class Table:
-    name: str
-    doc: str
-    fields: tuple[Field, ...]
-
-    def names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in self.fields)
-
-
-U64 = "uint64_t"
-SEND_COPY = Table("epcc_rdma_send_copy", "one Copy of an RDMA step this rank sends (it holds the source rows)", (
-    Field("n_chunks", U64),
-    Field("chunk_starts", U64, "int64 [n_chunks + 1]: the chunk's rows"),
-    Field("src_rows", U64, "u64 [rows]: the address of every source row"),
-    Field("wait_starts", U64, "int64 [n_chunks + 1]: chunk c waits for [wait_starts[c], wait_starts[c + 1])"),
-    Field("wait_flags", U64, "u64 [waits]: flag addresses"),
-    Field("wait_values", U64, "int64 [waits]"),
-    Field("wait_names", U64, "const char * [waits]: flag names for the messages"),
-    Field("chan", U64, "index into the engine's send channels"),
-    Field("chunk_seq", U64, "int64 [n_chunks]: each chunk's sequence number on its channel"),
-))
-SEND_ROLE = Table("epcc_rdma_send_role", "one RDMA role this rank runs as sender: a FIFO and its send slots", (
-    Field("step", U64, "index into epcc_rdma_steps"),
-    Field("n_copies", U64),
-    Field("copies", U64, "epcc_rdma_send_copy [n_copies]"),
-    Field("max_chunks", U64),
-    Field("depth", U64, "FIFO entries = send slots"),
-    Field("slot_bytes", U64),
-    Field("src_row_bytes", U64),
-    Field("send_buf", U64, "depth x slot_bytes, registered"),
-    Field("mr", U64, "epcc_tp_mr of send_buf"),
-))
-SEND_CHAN = Table("epcc_rdma_send_chan", "a (step, this rank -> peer) channel: the peer's landing ring", (
-    Field("peer", U64),
-    Field("remote_addr", U64, "landing ring base, as the peer's registration gave it"),
-    Field("remote_key", U64),
-    Field("slot_bytes", U64, "landing slot size"),
-    Field("depth", U64, "landing slots"),
-    Field("n_chunks", U64),
-    Field("imm_chan", U64, "the channel's index at the receiver, carried in the immediate"),
-    Field("credit", U64, "u64 the receiver writes: chunks it consumed (registered, remote-writable)"),
-    Field("credit_name", U64, "const char *, for the messages"),
-    Field("signal_addr", U64, "GPU path: the receiver's landing signal words (one per slot), as registered"),
-    Field("signal_key", U64),
-    Field("link", U64, "the transport link its chunks are posted on (the link class of its step; 0: one link)"),
-))
-RECV_CHAN = Table("epcc_rdma_recv_chan", "a (step, peer -> this rank) channel: the landing ring and what each chunk does", (
-    Field("peer", U64),
-    Field("step", U64, "index into epcc_rdma_steps"),
-    Field("n_chunks", U64),
-    Field("landing", U64, "depth x slot_bytes, registered remote-writable"),
-    Field("slot_bytes", U64),
-    Field("depth", U64),
-    Field("row_len", U64, "bytes (copy) or elements (accumulate) of a destination row"),
-    Field("src_row_bytes", U64, "bytes of a landed row"),
-    Field("chunk_rows", U64, "int64 [n_chunks + 1]: rows of chunk q (in sequence order)"),
-    Field("dst_rows", U64, "u64 [rows]: destination row addresses"),
-    Field("weights", U64, "float [rows] (weighted combine) or null"),
-    Field("chunk_flags", U64, "u64 [n_chunks]: the flag each chunk bumps"),
-    Field("credit_raddr", U64, "the sender's credit word"),
-    Field("credit_rkey", U64),
-    Field("credit_src", U64, "u64 this rank writes the credit from (registered)"),
-    Field("credit_mr", U64),
-    Field("name", U64, "const char *, for the messages"),
-    Field("consumed", U64, "GPU path: u64 the receiving kernel writes (launch << 32 | chunks consumed), host-mapped"),
-    Field("link", U64, "the transport link its credits go back on (the link class of its step; 0: one link)"),
-))
-ENGINE = Table("epcc_rdma_engine", "one process's proxy engine", (
-    Field("tp", U64, "epcc_tp *"),
-    Field("rank_desc", U64, "const char *, e.g. \"rank 2 (vnode 1, gpu 0)\""),
-    Field("timeout_ns", U64),
-    Field("abort", U64, "u64 shared with the kernels' roles: set on a timeout"),
-    Field("stop", U64, "u64 the host sets once every rank is done"),
-    Field("n_roles", U64),
-    Field("roles", U64),
-    Field("n_send_chans", U64),
-    Field("send_chans", U64),
-    Field("n_recv_chans", U64),
-    Field("recv_chans", U64),
-    Field("err", U64, "char [errlen]: the first failure"),
-    Field("errlen", U64),
-    Field("status", U64),
-    Field("state", U64, "epcc_rdma_state *, set by epcc_rdma_engine_init"),
-    Field("gpu_fifos", U64, "GPU path: epcc_rdma_fifo [n_roles] in host-pinned memory, pushed by kernels; 0: CPU path"),
-))
-TABLES = (SEND_COPY, SEND_ROLE, SEND_CHAN, RECV_CHAN, ENGINE)

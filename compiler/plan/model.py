@@ -9,7 +9,9 @@ that run schedules without MLIR installed.  Passes fill it in stages:
 * chunk-and-pipeline: `chunk_bytes`, `num_chunks`, `depth`, and which dependencies may be
   pipelined chunk by chunk;
 * overlap scheduling: `priority` (lower runs first on a shared resource) and `engine_slot`;
-* buffer allocation: `buffers` with their sizes and the formula behind each size.
+* buffer allocation: `buffers` with their sizes and the formula behind each size;
+* kernel formation: `kernels` (roles on SM ranges, proxy loops, DMA queues) and `direct`, the
+  direct kernels the CUDA target lowers a one-hop plan to (plan/direct.py decides), or why not.
 
 Resources are named strings: `link:<name>:<port>:out|in` for a link port, `hbm:<rank>` for a
 rank's local memory, with capacities in bytes/s in `Plan.resources`.
@@ -211,6 +213,30 @@ class WorkloadPlan:
 
 
 @dataclass
+class DirectKernels:
+    """How the CUDA target runs a plan it lowers to direct kernels (plan/direct.py): per program,
+    the SMs (blocks) of its one kernel, every warp doing every step, the kernel launches it takes
+    and the metadata passes before its rows move.  The simulator charges them (sim/direct.py)."""
+
+    sms: dict[str, int] = field(default_factory=dict)  # program -> SMs of its kernel
+    launches: dict[str, int] = field(default_factory=dict)  # program -> kernel launches, metadata ones included
+    meta_passes: dict[str, int] = field(default_factory=dict)  # program -> metadata passes before its rows move
+    warps: dict[str, int] = field(default_factory=dict)  # program -> warps per block (default 16)
+
+    def __post_init__(self) -> None:
+        for what, d, least in (("sms", self.sms, 1), ("launches", self.launches, 0),
+                               ("meta_passes", self.meta_passes, 0), ("warps", self.warps, 1)):
+            for p, v in d.items():
+                if not isinstance(v, int) or isinstance(v, bool) or v < least:
+                    raise ValueError(f"DirectKernels.{what}[{p!r}] must be an integer >= {least}, got {v!r}")
+
+    def with_sms(self, sms: int) -> "DirectKernels":
+        """The same kernels on `sms` SMs per program, every block sending first (dispatch) and
+        reducing first (combine): the default configuration's split."""
+        return replace(self, sms={p: sms for p in self.sms})
+
+
+@dataclass
 class Plan:
     schedule: str
     num_ranks: int
@@ -234,6 +260,10 @@ class Plan:
     atomics: dict[str, float] = field(default_factory=dict)
     # link name -> its `post`: seconds of the RDMA proxy's host time per chunk posted over it
     post_s: dict[str, float] = field(default_factory=dict)
+    # The direct kernels the CUDA target lowers the plan to (kernel-formation, plan/direct.py), or
+    # None with the reason in `direct_not_used`.
+    direct: DirectKernels | None = None
+    direct_not_used: str | None = None
 
     def step(self, name: str, program: str = "dispatch") -> PlanStep:
         for s in self.steps:
@@ -261,5 +291,7 @@ class Plan:
         buffers = [BufferPlan(**b) for b in d.pop("buffers")]
         kernels = [KernelPlan(**{**k, "roles": [RolePlan(**r) for r in k["roles"]]}) for k in d.pop("kernels", [])]
         wl = d.pop("workload", None)
+        direct = d.pop("direct", None)
         return Plan(**d, steps=steps, buffers=buffers, kernels=kernels,
-                    workload=WorkloadPlan(**wl) if wl else None)
+                    workload=WorkloadPlan(**wl) if wl else None,
+                    direct=DirectKernels(**direct) if direct else None)
