@@ -353,7 +353,8 @@ def _simulation(args, options):
     direct kernels where it lowers the plan to them (Plan.direct, plan/direct.py), else the
     table-driven kernels' SM roles.  Bad values and direct options on a plan without direct kernels
     are user errors (exit 1); the options are checked before the plan is built."""
-    from .sim import SimOptions, SimulationError, build_plan, simulate
+    from .sim import SimOptions, SimulationError, simulate
+    from .sim.build import build_plan
 
     kernels = args.kernels or "auto"
     sms = _positive(args.sms, "--sms", "a whole number of SMs", "SMs must be at least 1")

@@ -10,6 +10,7 @@ fairness: every unfrozen flow's rate rises together) over the resources.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -581,8 +582,6 @@ def simulate_steps(steps: list[PlanStep], resources: dict[str, float], opts: Sim
 
 def step_alone(step: PlanStep, resources: dict[str, float], opts: SimOptions) -> float:
     """Duration of one step with the machine to itself (no deps, no pipelining, no hints)."""
-    import dataclasses
-
     solo = dataclasses.replace(step, deps=(), pipelined_deps=(), order=None)
     e = _Engine([solo], resources, opts).run()
     return float(e.end_t[0] - e.ready_t[0])

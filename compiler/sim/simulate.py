@@ -3,6 +3,7 @@ bottleneck, makespan with overlap and the serial sum (the model: sim/__init__.py
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..plan import Plan, PlanStep
@@ -229,8 +230,6 @@ def simulate_subset(plan: Plan, names: list[str] | tuple[str, ...], program: str
     """A group of steps with the machine to themselves (e.g. one phase of a seed's estimate):
     dependencies on steps outside the group count as done; those inside are kept (pipelined or
     not, as the plan says)."""
-    import dataclasses
-
     opts = opts or SimOptions()
     wanted = set(names)
     steps = [s for s in plan.steps if s.program == program and s.name in wanted]

@@ -171,7 +171,8 @@ def test_a_rechunked_plan_is_predicted_as_if_compiled_so(ep_bench, tmp_path):
     """--rdma-chunks re-chunks the bundle's plan at run time and simulates it there (no MLIR on
     the GPU machine): the same prediction as compiling the schedule with that chunking."""
     from epcc.plan import Plan
-    from epcc.sim import SimOptions, build_plan, simulate
+    from epcc.sim import SimOptions, simulate
+    from epcc.sim.build import build_plan
     from epcc.sim.report import to_dict
 
     src = (ROOT / "schedules" / "h200x2_2vnode.sched").read_text(encoding="utf-8")
@@ -223,7 +224,8 @@ def test_rechunked_proxy_bundle_checked_by_the_emulator(tmp_path):
 
 def test_a_plan_that_cannot_be_simulated_has_no_prediction_and_says_why(ep_bench, monkeypatch, capsys):
     from epcc.plan import Plan
-    from epcc.sim import SimulationError, build_plan
+    from epcc.sim import SimulationError
+    from epcc.sim.build import build_plan
 
     plan = Plan.from_json(build_plan(str(ROOT / "schedules" / "h200x2_2vnode.sched")).plan.to_json())
 

@@ -343,7 +343,8 @@ def test_viz_scheduled_draws_the_direct_kernels_where_they_run(argv, tmp_path, c
 
 
 def test_viz_scheduled_table_model_is_the_table_driven_drawing(tmp_path, capsys):
-    from epcc.sim import build_plan, simulate
+    from epcc.sim import simulate
+    from epcc.sim.build import build_plan
     from epcc.viz import build_scheduled_graph
 
     dot = _scheduled_dot([H200X4, "--kernels", "table"], tmp_path, capsys)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from epcc.plan.rdma import rdma_bytes_per_token
 from epcc.passes import chunk_pipeline as cp
-from epcc.sim import build_plan
+from epcc.sim.build import build_plan
 
 REPO = Path(__file__).resolve().parents[2]
 SCHED = (REPO / "schedules" / "h200x2_2vnode.sched").read_text(encoding="utf-8")

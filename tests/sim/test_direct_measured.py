@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from epcc.passes import PassOptions
-from epcc.sim import SimOptions, build_plan, simulate
+from epcc.sim import SimOptions, simulate
+from epcc.sim.build import build_plan
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.15

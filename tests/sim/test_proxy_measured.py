@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 
 from epcc.plan.rdma import rdma_bytes_per_token
-from epcc.sim import SimOptions, build_plan, simulate
+from epcc.sim import SimOptions, simulate
+from epcc.sim.build import build_plan
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.15

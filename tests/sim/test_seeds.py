@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from epcc.passes import PassOptions
-from epcc.sim import SimOptions, build_plan, simulate, simulate_subset
+from epcc.sim import SimOptions, simulate, simulate_subset
+from epcc.sim.build import build_plan
 
 REPO = Path(__file__).resolve().parents[2]
 SCHED = REPO / "schedules"
