@@ -9,16 +9,33 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import os
+import shutil
+import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
+import numpy as np
+
 from . import __version__, pipeline
-from .diagnostics import CompileError, SourceMap, format_all
+from .backends.cuda.codegen import CudaCodegenError, CudaOptions
+from .backends.cuda.codegen import emit as emit_cuda
+from .diagnostics import CompileError, Diagnostic, SourceMap, format_all
+from .passes import PassOptions
 from .plan import bundle as bundle_io
 from .plan import rdma as rdma_plan
+from .runtime.layout import compute_layout
+from .runtime.testing import inputs, oracle
+from .sema.workload import LIMITS
+from .sim import SimOptions, SimulationError, simulate
+from .sim.build import build_plan
+from .sim.gantt import write_svg
+from .sim.report import table, to_dict
+from .viz import render, render_scheduled
 
 EXIT_OK, EXIT_USER, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -135,10 +152,10 @@ def _parser() -> argparse.ArgumentParser:
 #   run_dispatch(plan, layout, x_rows: list[np.ndarray [T, row_bytes] uint8]) -> list[np.ndarray [n_d, row_bytes] uint8]
 #   run_combine(plan, layout, y: list[np.ndarray [n_d, hidden] uint16 (bf16)]) -> list[np.ndarray [T, hidden] float32]
 RUN_BACKENDS = {
-    "cpu": ("epcc.backends.cpu", "the CPU backend (backends/cpu: the layout lowered to LLVM IR, JIT-compiled, every "
-                                 "rank's roles as threads)"),
-    "reference": ("epcc.runtime.reference", "the NumPy reference executor (runtime/reference.py: copies applied one "
-                                            "after another; a debugging backend)"),
+    "cpu": ("epcc.runtime.engines.cpu.threads", "the CPU backend (backends/cpu: the layout lowered to LLVM IR, "
+                                                "JIT-compiled, every rank's roles as threads)"),
+    "reference": ("epcc.runtime.testing.reference", "the NumPy reference executor (runtime/testing/reference.py: "
+                                                    "copies applied one after another; a debugging backend)"),
 }
 
 
@@ -167,8 +184,6 @@ def _kernel_options(c: argparse.ArgumentParser, only: str = "") -> None:
 
 def _positive(text, flag: str, expected: str, too_small: str, most: int | None = None) -> int | None:
     """A positive integer option (at most `most`), or a located-at-the-flag user error."""
-    from .diagnostics import Diagnostic
-
     if text is None:
         return None
     try:
@@ -185,10 +200,6 @@ def _positive(text, flag: str, expected: str, too_small: str, most: int | None =
 
 def _options(args):
     """PassOptions from --routing/--tokens/--hidden; a bad value is a user error (exit 1)."""
-    from .passes import PassOptions
-
-    from .sema.workload import LIMITS
-
     tokens = _positive(args.tokens, "--tokens", "a whole number of tokens per rank, e.g. --tokens 4096",
                        "tokens per rank must be at least 1", LIMITS["tokens"])
     hidden = _positive(getattr(args, "hidden", None), "--hidden", "a whole number of channels, e.g. --hidden 256",
@@ -197,11 +208,6 @@ def _options(args):
 
 
 def cmd_tune(args) -> int:
-    import shutil
-    import subprocess
-
-    from .diagnostics import Diagnostic
-
     bundle = Path(args.bundle)
     try:
         manifest = bundle_io.cuda_manifest(bundle)
@@ -214,7 +220,7 @@ def cmd_tune(args) -> int:
     if nproc < 1:
         raise CompileError([Diagnostic("error", f"--nproc {nproc}: expected a number of GPUs, at least 1", None)])
     try:
-        import torch
+        import torch  # torch is the runtime extra: only `epcc tune` needs it here
     except ImportError as e:
         raise CompileError([Diagnostic("error", f"epcc tune: torch is not importable ({e}); run this on the GPU "
                                                 f"machine, where torch is installed", None)]) from None
@@ -281,8 +287,6 @@ def cmd_compile(args) -> int:
         sys.stdout.write(f"// IR after {name}\n{text}")
 
     if args.rdma != "auto" and getattr(args, "target", None) != "cuda":
-        from .diagnostics import Diagnostic
-
         raise CompileError([Diagnostic("error", f"--rdma {args.rdma} chooses how the CUDA backend runs RDMA steps: "
                                                 f"add --target cuda", None)])
     c = pipeline.run(args.file, until, args.sources, _options(args),
@@ -312,11 +316,8 @@ def cmd_compile(args) -> int:
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     print(f"{args.file}: compiled to {out}/ ({ir_file.name}, plan.json, manifest.json)")
     if getattr(args, "target", None) == "cuda":
-        from .backends.cuda import CudaCodegenError, CudaOptions, emit
-        from .diagnostics import Diagnostic
-
         try:
-            written = emit(plan, out / "cuda", source=str(args.file), options=CudaOptions(rdma=args.rdma))
+            written = emit_cuda(plan, out / "cuda", source=str(args.file), options=CudaOptions(rdma=args.rdma))
         except CudaCodegenError as e:
             raise CompileError([Diagnostic("error", f"--target cuda: {e}", None)]) from None
         print(f"{args.file}: CUDA sources in {out}/cuda/ ({', '.join(p.relative_to(out / 'cuda').as_posix() for p in written)})")
@@ -329,8 +330,6 @@ def cmd_compile(args) -> int:
 
 
 def cmd_viz(args) -> int:
-    from .viz import render, render_scheduled
-
     if args.scheduled:
         built, res = _simulation(args, _options(args))
         path = render_scheduled(built, res, args.output)
@@ -353,9 +352,6 @@ def _simulation(args, options):
     direct kernels where it lowers the plan to them (Plan.direct, plan/direct.py), else the
     table-driven kernels' SM roles.  Bad values and direct options on a plan without direct kernels
     are user errors (exit 1); the options are checked before the plan is built."""
-    from .sim import SimOptions, SimulationError, simulate
-    from .sim.build import build_plan
-
     kernels = args.kernels or "auto"
     sms = _positive(args.sms, "--sms", "a whole number of SMs", "SMs must be at least 1")
     if sms is not None and kernels == "table":
@@ -379,9 +375,6 @@ def _simulation(args, options):
 
 
 def cmd_simulate(args) -> int:
-    from .sim.gantt import write_svg
-    from .sim.report import table, to_dict
-
     options = _options(args)
     tokens = options.tokens
     if args.gantt and not args.gantt.lower().endswith(".svg"):
@@ -406,8 +399,6 @@ def cmd_simulate(args) -> int:
 
 
 def _user_error(msg: str) -> CompileError:
-    from .diagnostics import Diagnostic
-
     return CompileError([Diagnostic("error", msg, None)])
 
 
@@ -419,8 +410,6 @@ def _load_plan_json(path: str):
 
 
 def _load_backend(name: str):
-    import importlib
-
     module, _ = RUN_BACKENDS[name]
     try:
         mod = importlib.import_module(module)
@@ -438,8 +427,6 @@ def _token_text(names: list[str], h: int, t: int) -> str:
 
 def _dispatch_difference(layout, got_rows, want, names: list[str]) -> str | None:
     """The first difference between what the backend and layout delivered and the oracle, in words."""
-    import numpy as np
-
     E = layout.experts
     for d, w in enumerate(want):
         rank = names[d]
@@ -492,7 +479,7 @@ def _dispatch_difference(layout, got_rows, want, names: list[str]) -> str | None
 
 def _transport_backend(backend: str, transport: str):
     """The backend running one process per rank over `transport`, or a one-line error."""
-    from epcc.backends.cpu import procs
+    from .runtime.engines import cpu_procs as procs  # llvmlite, jinja2: only `epcc run --transport` needs them
 
     if transport not in procs.TRANSPORTS:
         return f"--transport {transport}: unknown transport (choose from {', '.join(procs.TRANSPORTS)})"
@@ -506,13 +493,6 @@ def _transport_backend(backend: str, transport: str):
 
 
 def cmd_run(args) -> int:
-    import time
-
-    import numpy as np
-
-    from epcc.runtime import inputs, oracle
-    from epcc.runtime.layout import compute_layout
-
     timings: dict[str, float] = {}
 
     def timed(name, fn, *a):

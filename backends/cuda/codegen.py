@@ -19,15 +19,15 @@ Every decision is made here, in Python; the templates (templates/*.cu.j2) only l
   those counters.  The default, `auto`, emulates for plans of at most 8 ranks (one HGX box)
   and leaves RDMA to the proxy above that (dgx_h800_2node, ocs_ep16, ubbv2_ep32).
 * Metadata exchanges (`exchange` steps, the `<program>_meta` kernels) are not lowered: in this
-  version the host computes the layout (runtime/layout.py) from the all-gathered routing and
+  version the host computes the layout (runtime/layout) from the all-gathered routing and
   uploads the tables, which is what the metadata step provides.
 * Combine ends with a small conversion kernel (`..._combine_finish_kernel`): the home partials
   (`result`, fp32) to bf16, launched on the same stream after the main kernel.
 
 Combine partials that cross an RDMA-class link travel as bf16 (`accum_bf16_wire`, BF16_WIRE):
 the receiver adds bf16(partial), as DeepEP's internode combine does, so the NIC carries half
-the bytes of fp32; checks admit that rounding (tables.partial_rounding(manifest) for
-runtime/oracle.py's compare_combine).
+the bytes of fp32; checks admit that rounding (runtime/engines/cuda_table/tables.py partial_rounding
+for runtime/testing/oracle.py's compare_combine).
 
 Row operations: dispatch copies wire rows (`row_bytes`) with the widest access that divides the
 row (16 B for bf16 rows of a hidden size divisible by 8, and for fp8 rows of a hidden size
@@ -52,7 +52,7 @@ from epcc.plan.rdma import rdma_steps
 
 from ..rdma import emit as rdma_emit
 from ..rdma.sources import STATIC_SOURCES
-from . import direct, tables
+from . import abi, direct
 
 TARGET_ARCH = "sm_90a"
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
@@ -340,7 +340,7 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelS
                 raise CudaCodegenError(f"{program} kernel '{kp.name}' has kind '{kp.kind}', which the CUDA "
                                        f"backend does not know")
     not_lowered = [{"program": program, "step": r.step, "kind": "metadata",
-                    "reason": "metadata exchange: the host computes the layout (runtime/layout.py) and uploads "
+                    "reason": "metadata exchange: the host computes the layout (runtime/layout) and uploads "
                               "the tables"} for _, r in groups["meta"]]
     lowered: list[tuple[RolePlan, str]] = [(r, "sm") for _, r in groups["kernel"]]
     lowered += [(r, "dma-on-sm") for _, r in groups["dma"]]
@@ -429,9 +429,9 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelS
 
 def _structs() -> list[dict]:
     out = []
-    for name, (doc, _) in tables.STRUCTS.items():
-        fields = [{"name": f, "ctype": ct, "offset": off, "doc": c} for f, ct, off, c in tables.struct_layout(name)]
-        out.append({"name": name, "doc": doc, "fields": fields, "size": tables.dtype(name).itemsize})
+    for name, (doc, _) in abi.STRUCTS.items():
+        fields = [{"name": f, "ctype": ct, "offset": off, "doc": c} for f, ct, off, c in abi.struct_layout(name)]
+        out.append({"name": name, "doc": doc, "fields": fields, "size": abi.dtype(name).itemsize})
     return out
 
 
@@ -448,28 +448,28 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         raise CudaCodegenError("the plan has no kernels: run the whole pipeline (kernel-formation)")
     source = source or f"{plan.schedule}.sched"
     sched = ident(plan.schedule)
-    kernels = [k for k in (_kernel(plan, p, source, opts) for p in tables.PROGRAMS) if k is not None]
+    kernels = [k for k in (_kernel(plan, p, source, opts) for p in abi.PROGRAMS) if k is not None]
     if not kernels:
         raise CudaCodegenError("the plan has no step a GPU kernel runs")
     files: dict[str, str] = {}
     common = dict(version=EPCC_VERSION, source=source, schedule=plan.schedule, header_file=HEADER_FILE)
     files[HEADER_FILE] = _ENV.get_template("device.cu.j2").render(
-        **common, table_version=tables.TABLE_VERSION, table_magic=tables.TABLE_MAGIC,
-        row_buf_shift=tables.ROW_BUF_SHIFT, structs=_structs(), step_name_bytes=STEP_NAME_BYTES,
+        **common, table_version=abi.TABLE_VERSION, table_magic=abi.TABLE_MAGIC,
+        row_buf_shift=abi.ROW_BUF_SHIFT, structs=_structs(), step_name_bytes=STEP_NAME_BYTES,
         max_sleep_ns=MAX_SLEEP_NS)
     for k in kernels:
         files[k.file] = _ENV.get_template("program.cu.j2").render(**common, k=k)
-    buffers = {p: _buffers(plan, p) for p in tables.PROGRAMS}
+    buffers = {p: _buffers(plan, p) for p in abi.PROGRAMS}
     by_program = {k.program: k for k in kernels}
     launcher_file = f"{plan.schedule}_launcher.cu"
     library = f"libepcc_{plan.schedule}.so"
     progs = []
-    for i, p in enumerate(tables.PROGRAMS):
+    for i, p in enumerate(abi.PROGRAMS):
         k = by_program.get(p)
         progs.append({
             "index": i, "name": p, "kernel": k, "buffers": buffers[p],
             "result_buffer": next((j for j, b in enumerate(buffers[p]) if b["name"] == "result"), -1),
-            "step_crcs": [tables.step_crc(r.step) for r in k.roles] if k else [],
+            "step_crcs": [abi.step_crc(r.step) for r in k.roles] if k else [],
             "row_bytes_multiple": (max([r.access_bytes for r in k.roles if r.op in ("copy", "pack_copy")] or [1])
                                    if k else 1),
             "hidden_multiple": (max([r.access_bytes // (2 if r.op in ("accum_weighted", "pack_bf16") else 4)
@@ -477,12 +477,12 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
             "rdma": bool(k and any(r.lowered in ("rdma-pack", "rdma-unpack") for r in k.roles)),
         })
     files[launcher_file] = _ENV.get_template("launcher.cu.j2").render(
-        **common, sched=sched, num_ranks=plan.num_ranks, programs=progs, table_version=tables.TABLE_VERSION,
+        **common, sched=sched, num_ranks=plan.num_ranks, programs=progs, table_version=abi.TABLE_VERSION,
         step_name_bytes=STEP_NAME_BYTES)
     sources = [k.file for k in kernels] + [launcher_file]
     manifest = {
         "format": "epcc-cuda-manifest",
-        "table_version": tables.TABLE_VERSION,
+        "table_version": abi.TABLE_VERSION,
         "epcc_version": EPCC_VERSION,
         "schedule": plan.schedule,
         "source": source,
@@ -499,7 +499,7 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
             "command": ["nvcc", *NVCC_FLAGS, "-shared", "-o", library, *sources],
         },
         "buffers": buffers,
-        "flags": {"regions": list(tables.PROGRAMS), "words_per_region": "flag_capacity (>= 1 + 2 x layout flags)",
+        "flags": {"regions": list(abi.PROGRAMS), "words_per_region": "flag_capacity (>= 1 + 2 x layout flags)",
                   "barrier_word": 0, "flag_word": "1 + (epoch % 2) * ((flag_capacity - 1) // 2) + flag_id"},
         "kernels": [],
         "not_lowered": [n for k in kernels for n in k.not_lowered],

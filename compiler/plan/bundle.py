@@ -55,9 +55,9 @@ def read_plan(path: str | Path) -> Plan:
     return plan
 
 
-def _json_object(path: Path) -> dict:
-    """The JSON object in `path`; ValueError (its reason) when it is not one."""
-    d = json.loads(path.read_text(encoding="utf-8"))
+def read_manifest(path: str | Path) -> dict:
+    """The JSON object in the manifest file `path`; ValueError (its reason) when it is not one."""
+    d = json.loads(Path(path).read_text(encoding="utf-8"))
     if not isinstance(d, dict):
         raise ValueError("a JSON object expected")
     return d
@@ -71,7 +71,7 @@ def load(path: str | Path) -> Bundle:
     plan = read_plan(path / PLAN_FILE)
     mf = path / MANIFEST_FILE
     try:
-        manifest = _json_object(mf) if mf.is_file() else {}
+        manifest = read_manifest(mf) if mf.is_file() else {}
     except (ValueError, UnicodeDecodeError) as e:
         raise BundleError(f"{mf}: unreadable manifest ({e})") from None
     return Bundle(path, plan, manifest)
@@ -88,6 +88,6 @@ def cuda_manifest(path: str | Path, *, required: bool = True) -> dict:
         raise BundleError(f"{path}: no {CUDA_DIR}/{MANIFEST_FILE}; write the bundle with "
                           f"`epcc compile FILE --target cuda -o {path}`")
     try:
-        return _json_object(mf)
+        return read_manifest(mf)
     except (ValueError, UnicodeDecodeError) as e:
         raise BundleError(f"{mf}: not a manifest written by epcc ({e}); recompile the bundle") from None

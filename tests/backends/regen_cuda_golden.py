@@ -32,12 +32,12 @@ def source_of(schedule: str) -> str:
 def generate(variant: str):
     """The CudaBundle of a variant, as `epcc compile` would write it."""
     from epcc import pipeline
-    from epcc.backends import cuda
+    from epcc.backends.cuda import codegen
     from epcc.passes import PassOptions
 
     schedule, opts = VARIANTS[variant]
     plan = pipeline.run(str(ROOT / source_of(schedule)), options=PassOptions(**opts)).passes.get("plan")
-    return cuda.generate(plan, source_of(schedule))
+    return codegen.generate(plan, source_of(schedule))
 
 
 def regenerate(variants: list[str] | None = None) -> None:

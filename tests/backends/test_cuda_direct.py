@@ -276,7 +276,7 @@ def test_cli_fp8_hidden_the_direct_copies_cannot_take_falls_back_to_tables(tmp_p
 
 
 def test_timeline_summary_reads_roles_by_block_and_warp():
-    from epcc.backends.cuda.direct_runtime import timeline_summary
+    from epcc.runtime.engines.cuda_direct.library import timeline_summary
 
     cfg = DirectConfig(send_blocks=2, recv_blocks=1, warps=2, combine_send_blocks=1, combine_reduce_blocks=1)
     B, W = direct.TIMELINE_BLOCKS, direct.TIMELINE_WORDS

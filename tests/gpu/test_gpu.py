@@ -84,7 +84,7 @@ def _why_not(gpus: int, bundles: list[str]) -> str | None:
         return f"needs >= 2 GPUs ({what}); {HOW}"
     if have < gpus:
         return f"the EP{gpus} case needs {gpus} GPUs ({what})"
-    from epcc.backends.cuda.launcher import find_nvcc
+    from epcc.runtime.build_cache import find_nvcc
 
     if find_nvcc() is None:
         return f"nvcc not found (PATH, $NVCC, /usr/local/cuda*/bin): the direct kernels are built on this machine; {HOW}"
@@ -157,7 +157,8 @@ def _proxy_bench(gpus: int, bundles: list[str], transport: str, tmp_path: Path, 
     transport lines `rdma PROGRAM: ... over TRANSPORT (...)`)."""
     why = _why_not(gpus, bundles)
     if not why and transport == "nvshmem":
-        from epcc.backends.rdma.build import BuildError, nvshmem_home
+        from epcc.runtime.build_cache import BuildError
+        from epcc.runtime.engines.gpu_proxy.build import nvshmem_home
 
         try:
             nvshmem_home()

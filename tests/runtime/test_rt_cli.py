@@ -14,7 +14,7 @@ import pytest
 
 from epcc import cli
 from epcc.cli import main
-from epcc.runtime import reference
+from epcc.runtime.testing import reference
 
 from rt_helpers import REPO
 
@@ -130,10 +130,10 @@ def test_run_bad_schedule_and_backend_name(capsys, tmp_path):
 
 
 def test_missing_cpu_backend_is_a_clear_error(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "epcc.backends.cpu", None)  # import fails
+    monkeypatch.setitem(sys.modules, "epcc.runtime.engines.cpu.threads", None)  # import fails
     rc, out, err = run(["run", SMALL, "--backend", "cpu"], capsys)
     assert rc == 1 and out == ""
-    assert err.startswith("epcc: error: backend 'cpu' is not available: importing epcc.backends.cpu failed: ")
+    assert err.startswith("epcc: error: backend 'cpu' is not available: importing epcc.runtime.engines.cpu.threads failed: ")
     assert "'--backend reference' runs the NumPy reference executor" in err
 
 

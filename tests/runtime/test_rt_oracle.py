@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from epcc.runtime import inputs, oracle
-from epcc.runtime.oracle import bf16_to_f32, bf16_ulp_diff, f32_to_bf16
+from epcc.runtime.bf16 import bf16_to_f32, bf16_ulp_diff, f32_to_bf16
+from epcc.runtime.testing import inputs, oracle
 
 # 2 ranks, 2 tokens each, top-2 of 4 experts.  Rank 1's second token has an empty slot.
 TOPK = np.array([[[0, 3], [1, 2]],

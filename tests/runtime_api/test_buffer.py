@@ -60,7 +60,7 @@ def _inputs(rank: int, ranks: int, tokens: int, hidden: int, topk: int, experts:
 
 def _worker(rank: int, ranks: int, bundle: str, store: str, result_dir: str, shape: dict) -> None:
     from epcc.runtime.buffer import Buffer
-    from epcc.runtime.oracle import combine_oracle, compare_combine, dispatch_oracle
+    from epcc.runtime.testing.oracle import combine_oracle, compare_combine, dispatch_oracle
 
     path = Path(result_dir) / f"rank{rank}.txt"
     try:

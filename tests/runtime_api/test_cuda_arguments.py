@@ -1,4 +1,4 @@
-"""Exact texts of the cuda backend's argument errors (runtime/cuda_buffer.py), on a CPU machine.
+"""Exact texts of the cuda backend's argument errors (runtime/engines/cuda_direct/engine.py), on a CPU machine.
 
 The checks run before anything touches the GPU, so an engine without a library or region (made
 with __new__, its device the CPU) reaches every one of them; a test that got past the checks
@@ -11,13 +11,13 @@ import re
 import pytest
 import torch
 
-from epcc.runtime.cuda_buffer import CudaEngine, CudaHandle
+from epcc.runtime.engines.cuda_direct.engine import CudaDirectEngine, CudaHandle
 
 H, K, T, E = 256, 4, 8, 16
 
 
-def engine(dtype: str = "bf16") -> CudaEngine:
-    eng = CudaEngine.__new__(CudaEngine)
+def engine(dtype: str = "bf16") -> CudaDirectEngine:
+    eng = CudaDirectEngine.__new__(CudaDirectEngine)
     eng.c = {"hidden": H, "topk": K, "dtype": dtype, "max_tokens": T, "align_max": 128, "experts": E}
     eng.device = torch.device("cpu")
     eng.dispatches = 0
@@ -104,7 +104,7 @@ def test_read_timeline_before_enable_timeline_is_refused():
 
     with pytest.raises(RuntimeError, match=r"^read_timeline: call enable_timeline\(\) before the stamped dispatch "
                                            r"and combine$"):
-        CudaEngine.read_timeline(SimpleNamespace(_timeline=None))
+        CudaDirectEngine.read_timeline(SimpleNamespace(_timeline=None))
 
 
 @pytest.mark.parametrize("argv, text", [

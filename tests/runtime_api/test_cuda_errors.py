@@ -85,12 +85,13 @@ def test_cuda_buffer_without_a_gpu_says_so(tmp_path, one_rank_group, monkeypatch
 
 @pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU")
 def test_cuda_engine_itself_checks_for_a_device(tmp_path, monkeypatch):
-    """The engine (runtime/cuda_buffer.py) guards itself too, for callers that bypass Buffer."""
-    from epcc.runtime.cuda_buffer import CudaEngine
+    """The engine (runtime/engines/cuda_direct/engine.py) guards itself too, for callers that bypass
+    Buffer: before it reads its group or its bundle."""
+    from epcc.runtime.engines.cuda_direct.engine import CudaDirectEngine
 
     monkeypatch.chdir(ROOT)
     with pytest.raises(RuntimeError, match="no CUDA device"):
-        CudaEngine(None, tmp_path, None, {}, timeout_s=1.0)
+        CudaDirectEngine(None, None, timeout_s=1.0)
 
 
 def test_cpu_buffer_refuses_a_config(tmp_path, one_rank_group):

@@ -7,15 +7,14 @@ with ctypes, call it.  No torch needed; device pointers are plain ints (a torch 
 from __future__ import annotations
 
 import ctypes
-import json
-import os
-import shutil
 import statistics
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
+from ....plan.bundle import MANIFEST_FILE, read_manifest
+from ...build_cache import cached, compiler_version, find_nvcc, key, run
+from ..base import EngineError, KernelTimeout
 from .tables import PROGRAMS, Tables
 
 RC_OK, RC_CUDA, RC_USAGE, RC_TABLES, RC_KERNEL = 0, 1, 2, 3, 4
@@ -66,55 +65,44 @@ def median_timeline(rounds: list[dict]) -> dict:
     return {"roles": roles, "end_ms": med([x["end_ms"] for x in rounds]), "launches": len(rounds)}
 
 
-class CudaError(RuntimeError):
-    """A launcher call failed; `rc` is its EPCC_RC_* code, the message the launcher's."""
+class CudaError(EngineError):
+    """A launcher call failed; `rc` is its EPCC_RC_* code, the message the launcher's.  A kernel
+    that gave up waiting (or found bad tables) raises KernelTimeout (base.py) instead."""
 
     def __init__(self, rc: int, message: str):
         super().__init__(message)
         self.rc = rc
 
 
-class KernelTimeout(CudaError):
-    """A kernel gave up waiting (the message names rank, step, chunk and flag) or found bad tables."""
-
-
-def find_nvcc(nvcc: str | None = None) -> str | None:
-    """nvcc: the argument, $NVCC, PATH, then /usr/local/cuda*/bin."""
-    for cand in (nvcc, os.environ.get("NVCC"), shutil.which("nvcc")):
-        if cand and Path(cand).is_file():
-            return str(cand)
-    for d in sorted(Path("/usr/local").glob("cuda*/bin/nvcc"), reverse=True):
-        if d.is_file():
-            return str(d)
-    return None
-
-
 def load_manifest(cuda_dir: str | Path) -> dict:
-    return json.loads((Path(cuda_dir) / "manifest.json").read_text(encoding="utf-8"))
+    """The CUDA manifest of a bundle's cuda/ directory."""
+    return read_manifest(Path(cuda_dir) / MANIFEST_FILE)
 
 
-def build_library(cuda_dir: str | Path, out: str | Path | None = None, nvcc: str | None = None,
-                  extra_flags: tuple[str, ...] = (), log: list[str] | None = None) -> Path:
-    """Compile the bundle's sources into the shared library the manifest names (in `cuda_dir`
-    unless `out` is given), with the manifest's nvcc command (plus `extra_flags`, e.g.
-    ("-Xptxas", "-v")).  Returns the library's path; nvcc's output is appended to `log`."""
+def build_library(cuda_dir: str | Path, nvcc: str | None = None, extra_flags: tuple[str, ...] = (),
+                  log: list[str] | None = None, fresh: bool = False) -> Path:
+    """The shared library the manifest names, compiled from the bundle's sources with the
+    manifest's nvcc command (plus `extra_flags`, e.g. ("-Xptxas", "-v")) into the build cache
+    (runtime/build_cache.py: compiled again only when a source, the command or nvcc changes, or
+    when `fresh`).  nvcc's output is appended to `log`."""
     cuda_dir = Path(cuda_dir).resolve()
     manifest = load_manifest(cuda_dir)
     exe = find_nvcc(nvcc)
     if exe is None:
         raise FileNotFoundError("nvcc not found (set $NVCC or put it on PATH)")
-    lib = Path(out).resolve() if out else cuda_dir / manifest["build"]["library"]
-    cmd = list(manifest["build"]["command"])
+    build = manifest["build"]
+    cmd = list(build["command"])
     cmd[0] = exe
-    i = cmd.index("-o")
-    cmd[i + 1] = str(lib)
     cmd[1:1] = list(extra_flags)
-    res = subprocess.run(cmd, cwd=cuda_dir, capture_output=True, text=True)
-    if log is not None:
-        log.append(res.stdout + res.stderr)
-    if res.returncode != 0:
-        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stdout}{res.stderr}")
-    return lib
+    sources = [(cuda_dir / s).read_bytes() for s in [*build["sources"], *build.get("headers", [])]]
+
+    def compile_into(out: Path, work: Path) -> None:
+        full = list(cmd)
+        full[full.index("-o") + 1] = str(out)
+        run(full, "nvcc", cwd=cuda_dir, log=log)
+
+    entry = key(*sources, "\0".join(cmd[1:]), compiler_version(exe))
+    return cached("cuda", entry, build["library"], compile_into, fresh=fresh)
 
 
 def _program(program: str | int) -> int:
@@ -189,7 +177,7 @@ class Library:
     def _check(self, rc: int, ctx=None) -> None:
         if rc != RC_OK:
             msg = (self.lib.epcc_cuda_last_error(ctx) or b"").decode(errors="replace")
-            raise (KernelTimeout if rc == RC_KERNEL else CudaError)(rc, msg)
+            raise KernelTimeout(msg, rc) if rc == RC_KERNEL else CudaError(rc, msg)
 
     # ------------------------------------------------------------------ memory and IPC
     def malloc(self, device: int, nbytes: int) -> int:
@@ -273,7 +261,7 @@ class Context:
 
     def set_rdma(self, program: str | int, chans: int, seq: int) -> None:
         """GPU proxy path (rdma="proxy"): device pointers of the RdmaChan descriptors (one per copy of
-        the uploaded tables) and of the items' sequence numbers; backends/cuda/rdma_gpu.py builds them."""
+        the uploaded tables) and of the items' sequence numbers; runtime/engines/gpu_proxy builds them."""
         self._check(self.lib.epcc_cuda_set_rdma(self.handle, _program(program), chans, seq))
 
     def upload_tables(self, program: str | int, tables: Tables | np.ndarray, stream: int = 0) -> None:

@@ -1,9 +1,9 @@
 """A NumPy executor of a Layout: the independent check that a layout implements the semantics.
 
-Not the CPU backend (backends/cpu lowers the same layout to LLVM IR and runs every rank's roles
+Not the cpu engine (runtime/engines/cpu runs the plan's roles, lowered to LLVM IR by backends/cpu,
 as threads): this one applies the copies one after another over per-rank NumPy buffers,
 dispatch as row copies, combine as fp32 accumulations.  `epcc run --backend reference` uses it
-as a debugging backend (same interface as the CPU backend):
+as a debugging backend (the Runner protocol of runtime/engines/base.py, as the cpu engine):
 
     run_dispatch(plan, layout, x_rows: list of uint8 [T, row_bytes]) -> list of uint8 [n_d, row_bytes]
     run_combine(plan, layout, y: list of uint16 (bf16) [n_d, hidden]) -> list of float32 [T, hidden]
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layout_types import Copy, Layout
-from .oracle import bf16_to_f32
+from ..bf16 import bf16_to_f32
+from ..layout import Copy, Layout
 
 __all__ = ["run_dispatch", "run_combine", "run_chunked", "WaitError"]
 

@@ -1,18 +1,18 @@
-"""The CPU backend as separate processes, one per rank, with RDMA steps over a real transport.
+"""The cpu engine as separate processes, one per rank, with RDMA steps over a real transport.
 
-    from epcc.backends.cpu import procs
-    be = procs.ProcessBackend("libfabric-tcp")
-    out = be.run_dispatch(plan, layout, x_rows)      # as cpu.run_dispatch, one process per rank
+    from epcc.runtime.engines import cpu_procs
+    be = cpu_procs.ProcessBackend("libfabric-tcp")
+    out = be.run_dispatch(plan, layout, x_rows)      # as cpu/threads.py's, one process per rank
     res = be.run_combine(plan, layout, y)
 
 Per program: every rank's buffers and counters are allocated in shared memory (anonymous
 MAP_SHARED mappings made before the ranks start: the peer memory of runtime/shm.py, inherited
 instead of mapped by name), the plan is JIT-compiled and its proxy loop compiled
-(backends/rdma) once, then one process per rank is forked.  Each joins a torch.distributed gloo
+(rdma_host.py) once, then one process per rank is forked.  Each joins a torch.distributed gloo
 group (file rendezvous), opens the transport (libfabric, provider tcp), exchanges addresses and
 keys with all_gather_object, and runs its roles: the kernels' roles as JIT drivers over peer
 memory (NVLink-class copies write straight into peers' buffers), the RDMA steps through the
-proxy loop (backends/rdma/engine.py: pack, write-with-immediate, in-order apply, credits).  The
+proxy loop (rdma_host.py: pack, write-with-immediate, in-order apply, credits).  The
 parent reads the results from shared memory.  A failure in any rank (a bounded wait, the
 transport) ends the run with that rank's message.
 """
@@ -31,10 +31,13 @@ import numpy as np
 
 from epcc.plan import Plan
 from epcc.plan.rdma import bf16_partials, rdma_steps
-from epcc.runtime.layout_types import Layout
 
-from .host import CpuBackendTimeout, _rank_desc, execute
-from .jit import compile_plan
+from ..bf16 import BF16_ROUNDOFF
+from ..layout import Layout
+from .cpu.jit import compile_plan
+from .cpu.threads import CpuBackendTimeout, execute, rank_desc
+from .rdma_host import RdmaEngine, build_proxy, build_transport
+from .transport import Transport, cost_phrase, load
 
 #: `epcc run --transport` values: name -> (transport, provider spec) or None (threads, no transport).
 TRANSPORTS = {"inproc": None, "libfabric-tcp": ("libfabric", "tcp")}
@@ -50,7 +53,7 @@ class RankFailed(RuntimeError):
 
 class SharedMemory:
     """Every rank's buffers and counters of one program in anonymous shared mappings (the Memory
-    protocol of host.py), created before the rank processes fork, zeroed."""
+    protocol of cpu/threads.py), created before the rank processes fork, zeroed."""
 
     def __init__(self, layout: Layout, program: str):
         self.layout, self.program = layout, program
@@ -82,7 +85,7 @@ class SharedMemory:
 
 
 def _exchange(obj):
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch is the runtime extra: only the ranks' rendezvous needs it
 
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -96,9 +99,7 @@ def _worker(rank: int, nranks: int, init_file: str, plan: Plan, layout: Layout, 
     msg = ("error", "crash", f"rank {rank}: exited without a report")
     eng = tp = None
     try:
-        import torch.distributed as dist
-
-        from epcc.backends.rdma import engine as rdma_engine
+        import torch.distributed as dist  # torch is the runtime extra: only the ranks' rendezvous needs it
 
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=nranks,
                                 timeout=timedelta(seconds=timeout_s + 30))
@@ -106,8 +107,8 @@ def _worker(rank: int, nranks: int, init_file: str, plan: Plan, layout: Layout, 
         skip = frozenset()
         stats = {"transport": None, "posted": 0, "applied": 0}
         if lib_path is not None:
-            lib = rdma_engine.load(lib_path)
-            tp = rdma_engine.Transport(lib, transport[0], transport[1], rank, nranks)
+            lib = load(lib_path)
+            tp = Transport(lib, transport[0], transport[1], rank, nranks)
             flag_rank = {f.flag_id: f.rank for f in layout.flags}
             scratch = np.zeros(1, dtype=np.int64)
 
@@ -116,9 +117,8 @@ def _worker(rank: int, nranks: int, init_file: str, plan: Plan, layout: Layout, 
                     return scratch.ctypes.data
                 return mem.flags(flag_rank[fid]).ctypes.data + 8 * fid
 
-            eng = rdma_engine.RdmaEngine(lib, tp, plan, layout, program, mem, rank, _exchange, timeout_s=timeout_s,
-                                         abort=abort, flag_address=flag_address,
-                                         rank_desc=_rank_desc(layout, rank))
+            eng = RdmaEngine(lib, tp, plan, layout, program, mem, rank, _exchange, timeout_s=timeout_s,
+                             abort=abort, flag_address=flag_address, rank_desc=rank_desc(layout, rank))
             skip = frozenset(eng.step_names)
             dist.barrier()  # every rank registered and connected before anyone writes
             eng.start()
@@ -165,11 +165,8 @@ def _worker(rank: int, nranks: int, init_file: str, plan: Plan, layout: Layout, 
 
 def _probe(transport, conn) -> None:
     try:
-        from epcc.backends.rdma import engine as rdma_engine
-        from epcc.backends.rdma.build import build_transport
-
-        lib = rdma_engine.load(build_transport(transport[0]))
-        tp = rdma_engine.Transport(lib, transport[0], transport[1], 0, 1)
+        lib = load(build_transport(transport[0]))
+        tp = Transport(lib, transport[0], transport[1], 0, 1)
         desc = tp.description
         tp.close()
         conn.send(("ok", desc))
@@ -215,18 +212,14 @@ class ProcessBackend:
     def partial_rounding(self, plan: Plan) -> float:
         """What the combine check must admit: combine partials that cross an RDMA step travel as
         bf16 (plan/rdma.py), rounded once to its unit roundoff; 0 without such a step."""
-        from epcc.runtime.oracle import BF16_ROUNDOFF
-
         return BF16_ROUNDOFF if bf16_partials(plan) else 0.0
 
     def _run(self, plan: Plan, layout: Layout, program: str, mem: SharedMemory) -> None:
-        from epcc.backends.rdma.build import build
-
-        import torch.distributed  # noqa: F401 - imported once here, inherited by every rank
+        import torch.distributed  # noqa: F401 - torch is the runtime extra; imported once here, inherited by every rank
 
         compile_plan(plan)  # JIT once, inherited by the forked ranks
         has_rdma = any(s.program == program for s in rdma_steps(plan))
-        lib_path = build(plan, self.transport[0]) if has_rdma else None
+        lib_path = build_proxy(plan, self.transport[0]) if has_rdma else None
         R = layout.num_ranks
         ctx = mp.get_context("fork")
         with tempfile.TemporaryDirectory(prefix="epcc-rdv-") as d:
@@ -301,13 +294,11 @@ class ProcessBackend:
 
     def summary(self) -> str:
         """What went over the transport in the last runs, one phrase."""
-        from epcc.backends.rdma import engine as rdma_engine
-
         parts = []
         for program, stats in self.last_stats.items():
             total = {k: sum(s.get(k, 0) or 0 for s in stats)
                      for k in ("writes_posted", "posted", "bytes_posted", "post_ns", "drained", "passes")}
-            cost = rdma_engine.cost_phrase(total)
+            cost = cost_phrase(total)
             parts.append(f"{program} {total['posted']} chunks / {total['writes_posted']} writes / "
                          f"{total['bytes_posted'] / 1e6:.2f} MB" + (f" ({cost})" if cost else ""))
         desc = next((s["transport"] for st in self.last_stats.values() for s in st if s.get("transport")), None)

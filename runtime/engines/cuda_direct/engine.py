@@ -1,10 +1,11 @@
-"""The `cuda` backend of `epcc.runtime.Buffer`: the bundle's direct kernels on NVIDIA GPUs.
+"""The `cuda` backend of `epcc.runtime.Buffer`: the bundle's direct kernels on NVIDIA GPUs (the
+Engine protocol, runtime/engines/base.py).
 
 One process per GPU (torchrun), `torch.cuda.set_device(local_rank)` before the Buffer is made.
 At construction every rank allocates one peer region (the size the manifest gives: meta areas,
 tails, records, the expert-major receive buffer, the combine staging), exchanges CUDA IPC
 handles over the group (all_gather_object) and maps its peers' regions.  The library is built
-with nvcc on first use and cached by content hash (backends/cuda/direct_runtime.py); rank 0
+with nvcc on first use and cached by content hash (library.py, runtime/build_cache.py); rank 0
 builds first while the others wait, then everyone loads the cached file.
 
 Calls are stream-ordered on the current torch stream and every rank must make the same calls in
@@ -26,16 +27,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from epcc.backends.cuda import direct_runtime as drt
-from epcc.plan.bundle import cuda_manifest
-from epcc.plan.direct import DirectConfig, DirectError
-
-from .buffer import check_tensor
+from ....plan.bundle import Bundle, cuda_manifest
+from ....plan.direct import DirectConfig, DirectError
+from ..base import KernelTimeout
+from ..tensors import WEIGHTS_DIFFER, check_tensor
+from .library import DirectLibrary, DirectRuntimeError, build, timeline_summary
 
 
 class _Ptr:
@@ -63,18 +63,19 @@ class CudaHandle:
     topk_weights: torch.Tensor | None = None
 
 
-class CudaEngine:
-    def __init__(self, group, bundle: Path, plan, manifest: dict, *, timeout_s: float, config: dict | None = None):
+class CudaDirectEngine:
+    def __init__(self, group, bundle: Bundle, *, timeout_s: float, config: dict | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("Buffer(backend='cuda'): no CUDA device is available")
         self.group = group
         self.rank = dist.get_rank(group)
         self.R = dist.get_world_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
-        cuda_dir = bundle / "cuda"
-        self.manifest = cuda_manifest(bundle)
+        cuda_dir = bundle.cuda_dir
+        plan = bundle.plan
+        self.manifest = cuda_manifest(bundle.path)
         if "direct" not in self.manifest:
-            raise DirectError(f"{bundle}: the cuda backend of Buffer runs one-hop plans; this one is not "
+            raise DirectError(f"{bundle.path}: the cuda backend of Buffer runs one-hop plans; this one is not "
                               f"({self.manifest.get('direct_not_used', '?')})")
         entry = self.manifest["direct"]
         cfg = dict(entry["config"])
@@ -91,14 +92,14 @@ class CudaEngine:
         # rank is agreed on before the next collective, so a failure raises everywhere, not a hang
         lib_path, err = None, None
         if self.rank == 0:
-            lib_path, err = _attempt(lambda: drt.build(cuda_dir, self.manifest))
+            lib_path, err = _attempt(lambda: build(cuda_dir, self.manifest))
         _agree(group, self.R, err, "building the kernels")
         if self.rank != 0:
-            lib_path, err = _attempt(lambda: drt.build(cuda_dir, self.manifest))
+            lib_path, err = _attempt(lambda: build(cuda_dir, self.manifest))
         _agree(group, self.R, err, "building the kernels")
 
         def setup():
-            self.lib = drt.DirectLibrary(lib_path, self.manifest)
+            self.lib = DirectLibrary(lib_path, self.manifest)
             self.lib.init(self.config.warps)
             self.lib.prepare()
             self.region = self.lib.malloc(self.lib.region_bytes)
@@ -174,12 +175,12 @@ class CudaEngine:
             raise RuntimeError("read_timeline: call enable_timeline() before the stamped dispatch and combine")
         torch.cuda.synchronize(self.device)
         raw = self._timeline.cpu().tolist()
-        return drt.timeline_summary(raw, self.config, self.c["timeline_blocks"], self.c["timeline_words"])
+        return timeline_summary(raw, self.config, self.c["timeline_blocks"], self.c["timeline_words"])
 
     def raise_if_failed(self) -> None:
         msg = self.lib.read_error(self.err_host, self.plan.rank_names or None)
         if msg:
-            raise drt.KernelTimeout(msg)
+            raise KernelTimeout(msg)
 
     def close(self) -> None:
         """Collective: every rank's kernels finish (peers may still write into this rank's region
@@ -267,7 +268,13 @@ class CudaEngine:
         return rx, idx.to(self.device, non_blocking=True), rw[:total], host_counts, CudaHandle(self.dispatches, T, total, topk_idx, topk_weights), None
 
     # ------------------------------------------------------------------ combine
-    def combine(self, y: torch.Tensor, handle: CudaHandle, out: torch.Tensor | None = None) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, handle: CudaHandle, topk_weights: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        given = getattr(handle, "topk_weights", None)
+        if topk_weights is not None and given is not None and not (
+                isinstance(topk_weights, torch.Tensor) and topk_weights.shape == given.shape
+                and torch.equal(topk_weights.to(given.device, given.dtype), given)):
+            raise ValueError(WEIGHTS_DIFFER)
         if not isinstance(handle, CudaHandle):
             raise TypeError(f"combine: handle must be the handle dispatch returned, not {type(handle).__name__}")
         if handle.dispatch_index != self.dispatches:
@@ -314,5 +321,5 @@ def _agree(group, world: int, err: str | None, what: str) -> None:
     dist.all_gather_object(errs, err, group=group)
     bad = [(r, e) for r, e in enumerate(errs) if e]
     if bad:
-        raise drt.DirectRuntimeError(f"Buffer(backend='cuda'): {what} failed on " +
+        raise DirectRuntimeError(f"Buffer(backend='cuda'): {what} failed on " +
                                      "; ".join(f"rank {r}: {e}" for r, e in bad))

@@ -1,44 +1,33 @@
-"""Host side of the direct lowering (direct.py, templates/direct.cu.j2): build, load, launch.
+"""Host side of the direct kernels (backends/cuda/direct.py, templates/direct.cu.j2): build, load, launch.
 
 No torch and no MLIR here (numpy only): device pointers are ints, streams are `cudaStream_t` values
-as ints.
-The torch-facing API is `epcc.runtime.Buffer(..., backend="cuda")` (runtime/cuda_buffer.py).
+as ints.  The torch-facing API is `epcc.runtime.Buffer(..., backend="cuda")` (engine.py).
 
-Libraries are compiled with nvcc on the GPU machine and cached by content hash (source text +
-nvcc command + nvcc version) under $EPCC_CACHE (default ~/.cache/epcc/cuda), written to a
-temporary name and renamed, so concurrent ranks never load a half-written file.
+Libraries are compiled with nvcc on the GPU machine, through the build cache
+(runtime/build_cache.py: by the source text, the nvcc command and nvcc's version), so concurrent
+ranks never load a half-written file and a bundle compiles once per machine.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
-from .launcher import find_nvcc
+from ...build_cache import cached, compiler_version, find_nvcc, key, run
+from ..base import EngineError
 
 IPC_HANDLE_BYTES = 64
 
 
-class DirectRuntimeError(RuntimeError):
+class DirectRuntimeError(EngineError):
     pass
-
-
-class KernelTimeout(DirectRuntimeError):
-    """A kernel gave up waiting; the message names the rank, the wait and the values."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EPCC_CACHE") or Path.home() / ".cache" / "epcc" / "cuda")
 
 
 def build(cuda_dir: str | Path, manifest: dict, nvcc: str | None = None, extra_flags: tuple[str, ...] = (),
           log: list[str] | None = None) -> Path:
-    """The direct library of a bundle's cuda/ directory, from the cache or freshly compiled."""
+    """The direct library of a bundle's cuda/ directory, from the build cache or freshly compiled."""
     entry = manifest.get("direct")
     if not entry:
         raise DirectRuntimeError(f"{cuda_dir}: this bundle has no direct lowering "
@@ -47,31 +36,19 @@ def build(cuda_dir: str | Path, manifest: dict, nvcc: str | None = None, extra_f
     if exe is None:
         raise DirectRuntimeError("nvcc not found (set $NVCC or put it on PATH); the direct kernels are compiled "
                                  "on the GPU machine")
-    src = Path(cuda_dir) / entry["source"]
-    text = src.read_bytes()
+    text = (Path(cuda_dir) / entry["source"]).read_bytes()
     cmd = [exe, *entry["command"][1:]]
     cmd[1:1] = list(extra_flags)
-    ver = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(text + "\0".join(cmd[1:]).encode() + ver.encode()).hexdigest()[:24]
-    out_dir = cache_dir() / key
-    lib = out_dir / entry["library"]
-    if lib.is_file():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    src_copy = out_dir / f".{os.getpid()}.{entry['source']}"  # private to this builder, then renamed
-    src_copy.write_bytes(text)
-    tmp = out_dir / f".{entry['library']}.{os.getpid()}"
-    i = cmd.index("-o")
-    cmd[i + 1] = str(tmp)
-    cmd[-1] = str(src_copy)
-    res = subprocess.run(cmd, cwd=out_dir, capture_output=True, text=True)
-    if log is not None:
-        log.append(res.stdout + res.stderr)
-    if res.returncode != 0:
-        raise DirectRuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stdout}{res.stderr}")
-    os.replace(src_copy, out_dir / entry["source"])
-    os.replace(tmp, lib)
-    return lib
+
+    def compile_into(out: Path, work: Path) -> None:
+        src = work / entry["source"]
+        src.write_bytes(text)
+        full = list(cmd)
+        full[full.index("-o") + 1] = str(out)
+        full[-1] = str(src)
+        run(full, "nvcc", cwd=work, log=log)
+
+    return cached("cuda", key(text, "\0".join(cmd[1:]), compiler_version(exe)), entry["library"], compile_into)
 
 
 def args_struct(num_ranks: int) -> type[ctypes.Structure]:

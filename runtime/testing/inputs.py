@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .oracle import check_topk, expert_rank, f32_to_bf16
+from ..bf16 import f32_to_bf16
+from ..routing import check_topk, expert_rank
 
 NAMED = ("uniform", "one-hot", "empty", "no-remote")
 FP8_GROUP = 128  # channels per fp32 scale

@@ -1,6 +1,6 @@
-"""A NumPy emulator of the CUDA kernels, driven by the same table blobs the GPU reads.
+"""A NumPy emulator of the table-driven CUDA kernels, driven by the same table blobs the GPU reads.
 
-It walks the blobs exactly as the device code does (templates/device.cu.j2, `run_role`): every
+It walks the blobs exactly as the device code does (backends/cuda/templates/device.cu.j2, `run_role`): every
 block of every role of every rank is a coroutine taking its role's items round-robin
 (`item = block, block + blocks, ...`); before an item it needs every wait satisfied, then it
 applies the row operation to the item's rows and, once the copy's earlier chunks are
@@ -16,21 +16,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .tables import NO_FLAG, PROGRAMS, ROW_BUF_SHIFT, _combine_rows, build_tables, copy_rows, parse_tables
+from epcc.backends.cuda.abi import NO_FLAG, PROGRAMS, ROW_BUF_SHIFT
+
+from ..bf16 import bf16_to_f32, f32_to_bf16
+from ..engines.cuda_table.tables import build_tables, combine_rows, copy_rows, parse_tables
 
 
 class EmulationError(AssertionError):
     """The tables deadlock, or leave a counter short of its drain value."""
-
-
-def _bf16_to_f32(b: np.ndarray) -> np.ndarray:
-    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-def _f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    from epcc.runtime.oracle import f32_to_bf16
-
-    return f32_to_bf16(np.asarray(x, dtype=np.float32))
 
 
 def make_buffers(manifest: dict, layout, program: str, inputs: list[np.ndarray]) -> dict[tuple[str, int], np.ndarray]:
@@ -50,7 +43,7 @@ def make_buffers(manifest: dict, layout, program: str, inputs: list[np.ndarray])
             elif name == "output":
                 a = np.array(inputs[r], dtype=np.uint16).reshape(-1, hidden)
             else:
-                a = np.zeros((_combine_rows(layout, name, r), hidden), dtype=np.float32)
+                a = np.zeros((combine_rows(layout, name, r), hidden), dtype=np.float32)
             bufs[(name, r)] = a
     return bufs
 
@@ -103,9 +96,9 @@ def emulate(manifest: dict, layout, program: str, inputs: list[np.ndarray],
                 if ops[role] == "copy":
                     dst[dslot[m]] = src[sslot[m]]
                 elif ops[role] == "accum_bf16_wire":  # the partial crosses the NIC as bf16
-                    np.add.at(dst, dslot[m], _bf16_to_f32(_f32_to_bf16(src[sslot[m]])))
+                    np.add.at(dst, dslot[m], bf16_to_f32(f32_to_bf16(src[sslot[m]])))
                 elif ops[role] == "accum_weighted":
-                    np.add.at(dst, dslot[m], wts[m][:, None] * _bf16_to_f32(src[sslot[m]]))
+                    np.add.at(dst, dslot[m], wts[m][:, None] * bf16_to_f32(src[sslot[m]]))
                 else:
                     np.add.at(dst, dslot[m], src[sslot[m]])
             if int(c["flag_id"]) != NO_FLAG:
@@ -131,7 +124,7 @@ def emulate(manifest: dict, layout, program: str, inputs: list[np.ndarray],
                 if program == "dispatch":
                     dst[d] = src[s]
                 elif c.weights is not None:
-                    dst[d] += c.weights[i] * _bf16_to_f32(src[s])
+                    dst[d] += c.weights[i] * bf16_to_f32(src[s])
                 else:
                     dst[d] += src[s]
             if c.flag_id != -1:

@@ -1,7 +1,8 @@
 """The token-level layout of a plan: what every backend executes (docs/runtime.md).
 
-Computed by runtime/layout.py from a Plan and every rank's top-k indices; consumed by the
-backends (backends/cpu, later cuda) and by the runtime API.  Plain NumPy arrays: no MLIR, no torch.
+Computed by runtime/layout from a Plan and every rank's top-k indices; consumed by the engines
+(runtime/engines), the NumPy executors (runtime/testing) and the runtime API.  Plain NumPy
+arrays: no MLIR, no torch.
 
 Slots are row indices into a buffer of one rank.  Staging buffers hold token copies, one row of
 `row_bytes` each; `output` holds one row per (token, local expert), expert-major; combine's
@@ -39,7 +40,7 @@ class Copy:
     # `flag_id` on rank `dst`... see Layout.flags) that must have reached `value`.
     waits: list[list[tuple[int, int]]] = field(default_factory=list)
     flag_id: int = -1  # the counter this copy bumps by 1 after each of its chunks
-    # Added by runtime/layout.py: src_buffers as indices into PlanStep.src_buffers (int64 [n]),
+    # Added by runtime/layout: src_buffers as indices into PlanStep.src_buffers (int64 [n]),
     # for backends that want the per-row source buffer without comparing strings.
     src_buffer_ids: np.ndarray | None = None
 
@@ -76,7 +77,7 @@ class Layout:
     # Per rank: rows of output per local expert (the expert-major segment lengths).
     recv_counts: np.ndarray  # int64 [R, E/R]
     rank_names: list[str]
-    # Added by runtime/layout.py (optional, defaults empty):
+    # Added by runtime/layout (optional, defaults empty):
     # combine_entries[(buffer, rank)]: int64 [n, 2] (home, token) of every slot of combine's
     # buffers (`result` mirrors input; a derived combine's partial buffers mirror the dispatch
     # buffers slot for slot, a written combine's hold one slot per (home, token) they receive).

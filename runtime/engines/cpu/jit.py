@@ -1,4 +1,4 @@
-"""JIT the plan's CPU module (codegen.py) with LLVM's MCJIT; one compiled module per plan.
+"""JIT the plan's CPU module (backends/cpu/codegen.py) with LLVM's MCJIT; one compiled module per plan.
 
 Compiled modules are cached by the SHA-256 of the plan's JSON, so running a plan again (or on
 new top-k indices: the module does not depend on the layout) costs no compilation.
@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 from llvmlite import binding as llvm
 
+from epcc.backends.cpu.codegen import LIBC_SYMBOLS, ROW_OP_SYMBOLS, DriverInfo, build_module, verify
 from epcc.plan import Plan
-
-from .codegen import LIBC_SYMBOLS, ROW_OP_SYMBOLS, DriverInfo, build_module, verify
 
 DRIVER_T = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p)
 # i32 epcc_wait(ptr flag, i64 value, i64 timeout_ns, ptr abort, ptr observed)

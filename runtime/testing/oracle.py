@@ -2,7 +2,7 @@
 
 Independent of the compiler and of any plan or layout: it reads only the routing (top-k expert
 indices per token), the expert placement and the payload.  Every executor (the NumPy reference
-of runtime/reference.py, the CPU backend, later CUDA) is compared against it.
+of runtime/testing/reference.py, the CPU engine, the CUDA kernels) is compared against it.
 
 Dispatch, for every destination rank d: the rows of every (token, expert) pair with the expert
 on d, in the documented order (docs/runtime.md): by local expert ascending, then home rank, then
@@ -10,8 +10,8 @@ token index.  An index of -1 in `topk_idx` is an empty slot.  Combine: for every
 token t, out[h, t] = sum over the token's experts e of w_e * y(row of (h, t, e)), accumulated in
 fp32 (the caller rounds to bf16 when comparing).
 
-Also here: bf16 <-> fp32 conversion (round to nearest even) and the comparison helpers the
-`epcc run` command and the tests share.
+Also here: the comparison helpers the `epcc run` command, the bench and the tests share (bf16
+conversions: runtime/bf16.py).
 """
 
 from __future__ import annotations
@@ -20,91 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-PLACEMENTS = ("blocked", "strided")
-
-
-# --------------------------------------------------------------------------- bf16
-
-
-def f32_to_bf16(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits (uint16), round to nearest, ties to even; NaN stays a (quiet) NaN."""
-    a = np.ascontiguousarray(x, dtype=np.float32)
-    u = a.view(np.uint32)
-    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
-    nan = np.isnan(a)
-    if nan.any():
-        rounded = np.where(nan, ((u >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16), rounded)
-    return rounded
-
-
-def bf16_to_f32(b: np.ndarray) -> np.ndarray:
-    """bfloat16 bits (uint16) -> float32 (exact)."""
-    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-def bf16_ulp_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """|a - b| in units in the last place of bf16 (both bf16 bits); +0 and -0 are equal."""
-    def ordered(v):
-        i = np.asarray(v, dtype=np.uint16).astype(np.int32)
-        return np.where(i & 0x8000, -(i & 0x7FFF), i)
-    return np.abs(ordered(a) - ordered(b))
-
-
-# --------------------------------------------------------------------------- routing helpers
-
-
-def expert_rank(experts: int, num_ranks: int, placement: str) -> tuple[np.ndarray, np.ndarray]:
-    """(rank of each expert, local index of each expert on its rank), int64 [E] each."""
-    if placement not in PLACEMENTS:
-        raise ValueError(f"placement: expected 'blocked' or 'strided', got {placement!r}")
-    if num_ranks < 1 or experts < 1 or experts % num_ranks:
-        raise ValueError(f"experts: {experts} experts cannot be divided evenly among {num_ranks} ranks")
-    e = np.arange(experts, dtype=np.int64)
-    epr = experts // num_ranks
-    if placement == "blocked":
-        return e // epr, e % epr
-    return e % num_ranks, e // num_ranks
-
-
-def check_topk(topk_idx, experts: int, num_ranks: int | None = None, topk: int | None = None) -> np.ndarray:
-    """Validate top-k indices [R, T, k] (integers in -1..E-1, no expert twice in a token);
-    returns them as int64.  Errors are ValueErrors that name the argument."""
-    a = np.asarray(topk_idx)
-    if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer):
-        raise ValueError(f"topk_idx: expected integer expert indices, got dtype {a.dtype}")
-    if a.ndim != 3:
-        raise ValueError(f"topk_idx: expected shape [ranks, tokens, topk], got {list(a.shape)}")
-    if num_ranks is not None and a.shape[0] != num_ranks:
-        raise ValueError(f"topk_idx: has {a.shape[0]} ranks, the plan has {num_ranks}")
-    if topk is not None and a.shape[2] != topk:
-        raise ValueError(f"topk_idx: has {a.shape[2]} slots per token, the workload's topk is {topk}")
-    a = a.astype(np.int64, copy=False)
-    if a.size:
-        lo, hi = int(a.min()), int(a.max())
-        if lo < -1 or hi >= experts:
-            bad = np.argwhere((a < -1) | (a >= experts))[0]
-            raise ValueError(f"topk_idx: expert indices must lie in -1..{experts - 1} (-1: empty slot); "
-                             f"rank {bad[0]}, token {bad[1]}, slot {bad[2]} holds {int(a[tuple(bad)])}")
-        if a.shape[2] > 1:
-            s = np.sort(a, axis=2)
-            dup = (s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)
-            if dup.any():
-                r, t, _ = np.argwhere(dup)[0]
-                raise ValueError(f"topk_idx: token {t} of rank {r} lists the same expert twice: "
-                                 f"{a[r, t].tolist()}")
-    return a
-
-
-def check_weights(weights, shape: tuple[int, ...]) -> np.ndarray:
-    w = np.asarray(weights)
-    if not (np.issubdtype(w.dtype, np.floating)):
-        raise ValueError(f"weights: expected floating-point routing weights, got dtype {w.dtype}")
-    if w.shape != tuple(shape):
-        raise ValueError(f"weights: expected shape {list(shape)} (as topk_idx), got {list(w.shape)}")
-    w = w.astype(np.float32, copy=False)
-    if not np.isfinite(w).all():
-        raise ValueError("weights: routing weights must be finite")
-    return w
+from ..bf16 import bf16_to_f32, bf16_ulp_diff, f32_to_bf16
+from ..routing import check_topk, check_weights, expert_rank
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -224,9 +141,6 @@ def combine_oracle(topk_idx, experts: int, placement: str, weights, y, hidden: i
 # case) is accepted as well.  A wrong, missing or double-counted contribution changes the sum
 # by a whole |w y| term and fails all three.
 MAX_ULP = 2
-#: Unit roundoff of bf16: what a partial sum rounded to bf16 once (combine partials crossing an
-#: RDMA-class link travel as bf16 on every backend) moves, relative to its magnitude.
-BF16_ROUNDOFF = 2.0 ** -8
 MAX_REL = 1e-2
 
 

@@ -1,4 +1,11 @@
-"""Run a plan's JIT-compiled drivers as threads over NumPy buffers (the CPU backend's host side).
+"""Run a plan's JIT-compiled drivers as threads over NumPy buffers (the cpu engine).
+
+    from epcc.runtime.engines.cpu import threads
+    out = threads.run_dispatch(plan, layout, x_rows)     # x_rows[r]: uint8 [T, row_bytes]
+    res = threads.run_combine(plan, layout, y)           # y[r]: bf16 (uint16) [n_d, hidden]
+
+backends/cpu/codegen.py writes the plan as one LLVM module with a driver per (program, role);
+jit.py compiles it; this module runs it.
 
 Memory.  A *memory* gives every rank's buffers and flag counters as NumPy arrays:
 
@@ -9,9 +16,9 @@ Memory.  A *memory* gives every rank's buffers and flag counters as NumPy arrays
 * `flags(rank)`: int64 `[len(layout.flags)]` (at least 1): the counter `flag_id` lives at
   `flags(FlagInfo.rank)[flag_id]`, the rank whose buffer its copy writes.
 
-`HostMemory` keeps all of them in this process (run_dispatch / run_combine); runtime/buffer.py
-passes peer memory instead (every rank a process, buffers in shared memory) and calls `execute`
-for its own rank only.
+`HostMemory` keeps all of them in this process (run_dispatch / run_combine); the Buffer engine
+(engine.py) passes peer memory instead (every rank a process, buffers in shared memory) and
+calls `execute` for its own rank only.
 
 Execution.  One thread per (executing rank, role) that has copies; it calls the role's driver
 (ctypes releases the GIL, so the threads run in parallel) with a table built here: the copies
@@ -25,25 +32,25 @@ of runtime/native/epcc_sync.c.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from epcc.backends.cpu import codegen
+from epcc.backends.cpu.codegen import COPY_FIELDS, ERR_FIELDS, OP_ACC_BF16, OP_ACC_F32, OP_COPY, ROLE_FIELDS
 from epcc.plan import Plan
-from epcc.runtime.layout_types import Copy, Layout
 
-from . import codegen
-from .codegen import COPY_FIELDS, ERR_FIELDS, OP_ACC_BF16, OP_ACC_F32, OP_COPY, ROLE_FIELDS
+from ...layout import Copy, Layout
+from ..base import KernelTimeout
 from .jit import JitPlan, compile_plan
 
 PROGRAMS = ("dispatch", "combine")
 
 
-class CpuBackendTimeout(RuntimeError):
-    """A bounded wait gave up: which rank, step, chunk and flag, and how far the flag got."""
+class CpuBackendTimeout(KernelTimeout):
+    """A bounded wait of a driver gave up: which rank, step, chunk and flag, and how far the flag got."""
 
     def __init__(self, message: str, *, rank: int, program: str, step: str, chunk: int, flag_id: int,
                  flag: str, value: int, expected: int, timeout_s: float, stuck: list[str]):
@@ -238,7 +245,7 @@ def _threads(jp: JitPlan, plan: Plan, layout: Layout, program: str, mem: Memory,
             raise ValueError(f"the layout has copies of step '{c.step}' of {program}, which is no role "
                              f"of the plan's kernels")
         if c.step in skip_steps:
-            continue  # run by someone else (the RDMA proxy loop, backends/rdma)
+            continue  # run by someone else (the RDMA proxy loop, rdma_host.py)
         if ranks is None or c.rank in ranks:
             by_role.setdefault((c.rank, c.step), []).append(c)
     threads = []
@@ -254,7 +261,7 @@ def _threads(jp: JitPlan, plan: Plan, layout: Layout, program: str, mem: Memory,
     return tables, threads
 
 
-def _rank_desc(layout: Layout, rank: int) -> str:
+def rank_desc(layout: Layout, rank: int) -> str:
     name = layout.rank_names[rank] if rank < len(layout.rank_names) else str(rank)
     return name if name.startswith("rank ") else f"rank {name}"
 
@@ -297,11 +304,11 @@ def _raise_stuck(layout: Layout, program: str, threads: list[_Thread], timeout_n
     def flag_name(fid: int) -> str:
         return flags[fid].name() if fid in flags else f"flag {fid}"
 
-    lines = [f"{_rank_desc(layout, s['rank'])} step '{s['step']}' chunk {s['chunk']}: "
+    lines = [f"{rank_desc(layout, s['rank'])} step '{s['step']}' chunk {s['chunk']}: "
              f"{'timed out' if s['status'] == codegen.STATUS_TIMEOUT else 'gave up'} on "
              f"'{flag_name(s['flag_id'])}' (value {s['value']}, waiting for >= {s['expected']})"
              for s in sorted(stuck.values(), key=lambda s: (s["rank"], s["step"]))]
-    msg = timeout_message(timeout_ns, _rank_desc(layout, cur["rank"]), cur["step"], flag_name(cur["flag_id"]),
+    msg = timeout_message(timeout_ns, rank_desc(layout, cur["rank"]), cur["step"], flag_name(cur["flag_id"]),
                           cur["value"], cur["expected"])
     raise CpuBackendTimeout(msg, rank=cur["rank"], program=program, step=cur["step"], chunk=cur["chunk"],
                             flag_id=cur["flag_id"], flag=flag_name(cur["flag_id"]), value=cur["value"],
@@ -314,7 +321,7 @@ def execute(plan: Plan, layout: Layout, program: str, mem: Memory, *, ranks=None
 
     The caller zeroes the counters (and combine's partials) before any rank runs; `execute`
     never resets them, since peers in other processes may already be signalling.  Steps in
-    `skip_steps` are left to another engine (the RDMA proxy loop, procs.py), which shares the
+    `skip_steps` are left to another engine (the RDMA proxy loop, cpu_procs.py), which shares the
     `abort` word (int64 [1]) with the drivers: a timeout on either side stops both."""
     if program not in PROGRAMS:
         raise ValueError(f"program must be one of {PROGRAMS}, not {program!r}")
