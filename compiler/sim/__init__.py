@@ -81,7 +81,7 @@ plan.json with it.  build.py runs the compiler to get a plan from a .sched file 
 which needs lark and MLIR; import it from there.
 """
 
-from .engine import ResourceStat, SimOptions, SimulationError, StepTiming
+from .base import ResourceStat, SimOptions, SimulationError, StepTiming
 from .simulate import Bottleneck, LinkClassStat, ProgramResult, SimResult, simulate, simulate_subset
 
 __all__ = [

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from ..plan import Plan, PlanStep
 from .direct import describe, with_direct_pool
-from .engine import ResourceStat, SimOptions, StepTiming, _Engine, program_steps, step_alone
+from .base import ResourceStat, SimOptions, StepTiming
+from .engine import _Engine, program_steps, step_alone
 from .sm_terms import with_sm_terms
 
 PROGRAM_ORDER = ("dispatch", "combine")

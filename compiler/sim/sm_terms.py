@@ -85,7 +85,8 @@ from ..costmodel.rates import (FP32_ADD_PER_FLOW_BYTE, PROXY_MIN_SMS, proxy_bloc
                                step_sms, window_rate, work_of)
 from ..costmodel.uniform import rows_per_token
 from ..plan import Plan, PlanStep
-from .engine import SimOptions, step_alone
+from .base import SimOptions
+from .engine import step_alone
 
 
 def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
