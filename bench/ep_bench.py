@@ -148,10 +148,10 @@ def load_bundle(path: str | Path) -> tuple[Plan, dict]:
     return bundle_io.load(path).plan, bundle_io.cuda_manifest(path, required=False)
 
 
-def make_routing(plan: Plan, tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def bench_routing(plan: Plan, tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Uniform top-k [R, T, k] and softmax weights [R, T, k], the same on every rank."""
     wl = plan.workload
-    idx = inputs.make_routing("uniform", plan.num_ranks, tokens, wl.topk, wl.experts, wl.placement,
+    idx = inputs.make_topk("uniform", plan.num_ranks, tokens, wl.topk, wl.experts, wl.placement,
                               seed=seed).topk_idx
     return idx, inputs.make_weights(idx, seed=seed + 1)
 
@@ -658,7 +658,7 @@ def _epcc_child(cfg: dict) -> dict:
         plan = rechunk(plan, cfg["rdma_chunking"])
     wl, R, T = plan.workload, plan.num_ranks, cfg["tokens"]
     H = wl.hidden
-    idx, w = make_routing(plan, T, cfg["seed"])
+    idx, w = bench_routing(plan, T, cfg["seed"])
     out: dict = {}
 
     # ---- host part: layout once for the routing, this rank's tables
@@ -1366,7 +1366,7 @@ def main(argv=None) -> int:
             say(f"{name}: {entry['error']}")
             continue
         rb = inputs.row_bytes(wl.hidden, wl.dtype)
-        idx, w = make_routing(plan, T, args.seed)
+        idx, w = bench_routing(plan, T, args.seed)
         tr = traffic(idx, wl.experts, wl.placement, wl.hidden, rb, wl.dtype)
         entry["traffic_bytes"] = tr
         entry["row_bytes"] = rb

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     buf = Buffer(dist.group.WORLD, args.bundle, backend="cuda")
     wl = buf.plan.workload
     T = wl.tokens
-    idx_all = inputs.make_routing("uniform", R, T, wl.topk, wl.experts, wl.placement, seed=0).topk_idx
+    idx_all = inputs.make_topk("uniform", R, T, wl.topk, wl.experts, wl.placement, seed=0).topk_idx
     w_all = inputs.make_weights(idx_all, seed=1)
     if wl.dtype == "fp8":
         x = (torch.randint(0, 0x7E, (T, wl.hidden), device=dev, dtype=torch.uint8).view(torch.float8_e4m3fn),

@@ -532,7 +532,7 @@ def cmd_run(args) -> int:
     R = plan.num_ranks
     names = list(plan.rank_names) or [f"rank {r}" for r in range(R)]
     try:
-        routing = timed("inputs", inputs.make_routing, args.routing, R, tokens, wl.topk, wl.experts, wl.placement,
+        routing = timed("inputs", inputs.make_topk, args.routing, R, tokens, wl.topk, wl.experts, wl.placement,
                         seed)
         weights = timed("inputs", inputs.make_weights, routing.topk_idx, seed)
         x = timed("inputs", inputs.make_x_rows, R, tokens, wl.hidden, wl.dtype, seed)

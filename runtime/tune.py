@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     eng = buf.engine
     wl = buf.plan.workload
     T = args.tokens or wl.tokens
-    idx_all = inputs.make_routing("uniform", R, T, wl.topk, wl.experts, wl.placement, seed=args.seed).topk_idx
+    idx_all = inputs.make_topk("uniform", R, T, wl.topk, wl.experts, wl.placement, seed=args.seed).topk_idx
     w_all = inputs.make_weights(idx_all, seed=args.seed + 1)
     g = torch.Generator(device=dev)
     g.manual_seed(args.seed * 31 + rank)

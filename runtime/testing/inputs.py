@@ -3,7 +3,7 @@
 Everything comes from seeded NumPy Generators, one stream per purpose (routing, weights,
 payload, expert outputs), so changing the hidden size does not change the routing.
 
-Routings (`make_routing`), top-k expert indices [R, T, k]:
+Routings (`make_topk`), top-k expert indices [R, T, k]:
 
 * `uniform`: k distinct experts per token, uniformly;
 * `zipf:S`: expert popularity ~ 1 / rank^S over a seeded permutation of the experts (hot experts
@@ -14,18 +14,19 @@ Routings (`make_routing`), top-k expert indices [R, T, k]:
   ranks to hold k experts), so the other ranks receive nothing;
 * `no-remote`: every token's experts on its own home rank (when k > E/R, all of the home's
   experts plus the rest uniformly elsewhere; a note says so);
-* `FILE.npy`: integer top-k indices [R, T, k] or [R*T, k] (-1: an empty slot).
+* `FILE.npy`: integer top-k indices [R, T, k] or [R*T, k] (-1: an empty slot), read by
+  epcc/analysis/topk_file.py as the compiler reads measured routings.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
+from ...analysis import topk_file
 from ..bf16 import f32_to_bf16
-from ..routing import check_topk, expert_rank
+from ..routing import expert_rank
 
 NAMED = ("uniform", "one-hot", "empty", "no-remote")
 FP8_GROUP = 128  # channels per fp32 scale
@@ -38,7 +39,9 @@ def rng_for(seed: int, purpose: str) -> np.random.Generator:
 
 
 @dataclass
-class Routing:
+class TopkRouting:
+    """Every rank's top-k indices drawn for a routing spec (make_topk)."""
+
     spec: str
     topk_idx: np.ndarray  # int64 [R, T, k]
     notes: list[str] = field(default_factory=list)
@@ -97,8 +100,8 @@ def _uniform_choice(n: int, m: int, k: int, rng: np.random.Generator) -> np.ndar
     return out
 
 
-def make_routing(spec: str, num_ranks: int, tokens: int, topk: int, experts: int, placement: str,
-                 seed: int = 0) -> Routing:
+def make_topk(spec: str, num_ranks: int, tokens: int, topk: int, experts: int, placement: str,
+              seed: int = 0) -> TopkRouting:
     """Top-k indices [R, T, k] for a routing spec (see the module docstring); ValueError on a bad
     spec or file."""
     check_spec(spec)
@@ -111,7 +114,7 @@ def make_routing(spec: str, num_ranks: int, tokens: int, topk: int, experts: int
     n = R * T
     notes: list[str] = []
     if spec.endswith(".npy"):
-        return Routing(spec, load_topk(spec, R, T, k, E))
+        return TopkRouting(spec, load_topk(spec, R, T, k, E))
     if spec == "uniform":
         idx = _uniform_choice(n, E, k, rng)
     elif spec.startswith("zipf:"):
@@ -155,35 +158,27 @@ def make_routing(spec: str, num_ranks: int, tokens: int, topk: int, experts: int
     if k > 1:
         o = np.argsort(rng.random((R, T, k)), axis=2)
         idx = np.take_along_axis(idx, o, axis=2)
-    return Routing(spec, idx, notes)
+    return TopkRouting(spec, idx, notes)
 
 
 def load_topk(path: str, num_ranks: int, tokens: int, topk: int, experts: int) -> np.ndarray:
-    p = Path(path)
-    try:
-        arr = np.load(p, allow_pickle=False)
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a NumPy .npy array ({e})") from None
+    """Top-k indices [R, T, k] from a .npy file of [R, T, k] or [R*T, k] (-1: an empty slot)."""
+    arr = topk_file.read(path)
     if not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{path}: expected integer top-k expert indices, got {arr.dtype}")
-    if arr.ndim == 2:
-        if arr.shape[0] % num_ranks:
-            raise ValueError(f"{path}: {arr.shape[0]} rows of top-k indices cannot be split among {num_ranks} ranks")
-        arr = arr.reshape(num_ranks, arr.shape[0] // num_ranks, arr.shape[1])
-    if arr.ndim != 3:
+    if arr.ndim == 3:
+        if arr.shape[0] != num_ranks:
+            raise ValueError(f"{path}: top-k indices for {arr.shape[0]} ranks; the plan has {num_ranks}")
+        arr = arr.reshape(-1, arr.shape[2])
+    elif arr.ndim != 2:
         raise ValueError(f"{path}: expected top-k indices [R, T, k] or [R*T, k], got shape {list(arr.shape)}")
-    if arr.shape[0] != num_ranks:
-        raise ValueError(f"{path}: top-k indices for {arr.shape[0]} ranks; the plan has {num_ranks}")
-    if arr.shape[2] != topk:
-        raise ValueError(f"{path}: {arr.shape[2]} experts per token; the workload's topk is {topk}")
-    if arr.shape[1] != tokens:
-        raise ValueError(f"{path}: {arr.shape[1]} tokens per rank; run with --tokens {arr.shape[1]}")
-    try:
-        return check_topk(arr, experts)
-    except ValueError as e:
-        raise ValueError(f"{path}: {str(e).removeprefix('topk_idx: ')}") from None
+    elif arr.shape[0] % num_ranks:
+        raise ValueError(f"{path}: {arr.shape[0]} rows of top-k indices cannot be split among {num_ranks} ranks")
+    rows = topk_file.topk_rows(arr, path, topk, experts, empty_slots=True)
+    per_rank = rows.shape[0] // num_ranks
+    if per_rank != tokens:
+        raise ValueError(f"{path}: {per_rank} tokens per rank; run with --tokens {per_rank}")
+    return rows.reshape(num_ranks, per_rank, topk)
 
 
 def make_weights(topk_idx: np.ndarray, seed: int = 0) -> np.ndarray:

@@ -42,7 +42,7 @@ def plan_of(path: Path, hidden: int | None = None, tokens_per_chunk: int | None 
 
 def run_and_check(plan, routing_spec: str = "uniform", seed: int = 0):
     wl, R = plan.workload, plan.num_ranks
-    routing = inputs.make_routing(routing_spec, R, TOKENS, wl.topk, wl.experts, wl.placement, seed)
+    routing = inputs.make_topk(routing_spec, R, TOKENS, wl.topk, wl.experts, wl.placement, seed)
     weights = inputs.make_weights(routing.topk_idx, seed)
     x = inputs.make_x_rows(R, TOKENS, wl.hidden, wl.dtype, seed)
     layout = compute_layout(plan, routing.topk_idx, weights)
@@ -88,7 +88,7 @@ def test_ranks_as_separate_executors():
     path = next(p for p in SCHEDULES if p.stem == "h200x4_2vnode")
     plan = plan_of(path, hidden=256, tokens_per_chunk=4)
     wl, R = plan.workload, plan.num_ranks
-    routing = inputs.make_routing("uniform", R, TOKENS, wl.topk, wl.experts, wl.placement, 1)
+    routing = inputs.make_topk("uniform", R, TOKENS, wl.topk, wl.experts, wl.placement, 1)
     weights = inputs.make_weights(routing.topk_idx, 1)
     x = inputs.make_x_rows(R, TOKENS, wl.hidden, wl.dtype, 1)
     layout = compute_layout(plan, routing.topk_idx, weights)
@@ -120,7 +120,7 @@ def test_missing_producer_is_reported_where_it_is_waited_for():
     path = next(p for p in SCHEDULES if p.stem == "ubbv2_ep16")
     plan = plan_of(path, hidden=256)
     wl, R = plan.workload, plan.num_ranks
-    routing = inputs.make_routing("uniform", R, TOKENS, wl.topk, wl.experts, wl.placement, 0)
+    routing = inputs.make_topk("uniform", R, TOKENS, wl.topk, wl.experts, wl.placement, 0)
     layout = compute_layout(plan, routing.topk_idx, inputs.make_weights(routing.topk_idx, 0))
     layout.copies = [c for c in layout.copies if not (c.program == "dispatch" and c.step == "fwd1")]
     x = inputs.make_x_rows(R, TOKENS, wl.hidden, wl.dtype, 0)

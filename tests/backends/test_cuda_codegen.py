@@ -541,7 +541,7 @@ def small_case(name: str, tokens: int, chunk_tokens: int, hidden: int = 128, see
         if s.chunk_bytes:
             s.chunk_bytes = chunk_tokens * (bpt if s.program == "dispatch" else 2 * hidden)
     wl, R = plan.workload, plan.num_ranks
-    idx = inputs.make_routing("uniform", R, tokens, wl.topk, wl.experts, wl.placement, seed=seed).topk_idx
+    idx = inputs.make_topk("uniform", R, tokens, wl.topk, wl.experts, wl.placement, seed=seed).topk_idx
     w = inputs.make_weights(idx, seed=seed + 1)
     layout = compute_layout(plan, idx, w)
     x = inputs.make_x_rows(R, tokens, hidden, wl.dtype, seed=seed + 2)

@@ -51,7 +51,7 @@ def routing_topk(spec: str, R: int, T: int, K: int, E: int, placement: str, seed
         out = np.full((R, T, K), -1, np.int64)
         out[:, :, : experts.shape[2]] = experts
         return out
-    return inputs.make_routing(spec, R, T, K, E, placement, seed=seed).topk_idx
+    return inputs.make_topk(spec, R, T, K, E, placement, seed=seed).topk_idx
 
 
 class Case:

@@ -57,7 +57,7 @@ def make_inputs(plan, routing: str = "uniform", seed: int = 0, tokens: int | Non
     R = plan.num_ranks
     T = tokens if tokens is not None else wl.tokens
     if topk_idx is None:
-        topk_idx = inputs.make_routing(routing, R, T, wl.topk, wl.experts, wl.placement, seed).topk_idx
+        topk_idx = inputs.make_topk(routing, R, T, wl.topk, wl.experts, wl.placement, seed).topk_idx
     T = topk_idx.shape[1]
     w = inputs.make_weights(topk_idx, seed)
     x = inputs.make_x_rows(R, T, wl.hidden, wl.dtype, seed)
