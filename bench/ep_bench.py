@@ -89,7 +89,7 @@ def import_epcc() -> None:
     """`import epcc` as installed (pip install -e .), or else alias the repository's folders as the
     package, as pyproject.toml's package-dir maps them (the GPU machine has no install)."""
     try:
-        import epcc.plan  # noqa: F401
+        import epcc.plan  # noqa: F401 - the probe: is epcc installed (else its folders are aliased below)?
         return
     except ImportError:
         pass

@@ -14,6 +14,7 @@ import pytest
 
 from epcc import pipeline
 from epcc.passes import PassOptions
+from epcc.plan import Plan
 from epcc.runtime.engines.cpu import threads
 from epcc.runtime.layout import compute_layout
 from epcc.runtime.testing import inputs, oracle
@@ -29,8 +30,6 @@ def _compiled(path: str, hidden: int | None):
 
 
 def plan_of(path: Path, hidden: int | None = None, tokens_per_chunk: int | None = None):
-    from epcc.plan import Plan
-
     plan = Plan.from_json(_compiled(str(path), hidden))  # a fresh copy: tests may edit it
     if tokens_per_chunk is not None:
         for s in plan.steps:

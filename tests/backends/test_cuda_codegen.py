@@ -21,6 +21,8 @@ No GPU here.  What runs:
 
 from __future__ import annotations
 
+import copy
+import difflib
 import json
 import os
 import re
@@ -36,6 +38,7 @@ from epcc.backends.cuda import abi, codegen
 from epcc.backends.rdma import emit as rdma_emit
 from epcc.backends.rdma.sources import STATIC_SOURCES
 from epcc.cli import main
+from epcc.passes import PassOptions
 from epcc.plan.rdma import rdma_steps
 from epcc.runtime import build_cache
 from epcc.runtime.engines.cuda_direct import library as direct_library
@@ -153,8 +156,6 @@ def test_role_warps_by_lowering(rdma):
 def test_emulated_rdma_role_gets_blocks_for_its_rate(gbps, blocks, combine_blocks):
     """A dispatch role copies (12.5 GB/s a block); a combine role adds with atomics, given half the
     topology's `add` rate a block (12 GB/s in h200x4_2vnode: 6 GB/s, 50 GB/s -> 9 blocks)."""
-    import copy
-
     plan = copy.deepcopy(plan_of("h200x4_2vnode"))
     assert plan.sm_rates["add"] == 12e9
     for k in [k for k in plan.resources if k.startswith("link:rdma:")]:
@@ -166,8 +167,6 @@ def test_emulated_rdma_role_gets_blocks_for_its_rate(gbps, blocks, combine_block
 
 def test_emulated_rdma_combine_blocks_without_sm_rates():
     """Without an `sm` line a combine block is given half of PROXY_BLOCK_BPS: 50 GB/s -> 8 blocks."""
-    import copy
-
     plan = copy.deepcopy(plan_of("h200x4_2vnode"))
     plan.sm_rates = {}
     b = codegen.generate(plan)
@@ -179,8 +178,6 @@ def test_proxy_pack_and_unpack_blocks_are_the_plans():
     """rdma="proxy": the pack and unpack roles run on the blocks kernel-formation sized for the link
     (h200x4_2vnode at 50 GB/s: the combine's unpack adds at ~12 GB/s per SM, 5 blocks), and a plan
     written before it did (0) falls back to opts.proxy_blocks."""
-    import copy
-
     plan = plan_of("h200x4_2vnode")
     sized = {(k.program, r.step): (r.pack_sms, r.unpack_sms)
              for k in plan.kernels if k.kind == "proxy" for r in k.roles}
@@ -291,8 +288,6 @@ def test_golden_file_set(variant):
 
 @pytest.mark.parametrize("variant,name", [(v, f) for v in regen_cuda_golden.VARIANTS for f in _golden_files(v)])
 def test_golden(variant, name):
-    import difflib
-
     text = golden_bundle(variant).files.get(name)
     assert text is not None, f"{variant}/{name} is no longer generated; regenerate: {REGEN}"
     golden = (GOLDEN / variant / name).read_text(encoding="utf-8")
@@ -318,8 +313,6 @@ ODD = "ubbv2_ep16@7171"  # a hidden size that is not a multiple of 8: 2-byte cop
 
 
 def odd_plan():
-    import copy
-
     plan = copy.deepcopy(plan_of("ubbv2_ep16"))
     plan.workload.hidden = 7171
     return plan
@@ -334,8 +327,6 @@ _DIRECT_OPTIONS = {"fp8": {"dtype": "fp8"}, "t128": {"tokens": 128}}
 def direct_plan(name: str):
     if "@" not in name:
         return plan_of(name)
-    from epcc.passes import PassOptions
-
     base, variant = name.split("@")
     key = f"direct:{name}"
     if key not in _PLANS:
@@ -531,8 +522,6 @@ def test_launcher_library_loads_and_fails_cleanly_without_a_gpu(built):
 def small_case(name: str, tokens: int, chunk_tokens: int, hidden: int = 128, seed: int = 0):
     """The plan of `name` with a small hidden size and chunks of `chunk_tokens` tokens (so that
     copies have several chunks and chunk-level waits), its layout and payloads."""
-    import copy
-
     plan = copy.deepcopy(plan_of(name))
     plan.workload.hidden = hidden
     bpt = codegen.wire_row_bytes(plan)

@@ -12,6 +12,7 @@ no nvcc:
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -20,10 +21,12 @@ import pytest
 
 from epcc import pipeline
 from epcc.backends.cuda import direct
+from epcc.backends.cuda import codegen
 from epcc.cli import main
 from epcc.passes import PassOptions
 from epcc.plan import direct as plan_direct
 from epcc.plan.direct import DirectConfig, DirectError
+from epcc.runtime.engines.cuda_direct.library import timeline_summary
 
 REPO = Path(__file__).resolve().parents[2]
 ALL = sorted(p.stem for p in (REPO / "schedules").glob("*.sched"))
@@ -79,8 +82,6 @@ def test_h200x4_2vnode_names_its_rdma_step():
 
 
 def test_reasons_for_workloads_the_kernels_cannot_copy():
-    import copy
-
     plan = copy.deepcopy(plan_of("h200x4"))
     plan.workload.hidden = 7170
     assert "hidden 7170 is not a multiple of 8" in plan_direct.match(plan)
@@ -112,8 +113,6 @@ def test_reasons_for_workloads_the_kernels_cannot_copy():
 
 
 def test_generate_refuses_a_plan_that_does_not_match():
-    from epcc.backends.cuda import codegen
-
     with pytest.raises(DirectError, match="step 'rdma'"):
         direct.generate(plan_of("h200x4_2vnode"), "x.sched", codegen._ENV, "0")
 
@@ -276,8 +275,6 @@ def test_cli_fp8_hidden_the_direct_copies_cannot_take_falls_back_to_tables(tmp_p
 
 
 def test_timeline_summary_reads_roles_by_block_and_warp():
-    from epcc.runtime.engines.cuda_direct.library import timeline_summary
-
     cfg = DirectConfig(send_blocks=2, recv_blocks=1, warps=2, combine_send_blocks=1, combine_reduce_blocks=1)
     B, W = direct.TIMELINE_BLOCKS, direct.TIMELINE_WORDS
     raw = [0] * (2 * B * W)

@@ -4,10 +4,17 @@ GPUs are in tests/gpu (and bench/ep_bench.py); these check the numbering both si
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
+import shutil
+import subprocess
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from epcc.backends.cuda import abi, codegen
+from epcc.plan.rdma import rdma_steps
 from epcc.runtime.build_cache import BuildError
 from epcc.runtime.engines.cuda_table import tables
 from epcc.runtime.engines.gpu_proxy import channels
@@ -64,8 +71,6 @@ def test_wire_rows_are_bf16_in_combine():
 
 
 def _nvcc():
-    import shutil
-
     nvcc = shutil.which("nvcc")
     if not nvcc:
         pytest.skip("nvcc is not on PATH")
@@ -75,8 +80,6 @@ def _nvcc():
 def test_gpu_proxy_library_builds_from_the_bundle(tmp_path, monkeypatch):
     """The GPU path's proxy library (emitted loop + emulated transport) from a bundle's cuda/rdma/,
     as the runtime builds it on the GPU machine: it exports the GPU loop."""
-    import ctypes
-
     _nvcc()
     monkeypatch.setenv("EPCC_CACHE", str(tmp_path / "cache"))
     plan, *_ = small_case("h200x4_2vnode", 8, 2)
@@ -93,8 +96,6 @@ def test_gpu_proxy_library_builds_with_nvshmem(tmp_path, monkeypatch):
     """The nvshmem transport compiled against NVSHMEM's headers and linked (-z defs: every symbol
     resolved) against its host library, the pip wheel the test extra installs: the library
     exports the transport and the bootstrap the runtime calls."""
-    import subprocess
-
     _nvcc()
     try:
         nvshmem_home()
@@ -113,8 +114,6 @@ def test_gpu_proxy_library_builds_with_nvshmem(tmp_path, monkeypatch):
 
 
 def test_nvshmem_not_found_says_where_it_looked(tmp_path, monkeypatch):
-    import importlib.util
-
     monkeypatch.setenv("NVSHMEM_HOME", str(tmp_path))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(BuildError) as e:
@@ -133,8 +132,6 @@ def test_gpu_proxy_refuses_an_unknown_transport():
 
 def test_gpu_proxy_kernels_compile(tmp_path):
     """The pack and unpack roles (dispatch copy, combine bf16 wire) compile for sm_90a."""
-    import subprocess
-
     nvcc = _nvcc()
     plan, *_ = small_case("h200x4_2vnode", 8, 2)
     b = codegen.generate(plan, source_of("h200x4_2vnode"), codegen.CudaOptions(rdma="proxy"))
@@ -160,8 +157,6 @@ def test_a_failed_compile_names_the_file_the_command_and_the_output(tmp_path):
 def test_nvshmem_over_a_library_built_without_it_is_refused(tmp_path, monkeypatch):
     """GpuRdma(transport="nvshmem") with a proxy library built for the emulated transport says so
     before it allocates anything."""
-    import ctypes
-
     _nvcc()
     monkeypatch.setenv("EPCC_CACHE", str(tmp_path / "cache"))
     plan, layout, *_ = small_case("h200x4_2vnode", 8, 2)
@@ -212,8 +207,6 @@ def test_fifo_layout_is_the_array_the_engine_reads():
 def test_a_channel_fed_by_two_pack_roles_is_refused():
     # chunks are numbered per pack role and channel (item_sequences): two roles on one channel
     # would give two chunks the same number
-    from types import SimpleNamespace
-
     kernel = {"roles": [{"step": "there"}, {"step": "there"}]}
     pack = {0: {("there", 0, 1): [4096]}, 1: {("there", 0, 1): [4096]}}
     with pytest.raises(channels.RdmaGpuError) as e:
@@ -224,8 +217,6 @@ def test_a_channel_fed_by_two_pack_roles_is_refused():
 
 def _relay_side(program, rank, tokens=24, chunk=3):
     """h200x2_2vnode_relay (two RDMA steps per program): one rank's tables, roles and channel plan."""
-    from epcc.plan.rdma import rdma_steps
-
     plan, layout, *_ = small_case("h200x2_2vnode_relay", tokens, chunk)
     m = codegen.generate(plan, source_of("h200x2_2vnode_relay"), codegen.CudaOptions(rdma="proxy")).manifest
     parsed = tables.parse_tables(tables.build_tables(m, layout, program, rank).blob)
@@ -282,8 +273,6 @@ def test_two_rdma_steps_each_pack_role_points_at_its_own_fifo(program, rank):
 # ------------------------------------------------------------ RDMA steps over links of different speeds
 
 def _links(name, program):
-    from epcc.plan.rdma import rdma_steps
-
     plan, *_ = small_case(name, 8, 2)
     return channels.step_links(s for s in rdma_steps(plan) if s.program == program)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -186,8 +187,6 @@ def test_a_bundle_with_a_malformed_workload_counts_as_no_shape(targets, tmp_path
      "bench/acceptance.sh: no bundle {tmp}/none/h200x2 (run tests/gpu/bundles.py {tmp}/none on a CPU machine)"),
 ])
 def test_acceptance_script_refuses_bad_arguments(tmp_path, args, code, message):
-    import subprocess
-
     args = [a.format(tmp=tmp_path) for a in args]
     r = subprocess.run(["bash", str(ROOT / "bench" / "acceptance.sh"), *args], capture_output=True, text=True,
                        cwd=tmp_path)

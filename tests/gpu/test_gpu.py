@@ -35,6 +35,7 @@ later run's 0.61 failed it.)
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -42,6 +43,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from epcc.runtime.build_cache import find_nvcc
+from epcc.runtime.build_cache import BuildError
+from epcc.runtime.engines.gpu_proxy.build import nvshmem_home
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "ep_worker.py"
@@ -70,7 +75,7 @@ pytestmark = pytest.mark.gpu
 
 def _gpus() -> tuple[int, str]:
     try:
-        import torch
+        import torch  # the runtime extra: without it this machine runs no GPU test
     except ImportError:
         return 0, "torch is not installed"
     n = torch.cuda.device_count()
@@ -84,8 +89,6 @@ def _why_not(gpus: int, bundles: list[str]) -> str | None:
         return f"needs >= 2 GPUs ({what}); {HOW}"
     if have < gpus:
         return f"the EP{gpus} case needs {gpus} GPUs ({what})"
-    from epcc.runtime.build_cache import find_nvcc
-
     if find_nvcc() is None:
         return f"nvcc not found (PATH, $NVCC, /usr/local/cuda*/bin): the direct kernels are built on this machine; {HOW}"
     if not BUNDLES.is_dir():
@@ -157,9 +160,6 @@ def _proxy_bench(gpus: int, bundles: list[str], transport: str, tmp_path: Path, 
     transport lines `rdma PROGRAM: ... over TRANSPORT (...)`)."""
     why = _why_not(gpus, bundles)
     if not why and transport == "nvshmem":
-        from epcc.runtime.build_cache import BuildError
-        from epcc.runtime.engines.gpu_proxy.build import nvshmem_home
-
         try:
             nvshmem_home()
         except BuildError as e:
@@ -220,8 +220,6 @@ def sim_mismatches(report_path: Path) -> list[str]:
     the SIM_CHECKED bundles off `epcc simulate` by more than SIM_TOLERANCE, and a FAST_STEP that
     did not land by FAST_BY of its slow step's landing; one line per miss, starting with the
     bundle's name."""
-    import json
-
     out = []
     for b in json.loads(report_path.read_text(encoding="utf-8"))["bundles"]:
         name, sim = b["name"], b.get("simulate")

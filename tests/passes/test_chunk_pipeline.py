@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from epcc.plan.rdma import rdma_bytes_per_token
+from epcc import pipeline
 from epcc.passes import chunk_pipeline as cp
+from epcc.plan.rdma import rdma_bytes_per_token
+from epcc.sim import SimOptions, simulate
 from epcc.sim.build import build_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,8 +52,6 @@ def test_without_sm_rates_the_latency_rule_holds(tmp_path):
 
 
 def test_the_ir_says_which_chunks_the_cost_model_chose():
-    from epcc import pipeline
-
     c = pipeline.run(str(REPO / "schedules" / "h200x2_2vnode.sched"), "chunk-pipeline")
     text = str(c.module)
     assert text.count('chosen_by = "cost model: ') == 2  # dispatch.rdma and combine.rdma, not the SM steps
@@ -102,9 +102,6 @@ def test_copy_engine_steps_are_not_ramped(tmp_path):
 
 
 def test_the_ramp_is_in_the_ir_and_the_simulation(tmp_path):
-    from epcc import pipeline
-    from epcc.sim import SimOptions, simulate
-
     text = str(pipeline.run(str(REPO / "schedules" / "h200x2_2vnode.sched"), "chunk-pipeline").module)
     assert text.count("ramp = array<i64: 0, 3>") == 1 and "ramp = array<i64: 3, 0>" not in text
     ms = {}

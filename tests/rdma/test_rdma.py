@@ -9,17 +9,22 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from epcc import pipeline
 from epcc.backends.rdma import abi
 from epcc.backends.rdma import emit as rdma_emit
 from epcc.backends.rdma.sources import NATIVE_DIR
 from epcc.plan import Plan
 from epcc.plan import rdma as rdma_plan
+from epcc.plan.rdma import rdma_steps
 from epcc.runtime.build_cache import CFLAGS, BuildError, c_compiler
 from epcc.runtime.engines import cpu_procs as procs
 from epcc.runtime.engines import transport
@@ -35,8 +40,6 @@ GOLDEN = Path(__file__).parent / "golden"
 
 
 def _plan(sched: str) -> Plan:
-    from epcc import pipeline
-
     c = pipeline.run(str(ROOT / "schedules" / sched), pipeline.STAGES[-1].name, None)
     return c.passes.get("plan")
 
@@ -397,10 +400,6 @@ def test_gpu_proxy_build_names_the_transports_it_has(tmp_path):
 def test_partials_are_packed_to_bf16_rounding_to_nearest_even():
     """The CPU path carries combine partials as bf16 (like the GPU path): the proxy's packer must
     round as torch does (nearest, ties to even), keep NaN a NaN and infinities infinite."""
-    import ctypes
-
-    import numpy as np
-
     torch = pytest.importorskip("torch")
     lib = transport.load(build_transport("libfabric"))
     rng = np.random.default_rng(5)
@@ -454,10 +453,6 @@ class _GpuSide:
     SLOT = 64
 
     def __init__(self, lib, plan, depths=(3, 2), chan_depths=(2, 3), n_links=1, links=(0, 0), recv_link=0):
-        import numpy as np
-
-        from epcc.plan.rdma import rdma_steps
-
         self.np, self.lib, self.keep = np, lib, []
         steps = [s for s in rdma_steps(plan) if s.program == "dispatch"]
         assert [s.step for s in steps] == ["there", "relay"]
@@ -493,8 +488,6 @@ class _GpuSide:
         self.status = None
 
     def start(self):
-        import threading
-
         def run():
             self.status = self.lib.epcc_rdma_proxy_gpu(self.engine.ctypes.data)
 
@@ -505,8 +498,6 @@ class _GpuSide:
         return int(self.fifo[self.lay.struct_word(role) + w])
 
     def wait(self, cond, what):
-        import time
-
         end = time.monotonic() + 20
         while not cond():
             assert self.status in (None, 0), self.err.value.decode()
@@ -561,8 +552,6 @@ def test_gpu_proxy_loop_posts_each_channel_on_its_link(gpu_loop):
 def test_gpu_proxy_loop_names_the_link_a_transport_does_not_have(gpu_loop):
     """A channel on link 2 of a two-link transport: the post is refused, and the loop stops with the
     step, what it did and the transport's message."""
-    import numpy as np
-
     lib, plan = gpu_loop
     g = _GpuSide(lib, plan, n_links=2, links=(0, 2))
     g.start()
@@ -582,8 +571,6 @@ def _serve_two_fifos(lib, plan, **links):
     """Push chunks through both pack roles of a _GpuSide, check what landed and the credit; returns
     (the side, stopped, its transport still open for the caller to read and close; chunks per
     role; payloads by (role, seq))."""
-    import numpy as np
-
     g = _GpuSide(lib, plan, **links)
     g.start()
     try:
@@ -620,8 +607,6 @@ def _serve_two_fifos(lib, plan, **links):
 
 def test_gpu_proxy_loop_names_the_step_of_the_fifo_a_bad_entry_is_in(gpu_loop):
     """A bad entry in the second FIFO is reported against the second role's step (`relay`)."""
-    import numpy as np
-
     lib, plan = gpu_loop
     g = _GpuSide(lib, plan)
     g.start()
