@@ -9,13 +9,13 @@ Every decision is made here, in Python; the templates (templates/*.cu.j2) only l
 * DMA roles (plan kind `dma`: copy-engine / D2D steps) are lowered as extra roles of the same
   kernel, `dma_blocks` blocks each, appended after the SM roles: SM copies standing in for the
   copy engine.  The targets of such steps are peers of the same node, mapped through CUDA IPC,
-  so an SM can do the copy; the copy-engine lowering (cudaMemcpyAsync batches triggered by the
-  counters) comes with the RDMA issue.
+  so an SM can do the copy; a copy-engine lowering (cudaMemcpyAsync batches triggered by the
+  counters) is not written yet.
 * Proxy roles (plan kind `proxy`: RDMA steps) with `rdma="emulate"` are lowered the same way,
   `proxy_blocks` blocks each, paced to the link's bandwidth from the plan: valid when every rank
   is in one CUDA IPC domain (h200x4_2vnode: two virtual nodes on one box).  With
   `rdma="external"` they are left out of the kernel (`not_lowered` in the manifest): a host
-  proxy must post them and bump their counters (the RDMA issue); the SM roles still wait on
+  proxy must post them and bump their counters; the SM roles still wait on
   those counters.  The default, `auto`, emulates for plans of at most 8 ranks (one HGX box)
   and leaves RDMA to the proxy above that (dgx_h800_2node, ocs_ep16, ubbv2_ep32).
 * Metadata exchanges (`exchange` steps, the `<program>_meta` kernels) are not lowered: in this
@@ -84,7 +84,7 @@ PROXY_MAX_BLOCKS = 16
 # pack and unpack roles, which stage or apply one whole chunk per block, so a chunk's staging
 # time (one SM's copy rate) is part of every credit round trip.  With 16 warps instead of 8 the
 # 2-GPU vnode plan at 50 GB/s went 1.615 -> 1.492 ms dispatch and 2.937 -> 2.688 ms combine
-# (nvidia-h200-x2, chunk 128 tokens depth 4, median of 20; docs/rdma.md).
+# (2 x H200, 2026-11-23, chunk 128 tokens depth 4, median of 20; docs/rdma.md).
 ROLE_WARPS = 8
 ONE_IPC_DOMAIN_RANKS = 8  # an HGX box: the most GPUs that can map each other's memory over NVLink
 

@@ -70,7 +70,7 @@ RDMA_SAME = 0.001  # depths this close to a chunk size's fastest count as equal:
 RDMA_HEADROOM = 1.5
 # Default halvings of a followed step's head and of a following step's tail (a step's `ramp N`
 # sets both).  3: 1/8, 1/4, 1/2 of a chunk, a role of 8 SMs spreads one chunk over its first or
-# last wave.  Heads are whole by default: measured on 2 H200s (docs/rdma.md, session 20) the
+# last wave.  Heads are whole by default: measured on 2 x H200 (2026-11-23, docs/rdma.md) the
 # combine's RDMA started 77 us sooner behind a ramped gather but ended no sooner (the gather,
 # 8 SMs at ~46 GB/s of partials, holds it) and the gather's extra chunks cost it ~1 %.
 RAMP_HEAD_DEFAULT = 0

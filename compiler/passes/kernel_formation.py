@@ -23,7 +23,7 @@ topology's `sm` line: packing at `copy`, half that for fp32 partials, applying a
 of work; compiler/costmodel/rates.py proxy_rates), at least `PROXY_MIN_SMS` and at most
 `PROXY_MAX_SMS`.  Without `sm` rates both are `PROXY_MIN_SMS`.  A combine chunk is applied with
 fp32 atomic adds (~12 GB/s per SM), so a 50 GB/s link needs 5 unpack SMs where 4 held it at
-~43 GB/s (docs/rdma.md, session 19).
+~43 GB/s (2 x H200, 2026-11-23; docs/rdma.md).
 
 IR: one `builtin.module @<name> attributes {epcc.kind = "kernel" | "proxy" | "dma"}` per group,
 holding an `epcc.role` per step, at the location of the step.

@@ -41,14 +41,14 @@ with_direct_pool(plan, kernels), from the topology's `sm` line (per SM: `copy` b
   latency once; chunk size and count are dropped.
 * A program's first steps become ready after one `launch` (a later launch queues behind the
   running kernel: folding the two metadata kernels into the dispatch kernel, three launches to
-  one, changed no measured time in session 14) and, for a dispatch, its metadata passes x `meta`
+  one, changed no measured time on 2 x H200, 2026-11-23) and, for a dispatch, its metadata passes x `meta`
   (one pass counts a chunk of tokens; above one chunk a second pass finishes the chunks' ranks).
 * The last wave is not hidden (`drain`): a warp's second-phase work on a record (replicating it;
   summing its partial) waits for its first phase (the send; the reduction on the expert's GPU),
   which the fluid pools overlap perfectly.  At the end of a program one wave of first-phase work
   per SM, min(warps, records per SM) records at the SM's rates, still has its second phase
   ahead; each flow between two GPUs ends that much after its last byte (Flow.tail_s).  It is
-  what the fluid model misses at 128-1024 tokens (session 14's token and SM sweeps), little at
+  what the fluid model misses at 128-1024 tokens (the token and SM sweeps of 2026-11-23), little at
   4096.
 
 Expected rows and GPUs per token are those of uniform routing, as in sim/sm_terms.py.

@@ -31,7 +31,7 @@ treats them like links):
   chunk / post.  The term is added only where it binds (below the link).  On the GPU machine's
   emulated transport `post` is ~10 us: 2 x H200, h200x2_2vnode at 400 GB/s, 16-token chunks
   take ~10 us each whatever the depth, and the proxy finds 11-15 chunks waiting per FIFO pass
-  (ep_bench's proxy line, docs/rdma.md session 18).
+  (ep_bench's proxy line, docs/rdma.md; 2026-11-23).
 
 * `post:<program>.<step>:<rank>`, capacity chunk / post: every flow of an RDMA step that a rank's
   proxy posts (its sends) where the link declares `post`.  One proxy thread posts for every
@@ -60,9 +60,8 @@ with the fluid model's last byte: no tail.)  An RDMA channel's chunks are serial
 is staged and posted before the wire moves a byte, a lead of chunk / stage + post (Flow.lead_s),
 its last chunk is applied after the wire, a tail of chunk / apply, and its lag is the bytes the
 link moves while one chunk is applied (the others are staged while the wire carries earlier
-ones).  Until session 20 the staging was a tail instead of a lead and `post` was not in it: the
-same total, but the dispatch's keep_far at 400 GB/s was simulated to start at 0.05 ms; it
-started at 0.14-0.17 on 2 H200s.  A ramped role (PlanStep.ramp_head / ramp_tail, chunk-pipeline) counts
+ones).  Modelled as a tail without `post` instead (the same total), the dispatch's keep_far at
+400 GB/s was simulated to start at 0.05 ms; it started at 0.14-0.17 on 2 x H200 (2026-11-23).  A ramped role (PlanStep.ramp_head / ramp_tail, chunk-pipeline) counts
 its first chunk, 1 / 2^ramp_head of one, in its lag, and spreads the producer's last chunk over
 min(N, 2^ramp_tail) SMs in its tail.  Chunks are counted in the flows'
 bytes: a chunk of a step whose flows count rows and that reads or writes `output` (a permute, its

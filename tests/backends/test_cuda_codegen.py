@@ -794,9 +794,9 @@ def test_median_timeline_of_several_launches():
         return {"roles": [{"step": "there (unpack)", "blocks": 4, "start_ms": start, "end_ms": end},
                           {"step": "keep", "blocks": 8, "start_ms": None, "end_ms": None}], "end_ms": kernel}
 
-    # one slow launch (the 0.61 of session 17's single-round check) does not move the median
-    got = launcher.median_timeline([tl(0.07, 1.25, 2.6), tl(0.06, 1.59, 2.7), tl(0.07, 1.28, 2.5), tl(0.08, 1.34, 2.6),
-                           tl(0.07, 1.29, 2.6)])
+    # one slow launch (the 0.61 of a single-round check on 2 x H200) does not move the median
+    got = launcher.median_timeline([tl(0.07, 1.25, 2.6), tl(0.06, 1.59, 2.7), tl(0.07, 1.28, 2.5),
+                                    tl(0.08, 1.34, 2.6), tl(0.07, 1.29, 2.6)])
     assert got["roles"][0] == {"step": "there (unpack)", "blocks": 4, "start_ms": 0.07, "end_ms": 1.29}
     assert got["roles"][1]["start_ms"] is None and got["end_ms"] == 2.6 and got["launches"] == 5
     with pytest.raises(ValueError) as e:

@@ -1,4 +1,4 @@
-"""bench/targets.py: issue 5's targets judged from ep_bench reports (no GPU: reports are written here)."""
+"""bench/targets.py: the GPU targets judged from ep_bench reports (no GPU: reports are written here)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def _rows(text):
 def test_every_target_met(targets, tmp_path, capsys):
     assert targets.main([_write(tmp_path, report())]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("Issue 5's targets (stated for 4x H200) on 4 x NVIDIA H200:")
+    assert out.startswith("The targets (stated for 4x H200) on 4 x NVIDIA H200:")
     rows = _rows(out)
     assert len(rows) == len(targets.TARGETS) + 1  # the header row too
     assert rows["dispatch 4096 tokens BF16 (fused permute) <= 0.42 ms with <= 24 SMs"].endswith(

@@ -471,7 +471,7 @@ def test_exit_statuses_of_the_real_process(tmp_path):
     assert (version.returncode, version.stdout) == (0, "epcc 0.1.0\n")
 
 
-# --------------------------------------------------------------------------- hardening (session 20 audit)
+# --------------------------------------------------------------------------- hardening (from a fuzzing audit)
 
 def test_an_output_path_that_cannot_be_written_is_a_user_error(capsys, tmp_path):
     for argv, text in ((["compile", SMALL, "-o", "/proc/epcc_out"], "/proc/epcc_out: No such file or directory"),

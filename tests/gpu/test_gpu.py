@@ -15,7 +15,7 @@ print "ALL OK"; on failure the test shows the output tail.  Likewise the 4-rank 
 (two virtual nodes of two GPUs) run as 4 ranks on 2 GPUs where 4 are missing
 (test_gpu_proxy_path_ep4_shared_gpus: every result checked, no timing).
 
-The GPU proxy path (issue 6) runs through bench/ep_bench.py --strict on the 2-vnode plan of two
+The GPU proxy path runs through bench/ep_bench.py --strict on the 2-vnode plan of two
 GPUs (h200x2_2vnode_50_proxy; h200x2_2vnode_relay_50_proxy: two RDMA steps per program, so two
 pack roles and two FIFOs per rank and program; h200x2_2vnode_mixed_50_proxy: the same two steps
 over links of 50 and 25 GB/s, each paced on its own link), once per transport: `emulated` (the
@@ -26,11 +26,11 @@ bit-exact, combine within bf16-wire rounding) and --strict makes a failed check 
 `epcc simulate` (the bundle's simulate.json), and on the mixed plan the step over the fast link
 must have landed (rank 0's role timeline, the median of 5 stamped rounds) by FAST_BY of the time
 the step over the slow link landed: simulated 0.51; measured on 2 H200s 0.49-0.54 in single
-rounds and once 0.61, and 0.55-0.58 as medians of 5 (session 17: one proxy thread posts both
+rounds and once 0.61, and 0.55-0.58 as medians of 5 (2026-11-23: one proxy thread posts both
 steps' chunks, ~80 % busy while both run, so the host's scheduling moves the fast step by
 ~10 %); both steps on one queue, or both paced at one link's speed, give 0.9 or more
-(h200x2_2vnode_relay, one link: 0.93).  (Session 16 set 0.6 from two rounds at 0.49-0.50; a
-later run's 0.61 failed it.)
+(h200x2_2vnode_relay, one link: 0.93).  (A bound of 0.6, set from two rounds at 0.49-0.50,
+failed a later run's 0.61.)
 """
 
 from __future__ import annotations

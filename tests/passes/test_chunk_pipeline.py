@@ -112,7 +112,7 @@ def test_the_ramp_is_in_the_ir_and_the_simulation(tmp_path):
         res = simulate(build_plan(str(path)).plan, SimOptions(rdma_proxy=True))
         ms[label] = {p: res.programs[p].makespan_s * 1e3 for p in ("dispatch", "combine")}
     # the dispatch's keep_far no longer finishes the RDMA's last chunk on one SM (-74 us simulated;
-    # measured 7-47 us, docs/rdma.md session 20); with `ramp 3` the combine's RDMA starts after a
+    # measured 7-47 us on 2 x H200, 2026-11-23, docs/rdma.md); with `ramp 3` the combine's RDMA starts after a
     # chunk of 8 tokens instead of 64 (simulated -0.13 ms; measured: it started 77 us sooner and
     # ended no sooner)
     assert ms["ramped"]["dispatch"] < ms["whole"]["dispatch"] - 0.05

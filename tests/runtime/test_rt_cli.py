@@ -72,8 +72,8 @@ SCHEDULES = sorted(p.name for p in (Path(__file__).resolve().parents[2] / "sched
 @pytest.mark.parametrize("routing", ["uniform", "zipf:1.2", "one-hot", "empty", "no-remote"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_run_cpu_every_schedule_and_routing(capsys, schedule, routing):
-    """Issue 4's acceptance: `epcc run --backend cpu` on every shipped schedule (scaled down)
-    under every routing equals the oracle."""
+    """The CPU backend's acceptance: `epcc run --backend cpu` on every shipped schedule (scaled
+    down) under every routing equals the oracle."""
     rc, out, err = run(["run", f"schedules/{schedule}", "--backend", "cpu", "--routing", routing,
                         "--tokens", "24", "--hidden", "128" if "hybrid" in schedule else "64"], capsys)
     assert rc == 0, err

@@ -1,15 +1,15 @@
-"""`epcc simulate` against the measured direct kernels (issue 5: "epcc simulate predicts these runs
-within 15 %").
+"""`epcc simulate` against the measured direct kernels (the target: "epcc simulate predicts these
+runs within 15 %").
 
-MEASURED is the one table of measurements: nvidia-h200-x2 (2 H200s), the direct kernels of session
-13 (bench/README.md), median of 40 timed iterations, uniform top-8 of 256, hidden 7168, every block
+MEASURED is the one table of measurements: 2 x H200, the direct kernels as measured on 2026-11-22
+(bench/README.md), median of 40 timed iterations, uniform top-8 of 256, hidden 7168, every block
 sending then replicating (dispatch) and reducing then summing (combine).  The simulator runs
 schedules/h200x4.sched on 2 GPUs, as tests/gpu/bundles.py derives it for the h200x2 bundles, with
 the direct kernels on the table's SMs.  When the kernels change, update MEASURED and re-fit the
 `sm` line of schedules/h200x4.sched (one line; its end-of-file comment says what was fit to
 what); the tests say which points are off.
 
-Every point is claimed.  Until session 14 the 128-token points were not: the model charged
+Every point is claimed.  Before 2026-11-23 the 128-token points were not: the model charged
 every kernel launch (3 before a 4096-token dispatch) and no metadata work, and had no drain, so
 it was ~27 % fast at 128 tokens; compiler/sim/direct.py says what it charges now and why.
 """
@@ -30,7 +30,7 @@ TOLERANCE = 0.15
 
 MEASURED: dict[tuple[str, int, int], tuple[float, float | None]] = {
     # (dtype, tokens per rank, SMs): (dispatch ms, combine ms; None: not measured).  fp8 combines
-    # are the bf16 combine (the combine moves bf16 partials).  Session 13 (bench/README.md):
+    # are the bf16 combine (the combine moves bf16 partials).  2 x H200, 2026-11-22 (bench/README.md):
     # `epcc tune` on h200x2 (--sms 16,24,32,48,64,96 --warps 16 --iters 10, the N+0 rows) and
     # ep_bench at 24 SMs (fp8, 128 tokens).
     ("bf16", 4096, 16): (0.557, 0.450),
@@ -41,7 +41,7 @@ MEASURED: dict[tuple[str, int, int], tuple[float, float | None]] = {
     ("bf16", 4096, 96): (0.264, 0.216),
     ("fp8", 4096, 24): (0.226, None),
     ("bf16", 128, 24): (0.033, 0.026),
-    # Session 14, the same kernels: ep_bench --methods epcc --tokens T on the h200x2 bundle at 24
+    # 2 x H200, 2026-11-23, the same kernels: ep_bench --methods epcc --tokens T on the h200x2 bundle at 24
     # SMs, and `epcc tune` on h200x2_t128 (--sms 4,8,16,24,48,96 --warps 16 --iters 20, N+0 rows).
     ("bf16", 256, 24): (0.045, 0.038),
     ("bf16", 512, 24): (0.083, 0.055),
