@@ -1,4 +1,6 @@
-"""Lower a plan's kernels and roles to one LLVM module (text built with llvmlite.ir).
+"""Lower a plan's kernels and roles to one LLVM module (text built with llvmlite.ir).  One module of
+~470 lines on purpose: the primitives, row operations and drivers are built into one llvmlite
+module and share its types, symbols and the table field orders below.
 
 The module holds
 

@@ -1,6 +1,8 @@
 """CUDA code generation: a plan's kernels as table-driven persistent kernels for sm_90a.
 
-Every decision is made here, in Python; the templates (templates/*.cu.j2) only lay out text.
+Every decision is made here, in Python; the templates (templates/*.cu.j2) only lay out text.  One
+module of ~550 lines on purpose: the roles, their blocks and access widths, the launcher and the
+manifest are decided from one walk of the plan, and the manifest must say what the sources do.
 
 * One persistent kernel per program (`epcc_<schedule>_<program>_kernel`), launched
   cooperatively so every block is resident: blocks are split into roles by the plan's SM ranges
