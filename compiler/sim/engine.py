@@ -54,7 +54,7 @@ class _Engine:
             for f in s.flows:
                 if f.bytes > 0 or not f.resources:
                     fl.append((si, f))
-        self.nf = nf = len(fl)
+        self.nf = len(fl)
         self.f_step = np.array([si for si, _ in fl], dtype=np.int64)
         self.f_bytes = np.array([f.bytes if f.resources else 0.0 for _, f in fl], dtype=float)
         self.f_src = np.array([f.src for _, f in fl], dtype=np.int64)
