@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5's measurements on one GPU machine, in phases that each fit one device call (10 minutes):
+# The GPU targets' measurements on one GPU machine, in phases of at most 10 minutes each:
 #
 #   bench/acceptance.sh GPUS BUNDLES OUT tests   # tests/gpu/test_gpu.py (EP4, or EP4 on 2 shared GPUs; EP2; proxy)
 #   bench/acceptance.sh GPUS BUNDLES OUT bench   # ep_bench on the default configuration -> OUT/default

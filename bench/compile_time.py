@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/compile_time.py [--repeat N]
 
-Issue 3's budget: a 32-node x 8-GPU schedule compiles in under 10 s on our 2-core machines.
+The budget: a 32-node x 8-GPU schedule compiles in under 10 s on a 2-core machine.
 Each case is compiled `--repeat` times (default 3) in this process; the table gives the median
 wall time of a whole `epcc compile` (parse, check, emit, all nine passes) and of each stage.
 """
@@ -15,6 +15,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from epcc import pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,8 +48,6 @@ combine reverse of dispatch
 
 
 def time_compile(path: str, repeat: int) -> tuple[float, dict[str, float]]:
-    from epcc import pipeline
-
     totals, per_stage = [], {}
     for _ in range(repeat):
         marks: dict[str, float] = {}

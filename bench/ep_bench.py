@@ -5,7 +5,7 @@
 
 One process per GPU (rank r on cuda:LOCAL_RANK).  For every bundle (written by `epcc compile FILE
 --target cuda -o DIR`; its plan.json gives ranks, tokens, hidden, dtype, topk, experts), on ONE
-uniform top-k routing (runtime/inputs.py, fixed seed; every rank generates its own token rows with
+uniform top-k routing (runtime/testing/inputs.py, fixed seed; every rank generates its own token rows with
 its own seeded torch generator, never zeros):
 
 * epcc: the bundle's launcher library (built once per bundle by rank 0 with nvcc, or reused when
@@ -22,17 +22,17 @@ its own seeded torch generator, never zeros):
   (splits known, buffers built beforehand); "combine" is the reverse all_to_all_single of one bf16
   row per (token, destination rank).
 
-Timing (/work/.library/device/METHOD.md): CUDA events; before every iteration all ranks synchronise
+Timing: CUDA events; before every iteration all ranks synchronise
 their device, meet at a gloo barrier (which also carries every rank's ok/failed status), the L2 is
 flushed (a 256 MB memset), a short device sleep lets the host run ahead, and a one-element NCCL
 all_reduce lines the GPUs up; then start event, the operation, end event.  Warm-up iterations,
-one checked iteration (dispatch rows exact against runtime/oracle.py's order; combine with
+one checked iteration (dispatch rows exact against runtime/testing/oracle.py's order; combine with
 oracle.compare_combine), timed iterations alternating two input sets.  An iteration's time is the
 maximum over ranks; the table gives the median and minimum over iterations.  A method whose check
 fails reports no numbers.  Rank 0 prints the table last and writes OUT_DIR/ep_bench.json.
 
 --rdma-chunks TxD[,TxD...]: a bundle compiled with --rdma proxy runs once per RDMA chunking (T
-tokens per chunk, D in flight), its plan re-chunked here (backends/rdma/lower.py with_overrides:
+tokens per chunk, D in flight), its plan re-chunked here (plan/rdma.py with_overrides:
 the layout, tables, rings and FIFOs follow, the kernels do not change), reported as
 BUNDLE@TxD beside `epcc simulate` of the re-chunked plan, simulated here (the simulator reads
 only the plan); the baselines run once per bundle.
@@ -46,7 +46,7 @@ proxy bundles so where 4 GPUs are missing).
 
 --dry-run: no CUDA, no NCCL: gloo on CPU tensors (all_to_all_single emulated with all_gather),
 wall-clock timing; the epcc child does the host part (layout, tables) and checks the tables with
-the NumPy emulator of the kernels (backends/cuda/emulate.py) instead of launching them.
+the NumPy emulator of the kernels (runtime/testing/emulate.py) instead of launching them.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def import_epcc() -> None:
     """`import epcc` as installed (pip install -e .), or else alias the repository's folders as the
     package, as pyproject.toml's package-dir maps them (the GPU machine has no install)."""
     try:
-        import epcc.plan  # noqa: F401
+        import epcc.plan  # noqa: F401 - the probe: is epcc installed (else its folders are aliased below)?
         return
     except ImportError:
         pass
@@ -107,7 +107,22 @@ def import_epcc() -> None:
 
 import_epcc()
 from epcc.plan import Plan  # noqa: E402
-from epcc.runtime import inputs, oracle  # noqa: E402
+from epcc.plan import bundle as bundle_io  # noqa: E402
+from epcc.plan.rdma import (ENV_CHUNK_TOKENS, ENV_DEPTH, MAX_DEPTH, positive_setting,  # noqa: E402
+                            rdma_bytes_per_token, with_overrides)
+from epcc.runtime.buffer import Buffer  # noqa: E402
+from epcc.runtime.engines.base import KernelTimeout  # noqa: E402
+from epcc.runtime.engines.cuda_table.launcher import (CudaError, Library, build_library,  # noqa: E402
+                                                      median_timeline, role_timeline)
+from epcc.runtime.engines.cuda_table.tables import buffer_sizes, build_tables, partial_rounding  # noqa: E402
+from epcc.runtime.engines.gpu_proxy.build import build_gpu  # noqa: E402
+from epcc.runtime.engines.gpu_proxy.engine import GpuRdma  # noqa: E402
+from epcc.runtime.engines.transport import cost_phrase  # noqa: E402
+from epcc.runtime.layout import compute_layout  # noqa: E402
+from epcc.runtime.testing import inputs, oracle  # noqa: E402
+from epcc.runtime.testing.emulate import emulate  # noqa: E402
+from epcc.sim.report import to_dict  # noqa: E402
+from epcc.sim.simulate import SimOptions, simulate  # noqa: E402
 
 METHODS = ("epcc", "torch_megatron", "nccl_a2a")
 
@@ -129,17 +144,14 @@ class KernelFailed(RuntimeError):
 
 
 def load_bundle(path: str | Path) -> tuple[Plan, dict]:
-    p = Path(path)
-    plan = Plan.from_json((p / "plan.json").read_text(encoding="utf-8"))
-    man_path = p / "cuda" / "manifest.json"
-    manifest = json.loads(man_path.read_text(encoding="utf-8")) if man_path.is_file() else {}
-    return plan, manifest
+    """The bundle's plan and its CUDA manifest ({} where it has none)."""
+    return bundle_io.load(path).plan, bundle_io.cuda_manifest(path, required=False)
 
 
-def make_routing(plan: Plan, tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def bench_routing(plan: Plan, tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Uniform top-k [R, T, k] and softmax weights [R, T, k], the same on every rank."""
     wl = plan.workload
-    idx = inputs.make_routing("uniform", plan.num_ranks, tokens, wl.topk, wl.experts, wl.placement,
+    idx = inputs.make_topk("uniform", plan.num_ranks, tokens, wl.topk, wl.experts, wl.placement,
                               seed=seed).topk_idx
     return idx, inputs.make_weights(idx, seed=seed + 1)
 
@@ -153,7 +165,7 @@ def _generator(dev: torch.device, seed: int, rank: int, stream: int) -> torch.Ge
 def gen_rows(tokens: int, hidden: int, dtype: str, seed: int, rank: int, stream: int,
              dev: torch.device) -> torch.Tensor:
     """This rank's token rows, uint8 [T, row_bytes]: bf16 N(0,1) values (zero replaced), or fp8
-    e4m3 bytes (no NaN encoding) followed by one fp32 scale per 128 channels (runtime/inputs.py's
+    e4m3 bytes (no NaN encoding) followed by one fp32 scale per 128 channels (runtime/testing/inputs.py's
     wire format)."""
     g = _generator(dev, seed, rank, stream)
     if dtype == "bf16":
@@ -641,15 +653,12 @@ def _epcc_child(cfg: dict) -> dict:
             cpu_group = dist.new_group(backend="gloo", timeout=PG_TIMEOUT)
     comm = Comm(dry, dev, cpu_group, cfg["shared"])
     timer = Timer(comm, cfg["flush"])
-    from epcc.runtime.layout import compute_layout
-    from epcc.backends.cuda import build_tables, buffer_sizes, partial_rounding
-
     plan, manifest = load_bundle(cfg["bundle"])
     if cfg.get("rdma_chunking"):
         plan = rechunk(plan, cfg["rdma_chunking"])
     wl, R, T = plan.workload, plan.num_ranks, cfg["tokens"]
     H = wl.hidden
-    idx, w = make_routing(plan, T, cfg["seed"])
+    idx, w = bench_routing(plan, T, cfg["seed"])
     out: dict = {}
 
     # ---- host part: layout once for the routing, this rank's tables
@@ -696,8 +705,6 @@ def _epcc_child(cfg: dict) -> dict:
     if direct:
         return _epcc_direct(cfg, comm, timer, plan, dev, idx, w, x_sets, y_sets, check, out)
 
-    from epcc.backends.cuda import Library
-
     lib = Library(cfg["lib"])
     stream = torch.cuda.current_stream().cuda_stream
     ctx = lib.create(dev.index, rank, 1 + 2 * max(len(layout.flags), 1), cfg["kernel_timeout"])
@@ -724,9 +731,6 @@ def _epcc_child(cfg: dict) -> dict:
     ctx.synchronize(stream)
     rdma_engines = []
     if manifest.get("options", {}).get("rdma") == "proxy":  # the GPU proxy path: transport, rings, proxy thread
-        from epcc.backends.cuda.rdma_gpu import GpuRdma
-        from epcc.backends.rdma.build import build_gpu
-
         plib = build_gpu(Path(cfg["bundle"]) / "cuda" / "rdma", cfg["rdma_transport"])
         for p in programs:
             eng = GpuRdma(proxy_lib=str(plib), cuda_lib=lib, ctx=ctx, plan=plan, manifest=manifest,
@@ -768,8 +772,6 @@ def _epcc_child(cfg: dict) -> dict:
         out.update(run_iterations(timer, cfg["warmup"], cfg["iters"], step, check))
         # TIMELINE_ROUNDS more (untimed) rounds with the kernels' per-block stamps: when each role
         # ran, the median over the rounds
-        from epcc.backends.cuda import median_timeline, role_timeline
-
         for p in programs:
             ctx.enable_timeline(p)
         rounds: dict[str, list] = {p: [] for p in programs}
@@ -782,10 +784,8 @@ def _epcc_child(cfg: dict) -> dict:
     except (CheckFailed, PeerFailed):
         raise  # already agreed with every rank
     except Exception as e:  # noqa: BLE001
-        from epcc.backends.cuda import CudaError
-
         detail = f"{type(e).__name__}: {e}"
-        if isinstance(e, CudaError):  # a kernel that gave up waiting wrote the error record
+        if isinstance(e, (CudaError, KernelTimeout)):  # a kernel that gave up waiting wrote the error record
             _, msg = ctx.read_error()
             detail = msg or str(e)
         for eng in rdma_engines:  # a proxy that stopped on a failure says why, and what it did
@@ -809,13 +809,11 @@ def _epcc_direct(cfg, comm, timer, plan, dev, idx, w, x_sets, y_sets, check, out
     """The direct lowering through the public API, `Buffer(group, bundle, backend="cuda")`:
     dispatch in the no-host-sync mode (sync=False: device-side metadata, whole receive buffer;
     what a training step or a CUDA graph runs), combine of the expert outputs."""
-    from epcc.runtime.buffer import Buffer
-
     rank, wl, T = cfg["rank"], plan.workload, cfg["tokens"]
     H = wl.hidden
     buf = Buffer(dist.group.WORLD, cfg["bundle"], backend="cuda", timeout_s=cfg["kernel_timeout"],
                  config=cfg.get("config"))
-    eng = buf._cuda
+    eng = buf.engine
     out["lowering"] = "direct"
     out["config"] = dict(vars(eng.config))
     out["sms"] = {"dispatch": eng.config.dispatch_sms, "combine": eng.config.combine_sms}
@@ -873,25 +871,21 @@ def _epcc_direct(cfg, comm, timer, plan, dev, idx, w, x_sets, y_sets, check, out
 def _epcc_dry(cfg, comm, manifest, layout, x_all, F_all, scale, check, out) -> dict:
     """Dry run: no kernels.  The NumPy emulator runs this rank's tables (and every other rank's)
     over the same inputs, and the result goes through the same checks as the GPU's output."""
-    from epcc.backends.cuda.emulate import emulate
-
     rank, R = cfg["rank"], layout.num_ranks
     out["host_ms"]["layout_upload"] = out["host_ms"]["layout"] + out["host_ms"]["tables"]
     if R * layout.tokens > cfg["emulate_max_tokens"]:
         out["skipped"] = (f"dry run: no CUDA; layout + tables built ({out['host_ms']['layout_upload']:.1f} ms), "
                           f"emulator skipped ({R * layout.tokens} tokens > {cfg['emulate_max_tokens']})")
         return out
-    import numpy as _np
-
     xs = [x_all[r].numpy() for r in range(R)]
     d = emulate(manifest, layout, "dispatch", xs)
     ys = []
     for r in range(R):
         s = torch.from_numpy(layout.entries[("output", r)])
-        ys.append(expert_outputs(F_all, s, scale).view(torch.int16).numpy().view(_np.uint16))
+        ys.append(expert_outputs(F_all, s, scale).view(torch.int16).numpy().view(np.uint16))
     c = emulate(manifest, layout, "combine", ys)
     got_rows = torch.from_numpy(d[("output", rank)])
-    got_comb = torch.from_numpy(oracle.f32_to_bf16(c[("result", rank)]).view(_np.int16)).view(torch.bfloat16)
+    got_comb = torch.from_numpy(oracle.f32_to_bf16(c[("result", rank)]).view(np.int16)).view(torch.bfloat16)
     info = check((got_rows, got_comb))
     comm.barrier()
     out["skipped"] = (f"dry run: no CUDA; layout + tables built ({out['host_ms']['layout_upload']:.1f} ms) "
@@ -984,27 +978,19 @@ def run_epcc(comm: Comm, args, bundle: str, lib: str | None, lib_error: str | No
 
 
 def build_libs(bundles: list[str], rebuild: bool) -> list[tuple[str | None, str | None]]:
-    """Rank 0: the launcher library of every bundle (nvcc in parallel; an existing library newer
-    than its sources is reused unless `rebuild`).  [(path, error)]."""
-    from epcc.backends.cuda import build_library
+    """Rank 0: the launcher library of every bundle (nvcc in parallel, through the build cache:
+    compiled again only when the sources change, or with `rebuild`).  [(path, error)]."""
 
     def one(b: str):
         cuda = Path(b) / "cuda"
         try:
-            man = json.loads((cuda / "manifest.json").read_text(encoding="utf-8"))
+            man = bundle_io.cuda_manifest(b)
             if "direct" in man:  # the direct lowering: Buffer builds (and caches) its own library
                 return None, None
             not_lowered = [n["step"] for n in man.get("not_lowered", []) if n.get("kind") == "rdma"]
             if not_lowered:
                 return None, f"steps {sorted(set(not_lowered))} need a host RDMA proxy (not in this version)"
-            lib = cuda / man["build"]["library"]
-            if not os.access(cuda, os.W_OK):  # a read-only bundle: build beside it in /tmp
-                lib = Path("/tmp/ep_bench_libs") / f"{abs(hash(str(cuda.resolve()))):x}" / lib.name
-                lib.parent.mkdir(parents=True, exist_ok=True)
-            srcs = [cuda / s for s in man["build"]["sources"] + man["build"].get("headers", [])]
-            if not rebuild and lib.is_file() and all(lib.stat().st_mtime >= s.stat().st_mtime for s in srcs):
-                return str(lib), None
-            return str(build_library(cuda, out=lib)), None
+            return str(build_library(cuda, fresh=rebuild)), None
         except Exception as e:  # noqa: BLE001
             return None, f"build: {type(e).__name__}: {str(e)[-1500:]}"
 
@@ -1081,16 +1067,12 @@ def format_table(report: dict) -> str:
 
 def rechunk(plan: Plan, chunking: tuple[int | None, int | None]) -> Plan:
     """The plan with its RDMA steps re-chunked: `chunking` = (tokens per chunk, depth), None keeps
-    the plan's (backends/rdma/lower.py with_overrides; the environment is not read again)."""
-    from epcc.backends.rdma.lower import with_overrides
-
+    the plan's (plan/rdma.py with_overrides; the environment is not read again)."""
     return with_overrides(plan, chunk_tokens=chunking[0], depth=chunking[1], env={})
 
 
 def rdma_chunking_of(plan: Plan) -> dict:
     """{program.step: {chunk_tokens, depth, chunks}} of the plan's RDMA steps."""
-    from epcc.backends.rdma.lower import rdma_bytes_per_token
-
     out = {}
     for s in plan.steps:
         if s.link_kind == "rdma" and s.chunk_bytes:
@@ -1104,9 +1086,6 @@ def predict(plan: Plan, T: int) -> dict | None:
     """`epcc simulate --rdma proxy` of a re-chunked plan, run here: the simulator reads only the
     plan (no MLIR), so the GPU machine can run it.  None where it cannot (said on stderr)."""
     try:
-        from epcc.sim.report import to_dict
-        from epcc.sim.simulate import SimOptions, simulate
-
         return _prediction(to_dict(simulate(plan, SimOptions(rdma_proxy=True)), tokens=T))
     except Exception as e:  # noqa: BLE001
         sys.stderr.write(f"ep_bench: cannot simulate the re-chunked plan: {type(e).__name__}: {e}\n")
@@ -1232,7 +1211,7 @@ def parse(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kernel-timeout", type=float, default=10.0, help="epcc: bound of every in-kernel wait, s")
     ap.add_argument("--child-timeout", type=float, default=150.0, help="epcc: bound of a bundle's whole run, s")
-    ap.add_argument("--rebuild", action="store_true", help="run nvcc even where a library is newer than its sources")
+    ap.add_argument("--rebuild", action="store_true", help="run nvcc even where the build cache has the library")
     ap.add_argument("--no-flush", action="store_true", help="no L2 flush before each timed iteration")
     ap.add_argument("--strict", action="store_true",
                     help="exit 1 when any bundle or method failed (a check, a timeout, a build): for tests")
@@ -1269,8 +1248,6 @@ def rdma_chunkings(text: str | None, env) -> list[tuple[int | None, int | None]]
     """--rdma-chunks (or $EPCC_RDMA_CHUNK_TOKENS / $EPCC_RDMA_DEPTH) as [(tokens, depth)], None
     where the plan's value stays; [] when neither is given (the plan's chunking only).  A bad
     value is a ValueError naming it."""
-    from epcc.backends.rdma.lower import ENV_CHUNK_TOKENS, ENV_DEPTH, MAX_DEPTH, positive_setting
-
     if text is None:
         c, d = env.get(ENV_CHUNK_TOKENS, ""), env.get(ENV_DEPTH, "")
         if not c and not d:
@@ -1389,7 +1366,7 @@ def main(argv=None) -> int:
             say(f"{name}: {entry['error']}")
             continue
         rb = inputs.row_bytes(wl.hidden, wl.dtype)
-        idx, w = make_routing(plan, T, args.seed)
+        idx, w = bench_routing(plan, T, args.seed)
         tr = traffic(idx, wl.experts, wl.placement, wl.hidden, rb, wl.dtype)
         entry["traffic_bytes"] = tr
         entry["row_bytes"] = rb
@@ -1466,8 +1443,6 @@ def proxy_cost(st: dict) -> str:
     """This rank's proxy thread over the whole run (warm-up, timed and stamped rounds): writes
     posted, host time per post call, and chunks found waiting per FIFO pass (above 1: the kernels
     pushed chunks faster than the thread posted them, so the proxy set the pace)."""
-    from epcc.backends.rdma.engine import cost_phrase
-
     cost = cost_phrase(st)
     return f"{st.get('writes_posted', 0)} writes" + (f", {cost}" if cost else "")
 

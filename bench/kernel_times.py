@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from epcc.runtime import inputs  # noqa: E402
+from epcc.runtime.testing import inputs  # noqa: E402
 from epcc.runtime.buffer import Buffer  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     buf = Buffer(dist.group.WORLD, args.bundle, backend="cuda")
     wl = buf.plan.workload
     T = wl.tokens
-    idx_all = inputs.make_routing("uniform", R, T, wl.topk, wl.experts, wl.placement, seed=0).topk_idx
+    idx_all = inputs.make_topk("uniform", R, T, wl.topk, wl.experts, wl.placement, seed=0).topk_idx
     w_all = inputs.make_weights(idx_all, seed=1)
     if wl.dtype == "fp8":
         x = (torch.randint(0, 0x7E, (T, wl.hidden), device=dev, dtype=torch.uint8).view(torch.float8_e4m3fn),
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         x = torch.randn((T, wl.hidden), device=dev).to(torch.bfloat16)
     idx = torch.from_numpy(idx_all[rank]).to(dev)
     w = torch.from_numpy(w_all[rank]).to(dev)
-    y = torch.randn((buf._cuda.c["capacity"], wl.hidden), device=dev).to(torch.bfloat16)
+    y = torch.randn((buf.engine.c["capacity"], wl.hidden), device=dev).to(torch.bfloat16)
 
     def step():
         h = buf.dispatch(x, idx, w, sync=False)[4]
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     allr = [None] * R
     dist.all_gather_object(allr, (rows, statistics.median(walls)))
     if rank == 0:
-        cfg = buf._cuda.config
+        cfg = buf.engine.config
         print(f"{args.bundle}: {R} ranks x {T} tokens {wl.dtype}, config {vars(cfg)}, "
               f"{'graph replay' if args.graph else 'eager'}")
         for k in ("meta_count_kernel", "meta_finish_kernel", "dispatch_kernel", "combine_kernel"):

@@ -1,10 +1,10 @@
-"""Issue 5's targets against bench/ep_bench.py's report: what was reached, and whether it meets them.
+"""The GPU targets against bench/ep_bench.py's report: what was reached, and whether it meets them.
 
     python bench/targets.py OUT/ep_bench.json [TUNED_OUT/ep_bench.json]
 
 The first report is the default configuration's run (the plan's SMs), the optional second the run
 after `epcc tune` wrote cuda/tuned.json into the bundles.  Each report must hold the three shapes
-of the issue, found by their workload, not their names: 4096 tokens BF16 and FP8 with all three
+the targets name, found by their workload, not their names: 4096 tokens BF16 and FP8 with all three
 methods (epcc, torch_megatron, nccl_a2a), and 128 tokens.  Prints a Markdown table (the README's
 "against the targets" table), one row per target; a report's column gives the figure that decides
 the target and whether it is met.
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench/targets.py: {e}", file=sys.stderr)
         return 1
     devices = sorted({r.device for r in reports})
-    print(f"Issue 5's targets (stated for 4x H200) on {', '.join(devices)}:\n")
+    print(f"The targets (stated for 4x H200) on {', '.join(devices)}:\n")
     print(text)
     return 0
 

@@ -9,19 +9,36 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import os
+import shutil
+import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
-from . import __version__, limits
-from .diagnostics import CompileError, SourceMap, format_all
-from .files import JSON_MAX_BYTES, SCHED_MAX_BYTES, ContentError, FileError, read_bytes, read_json, refuse_overwrite
-from .plan_check import PlanJsonError, check_plan_json
-from .sema.rank_space import MAX_RANKS
+import numpy as np
+
+from . import __version__, limits, pipeline
+from .backends.cuda.codegen import CudaCodegenError, CudaOptions
+from .backends.cuda.codegen import emit as emit_cuda
+from .diagnostics import CompileError, Diagnostic, SourceMap, format_all
+from .limits import MAX_RANKS
+from .files import SCHED_MAX_BYTES, FileError, read_bytes, refuse_overwrite
+from .passes import PassOptions
+from .plan import bundle as bundle_io
+from .plan import rdma as rdma_plan
+from .runtime.layout import compute_layout
+from .runtime.testing import inputs, oracle
+from .sema.workload import LIMITS
+from .sim import SimOptions, SimulationError, simulate
+from .sim.build import build_plan
+from .sim.gantt import write_svg
+from .sim.report import table, to_dict
 from .textsafe import terminal
-from . import pipeline
+from .viz import render, render_scheduled
 
 EXIT_OK, EXIT_USER, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -138,10 +155,10 @@ def _parser() -> argparse.ArgumentParser:
 #   run_dispatch(plan, layout, x_rows: list[np.ndarray [T, row_bytes] uint8]) -> list[np.ndarray [n_d, row_bytes] uint8]
 #   run_combine(plan, layout, y: list[np.ndarray [n_d, hidden] uint16 (bf16)]) -> list[np.ndarray [T, hidden] float32]
 RUN_BACKENDS = {
-    "cpu": ("epcc.backends.cpu", "the CPU backend (backends/cpu: the layout lowered to LLVM IR, JIT-compiled, every "
-                                 "rank's roles as threads)"),
-    "reference": ("epcc.runtime.reference", "the NumPy reference executor (runtime/reference.py: copies applied one "
-                                            "after another; a debugging backend)"),
+    "cpu": ("epcc.runtime.engines.cpu.threads", "the CPU backend (backends/cpu: the layout lowered to LLVM IR, "
+                                                "JIT-compiled, every rank's roles as threads)"),
+    "reference": ("epcc.runtime.testing.reference", "the NumPy reference executor (runtime/testing/reference.py: "
+                                                    "copies applied one after another; a debugging backend)"),
 }
 
 
@@ -170,8 +187,6 @@ def _kernel_options(c: argparse.ArgumentParser, only: str = "") -> None:
 
 def _positive(text, flag: str, expected: str, too_small: str, most: int | None = None) -> int | None:
     """A positive integer option (at most `most`), or a located-at-the-flag user error."""
-    from .diagnostics import Diagnostic
-
     if text is None:
         return None
     try:
@@ -188,10 +203,6 @@ def _positive(text, flag: str, expected: str, too_small: str, most: int | None =
 
 def _options(args):
     """PassOptions from --routing/--tokens/--hidden; a bad value is a user error (exit 1)."""
-    from .passes import PassOptions
-
-    from .sema.workload import LIMITS
-
     tokens = _positive(args.tokens, "--tokens", "a whole number of tokens per rank, e.g. --tokens 4096",
                        "tokens per rank must be at least 1", LIMITS["tokens"])
     hidden = _positive(getattr(args, "hidden", None), "--hidden", "a whole number of channels, e.g. --hidden 256",
@@ -200,43 +211,22 @@ def _options(args):
 
 
 def cmd_tune(args) -> int:
-    import shutil
-    import subprocess
-
-    from .diagnostics import Diagnostic
-
     bundle = Path(args.bundle)
-    man = bundle / "cuda" / "manifest.json"
-    if not os.path.lexists(man):
-        raise CompileError([Diagnostic("error", f"{bundle}: no cuda/manifest.json; write the bundle with "
-                                                f"`epcc compile FILE --target cuda -o {bundle}`", None)])
-
-    def malformed(why: str) -> CompileError:
-        return _user_error(f"{man}: not a manifest written by epcc ({why}); recompile the bundle")
-
     try:
-        manifest = read_json(man, "a CUDA bundle manifest")
-    except ContentError as e:
-        raise malformed(e.reason) from None
-
-    if not isinstance(manifest, dict):
-        raise malformed("the top level is not a JSON object")
-    ranks = manifest.get("num_ranks")
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or not 1 <= ranks <= MAX_RANKS:
-        raise malformed(f"num_ranks: expected a whole number of ranks in 1..{MAX_RANKS}, got {ranks!r}"[:240])
-    if "direct" in manifest and not isinstance(manifest["direct"], dict):
-        raise malformed("direct: expected a JSON object")
+        manifest = bundle_io.cuda_manifest(bundle)
+    except bundle_io.BundleError as e:
+        raise _user_error(str(e)) from None
     if "direct" not in manifest:
         why = manifest.get("direct_not_used")
         raise _user_error(f"{bundle}: nothing to tune: the plan is not one-hop "
                           f"({why if isinstance(why, str) else '?'})")
-    nproc = ranks if args.nproc is None else args.nproc
+    nproc = manifest["num_ranks"] if args.nproc is None else args.nproc
     if nproc < 1:
         raise _user_error(f"--nproc {nproc}: expected a number of GPUs, at least 1")
     if nproc > MAX_RANKS:
         raise _user_error(f"--nproc {nproc}: more GPUs than epcc supports ranks ({MAX_RANKS})")
     try:
-        import torch
+        import torch  # torch is the runtime extra: only `epcc tune` needs it here
     except ImportError as e:
         raise CompileError([Diagnostic("error", f"epcc tune: torch is not importable ({e}); run this on the GPU "
                                                 f"machine, where torch is installed", None)]) from None
@@ -325,8 +315,6 @@ def cmd_compile(args) -> int:
         sys.stdout.write(f"// IR after {name}\n{text}")
 
     if args.rdma != "auto" and getattr(args, "target", None) != "cuda":
-        from .diagnostics import Diagnostic
-
         raise CompileError([Diagnostic("error", f"--rdma {args.rdma} chooses how the CUDA backend runs RDMA steps: "
                                                 f"add --target cuda", None)])
     c = pipeline.run(args.file, until, args.sources, _options(args),
@@ -359,11 +347,8 @@ def cmd_compile(args) -> int:
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     _say(f"{args.file}: compiled to {out}/ ({ir_file.name}, plan.json, manifest.json)")
     if getattr(args, "target", None) == "cuda":
-        from .backends.cuda import CudaCodegenError, CudaOptions, emit
-        from .diagnostics import Diagnostic
-
         try:
-            written = emit(plan, out / "cuda", source=str(args.file), options=CudaOptions(rdma=args.rdma))
+            written = emit_cuda(plan, out / "cuda", source=str(args.file), options=CudaOptions(rdma=args.rdma))
         except CudaCodegenError as e:
             raise CompileError([Diagnostic("error", f"--target cuda: {e}", None)]) from None
         _say(f"{args.file}: CUDA sources in {out}/cuda/ ({', '.join(p.relative_to(out / 'cuda').as_posix() for p in written)})")
@@ -376,8 +361,6 @@ def cmd_compile(args) -> int:
 
 
 def cmd_viz(args) -> int:
-    from .viz import render, render_scheduled
-
     refuse_overwrite("-o", args.output, [args.output], _inputs(args))
     if args.scheduled:
         built, res = _simulation(args, _options(args))
@@ -398,11 +381,9 @@ def cmd_viz(args) -> int:
 def _simulation(args, options):
     """(the built plan, its simulation) under the SM model of the kernels that `--kernels` and `--sms`
     pick (`epcc simulate` and `epcc viz --scheduled`): auto (default) is what the CUDA target runs, the
-    direct kernels where it lowers the plan to them (backends/cuda/direct_model.py), else the
+    direct kernels where it lowers the plan to them (Plan.direct, plan/direct.py), else the
     table-driven kernels' SM roles.  Bad values and direct options on a plan without direct kernels
     are user errors (exit 1); the options are checked before the plan is built."""
-    from .sim import SimOptions, SimulationError, build_plan, simulate
-
     kernels = args.kernels or "auto"
     sms = _positive(args.sms, "--sms", "a whole number of SMs", "SMs must be at least 1")
     if sms is not None and kernels == "table":
@@ -411,10 +392,10 @@ def _simulation(args, options):
     built = build_plan(args.file, options, args.sources)
     _warn(built.compilation)
     direct = None
-    if kernels != "table":
-        from .backends.cuda.direct_model import direct_kernels
-
-        direct, why = direct_kernels(built.plan, sms)
+    if kernels != "table":  # kernel-formation recorded the CUDA target's choice (plan/direct.py)
+        direct, why = built.plan.direct, built.plan.direct_not_used
+        if direct is not None and sms is not None:
+            direct = direct.with_sms(sms)
         if direct is None and (kernels == "direct" or sms is not None):
             flag = "--kernels direct" if kernels == "direct" else "--sms"
             raise _user_error(f"{flag}: the CUDA target does not lower {args.file} to direct kernels: {why}")
@@ -426,9 +407,6 @@ def _simulation(args, options):
 
 
 def cmd_simulate(args) -> int:
-    from .sim.gantt import write_svg
-    from .sim.report import table, to_dict
-
     options = _options(args)
     tokens = options.tokens
     if args.gantt and not args.gantt.lower().endswith(".svg"):
@@ -455,28 +433,14 @@ def cmd_simulate(args) -> int:
 
 
 def _user_error(msg: str) -> CompileError:
-    from .diagnostics import Diagnostic
-
     return CompileError([Diagnostic("error", msg, None)])
 
 
 def _load_plan_json(path: str):
-    """The Plan in `path`, read as every input is (a regular file of bounded size) and checked
-    field by field before it is built (epcc.plan_check): a user error for anything else."""
-    from .plan import Plan
-
     try:
-        d = read_json(path, "a plan.json", JSON_MAX_BYTES)
-    except ContentError as e:
-        raise _user_error(f"{path}: not a plan written by 'epcc compile': {e.reason}") from None
-    try:
-        check_plan_json(d)
-    except PlanJsonError as e:
-        raise _user_error(f"{path}: not a plan written by 'epcc compile': {e}") from None
-    plan = Plan.from_dict(d)
-    if plan.workload is None:
-        raise _user_error(f"{path}: the plan has no workload (written by an older epcc? recompile the schedule)")
-    return plan
+        return bundle_io.read_plan(path)
+    except bundle_io.BundleError as e:
+        raise _user_error(str(e)) from None
 
 
 def _run_bytes(R: int, tokens: int, hidden: int, dtype: str, topk: int) -> int:
@@ -490,8 +454,6 @@ def _run_bytes(R: int, tokens: int, hidden: int, dtype: str, topk: int) -> int:
 
 
 def _load_backend(name: str):
-    import importlib
-
     module, _ = RUN_BACKENDS[name]
     try:
         mod = importlib.import_module(module)
@@ -509,8 +471,6 @@ def _token_text(names: list[str], h: int, t: int) -> str:
 
 def _dispatch_difference(layout, got_rows, want, names: list[str]) -> str | None:
     """The first difference between what the backend and layout delivered and the oracle, in words."""
-    import numpy as np
-
     E = layout.experts
     for d, w in enumerate(want):
         rank = names[d]
@@ -563,7 +523,7 @@ def _dispatch_difference(layout, got_rows, want, names: list[str]) -> str | None
 
 def _transport_backend(backend: str, transport: str):
     """The backend running one process per rank over `transport`, or a one-line error."""
-    from epcc.backends.cpu import procs
+    from .runtime.engines import cpu_procs as procs  # llvmlite, jinja2: only `epcc run --transport` needs them
 
     if transport not in procs.TRANSPORTS:
         return f"--transport {transport}: unknown transport (choose from {', '.join(procs.TRANSPORTS)})"
@@ -577,13 +537,6 @@ def _transport_backend(backend: str, transport: str):
 
 
 def cmd_run(args) -> int:
-    import time
-
-    import numpy as np
-
-    from epcc.runtime import inputs, oracle
-    from epcc.runtime.layout import compute_layout
-
     timings: dict[str, float] = {}
 
     def timed(name, fn, *a):
@@ -629,18 +582,16 @@ def cmd_run(args) -> int:
                           f"--tokens or --hidden")
     names = list(plan.rank_names) or [f"rank {r}" for r in range(R)]
     try:
-        routing = timed("inputs", inputs.make_routing, args.routing, R, tokens, wl.topk, wl.experts, wl.placement,
+        routing = timed("inputs", inputs.make_topk, args.routing, R, tokens, wl.topk, wl.experts, wl.placement,
                         seed)
         weights = timed("inputs", inputs.make_weights, routing.topk_idx, seed)
         x = timed("inputs", inputs.make_x_rows, R, tokens, wl.hidden, wl.dtype, seed)
     except ValueError as e:
         raise _user_error(f"--routing {args.routing}: {e}") from None
     if getattr(args, "transport", "inproc") != "inproc":
-        from epcc.backends import rdma
-
         try:  # EPCC_RDMA_CHUNK_TOKENS / EPCC_RDMA_DEPTH re-chunk the RDMA steps (docs/rdma.md)
-            plan = rdma.with_overrides(plan)
-        except rdma.RdmaConfigError as e:
+            plan = rdma_plan.with_overrides(plan)
+        except rdma_plan.RdmaConfigError as e:
             raise _user_error(str(e)) from None
     try:
         layout = timed("layout", compute_layout, plan, routing.topk_idx, weights)

@@ -3,6 +3,8 @@
 One check per value, so that `epcc compile`, `epcc simulate` and `epcc run` (and the runtime's
 Buffer) accept and refuse the same things with the same words:
 
+* the largest values a schedule, a plan.json or an option may give (ranks, SMs, depth, ramp
+  halvings, sizes, the workload's fields);
 * :func:`zipf_exponent` -- the S of a `zipf:S` routing: finite, 0..MAX_ZIPF_EXPONENT;
 * :func:`timeout_seconds` -- a wait's timeout: positive, finite, at most a day (its nanoseconds
   fit the 64-bit deadlines of the engines);
@@ -14,6 +16,14 @@ from __future__ import annotations
 
 import math
 import os
+
+# What a .sched file (sema), a plan.json (plan.check) and the command line may give.
+MAX_RANKS = 4096
+MAX_DEPTH = 1 << 16  # chunks in flight on one step
+MAX_SMS = 4096
+MAX_RAMP = 8  # halvings: a chunk of 256 tokens ramps from 1
+MAX_SIZE = 1 << 40  # tokens or bytes in a chunk or capacity
+WORKLOAD_LIMITS = {"tokens": 1 << 24, "hidden": 1 << 20, "topk": 1024, "experts": 1 << 16, "node_limit": 1 << 16}
 
 MAX_ZIPF_EXPONENT = 16.0  # 65536 experts at popularity rank^-16: the coldest still above 1e-77
 MAX_TIMEOUT_S = 86400.0  # one day

@@ -15,12 +15,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .diagnostics import SourceMap
+from epcc.dialect import new_context
+
+from .diagnostics import CompileError, Diagnostic, SourceMap
 from .textsafe import terminal
 from .frontend import ast as ast_mod
 from .frontend.parser import parse_file
+from .ir.emit import emit_module, print_module, verify
+from .passes import PIPELINE, PassContext, PassOptions
+from .passes.manager import run_pipeline
 from .sema import model
-from .passes import PIPELINE, PassContext, PassOptions, run_pipeline
 from .sema.check import analyze
 
 
@@ -62,8 +66,6 @@ def _sema(c: Compilation) -> None:
     if hidden is not None:
         wl = c.schedule.workload
         if wl.dtype == "fp8" and hidden % model.FP8_SCALE_GROUP:
-            from .diagnostics import CompileError, Diagnostic
-
             raise CompileError([Diagnostic(
                 "error", f"--hidden {hidden}: {c.schedule.name} dispatches fp8, which needs a hidden size divisible "
                          f"by {model.FP8_SCALE_GROUP} (one scale per {model.FP8_SCALE_GROUP} channels)", None)])
@@ -72,8 +74,6 @@ def _sema(c: Compilation) -> None:
     if dtype is not None:
         wl = c.schedule.workload
         if dtype == "fp8" and wl.hidden % model.FP8_SCALE_GROUP:
-            from .diagnostics import CompileError, Diagnostic
-
             raise CompileError([Diagnostic(
                 "error", f"--dtype fp8: {c.schedule.name} has hidden {wl.hidden}, which fp8 dispatch needs divisible "
                          f"by {model.FP8_SCALE_GROUP} (one scale per {model.FP8_SCALE_GROUP} channels)", None)])
@@ -81,23 +81,16 @@ def _sema(c: Compilation) -> None:
 
 
 def _mlir(c: Compilation) -> None:
-    from .ir.emit import emit_module
-    from epcc.dialect import new_context
-
     c.context = new_context()
     c.module = emit_module(c.schedule, c.context)
 
 
 def _show_mlir(c: Compilation) -> str:
-    from .ir.emit import print_module
-
     return print_module(c.module)
 
 
 def _pass_stage(name: str) -> Callable[[Compilation], None]:
     def run_passes(c: Compilation) -> None:
-        from .ir.emit import print_module, verify
-
         if c.passes is None:
             c.passes = PassContext(c.schedule, c.options or PassOptions())
         done = c.passes.results.setdefault("_done", [])

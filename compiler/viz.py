@@ -16,11 +16,10 @@ import graphviz
 
 from .analysis.flow import FlowAnalysis
 from .diagnostics import CompileError, Diagnostic
+from .palette import KIND_COLOR, KIND_FILL
 from .sema import model
 from .textsafe import dot_text
 
-KIND_COLOR = {"p2p": "#1f77b4", "d2d": "#9467bd", "rdma": "#d62728", "local": "#2ca02c", None: "#7f7f7f"}
-KIND_FILL = {"p2p": "#dbe9f6", "d2d": "#ece2f4", "rdma": "#f9dcdc", "local": "#dff1df", None: "#eeeeee"}
 FORMATS = ("svg", "png", "dot", "pdf")
 
 

@@ -6,24 +6,23 @@
     y = experts(recv_x)                           # rows are expert-major: the permute is fused
     combined_x = buf.combine(y, handle)
 
-One process per rank, joined by a `torch.distributed` group.  The bundle's plan.json is all the
-runtime reads (no MLIR).  Per call: the routing of every rank is all-gathered (the plan's
-metadata step), every rank computes the same token-level layout (runtime/layout.py), buffers
-live in peer memory (runtime/shm.py: named shared memory that peers map, the CPU analogue of
-CUDA IPC handles), and the backend runs this rank's kernels and proxy loops, which write into
-peers' buffers and bump peers' counters directly.
+One process per rank, joined by a `torch.distributed` group.  The bundle's plan.json (and its
+manifests) is all the runtime reads (no MLIR; epcc.plan.bundle loads it).  Buffer checks what
+every backend shares (the bundle, the group, the arguments) and hands each call to the engine of
+the bundle's backend (runtime/engines/base.py, the Engine protocol):
+
+* cpu (runtime/engines/cpu/engine.py): the plan's roles JIT-compiled, this rank's as threads,
+  buffers in peer memory (named shared memory that peers map, the CPU analogue of CUDA IPC);
+* cuda (runtime/engines/cuda_direct/engine.py): the direct one-hop kernels on this rank's GPU.
 
 Differences from DeepEP's intranode `Buffer`: outputs are expert-major (one row per (token,
 local expert), in the documented order: local expert, then source rank, then token), so
 `recv_topk_idx` / `recv_topk_weights` hold the global expert and the weight of each row, and
-`combine` takes expert outputs in that same row order.  `event` is None (CPU).
+`combine` takes expert outputs in that same row order.  `event` is None.
 """
 
 from __future__ import annotations
 
-import json
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,21 +31,10 @@ import torch
 import torch.distributed as dist
 
 from ..limits import timeout_seconds
-from ..plan import Plan
-from .layout import compute_layout
-from .layout_types import Layout
-from .shm import PeerMemory
-
-FP8_GROUP = 128
-
-
-WEIGHTS_DIFFER = ("combine: topk_weights differ from the weights dispatch was given (combine applies dispatch's; "
-                  "dispatch again to change them)")
-
-
-class BundleError(ValueError):
-    """The bundle cannot be used (missing, unreadable, or compiled for another group)."""
-
+from ..plan import bundle as bundle_io
+from ..plan.bundle import BundleError
+from .engines.base import Engine
+from .engines.tensors import check_tensor, check_topk_idx
 
 #: DeepEP's layout and stream arguments, which dispatch accepts and ignores (the plan's metadata
 #: step computes the layout; epcc runs on the current stream).
@@ -54,14 +42,17 @@ DEEPEP_LAYOUT_ARGS = frozenset({"num_tokens_per_rank", "num_tokens_per_rdma_rank
                                 "is_token_in_rank", "previous_event", "async_finish", "allocate_on_comm_stream"})
 
 
-@dataclass
-class Handle:
-    """What combine needs from the dispatch it reverses."""
+def engine_class(backend: str) -> type:
+    """The engine of a backend name (BundleError for an unknown one)."""
+    if backend == "cpu":
+        from .engines.cpu.engine import CpuEngine  # llvmlite JITs the plan: only this backend needs it
 
-    layout: Layout
-    tokens: int
-    recv_rows: int
-    weights: np.ndarray | None = None  # [tokens, topk] float32: the routing weights dispatch was given
+        return CpuEngine
+    if backend == "cuda":
+        from .engines.cuda_direct.engine import CudaDirectEngine  # torch.cuda and nvcc: only this backend
+
+        return CudaDirectEngine
+    raise BundleError(f"unknown backend '{backend}' (this runtime has: cpu, cuda)")
 
 
 class Buffer:
@@ -73,7 +64,8 @@ class Buffer:
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
-        self.plan, manifest = _load_bundle(Path(bundle))
+        loaded = bundle_io.load(bundle)
+        self.plan, manifest = loaded.plan, loaded.manifest
         self.backend_name = backend or manifest.get("backend", "cpu")
         # Errors of the call itself first, the same on every rank and before any collective:
         # a machine without a GPU must not surface as a group-size or nvcc error further in.
@@ -89,17 +81,7 @@ class Buffer:
         self.timeout_s = timeout_s
         wl = self.plan.workload
         self.hidden, self.topk, self.experts, self.dtype = wl.hidden, wl.topk, wl.experts, wl.dtype
-        self._cuda = None
-        if self.backend_name == "cuda":
-            from .cuda_buffer import CudaEngine  # torch.cuda, nvcc: only for this backend
-
-            self._cuda = CudaEngine(self.group, Path(bundle), self.plan, manifest, timeout_s=timeout_s, config=config)
-            self.memory = None
-            return
-        self.backend = _backend(self.backend_name)
-        session = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
-        dist.broadcast_object_list(session, src=_global_rank(self.group, 0), group=self.group)
-        self.memory = PeerMemory(session[0], self.rank, self.num_ranks)
+        self.engine: Engine = engine_class(self.backend_name)(self.group, loaded, timeout_s=timeout_s, config=config)
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
@@ -111,9 +93,9 @@ class Buffer:
             raise ValueError(f"get_dispatch_layout: num_experts is {num_experts}, but the bundle was compiled "
                              f"for {self.experts} experts")
         wl = self.plan.workload
-        if self._cuda is not None and isinstance(topk_idx, torch.Tensor) and topk_idx.is_cuda:
+        if self.engine.device.type == "cuda" and isinstance(topk_idx, torch.Tensor) and topk_idx.is_cuda:
             return self._layout_on_device(topk_idx)
-        idx = self._check_topk_idx("get_dispatch_layout", topk_idx)
+        idx = check_topk_idx("get_dispatch_layout", topk_idx, self.topk, self.experts, self.backend_name)
         rank_of = np.asarray([wl.rank_of_expert(e, self.num_ranks) for e in range(self.experts)])
         valid = idx >= 0
         in_rank = np.zeros((idx.shape[0], self.num_ranks), dtype=bool)
@@ -125,7 +107,7 @@ class Buffer:
 
     def _layout_on_device(self, topk_idx: torch.Tensor):
         check_tensor("get_dispatch_layout", "topk_idx", topk_idx, (None, self.topk), (torch.int64, torch.int32),
-                     device=self._cuda.device)
+                     device=self.engine.device)
         wl = self.plan.workload
         e = torch.arange(self.experts, device=topk_idx.device)
         rank_of = e // (self.experts // self.num_ranks) if wl.placement == "blocked" else e % self.num_ranks
@@ -156,254 +138,20 @@ class Buffer:
             raise TypeError(f"dispatch: unexpected keyword argument(s) {', '.join(unknown)} (besides x, topk_idx, "
                             f"topk_weights, sync, expert_alignment and handle it takes DeepEP's layout arguments, "
                             f"ignored: {', '.join(sorted(DEEPEP_LAYOUT_ARGS))})")
-        if self._cuda is not None:
-            return self._cuda.dispatch(x, topk_idx, topk_weights, sync=sync, expert_alignment=expert_alignment,
-                                       handle=handle)
-        if handle is not None:
-            raise ValueError("dispatch: handle (cached dispatch) needs the cuda backend")
-        if topk_idx is None:
-            raise TypeError("dispatch: topk_idx is required")
-        if sync is not True:
-            raise ValueError("dispatch: sync=False (low-latency mode) needs the cuda backend")
-        if expert_alignment != 1:
-            raise ValueError("dispatch: expert_alignment needs the cuda backend")
-        rows, tokens = self._pack_x(x)
-        idx = self._check_topk_idx("dispatch", topk_idx, tokens)
-        w = self._check_weights("dispatch", topk_weights, idx.shape)
-        idx_all, w_all = self._gather_routing(idx, w)
-        layout = compute_layout(self.plan, idx_all, w_all)
-        mem = self._prepare("dispatch", layout,
-                            lambda m: m.buffer("dispatch", "input", self.rank).__setitem__(slice(0, tokens), rows))
-        out = self._run("dispatch", layout, mem)
-        recv = out[self.rank]
-        entries = layout.entries[("output", self.rank)]
-        recv_x = _unpack_rows(recv, self.dtype, self.hidden)
-        recv_idx = torch.from_numpy(entries[:, 2].astype(np.int64))
-        recv_w = torch.from_numpy(np.ascontiguousarray(layout.output_weights[self.rank], dtype=np.float32))
-        counts = [int(c) for c in layout.recv_counts[self.rank]]
-        return recv_x, recv_idx, recv_w, counts, Handle(layout, tokens, recv.shape[0], w), None
+        return self.engine.dispatch(x, topk_idx, topk_weights, sync=sync, expert_alignment=expert_alignment,
+                                    handle=handle)
 
     # ------------------------------------------------------------------ combine
-    def combine(self, x: torch.Tensor, handle: Handle, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+    def combine(self, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Sum each token's expert outputs, weighted by its routing weights, at its home rank.
 
         x: [recv rows, hidden] bfloat16, rows in dispatch's order.  The weights of dispatch are used
         (`topk_weights`, if given, must equal them: combine cannot re-route)."""
-        if self._cuda is not None:
-            given = getattr(handle, "topk_weights", None)
-            if topk_weights is not None and given is not None and not (
-                    isinstance(topk_weights, torch.Tensor) and topk_weights.shape == given.shape
-                    and torch.equal(topk_weights.to(given.device, given.dtype), given)):
-                raise ValueError(WEIGHTS_DIFFER)
-            return self._cuda.combine(x, handle)
-        if not isinstance(handle, Handle):
-            raise TypeError(f"combine: handle must be the handle dispatch returned, not {type(handle).__name__}")
-        check_tensor("combine", "x", x, (handle.recv_rows, self.hidden), (torch.bfloat16,))
-        if topk_weights is not None:
-            check_tensor("combine", "topk_weights", topk_weights, (handle.tokens, self.topk), (torch.float32,))
-            if not np.array_equal(topk_weights.detach().numpy(), handle.weights):
-                raise ValueError(WEIGHTS_DIFFER)
-        y = (np.zeros((0, self.hidden), dtype=np.uint16) if x.shape[0] == 0 else
-             x.detach().contiguous().view(torch.int16).numpy().view(np.uint16))
-        mem = self._prepare("combine", handle.layout,
-                            lambda m: m.buffer("combine", "output", self.rank).__setitem__(slice(None), y))
-        result = self._run("combine", handle.layout, mem)[self.rank]
-        return torch.from_numpy(np.ascontiguousarray(result[: handle.tokens])).to(torch.bfloat16)
-
-    # ------------------------------------------------------------------ helpers
-    def _check_topk_idx(self, fn: str, topk_idx, tokens: int | None = None) -> np.ndarray:
-        if not isinstance(topk_idx, torch.Tensor):
-            raise TypeError(f"{fn}: topk_idx must be a torch.Tensor, not {type(topk_idx).__name__}")
-        if topk_idx.device.type != "cpu":
-            raise ValueError(f"{fn}: topk_idx is on {topk_idx.device}, but this Buffer runs the "
-                             f"'{self.backend_name}' backend on the CPU")
-        if topk_idx.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"{fn}: topk_idx must be int64 or int32, not {topk_idx.dtype}")
-        if topk_idx.dim() != 2 or topk_idx.shape[1] != self.topk or (tokens is not None and topk_idx.shape[0] != tokens):
-            want = f"[{tokens if tokens is not None else 'tokens'}, {self.topk}]"
-            raise ValueError(f"{fn}: topk_idx must have shape {want}, got {list(topk_idx.shape)}")
-        idx = topk_idx.numpy().astype(np.int64)
-        if idx.size and (idx.min() < -1 or idx.max() >= self.experts):
-            raise ValueError(f"{fn}: topk_idx values must lie in [-1, {self.experts - 1}] (-1: no expert)")
-        for row in np.nonzero([len(set(r[r >= 0])) != int((r >= 0).sum()) for r in idx])[0][:1]:
-            raise ValueError(f"{fn}: topk_idx row {int(row)} names the same expert twice: {idx[row].tolist()}")
-        return idx
-
-    def _check_weights(self, fn: str, w, shape) -> np.ndarray:
-        if w is None:
-            return np.ones(shape, dtype=np.float32)
-        check_tensor(fn, "topk_weights", w, tuple(shape), (torch.float32,))
-        out = w.detach().numpy().astype(np.float32)
-        if not np.isfinite(out).all():
-            bad = np.argwhere(~np.isfinite(out))[0]
-            raise ValueError(f"{fn}: topk_weights[{bad[0]}, {bad[1]}] is {out[tuple(bad)]}; routing weights must be finite")
-        return out
-
-    def _pack_x(self, x) -> tuple[np.ndarray, int]:
-        if self.dtype == "fp8":
-            if not (isinstance(x, tuple) and len(x) == 2):
-                raise TypeError("dispatch: this bundle dispatches fp8: pass x as (x_fp8, scales)")
-            x8, sc = x
-            check_tensor("dispatch", "x_fp8", x8, (None, self.hidden), (torch.float8_e4m3fn,))
-            check_tensor("dispatch", "scales", sc, (x8.shape[0], self.hidden // FP8_GROUP), (torch.float32,))
-            rows = np.concatenate([x8.contiguous().view(torch.uint8).numpy(),
-                                   sc.contiguous().view(torch.uint8).numpy()], axis=1)
-            return rows, x8.shape[0]
-        if isinstance(x, tuple):
-            raise TypeError("dispatch: this bundle dispatches bf16: pass x as one [tokens, hidden] bfloat16 tensor")
-        check_tensor("dispatch", "x", x, (None, self.hidden), (torch.bfloat16,))
-        if x.shape[0] == 0:  # no rows: torch cannot view an empty tensor of any stride as bytes
-            return np.zeros((0, 2 * self.hidden), dtype=np.uint8), 0
-        return x.detach().contiguous().view(torch.uint8).numpy(), x.shape[0]
-
-    def _gather_routing(self, idx: np.ndarray, w: np.ndarray):
-        t = torch.from_numpy(np.concatenate([idx.astype(np.float64), w.astype(np.float64)], axis=1))
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.num_ranks)]
-        dist.all_gather(sizes, torch.tensor([idx.shape[0]], dtype=torch.int64), group=self.group)
-        counts = [int(s) for s in sizes]
-        if len(set(counts)) != 1:
-            raise ValueError(f"dispatch: every rank must dispatch the same number of tokens; ranks have "
-                             f"{counts} (pad with -1 in topk_idx)")
-        parts = [torch.zeros_like(t) for _ in range(self.num_ranks)]
-        dist.all_gather(parts, t, group=self.group)
-        allr = torch.stack(parts).numpy()
-        return allr[:, :, : self.topk].astype(np.int64), allr[:, :, self.topk:].astype(np.float32)
-
-    def _prepare(self, program: str, layout: Layout, fill) -> "_Memory":
-        """Peer buffers sized for this layout, this rank's counters and partials zeroed and its
-        inputs written by `fill`, all before the barrier after which peers may read and write."""
-        mem = _Memory(self.memory, program, layout)
-        mem.allocate()  # every rank takes the same decisions: sizes come from the global layout
-        dist.barrier(group=self.group)  # owners created grown segments before peers map them
-        self.memory.map_peers()
-        mem.reset_own()
-        fill(mem)
-        dist.barrier(group=self.group)  # zeroed counters and written inputs, on every rank
-        return mem
-
-    def _run(self, program: str, layout: Layout, mem: "_Memory"):
-        try:
-            self.backend.execute(self.plan, layout, program, mem, ranks=[self.rank], timeout_s=self.timeout_s)
-        finally:
-            dist.barrier(group=self.group)  # peers finish writing into this rank before it reads
-        return {self.rank: mem.result(self.rank)}
+        return self.engine.combine(x, handle, topk_weights)
 
     def synchronize(self) -> None:
         """cuda: wait for this rank's kernels and raise the report of one that gave up (no-op on cpu)."""
-        if self._cuda is not None:
-            self._cuda.synchronize()
+        self.engine.synchronize()
 
     def close(self) -> None:
-        if self._cuda is not None:
-            self._cuda.close()
-        else:
-            self.memory.close()
-
-
-class _Memory:
-    """The buffers and counters of one program, on every rank, in peer memory (the backend's
-    Memory protocol: `buffer(program, name, rank)`, `flags(rank)`)."""
-
-    def __init__(self, peer: PeerMemory, program: str, layout: Layout):
-        self.peer, self.program, self.layout = peer, program, layout
-        names = {layout.canonical(program, b) for c in layout.program_copies(program)
-                 for b in (*c.src_buffers, c.dst_buffer)}
-        names |= {"input", "output"} if program == "dispatch" else {"output", "result"}
-        self.names = sorted(names)
-        self.num_flags = max(len(layout.flags), 1)
-
-    def allocate(self) -> bool:
-        """Room for every buffer on every rank; True when a segment had to grow."""
-        grew = False
-        for name in self.names:
-            sizes = []
-            for r in range(self.layout.num_ranks):
-                dt, shape = self.layout.spec(self.program, name, r)
-                sizes.append(int(np.prod(shape)) * dt.itemsize)
-            grew |= self.peer.plan(f"{self.program}.{name}", sizes)
-        grew |= self.peer.plan(f"{self.program}.flags", [8 * self.num_flags] * self.layout.num_ranks)
-        return grew
-
-    def buffer(self, program: str, name: str, rank: int) -> np.ndarray:
-        dt, shape = self.layout.spec(program, name, rank)
-        return self.peer.array(f"{program}.{self.layout.canonical(program, name)}", rank, dt, shape)
-
-    def flags(self, rank: int) -> np.ndarray:
-        return self.peer.array(f"{self.program}.flags", rank, np.int64, (self.num_flags,))
-
-    def reset_own(self) -> None:
-        r = self.peer.rank
-        self.flags(r)[:] = 0
-        if self.program == "combine":
-            for name in self.names:
-                if name != "output":
-                    self.buffer("combine", name, r)[:] = 0
-
-    def result(self, rank: int) -> np.ndarray:
-        return self.buffer(self.program, "output" if self.program == "dispatch" else "result", rank)
-
-
-def check_tensor(fn: str, arg: str, t, shape: tuple, dtypes: tuple, device: torch.device | None = None) -> None:
-    """The argument checks of every backend: a tensor, on the backend's device (None: the cpu
-    backend's rule), of one of `dtypes`, of `shape` (None: any size); on a device, contiguous."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{fn}: {arg} must be a torch.Tensor, not {type(t).__name__}")
-    if device is None and t.device.type != "cpu":
-        raise ValueError(f"{fn}: {arg} is on {t.device}; the cpu backend needs CPU tensors")
-    if device is not None and t.device != device:
-        raise ValueError(f"{fn}: {arg} is on {t.device}; this Buffer runs on {device}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{fn}: {arg} must be {' or '.join(str(d) for d in dtypes)}, not {t.dtype}")
-    if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{fn}: {arg} must have shape {want}, got {list(t.shape)}")
-    if device is not None and not t.is_contiguous():
-        raise ValueError(f"{fn}: {arg} must be contiguous")
-
-
-def _unpack_rows(rows: np.ndarray, dtype: str, hidden: int):
-    if rows.shape[0] == 0:  # a rank no token chose: torch cannot view an empty byte array as wider types
-        if dtype == "fp8":
-            return (torch.empty((0, hidden), dtype=torch.float8_e4m3fn),
-                    torch.empty((0, hidden // FP8_GROUP), dtype=torch.float32))
-        return torch.empty((0, hidden), dtype=torch.bfloat16)
-    # A copy: `rows` lies in this rank's peer segment, which the next call reuses (or unmaps when it
-    # grows): recv_x must stay the caller's after that.
-    t = torch.from_numpy(np.array(rows, copy=True, order="C"))
-    if dtype == "fp8":
-        x8 = t[:, :hidden].contiguous().view(torch.float8_e4m3fn)
-        sc = t[:, hidden:].contiguous().view(torch.float32)
-        return x8, sc
-    return t.view(torch.bfloat16)
-
-
-def _global_rank(group, r: int) -> int:
-    return dist.get_global_rank(group, r) if group is not dist.group.WORLD else r
-
-
-def _load_bundle(path: Path) -> tuple[Plan, dict]:
-    pj = path / "plan.json"
-    if not pj.is_file():
-        raise BundleError(f"{path}: not an epcc bundle (no plan.json); write one with `epcc compile FILE -o {path}`")
-    try:
-        plan = Plan.from_json(pj.read_text(encoding="utf-8"))
-    except (ValueError, TypeError, KeyError) as e:
-        raise BundleError(f"{pj}: unreadable plan ({e})") from None
-    mf = path / "manifest.json"
-    try:
-        manifest = json.loads(mf.read_text(encoding="utf-8")) if mf.is_file() else {}
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BundleError(f"{mf}: unreadable manifest ({e})") from None
-    if not isinstance(manifest, dict):
-        raise BundleError(f"{mf}: unreadable manifest (a JSON object expected)")
-    if plan.workload is None:
-        raise BundleError(f"{pj}: the plan has no workload; recompile it with this epcc")
-    return plan, manifest
-
-
-def _backend(name: str):
-    if name == "cpu":
-        from epcc.backends import cpu
-
-        return cpu
-    raise BundleError(f"unknown backend '{name}' (this runtime has: cpu, cuda)")
+        self.engine.close()

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 4 -m epcc.runtime.tune build/h200x4 [--sms 8,16,24,32] [--warps 8,16]
     epcc tune build/h200x4 --nproc 4 ...        (the same, started through torchrun)
 
-What is swept (backends/cuda/direct.py, DirectConfig): the SMs of dispatch, either all of them
+What is swept (plan/direct.py, DirectConfig): the SMs of dispatch, either all of them
 sending and then replicating (the default) or some only replicating (senders : replicators 3:1,
 2:1, 7:5, 1:1), and the warps per dispatch block; then the SMs of combine (all reducing records
 and then summing partials, or some only summing, same ratios).  One Buffer (one peer region) serves every
@@ -31,8 +31,8 @@ for _k, _v in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from epcc.backends.cuda.direct import MAX_WARPS, DirectError  # noqa: E402
-from epcc.runtime import inputs  # noqa: E402
+from epcc.plan.direct import MAX_WARPS, DirectError  # noqa: E402
+from epcc.runtime.testing import inputs  # noqa: E402
 from epcc.runtime.buffer import Buffer  # noqa: E402
 
 SPLITS = ((1, 0), (3, 1), (2, 1), (7, 5), (1, 1))  # (senders, dedicated replicators); (1, 0): none
@@ -87,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl", device_id=dev)
     rank, R = dist.get_rank(), dist.get_world_size()
     buf = Buffer(dist.group.WORLD, args.bundle, backend="cuda", timeout_s=20.0)
-    eng = buf._cuda
+    eng = buf.engine
     wl = buf.plan.workload
     T = args.tokens or wl.tokens
-    idx_all = inputs.make_routing("uniform", R, T, wl.topk, wl.experts, wl.placement, seed=args.seed).topk_idx
+    idx_all = inputs.make_topk("uniform", R, T, wl.topk, wl.experts, wl.placement, seed=args.seed).topk_idx
     w_all = inputs.make_weights(idx_all, seed=args.seed + 1)
     g = torch.Generator(device=dev)
     g.manual_seed(args.seed * 31 + rank)

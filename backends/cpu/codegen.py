@@ -1,4 +1,6 @@
-"""Lower a plan's kernels and roles to one LLVM module (text built with llvmlite.ir).
+"""Lower a plan's kernels and roles to one LLVM module (text built with llvmlite.ir).  One module of
+~470 lines on purpose: the primitives, row operations and drivers are built into one llvmlite
+module and share its types, symbols and the table field orders below.
 
 The module holds
 
@@ -22,7 +24,7 @@ The module holds
   a comment above the function and in its `!epcc.step` metadata (`!epcc.drivers` lists all).
 
 A driver takes one pointer, to the role table of its executing rank (built by the host, see
-host.py; field orders below), and runs its copies chunk-major: for chunk round r, for every copy
+runtime/engines/cpu/threads.py; field orders below), and runs its copies chunk-major: for chunk round r, for every copy
 that has a chunk r: wait (bounded) for every (flag, value) of the chunk's wait list, apply the
 row op to each row of the chunk, then bump the copy's flag by 1 (release).  On a failed wait it
 fills its error record and returns the status (1 timed out, 2 aborted); 0 when done.

@@ -1,6 +1,8 @@
 """CUDA code generation: a plan's kernels as table-driven persistent kernels for sm_90a.
 
-Every decision is made here, in Python; the templates (templates/*.cu.j2) only lay out text.
+Every decision is made here, in Python; the templates (templates/*.cu.j2) only lay out text.  One
+module of ~550 lines on purpose: the roles, their blocks and access widths, the launcher and the
+manifest are decided from one walk of the plan, and the manifest must say what the sources do.
 
 * One persistent kernel per program (`epcc_<schedule>_<program>_kernel`), launched
   cooperatively so every block is resident: blocks are split into roles by the plan's SM ranges
@@ -9,25 +11,25 @@ Every decision is made here, in Python; the templates (templates/*.cu.j2) only l
 * DMA roles (plan kind `dma`: copy-engine / D2D steps) are lowered as extra roles of the same
   kernel, `dma_blocks` blocks each, appended after the SM roles: SM copies standing in for the
   copy engine.  The targets of such steps are peers of the same node, mapped through CUDA IPC,
-  so an SM can do the copy; the copy-engine lowering (cudaMemcpyAsync batches triggered by the
-  counters) comes with the RDMA issue.
+  so an SM can do the copy; a copy-engine lowering (cudaMemcpyAsync batches triggered by the
+  counters) is not written yet.
 * Proxy roles (plan kind `proxy`: RDMA steps) with `rdma="emulate"` are lowered the same way,
   `proxy_blocks` blocks each, paced to the link's bandwidth from the plan: valid when every rank
   is in one CUDA IPC domain (h200x4_2vnode: two virtual nodes on one box).  With
   `rdma="external"` they are left out of the kernel (`not_lowered` in the manifest): a host
-  proxy must post them and bump their counters (the RDMA issue); the SM roles still wait on
+  proxy must post them and bump their counters; the SM roles still wait on
   those counters.  The default, `auto`, emulates for plans of at most 8 ranks (one HGX box)
   and leaves RDMA to the proxy above that (dgx_h800_2node, ocs_ep16, ubbv2_ep32).
 * Metadata exchanges (`exchange` steps, the `<program>_meta` kernels) are not lowered: in this
-  version the host computes the layout (runtime/layout.py) from the all-gathered routing and
+  version the host computes the layout (runtime/layout) from the all-gathered routing and
   uploads the tables, which is what the metadata step provides.
 * Combine ends with a small conversion kernel (`..._combine_finish_kernel`): the home partials
   (`result`, fp32) to bf16, launched on the same stream after the main kernel.
 
 Combine partials that cross an RDMA-class link travel as bf16 (`accum_bf16_wire`, BF16_WIRE):
 the receiver adds bf16(partial), as DeepEP's internode combine does, so the NIC carries half
-the bytes of fp32; checks admit that rounding (tables.partial_rounding(manifest) for
-runtime/oracle.py's compare_combine).
+the bytes of fp32; checks admit that rounding (runtime/engines/cuda_table/tables.py partial_rounding
+for runtime/testing/oracle.py's compare_combine).
 
 Row operations: dispatch copies wire rows (`row_bytes`) with the widest access that divides the
 row (16 B for bf16 rows of a hidden size divisible by 8, and for fp8 rows of a hidden size
@@ -48,8 +50,12 @@ import jinja2
 
 from epcc import __version__ as EPCC_VERSION
 from epcc.plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
+from epcc.plan.rdma import rdma_steps
 from epcc.textsafe import c_template_value, for_c_templates
-from . import direct, tables
+
+from ..rdma import emit as rdma_emit
+from ..rdma.sources import STATIC_SOURCES
+from . import abi, direct
 
 TARGET_ARCH = "sm_90a"
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
@@ -84,7 +90,7 @@ PROXY_MAX_BLOCKS = 16
 # pack and unpack roles, which stage or apply one whole chunk per block, so a chunk's staging
 # time (one SM's copy rate) is part of every credit round trip.  With 16 warps instead of 8 the
 # 2-GPU vnode plan at 50 GB/s went 1.615 -> 1.492 ms dispatch and 2.937 -> 2.688 ms combine
-# (nvidia-h200-x2, chunk 128 tokens depth 4, median of 20; docs/rdma.md).
+# (2 x H200, 2026-11-23, chunk 128 tokens depth 4, median of 20; docs/rdma.md).
 ROLE_WARPS = 8
 ONE_IPC_DOMAIN_RANKS = 8  # an HGX box: the most GPUs that can map each other's memory over NVLink
 
@@ -189,9 +195,7 @@ class CudaBundle:
             p.write_text(text, encoding="utf-8")
             written.append(p)
         if self.manifest.get("rdma"):
-            from epcc.backends import rdma
-
-            paths = rdma.emit(self.plan, out / RDMA_DIR)
+            paths = rdma_emit.emit(self.plan, out / RDMA_DIR)
             got = [p.relative_to(out).as_posix() for p in paths]
             if got != self.manifest["rdma"]:
                 raise CudaCodegenError(f"the RDMA proxy sources written ({got}) are not the manifest's "
@@ -338,7 +342,7 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelS
                 raise CudaCodegenError(f"{program} kernel '{kp.name}' has kind '{kp.kind}', which the CUDA "
                                        f"backend does not know")
     not_lowered = [{"program": program, "step": r.step, "kind": "metadata",
-                    "reason": "metadata exchange: the host computes the layout (runtime/layout.py) and uploads "
+                    "reason": "metadata exchange: the host computes the layout (runtime/layout) and uploads "
                               "the tables"} for _, r in groups["meta"]]
     lowered: list[tuple[RolePlan, str]] = [(r, "sm") for _, r in groups["kernel"]]
     lowered += [(r, "dma-on-sm") for _, r in groups["dma"]]
@@ -427,9 +431,9 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelS
 
 def _structs() -> list[dict]:
     out = []
-    for name, (doc, _) in tables.STRUCTS.items():
-        fields = [{"name": f, "ctype": ct, "offset": off, "doc": c} for f, ct, off, c in tables.struct_layout(name)]
-        out.append({"name": name, "doc": doc, "fields": fields, "size": tables.dtype(name).itemsize})
+    for name, (doc, _) in abi.STRUCTS.items():
+        fields = [{"name": f, "ctype": ct, "offset": off, "doc": c} for f, ct, off, c in abi.struct_layout(name)]
+        out.append({"name": name, "doc": doc, "fields": fields, "size": abi.dtype(name).itemsize})
     return out
 
 
@@ -446,28 +450,28 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         raise CudaCodegenError("the plan has no kernels: run the whole pipeline (kernel-formation)")
     source = source or f"{plan.schedule}.sched"
     sched = ident(plan.schedule)
-    kernels = [k for k in (_kernel(plan, p, source, opts) for p in tables.PROGRAMS) if k is not None]
+    kernels = [k for k in (_kernel(plan, p, source, opts) for p in abi.PROGRAMS) if k is not None]
     if not kernels:
         raise CudaCodegenError("the plan has no step a GPU kernel runs")
     files: dict[str, str] = {}
     common = dict(version=EPCC_VERSION, source=source, schedule=plan.schedule, header_file=HEADER_FILE)
     files[HEADER_FILE] = _ENV.get_template("device.cu.j2").render(
-        **common, table_version=tables.TABLE_VERSION, table_magic=tables.TABLE_MAGIC,
-        row_buf_shift=tables.ROW_BUF_SHIFT, structs=_structs(), step_name_bytes=STEP_NAME_BYTES,
+        **common, table_version=abi.TABLE_VERSION, table_magic=abi.TABLE_MAGIC,
+        row_buf_shift=abi.ROW_BUF_SHIFT, structs=_structs(), step_name_bytes=STEP_NAME_BYTES,
         max_sleep_ns=MAX_SLEEP_NS)
     for k in kernels:
         files[k.file] = _ENV.get_template("program.cu.j2").render(**common, k=k)
-    buffers = {p: _buffers(plan, p) for p in tables.PROGRAMS}
+    buffers = {p: _buffers(plan, p) for p in abi.PROGRAMS}
     by_program = {k.program: k for k in kernels}
     launcher_file = f"{plan.schedule}_launcher.cu"
     library = f"libepcc_{plan.schedule}.so"
     progs = []
-    for i, p in enumerate(tables.PROGRAMS):
+    for i, p in enumerate(abi.PROGRAMS):
         k = by_program.get(p)
         progs.append({
             "index": i, "name": p, "kernel": k, "buffers": buffers[p],
             "result_buffer": next((j for j, b in enumerate(buffers[p]) if b["name"] == "result"), -1),
-            "step_crcs": [tables.step_crc(r.step) for r in k.roles] if k else [],
+            "step_crcs": [abi.step_crc(r.step) for r in k.roles] if k else [],
             "row_bytes_multiple": (max([r.access_bytes for r in k.roles if r.op in ("copy", "pack_copy")] or [1])
                                    if k else 1),
             "hidden_multiple": (max([r.access_bytes // (2 if r.op in ("accum_weighted", "pack_bf16") else 4)
@@ -475,12 +479,12 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
             "rdma": bool(k and any(r.lowered in ("rdma-pack", "rdma-unpack") for r in k.roles)),
         })
     files[launcher_file] = _ENV.get_template("launcher.cu.j2").render(
-        **common, sched=sched, num_ranks=plan.num_ranks, programs=progs, table_version=tables.TABLE_VERSION,
+        **common, sched=sched, num_ranks=plan.num_ranks, programs=progs, table_version=abi.TABLE_VERSION,
         step_name_bytes=STEP_NAME_BYTES)
     sources = [k.file for k in kernels] + [launcher_file]
     manifest = {
         "format": "epcc-cuda-manifest",
-        "table_version": tables.TABLE_VERSION,
+        "table_version": abi.TABLE_VERSION,
         "epcc_version": EPCC_VERSION,
         "schedule": plan.schedule,
         "source": source,
@@ -497,15 +501,14 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
             "command": ["nvcc", *NVCC_FLAGS, "-shared", "-o", library, *sources],
         },
         "buffers": buffers,
-        "flags": {"regions": list(tables.PROGRAMS), "words_per_region": "flag_capacity (>= 1 + 2 x layout flags)",
+        "flags": {"regions": list(abi.PROGRAMS), "words_per_region": "flag_capacity (>= 1 + 2 x layout flags)",
                   "barrier_word": 0, "flag_word": "1 + (epoch % 2) * ((flag_capacity - 1) // 2) + flag_id"},
         "kernels": [],
         "not_lowered": [n for k in kernels for n in k.not_lowered],
     }
     # The direct lowering (direct.py) for one-hop plans in one IPC domain: the runtime uses it
     # when present ("lowering": "direct"); the table-driven kernels above stay the general path.
-    why = direct.match(plan)
-    if why is None:
+    if plan.direct is not None:
         text, entry = direct.generate(plan, source, _ENV, EPCC_VERSION)
         files[entry["source"]] = text
         entry["command"] = ["nvcc", *NVCC_FLAGS, "-shared", "-o", entry["library"], entry["source"]]
@@ -513,7 +516,7 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         manifest["lowering"] = "direct"
     else:
         manifest["lowering"] = "tables"
-        manifest["direct_not_used"] = why
+        manifest["direct_not_used"] = plan.direct_not_used
     for k in kernels:
         manifest["kernels"].append({
             "name": k.name, "kind": "main", "program": k.program, "file": k.file, "launch": "cooperative",
@@ -540,11 +543,9 @@ def _rdma_sources(plan: Plan) -> list[str]:
     """The proxy sources `rdma.emit` writes for the plan's RDMA steps, relative to cuda/; [] when
     it has none.  They are the host side of rdma="external" (the SM roles wait on the counters the
     proxy bumps); with rdma="emulate" the kernels do not need them, but the bundle stays complete."""
-    from epcc.backends import rdma
-
-    if not rdma.rdma_steps(plan):
+    if not rdma_steps(plan):
         return []
-    return [f"{RDMA_DIR}/{n}" for n in (rdma.proxy_file_name(plan), *rdma.STATIC_SOURCES)]
+    return [f"{RDMA_DIR}/{n}" for n in (rdma_emit.proxy_file_name(plan), *STATIC_SOURCES)]
 
 
 def emit(plan: Plan, out_dir: str | Path, source: str | None = None,

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from ..diagnostics import CompileError, Diagnostic
-from ..files import FileError, read_npy
 from ..limits import zipf_exponent
 from ..sema import model
+from . import topk_file
 
 SAMPLE_TOKENS = 1 << 15
 SAMPLE_SEED = 20261122
@@ -188,7 +188,7 @@ def _node_limited(wl: model.Workload, space: model.RankSpace, weights: np.ndarra
     return np.argsort(-scores, axis=1)[:, : wl.topk]
 
 
-def make_routing(spec: str, wl: model.Workload, space: model.RankSpace) -> Routing:
+def routing_model(spec: str, wl: model.Workload, space: model.RankSpace) -> Routing:
     """`uniform`, `zipf:S` (expert popularity ~ 1/rank^S), or `FILE.npy`: int [N, k] top-k indices
     (a measured routing) or float [E] expert popularity.  Bad specs raise CompileError."""
     rng = np.random.default_rng(SAMPLE_SEED)
@@ -218,21 +218,13 @@ def make_routing(spec: str, wl: model.Workload, space: model.RankSpace) -> Routi
 
 
 def _from_file(path: str, wl, space, rng, limited) -> Routing:
-    p = Path(path)
     try:
-        arr = read_npy(path, "a routing .npy file")
-    except FileError as e:
+        arr = topk_file.read(path)
+        if arr.ndim == 2 and np.issubdtype(arr.dtype, np.integer):
+            rows = topk_file.topk_rows(arr, path, wl.topk, wl.experts, empty_slots=False)
+            return SampledRouting(wl, space, rows, f"measured {Path(path).name}")
+    except topk_file.TopkFileError as e:
         raise _bad(str(e)) from None
-    if arr.ndim == 2 and np.issubdtype(arr.dtype, np.integer):
-        if arr.shape[1] != wl.topk:
-            raise _bad(f"{path}: top-k indices have {arr.shape[1]} columns; the workload's topk is {wl.topk}")
-        if arr.shape[0] == 0:
-            raise _bad(f"{path}: no tokens (shape {list(arr.shape)}): a measured routing needs at least one row")
-        if arr.size and (arr.min() < 0 or arr.max() >= wl.experts):
-            raise _bad(f"{path}: expert indices must lie in 0..{wl.experts - 1}")
-        if any(len(set(row)) != len(row) for row in arr.tolist()[:4096]):
-            raise _bad(f"{path}: a token lists the same expert twice")
-        return SampledRouting(wl, space, arr.astype(np.int64), f"measured {p.name}")
     if arr.ndim == 1 and arr.shape[0] == wl.experts and np.issubdtype(arr.dtype, np.number):
         w = arr.astype(float)
         if not np.isfinite(w).all():
@@ -241,7 +233,7 @@ def _from_file(path: str, wl, space, rng, limited) -> Routing:
             raise _bad(f"{path}: popularity must be >= 0 with at least topk={wl.topk} positive entries")
         idx = (_node_limited(wl, space, w, SAMPLE_TOKENS, rng) if limited
                else _sample_topk(w, wl.topk, SAMPLE_TOKENS, rng))
-        return SampledRouting(wl, space, idx, f"popularity {p.name}")
+        return SampledRouting(wl, space, idx, f"popularity {Path(path).name}")
     raise _bad(f"{path}: expected int [N, {wl.topk}] top-k indices or float [{wl.experts}] expert popularity, "
                f"got {arr.dtype} {list(arr.shape)}")
 

@@ -4,7 +4,8 @@ One module per pass; each defines a :class:`Pass` subclass registered under its 
 (`REGISTRY[name]`; a test checks that every key equals the pass's `name`).  `PIPELINE` is the
 order they run in.  Every pass runs through an MLIR :class:`~mlir.passmanager.PassManager` as a
 Python-defined pass anchored on the top-level module, and can be printed with
-`epcc compile FILE --emit <pass>` or `--print-ir-after-all`.
+`epcc compile FILE --emit <pass>` or `--print-ir-after-all`.  manager.py imports every pass module
+(which registers it) and runs them in order (`run_pipeline`).
 
 Passes read the checked schedule model (routes and rank sets are evaluated there, with source
 spans for diagnostics) and record what they decide twice: as `epcc.*` attributes and ops in the
@@ -16,11 +17,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import ClassVar
 
-from mlir import ir, passmanager
+from mlir import ir
 
-from ..diagnostics import CompileError, DiagnosticBag
+from ..diagnostics import DiagnosticBag
 from ..sema import model
 
 
@@ -77,61 +78,3 @@ PIPELINE = (
     "sync-insertion",
     "kernel-formation",
 )
-
-
-def _load_all() -> None:
-    # Importing the modules registers the passes.
-    from . import (  # noqa: F401
-        buffer_allocation,
-        chunk_pipeline,
-        derive_combine,
-        instantiate,
-        kernel_formation,
-        overlap_schedule,
-        route_analysis,
-        sync_insertion,
-        verify_delivery,
-    )
-
-
-def run_pipeline(module: ir.Module, ctx: PassContext, *, until: str | None = None,
-                 after_each: Callable[[str, ir.Module], None] | None = None, start: int = 0) -> None:
-    """Run the passes PIPELINE[start:] in order through MLIR's pass manager, stopping after `until`.
-
-    A pass reports user errors into `ctx.diags` (with source spans); the pipeline stops after
-    the first pass that reported any and raises CompileError.
-    """
-    _load_all()
-    for name in PIPELINE[start:]:
-        p = REGISTRY[name]()
-        failure: list[BaseException] = []
-
-        def body(op, mlir_pass, _p=p):
-            try:
-                _p.run(op, ctx)
-            except CompileError as e:  # from ctx.diags.raise_if_errors() (already there) or raised directly
-                ctx.diags.items.extend(d for d in e.diagnostics if not any(d is x for x in ctx.diags.items))
-                mlir_pass.signal_pass_failure()
-            except BaseException as e:  # keep the Python error; MLIR only sees a failure
-                failure.append(e)
-                mlir_pass.signal_pass_failure()
-            if ctx.diags.has_errors:
-                mlir_pass.signal_pass_failure()
-
-        pm = passmanager.PassManager("builtin.module", context=module.context)
-        pm.add(body, name=p.name, argument=f"epcc-{p.name}", description=p.description)
-        try:
-            # Passes build attributes and ops: they need the module's context (and a default
-            # location for the few builders that take none) in scope.
-            with module.context, ir.Location.unknown():
-                pm.run(module.operation)
-        except ir.MLIRError:
-            if failure:
-                raise failure[0]
-            ctx.diags.raise_if_errors()
-            raise
-        ctx.diags.raise_if_errors()
-        if after_each is not None:
-            after_each(name, module)
-        if name == until:
-            return

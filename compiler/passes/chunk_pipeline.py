@@ -7,7 +7,7 @@ of the bandwidth), never less than `MIN_CHUNK_BYTES`, and never smaller than the
 producers it follows (a consumer works at its producers' granularity).
 
 An RDMA step (a link of kind rdma) whose file gives no chunk or no depth gets them from the
-window model the simulator uses for the GPU proxy path (sim/sm_terms.py, window_rate): of
+window model the simulator uses for the GPU proxy path (costmodel/rates.py, window_rate): of
 `RDMA_CHUNK_TOKENS` x `RDMA_DEPTHS` with at most `RDMA_WINDOW_BYTES` in flight per channel, the
 pair with the shortest time for the step's biggest flow alone, bytes / min(link, window) plus
 the first chunk's staging and the last one's apply and latency: for each chunk size the
@@ -53,7 +53,7 @@ from ..diagnostics import Note
 from ..ir import ops, query
 from ..plan import Plan, PlanStep, chunk_sizes
 from ..sema import model
-from ..sim.sm_terms import THREAD_ENGINES, proxy_rates, sm_rates, window_rate, work_of
+from ..costmodel.rates import THREAD_ENGINES, proxy_rates, sm_rates, window_rate, work_of
 from . import Pass, PassContext, register
 
 LATENCY_FACTOR = 16
@@ -70,7 +70,7 @@ RDMA_SAME = 0.001  # depths this close to a chunk size's fastest count as equal:
 RDMA_HEADROOM = 1.5
 # Default halvings of a followed step's head and of a following step's tail (a step's `ramp N`
 # sets both).  3: 1/8, 1/4, 1/2 of a chunk, a role of 8 SMs spreads one chunk over its first or
-# last wave.  Heads are whole by default: measured on 2 H200s (docs/rdma.md, session 20) the
+# last wave.  Heads are whole by default: measured on 2 x H200 (2026-11-23, docs/rdma.md) the
 # combine's RDMA started 77 us sooner behind a ramped gather but ended no sooner (the gather,
 # 8 SMs at ~46 GB/s of partials, holds it) and the gather's extra chunks cost it ~1 %.
 RAMP_HEAD_DEFAULT = 0

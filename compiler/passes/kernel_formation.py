@@ -20,13 +20,17 @@ compile --rdma proxy`) the sender packs its chunks on SMs and the receiver appli
 `RolePlan.pack_sms` and `unpack_sms` size those two roles for the link, enough that the busiest
 rank's link rate does not wait on them (link rate / the per-SM rate of the side's work, the
 topology's `sm` line: packing at `copy`, half that for fp32 partials, applying at the step's kind
-of work; compiler/sim/sm_terms.py proxy_rates), at least `PROXY_MIN_SMS` and at most
+of work; compiler/costmodel/rates.py proxy_rates), at least `PROXY_MIN_SMS` and at most
 `PROXY_MAX_SMS`.  Without `sm` rates both are `PROXY_MIN_SMS`.  A combine chunk is applied with
 fp32 atomic adds (~12 GB/s per SM), so a 50 GB/s link needs 5 unpack SMs where 4 held it at
-~43 GB/s (docs/rdma.md, session 19).
+~43 GB/s (2 x H200, 2026-11-23; docs/rdma.md).
 
 IR: one `builtin.module @<name> attributes {epcc.kind = "kernel" | "proxy" | "dma"}` per group,
 holding an `epcc.role` per step, at the location of the step.
+
+The plan also records the CUDA target's choice for the whole plan (plan/direct.py): `Plan.direct`,
+the direct one-hop kernels and their shape where the plan has it, else the reason in
+`Plan.direct_not_used`; the CUDA code generator and `epcc simulate` read it, neither re-derives it.
 """
 
 from __future__ import annotations
@@ -37,15 +41,16 @@ from collections import defaultdict
 from mlir import ir
 
 from ..ir import ops, query
+from ..costmodel.rates import PROXY_MIN_SMS, proxy_rates, sm_rates
 from ..plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
-from ..sim.sm_terms import PROXY_MIN_SMS, proxy_rates, sm_rates
+from ..plan.direct import direct_kernels
 from . import Pass, PassContext, register
 from .overlap_schedule import busy_time, step_times
 
 DEFAULT_SMS = 24
 META_SMS = 2  # counting and exchanging counts is latency-bound: a couple of SMs
 
-PROXY_MAX_SMS = 16  # blocks of a GPU proxy path's pack or unpack role at most (at least: sm_terms.PROXY_MIN_SMS)
+PROXY_MAX_SMS = 16  # blocks of a GPU proxy path's pack or unpack role at most (at least: rates.PROXY_MIN_SMS)
 
 
 def role_of(ps: PlanStep, verb_of_dispatch: str | None) -> str:
@@ -158,6 +163,7 @@ class KernelFormation(Pass):
                 kp.sms = at
                 kernels.append(kp)
         plan.kernels = kernels
+        plan.direct, plan.direct_not_used = direct_kernels(plan)
         self._emit(module, ctx, kernels)
 
     def _emit(self, module, ctx: PassContext, kernels: list[KernelPlan]) -> None:

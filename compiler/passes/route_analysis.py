@@ -10,7 +10,7 @@ expected bytes of the busiest rank, of the average rank, and of the busiest sing
 from __future__ import annotations
 
 from ..analysis.flow import FlowAnalysis
-from ..analysis.routing import make_routing
+from ..analysis.routing import routing_model
 from ..ir import query
 from ..plan import Flow, Plan, PlanStep, WorkloadPlan
 from ..sema import model
@@ -84,7 +84,7 @@ class RouteAnalysis(Pass):
 
     def run(self, module, ctx: PassContext) -> None:
         sched = ctx.schedule
-        routing = make_routing(ctx.options.routing, sched.workload, sched.topology.space)
+        routing = routing_model(ctx.options.routing, sched.workload, sched.topology.space)
         flow = FlowAnalysis(sched, routing)
         plan = build_plan(sched, flow)
         ctx.results["flow"] = flow

@@ -13,7 +13,7 @@ from math import prod
 from typing import Callable, Mapping, Sequence
 
 from ..diagnostics import Span
-from ..plan import hit_probability
+from ..costmodel.uniform import hit_probability
 
 LINK_KINDS = ("p2p", "d2d", "rdma", "local")
 ENGINES = ("sm", "spc", "tma", "ce", "dma", "nic", "proxy")

@@ -12,10 +12,10 @@ from math import prod
 
 from ..diagnostics import DiagnosticBag, Note
 from ..frontend import ast
+from ..limits import MAX_RANKS
 from . import model
 from .hints import report_duplicate, suggestion
 
-MAX_RANKS = 4096
 
 
 def build_rank_space(t: ast.Topology, diags: DiagnosticBag) -> model.RankSpace | None:

@@ -13,15 +13,13 @@ from typing import Callable
 
 from ..diagnostics import DiagnosticBag, Note, Span
 from ..frontend import ast
+from ..limits import MAX_DEPTH, MAX_RAMP, MAX_SMS
 from . import model
 from .hints import suggestion
 from .units import number_text, parse_size
 
 DEDUP = ("rank", "none")
 DEFAULTABLE = ("chunk", "depth", "sms", "ramp", "dedup")
-MAX_DEPTH = 1 << 16
-MAX_SMS = 4096
-MAX_RAMP = 8  # halvings: a chunk of 256 tokens ramps from 1
 
 
 def program_defaults(p: ast.Program, err: Callable[..., None]) -> dict[str, ast.StepOpt]:

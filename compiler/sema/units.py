@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..diagnostics import DiagnosticBag
 from ..frontend import ast
+from ..limits import MAX_SIZE
 
 BANDWIDTH = {
     "B/s": 1.0, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12,
@@ -23,7 +24,6 @@ _LIMIT = {"bandwidth": 1e15, "latency": 3600.0, "time": 3600.0}  # 1 PB/s; an ho
 # Below this a positive rate is a typo (a step would take longer than any timeout can say)
 _LOW = {"bandwidth": 1.0}  # 1 B/s
 _RANGE_TEXT = {"bandwidth": "at least 1 B/s, at most 1000 TB/s", "latency": "at most 3600 s", "time": "at most 3600 s"}
-MAX_SIZE = 1 << 40  # tokens or bytes in a chunk or capacity
 
 
 def number_text(v: int | float) -> str:

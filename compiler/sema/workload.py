@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..diagnostics import DiagnosticBag, Note, did_you_mean
 from ..frontend import ast
+from ..limits import WORKLOAD_LIMITS
 from . import model
 from .units import number_text
 
@@ -120,7 +121,7 @@ def resolve_workload(w: ast.Workload, topo: model.Topology | None, diags: Diagno
                           topo.num_ranks, w.span)
 
 
-LIMITS = {"tokens": 1 << 24, "hidden": 1 << 20, "topk": 1024, "experts": 1 << 16, "node_limit": 1 << 16}
+LIMITS = WORKLOAD_LIMITS
 
 _EXAMPLES = {
     "tokens": "add e.g. 'tokens 4096 per rank'",

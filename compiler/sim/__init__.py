@@ -75,23 +75,16 @@ traffic).  Per link class: the busiest instance's busy time.  The bottleneck is 
 whose busy time is largest (closest to the makespan), with busy / makespan as its utilisation.
 Makespan = the last step's end (with overlap); the serial sum adds every step's time alone (and
 the launches).
+
+The simulator reads a Plan only (plan/, costmodel/; no MLIR): a GPU machine simulates a bundle's
+plan.json with it.  build.py runs the compiler to get a plan from a .sched file (`build_plan`),
+which needs lark and MLIR; import it from there.
 """
 
-from .direct import DirectKernels
-from .engine import ResourceStat, SimOptions, SimulationError, StepTiming
+from .base import ResourceStat, SimOptions, SimulationError, StepTiming
 from .simulate import Bottleneck, LinkClassStat, ProgramResult, SimResult, simulate, simulate_subset
 
 __all__ = [
-    "Bottleneck", "BuiltPlan", "DirectKernels", "LinkClassStat", "ProgramResult", "ResourceStat", "SimOptions",
-    "SimResult", "SimulationError", "StepTiming", "build_plan", "simulate", "simulate_subset",
+    "Bottleneck", "LinkClassStat", "ProgramResult", "ResourceStat", "SimOptions", "SimResult", "SimulationError",
+    "StepTiming", "simulate", "simulate_subset",
 ]
-
-
-def __getattr__(name: str):
-    """`build_plan` / `BuiltPlan` on first use: they run the compiler (lark, MLIR), which the
-    simulator itself does not need (the GPU machine simulates a bundle's plan.json without them)."""
-    if name in ("BuiltPlan", "build_plan"):
-        from . import build
-
-        return getattr(build, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

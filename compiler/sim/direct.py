@@ -1,7 +1,8 @@
 """The direct kernels in the cost model: one pool of SMs per rank and program.
 
 The CUDA target lowers a one-hop plan inside one CUDA IPC domain to "direct" kernels
-(backends/cuda/direct.py): per program one persistent kernel on N SMs whose warps have no fixed
+(plan/direct.py decides, kernel-formation records `Plan.direct`; backends/cuda/direct.py writes
+them): per program one persistent kernel on N SMs whose warps have no fixed
 role.  In dispatch every warp sends tokens (a token's row stored once into each peer GPU it hits,
 at its first expert row there, and into every expert row of its own GPU), then replicates the rows
 received from peers into their other expert rows.  In combine every warp reduces the expert rows
@@ -40,14 +41,14 @@ with_direct_pool(plan, kernels), from the topology's `sm` line (per SM: `copy` b
   latency once; chunk size and count are dropped.
 * A program's first steps become ready after one `launch` (a later launch queues behind the
   running kernel: folding the two metadata kernels into the dispatch kernel, three launches to
-  one, changed no measured time in session 14) and, for a dispatch, its metadata passes x `meta`
+  one, changed no measured time on 2 x H200, 2026-11-23) and, for a dispatch, its metadata passes x `meta`
   (one pass counts a chunk of tokens; above one chunk a second pass finishes the chunks' ranks).
 * The last wave is not hidden (`drain`): a warp's second-phase work on a record (replicating it;
   summing its partial) waits for its first phase (the send; the reduction on the expert's GPU),
   which the fluid pools overlap perfectly.  At the end of a program one wave of first-phase work
   per SM, min(warps, records per SM) records at the SM's rates, still has its second phase
   ahead; each flow between two GPUs ends that much after its last byte (Flow.tail_s).  It is
-  what the fluid model misses at 128-1024 tokens (session 14's token and SM sweeps), little at
+  what the fluid model misses at 128-1024 tokens (the token and SM sweeps of 2026-11-23), little at
   4096.
 
 Expected rows and GPUs per token are those of uniform routing, as in sim/sm_terms.py.
@@ -56,36 +57,9 @@ Expected rows and GPUs per token are those of uniform routing, as in sim/sm_term
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
-from ..plan import Flow, Plan, PlanStep, hit_probability
-from .sm_terms import rows_per_token
-
-
-@dataclass
-class DirectKernels:
-    """How the CUDA target runs a plan it lowers to direct kernels: per program, the SMs (blocks)
-    of its one kernel, every warp doing every step, and the kernel launches it takes."""
-
-    sms: dict[str, int] = field(default_factory=dict)  # program -> SMs of its kernel
-    launches: dict[str, int] = field(default_factory=dict)  # program -> kernel launches, metadata ones included
-    meta_passes: dict[str, int] = field(default_factory=dict)  # program -> metadata passes before its rows move
-    warps: dict[str, int] = field(default_factory=dict)  # program -> warps per block (default 16)
-
-    def __post_init__(self) -> None:
-        for what, d, least in (("sms", self.sms, 1), ("launches", self.launches, 0),
-                               ("meta_passes", self.meta_passes, 0), ("warps", self.warps, 1)):
-            for p, v in d.items():
-                if not isinstance(v, int) or isinstance(v, bool) or v < least:
-                    raise ValueError(f"DirectKernels.{what}[{p!r}] must be an integer >= {least}, got {v!r}")
-
-
-def ranks_per_token(plan: Plan) -> float:
-    """Expected GPUs one token's top-k hits (uniform routing; 1 without a workload)."""
-    wl = plan.workload
-    if wl is None or plan.num_ranks <= 0 or wl.experts <= 0:
-        return 1.0
-    return max(1.0, plan.num_ranks * hit_probability(wl.experts, wl.topk, wl.experts // plan.num_ranks))
+from ..costmodel.uniform import ranks_per_token, rows_per_token
+from ..plan import DirectKernels, Flow, Plan, PlanStep
 
 
 def sm_seconds(program: str, src: int, dst: int, e: float, h: float,
@@ -188,4 +162,4 @@ def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
     return {"model": "links", "text": "links only: the topology gives no `sm` rates", "rates_gbps": rates}
 
 
-__all__ = ["DirectKernels", "describe", "drain_s", "ranks_per_token", "sm_seconds", "with_direct_pool"]
+__all__ = ["describe", "drain_s", "sm_seconds", "with_direct_pool"]

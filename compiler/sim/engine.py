@@ -4,92 +4,21 @@ One :class:`_Engine` simulates one program's steps.  State is kept in numpy arra
 flow; the flow/resource incidence is a list of (flow, resource, weight) triples: a flow moving at
 rate x takes weight x x of the resource (`Flow.weights`, 1 without them), and the weighted sum on a
 resource stays within its capacity.  Between two events every rate is constant, so the state
-advances exactly; at every event the rates are recomputed by progressive filling (max-min
-fairness: every unfrozen flow's rate rises together) over the resources.
+advances exactly; at every event the rates are recomputed by progressive filling (fairshare.py)
+over the resources, held back where a pipelined producer gates a flow (gates.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..plan import Flow, Plan, PlanStep
-
-if TYPE_CHECKING:
-    from .direct import DirectKernels
-
-INF = float("inf")
-REL = 1e-9  # relative tolerance on fractions and simultaneous events
-
-
-class SimulationError(Exception):
-    """The plan cannot be simulated (unknown dependency, missing resource, deadlock)."""
-
-
-@dataclass
-class SimOptions:
-    pipelining: bool = True  # follow `pipelined_deps` chunk by chunk (False: every dep is a barrier)
-    latency: bool = True  # charge latency_s x ceil(chunks / depth) per flow
-    priorities: bool = False  # strict priority by PlanStep.priority on shared resources (off: max-min)
-    order_hints: bool = True  # honour PlanStep.order first/last on shared resources
-    # RDMA steps as the GPU proxy path runs them (credit window, chunks staged and applied by one
-    # SM each: sim/sm_terms.py); False: as paced SM roles writing the peer (`--rdma emulate`).
-    rdma_proxy: bool = True
-    # The plan runs as the CUDA target's direct kernels (sim/direct.py: one pool of SMs per rank and
-    # program, launches before the first step); None: SM roles as kernel-formation laid them out
-    # (sim/sm_terms.py).  `epcc simulate` sets it from the CUDA target's lowering.
-    direct: "DirectKernels | None" = None
-
-
-@dataclass
-class StepTiming:
-    name: str
-    program: str
-    verb: str
-    link: str | None
-    link_kind: str | None
-    deps: tuple[str, ...]
-    pipelined_deps: tuple[str, ...]
-    ready_s: float  # deps satisfied (pipelined producers started)
-    start_s: float  # first byte moved (or ready_s, for latency-only and empty steps)
-    end_s: float  # last flow done, latency included
-    bytes: float  # all ranks
-    max_rank_bytes: float
-    num_chunks: int
-    chunk_times_s: list[float] = field(default_factory=list)  # the step's bytes cross k/num_chunks
-    alone_s: float = 0.0  # duration when the step runs alone (serial sum's term)
-    critical: bool = False
-    moves_bytes: bool = True  # False: latency only (no flow uses a resource)
-
-    @property
-    def achieved_bps(self) -> float | None:
-        """The busiest rank's bytes over the step's start..end (None for latency-only steps)."""
-        if not self.moves_bytes or self.duration_s <= 0 or self.max_rank_bytes <= 0:
-            return None
-        return self.max_rank_bytes / self.duration_s
-
-    @property
-    def duration_s(self) -> float:
-        return self.end_s - self.start_s
-
-
-@dataclass
-class ResourceStat:
-    name: str
-    link_class: str
-    link_kind: str | None
-    capacity: float  # bytes/s
-    bytes: float = 0.0
-    active_s: float = 0.0  # wall time with any traffic on it
-
-    @property
-    def work_s(self) -> float:
-        """Busy time: the time its bytes take at full capacity."""
-        return self.bytes / self.capacity if self.capacity > 0 else 0.0
-
+from .base import INF, REL, SimOptions, SimulationError
+from .fairshare import max_min_rates
+from .gates import Gates
 
 # ----------------------------------------------------------------------------- the engine
 
@@ -125,7 +54,7 @@ class _Engine:
             for f in s.flows:
                 if f.bytes > 0 or not f.resources:
                     fl.append((si, f))
-        self.nf = nf = len(fl)
+        self.nf = len(fl)
         self.f_step = np.array([si for si, _ in fl], dtype=np.int64)
         self.f_bytes = np.array([f.bytes if f.resources else 0.0 for _, f in fl], dtype=float)
         self.f_src = np.array([f.src for _, f in fl], dtype=np.int64)
@@ -156,8 +85,7 @@ class _Engine:
         self.inc_w = np.array(pw, dtype=float)  # a flow's bytes per byte it moves, on that resource
         self.nr = len(names)
 
-        self._f_state = None
-        self._build_gates()
+        self.gates = Gates(steps, self.pdeps, self.f_step, self.f_bytes, self.f_src, self.f_dst)
         self._build_holds()
 
     # ------------------------------------------------------------------ set-up
@@ -201,49 +129,6 @@ class _Engine:
 
         return [get(i) for i in range(len(self.steps))]
 
-    def _build_gates(self) -> None:
-        """Pipelined dependencies: gate g = (producer step, landing rank x).  A consumer flow that
-        reads rank x's buffer (its src) is capped by the fraction of the bytes the producer lands
-        on x; a producer that lands nothing on x does not hold the flow back."""
-        gate_of: dict[tuple[int, int], int] = {}
-        members_f: list[int] = []
-        members_g: list[int] = []
-        pair_f: list[int] = []
-        pair_g: list[int] = []
-        pair_inv_n: list[float] = []
-        by_step_dst: dict[tuple[int, int], list[int]] = {}
-        for i in range(self.nf):
-            if self.f_bytes[i] > 0:
-                by_step_dst.setdefault((int(self.f_step[i]), int(self.f_dst[i])), []).append(i)
-        for i in range(self.nf):
-            si = int(self.f_step[i])
-            if self.f_bytes[i] <= 0 or not self.pdeps[si]:
-                continue
-            n = self.steps[si].whole_chunks
-            for p in self.pdeps[si]:
-                key = (p, int(self.f_src[i]))
-                producers = by_step_dst.get(key)
-                if not producers:
-                    continue
-                g = gate_of.get(key)
-                if g is None:
-                    g = gate_of[key] = len(gate_of)
-                    members_f.extend(producers)
-                    members_g.extend([g] * len(producers))
-                pair_f.append(i)
-                pair_g.append(g)
-                pair_inv_n.append(min(1.0, 1.0 / n + float(self.steps[p].completion_lag)))
-        self.ng = len(gate_of)
-        self.gm_f = np.array(members_f, dtype=np.int64)
-        self.gm_g = np.array(members_g, dtype=np.int64)
-        self.g_bytes = np.bincount(self.gm_g, weights=self.f_bytes[self.gm_f], minlength=self.ng) \
-            if self.ng else np.zeros(0)
-        self.gp_f = np.array(pair_f, dtype=np.int64)
-        self.gp_g = np.array(pair_g, dtype=np.int64)
-        self.gp_inv = np.array(pair_inv_n, dtype=float)
-        self.gated = np.zeros(self.nf, dtype=bool)
-        self.gated[self.gp_f] = True
-
     def _build_holds(self) -> None:
         """Order hints: (held flow, blocking flow) pairs.  A flow of a `last` step waits on each of
         its resources for the flows there of every other step that is neither `last` nor one of
@@ -282,85 +167,8 @@ class _Engine:
 
     # ------------------------------------------------------------------ rates
     def _fill(self, cand: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-        """Max-min fair rates (progressive filling) for the flows in `cand`, each at most its
-        bound; with `priorities`, strict priority levels share what the lower levels left."""
-        rate = np.zeros(self.nf)
-        rem = self.cap.copy()
-        levels = [None]
-        if self.opts.priorities:
-            levels = sorted(set(self.f_prio[cand].tolist()))
-        for lv in levels:
-            unf = cand.copy() if lv is None else cand & (self.f_prio == lv)
-            zero = unf & (bounds <= 0)
-            unf &= ~zero
-            level = 0.0  # the common rate of the unfrozen flows
-            while unf.any():
-                m = unf[self.inc_f]
-                # what one more byte/s for every unfrozen flow takes of each resource
-                n_r = np.bincount(self.inc_r[m], weights=self.inc_w[m], minlength=self.nr)
-                used = n_r > 0
-                # Each unfrozen flow has rate `level` so far: room left per resource.
-                share = np.full(self.nr, INF)
-                share[used] = level + np.maximum(rem[used] - 0.0, 0.0) / n_r[used]
-                lam_r = share.min() if self.nr else INF
-                b = bounds[unf]
-                lam_b = b.min() if b.size else INF
-                lam = min(lam_r, lam_b)
-                if not math.isfinite(lam):
-                    raise SimulationError("a flow has no resource to bound its rate")
-                # Raise everyone to lam.
-                rem -= (lam - level) * n_r
-                level = lam
-                sat = np.zeros(self.nr, dtype=bool)
-                sat[used] = rem[used] <= REL * self.cap[used]
-                frz = unf & (bounds <= lam * (1 + REL))
-                if sat.any():
-                    on_sat = np.zeros(self.nf, dtype=bool)
-                    on_sat[self.inc_f[sat[self.inc_r] & m]] = True
-                    frz |= on_sat & unf
-                if not frz.any():  # numerical safety: freeze the tightest resource's flows
-                    j = int(np.argmin(np.where(used, rem, INF)))
-                    on = np.zeros(self.nf, dtype=bool)
-                    on[self.inc_f[(self.inc_r == j) & m]] = True
-                    frz = on & unf
-                rate[frz] = lam
-                unf &= ~frz
-            rem = np.maximum(rem, 0.0)
-        return rate
-
-    # ------------------------------------------------------------------ gates
-    def _gate_state(self, moved: np.ndarray, rate: np.ndarray):
-        """Per gate: the producer's moved fraction F on the landing rank, dF/dt, and whether all
-        its flows there are done (last byte moved and latency paid: the last chunk has landed)."""
-        if self.ng == 0:
-            return None
-        gm = np.bincount(self.gm_g, weights=moved[self.gm_f], minlength=self.ng)
-        gr = np.bincount(self.gm_g, weights=rate[self.gm_f], minlength=self.ng)
-        F = np.minimum(gm / self.g_bytes, 1.0)
-        dF = gr / self.g_bytes
-        if self._f_state is not None:
-            open_ = np.bincount(self.gm_g, weights=(self._f_state[self.gm_f] != 3).astype(float), minlength=self.ng)
-            full = open_ == 0
-        else:
-            full = F >= 1.0 - REL
-        F = np.where(full, 1.0, np.minimum(F, 1.0 - REL / 2))  # 1 only once landed
-        return F, dF
-
-    def _caps(self, F: np.ndarray, dF: np.ndarray):
-        """Per gated flow: cap on its moved fraction and the cap's rate of change."""
-        Fp = F[self.gp_g]
-        dFp = dF[self.gp_g]
-        full = Fp >= 1.0
-        cap_p = np.where(full, 1.0, np.maximum(0.0, Fp - self.gp_inv))
-        rising = (~full) & (Fp >= self.gp_inv - REL)
-        dcap_p = np.where(rising, dFp, 0.0)
-        cap = np.ones(self.nf)
-        np.minimum.at(cap, self.gp_f, cap_p)
-        tight = cap_p <= cap[self.gp_f] + REL
-        dcap = np.full(self.nf, INF)
-        np.minimum.at(dcap, self.gp_f[tight], dcap_p[tight])
-        dcap[~self.gated] = 0.0
-        return cap, dcap, cap_p, dcap_p, Fp, dFp
+        return max_min_rates(cand, bounds, self.cap, self.inc_f, self.inc_r, self.inc_w,
+                             self.f_prio if self.opts.priorities else None)
 
     # ------------------------------------------------------------------ run
     def run(self):
@@ -372,7 +180,6 @@ class _Engine:
         start_t = np.full(ns, np.nan)
         end_t = np.full(ns, np.nan)
         f_state = np.zeros(nf, dtype=np.int8)  # 0 waiting, 1 moving bytes, 2 latency tail, 3 done
-        self._f_state = f_state
         moved = np.zeros(nf)
         tail_end = np.full(nf, INF)
         lead_end = np.zeros(nf)  # a flow moves no byte before (its step ready + Flow.lead_s)
@@ -426,19 +233,19 @@ class _Engine:
             leading = moving & (lead_end > t + REL * max(t, 1e-9))
             cand = moving & ~held & ~leading
             bounds = np.full(nf, INF)
-            gs = self._gate_state(moved, np.zeros(nf)) if self.ng else None
+            gs = self.gates.state(moved, np.zeros(nf), f_state) if self.gates.ng else None
             cap = dcap = None
             at_cap = np.zeros(nf, dtype=bool)
             if gs is not None:
                 F, _ = gs
                 frac = np.divide(moved, self.f_bytes, out=np.ones(nf), where=self.f_bytes > 0)
-                cap0, _, *_ = self._caps(F, np.zeros_like(F))
-                at_cap = cand & self.gated & (frac >= cap0 - REL) & (cap0 < 1.0)
+                cap0, _, *_ = self.gates.caps(F, np.zeros_like(F))
+                at_cap = cand & self.gates.gated & (frac >= cap0 - REL) & (cap0 < 1.0)
             rate = self._fill(cand, bounds)
             if at_cap.any():
                 for _ in range(200):
-                    F, dF = self._gate_state(moved, rate)
-                    cap, dcap, *_ = self._caps(F, dF)
+                    F, dF = self.gates.state(moved, rate, f_state)
+                    cap, dcap, *_ = self.gates.caps(F, dF)
                     track = self.f_bytes * dcap
                     newb = bounds.copy()
                     newb[at_cap] = track[at_cap]
@@ -446,8 +253,8 @@ class _Engine:
                         break
                     bounds = newb
                     rate = self._fill(cand, bounds)
-                F, dF = self._gate_state(moved, rate)
-                cap, dcap, *_ = self._caps(F, dF)
+                F, dF = self.gates.state(moved, rate, f_state)
+                cap, dcap, *_ = self.gates.caps(F, dF)
                 track = self.f_bytes * dcap
                 rate[at_cap] = np.minimum(rate[at_cap], track[at_cap])
 
@@ -462,19 +269,19 @@ class _Engine:
                 dt = min(dt, float(tail_end[tails].min()) - t)
             if leading.any():
                 dt = min(dt, float(lead_end[leading].min()) - t)
-            if self.ng:
-                F, dF = self._gate_state(moved, rate)
-                cap, dcap, cap_p, dcap_p, Fp, dFp = self._caps(F, dF)
+            if self.gates.ng:
+                F, dF = self.gates.state(moved, rate, f_state)
+                cap, dcap, cap_p, dcap_p, Fp, dFp = self.gates.caps(F, dF)
                 # Gates crossing their consumer's first chunk (cap leaves 0).
-                pend = (Fp < self.gp_inv - REL) & (dFp > 0) & cand[self.gp_f]
+                pend = (Fp < self.gates.gp_inv - REL) & (dFp > 0) & cand[self.gates.gp_f]
                 if pend.any():
-                    dt = min(dt, float(((self.gp_inv[pend] - Fp[pend]) / dFp[pend]).min()))
+                    dt = min(dt, float(((self.gates.gp_inv[pend] - Fp[pend]) / dFp[pend]).min()))
                 # Free gated flows catching up with their cap.
-                free = cand & self.gated & ~at_cap & (rate > 0)
+                free = cand & self.gates.gated & ~at_cap & (rate > 0)
                 if free.any():
-                    fp = free[self.gp_f] & (Fp < 1.0) & (Fp >= self.gp_inv - REL)
+                    fp = free[self.gates.gp_f] & (Fp < 1.0) & (Fp >= self.gates.gp_inv - REL)
                     if fp.any():
-                        i = self.gp_f[fp]
+                        i = self.gates.gp_f[fp]
                         v = rate[i] / self.f_bytes[i]
                         closing = v - dcap_p[fp]
                         gap = cap_p[fp] - moved[i] / self.f_bytes[i]
@@ -501,10 +308,10 @@ class _Engine:
                         if np.isnan(start_t[si]):
                             start_t[si] = t
             t += dt
-            if self.ng and cap is not None:  # numerical: never past the cap
-                F, _ = self._gate_state(moved, np.zeros(nf))
-                capn, *_ = self._caps(F, np.zeros_like(F))
-                g = self.gated & (f_state == 1)
+            if self.gates.ng and cap is not None:  # numerical: never past the cap
+                F, _ = self.gates.state(moved, np.zeros(nf), f_state)
+                capn, *_ = self.gates.caps(F, np.zeros_like(F))
+                g = self.gates.gated & (f_state == 1)
                 moved[g] = np.minimum(moved[g], np.maximum(capn[g], 0.0) * self.f_bytes[g])
 
             # Bytes done -> latency tail; tails done -> flow done.
@@ -585,8 +392,6 @@ def simulate_steps(steps: list[PlanStep], resources: dict[str, float], opts: Sim
 
 def step_alone(step: PlanStep, resources: dict[str, float], opts: SimOptions) -> float:
     """Duration of one step with the machine to itself (no deps, no pipelining, no hints)."""
-    import dataclasses
-
     solo = dataclasses.replace(step, deps=(), pipelined_deps=(), order=None)
     e = _Engine([solo], resources, opts).run()
     return float(e.end_t[0] - e.ready_t[0])

@@ -12,17 +12,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ..palette import KIND_COLOR, KIND_FILL
 from ..textsafe import svg_text
 from .simulate import SimResult
-
-KIND_COLOR = {"p2p": "#1f77b4", "d2d": "#9467bd", "rdma": "#d62728", "local": "#2ca02c", None: "#7f7f7f"}
-KIND_FILL = {"p2p": "#dbe9f6", "d2d": "#ece2f4", "rdma": "#f9dcdc", "local": "#dff1df", None: "#eeeeee"}
-try:  # keep one palette with `epcc viz`
-    from ..viz import KIND_COLOR as _KC, KIND_FILL as _KF
-
-    KIND_COLOR, KIND_FILL = dict(_KC), dict(_KF)
-except Exception:  # pragma: no cover - viz needs graphviz; the palette above is its copy
-    pass
 
 LABEL_W = 250
 PLOT_W = 820

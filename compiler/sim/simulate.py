@@ -3,11 +3,13 @@ bottleneck, makespan with overlap and the serial sum (the model: sim/__init__.py
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..plan import Plan, PlanStep
 from .direct import describe, with_direct_pool
-from .engine import ResourceStat, SimOptions, StepTiming, _Engine, program_steps, step_alone
+from .base import ResourceStat, SimOptions, StepTiming
+from .engine import _Engine, program_steps, step_alone
 from .sm_terms import with_sm_terms
 
 PROGRAM_ORDER = ("dispatch", "combine")
@@ -229,8 +231,6 @@ def simulate_subset(plan: Plan, names: list[str] | tuple[str, ...], program: str
     """A group of steps with the machine to themselves (e.g. one phase of a seed's estimate):
     dependencies on steps outside the group count as done; those inside are kept (pipelined or
     not, as the plan says)."""
-    import dataclasses
-
     opts = opts or SimOptions()
     wanted = set(names)
     steps = [s for s in plan.steps if s.program == program and s.name in wanted]

@@ -31,7 +31,7 @@ treats them like links):
   chunk / post.  The term is added only where it binds (below the link).  On the GPU machine's
   emulated transport `post` is ~10 us: 2 x H200, h200x2_2vnode at 400 GB/s, 16-token chunks
   take ~10 us each whatever the depth, and the proxy finds 11-15 chunks waiting per FIFO pass
-  (ep_bench's proxy line, docs/rdma.md session 18).
+  (ep_bench's proxy line, docs/rdma.md; 2026-11-23).
 
 * `post:<program>.<step>:<rank>`, capacity chunk / post: every flow of an RDMA step that a rank's
   proxy posts (its sends) where the link declares `post`.  One proxy thread posts for every
@@ -60,9 +60,8 @@ with the fluid model's last byte: no tail.)  An RDMA channel's chunks are serial
 is staged and posted before the wire moves a byte, a lead of chunk / stage + post (Flow.lead_s),
 its last chunk is applied after the wire, a tail of chunk / apply, and its lag is the bytes the
 link moves while one chunk is applied (the others are staged while the wire carries earlier
-ones).  Until session 20 the staging was a tail instead of a lead and `post` was not in it: the
-same total, but the dispatch's keep_far at 400 GB/s was simulated to start at 0.05 ms; it
-started at 0.14-0.17 on 2 H200s.  A ramped role (PlanStep.ramp_head / ramp_tail, chunk-pipeline) counts
+ones).  Modelled as a tail without `post` instead (the same total), the dispatch's keep_far at
+400 GB/s was simulated to start at 0.05 ms; it started at 0.14-0.17 on 2 x H200 (2026-11-23).  A ramped role (PlanStep.ramp_head / ramp_tail, chunk-pipeline) counts
 its first chunk, 1 / 2^ramp_head of one, in its lag, and spreads the producer's last chunk over
 min(N, 2^ramp_tail) SMs in its tail.  Chunks are counted in the flows'
 bytes: a chunk of a step whose flows count rows and that reads or writes `output` (a permute, its
@@ -81,85 +80,12 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from ..plan import Plan, PlanStep, hit_probability
-
-THREAD_ENGINES = ("sm", "spc", "tma")
-PROXY_MIN_SMS = 4  # blocks of a pack or unpack role at least (and in a plan that does not give them)
-
-
-def work_of(step: PlanStep, rates: dict | None = None) -> str:
-    """The kind of SM work of a step: `copy` in dispatch; in combine `reduce` for a weighted step
-    (a token's expert rows gathered and added) and `add` for an unweighted one (one partial per
-    token scatter-added), `reduce` where the topology gives no `add` rate."""
-    if step.program != "combine":
-        return "copy"
-    if step.weighted or (rates is not None and "add" not in rates):
-        return "reduce"
-    return "add"
-
-
-def step_sms(plan: Plan) -> dict[tuple[str, str], int]:
-    """(program, step) -> the SMs of its role in the program's persistent kernel."""
-    out: dict[tuple[str, str], int] = {}
-    for k in plan.kernels:
-        if k.kind != "kernel":
-            continue
-        for r in k.roles:
-            if r.engine in THREAD_ENGINES and r.sm_end > r.sm_begin:
-                out[(k.program, r.step)] = out.get((k.program, r.step), 0) + (r.sm_end - r.sm_begin)
-    return out
-
-
-def proxy_blocks(plan: Plan) -> dict[tuple[str, str], tuple[int, int]]:
-    """(program, step) -> (pack, unpack) blocks of each RDMA step on the GPU proxy path."""
-    return {(k.program, r.step): (r.pack_sms or PROXY_MIN_SMS, r.unpack_sms or PROXY_MIN_SMS)
-            for k in plan.kernels if k.kind == "proxy" for r in k.roles}
-
-
-def window_rate(chunk: float, depth: int, link_bps: float, latency_s: float, stage_bps: float,
-                apply_bps: float, post_s: float = 0.0) -> float:
-    """Bytes/s one credit-windowed RDMA channel can sustain (see the module docstring)."""
-    trip = chunk / link_bps + chunk / stage_bps + chunk / apply_bps + 2 * latency_s + post_s
-    rate = max(1, depth) * chunk / trip
-    return min(rate, chunk / post_s) if post_s > 0 else rate
-
-
-def proxy_rates(rates: dict[str, float], step: PlanStep) -> tuple[float, float]:
-    """(stage, apply) bytes/s of one SM for a chunk of an RDMA step on the GPU proxy path, in the
-    wire's bytes: the sender stages at `copy` (half that for fp32 partials, read at twice the bytes
-    they take on the wire as bf16), the receiver applies at the step's kind of work."""
-    work = work_of(step, rates)
-    return rates["copy"] / (2.0 if work == "add" else 1.0), rates[work]
-
-
-def rows_per_token(plan: Plan) -> float:
-    """Expected expert rows of one token on a rank it hits (uniform routing; 1 without a workload)."""
-    wl = plan.workload
-    if wl is None or plan.num_ranks <= 0 or wl.experts <= 0:
-        return 1.0
-    per = wl.experts // plan.num_ranks
-    return max(1.0, wl.topk * per / wl.experts / max(1e-12, hit_probability(wl.experts, wl.topk, per)))
-
-
-FP32_ADD_PER_FLOW_BYTE = 2.0  # a combine flow counts bf16 partials (2 B per channel); its adds are fp32 (4 B)
-GATHER_ROWS = 4  # expert rows of one token a combine warp adds in registers before one red.add (the CUDA kernels' kRun)
-
-
-def sm_rates(plan: Plan) -> dict[str, float]:
-    """The topology's per-SM rates, `reduce` bounded by its atomics.  `add` is the rate of one
-    red.add of fp32 per bf16 row read (bench/sm_probe.cu `red`: 11.7 GB/s of rows per SM).  A
-    weighted combine role gathers a token's expert rows (up to GATHER_ROWS at a time), adds them
-    in registers and issues one red.add per element for all of them, so it reads at most
-    add x min(rows, GATHER_ROWS) bytes per second, rows = the expected rows per token (the
-    probe's `gred`: 22 GB/s per SM at 2 rows, 40 at 4).  `reduce` as declared holds where that is
-    higher, as in the shipped schedules (4 ranks, top-8 of 256: 2.2 rows, 12 x 2.2 = 26 GB/s
-    against 23); a plan whose tokens have one row per rank is bound at `add`.  Without a
-    workload (no rows per token) `reduce` holds."""
-    rates = dict(plan.sm_rates)
-    if "reduce" in rates and "add" in rates and plan.workload is not None:
-        rows = min(rows_per_token(plan), float(GATHER_ROWS))
-        rates["reduce"] = min(rates["reduce"], rates["add"] * rows)
-    return rates
+from ..costmodel.rates import (FP32_ADD_PER_FLOW_BYTE, PROXY_MIN_SMS, proxy_blocks, proxy_rates, sm_rates,
+                               step_sms, window_rate, work_of)
+from ..costmodel.uniform import rows_per_token
+from ..plan import Plan, PlanStep
+from .base import SimOptions
+from .engine import step_alone
 
 
 def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
@@ -267,8 +193,6 @@ def _little_lags(plan: Plan, steps: list[PlanStep], resources: dict[str, float],
                  sms: dict, expand: float) -> Plan:
     """The plan with `steps`, a pipelined role's wave lag (N chunks in flight) lowered to the
     chunks its floor rate keeps in flight (module docstring)."""
-    from .engine import SimOptions, step_alone
-
     by_name = {(s.program, s.name): s for s in steps}
     floors: dict[tuple[str, str], float] = {}
 
@@ -299,5 +223,4 @@ def _little_lags(plan: Plan, steps: list[PlanStep], resources: dict[str, float],
     return dataclasses.replace(plan, steps=out, resources=resources)
 
 
-__all__ = ["proxy_blocks", "proxy_rates", "rows_per_token", "sm_rates", "step_sms", "window_rate", "with_sm_terms",
-           "work_of"]
+__all__ = ["first_chunk", "with_sm_terms"]

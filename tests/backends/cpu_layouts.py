@@ -1,11 +1,11 @@
-"""Plans and layouts built by hand for the CPU backend's tests (no compiler, no layout.py)."""
+"""Plans and layouts built by hand for the cpu engine's tests (no compiler, no compute_layout)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from epcc.plan import KernelPlan, Plan, PlanStep, RolePlan
-from epcc.runtime.layout_types import Copy, FlagInfo, Layout
+from epcc.runtime.layout import Copy, FlagInfo, Layout
 
 
 def step(program: str, name: str, *, verb: str = "send", deps=(), src=("input",), dst="output",
@@ -83,14 +83,3 @@ class LayoutBuilder:
                       row_bytes=self.row_bytes, entries=entries, copies=copies, flags=self.flags,
                       recv_counts=np.zeros((self.R, 1), dtype=np.int64),
                       rank_names=[rank_name(r) for r in range(self.R)])
-
-
-def bf16(x: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bits (uint16), round to nearest even."""
-    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    return u.astype(np.uint16)
-
-
-def from_bf16(h: np.ndarray) -> np.ndarray:
-    return (np.asarray(h, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)

@@ -15,6 +15,10 @@ import shutil
 import sys
 from pathlib import Path
 
+from epcc import pipeline
+from epcc.backends.cuda import codegen
+from epcc.passes import PassOptions
+
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parent / "golden_cuda"
 
@@ -31,13 +35,9 @@ def source_of(schedule: str) -> str:
 
 def generate(variant: str):
     """The CudaBundle of a variant, as `epcc compile` would write it."""
-    from epcc import pipeline
-    from epcc.backends import cuda
-    from epcc.passes import PassOptions
-
     schedule, opts = VARIANTS[variant]
     plan = pipeline.run(str(ROOT / source_of(schedule)), options=PassOptions(**opts)).passes.get("plan")
-    return cuda.generate(plan, source_of(schedule))
+    return codegen.generate(plan, source_of(schedule))
 
 
 def regenerate(variants: list[str] | None = None) -> None:

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from llvmlite import binding as llvm
 
-from cpu_layouts import LayoutBuilder, bf16, from_bf16, kernel, plan_of, step
-from epcc.backends import cpu
-from epcc.backends.cpu import codegen, jit
+from cpu_layouts import LayoutBuilder, kernel, plan_of, step
+from epcc.backends.cpu import codegen
+from epcc.runtime.bf16 import bf16_to_f32, f32_to_bf16
+from epcc.runtime.engines.cpu import jit, threads
 
 RNG = np.random.default_rng(7)
 
@@ -48,7 +49,7 @@ def push_case(row_bytes: int = 24):
 
 def test_one_hop_push_two_chunks():
     plan, layout, x, want = push_case()
-    out = cpu.run_dispatch(plan, layout, x)
+    out = threads.run_dispatch(plan, layout, x)
     assert len(out) == 2
     for o, w in zip(out, want):
         assert o.dtype == np.uint8 and o.shape == w.shape
@@ -57,10 +58,10 @@ def test_one_hop_push_two_chunks():
 
 def test_counters_reach_their_chunk_counts():
     plan, layout, x, want = push_case()
-    mem = cpu.HostMemory(layout, "dispatch")
+    mem = threads.HostMemory(layout, "dispatch")
     for r in range(2):
         mem.set_buffer("input", r, x[r])
-    cpu.execute(plan, layout, "dispatch", mem)
+    threads.execute(plan, layout, "dispatch", mem)
     for f in layout.flags:
         assert mem.flags(f.rank)[f.flag_id] == f.chunks, f.name()
     # Counters of the other rank are untouched: each flag lives on the rank its copy writes.
@@ -70,10 +71,10 @@ def test_counters_reach_their_chunk_counts():
 
 def test_execute_only_the_given_ranks():
     plan, layout, x, want = push_case()
-    mem = cpu.HostMemory(layout, "dispatch")
+    mem = threads.HostMemory(layout, "dispatch")
     for r in range(2):
         mem.set_buffer("input", r, x[r])
-    cpu.execute(plan, layout, "dispatch", mem, ranks=[0])
+    threads.execute(plan, layout, "dispatch", mem, ranks=[0])
     # Rank 0 ran push (into rank 1) and keep (into rank 0); rank 1's copies did not run.
     np.testing.assert_array_equal(mem.buffer("dispatch", "output", 1)[2:6], want[1][2:6])
     np.testing.assert_array_equal(mem.buffer("dispatch", "output", 0)[0:2], want[0][0:2])
@@ -116,7 +117,7 @@ def relay_case(T: int = 6, row_bytes: int = 4096, gate: bool = False):
 def test_relay_waits_for_producer_chunks():
     plan, layout, x, _ = relay_case()
     for _ in range(20):  # the consumer races the producer: repeat
-        out = cpu.run_dispatch(plan, layout, x)
+        out = threads.run_dispatch(plan, layout, x)
         np.testing.assert_array_equal(out[2], x[0][::-1])
         assert out[0].shape == (0, 4096) and out[1].shape == (0, 4096)
 
@@ -124,10 +125,10 @@ def test_relay_waits_for_producer_chunks():
 def test_relay_consumer_blocks_until_a_held_producer_goes():
     """hop1 is held by a gate the test opens after 0.3 s; hop2 must wait for it, not copy zeros."""
     plan, layout, x, g = relay_case(gate=True)
-    mem = cpu.HostMemory(layout, "dispatch")
+    mem = threads.HostMemory(layout, "dispatch")
     for r in range(3):
         mem.set_buffer("input", r, x[r])
-    jp = cpu.compile_plan(plan)
+    jp = jit.compile_plan(plan)
     gate_rank = layout.flags[g].rank
     addr = mem.flags(gate_rank).ctypes.data + 8 * g
 
@@ -138,7 +139,7 @@ def test_relay_consumer_blocks_until_a_held_producer_goes():
     opener = threading.Thread(target=open_gate)
     t0 = time.monotonic()
     opener.start()
-    cpu.execute(plan, layout, "dispatch", mem, timeout_s=10.0)
+    threads.execute(plan, layout, "dispatch", mem, timeout_s=10.0)
     elapsed = time.monotonic() - t0
     opener.join()
     assert elapsed >= 0.3
@@ -164,8 +165,8 @@ def combine_case(hidden: int = 40):
     b.buffer("rdma_recv", 0, 3)
     b.buffer("output", 0, 4)
     b.buffer("output", 1, 5)
-    y = [bf16(RNG.standard_normal((4, hidden), dtype=np.float32)),
-         bf16(RNG.standard_normal((5, hidden), dtype=np.float32))]
+    y = [f32_to_bf16(RNG.standard_normal((4, hidden), dtype=np.float32)),
+         f32_to_bf16(RNG.standard_normal((5, hidden), dtype=np.float32))]
     w_kf = np.array([0.5, 0.25, 1.5, -2.0], np.float32)
     w_fwd = np.array([0.125, 0.75, 3.0], np.float32)
     w_keep = np.array([1.0, 0.5], np.float32)
@@ -177,7 +178,7 @@ def combine_case(hidden: int = 40):
            dst_buffer="result", dst_slots=[2, 0, 1], waits=[[(kf.flag_id, 2), (fw.flag_id, 2)]], step_index=2)
     b.copy("combine", "keep", rank=1, src=1, dst=1, src_buffer="output", src_slots=[3, 4], dst_buffer="result",
            dst_slots=[0, 0], weights=w_keep, step_index=3)
-    f = [from_bf16(v) for v in y]
+    f = [bf16_to_f32(v) for v in y]
     part = np.zeros((3, hidden), np.float32)
     for s, d, w in zip([0, 1, 2, 3], [0, 1, 1, 2], w_kf):
         part[d] += w * f[0][s]
@@ -192,7 +193,7 @@ def combine_case(hidden: int = 40):
 def test_combine_accumulates_two_steps_into_one_partial():
     plan, layout, y, want = combine_case()
     for _ in range(10):
-        res = cpu.run_combine(plan, layout, y)
+        res = threads.run_combine(plan, layout, y)
         assert [r.dtype for r in res] == [np.float32, np.float32]
         for r, w in zip(res, want):
             np.testing.assert_allclose(r, w, rtol=1e-6, atol=1e-6)
@@ -200,13 +201,13 @@ def test_combine_accumulates_two_steps_into_one_partial():
 
 def test_bf16_widening_is_exact():
     """The weighted accumulate reads bf16 as the high half of an fp32 (1 * x is exact)."""
-    jp = cpu.compile_plan(combine_case()[0])
+    jp = jit.compile_plan(combine_case()[0])
     vals = np.array([0.0, -0.0, 1.0, -2.5, 3.140625, 1e-30, 6.5e4, np.inf, -np.inf], np.float32)
-    h = bf16(vals)
+    h = f32_to_bf16(vals)
     dst = np.zeros(len(vals), np.float32)
     w = np.ones(1, np.float32)
     jp.row_ops["acc_bf16"](dst.ctypes.data, h.ctypes.data, w.ctypes.data, len(vals))
-    np.testing.assert_array_equal(dst, from_bf16(h))
+    np.testing.assert_array_equal(dst, bf16_to_f32(h))
 
 
 def test_concurrent_accumulates_are_atomic():
@@ -227,13 +228,13 @@ def test_concurrent_accumulates_are_atomic():
     b.copy("combine", "b", rank=1, src=1, dst=0, src_buffer="output", src_slots=np.zeros(n), dst_buffer="result",
            dst_slots=np.zeros(n), weights=np.ones(n), chunk_starts=cs, waits=waits, step_index=1)
     layout = b.layout()
-    mem = cpu.HostMemory(layout, "combine")
+    mem = threads.HostMemory(layout, "combine")
     for r in range(2):
-        mem.set_buffer("output", r, bf16(np.ones((1, hidden), np.float32)))
-    jp = cpu.compile_plan(plan)
+        mem.set_buffer("output", r, f32_to_bf16(np.ones((1, hidden), np.float32)))
+    jp = jit.compile_plan(plan)
     opener = threading.Timer(0.1, lambda: jp.signal_add(mem.flags(0).ctypes.data + 8 * g, 1))
     opener.start()
-    cpu.execute(plan, layout, "combine", mem)
+    threads.execute(plan, layout, "combine", mem)
     opener.join()
     np.testing.assert_array_equal(mem.buffer("combine", "result", 0), np.full((1, hidden), 2 * n, np.float32))
 
@@ -259,8 +260,8 @@ def test_timeout_names_rank_step_and_flag():
     plan, layout = stuck_case()
     x = [np.zeros((2, 16), np.uint8) for _ in range(4)]
     t0 = time.monotonic()
-    with pytest.raises(cpu.CpuBackendTimeout) as ei:
-        cpu.run_dispatch(plan, layout, x, timeout_s=0.2)
+    with pytest.raises(threads.CpuBackendTimeout) as ei:
+        threads.run_dispatch(plan, layout, x, timeout_s=0.2)
     elapsed = time.monotonic() - t0
     assert str(ei.value) == ("epcc: wait timed out after 0.200 s: rank 1 (node 0, gpu 1) step 'fwd' "
                              "flag 'dispatch.push[flow 2].ready' (value 0, waiting for >= 1)")
@@ -270,10 +271,10 @@ def test_timeout_names_rank_step_and_flag():
 
 
 def test_timeout_message_matches_epcc_sync_c_format():
-    assert cpu.timeout_message(1_000_000_000, "rank 3 (node 0, gpu 3)", "fwd", "dispatch.push[flow 2].ready", 5, 7) \
+    assert threads.timeout_message(1_000_000_000, "rank 3 (node 0, gpu 3)", "fwd", "dispatch.push[flow 2].ready", 5, 7) \
         == ("epcc: wait timed out after 1.000 s: rank 3 (node 0, gpu 3) step 'fwd' "
             "flag 'dispatch.push[flow 2].ready' (value 5, waiting for >= 7)")
-    assert cpu.timeout_message(12_345_678_901, "rank 0", "s", "f", 0, 1).startswith(
+    assert threads.timeout_message(12_345_678_901, "rank 0", "s", "f", 0, 1).startswith(
         "epcc: wait timed out after 12.345 s: rank 0 step 's'")
 
 
@@ -284,8 +285,8 @@ def test_timeout_reports_the_root_of_a_chain_of_stuck_waits():
     # Make the gate hold hop1's *second* chunk: its first goes, so hop1's counter stops at 1.
     hop1 = next(c for c in layout.copies if c.step == "hop1")
     hop1.waits = [[], [(g, 1)]]
-    with pytest.raises(cpu.CpuBackendTimeout) as ei:
-        cpu.run_dispatch(plan, layout, x, timeout_s=0.2)
+    with pytest.raises(threads.CpuBackendTimeout) as ei:
+        threads.run_dispatch(plan, layout, x, timeout_s=0.2)
     assert str(ei.value) == ("epcc: wait timed out after 0.200 s: rank 0 (node 0, gpu 0) step 'hop1' "
                              "flag 'dispatch.gate[flow 0].ready' (value 0, waiting for >= 1)")
     assert ei.value.chunk == 1
@@ -308,14 +309,14 @@ def test_first_timeout_stops_the_other_waits():
     b.copy("dispatch", "b", rank=1, src=1, dst=1, src_buffer="input", src_slots=[0, 1], dst_buffer="output",
            dst_slots=[0, 1], waits=[[(g3, 1)]])
     layout = b.layout()
-    mem = cpu.HostMemory(layout, "dispatch")
-    jp = cpu.compile_plan(plan)
+    mem = threads.HostMemory(layout, "dispatch")
+    jp = jit.compile_plan(plan)
     addr = mem.flags(0).ctypes.data + 8 * g1
     opener = threading.Timer(0.25, lambda: jp.signal_add(addr, 1))
     opener.start()
     t0 = time.monotonic()
-    with pytest.raises(cpu.CpuBackendTimeout) as ei:
-        cpu.execute(plan, layout, "dispatch", mem, timeout_s=0.3)
+    with pytest.raises(threads.CpuBackendTimeout) as ei:
+        threads.execute(plan, layout, "dispatch", mem, timeout_s=0.3)
     elapsed = time.monotonic() - t0
     opener.join()
     assert ei.value.step == "b" and ei.value.flag == "dispatch.gate3[flow 0].ready"
@@ -324,7 +325,7 @@ def test_first_timeout_stops_the_other_waits():
 
 
 def test_wait_primitive_directly():
-    jp = cpu.compile_plan(push_case()[0])
+    jp = jit.compile_plan(push_case()[0])
     flag, abort, obs = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
     f, a, o = flag.ctypes.data, abort.ctypes.data, obs.ctypes.data
     assert jp.wait(f, 0, 0, a, o) == 0  # already there: no clock read
@@ -348,7 +349,7 @@ def test_wait_primitive_directly():
 
 def test_wait_in_a_thread_sees_a_signal_from_another():
     """ctypes drops the GIL in the JIT'd wait, so the main thread can signal meanwhile."""
-    jp = cpu.compile_plan(push_case()[0])
+    jp = jit.compile_plan(push_case()[0])
     flag, abort, obs = np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)
     st = []
     t = threading.Thread(target=lambda: st.append(jp.wait(flag.ctypes.data, 1, 5_000_000_000, abort.ctypes.data,
@@ -382,7 +383,7 @@ def test_two_roles_ping_pong_chunk_by_chunk():
     layout = b.layout()
     assert [f.step for f in layout.flags] == ["ping", "pong"]
     x = [RNG.integers(1, 256, size=(n, 8), dtype=np.uint8) for _ in range(2)]
-    out = cpu.run_dispatch(plan, layout, x, timeout_s=10.0)
+    out = threads.run_dispatch(plan, layout, x, timeout_s=10.0)
     np.testing.assert_array_equal(out[0], x[0])
 
 
@@ -394,7 +395,7 @@ def test_ir_verifies_and_has_one_driver_per_role():
     plan = combine_case()[0]
     plan.steps += push_case()[0].steps
     plan.kernels += push_case()[0].kernels
-    text = cpu.llvm_ir(plan)
+    text = codegen.llvm_ir(plan)
     llvm.parse_assembly(text).verify()
     roles = [(k.name, r.step) for k in plan.kernels for r in k.roles]
     defined = [ln.split('@"')[1].split('"')[0] for ln in text.splitlines()
@@ -421,18 +422,18 @@ def test_step_names_become_symbols():
     plan = plan_of("dots", 2, [step("combine", "final.sendbuf", verb="reduce", src=("output",), dst="sendbuf",
                                     weighted=True)],
                    [kernel("combine_kernel", "kernel", "combine", "final.sendbuf")])
-    ds = cpu.drivers(plan)
+    ds = codegen.drivers(plan)
     assert [d.name for d in ds] == ["epcc_combine_kernel__final_sendbuf"]
-    llvm.parse_assembly(cpu.llvm_ir(plan)).verify()
+    llvm.parse_assembly(codegen.llvm_ir(plan)).verify()
 
 
 def test_jit_is_cached_by_plan():
     plan = push_case()[0]
-    a = cpu.compile_plan(plan)
-    b = cpu.compile_plan(push_case()[0])  # an equal plan, another object
+    a = jit.compile_plan(plan)
+    b = jit.compile_plan(push_case()[0])  # an equal plan, another object
     assert a is b
     other = relay_case()[0]
-    assert cpu.compile_plan(other) is not a
+    assert jit.compile_plan(other) is not a
     assert a.key == jit.plan_key(plan)
 
 
@@ -445,7 +446,7 @@ def test_concurrent_compilations():
 
     def build(i):
         try:
-            got[i] = cpu.compile_plan(plans[i])
+            got[i] = jit.compile_plan(plans[i])
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -466,24 +467,24 @@ def test_slot_out_of_range_is_refused():
     plan, layout, x, _ = push_case()
     layout.copies[0].dst_slots = np.array([2, 3, 4, 6])
     with pytest.raises(ValueError, match="slot 6 is outside the buffer's 6 rows"):
-        cpu.run_dispatch(plan, layout, x)
+        threads.run_dispatch(plan, layout, x)
 
 
 def test_copy_of_a_step_without_a_role_is_refused():
     plan, layout, x, _ = push_case()
     plan.kernels[0].roles = plan.kernels[0].roles[:1]  # no role for keep
     with pytest.raises(ValueError, match="step 'keep' of dispatch, which is no role"):
-        cpu.run_dispatch(plan, layout, x)
+        threads.run_dispatch(plan, layout, x)
 
 
 def test_wrong_input_shape_is_refused():
     plan, layout, x, _ = push_case()
     with pytest.raises(ValueError, match=r"'input' of rank 0 must be uint8 \[4, 24\]"):
-        cpu.run_dispatch(plan, layout, [x[0][:, :8], x[1]])
+        threads.run_dispatch(plan, layout, [x[0][:, :8], x[1]])
 
 
 def test_weighted_copy_without_weights_is_refused():
     plan, layout, y, _ = combine_case()
     next(c for c in layout.copies if c.step == "fwd").weights = None
     with pytest.raises(ValueError, match="needs weights"):
-        cpu.run_combine(plan, layout, y)
+        threads.run_combine(plan, layout, y)

@@ -1,5 +1,5 @@
 """Every schedule in schedules/, scaled down (32 tokens per rank), compiled to its final plan, laid
-out by runtime/layout.py and run on the CPU backend: dispatch must equal runtime/oracle.py bit
+out by runtime/layout and run on the cpu engine: dispatch must equal runtime/testing/oracle.py bit
 for bit, combine must agree with it in fp32 (oracle.compare_combine's tolerance)."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from epcc import pipeline
-from epcc.backends import cpu
 from epcc.passes import PassOptions
-from epcc.runtime import inputs, oracle
+from epcc.plan import Plan
+from epcc.runtime.engines.cpu import threads
 from epcc.runtime.layout import compute_layout
+from epcc.runtime.testing import inputs, oracle
 
 SCHEDULES = sorted((Path(__file__).resolve().parents[2] / "schedules").glob("*.sched"))
 TOKENS = 32
@@ -29,8 +30,6 @@ def _compiled(path: str, hidden: int | None):
 
 
 def plan_of(path: Path, hidden: int | None = None, tokens_per_chunk: int | None = None):
-    from epcc.plan import Plan
-
     plan = Plan.from_json(_compiled(str(path), hidden))  # a fresh copy: tests may edit it
     if tokens_per_chunk is not None:
         for s in plan.steps:
@@ -42,18 +41,18 @@ def plan_of(path: Path, hidden: int | None = None, tokens_per_chunk: int | None 
 
 def run_and_check(plan, routing_spec: str = "uniform", seed: int = 0):
     wl, R = plan.workload, plan.num_ranks
-    routing = inputs.make_routing(routing_spec, R, TOKENS, wl.topk, wl.experts, wl.placement, seed)
+    routing = inputs.make_topk(routing_spec, R, TOKENS, wl.topk, wl.experts, wl.placement, seed)
     weights = inputs.make_weights(routing.topk_idx, seed)
     x = inputs.make_x_rows(R, TOKENS, wl.hidden, wl.dtype, seed)
     layout = compute_layout(plan, routing.topk_idx, weights)
-    got = cpu.run_dispatch(plan, layout, [x[r] for r in range(R)])
+    got = threads.run_dispatch(plan, layout, [x[r] for r in range(R)])
     want = oracle.dispatch_oracle(routing.topk_idx, wl.experts, wl.placement, x, weights)
     assert len(got) == R
     for r in range(R):
         assert got[r].dtype == np.uint8 and got[r].shape == want[r].rows.shape, r
         assert np.array_equal(got[r], want[r].rows), f"dispatch differs on {plan.rank_names[r]}"
     y = inputs.make_expert_outputs([w.rows.shape[0] for w in want], wl.hidden, seed)
-    res = cpu.run_combine(plan, layout, y)
+    res = threads.run_combine(plan, layout, y)
     ref, mag = oracle.combine_oracle(routing.topk_idx, wl.experts, wl.placement, weights, y, wl.hidden,
                                      return_abs=True)
     assert len(res) == R and all(r.shape == (TOKENS, wl.hidden) and r.dtype == np.float32 for r in res)
@@ -88,18 +87,18 @@ def test_ranks_as_separate_executors():
     path = next(p for p in SCHEDULES if p.stem == "h200x4_2vnode")
     plan = plan_of(path, hidden=256, tokens_per_chunk=4)
     wl, R = plan.workload, plan.num_ranks
-    routing = inputs.make_routing("uniform", R, TOKENS, wl.topk, wl.experts, wl.placement, 1)
+    routing = inputs.make_topk("uniform", R, TOKENS, wl.topk, wl.experts, wl.placement, 1)
     weights = inputs.make_weights(routing.topk_idx, 1)
     x = inputs.make_x_rows(R, TOKENS, wl.hidden, wl.dtype, 1)
     layout = compute_layout(plan, routing.topk_idx, weights)
-    mem = cpu.HostMemory(layout, "dispatch")
+    mem = threads.HostMemory(layout, "dispatch")
     for r in range(R):
         mem.set_buffer("input", r, x[r])
     errors = []
 
     def rank_main(r):
         try:
-            cpu.execute(plan, layout, "dispatch", mem, ranks=[r], timeout_s=10.0)
+            threads.execute(plan, layout, "dispatch", mem, ranks=[r], timeout_s=10.0)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -120,12 +119,12 @@ def test_missing_producer_is_reported_where_it_is_waited_for():
     path = next(p for p in SCHEDULES if p.stem == "ubbv2_ep16")
     plan = plan_of(path, hidden=256)
     wl, R = plan.workload, plan.num_ranks
-    routing = inputs.make_routing("uniform", R, TOKENS, wl.topk, wl.experts, wl.placement, 0)
+    routing = inputs.make_topk("uniform", R, TOKENS, wl.topk, wl.experts, wl.placement, 0)
     layout = compute_layout(plan, routing.topk_idx, inputs.make_weights(routing.topk_idx, 0))
     layout.copies = [c for c in layout.copies if not (c.program == "dispatch" and c.step == "fwd1")]
     x = inputs.make_x_rows(R, TOKENS, wl.hidden, wl.dtype, 0)
-    with pytest.raises(cpu.CpuBackendTimeout) as ei:
-        cpu.run_dispatch(plan, layout, [x[r] for r in range(R)], timeout_s=0.3)
+    with pytest.raises(threads.CpuBackendTimeout) as ei:
+        threads.run_dispatch(plan, layout, [x[r] for r in range(R)], timeout_s=0.3)
     msg = str(ei.value)
     assert re.fullmatch(r"epcc: wait timed out after 0\.300 s: rank \d+ \(node 0, card \d, die \d\) step '\w+' "
                         r"flag 'dispatch\.fwd1\[flow \d+\]\.ready' \(value 0, waiting for >= 1\)", msg), msg

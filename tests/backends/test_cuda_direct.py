@@ -1,4 +1,5 @@
-"""The direct CUDA lowering's host-side decisions (backends/cuda/direct.py), no GPU, no nvcc:
+"""The direct CUDA lowering's host-side decisions (plan/direct.py, backends/cuda/direct.py), no GPU,
+no nvcc:
 
 * match(): which plans are one-hop (h200x4 in bf16, fp8 and with few tokens; nvl8_hybrid), and
   for the others a reason that names the step and its .sched line (or the rank count);
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -19,9 +21,12 @@ import pytest
 
 from epcc import pipeline
 from epcc.backends.cuda import direct
-from epcc.backends.cuda.direct import DirectConfig, DirectError
+from epcc.backends.cuda import codegen
 from epcc.cli import main
 from epcc.passes import PassOptions
+from epcc.plan import direct as plan_direct
+from epcc.plan.direct import DirectConfig, DirectError
+from epcc.runtime.engines.cuda_direct.library import timeline_summary
 
 REPO = Path(__file__).resolve().parents[2]
 ALL = sorted(p.stem for p in (REPO / "schedules").glob("*.sched"))
@@ -46,7 +51,7 @@ def plan_of(name: str, variant: str = "bf16"):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_h200x4_is_direct(variant):
     plan = plan_of("h200x4", variant)
-    assert direct.match(plan) is None
+    assert plan_direct.match(plan) is None
     if variant == "fp8":
         assert plan.workload.dtype == "fp8"
     if variant == "t128":
@@ -56,13 +61,13 @@ def test_h200x4_is_direct(variant):
 @pytest.mark.parametrize("name", [n for n in ALL if n not in ONE_HOP])
 def test_other_shipped_plans_are_not_direct_and_say_where(name, monkeypatch):
     plan = plan_of(name)
-    why = direct.match(plan)
+    why = plan_direct.match(plan)
     assert why, f"{name} should not match the direct lowering"
-    if plan.num_ranks > direct.MAX_IPC_RANKS:
-        assert why == f"{plan.num_ranks} ranks do not fit one CUDA IPC domain (at most {direct.MAX_IPC_RANKS})"
+    if plan.num_ranks > plan_direct.MAX_IPC_RANKS:
+        assert why == f"{plan.num_ranks} ranks do not fit one CUDA IPC domain (at most {plan_direct.MAX_IPC_RANKS})"
         # beyond the rank limit, the shape itself is not one hop either: the reason names the step
-        monkeypatch.setattr(direct, "MAX_IPC_RANKS", 10_000)
-        why = direct.match(plan)
+        monkeypatch.setattr(plan_direct, "MAX_IPC_RANKS", 10_000)
+        why = plan_direct.match(plan)
     m = re.fullmatch(r"step '([^']+)' \(line (\d+)\) .*not one hop.*", why)
     assert m, why
     lines = {s.line for s in plan.steps if s.name == m.group(1) and s.program == "dispatch"}
@@ -72,46 +77,42 @@ def test_other_shipped_plans_are_not_direct_and_say_where(name, monkeypatch):
 
 
 def test_h200x4_2vnode_names_its_rdma_step():
-    why = direct.match(plan_of("h200x4_2vnode"))
+    why = plan_direct.match(plan_of("h200x4_2vnode"))
     assert why.startswith("step 'rdma' (line ") and "send over rdma" in why
 
 
 def test_reasons_for_workloads_the_kernels_cannot_copy():
-    import copy
-
     plan = copy.deepcopy(plan_of("h200x4"))
     plan.workload.hidden = 7170
-    assert "hidden 7170 is not a multiple of 8" in direct.match(plan)
+    assert "hidden 7170 is not a multiple of 8" in plan_direct.match(plan)
     plan = copy.deepcopy(plan_of("h200x4", "fp8"))
     plan.workload.hidden = 7296  # a multiple of 128 (fp8 scales), not of the 16-byte bulk copies of scales
-    assert "hidden 7296" in direct.match(plan)
+    assert "hidden 7296" in plan_direct.match(plan)
     plan = copy.deepcopy(plan_of("h200x4"))
     plan.workload.experts = 254
-    assert direct.match(plan) == "254 experts cannot be divided among 4 ranks"
+    assert plan_direct.match(plan) == "254 experts cannot be divided among 4 ranks"
     plan = copy.deepcopy(plan_of("h200x4"))
     plan.workload.experts = 1360  # divisible by 4, but 9 x (E + R) ints of metadata masks exceed 48 KB
-    assert direct.match(plan) == ("1360 experts: the metadata kernel's per-expert masks do not fit in a block's "
+    assert plan_direct.match(plan) == ("1360 experts: the metadata kernel's per-expert masks do not fit in a block's "
                                   "shared memory (at most 1359)")
     plan.workload.experts = 1356
-    assert direct.match(plan) is None
+    assert plan_direct.match(plan) is None
     plan = copy.deepcopy(plan_of("h200x4"))
     plan.workload.topk = 13  # 64 experts per rank: up to 13 rows of one token on a rank, 2 x 13 > 24
-    assert direct.match(plan) == ("a token can have 13 rows to reduce on one rank: the combine's ring of 24 "
+    assert plan_direct.match(plan) == ("a token can have 13 rows to reduce on one rank: the combine's ring of 24 "
                                   "vectors per lane double-buffers at most 12")
     plan.workload.topk = 12
-    assert direct.match(plan) is None
+    assert plan_direct.match(plan) is None
     assert direct.ring_stages(12) == [24, 12, 8, 6, 4, 4, 3, 3, 2, 2, 2, 2]
     with pytest.raises(DirectError) as e:  # what match() keeps from generate
         direct.ring_stages(13)
     assert str(e.value) == "a combine ring of 24 vectors per lane cannot double-buffer 13 rows"
     plan = copy.deepcopy(plan_of("h200x4"))
     plan.workload = None
-    assert direct.match(plan) == "the plan has no workload"
+    assert plan_direct.match(plan) == "the plan has no workload"
 
 
 def test_generate_refuses_a_plan_that_does_not_match():
-    from epcc.backends.cuda import codegen
-
     with pytest.raises(DirectError, match="step 'rdma'"):
         direct.generate(plan_of("h200x4_2vnode"), "x.sched", codegen._ENV, "0")
 
@@ -158,13 +159,13 @@ def test_region_offsets_are_increasing_aligned_and_hold_the_capacity(name, varia
 def test_default_config_passes_its_own_check():
     for name, variant in [("h200x4", "bf16"), ("h200x4", "fp8"), ("h200x4", "t128"), ("nvl8_hybrid", "bf16")]:
         plan = plan_of(name, variant)
-        cfg = direct.default_config(plan)
+        cfg = plan_direct.default_config(plan)
         cfg.check()
         # no dedicated replicators or home reducers: every SM sends (reduces records) first
         assert (cfg.recv_blocks, cfg.combine_reduce_blocks) == (0, 0)
         push = next(s for s in plan.steps if s.program == "dispatch" and s.verb == "send")
         assert cfg.dispatch_sms == cfg.send_blocks == cfg.combine_sms == (push.sms or 24)
-        assert 1 <= cfg.channels() <= direct.MAX_CHANNELS
+        assert 1 <= cfg.channels() <= plan_direct.MAX_CHANNELS
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,8 +214,8 @@ def test_config_limits_name_the_key():
     # more sender warps than channels is fine: a warp with no channel goes straight to replicating
     many = DirectConfig.from_dict({**GOOD, "send_blocks": 96, "recv_blocks": 0})
     many.check()
-    assert many.channels() == direct.MAX_CHANNELS
-    with pytest.raises(DirectError, match=rf"^config: warps must lie in \[1, {direct.MAX_WARPS}\], got 17$"):
+    assert many.channels() == plan_direct.MAX_CHANNELS
+    with pytest.raises(DirectError, match=rf"^config: warps must lie in \[1, {plan_direct.MAX_WARPS}\], got 17$"):
         DirectConfig.from_dict({**GOOD, "warps": 17}).check()
     assert issubclass(DirectError, ValueError)
 
@@ -274,8 +275,6 @@ def test_cli_fp8_hidden_the_direct_copies_cannot_take_falls_back_to_tables(tmp_p
 
 
 def test_timeline_summary_reads_roles_by_block_and_warp():
-    from epcc.backends.cuda.direct_runtime import timeline_summary
-
     cfg = DirectConfig(send_blocks=2, recv_blocks=1, warps=2, combine_send_blocks=1, combine_reduce_blocks=1)
     B, W = direct.TIMELINE_BLOCKS, direct.TIMELINE_WORDS
     raw = [0] * (2 * B * W)

@@ -4,11 +4,22 @@ GPUs are in tests/gpu (and bench/ep_bench.py); these check the numbering both si
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
+import shutil
+import subprocess
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
-from epcc.backends import cuda
-from epcc.backends.cuda import rdma_gpu, tables
+from epcc.backends.cuda import abi, codegen
+from epcc.plan.rdma import rdma_steps
+from epcc.runtime.build_cache import BuildError
+from epcc.runtime.engines.cuda_table import tables
+from epcc.runtime.engines.gpu_proxy import channels
+from epcc.runtime.engines.gpu_proxy import engine as gpu_engine
+from epcc.runtime.engines.gpu_proxy.build import build_gpu, nvshmem_home
 
 from test_cuda_codegen import small_case, source_of
 
@@ -17,22 +28,22 @@ from test_cuda_codegen import small_case, source_of
                                                ("dgx_h800_2node", 8, 2)])
 def test_both_sides_number_every_channel_alike(name, tokens, chunk):
     plan, layout, *_ = small_case(name, tokens, chunk)
-    m = cuda.generate(plan, source_of(name), cuda.CudaOptions(rdma="proxy")).manifest
-    for program in tables.PROGRAMS:
+    m = codegen.generate(plan, source_of(name), codegen.CudaOptions(rdma="proxy")).manifest
+    for program in abi.PROGRAMS:
         kernel = next(k for k in m["kernels"] if k["program"] == program and k["kind"] == "main")
         sides = {r["lowered"] for r in kernel["roles"]}
         assert {"rdma-pack", "rdma-unpack"} <= sides, f"{program}: no GPU proxy roles"
         sent, landed = {}, {}
         for rank in range(plan.num_ranks):
-            parsed = cuda.parse_tables(cuda.build_tables(m, layout, program, rank).blob)
-            seq, pack, unpack = rdma_gpu.item_sequences(m, parsed, program)
+            parsed = tables.parse_tables(tables.build_tables(m, layout, program, rank).blob)
+            seq, pack, unpack = channels.item_sequences(m, parsed, program)
             for side, roles, out in (("rdma-pack", pack, sent), ("rdma-unpack", unpack, landed)):
                 for ri in roles:
-                    for item, it, c, key in rdma_gpu.role_items(parsed, ri, kernel["roles"][ri]["step"]):
+                    for item, it, c, key in channels.role_items(parsed, ri, kernel["roles"][ri]["step"]):
                         # the pack role runs on the sender, the unpack role on the receiver
                         assert rank == (key[1] if side == "rdma-pack" else key[2])
                         if side == "rdma-pack":
-                            assert int(c["flag_id"]) == tables.NO_FLAG  # the receiver bumps the counter
+                            assert int(c["flag_id"]) == abi.NO_FLAG  # the receiver bumps the counter
                         else:
                             assert int(it["wait_count"]) == 0  # it waits for the landing signal instead
                         out.setdefault(key, []).append(
@@ -50,18 +61,16 @@ def test_both_sides_number_every_channel_alike(name, tokens, chunk):
 
 def test_wire_rows_are_bf16_in_combine():
     plan, *_ = small_case("h200x4_2vnode", 8, 2)
-    m = cuda.generate(plan, source_of("h200x4_2vnode"), cuda.CudaOptions(rdma="proxy")).manifest
-    assert rdma_gpu.wire_pitch(m, "dispatch") == m["workload"]["row_bytes"]
-    assert rdma_gpu.wire_pitch(m, "combine") == 2 * m["workload"]["hidden"]
+    m = codegen.generate(plan, source_of("h200x4_2vnode"), codegen.CudaOptions(rdma="proxy")).manifest
+    assert channels.wire_pitch(m, "dispatch") == m["workload"]["row_bytes"]
+    assert channels.wire_pitch(m, "combine") == 2 * m["workload"]["hidden"]
     ops = {r["lowered"]: r["op"] for k in m["kernels"] if k["program"] == "combine" for r in k.get("roles", [])}
     assert ops["rdma-pack"] == "pack_f32_bf16" and ops["rdma-unpack"] == "accum_bf16_wire"
     assert tables.partial_rounding(m) == tables.BF16_WIRE
-    assert np.dtype(rdma_gpu.RDMA_CHAN).itemsize == 64
+    assert np.dtype(channels.RDMA_CHAN).itemsize == 64
 
 
 def _nvcc():
-    import shutil
-
     nvcc = shutil.which("nvcc")
     if not nvcc:
         pytest.skip("nvcc is not on PATH")
@@ -71,14 +80,10 @@ def _nvcc():
 def test_gpu_proxy_library_builds_from_the_bundle(tmp_path, monkeypatch):
     """The GPU path's proxy library (emitted loop + emulated transport) from a bundle's cuda/rdma/,
     as the runtime builds it on the GPU machine: it exports the GPU loop."""
-    import ctypes
-
-    from epcc.backends.rdma.build import build_gpu
-
     _nvcc()
-    monkeypatch.setenv("EPCC_RDMA_BUILD_DIR", str(tmp_path / "build"))
+    monkeypatch.setenv("EPCC_CACHE", str(tmp_path / "cache"))
     plan, *_ = small_case("h200x4_2vnode", 8, 2)
-    cuda.generate(plan, source_of("h200x4_2vnode"), cuda.CudaOptions(rdma="proxy")).write(tmp_path / "cuda")
+    codegen.generate(plan, source_of("h200x4_2vnode"), codegen.CudaOptions(rdma="proxy")).write(tmp_path / "cuda")
     lib = build_gpu(tmp_path / "cuda" / "rdma")
     try:
         loaded = ctypes.CDLL(str(lib))
@@ -91,18 +96,14 @@ def test_gpu_proxy_library_builds_with_nvshmem(tmp_path, monkeypatch):
     """The nvshmem transport compiled against NVSHMEM's headers and linked (-z defs: every symbol
     resolved) against its host library, the pip wheel the test extra installs: the library
     exports the transport and the bootstrap the runtime calls."""
-    import subprocess
-
-    from epcc.backends.rdma.build import BuildError, build_gpu, nvshmem_home
-
     _nvcc()
     try:
         nvshmem_home()
     except BuildError as e:
         pytest.skip(str(e))
-    monkeypatch.setenv("EPCC_RDMA_BUILD_DIR", str(tmp_path / "build"))
+    monkeypatch.setenv("EPCC_CACHE", str(tmp_path / "cache"))
     plan, *_ = small_case("h200x4_2vnode", 8, 2)
-    cuda.generate(plan, source_of("h200x4_2vnode"), cuda.CudaOptions(rdma="proxy")).write(tmp_path / "cuda")
+    codegen.generate(plan, source_of("h200x4_2vnode"), codegen.CudaOptions(rdma="proxy")).write(tmp_path / "cuda")
     lib = build_gpu(tmp_path / "cuda" / "rdma", "nvshmem")
     syms = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True).stdout
     for name in ("epcc_rdma_proxy_gpu", "epcc_tp_ops_nvshmem", "epcc_nvshmem_uid", "epcc_nvshmem_init",
@@ -113,10 +114,6 @@ def test_gpu_proxy_library_builds_with_nvshmem(tmp_path, monkeypatch):
 
 
 def test_nvshmem_not_found_says_where_it_looked(tmp_path, monkeypatch):
-    import importlib.util
-
-    from epcc.backends.rdma.build import BuildError, nvshmem_home
-
     monkeypatch.setenv("NVSHMEM_HOME", str(tmp_path))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(BuildError) as e:
@@ -127,19 +124,17 @@ def test_nvshmem_not_found_says_where_it_looked(tmp_path, monkeypatch):
 
 def test_gpu_proxy_refuses_an_unknown_transport():
     plan, *_ = small_case("h200x4_2vnode", 8, 2)
-    with pytest.raises(rdma_gpu.RdmaGpuError) as e:
-        rdma_gpu.GpuRdma(proxy_lib="-", cuda_lib=None, ctx=None, plan=plan, manifest={}, blob=None,
+    with pytest.raises(channels.RdmaGpuError) as e:
+        gpu_engine.GpuRdma(proxy_lib="-", cuda_lib=None, ctx=None, plan=plan, manifest={}, blob=None,
                          program="dispatch", rank=0, device=0, exchange=None, transport="ibverbs")
     assert str(e.value) == "transport 'ibverbs': the GPU proxy path runs emulated or nvshmem"
 
 
 def test_gpu_proxy_kernels_compile(tmp_path):
     """The pack and unpack roles (dispatch copy, combine bf16 wire) compile for sm_90a."""
-    import subprocess
-
     nvcc = _nvcc()
     plan, *_ = small_case("h200x4_2vnode", 8, 2)
-    b = cuda.generate(plan, source_of("h200x4_2vnode"), cuda.CudaOptions(rdma="proxy"))
+    b = codegen.generate(plan, source_of("h200x4_2vnode"), codegen.CudaOptions(rdma="proxy"))
     b.write(tmp_path)
     for k in b.kernels:
         text = b.files[k.file]
@@ -150,8 +145,6 @@ def test_gpu_proxy_kernels_compile(tmp_path):
 
 
 def test_a_failed_compile_names_the_file_the_command_and_the_output(tmp_path):
-    from epcc.backends.rdma.build import BuildError, build_gpu
-
     _nvcc()
     (tmp_path / "broken_proxy.c").write_text("this is not C\n", encoding="utf-8")
     with pytest.raises(BuildError) as e:
@@ -164,23 +157,19 @@ def test_a_failed_compile_names_the_file_the_command_and_the_output(tmp_path):
 def test_nvshmem_over_a_library_built_without_it_is_refused(tmp_path, monkeypatch):
     """GpuRdma(transport="nvshmem") with a proxy library built for the emulated transport says so
     before it allocates anything."""
-    import ctypes
-
-    from epcc.backends.rdma.build import build_gpu
-
     _nvcc()
-    monkeypatch.setenv("EPCC_RDMA_BUILD_DIR", str(tmp_path / "build"))
+    monkeypatch.setenv("EPCC_CACHE", str(tmp_path / "cache"))
     plan, layout, *_ = small_case("h200x4_2vnode", 8, 2)
-    b = cuda.generate(plan, source_of("h200x4_2vnode"), cuda.CudaOptions(rdma="proxy"))
+    b = codegen.generate(plan, source_of("h200x4_2vnode"), codegen.CudaOptions(rdma="proxy"))
     b.write(tmp_path / "cuda")
     lib = build_gpu(tmp_path / "cuda" / "rdma")
     try:
         ctypes.CDLL(str(lib))
     except OSError as e:
         pytest.skip(f"cannot load the CUDA runtime here: {e}")
-    blob = cuda.build_tables(b.manifest, layout, "dispatch", 0).blob
-    with pytest.raises(rdma_gpu.RdmaGpuError) as e:
-        rdma_gpu.GpuRdma(proxy_lib=str(lib), cuda_lib=None, ctx=None, plan=plan, manifest=b.manifest, blob=blob,
+    blob = tables.build_tables(b.manifest, layout, "dispatch", 0).blob
+    with pytest.raises(channels.RdmaGpuError) as e:
+        gpu_engine.GpuRdma(proxy_lib=str(lib), cuda_lib=None, ctx=None, plan=plan, manifest=b.manifest, blob=blob,
                          program="dispatch", rank=0, device=0, exchange=None, transport="nvshmem")
     assert str(e.value) == f"{lib}: built without NVSHMEM (build_gpu(..., 'nvshmem') links it)"
 
@@ -190,8 +179,8 @@ def test_nvshmem_over_a_library_built_without_it_is_refused(tmp_path, monkeypatc
 def test_fifo_layout_is_the_array_the_engine_reads():
     """The engine reads `epcc_rdma_fifo [n_roles]` from one address (epcc_rdma_engine_init): the
     structs are contiguous in role order, each `entries` word points at its own area behind them."""
-    lay = rdma_gpu.fifo_layout([4, 2, 3])
-    F, E = rdma_gpu.FIFO_WORDS, rdma_gpu.ENTRY_WORDS
+    lay = channels.fifo_layout([4, 2, 3])
+    F, E = channels.FIFO_WORDS, channels.ENTRY_WORDS
     assert [lay.struct_word(i) for i in range(3)] == [0, F, 2 * F]
     assert [lay.entries_word(i) for i in range(3)] == [3 * F, 3 * F + 4 * E, 3 * F + 6 * E]
     assert lay.words == 3 * F + 9 * E
@@ -203,46 +192,42 @@ def test_fifo_layout_is_the_array_the_engine_reads():
         s = lay.struct_word(i)
         assert list(host[s:s + F]) == [0, 0, 0, 0, depth, base + 8 * lay.entries_word(i), 0, 0]
         assert lay.entries_ptr(base, i) == base + 8 * lay.entries_word(i)
-        assert lay.retired_ptr(base, i) == base + 8 * (s + rdma_gpu.RETIRED_WORD)
+        assert lay.retired_ptr(base, i) == base + 8 * (s + channels.RETIRED_WORD)
         areas.append((lay.entries_word(i), lay.entries_word(i) + E * depth))
     assert areas[0][0] >= 3 * F and areas[-1][1] == lay.words  # behind the structs, inside the region
     assert all(a[1] <= b[0] for a, b in zip(areas, areas[1:]))  # no two FIFOs share an entry
-    with pytest.raises(rdma_gpu.RdmaGpuError) as e:
+    with pytest.raises(channels.RdmaGpuError) as e:
         lay.fill(np.zeros(3, dtype=np.uint64), base)
     assert str(e.value) == f"the FIFO region holds 3 words, the layout needs {lay.words}"
-    with pytest.raises(rdma_gpu.RdmaGpuError) as e:
-        rdma_gpu.fifo_layout([2, 0])
+    with pytest.raises(channels.RdmaGpuError) as e:
+        channels.fifo_layout([2, 0])
     assert str(e.value) == "FIFO depths [2, 0]: every pack role needs a depth of at least 1"
 
 
 def test_a_channel_fed_by_two_pack_roles_is_refused():
     # chunks are numbered per pack role and channel (item_sequences): two roles on one channel
     # would give two chunks the same number
-    from types import SimpleNamespace
-
     kernel = {"roles": [{"step": "there"}, {"step": "there"}]}
     pack = {0: {("there", 0, 1): [4096]}, 1: {("there", 0, 1): [4096]}}
-    with pytest.raises(rdma_gpu.RdmaGpuError) as e:
-        rdma_gpu.channel_plan("dispatch", kernel, pack, {}, {"there": SimpleNamespace(depth=4)}, 14336)
+    with pytest.raises(channels.RdmaGpuError) as e:
+        channels.channel_plan("dispatch", kernel, pack, {}, {"there": SimpleNamespace(depth=4)}, 14336)
     assert str(e.value) == ("dispatch step 'there': channel 0->1 is fed by pack roles 0 and 1; one pack role per "
                             "channel in this version")
 
 
 def _relay_side(program, rank, tokens=24, chunk=3):
     """h200x2_2vnode_relay (two RDMA steps per program): one rank's tables, roles and channel plan."""
-    from epcc.backends.rdma.lower import rdma_steps
-
     plan, layout, *_ = small_case("h200x2_2vnode_relay", tokens, chunk)
-    m = cuda.generate(plan, source_of("h200x2_2vnode_relay"), cuda.CudaOptions(rdma="proxy")).manifest
-    parsed = cuda.parse_tables(cuda.build_tables(m, layout, program, rank).blob)
-    _, pack, unpack = rdma_gpu.item_sequences(m, parsed, program)
+    m = codegen.generate(plan, source_of("h200x2_2vnode_relay"), codegen.CudaOptions(rdma="proxy")).manifest
+    parsed = tables.parse_tables(tables.build_tables(m, layout, program, rank).blob)
+    _, pack, unpack = channels.item_sequences(m, parsed, program)
     kernel = next(k for k in m["kernels"] if k["program"] == program and k["kind"] == "main")
     steps = {s.step: s for s in rdma_steps(plan) if s.program == program}
-    cp = rdma_gpu.channel_plan(program, kernel, pack, unpack, steps, rdma_gpu.wire_pitch(m, program))
+    cp = channels.channel_plan(program, kernel, pack, unpack, steps, channels.wire_pitch(m, program))
     return parsed, kernel, cp
 
 
-@pytest.mark.parametrize("program", tables.PROGRAMS)
+@pytest.mark.parametrize("program", abi.PROGRAMS)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_two_rdma_steps_each_pack_role_points_at_its_own_fifo(program, rank):
     parsed, kernel, cp = _relay_side(program, rank)
@@ -250,18 +235,18 @@ def test_two_rdma_steps_each_pack_role_points_at_its_own_fifo(program, rank):
     assert sorted(r.step for r in cp.roles) == ["relay", "there"]  # two pack roles, two FIFOs
     assert cp.fifos.depths == tuple(r.depth for r in cp.roles)
     assert len(cp.send) == len(cp.recv) == 2  # one channel per step, each way
-    at = rdma_gpu.Regions(send_bufs=(0x10000, 0x20000), claims=0x30000, credits=0x40000, fifos=0x50000,
+    at = channels.Regions(send_bufs=(0x10000, 0x20000), claims=0x30000, credits=0x40000, fifos=0x50000,
                           landing=0x60000, signals=0x70000, consumed=0x80000)
     peer_depth = {k: 5 + ch.index for k, ch in cp.send.items()}
-    desc = rdma_gpu.descriptors(parsed, kernel, cp, at, peer_depth)
+    desc = channels.descriptors(parsed, kernel, cp, at, peer_depth)
     seen = {}
     for i, role in enumerate(cp.roles):
         assert int(parsed["roles"][role.index]["item_count"]) > 0
-        for _, it, _, key in rdma_gpu.role_items(parsed, role.index, role.step):
+        for _, it, _, key in channels.role_items(parsed, role.index, role.step):
             ch = cp.send[key]
             d = desc[int(it["copy"])]
             assert int(d["entries"]) == at.fifos + 8 * cp.fifos.entries_word(i)
-            assert int(d["retired"]) == at.fifos + 8 * (rdma_gpu.FIFO_WORDS * i + rdma_gpu.RETIRED_WORD)
+            assert int(d["retired"]) == at.fifos + 8 * (channels.FIFO_WORDS * i + channels.RETIRED_WORD)
             assert (int(d["ring"]), int(d["counter"])) == (at.send_bufs[i], at.claims + 8 * i)
             assert (int(d["credit"]), int(d["chan"])) == (at.credits + 8 * ch.index, ch.index)
             assert (int(d["depth"]), int(d["slot_bytes"]), int(d["chan_depth"])) == (
@@ -272,7 +257,7 @@ def test_two_rdma_steps_each_pack_role_points_at_its_own_fifo(program, rank):
     for ri, role in enumerate(kernel["roles"]):
         if role.get("lowered") != "rdma-unpack":
             continue
-        for _, it, _, key in rdma_gpu.role_items(parsed, ri, role["step"]):
+        for _, it, _, key in channels.role_items(parsed, ri, role["step"]):
             ch = cp.recv[key]
             d = desc[int(it["copy"])]
             assert (int(d["ring"]), int(d["signals"]), int(d["counter"])) == (
@@ -288,13 +273,11 @@ def test_two_rdma_steps_each_pack_role_points_at_its_own_fifo(program, rank):
 # ------------------------------------------------------------ RDMA steps over links of different speeds
 
 def _links(name, program):
-    from epcc.backends.rdma.lower import rdma_steps
-
     plan, *_ = small_case(name, 8, 2)
-    return rdma_gpu.step_links(s for s in rdma_steps(plan) if s.program == program)
+    return channels.step_links(s for s in rdma_steps(plan) if s.program == program)
 
 
-@pytest.mark.parametrize("program", tables.PROGRAMS)
+@pytest.mark.parametrize("program", abi.PROGRAMS)
 def test_steps_over_two_link_classes_get_a_link_each(program):
     """h200x2_2vnode_mixed: `there` over rdma (50 GB/s), `relay` over rdma_slow (25 GB/s): two
     links of the transport, each step on its own, and the emulated spec paces each."""
@@ -306,23 +289,23 @@ def test_steps_over_two_link_classes_get_a_link_each(program):
     assert links[step_link["there"]].name == "rdma" and links[step_link["relay"]].name == "rdma_slow"
     assert sorted(step_link.values()) == [0, 1]
     bw = "/".join(f"{link.bandwidth / 1e9:g}" for link in links)
-    assert rdma_gpu.emulated_spec(program, links, 1) == f"{bw},5/5,1,signal"  # 50/25 or 25/50: step order
-    assert rdma_gpu.transport_links(program, "emulated", "-", 2, links, step_link) == step_link
+    assert channels.emulated_spec(program, links, 1) == f"{bw},5/5,1,signal"  # 50/25 or 25/50: step order
+    assert channels.transport_links(program, "emulated", "-", 2, links, step_link) == step_link
     # NVSHMEM is not paced: one link, every step on it
-    assert rdma_gpu.transport_links(program, "nvshmem", "signal", 1, links, step_link) == {"there": 0, "relay": 0}
+    assert channels.transport_links(program, "nvshmem", "signal", 1, links, step_link) == {"there": 0, "relay": 0}
 
 
 @pytest.mark.parametrize("name", ["h200x2_2vnode_relay", "h200x2_2vnode"])
 def test_one_link_class_gets_the_spec_it_always_had(name):
     links, step_link = _links(name, "dispatch")
     assert [link.name for link in links] == ["rdma"] and set(step_link.values()) == {0}
-    assert rdma_gpu.emulated_spec("dispatch", links, 0) == "50,5,0,signal"
+    assert channels.emulated_spec("dispatch", links, 0) == "50,5,0,signal"
 
 
 def test_a_paced_transport_with_too_few_links_is_refused():
     links, step_link = _links("h200x2_2vnode_mixed", "dispatch")
-    with pytest.raises(rdma_gpu.RdmaGpuError) as e:
-        rdma_gpu.transport_links("dispatch", "emulated", "50,5,0,signal", 1, links, step_link)
+    with pytest.raises(channels.RdmaGpuError) as e:
+        channels.transport_links("dispatch", "emulated", "50,5,0,signal", 1, links, step_link)
     texts = ", ".join(link.text for link in links)
     assert "'rdma' 50 GB/s 5 us" in texts and "'rdma_slow' 25 GB/s 5 us" in texts
     assert str(e.value) == (f"dispatch: transport 'emulated' (50,5,0,signal) has 1 link, but the RDMA steps run over "
@@ -331,6 +314,6 @@ def test_a_paced_transport_with_too_few_links_is_refused():
 
 
 def test_a_link_without_bandwidth_asks_for_the_spec():
-    with pytest.raises(rdma_gpu.RdmaGpuError) as e:
-        rdma_gpu.emulated_spec("combine", [rdma_gpu.Link("rdma", 50e9, 5e-6), rdma_gpu.Link("nic2", 0.0, 5e-6)], 0)
+    with pytest.raises(channels.RdmaGpuError) as e:
+        channels.emulated_spec("combine", [channels.Link("rdma", 50e9, 5e-6), channels.Link("nic2", 0.0, 5e-6)], 0)
     assert str(e.value) == "combine: the RDMA link 'nic2' has no bandwidth in the plan; give the transport spec"

@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from epcc.plan import Plan
+from epcc.sim import SimOptions, simulate
+from epcc.sim import SimulationError
+from epcc.sim.build import build_plan
+from epcc.sim.report import to_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,10 +132,6 @@ def test_rdma_variant_of_a_file_without_the_link_is_refused(bundles, tmp_path, m
 @pytest.mark.parametrize("strict", [False, True])
 def test_strict_exits_1_when_a_bundle_failed(tmp_path, strict):
     """--strict (what the GPU tests run) turns any failed bundle or method into exit status 1."""
-    import os
-    import socket
-    import subprocess
-
     pytest.importorskip("torch")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -170,10 +175,6 @@ def test_a_bad_rdma_chunking_exits_1_naming_it(ep_bench, capsys):
 def test_a_rechunked_plan_is_predicted_as_if_compiled_so(ep_bench, tmp_path):
     """--rdma-chunks re-chunks the bundle's plan at run time and simulates it there (no MLIR on
     the GPU machine): the same prediction as compiling the schedule with that chunking."""
-    from epcc.plan import Plan
-    from epcc.sim import SimOptions, build_plan, simulate
-    from epcc.sim.report import to_dict
-
     src = (ROOT / "schedules" / "h200x2_2vnode.sched").read_text(encoding="utf-8")
     plan = Plan.from_json(build_plan(str(ROOT / "schedules" / "h200x2_2vnode.sched")).plan.to_json())
     rechunked = ep_bench.rechunk(plan, (32, 4))
@@ -195,8 +196,6 @@ def test_rechunked_proxy_bundle_checked_by_the_emulator(tmp_path):
     """--rdma-chunks end to end, on the CPU: a proxy bundle runs once per chunking (2 ranks, gloo),
     each with tables built from the re-chunked plan and checked by the NumPy emulator of the
     kernels; a bundle without the proxy path runs once."""
-    import subprocess
-
     pytest.importorskip("torch")
     bundle = tmp_path / "b"
     r = subprocess.run([sys.executable, "-m", "epcc.cli", "compile", str(ROOT / "schedules" / "h200x2_2vnode.sched"),
@@ -222,15 +221,12 @@ def test_rechunked_proxy_bundle_checked_by_the_emulator(tmp_path):
 
 
 def test_a_plan_that_cannot_be_simulated_has_no_prediction_and_says_why(ep_bench, monkeypatch, capsys):
-    from epcc.plan import Plan
-    from epcc.sim import SimulationError, build_plan
-
     plan = Plan.from_json(build_plan(str(ROOT / "schedules" / "h200x2_2vnode.sched")).plan.to_json())
 
     def fail(*a, **k):
         raise SimulationError("step 'rdma' has no resources")
 
-    monkeypatch.setattr(sys.modules["epcc.sim.simulate"], "simulate", fail)  # the module, not sim.simulate()
+    monkeypatch.setattr(ep_bench, "simulate", fail)  # the simulator as the bench calls it
     assert ep_bench.predict(plan, T=4096) is None
     assert capsys.readouterr().err == ("ep_bench: cannot simulate the re-chunked plan: SimulationError: "
                                        "step 'rdma' has no resources\n")

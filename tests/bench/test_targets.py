@@ -1,9 +1,10 @@
-"""bench/targets.py: issue 5's targets judged from ep_bench reports (no GPU: reports are written here)."""
+"""bench/targets.py: the GPU targets judged from ep_bench reports (no GPU: reports are written here)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def _rows(text):
 def test_every_target_met(targets, tmp_path, capsys):
     assert targets.main([_write(tmp_path, report())]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("Issue 5's targets (stated for 4x H200) on 4 x NVIDIA H200:")
+    assert out.startswith("The targets (stated for 4x H200) on 4 x NVIDIA H200:")
     rows = _rows(out)
     assert len(rows) == len(targets.TARGETS) + 1  # the header row too
     assert rows["dispatch 4096 tokens BF16 (fused permute) <= 0.42 ms with <= 24 SMs"].endswith(
@@ -186,8 +187,6 @@ def test_a_bundle_with_a_malformed_workload_counts_as_no_shape(targets, tmp_path
      "bench/acceptance.sh: no bundle {tmp}/none/h200x2 (run tests/gpu/bundles.py {tmp}/none on a CPU machine)"),
 ])
 def test_acceptance_script_refuses_bad_arguments(tmp_path, args, code, message):
-    import subprocess
-
     args = [a.format(tmp=tmp_path) for a in args]
     r = subprocess.run(["bash", str(ROOT / "bench" / "acceptance.sh"), *args], capture_output=True, text=True,
                        cwd=tmp_path)

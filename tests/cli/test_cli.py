@@ -15,11 +15,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from epcc import __version__
 from epcc.cli import main
 from epcc.sema.check import check_file
+from epcc.sim import SimOptions, simulate
+from epcc.sim.build import build_plan
+from epcc.sim.direct import describe
+from epcc.viz import build_scheduled_graph
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEDULES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "schedules").glob("*.sched"))
@@ -306,12 +311,8 @@ def _critical_nodes(dot: str) -> set[str]:
 
 
 def _simulated(rel: str, sms=None, table=False):
-    from epcc.backends.cuda.direct_model import direct_kernels
-    from epcc.sim import SimOptions, build_plan, simulate
-    from epcc.sim.direct import describe
-
     plan = build_plan(rel).plan
-    kernels = None if table else direct_kernels(plan, sms)[0]
+    kernels = None if table or plan.direct is None else plan.direct if sms is None else plan.direct.with_sms(sms)
     return plan, kernels, describe(plan, kernels), simulate(plan, SimOptions(direct=kernels))
 
 
@@ -343,9 +344,6 @@ def test_viz_scheduled_draws_the_direct_kernels_where_they_run(argv, tmp_path, c
 
 
 def test_viz_scheduled_table_model_is_the_table_driven_drawing(tmp_path, capsys):
-    from epcc.sim import build_plan, simulate
-    from epcc.viz import build_scheduled_graph
-
     dot = _scheduled_dot([H200X4, "--kernels", "table"], tmp_path, capsys)
     plan, _kernels, model, res = _simulated(H200X4, table=True)
     assert model["model"] == "roles"
@@ -473,7 +471,7 @@ def test_exit_statuses_of_the_real_process(tmp_path):
     assert (version.returncode, version.stdout) == (0, "epcc 0.1.0\n")
 
 
-# --------------------------------------------------------------------------- hardening (session 20 audit)
+# --------------------------------------------------------------------------- hardening (from a fuzzing audit)
 
 def test_an_output_path_that_cannot_be_written_is_a_user_error(capsys, tmp_path):
     for argv, text in ((["compile", SMALL, "-o", "/proc/epcc_out"], "/proc/epcc_out: No such file or directory"),
@@ -535,8 +533,6 @@ def test_an_expression_too_long_is_located(capsys, tmp_path):
 
 
 def test_an_empty_or_non_finite_routing_file_is_refused(capsys, tmp_path):
-    import numpy as np
-
     empty, inf = tmp_path / "empty.npy", tmp_path / "inf.npy"
     np.save(empty, np.zeros((0, 8), dtype=np.int64))
     pop = np.ones(256)

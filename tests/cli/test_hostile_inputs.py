@@ -4,7 +4,7 @@
   empty name is refused by its type before anything is opened (nothing blocks), a file past its
   size cap by its size; a .npy's header is checked against its data before an array exists.
 * No command writes over one of its inputs: compile -o, viz -o, simulate --gantt.
-* A plan.json from outside is checked field by field (epcc.plan_check); a run that cannot fit
+* A plan.json from outside is checked field by field (epcc.plan.check); a run that cannot fit
   in memory is refused with the estimate; a malformed bundle manifest stops `epcc tune`.
 * What a diagnostic echoes is terminal-safe (escape sequences shown, not sent), bidirectional
   controls draw a located warning, and carets stand under the right column after CR-only line
@@ -28,7 +28,7 @@ import pytest
 from epcc import cli, limits
 from epcc.backends.cpu.procs import ProcessBackend
 from epcc.cli import main
-from epcc.plan_check import check_plan_json
+from epcc.plan.check import check_plan_json
 
 from test_cli import REPO, SMALL, _at_repo_root, no_crash  # noqa: F401 (the fixture applies here too)
 from test_cli import run as run_cli

@@ -7,7 +7,7 @@ h200x4 (EP4, 4096 tokens, bf16), h200x4_fp8 (--dtype fp8), h200x4_t128 (128 toke
 low-latency shape), and the same one-hop schedule on two GPUs (h200x2, h200x2_fp8, h200x2_t128):
 h200x4.sched with `gpu 4` replaced by `gpu 2`, written next to the bundles.
 
-Emulated-RDMA bundles (issue 6, bench/ep_bench.py --methods epcc): the two 2-virtual-node plans
+Emulated-RDMA bundles (the GPU proxy path; bench/ep_bench.py --methods epcc): the two 2-virtual-node plans
 on 4 GPUs, h200x4_2vnode (DeepEP internode style: RDMA once per vnode, then NVLink forward) and
 h200x4_ubb2x2 (seed 000 style: reorder, NIC, hand-over to the twin, final permute), each with its
 RDMA-class link at 50 GB/s (the shipped files), at 13 GB/s (the seed's RoCE NIC) and at

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from epcc.runtime import inputs, oracle
-from epcc.backends.cuda.direct import META_CHUNK
+from epcc.runtime.testing import inputs, oracle
+from epcc.plan.direct import META_CHUNK
 from epcc.runtime.buffer import Buffer
 
 ROUTINGS = tuple(os.environ.get("EPCC_GPU_ROUTINGS", "uniform,zipf:1.2,all-to-one,no-remote,empty").split(","))
@@ -51,7 +51,7 @@ def routing_topk(spec: str, R: int, T: int, K: int, E: int, placement: str, seed
         out = np.full((R, T, K), -1, np.int64)
         out[:, :, : experts.shape[2]] = experts
         return out
-    return inputs.make_routing(spec, R, T, K, E, placement, seed=seed).topk_idx
+    return inputs.make_topk(spec, R, T, K, E, placement, seed=seed).topk_idx
 
 
 class Case:
@@ -239,7 +239,7 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
 
     # CUDA graph: dispatch (low latency) + expert outputs + combine, captured once, replayed on new inputs
     xs, idxs, ws = case.gpu_inputs()
-    cap = buf._cuda.c["capacity"]
+    cap = buf.engine.c["capacity"]
     row_local = torch.zeros(cap, dtype=torch.int64, device=dev)  # local expert of each received row
     rx, _, rw, (cnt, off), h, _ = buf.dispatch(xs, idxs, ws, sync=False)  # warm-up outside the graph
     buf.synchronize()
@@ -284,7 +284,7 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
             if needle not in str(e):
                 errs.append(f"unexpected message: {e}")
     report("bad input raises", errs)
-    decode = buf._cuda.c["max_tokens"] <= META_CHUNK
+    decode = buf.engine.c["max_tokens"] <= META_CHUNK
     buf.synchronize()
     dist.barrier()
     buf.close()

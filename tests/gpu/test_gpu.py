@@ -15,7 +15,7 @@ print "ALL OK"; on failure the test shows the output tail.  Likewise the 4-rank 
 (two virtual nodes of two GPUs) run as 4 ranks on 2 GPUs where 4 are missing
 (test_gpu_proxy_path_ep4_shared_gpus: every result checked, no timing).
 
-The GPU proxy path (issue 6) runs through bench/ep_bench.py --strict on the 2-vnode plan of two
+The GPU proxy path runs through bench/ep_bench.py --strict on the 2-vnode plan of two
 GPUs (h200x2_2vnode_50_proxy; h200x2_2vnode_relay_50_proxy: two RDMA steps per program, so two
 pack roles and two FIFOs per rank and program; h200x2_2vnode_mixed_50_proxy: the same two steps
 over links of 50 and 25 GB/s, each paced on its own link), once per transport: `emulated` (the
@@ -26,15 +26,16 @@ bit-exact, combine within bf16-wire rounding) and --strict makes a failed check 
 `epcc simulate` (the bundle's simulate.json), and on the mixed plan the step over the fast link
 must have landed (rank 0's role timeline, the median of 5 stamped rounds) by FAST_BY of the time
 the step over the slow link landed: simulated 0.51; measured on 2 H200s 0.49-0.54 in single
-rounds and once 0.61, and 0.55-0.58 as medians of 5 (session 17: one proxy thread posts both
+rounds and once 0.61, and 0.55-0.58 as medians of 5 (2026-11-23: one proxy thread posts both
 steps' chunks, ~80 % busy while both run, so the host's scheduling moves the fast step by
 ~10 %); both steps on one queue, or both paced at one link's speed, give 0.9 or more
-(h200x2_2vnode_relay, one link: 0.93).  (Session 16 set 0.6 from two rounds at 0.49-0.50; a
-later run's 0.61 failed it.)
+(h200x2_2vnode_relay, one link: 0.93).  (A bound of 0.6, set from two rounds at 0.49-0.50,
+failed a later run's 0.61.)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -42,6 +43,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from epcc.runtime.build_cache import find_nvcc
+from epcc.runtime.build_cache import BuildError
+from epcc.runtime.engines.gpu_proxy.build import nvshmem_home
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "ep_worker.py"
@@ -70,7 +75,7 @@ pytestmark = pytest.mark.gpu
 
 def _gpus() -> tuple[int, str]:
     try:
-        import torch
+        import torch  # the runtime extra: without it this machine runs no GPU test
     except ImportError:
         return 0, "torch is not installed"
     n = torch.cuda.device_count()
@@ -84,8 +89,6 @@ def _why_not(gpus: int, bundles: list[str]) -> str | None:
         return f"needs >= 2 GPUs ({what}); {HOW}"
     if have < gpus:
         return f"the EP{gpus} case needs {gpus} GPUs ({what})"
-    from epcc.backends.cuda.launcher import find_nvcc
-
     if find_nvcc() is None:
         return f"nvcc not found (PATH, $NVCC, /usr/local/cuda*/bin): the direct kernels are built on this machine; {HOW}"
     if not BUNDLES.is_dir():
@@ -157,8 +160,6 @@ def _proxy_bench(gpus: int, bundles: list[str], transport: str, tmp_path: Path, 
     transport lines `rdma PROGRAM: ... over TRANSPORT (...)`)."""
     why = _why_not(gpus, bundles)
     if not why and transport == "nvshmem":
-        from epcc.backends.rdma.build import BuildError, nvshmem_home
-
         try:
             nvshmem_home()
         except BuildError as e:
@@ -219,8 +220,6 @@ def sim_mismatches(report_path: Path) -> list[str]:
     the SIM_CHECKED bundles off `epcc simulate` by more than SIM_TOLERANCE, and a FAST_STEP that
     did not land by FAST_BY of its slow step's landing; one line per miss, starting with the
     bundle's name."""
-    import json
-
     out = []
     for b in json.loads(report_path.read_text(encoding="utf-8"))["bundles"]:
         name, sim = b["name"], b.get("simulate")

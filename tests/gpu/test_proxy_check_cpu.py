@@ -36,8 +36,8 @@ def test_a_run_that_matches_the_simulation_passes(tmp_path):
 
 
 def test_the_slowest_landing_measured_passes(tmp_path):
-    # session 17's acceptance run (one stamped round): `there` at 1.588 of 2.600 ms, 0.61, which
-    # the 0.6 of session 16 failed; 5-round medians since ran 0.55-0.58
+    # an acceptance run on 2 x H200, 2026-11-23 (one stamped round): `there` at 1.588 of 2.600 ms,
+    # 0.61, which an earlier bound of 0.6 failed; 5-round medians since ran 0.55-0.58
     assert G.sim_mismatches(_report(tmp_path, 2.669, 3.663, 1.588, 2.600)) == []
 
 
@@ -60,7 +60,7 @@ def test_bundles_not_checked_against_the_simulation_are_left_alone(tmp_path):
 
 
 def test_the_first_gpu_run_passes_the_check(tmp_path):
-    """The emulated run of the 2-GPU proxy bundles on nvidia-h200-x2 (its ep_bench.json, trimmed to
+    """The emulated run of the 2-GPU proxy bundles on 2 x H200, 2026-11-23 (its ep_bench.json, trimmed to
     what the check reads), which the first version of the check (the fast step within 15 % of its
     simulated end: +20 %) failed."""
     got = G.sim_mismatches(Path(__file__).parent / "data" / "proxy_emulated_h200x2.json")

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ep_worker as W  # noqa: E402
 
-from epcc.runtime import oracle  # noqa: E402
+from epcc.runtime.testing import oracle  # noqa: E402
 
 
 def buf(rank: int, dtype: str):

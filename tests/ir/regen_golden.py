@@ -15,15 +15,15 @@ import os
 import sys
 from pathlib import Path
 
+from epcc.dialect import new_context
+from epcc.ir.emit import emit_module, print_module
+from epcc.sema.check import check_file
+
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parent / "golden"
 
 
 def golden_text(name: str) -> str:
-    from epcc.dialect import new_context
-    from epcc.ir.emit import emit_module, print_module
-    from epcc.sema.check import check_file
-
     schedule, _warnings = check_file(f"schedules/{name}.sched")
     return print_module(emit_module(schedule, new_context()))
 

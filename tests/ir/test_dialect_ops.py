@@ -14,6 +14,7 @@ from pathlib import Path
 import mlir
 import pytest
 from mlir import ir
+from mlir.dialects import irdl
 
 from epcc import dialect
 from epcc.dialect import DIALECT_PATH, load, new_context
@@ -39,8 +40,6 @@ def test_load_is_idempotent():
 
 def test_load_respects_a_dialect_loaded_elsewhere():
     """A context that got the IRDL file from someone else is recognised, not loaded twice."""
-    from mlir.dialects import irdl
-
     ctx = ir.Context()
     irdl.load_dialects(ir.Module.parse(DIALECT_PATH.read_text(encoding="utf-8"), context=ctx))
     assert load(ctx) is ctx

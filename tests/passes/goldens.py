@@ -14,14 +14,15 @@ import os
 import sys
 from pathlib import Path
 
+from epcc import pipeline
+from epcc.passes import PIPELINE
+
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parent / "golden"
 SCHEDULES = ("ubbv2_ep16",)
 
 
 def ir_after_each_pass(name: str) -> dict[str, str]:
-    from epcc import pipeline
-
     texts: dict[str, str] = {}
     cwd = os.getcwd()
     os.chdir(ROOT)
@@ -38,8 +39,6 @@ def golden_path(schedule: str, index: int, pass_name: str) -> Path:
 
 
 def regenerate() -> None:
-    from epcc.passes import PIPELINE
-
     for name in SCHEDULES:
         texts = ir_after_each_pass(name)
         (GOLDEN / name).mkdir(parents=True, exist_ok=True)

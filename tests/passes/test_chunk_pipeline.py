@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from epcc.backends.rdma.lower import rdma_bytes_per_token
+from epcc import pipeline
 from epcc.passes import chunk_pipeline as cp
-from epcc.sim import build_plan
+from epcc.plan.rdma import rdma_bytes_per_token
+from epcc.sim import SimOptions, simulate
+from epcc.sim.build import build_plan
 
 REPO = Path(__file__).resolve().parents[2]
 SCHED = (REPO / "schedules" / "h200x2_2vnode.sched").read_text(encoding="utf-8")
@@ -50,8 +52,6 @@ def test_without_sm_rates_the_latency_rule_holds(tmp_path):
 
 
 def test_the_ir_says_which_chunks_the_cost_model_chose():
-    from epcc import pipeline
-
     c = pipeline.run(str(REPO / "schedules" / "h200x2_2vnode.sched"), "chunk-pipeline")
     text = str(c.module)
     assert text.count('chosen_by = "cost model: ') == 2  # dispatch.rdma and combine.rdma, not the SM steps
@@ -102,9 +102,6 @@ def test_copy_engine_steps_are_not_ramped(tmp_path):
 
 
 def test_the_ramp_is_in_the_ir_and_the_simulation(tmp_path):
-    from epcc import pipeline
-    from epcc.sim import SimOptions, simulate
-
     text = str(pipeline.run(str(REPO / "schedules" / "h200x2_2vnode.sched"), "chunk-pipeline").module)
     assert text.count("ramp = array<i64: 0, 3>") == 1 and "ramp = array<i64: 3, 0>" not in text
     ms = {}
@@ -115,7 +112,7 @@ def test_the_ramp_is_in_the_ir_and_the_simulation(tmp_path):
         res = simulate(build_plan(str(path)).plan, SimOptions(rdma_proxy=True))
         ms[label] = {p: res.programs[p].makespan_s * 1e3 for p in ("dispatch", "combine")}
     # the dispatch's keep_far no longer finishes the RDMA's last chunk on one SM (-74 us simulated;
-    # measured 7-47 us, docs/rdma.md session 20); with `ramp 3` the combine's RDMA starts after a
+    # measured 7-47 us on 2 x H200, 2026-11-23, docs/rdma.md); with `ramp 3` the combine's RDMA starts after a
     # chunk of 8 tokens instead of 64 (simulated -0.13 ms; measured: it started 77 us sooner and
     # ended no sooner)
     assert ms["ramped"]["dispatch"] < ms["whole"]["dispatch"] - 0.05

@@ -12,7 +12,7 @@ import pytest
 from epcc import pipeline
 from epcc.passes.kernel_formation import PROXY_MAX_SMS, proxy_sms
 from epcc.plan import Flow, Plan, PlanStep
-from epcc.sim.sm_terms import PROXY_MIN_SMS
+from epcc.costmodel.rates import PROXY_MIN_SMS
 
 GB = 1e9
 REPO = Path(__file__).resolve().parents[2]

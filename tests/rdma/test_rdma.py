@@ -9,16 +9,30 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epcc.backends import rdma
-from epcc.backends.cpu.host import timeout_message
-from epcc.backends.rdma.build import NATIVE_DIR, BuildError, build_transport, compiler
+from epcc import pipeline
+from epcc.backends.rdma import abi
+from epcc.backends.rdma import emit as rdma_emit
+from epcc.backends.rdma.sources import NATIVE_DIR
 from epcc.plan import Plan
+from epcc.plan import rdma as rdma_plan
+from epcc.plan.rdma import rdma_steps
+from epcc.runtime.build_cache import CFLAGS, BuildError, c_compiler
+from epcc.runtime.engines import cpu_procs as procs
+from epcc.runtime.engines import transport
+from epcc.runtime.engines.cpu.threads import timeout_message
+from epcc.runtime.engines.gpu_proxy import channels
+from epcc.runtime.engines.gpu_proxy.build import build_gpu, nvshmem_home
+from epcc.runtime.engines.gpu_proxy.channels import ENTRY_WORDS, RETIRED_WORD
+from epcc.runtime.engines.rdma_host import build_transport
 
 ROOT = Path(__file__).resolve().parents[2]
 EPCC = [sys.executable, "-m", "epcc.cli"]
@@ -26,8 +40,6 @@ GOLDEN = Path(__file__).parent / "golden"
 
 
 def _plan(sched: str) -> Plan:
-    from epcc import pipeline
-
     c = pipeline.run(str(ROOT / "schedules" / sched), pipeline.STAGES[-1].name, None)
     return c.passes.get("plan")
 
@@ -36,7 +48,7 @@ def _plan(sched: str) -> Plan:
 def prim(tmp_path_factory):
     """epcc_proxy_prim.c alone, as a shared library."""
     out = tmp_path_factory.mktemp("prim") / "libprim.so"
-    subprocess.run([compiler(), "-std=c11", "-O2", "-fPIC", "-shared", "-Wall", "-Werror", f"-I{NATIVE_DIR}",
+    subprocess.run([c_compiler(), "-std=c11", "-O2", "-fPIC", "-shared", "-Wall", "-Werror", f"-I{NATIVE_DIR}",
                     str(NATIVE_DIR / "epcc_proxy_prim.c"), "-o", str(out)], check=True)
     lib = ctypes.CDLL(str(out))
     vp, u64 = ctypes.c_void_p, ctypes.c_uint64
@@ -158,43 +170,41 @@ def test_bounded_wait_times_out_with_the_sync_message(prim):
 
 def test_emitted_proxy_source_golden(tmp_path):
     plan = _plan("h200x4_2vnode.sched")
-    text = rdma.proxy_source(plan)
+    text = rdma_emit.proxy_source(plan)
     golden = GOLDEN / "h200x4_2vnode_proxy.c"
     if os.environ.get("EPCC_REGEN_GOLDEN"):
         golden.write_text(text)
     assert text == golden.read_text(), "emitted proxy source changed; EPCC_REGEN_GOLDEN=1 rewrites the golden"
     assert "DSL line 92" in text and "epcc_rdma_apply_dispatch__rdma" in text and "epcc_rdma_apply_combine__rdma" in text
-    paths = rdma.emit(plan, tmp_path)
+    paths = rdma_emit.emit(plan, tmp_path)
     assert paths[0].name == "h200x4_2vnode_proxy.c" and (tmp_path / "epcc_transport.h").is_file()
-    assert rdma.emit(_plan("h200x4.sched"), tmp_path / "none") == []
+    assert rdma_emit.emit(_plan("h200x4.sched"), tmp_path / "none") == []
     assert not (tmp_path / "none").exists()
 
 
 def test_overrides_change_the_rdma_steps_only():
     plan = _plan("h200x4_2vnode.sched")
-    p2 = rdma.with_overrides(plan, env={"EPCC_RDMA_CHUNK_TOKENS": "16", "EPCC_RDMA_DEPTH": "2"})
+    p2 = rdma_plan.with_overrides(plan, env={"EPCC_RDMA_CHUNK_TOKENS": "16", "EPCC_RDMA_DEPTH": "2"})
     assert p2.step("rdma").chunk_bytes == 16 * plan.bytes_per_token and p2.step("rdma").depth == 2
     assert p2.step("intra").chunk_bytes == plan.step("intra").chunk_bytes
     # the chunk count follows the chunk (the simulator reads it), as chunk-pipeline sets it
     biggest = max(f.bytes for f in plan.step("rdma").flows)
     assert p2.step("rdma").num_chunks == math.ceil(biggest / (16 * plan.bytes_per_token)) > plan.step("rdma").num_chunks
-    one = rdma.with_overrides(plan, chunk_tokens=1 << 20, depth=8, env={})
+    one = rdma_plan.with_overrides(plan, chunk_tokens=1 << 20, depth=8, env={})
     assert (one.step("rdma").num_chunks, one.step("rdma").depth) == (1, 1)  # no deeper than its chunks
-    with pytest.raises(rdma.RdmaConfigError, match="EPCC_RDMA_DEPTH=0"):
-        rdma.with_overrides(plan, env={"EPCC_RDMA_DEPTH": "0"})
-    with pytest.raises(rdma.RdmaConfigError, match="EPCC_RDMA_CHUNK_TOKENS='x'"):
-        rdma.with_overrides(plan, env={"EPCC_RDMA_CHUNK_TOKENS": "x"})
+    with pytest.raises(rdma_plan.RdmaConfigError, match="EPCC_RDMA_DEPTH=0"):
+        rdma_plan.with_overrides(plan, env={"EPCC_RDMA_DEPTH": "0"})
+    with pytest.raises(rdma_plan.RdmaConfigError, match="EPCC_RDMA_CHUNK_TOKENS='x'"):
+        rdma_plan.with_overrides(plan, env={"EPCC_RDMA_CHUNK_TOKENS": "x"})
 
 
 def test_ibverbs_transport_compiles_links_and_says_no_device():
     if not Path("/usr/include/infiniband/verbs.h").is_file():
         pytest.skip("rdma-core headers (libibverbs-dev) are not installed")
-    from epcc.backends.rdma import engine
-
-    lib = engine.load(build_transport("ibverbs"))
+    lib = transport.load(build_transport("ibverbs"))
     try:
-        tp = engine.Transport(lib, "ibverbs", "", 0, 1)
-    except engine.TransportError as e:
+        tp = transport.Transport(lib, "ibverbs", "", 0, 1)
+    except transport.TransportError as e:
         assert str(e).startswith("ibverbs: no RDMA device found") or "ibverbs:" in str(e)
     else:  # a machine with a NIC
         assert tp.description.startswith("ibverbs ")
@@ -206,8 +216,6 @@ def test_ibverbs_transport_compiles_links_and_says_no_device():
 @pytest.mark.parametrize("name,macro", [("transport_emulated.cu", "EPCC_TP_HAVE_EMULATED"),
                                         ("transport_nvshmem.cu", "EPCC_TP_HAVE_NVSHMEM")])
 def test_cuda_transports_compile(tmp_path, name, macro):
-    from epcc.backends.rdma.build import nvshmem_home
-
     nvcc = shutil.which("nvcc")
     if not nvcc:
         pytest.skip("nvcc is not on PATH")
@@ -235,8 +243,6 @@ def test_cuda_transports_compile(tmp_path, name, macro):
 def emulated(tmp_path_factory):
     """The emulated transport alone (epcc_transport.c + transport_emulated.cu), built with nvcc and
     loaded; its spec is parsed before any CUDA call, so bad specs are checked without a GPU."""
-    from epcc.backends.rdma import engine
-
     nvcc = shutil.which("nvcc")
     if not nvcc:
         pytest.skip("nvcc is not on PATH")
@@ -245,7 +251,7 @@ def emulated(tmp_path_factory):
                     f"-I{NATIVE_DIR}", "-x", "cu", str(NATIVE_DIR / "epcc_transport.c"), "-x", "cu",
                     str(NATIVE_DIR / "transport_emulated.cu"), "-o", str(out), "-lcudart"], check=True)
     try:
-        return engine.load(out)
+        return transport.load(out)
     except OSError as e:
         pytest.skip(f"cannot load the CUDA runtime here: {e}")
 
@@ -274,10 +280,8 @@ FORM = ("BANDWIDTH_GBPS[/BANDWIDTH_GBPS...],LATENCY_US[/LATENCY_US...][,DEVICE[,
     ("50,5,0,signal,x", f"emulated: spec '50,5,0,signal,x' has more than 4 fields: it must be {FORM}"),
 ])
 def test_emulated_spec_errors_name_the_spec_and_the_field(emulated, spec, msg):
-    from epcc.backends.rdma import engine
-
-    with pytest.raises(engine.TransportError) as e:
-        engine.Transport(emulated, "emulated", spec, 0, 2)
+    with pytest.raises(transport.TransportError) as e:
+        transport.Transport(emulated, "emulated", spec, 0, 2)
     assert str(e.value) == msg
 
 
@@ -290,11 +294,9 @@ def test_emulated_spec_errors_name_the_spec_and_the_field(emulated, spec, msg):
 def test_emulated_spec_gives_one_link_per_bandwidth(emulated, spec, links, desc):
     """A good spec passes the parser: here (no GPU) the open fails only at the device; on a GPU
     machine the transport has one link per bandwidth and says how each is paced."""
-    from epcc.backends.rdma import engine
-
     try:
-        tp = engine.Transport(emulated, "emulated", spec, 0, 1)
-    except engine.TransportError as e:
+        tp = transport.Transport(emulated, "emulated", spec, 0, 1)
+    except transport.TransportError as e:
         assert str(e) == "emulated: no CUDA device"
         return
     try:
@@ -306,8 +308,6 @@ def test_emulated_spec_gives_one_link_per_bandwidth(emulated, spec, links, desc)
 # ------------------------------------------------------------------ real multi-process runs
 
 def _libfabric_tcp() -> str | None:
-    from epcc.backends.cpu import procs
-
     try:
         procs.check_transport("libfabric-tcp")
     except procs.TransportUnavailable as e:
@@ -374,10 +374,8 @@ def test_unknown_transport_and_missing_provider_are_one_line_errors():
 @needs_tcp
 def test_write_signal_is_refused_by_transports_without_it():
     """The GPU proxy path posts write + signal; libfabric has none in this version and says so."""
-    from epcc.backends.rdma import engine
-
-    lib = engine.load(build_transport("libfabric"))
-    tp = engine.Transport(lib, "libfabric", "tcp", 0, 1)
+    lib = transport.load(build_transport("libfabric"))
+    tp = transport.Transport(lib, "libfabric", "tcp", 0, 1)
     try:
         assert lib.epcc_tp_post_write_signal(tp.ptr, 0, 0, None, 0, None, 0, 0, 0, 0, 0, 0, 0) != 0
         assert tp.error() == ("epcc transport: 'libfabric' has no write + remote signal (the GPU proxy path needs it: "
@@ -391,8 +389,6 @@ def test_write_signal_is_refused_by_transports_without_it():
 
 
 def test_gpu_proxy_build_names_the_transports_it_has(tmp_path):
-    from epcc.backends.rdma.build import build_gpu
-
     with pytest.raises(BuildError) as e:
         build_gpu(tmp_path, "libfabric")
     assert str(e.value) == "transport 'libfabric' is not one of the GPU path's: emulated, nvshmem"
@@ -404,14 +400,8 @@ def test_gpu_proxy_build_names_the_transports_it_has(tmp_path):
 def test_partials_are_packed_to_bf16_rounding_to_nearest_even():
     """The CPU path carries combine partials as bf16 (like the GPU path): the proxy's packer must
     round as torch does (nearest, ties to even), keep NaN a NaN and infinities infinite."""
-    import ctypes
-
-    import numpy as np
-
     torch = pytest.importorskip("torch")
-    from epcc.backends.rdma import engine
-
-    lib = engine.load(build_transport("libfabric"))
+    lib = transport.load(build_transport("libfabric"))
     rng = np.random.default_rng(5)
     x = np.concatenate([rng.standard_normal(4096).astype(np.float32) * np.float32(1e3),
                         np.array([0.0, -0.0, np.inf, -np.inf, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 3.4e38, 1e-40],
@@ -433,14 +423,12 @@ def test_partials_are_packed_to_bf16_rounding_to_nearest_even():
 def gpu_loop(tmp_path_factory):
     """The emitted loop of h200x2_2vnode_relay (two RDMA steps per program) with the test-only
     loopback transport (tests/rdma/loopback_transport.c): epcc_rdma_proxy_gpu over host memory."""
-    from epcc.backends.rdma.build import CFLAGS
-
     d = tmp_path_factory.mktemp("gpu_loop")
     plan = _plan("h200x2_2vnode_relay.sched")
-    src = d / rdma.proxy_file_name(plan)
-    src.write_text(rdma.proxy_source(plan), encoding="utf-8")
+    src = d / rdma_emit.proxy_file_name(plan)
+    src.write_text(rdma_emit.proxy_source(plan), encoding="utf-8")
     out = d / "libloop.so"
-    subprocess.run([compiler(), *CFLAGS, "-shared", f"-I{NATIVE_DIR}", "-o", str(out), str(src),
+    subprocess.run([c_compiler(), *CFLAGS, "-shared", f"-I{NATIVE_DIR}", "-o", str(out), str(src),
                     str(NATIVE_DIR / "epcc_transport.c"), str(NATIVE_DIR / "epcc_proxy_prim.c"),
                     str(Path(__file__).parent / "loopback_transport.c")], check=True)
     lib = ctypes.CDLL(str(out))
@@ -458,23 +446,17 @@ def gpu_loop(tmp_path_factory):
 
 class _GpuSide:
     """One rank of the GPU path with two pack roles (dispatch `there` and `relay`, to rank 1), the
-    FIFO region laid out by rdma_gpu.fifo_layout, and Python standing in for the kernels.  The
+    FIFO region laid out by channels.fifo_layout, and Python standing in for the kernels.  The
     loopback transport has `n_links` links; send channel i posts on links[i], the receive
     channel's credits go back on recv_link."""
 
     SLOT = 64
 
     def __init__(self, lib, plan, depths=(3, 2), chan_depths=(2, 3), n_links=1, links=(0, 0), recv_link=0):
-        import numpy as np
-
-        from epcc.backends.cuda import rdma_gpu
-        from epcc.backends.rdma import engine as eng
-        from epcc.backends.rdma.lower import rdma_steps
-
         self.np, self.lib, self.keep = np, lib, []
         steps = [s for s in rdma_steps(plan) if s.program == "dispatch"]
         assert [s.step for s in steps] == ["there", "relay"]
-        self.lay = rdma_gpu.fifo_layout(depths)
+        self.lay = channels.fifo_layout(depths)
         self.fifo = np.zeros(self.lay.words, dtype=np.uint64)
         self.lay.fill(self.fifo, self.fifo.ctypes.data)
         self.depths, self.chan_depths = depths, chan_depths
@@ -485,29 +467,27 @@ class _GpuSide:
         assert self.tp
         # one receive channel (rank 1 -> 0, step there): its consumed word comes back as credit
         self.consumed, self.credit_src, self.credit_dst = (np.zeros(1, dtype=np.uint64) for _ in range(3))
-        t = lambda table, rows: eng.u64_table(self.keep, table, rows).ctypes.data  # noqa: E731
+        t = lambda table, rows: transport.u64_table(self.keep, table, rows).ctypes.data  # noqa: E731
         roles = [dict(step=s.index, depth=d, slot_bytes=self.SLOT, src_row_bytes=self.SLOT,
                       send_buf=b.ctypes.data, mr=0) for s, d, b in zip(steps, depths, self.send_bufs)]
         chans = [dict(peer=1, remote_addr=land.ctypes.data, slot_bytes=self.SLOT, depth=cd, imm_chan=i,
-                      credit_name=eng.c_string(self.keep, f"chan{i}.credit"), signal_addr=sig.ctypes.data, link=ln)
+                      credit_name=transport.c_string(self.keep, f"chan{i}.credit"), signal_addr=sig.ctypes.data, link=ln)
                  for i, (land, sig, cd, ln) in enumerate(zip(self.landing, self.signals, chan_depths, links))]
         recv = [dict(peer=1, step=steps[0].index, n_chunks=4, depth=2, slot_bytes=self.SLOT,
                      credit_raddr=self.credit_dst.ctypes.data, credit_src=self.credit_src.ctypes.data,
-                     name=eng.c_string(self.keep, "recv0"), consumed=self.consumed.ctypes.data, link=recv_link)]
-        self.err = ctypes.create_string_buffer(eng.ERRLEN)
+                     name=transport.c_string(self.keep, "recv0"), consumed=self.consumed.ctypes.data, link=recv_link)]
+        self.err = ctypes.create_string_buffer(transport.ERRLEN)
         self.stop, self.abort = np.zeros(1, dtype=np.uint64), np.zeros(1, dtype=np.uint64)
-        self.engine = eng.u64_table(self.keep, eng.ENGINE, [dict(
-            tp=self.tp, rank_desc=eng.c_string(self.keep, "rank 0 (test)"), timeout_ns=10 ** 10,
-            abort=self.abort.ctypes.data, stop=self.stop.ctypes.data, n_roles=2, roles=t(eng.SEND_ROLE, roles),
-            n_send_chans=2, send_chans=t(eng.SEND_CHAN, chans), n_recv_chans=1, recv_chans=t(eng.RECV_CHAN, recv),
-            err=ctypes.addressof(self.err), errlen=eng.ERRLEN, gpu_fifos=self.fifo.ctypes.data)])
+        self.engine = transport.u64_table(self.keep, abi.ENGINE, [dict(
+            tp=self.tp, rank_desc=transport.c_string(self.keep, "rank 0 (test)"), timeout_ns=10 ** 10,
+            abort=self.abort.ctypes.data, stop=self.stop.ctypes.data, n_roles=2, roles=t(abi.SEND_ROLE, roles),
+            n_send_chans=2, send_chans=t(abi.SEND_CHAN, chans), n_recv_chans=1, recv_chans=t(abi.RECV_CHAN, recv),
+            err=ctypes.addressof(self.err), errlen=transport.ERRLEN, gpu_fifos=self.fifo.ctypes.data)])
         assert lib.epcc_rdma_engine_init(self.engine.ctypes.data) == 0
         self.claims = [0, 0]
         self.status = None
 
     def start(self):
-        import threading
-
         def run():
             self.status = self.lib.epcc_rdma_proxy_gpu(self.engine.ctypes.data)
 
@@ -518,8 +498,6 @@ class _GpuSide:
         return int(self.fifo[self.lay.struct_word(role) + w])
 
     def wait(self, cond, what):
-        import time
-
         end = time.monotonic() + 20
         while not cond():
             assert self.status in (None, 0), self.err.value.decode()
@@ -528,8 +506,6 @@ class _GpuSide:
 
     def push(self, role, chan, seq, payload, kind=1):
         """What run_pack does: claim an index, wait for its send slot, fill it, publish the entry."""
-        from epcc.backends.cuda.rdma_gpu import ENTRY_WORDS, RETIRED_WORD
-
         idx = self.claims[role]
         self.claims[role] += 1
         depth = self.depths[role]
@@ -576,8 +552,6 @@ def test_gpu_proxy_loop_posts_each_channel_on_its_link(gpu_loop):
 def test_gpu_proxy_loop_names_the_link_a_transport_does_not_have(gpu_loop):
     """A channel on link 2 of a two-link transport: the post is refused, and the loop stops with the
     step, what it did and the transport's message."""
-    import numpy as np
-
     lib, plan = gpu_loop
     g = _GpuSide(lib, plan, n_links=2, links=(0, 2))
     g.start()
@@ -597,8 +571,6 @@ def _serve_two_fifos(lib, plan, **links):
     """Push chunks through both pack roles of a _GpuSide, check what landed and the credit; returns
     (the side, stopped, its transport still open for the caller to read and close; chunks per
     role; payloads by (role, seq))."""
-    import numpy as np
-
     g = _GpuSide(lib, plan, **links)
     g.start()
     try:
@@ -635,8 +607,6 @@ def _serve_two_fifos(lib, plan, **links):
 
 def test_gpu_proxy_loop_names_the_step_of_the_fifo_a_bad_entry_is_in(gpu_loop):
     """A bad entry in the second FIFO is reported against the second role's step (`relay`)."""
-    import numpy as np
-
     lib, plan = gpu_loop
     g = _GpuSide(lib, plan)
     g.start()
@@ -652,17 +622,15 @@ def test_gpu_proxy_loop_names_the_step_of_the_fifo_a_bad_entry_is_in(gpu_loop):
 def test_gpu_proxy_engine_refuses_fifos_of_another_layout(gpu_loop):
     """FIFOs laid out one behind the other (struct, entries, struct, ...) are not the array the
     engine reads: its depth check fails instead of the loop reading entries as FIFOs."""
-    from epcc.backends.cuda import rdma_gpu
-
     lib, plan = gpu_loop
     g = _GpuSide(lib, plan)  # a valid engine, to borrow its tables
     lib.epcc_rdma_engine_fini(g.engine.ctypes.data)
-    F, E = rdma_gpu.FIFO_WORDS, rdma_gpu.ENTRY_WORDS
+    F, E = channels.FIFO_WORDS, channels.ENTRY_WORDS
     g.fifo[:] = 0
     at = 0
     for d in g.depths:  # the old interleaved layout
-        g.fifo[at + rdma_gpu.DEPTH_WORD] = d
-        g.fifo[at + rdma_gpu.ENTRIES_WORD] = g.fifo.ctypes.data + 8 * (at + F)
+        g.fifo[at + channels.DEPTH_WORD] = d
+        g.fifo[at + channels.ENTRIES_WORD] = g.fifo.ctypes.data + 8 * (at + F)
         at += F + E * d
     assert lib.epcc_rdma_engine_init(g.engine.ctypes.data) == -1
     lib.epcc_rdma_engine_fini(g.engine.ctypes.data)

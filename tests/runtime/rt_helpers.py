@@ -11,8 +11,9 @@ import numpy as np
 
 from epcc import pipeline
 from epcc.passes import PassOptions
-from epcc.runtime import inputs, oracle, reference
+from epcc.runtime.engines.cpu import threads
 from epcc.runtime.layout import compute_layout
+from epcc.runtime.testing import inputs, oracle, reference
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEDULES = sorted(p.name for p in (REPO / "schedules").glob("*.sched"))
@@ -56,7 +57,7 @@ def make_inputs(plan, routing: str = "uniform", seed: int = 0, tokens: int | Non
     R = plan.num_ranks
     T = tokens if tokens is not None else wl.tokens
     if topk_idx is None:
-        topk_idx = inputs.make_routing(routing, R, T, wl.topk, wl.experts, wl.placement, seed).topk_idx
+        topk_idx = inputs.make_topk(routing, R, T, wl.topk, wl.experts, wl.placement, seed).topk_idx
     T = topk_idx.shape[1]
     w = inputs.make_weights(topk_idx, seed)
     x = inputs.make_x_rows(R, T, wl.hidden, wl.dtype, seed)
@@ -77,10 +78,8 @@ def check_against_oracle(plan, topk_idx, w, x, seed: int = 0, chunked: bool = Fa
         assert np.array_equal(lay.output_weights[d].view(np.uint32), want[d].weights.view(np.uint32))
     y = inputs.make_expert_outputs([v.rows.shape[0] for v in want], wl.hidden, seed)
     if backend == "cpu":
-        from epcc.backends import cpu
-
-        got = cpu.run_dispatch(plan, lay, list(x))
-        res = cpu.run_combine(plan, lay, y)
+        got = threads.run_dispatch(plan, lay, list(x))
+        res = threads.run_combine(plan, lay, y)
     elif chunked:
         got, res = reference.run_chunked(plan, lay, list(x), y, seed=seed)
     else:

@@ -14,7 +14,7 @@ import pytest
 
 from epcc import cli
 from epcc.cli import main
-from epcc.runtime import reference
+from epcc.runtime.testing import reference
 
 from rt_helpers import REPO
 
@@ -72,8 +72,8 @@ SCHEDULES = sorted(p.name for p in (Path(__file__).resolve().parents[2] / "sched
 @pytest.mark.parametrize("routing", ["uniform", "zipf:1.2", "one-hot", "empty", "no-remote"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_run_cpu_every_schedule_and_routing(capsys, schedule, routing):
-    """Issue 4's acceptance: `epcc run --backend cpu` on every shipped schedule (scaled down)
-    under every routing equals the oracle."""
+    """The CPU backend's acceptance: `epcc run --backend cpu` on every shipped schedule (scaled
+    down) under every routing equals the oracle."""
     rc, out, err = run(["run", f"schedules/{schedule}", "--backend", "cpu", "--routing", routing,
                         "--tokens", "24", "--hidden", "128" if "hybrid" in schedule else "64"], capsys)
     assert rc == 0, err
@@ -130,10 +130,10 @@ def test_run_bad_schedule_and_backend_name(capsys, tmp_path):
 
 
 def test_missing_cpu_backend_is_a_clear_error(capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "epcc.backends.cpu", None)  # import fails
+    monkeypatch.setitem(sys.modules, "epcc.runtime.engines.cpu.threads", None)  # import fails
     rc, out, err = run(["run", SMALL, "--backend", "cpu"], capsys)
     assert rc == 1 and out == ""
-    assert err.startswith("epcc: error: backend 'cpu' is not available: importing epcc.backends.cpu failed: ")
+    assert err.startswith("epcc: error: backend 'cpu' is not available: importing epcc.runtime.engines.cpu.threads failed: ")
     assert "'--backend reference' runs the NumPy reference executor" in err
 
 

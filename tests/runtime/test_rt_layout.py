@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from epcc.diagnostics import CompileError
-from epcc.runtime import reference
+from epcc.runtime.testing import reference
 from epcc.runtime.layout import LayoutError, compute_layout
 
 from rt_helpers import (REPO, ROUTINGS, SCHEDULES, check_against_oracle, check_invariants, compile_plan,

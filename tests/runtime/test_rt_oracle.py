@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from epcc.runtime import inputs, oracle
-from epcc.runtime.oracle import bf16_to_f32, bf16_ulp_diff, f32_to_bf16
+from epcc.runtime.bf16 import bf16_to_f32, bf16_ulp_diff, f32_to_bf16
+from epcc.runtime.testing import inputs, oracle
 
 # 2 ranks, 2 tokens each, top-2 of 4 experts.  Rank 1's second token has an empty slot.
 TOPK = np.array([[[0, 3], [1, 2]],
@@ -129,11 +129,11 @@ def test_routings_have_their_shape(placement):
     R, T, k, E = 4, 200, 3, 16
     rank_of, _ = oracle.expert_rank(E, R, placement)
     for spec in ("uniform", "zipf:1.2", "one-hot", "empty", "no-remote"):
-        ro = inputs.make_routing(spec, R, T, k, E, placement, seed=3)
+        ro = inputs.make_topk(spec, R, T, k, E, placement, seed=3)
         idx = ro.topk_idx
         assert idx.shape == (R, T, k) and idx.dtype == np.int64
         oracle.check_topk(idx, E)  # distinct, in range
-        again = inputs.make_routing(spec, R, T, k, E, placement, seed=3).topk_idx
+        again = inputs.make_topk(spec, R, T, k, E, placement, seed=3).topk_idx
         assert np.array_equal(idx, again)  # deterministic
         ranks = rank_of[idx]
         if spec == "one-hot":
@@ -143,25 +143,25 @@ def test_routings_have_their_shape(placement):
         if spec == "no-remote":
             assert (ranks == np.arange(R)[:, None, None]).all()
         assert not ro.notes
-    assert not np.array_equal(inputs.make_routing("uniform", R, T, k, E, placement, 1).topk_idx,
-                              inputs.make_routing("uniform", R, T, k, E, placement, 2).topk_idx)
+    assert not np.array_equal(inputs.make_topk("uniform", R, T, k, E, placement, 1).topk_idx,
+                              inputs.make_topk("uniform", R, T, k, E, placement, 2).topk_idx)
 
 
 def test_routings_that_cannot_be_pure_say_so():
     R, T, E = 4, 50, 8  # 2 experts per rank
-    ro = inputs.make_routing("one-hot", R, T, 3, E, "blocked")
+    ro = inputs.make_topk("one-hot", R, T, 3, E, "blocked")
     assert "span 2 consecutive ranks" in ro.describe()
     d = (ro.topk_idx // 2 - ro.topk_idx[..., :1] // 2) % R  # two consecutive ranks, either way round
     assert ((d <= 1).all(-1) | ((d == 0) | (d == R - 1)).all(-1)).all()
-    ro = inputs.make_routing("no-remote", R, T, 3, E, "blocked")
+    ro = inputs.make_topk("no-remote", R, T, 3, E, "blocked")
     assert "1 of each token's experts are remote" in ro.describe()
     assert ((ro.topk_idx // 2 == np.arange(R)[:, None, None]).sum(-1) == 2).all()
-    ro = inputs.make_routing("empty", 2, T, 3, 4, "blocked")
+    ro = inputs.make_topk("empty", 2, T, 3, 4, "blocked")
     assert "every rank receives" in ro.describe()
 
 
 def test_zipf_is_skewed():
-    idx = inputs.make_routing("zipf:1.5", 4, 2000, 2, 32, "blocked").topk_idx
+    idx = inputs.make_topk("zipf:1.5", 4, 2000, 2, 32, "blocked").topk_idx
     counts = np.bincount(idx.reshape(-1), minlength=32)
     assert counts.max() > 5 * np.median(counts)
 
@@ -173,30 +173,30 @@ def test_bad_routing_specs():
 
 
 def test_routing_files(tmp_path):
-    idx = inputs.make_routing("uniform", 2, 5, 2, 8, "blocked").topk_idx
+    idx = inputs.make_topk("uniform", 2, 5, 2, 8, "blocked").topk_idx
     idx[0, 1, 1] = -1
     for shape in ((2, 5, 2), (10, 2)):
         p = tmp_path / f"r{len(shape)}.npy"
         np.save(p, idx.reshape(shape))
-        assert np.array_equal(inputs.make_routing(str(p), 2, 5, 2, 8, "blocked").topk_idx, idx)
+        assert np.array_equal(inputs.make_topk(str(p), 2, 5, 2, 8, "blocked").topk_idx, idx)
     p = tmp_path / "r.npy"
     np.save(p, idx)
     with pytest.raises(ValueError, match="--tokens 5"):
-        inputs.make_routing(str(p), 2, 6, 2, 8, "blocked")
+        inputs.make_topk(str(p), 2, 6, 2, 8, "blocked")
     with pytest.raises(ValueError, match="topk is 3"):
-        inputs.make_routing(str(p), 2, 5, 3, 8, "blocked")
+        inputs.make_topk(str(p), 2, 5, 3, 8, "blocked")
     np.save(p, idx + 8)
     with pytest.raises(ValueError, match="must lie in"):
-        inputs.make_routing(str(p), 2, 5, 2, 8, "blocked")
+        inputs.make_topk(str(p), 2, 5, 2, 8, "blocked")
     np.save(p, idx.astype(np.float32))
     with pytest.raises(ValueError, match="integer"):
-        inputs.make_routing(str(p), 2, 5, 2, 8, "blocked")
+        inputs.make_topk(str(p), 2, 5, 2, 8, "blocked")
     with pytest.raises(ValueError, match="no such file"):
-        inputs.make_routing(str(tmp_path / "missing.npy"), 2, 5, 2, 8, "blocked")
+        inputs.make_topk(str(tmp_path / "missing.npy"), 2, 5, 2, 8, "blocked")
 
 
 def test_weights_and_payloads():
-    idx = inputs.make_routing("uniform", 2, 10, 3, 8, "blocked").topk_idx
+    idx = inputs.make_topk("uniform", 2, 10, 3, 8, "blocked").topk_idx
     idx[1, 2, 0] = -1
     w = inputs.make_weights(idx, 0)
     assert w.dtype == np.float32 and (w[idx >= 0] > 0).all() and w[1, 2, 0] == 0

@@ -19,6 +19,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from epcc.cli import main as epcc_main  # noqa: E402
+from epcc.runtime.buffer import Buffer
+from epcc.runtime.testing.oracle import combine_oracle, compare_combine, dispatch_oracle
+from epcc.plan.bundle import BundleError, load
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,9 +62,6 @@ def _inputs(rank: int, ranks: int, tokens: int, hidden: int, topk: int, experts:
 
 
 def _worker(rank: int, ranks: int, bundle: str, store: str, result_dir: str, shape: dict) -> None:
-    from epcc.runtime.buffer import Buffer
-    from epcc.runtime.oracle import combine_oracle, compare_combine, dispatch_oracle
-
     path = Path(result_dir) / f"rank{rank}.txt"
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks)
@@ -127,8 +127,6 @@ def test_two_hop_schedule_through_staging(tmp_path):
 
 
 def _arg_worker(rank: int, bundle: str, store: str, result_dir: str) -> None:
-    from epcc.runtime.buffer import Buffer
-
     out = []
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -186,28 +184,24 @@ def test_bad_arguments_name_the_argument(tmp_path):
 
 
 def test_bundle_for_another_group_size_is_refused(tmp_path):
-    from epcc.runtime.buffer import BundleError, _load_bundle
-
     bundle = compile_bundle(tmp_path, ONE_HOP.format(r=2, t=8, h=256, dtype="bf16", k=4, e=8))
-    plan, _ = _load_bundle(bundle)
+    plan = load(bundle).plan
     assert plan.num_ranks == 2
     with pytest.raises(BundleError, match="not an epcc bundle"):
-        _load_bundle(tmp_path)
+        load(tmp_path)
     (bundle / "manifest.json").write_text("{broken", encoding="utf-8")
     with pytest.raises(BundleError) as e:
-        _load_bundle(bundle)
+        load(bundle)
     assert str(e.value) == (f"{bundle / 'manifest.json'}: unreadable manifest (Expecting property name enclosed in "
                             f"double quotes: line 1 column 2 (char 1))")
     (bundle / "manifest.json").write_text("[1, 2]", encoding="utf-8")
     with pytest.raises(BundleError) as e:
-        _load_bundle(bundle)
+        load(bundle)
     assert str(e.value) == f"{bundle / 'manifest.json'}: unreadable manifest (a JSON object expected)"
 
 
 @pytest.mark.parametrize("bad", ["5", -1, 0, float("nan"), True, float("inf"), 1e18, 86400.001])
 def test_a_bad_timeout_is_refused_before_any_collective(tmp_path, bad):
-    from epcc.runtime.buffer import Buffer
-
     bundle = compile_bundle(tmp_path, ONE_HOP.format(r=2, t=8, h=256, dtype="bf16", k=4, e=8))
     with pytest.raises(ValueError) as e:
         Buffer(None, bundle, timeout_s=bad)  # no process group: the check comes first

@@ -1,4 +1,4 @@
-"""Exact texts of the cuda backend's argument errors (runtime/cuda_buffer.py), on a CPU machine.
+"""Exact texts of the cuda backend's argument errors (runtime/engines/cuda_direct/engine.py), on a CPU machine.
 
 The checks run before anything touches the GPU, so an engine without a library or region (made
 with __new__, its device the CPU) reaches every one of them; a test that got past the checks
@@ -7,17 +7,18 @@ would fail on the missing library instead of passing."""
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from epcc.runtime.cuda_buffer import CudaEngine, CudaHandle
+from epcc.runtime.engines.cuda_direct.engine import CudaDirectEngine, CudaHandle
 
 H, K, T, E = 256, 4, 8, 16
 
 
-def engine(dtype: str = "bf16") -> CudaEngine:
-    eng = CudaEngine.__new__(CudaEngine)
+def engine(dtype: str = "bf16") -> CudaDirectEngine:
+    eng = CudaDirectEngine.__new__(CudaDirectEngine)
     eng.c = {"hidden": H, "topk": K, "dtype": dtype, "max_tokens": T, "align_max": 128, "experts": E}
     eng.device = torch.device("cpu")
     eng.dispatches = 0
@@ -100,11 +101,9 @@ def test_a_tensor_on_another_device_is_named():
 
 
 def test_read_timeline_before_enable_timeline_is_refused():
-    from types import SimpleNamespace
-
     with pytest.raises(RuntimeError, match=r"^read_timeline: call enable_timeline\(\) before the stamped dispatch "
                                            r"and combine$"):
-        CudaEngine.read_timeline(SimpleNamespace(_timeline=None))
+        CudaDirectEngine.read_timeline(SimpleNamespace(_timeline=None))
 
 
 @pytest.mark.parametrize("argv, text", [
@@ -114,7 +113,7 @@ def test_read_timeline_before_enable_timeline_is_refused():
     (["--iters", "0"], "epcc tune: --iters 0: at least 1 timed call (the median of none is no time)"),
 ])
 def test_tune_option_errors_are_named_before_any_gpu_work(argv, text):
-    from epcc.runtime import tune
+    from epcc.runtime import tune  # importing tune sets NCCL's environment: only these tests load it
 
     with pytest.raises(SystemExit) as e:
         tune.main(["some/bundle", *argv])
@@ -122,7 +121,7 @@ def test_tune_option_errors_are_named_before_any_gpu_work(argv, text):
 
 
 def test_tune_splits_cover_every_sm_with_at_least_one_sender():
-    from epcc.runtime import tune
+    from epcc.runtime import tune  # importing tune sets NCCL's environment: only these tests load it
 
     assert tune.SPLITS[0] == (1, 0)  # the default shape first: every block sends, none only replicates
     for sms in range(2, 133):

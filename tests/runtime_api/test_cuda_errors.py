@@ -23,6 +23,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from epcc.cli import main as epcc_main  # noqa: E402
+from epcc.runtime.buffer import Buffer
+from epcc.runtime.engines.cuda_direct.engine import CudaDirectEngine
+import subprocess
+import sys
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_GPU = not torch.cuda.is_available()
@@ -67,8 +71,6 @@ def one_rank_group(tmp_path):
 
 @pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU: the no-device error cannot happen")
 def test_cuda_buffer_without_a_gpu_says_so(tmp_path, one_rank_group, monkeypatch, capsys):
-    from epcc.runtime.buffer import Buffer
-
     monkeypatch.chdir(ROOT)
     bundle = _compile(tmp_path, "schedules/h200x4.sched", "h200x4", "--target", "cuda")
     capsys.readouterr()
@@ -85,17 +87,14 @@ def test_cuda_buffer_without_a_gpu_says_so(tmp_path, one_rank_group, monkeypatch
 
 @pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU")
 def test_cuda_engine_itself_checks_for_a_device(tmp_path, monkeypatch):
-    """The engine (runtime/cuda_buffer.py) guards itself too, for callers that bypass Buffer."""
-    from epcc.runtime.cuda_buffer import CudaEngine
-
+    """The engine (runtime/engines/cuda_direct/engine.py) guards itself too, for callers that bypass
+    Buffer: before it reads its group or its bundle."""
     monkeypatch.chdir(ROOT)
     with pytest.raises(RuntimeError, match="no CUDA device"):
-        CudaEngine(None, tmp_path, None, {}, timeout_s=1.0)
+        CudaDirectEngine(None, None, timeout_s=1.0)
 
 
 def test_cpu_buffer_refuses_a_config(tmp_path, one_rank_group):
-    from epcc.runtime.buffer import Buffer
-
     src = tmp_path / "two.sched"
     src.write_text(TWO_RANKS)
     bundle = _compile(tmp_path, str(src), "two")
@@ -106,8 +105,6 @@ def test_cpu_buffer_refuses_a_config(tmp_path, one_rank_group):
 
 
 def _cuda_only_args_worker(rank: int, bundle: str, store: str, result_dir: str) -> None:
-    from epcc.runtime.buffer import Buffer
-
     out = []
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -216,9 +213,6 @@ def test_tune_without_gpus(tmp_path, capsys, monkeypatch):
 
 def test_tune_by_subprocess_exits_1_with_one_line(tmp_path):
     """The installed `epcc` script, as a user runs it (no activated venv)."""
-    import subprocess
-    import sys
-
     epcc = Path(sys.executable).parent / "epcc"
     if not epcc.is_file():
         pytest.skip("the epcc script is not installed beside this interpreter")

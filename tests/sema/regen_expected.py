@@ -16,17 +16,17 @@ import os
 import sys
 from pathlib import Path
 
+from epcc.cli import main as epcc_main
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CASES = HERE / "cases"
 
 
 def current_stderr(name: str) -> tuple[int, str]:
-    from epcc.cli import main
-
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        rc = main(["check", f"{CASES.relative_to(REPO).as_posix()}/{name}.sched"])
+        rc = epcc_main(["check", f"{CASES.relative_to(REPO).as_posix()}/{name}.sched"])
     return rc, err.getvalue()
 
 

@@ -1,15 +1,15 @@
-"""`epcc simulate` against the measured direct kernels (issue 5: "epcc simulate predicts these runs
-within 15 %").
+"""`epcc simulate` against the measured direct kernels (the target: "epcc simulate predicts these
+runs within 15 %").
 
-MEASURED is the one table of measurements: nvidia-h200-x2 (2 H200s), the direct kernels of session
-13 (bench/README.md), median of 40 timed iterations, uniform top-8 of 256, hidden 7168, every block
+MEASURED is the one table of measurements: 2 x H200, the direct kernels as measured on 2026-11-22
+(bench/README.md), median of 40 timed iterations, uniform top-8 of 256, hidden 7168, every block
 sending then replicating (dispatch) and reducing then summing (combine).  The simulator runs
 schedules/h200x4.sched on 2 GPUs, as tests/gpu/bundles.py derives it for the h200x2 bundles, with
 the direct kernels on the table's SMs.  When the kernels change, update MEASURED and re-fit the
 `sm` line of schedules/h200x4.sched (one line; its end-of-file comment says what was fit to
 what); the tests say which points are off.
 
-Every point is claimed.  Until session 14 the 128-token points were not: the model charged
+Every point is claimed.  Before 2026-11-23 the 128-token points were not: the model charged
 every kernel launch (3 before a 4096-token dispatch) and no metadata work, and had no drain, so
 it was ~27 % fast at 128 tokens; compiler/sim/direct.py says what it charges now and why.
 """
@@ -22,14 +22,15 @@ from pathlib import Path
 import pytest
 
 from epcc.passes import PassOptions
-from epcc.sim import SimOptions, build_plan, simulate
+from epcc.sim import SimOptions, simulate
+from epcc.sim.build import build_plan
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.15
 
 MEASURED: dict[tuple[str, int, int], tuple[float, float | None]] = {
     # (dtype, tokens per rank, SMs): (dispatch ms, combine ms; None: not measured).  fp8 combines
-    # are the bf16 combine (the combine moves bf16 partials).  Session 13 (bench/README.md):
+    # are the bf16 combine (the combine moves bf16 partials).  2 x H200, 2026-11-22 (bench/README.md):
     # `epcc tune` on h200x2 (--sms 16,24,32,48,64,96 --warps 16 --iters 10, the N+0 rows) and
     # ep_bench at 24 SMs (fp8, 128 tokens).
     ("bf16", 4096, 16): (0.557, 0.450),
@@ -40,7 +41,7 @@ MEASURED: dict[tuple[str, int, int], tuple[float, float | None]] = {
     ("bf16", 4096, 96): (0.264, 0.216),
     ("fp8", 4096, 24): (0.226, None),
     ("bf16", 128, 24): (0.033, 0.026),
-    # Session 14, the same kernels: ep_bench --methods epcc --tokens T on the h200x2 bundle at 24
+    # 2 x H200, 2026-11-23, the same kernels: ep_bench --methods epcc --tokens T on the h200x2 bundle at 24
     # SMs, and `epcc tune` on h200x2_t128 (--sms 4,8,16,24,48,96 --warps 16 --iters 20, N+0 rows).
     ("bf16", 256, 24): (0.045, 0.038),
     ("bf16", 512, 24): (0.083, 0.055),
@@ -60,11 +61,9 @@ POINTS = [(prog, *key) for key, ms in MEASURED.items() for prog, m in zip(("disp
 @lru_cache(maxsize=None)
 def predicted(path: str, dtype: str, tokens: int, sms: int) -> dict[str, float]:
     """Milliseconds per program, as `epcc simulate FILE --tokens T --dtype D --sms N` gives them."""
-    from epcc.backends.cuda.direct_model import direct_kernels
-
     plan = build_plan(path, PassOptions(tokens=tokens, dtype=dtype)).plan
-    kernels, why = direct_kernels(plan, sms)
-    assert kernels is not None, why
+    assert plan.direct is not None, plan.direct_not_used
+    kernels = plan.direct.with_sms(sms)
     res = simulate(plan, SimOptions(direct=kernels))
     return {p: r.makespan_s * 1e3 for p, r in res.programs.items()}
 
@@ -92,10 +91,8 @@ def test_four_gpus_from_the_same_rates_are_bound_by_nvlink(ep2):
     # Not measured with these kernels yet.  On 4 GPUs a token hits ~3.6 GPUs: a dispatch sends
     # ~160 MB of deduplicated rows to the peers of each GPU, over NVLink at 450 GB/s x 62 % (what
     # the 2-GPU combine and NCCL reach): ~0.57 ms, above what its 24 SMs need.
-    from epcc.backends.cuda.direct_model import direct_kernels
-
     plan = build_plan(str(REPO / "schedules" / "h200x4.sched")).plan
-    kernels, _ = direct_kernels(plan)
+    kernels = plan.direct
     res = simulate(plan, SimOptions(direct=kernels))
     d = res.programs["dispatch"]
     remote = sum(f.bytes for f in plan.step("push").flows if f.src == 0)

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from epcc.plan import hit_probability
-from epcc.sim import DirectKernels, SimOptions, build_plan, simulate
-from epcc.sim.direct import drain_s, ranks_per_token, with_direct_pool
-from epcc.sim.sm_terms import rows_per_token
+from epcc.costmodel.uniform import hit_probability, ranks_per_token, rows_per_token
+from epcc.plan import DirectKernels
+from epcc.sim import SimOptions, simulate
+from epcc.sim.build import build_plan
+from epcc.sim.direct import drain_s, with_direct_pool
 
 REPO = Path(__file__).resolve().parents[2]
 H200X4 = REPO / "schedules" / "h200x4.sched"

@@ -1,13 +1,13 @@
-"""The GPU proxy path's RDMA chunking against measurements (issue 6: "chunk size and queue depth
-come from the cost model"; "measured times within 15 % of the simulator").
+"""The GPU proxy path's RDMA chunking against measurements (the targets: "chunk size and queue
+depth come from the cost model"; "measured times within 15 % of the simulator").
 
-SWEEP is one table of measurements: nvidia-h200-x2 (2 H200s), session 19 (before the ramps),
+SWEEP is one table of measurements: 2 x H200, 2026-11-23 (before the ramps),
 h200x2_2vnode at 13, 50 and 400 GB/s (the emulated transport), the shipped bundle of each rate
 re-chunked at run time (`bench/ep_bench.py --rdma-chunks`, both programs at the same chunking),
 medians of 20 timed iterations, every run checked against the oracle.  SHIPPED: the bundles as
 compiled, each program at the chunking chunk-pipeline chose, medians of 40 in one process with
-the same plans at `ramp 0` (session 20; docs/rdma.md).  Session 19 sized the pack and unpack roles for
-the link (kernel-formation's pack_sms / unpack_sms; before: 4 blocks each): the combine's unpack
+the same plans at `ramp 0` (docs/rdma.md).  With the pack and unpack roles sized for the link
+(kernel-formation's pack_sms / unpack_sms; before: 4 blocks each) the combine's unpack
 got 5 blocks at 50 GB/s and 16 at 400, and the combines moved from 1.702 to 1.540 ms (50 GB/s)
 and from 1.673 to 1.388 (400).  Commands in docs/rdma.md.
 
@@ -15,7 +15,7 @@ Two claims: chunk-pipeline's choice for each rate and program measures within `N
 fastest chunking measured, and the simulator predicts the shipped bundles within 15 %.  The
 sweep also shows why the model has `post` (the emulated proxy's host time per chunk, ~10 us):
 32-token chunks at 400 GB/s take ~11 us each (1.37 ms for a dispatch the link moves in 0.15 ms),
-16-token ones did ~10 us in session 17's sweep.
+16-token ones did ~10 us in an earlier sweep (same day and machine).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from epcc.backends.rdma.lower import rdma_bytes_per_token
-from epcc.sim import SimOptions, build_plan, simulate
+from epcc.plan.rdma import rdma_bytes_per_token
+from epcc.sim import SimOptions, simulate
+from epcc.sim.build import build_plan
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.15
@@ -57,15 +58,15 @@ SWEEP: dict[tuple[int, str, int, int], float] = {
     (13, "dispatch", 256, 4): 4.775, (13, "combine", 256, 4): 5.183,
 }
 SHIPPED: dict[tuple[int, str], float] = {
-    # the bundles as compiled (tests/gpu/bundles.py), median of 40, session 20: the dispatch's
-    # keep_far ramps its tail (chunk-pipeline, RAMP_TAIL_DEFAULT), the combine is session 19's
+    # the bundles as compiled (tests/gpu/bundles.py), median of 40, after the ramps: the dispatch's
+    # keep_far ramps its tail (chunk-pipeline, RAMP_TAIL_DEFAULT), the combine is as in SWEEP
     (50, "dispatch"): 1.308, (50, "combine"): 1.543,
     (13, "dispatch"): 4.603, (13, "combine"): 4.863,
     (400, "dispatch"): 0.891, (400, "combine"): 1.416,
 }
 # The same run, the dispatch with whole chunks (`ramp 0`): 1.315 (50 GB/s), 0.926 (400), 4.650 (13).
 # Another run, medians of 20: ramped 1.300 / 0.927 / 4.603, whole 1.329 / 0.889 / 4.647.
-# Before session 19 (pack and unpack 4 blocks each), same process: 50 GB/s 1.315 / 1.702, 400 GB/s
+# Before the pack and unpack roles were sized for the link (4 blocks each), same process: 50 GB/s 1.315 / 1.702, 400 GB/s
 # 0.860 / 1.673, 13 GB/s 4.649 / 4.857.
 
 

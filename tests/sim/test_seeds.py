@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from math import comb
 from pathlib import Path
 
@@ -23,7 +24,8 @@ import numpy as np
 import pytest
 
 from epcc.passes import PassOptions
-from epcc.sim import SimOptions, build_plan, simulate, simulate_subset
+from epcc.sim import SimOptions, simulate, simulate_subset
+from epcc.sim.build import build_plan
 
 REPO = Path(__file__).resolve().parents[2]
 SCHED = REPO / "schedules"
@@ -238,8 +240,6 @@ def test_ep32_without_pipelining(ep32):
 
 
 def test_ep32_is_fast(ep32):
-    import time
-
     t = time.perf_counter()
     simulate(ep32.plan)
     assert time.perf_counter() - t < 1.0

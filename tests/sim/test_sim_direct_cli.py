@@ -1,6 +1,6 @@
-"""`epcc simulate` picks the SM model of the kernels that run the plan (backends/cuda/direct_model.py:
-the direct kernels where the CUDA target lowers the plan to them) and says which; --kernels and
---sms; the bundles' simulate.json."""
+"""`epcc simulate` picks the SM model of the kernels that run the plan (Plan.direct, recorded by
+kernel-formation from plan/direct.py: the direct kernels where the CUDA target lowers the plan to
+them) and says which; --kernels and --sms; the bundles' simulate.json."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from epcc.cli import main
-from epcc.sim import build_plan
+from epcc.plan.direct import direct_kernels, dispatch_launches, meta_passes
+from epcc.sim.build import build_plan
 
 REPO = Path(__file__).resolve().parents[2]
 H200X4 = REPO / "schedules" / "h200x4.sched"
@@ -34,8 +35,6 @@ def rated(tmp_path) -> str:
 @pytest.mark.parametrize("tokens, passes", [(1, 1), (256, 1), (257, 2), (4096, 2)])
 def test_meta_passes(tokens, passes):
     # one pass counts each chunk of 256 tokens; above one chunk a second finishes the ranks
-    from epcc.backends.cuda.direct_model import meta_passes
-
     assert meta_passes(tokens) == passes
 
 
@@ -44,23 +43,20 @@ def test_meta_passes(tokens, passes):
 def test_dispatch_launches(tokens, warps, launches):
     # up to one metadata chunk the dispatch kernel counts the metadata itself when its blocks
     # have the threads; else meta_count_kernel, and meta_finish_kernel above one chunk
-    from epcc.backends.cuda.direct_model import dispatch_launches
-
     assert dispatch_launches(tokens, warps) == launches
 
 
 def test_only_plans_the_cuda_target_lowers_to_direct_kernels_get_them():
-    from epcc.backends.cuda.direct_model import direct_kernels
-
-    kernels, why = direct_kernels(build_plan(str(EP16)).plan)
-    assert kernels is None and "do not fit one CUDA IPC domain" in why
+    ep16 = build_plan(str(EP16)).plan
+    assert ep16.direct is None and "do not fit one CUDA IPC domain" in ep16.direct_not_used
     plan = build_plan(str(H200X4)).plan
-    kernels, why = direct_kernels(plan)
-    assert why is None and kernels.sms == {"dispatch": 24, "combine": 24}  # the push step's `sms 24`
+    kernels = plan.direct  # kernel-formation recorded plan/direct.py's answer
+    assert direct_kernels(plan) == (kernels, None) and plan.direct_not_used is None
+    assert kernels.sms == {"dispatch": 24, "combine": 24}  # the push step's `sms 24`
     assert kernels.launches == {"dispatch": 3, "combine": 1}
     assert kernels.meta_passes == {"dispatch": 2}  # 4096 tokens: count the chunks, then finish them
     assert kernels.warps == {"dispatch": 16, "combine": 16}
-    assert direct_kernels(plan, 64)[0].sms == {"dispatch": 64, "combine": 64}
+    assert kernels.with_sms(64).sms == {"dispatch": 64, "combine": 64}
 
 
 # --------------------------------------------------------------------------- epcc simulate

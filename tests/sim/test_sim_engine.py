@@ -6,6 +6,7 @@ import pytest
 
 from epcc.plan import Flow, Plan, PlanStep
 from epcc.sim import SimOptions, SimulationError, simulate
+from epcc.sim.engine import _Engine
 
 GB = 1e9
 
@@ -322,8 +323,6 @@ def test_weights_survive_plan_json():
 
 def test_a_program_may_start_later():
     # its first steps become ready at start_s (the direct kernels' launches, sim/direct.py)
-    from epcc.sim.engine import _Engine
-
     p = plan([step("a", [flow(1 * GB, "r")]), step("b", [flow(1 * GB, "r")], deps=("a",))], {"r": 10 * GB})
     e = _Engine(p.steps, p.resources, SimOptions(), start_s=0.5).run()
     assert list(e.ready_t) == pytest.approx([0.5, 0.6]) and list(e.end_t) == pytest.approx([0.6, 0.7])

@@ -3,15 +3,20 @@ and the `sm` line of a shipped schedule carried from the source to the IR and th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
 import pytest
 
+from epcc.costmodel.rates import sm_rates, window_rate
+from epcc.costmodel.uniform import rows_per_token
 from epcc.plan import Flow, KernelPlan, Plan, PlanStep, RolePlan
+from epcc.plan import WorkloadPlan
 from epcc.sim import simulate
+from epcc.sim import SimOptions
 from epcc.sim.build import build_plan
-from epcc.sim.sm_terms import window_rate, with_sm_terms
+from epcc.sim.sm_terms import with_sm_terms
 
 GB = 1e9
 MB = 1e6
@@ -218,7 +223,6 @@ def test_a_pipelined_consumer_waits_for_the_producers_first_wave_of_chunks():
 
 
 def test_rows_per_token_for_the_expanded_chunks_of_output():
-    from epcc.sim.sm_terms import rows_per_token
 
     plan = build_plan(str(REPO / "schedules" / "h200x2_2vnode.sched")).plan
     # top-8 of 256 experts, 128 per rank: 4 expected hits, given at least one (P = 0.9965)
@@ -271,8 +275,6 @@ def test_a_role_behind_a_producer_has_the_chunks_in_flight_its_rate_keeps_busy(l
 
 
 def test_fwd_behind_a_slow_link_starts_one_chunk_after_the_link_not_one_wave():
-    from epcc.sim import SimOptions
-
     r = simulate(_chain(10), SimOptions(rdma_proxy=False))
     # rdma moves 1 GB at 10 GB/s (0.1 s); keep_far trails it by one of its 10 chunks; fwd waits
     # until keep_far's first chunk is complete (lag 0.1) and one chunk of its own more: keep_far
@@ -281,9 +283,6 @@ def test_fwd_behind_a_slow_link_starts_one_chunk_after_the_link_not_one_wave():
 
 
 def test_reduce_is_bounded_by_its_atomics_where_a_token_has_few_rows():
-    import copy
-
-    from epcc.sim.sm_terms import rows_per_token, sm_rates
 
     four = build_plan(str(REPO / "schedules" / "h200x4_2vnode.sched")).plan
     rows = rows_per_token(four)
@@ -302,8 +301,6 @@ def peer_plan(*, atomics=None, rates=None, kind="p2p", program="combine", verb="
     """One step between 2 ranks over link `nv` (1000 GB/s each way): rank r moves `nbytes` from
     the other rank to itself, reading `output` (combine) or writing it (dispatch) if told to; top-k
     of 256 experts, so a token hits ~topk / 2 expert rows of a rank."""
-    from epcc.plan import WorkloadPlan
-
     flows = [Flow(r, 1 - r, r, nbytes, (f"link:nv:{1 - r}>{r}",)) for r in range(2)]
     src, dst = (("output",), "result") if program == "combine" else (("input",), "output")
     if not touches_output:
@@ -333,8 +330,6 @@ def test_a_combine_adding_into_a_peer_is_held_by_the_links_atomics():
 def test_link_atomics_bound_only_combine_steps_and_not_the_proxy_paths_rdma():
     assert simulate(peer_plan(atomics=100 * GB, program="dispatch", verb="send")).step("intra").end_s == \
         pytest.approx(1.0 / 1000)  # dispatch stores, it does not add
-    from epcc.sim import SimOptions
-
     rdma = peer_plan(atomics=100 * GB, kind="rdma")
     # the proxy path's receiver applies a landed chunk with local adds; the emulated RDMA roles
     # add into the peer themselves
@@ -345,7 +340,6 @@ def test_link_atomics_bound_only_combine_steps_and_not_the_proxy_paths_rdma():
 
 
 def test_a_send_into_output_counting_tokens_costs_its_sms_every_expert_row():
-    from epcc.sim.sm_terms import rows_per_token
 
     # top-8 of 256 over 2 ranks: ~4 rows per token a rank receives; a send counting one copy per
     # token writes all of them (the role kernels), so 8 SMs x 25 GB/s move 200 / 4 GB/s of its flow
@@ -362,7 +356,6 @@ def test_a_send_into_output_counting_tokens_costs_its_sms_every_expert_row():
 def test_a_chunk_counts_expert_rows_only_where_the_flows_do():
     # 10 MB chunks (the plan's tokens x bytes per token), 8 SMs in a wave, 1 GB: a wave is 8 chunks,
     # 80 MB of a flow counting tokens, 8 x 10 MB x ~4 rows of a flow counting rows
-    from epcc.sim.sm_terms import rows_per_token
 
     kw = dict(rates={"copy": 25 * GB}, program="dispatch", verb="send", sms=8, chunk=10 * MB)
     assert with_sm_terms(peer_plan(**kw)).steps[0].completion_lag == pytest.approx(0.08)

@@ -4,7 +4,7 @@
  * after it), so the target learns of each chunk without a receive queue.
  *
  * Built only where nvshmem.h is found (compile with -DEPCC_TP_HAVE_NVSHMEM and NVSHMEM's include
- * path, link libnvshmem_host; backends/rdma/build.py finds the pip wheel nvidia-nvshmem-cu13);
+ * path, link libnvshmem_host; runtime/engines/gpu_proxy/build.py finds the pip wheel nvidia-nvshmem-cu13);
  * elsewhere this file compiles to nothing.  Only NVSHMEM's host API is used (puts and signals on
  * CUDA streams, issued by the proxy thread), so neither -rdc nor the device library is needed.
  *
@@ -23,7 +23,7 @@
  * signal operations (the value is read at post time, no source registration) on a second stream,
  * so a credit never waits behind queued chunks, as on a NIC that interleaves queue pairs.
  * Links: one (epcc_tp_links), whatever NVSHMEM reaches; not paced, so a plan's RDMA steps over
- * links of different speeds all post on link 0 (backends/cuda/rdma_gpu.py).
+ * links of different speeds all post on link 0 (runtime/engines/gpu_proxy).
  */
 #if defined(__has_include)
 #if __has_include(<nvshmem.h>) && defined(EPCC_TP_HAVE_NVSHMEM)

@@ -103,7 +103,7 @@ struct ErrorRecord {                 // host-mapped; the first failing thread fi
   unsigned long long value, target, waited_ns;
 };
 
-struct Args {                        // mirrors direct_runtime.py's ctypes structure: all 64-bit
+struct Args {                        // mirrors cuda_direct/library.py's ctypes structure: all 64-bit
   unsigned long long base[R];        // every rank's peer region (own included)
   long long me, T, C, NR, W, align;  // C channels; NR replicator blocks (besides the NSB senders)
   unsigned long long timeout_ns;

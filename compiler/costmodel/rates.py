@@ -1,0 +1,87 @@
+"""Per-SM rates of the topology's `sm` line as each kind of work uses them.
+
+A role of the persistent kernel moves at most N x the per-SM rate of its kind of work: `copy` in
+dispatch; in combine `reduce` for weighted steps (a token's expert rows gathered and added) and
+`add` for unweighted ones (one partial per token scatter-added).  An RDMA step on the GPU proxy
+path stages each chunk on one SM of the sender and applies it on one SM of the receiver, within a
+credit window of `depth` chunks (window_rate).  How the simulator charges these terms:
+sim/sm_terms.py; how chunk-pipeline and kernel-formation size chunks and pack/unpack roles with
+them: passes/chunk_pipeline.py, passes/kernel_formation.py.
+"""
+
+from __future__ import annotations
+
+from ..plan import Plan, PlanStep
+from .uniform import rows_per_token
+
+THREAD_ENGINES = ("sm", "spc", "tma")
+PROXY_MIN_SMS = 4  # blocks of a pack or unpack role at least (and in a plan that does not give them)
+FP32_ADD_PER_FLOW_BYTE = 2.0  # a combine flow counts bf16 partials (2 B per channel); its adds are fp32 (4 B)
+GATHER_ROWS = 4  # expert rows of one token a combine warp adds in registers before one red.add (the CUDA kernels' kRun)
+
+
+def work_of(step: PlanStep, rates: dict | None = None) -> str:
+    """The kind of SM work of a step: `copy` in dispatch; in combine `reduce` for a weighted step
+    (a token's expert rows gathered and added) and `add` for an unweighted one (one partial per
+    token scatter-added), `reduce` where the topology gives no `add` rate."""
+    if step.program != "combine":
+        return "copy"
+    if step.weighted or (rates is not None and "add" not in rates):
+        return "reduce"
+    return "add"
+
+
+def step_sms(plan: Plan) -> dict[tuple[str, str], int]:
+    """(program, step) -> the SMs of its role in the program's persistent kernel."""
+    out: dict[tuple[str, str], int] = {}
+    for k in plan.kernels:
+        if k.kind != "kernel":
+            continue
+        for r in k.roles:
+            if r.engine in THREAD_ENGINES and r.sm_end > r.sm_begin:
+                out[(k.program, r.step)] = out.get((k.program, r.step), 0) + (r.sm_end - r.sm_begin)
+    return out
+
+
+def proxy_blocks(plan: Plan) -> dict[tuple[str, str], tuple[int, int]]:
+    """(program, step) -> (pack, unpack) blocks of each RDMA step on the GPU proxy path."""
+    return {(k.program, r.step): (r.pack_sms or PROXY_MIN_SMS, r.unpack_sms or PROXY_MIN_SMS)
+            for k in plan.kernels if k.kind == "proxy" for r in k.roles}
+
+
+def window_rate(chunk: float, depth: int, link_bps: float, latency_s: float, stage_bps: float,
+                apply_bps: float, post_s: float = 0.0) -> float:
+    """Bytes/s one credit-windowed RDMA channel can sustain: `depth` chunks per round trip of
+
+        chunk / link + chunk / stage + chunk / apply + 2 x latency + post
+
+    (the data's latency and the credit's; `post`, the proxy's host time per chunk), and, the
+    proxy posting one chunk after another, at most chunk / post."""
+    trip = chunk / link_bps + chunk / stage_bps + chunk / apply_bps + 2 * latency_s + post_s
+    rate = max(1, depth) * chunk / trip
+    return min(rate, chunk / post_s) if post_s > 0 else rate
+
+
+def proxy_rates(rates: dict[str, float], step: PlanStep) -> tuple[float, float]:
+    """(stage, apply) bytes/s of one SM for a chunk of an RDMA step on the GPU proxy path, in the
+    wire's bytes: the sender stages at `copy` (half that for fp32 partials, read at twice the bytes
+    they take on the wire as bf16), the receiver applies at the step's kind of work."""
+    work = work_of(step, rates)
+    return rates["copy"] / (2.0 if work == "add" else 1.0), rates[work]
+
+
+def sm_rates(plan: Plan) -> dict[str, float]:
+    """The topology's per-SM rates, `reduce` bounded by its atomics.  `add` is the rate of one
+    red.add of fp32 per bf16 row read (bench/sm_probe.cu `red`: 11.7 GB/s of rows per SM).  A
+    weighted combine role gathers a token's expert rows (up to GATHER_ROWS at a time), adds them
+    in registers and issues one red.add per element for all of them, so it reads at most
+    add x min(rows, GATHER_ROWS) bytes per second, rows = the expected rows per token (the
+    probe's `gred`: 22 GB/s per SM at 2 rows, 40 at 4).  `reduce` as declared holds where that is
+    higher, as in the shipped schedules (4 ranks, top-8 of 256: 2.2 rows, 12 x 2.2 = 26 GB/s
+    against 23); a plan whose tokens have one row per rank is bound at `add`.  Without a
+    workload (no rows per token) `reduce` holds."""
+    rates = dict(plan.sm_rates)
+    if "reduce" in rates and "add" in rates and plan.workload is not None:
+        rows = min(rows_per_token(plan), float(GATHER_ROWS))
+        rates["reduce"] = min(rates["reduce"], rates["add"] * rows)
+    return rates

@@ -1,0 +1,18 @@
+"""The plan: what the compiler decided, as plain data the simulator, the backends and the runtime read.
+
+* model.py: the data model (Plan, its steps and flows, kernels, buffers, workload), JSON in
+  and out (plan.json in a bundle);
+* rdma.py: which steps are RDMA steps and how they are chunked (the proxy loop's and the GPU
+  proxy path's shape), with the run-time overrides of chunk size and depth;
+* direct.py: which plans lower to the CUDA target's direct one-hop kernels and their shape
+  (launch configuration, launches, metadata passes);
+* bundle.py: the one loader of a compiled bundle (plan.json and manifests).
+
+Nothing here needs MLIR, lark or jinja2: a GPU machine reads bundles with it.
+"""
+
+from .model import (WARPS_PER_SM, BufferPlan, DirectKernels, Flow, KernelPlan, Plan, PlanStep, RolePlan,
+                    WorkloadPlan, chunk_sizes, ramp_sizes)
+
+__all__ = ["WARPS_PER_SM", "BufferPlan", "DirectKernels", "Flow", "KernelPlan", "Plan", "PlanStep", "RolePlan",
+           "WorkloadPlan", "chunk_sizes", "ramp_sizes"]

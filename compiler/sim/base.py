@@ -1,0 +1,77 @@
+"""The simulator's vocabulary: its options, what it reports per step and per resource, its error,
+and the tolerance of its arithmetic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..plan import DirectKernels
+
+INF = float("inf")
+REL = 1e-9  # relative tolerance on fractions and simultaneous events
+
+
+class SimulationError(Exception):
+    """The plan cannot be simulated (unknown dependency, missing resource, deadlock)."""
+
+
+@dataclass
+class SimOptions:
+    pipelining: bool = True  # follow `pipelined_deps` chunk by chunk (False: every dep is a barrier)
+    latency: bool = True  # charge latency_s x ceil(chunks / depth) per flow
+    priorities: bool = False  # strict priority by PlanStep.priority on shared resources (off: max-min)
+    order_hints: bool = True  # honour PlanStep.order first/last on shared resources
+    # RDMA steps as the GPU proxy path runs them (credit window, chunks staged and applied by one
+    # SM each: sim/sm_terms.py); False: as paced SM roles writing the peer (`--rdma emulate`).
+    rdma_proxy: bool = True
+    # The plan runs as the CUDA target's direct kernels (sim/direct.py: one pool of SMs per rank and
+    # program, launches before the first step); None: SM roles as kernel-formation laid them out
+    # (sim/sm_terms.py).  `epcc simulate` sets it from the CUDA target's lowering.
+    direct: DirectKernels | None = None
+
+
+@dataclass
+class StepTiming:
+    name: str
+    program: str
+    verb: str
+    link: str | None
+    link_kind: str | None
+    deps: tuple[str, ...]
+    pipelined_deps: tuple[str, ...]
+    ready_s: float  # deps satisfied (pipelined producers started)
+    start_s: float  # first byte moved (or ready_s, for latency-only and empty steps)
+    end_s: float  # last flow done, latency included
+    bytes: float  # all ranks
+    max_rank_bytes: float
+    num_chunks: int
+    chunk_times_s: list[float] = field(default_factory=list)  # the step's bytes cross k/num_chunks
+    alone_s: float = 0.0  # duration when the step runs alone (serial sum's term)
+    critical: bool = False
+    moves_bytes: bool = True  # False: latency only (no flow uses a resource)
+
+    @property
+    def achieved_bps(self) -> float | None:
+        """The busiest rank's bytes over the step's start..end (None for latency-only steps)."""
+        if not self.moves_bytes or self.duration_s <= 0 or self.max_rank_bytes <= 0:
+            return None
+        return self.max_rank_bytes / self.duration_s
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass
+class ResourceStat:
+    name: str
+    link_class: str
+    link_kind: str | None
+    capacity: float  # bytes/s
+    bytes: float = 0.0
+    active_s: float = 0.0  # wall time with any traffic on it
+
+    @property
+    def work_s(self) -> float:
+        """Busy time: the time its bytes take at full capacity."""
+        return self.bytes / self.capacity if self.capacity > 0 else 0.0

@@ -1,0 +1,218 @@
+"""`Buffer(..., backend="cpu")`: this rank's drivers over peer memory (the Engine protocol, base.py).
+
+One process per rank, joined by a torch.distributed group.  Per call: the routing of every rank is
+all-gathered (the plan's metadata step), every rank computes the same token-level layout
+(runtime/layout), buffers live in peer memory (runtime/shm.py: named shared memory that peers
+map, the CPU analogue of CUDA IPC handles), and threads.py runs this rank's drivers, which write
+into peers' buffers and bump peers' counters directly.  `event` is None.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ....plan.bundle import Bundle
+from ...layout import Layout, compute_layout
+from ...shm import PeerMemory
+from ..tensors import FP8_GROUP, WEIGHTS_DIFFER, check_tensor, check_topk_idx
+from .threads import execute
+
+
+@dataclass
+class Handle:
+    """What combine needs from the dispatch it reverses."""
+
+    layout: Layout
+    tokens: int
+    recv_rows: int
+    weights: np.ndarray | None = None  # [tokens, topk] float32: the routing weights dispatch was given
+
+
+class CpuEngine:
+    def __init__(self, group, bundle: Bundle, *, timeout_s: float, config: dict | None = None):
+        # `config` (a launch configuration) is the cuda engine's; Buffer refuses one for this engine
+        self.group, self.plan, self.timeout_s = group, bundle.plan, timeout_s
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.device = torch.device("cpu")
+        wl = self.plan.workload
+        self.hidden, self.topk, self.experts, self.dtype = wl.hidden, wl.topk, wl.experts, wl.dtype
+        session = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+        dist.broadcast_object_list(session, src=_global_rank(group, 0), group=group)
+        self.memory = PeerMemory(session[0], self.rank, self.num_ranks)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x, topk_idx, topk_weights, *, sync: bool, expert_alignment: int, handle):
+        if handle is not None:
+            raise ValueError("dispatch: handle (cached dispatch) needs the cuda backend")
+        if topk_idx is None:
+            raise TypeError("dispatch: topk_idx is required")
+        if sync is not True:
+            raise ValueError("dispatch: sync=False (low-latency mode) needs the cuda backend")
+        if expert_alignment != 1:
+            raise ValueError("dispatch: expert_alignment needs the cuda backend")
+        rows, tokens = self._pack_x(x)
+        idx = check_topk_idx("dispatch", topk_idx, self.topk, self.experts, "cpu", tokens)
+        w = self._check_weights("dispatch", topk_weights, idx.shape)
+        idx_all, w_all = self._gather_routing(idx, w)
+        layout = compute_layout(self.plan, idx_all, w_all)
+        mem = self._prepare("dispatch", layout,
+                            lambda m: m.buffer("dispatch", "input", self.rank).__setitem__(slice(0, tokens), rows))
+        out = self._run("dispatch", layout, mem)
+        recv = out[self.rank]
+        entries = layout.entries[("output", self.rank)]
+        recv_x = _unpack_rows(recv, self.dtype, self.hidden)
+        recv_idx = torch.from_numpy(entries[:, 2].astype(np.int64))
+        recv_w = torch.from_numpy(np.ascontiguousarray(layout.output_weights[self.rank], dtype=np.float32))
+        counts = [int(c) for c in layout.recv_counts[self.rank]]
+        return recv_x, recv_idx, recv_w, counts, Handle(layout, tokens, recv.shape[0], w), None
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, x: torch.Tensor, handle: Handle, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(handle, Handle):
+            raise TypeError(f"combine: handle must be the handle dispatch returned, not {type(handle).__name__}")
+        check_tensor("combine", "x", x, (handle.recv_rows, self.hidden), (torch.bfloat16,))
+        if topk_weights is not None:
+            check_tensor("combine", "topk_weights", topk_weights, (handle.tokens, self.topk), (torch.float32,))
+            if not np.array_equal(topk_weights.detach().numpy(), handle.weights):
+                raise ValueError(WEIGHTS_DIFFER)
+        y = (np.zeros((0, self.hidden), dtype=np.uint16) if x.shape[0] == 0 else
+             x.detach().contiguous().view(torch.int16).numpy().view(np.uint16))
+        mem = self._prepare("combine", handle.layout,
+                            lambda m: m.buffer("combine", "output", self.rank).__setitem__(slice(None), y))
+        result = self._run("combine", handle.layout, mem)[self.rank]
+        return torch.from_numpy(np.ascontiguousarray(result[: handle.tokens])).to(torch.bfloat16)
+
+    def synchronize(self) -> None:
+        """Nothing runs after a call returns on the CPU."""
+
+    def close(self) -> None:
+        self.memory.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _check_weights(self, fn: str, w, shape) -> np.ndarray:
+        if w is None:
+            return np.ones(shape, dtype=np.float32)
+        check_tensor(fn, "topk_weights", w, tuple(shape), (torch.float32,))
+        out = w.detach().numpy().astype(np.float32)
+        if not np.isfinite(out).all():
+            bad = np.argwhere(~np.isfinite(out))[0]
+            raise ValueError(f"{fn}: topk_weights[{bad[0]}, {bad[1]}] is {out[tuple(bad)]}; routing weights must be finite")
+        return out
+
+    def _pack_x(self, x) -> tuple[np.ndarray, int]:
+        if self.dtype == "fp8":
+            if not (isinstance(x, tuple) and len(x) == 2):
+                raise TypeError("dispatch: this bundle dispatches fp8: pass x as (x_fp8, scales)")
+            x8, sc = x
+            check_tensor("dispatch", "x_fp8", x8, (None, self.hidden), (torch.float8_e4m3fn,))
+            check_tensor("dispatch", "scales", sc, (x8.shape[0], self.hidden // FP8_GROUP), (torch.float32,))
+            rows = np.concatenate([x8.contiguous().view(torch.uint8).numpy(),
+                                   sc.contiguous().view(torch.uint8).numpy()], axis=1)
+            return rows, x8.shape[0]
+        if isinstance(x, tuple):
+            raise TypeError("dispatch: this bundle dispatches bf16: pass x as one [tokens, hidden] bfloat16 tensor")
+        check_tensor("dispatch", "x", x, (None, self.hidden), (torch.bfloat16,))
+        if x.shape[0] == 0:  # no rows: torch cannot view an empty tensor of any stride as bytes
+            return np.zeros((0, 2 * self.hidden), dtype=np.uint8), 0
+        return x.detach().contiguous().view(torch.uint8).numpy(), x.shape[0]
+
+    def _gather_routing(self, idx: np.ndarray, w: np.ndarray):
+        t = torch.from_numpy(np.concatenate([idx.astype(np.float64), w.astype(np.float64)], axis=1))
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.num_ranks)]
+        dist.all_gather(sizes, torch.tensor([idx.shape[0]], dtype=torch.int64), group=self.group)
+        counts = [int(s) for s in sizes]
+        if len(set(counts)) != 1:
+            raise ValueError(f"dispatch: every rank must dispatch the same number of tokens; ranks have "
+                             f"{counts} (pad with -1 in topk_idx)")
+        parts = [torch.zeros_like(t) for _ in range(self.num_ranks)]
+        dist.all_gather(parts, t, group=self.group)
+        allr = torch.stack(parts).numpy()
+        return allr[:, :, : self.topk].astype(np.int64), allr[:, :, self.topk:].astype(np.float32)
+
+    def _prepare(self, program: str, layout: Layout, fill) -> "_Memory":
+        """Peer buffers sized for this layout, this rank's counters and partials zeroed and its
+        inputs written by `fill`, all before the barrier after which peers may read and write."""
+        mem = _Memory(self.memory, program, layout)
+        mem.allocate()  # every rank takes the same decisions: sizes come from the global layout
+        dist.barrier(group=self.group)  # owners created grown segments before peers map them
+        self.memory.map_peers()
+        mem.reset_own()
+        fill(mem)
+        dist.barrier(group=self.group)  # zeroed counters and written inputs, on every rank
+        return mem
+
+    def _run(self, program: str, layout: Layout, mem: "_Memory"):
+        try:
+            execute(self.plan, layout, program, mem, ranks=[self.rank], timeout_s=self.timeout_s)
+        finally:
+            dist.barrier(group=self.group)  # peers finish writing into this rank before it reads
+        return {self.rank: mem.result(self.rank)}
+
+
+class _Memory:
+    """The buffers and counters of one program, on every rank, in peer memory (threads.py's
+    Memory protocol: `buffer(program, name, rank)`, `flags(rank)`)."""
+
+    def __init__(self, peer: PeerMemory, program: str, layout: Layout):
+        self.peer, self.program, self.layout = peer, program, layout
+        names = {layout.canonical(program, b) for c in layout.program_copies(program)
+                 for b in (*c.src_buffers, c.dst_buffer)}
+        names |= {"input", "output"} if program == "dispatch" else {"output", "result"}
+        self.names = sorted(names)
+        self.num_flags = max(len(layout.flags), 1)
+
+    def allocate(self) -> bool:
+        """Room for every buffer on every rank; True when a segment had to grow."""
+        grew = False
+        for name in self.names:
+            sizes = []
+            for r in range(self.layout.num_ranks):
+                dt, shape = self.layout.spec(self.program, name, r)
+                sizes.append(int(np.prod(shape)) * dt.itemsize)
+            grew |= self.peer.plan(f"{self.program}.{name}", sizes)
+        grew |= self.peer.plan(f"{self.program}.flags", [8 * self.num_flags] * self.layout.num_ranks)
+        return grew
+
+    def buffer(self, program: str, name: str, rank: int) -> np.ndarray:
+        dt, shape = self.layout.spec(program, name, rank)
+        return self.peer.array(f"{program}.{self.layout.canonical(program, name)}", rank, dt, shape)
+
+    def flags(self, rank: int) -> np.ndarray:
+        return self.peer.array(f"{self.program}.flags", rank, np.int64, (self.num_flags,))
+
+    def reset_own(self) -> None:
+        r = self.peer.rank
+        self.flags(r)[:] = 0
+        if self.program == "combine":
+            for name in self.names:
+                if name != "output":
+                    self.buffer("combine", name, r)[:] = 0
+
+    def result(self, rank: int) -> np.ndarray:
+        return self.buffer(self.program, "output" if self.program == "dispatch" else "result", rank)
+
+
+def _unpack_rows(rows: np.ndarray, dtype: str, hidden: int):
+    if rows.shape[0] == 0:  # a rank no token chose: torch cannot view an empty byte array as wider types
+        if dtype == "fp8":
+            return (torch.empty((0, hidden), dtype=torch.float8_e4m3fn),
+                    torch.empty((0, hidden // FP8_GROUP), dtype=torch.float32))
+        return torch.empty((0, hidden), dtype=torch.bfloat16)
+    # A copy: `rows` lies in this rank's peer segment, which the next call reuses (or unmaps when it
+    # grows): recv_x must stay the caller's after that.
+    t = torch.from_numpy(np.array(rows, copy=True, order="C"))
+    if dtype == "fp8":
+        x8 = t[:, :hidden].contiguous().view(torch.float8_e4m3fn)
+        sc = t[:, hidden:].contiguous().view(torch.float32)
+        return x8, sc
+    return t.view(torch.bfloat16)
+
+
+def _global_rank(group, r: int) -> int:
+    return dist.get_global_rank(group, r) if group is not dist.group.WORLD else r

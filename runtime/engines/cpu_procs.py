@@ -1,0 +1,306 @@
+"""The cpu engine as separate processes, one per rank, with RDMA steps over a real transport.
+
+    from epcc.runtime.engines import cpu_procs
+    be = cpu_procs.ProcessBackend("libfabric-tcp")
+    out = be.run_dispatch(plan, layout, x_rows)      # as cpu/threads.py's, one process per rank
+    res = be.run_combine(plan, layout, y)
+
+Per program: every rank's buffers and counters are allocated in shared memory (anonymous
+MAP_SHARED mappings made before the ranks start: the peer memory of runtime/shm.py, inherited
+instead of mapped by name), the plan is JIT-compiled and its proxy loop compiled
+(rdma_host.py) once, then one process per rank is forked.  Each joins a torch.distributed gloo
+group (file rendezvous), opens the transport (libfabric, provider tcp), exchanges addresses and
+keys with all_gather_object, and runs its roles: the kernels' roles as JIT drivers over peer
+memory (NVLink-class copies write straight into peers' buffers), the RDMA steps through the
+proxy loop (rdma_host.py: pack, write-with-immediate, in-order apply, credits).  The
+parent reads the results from shared memory.  A failure in any rank (a bounded wait, the
+transport) ends the run with that rank's message.
+"""
+
+from __future__ import annotations
+
+import mmap
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import numpy as np
+
+from epcc.limits import timeout_seconds
+from epcc.plan import Plan
+from epcc.plan.rdma import bf16_partials, rdma_steps
+
+from ..bf16 import BF16_ROUNDOFF
+from ..layout import Layout
+from .cpu.jit import compile_plan
+from .cpu.threads import CpuBackendTimeout, execute, rank_desc
+from .rdma_host import RdmaEngine, build_proxy, build_transport
+from .transport import Transport, cost_phrase, load
+
+#: `epcc run --transport` values: name -> (transport, provider spec) or None (threads, no transport).
+TRANSPORTS = {"inproc": None, "libfabric-tcp": ("libfabric", "tcp")}
+
+
+class TransportUnavailable(RuntimeError):
+    """The transport cannot run here (one line, naming it and why)."""
+
+
+class RankFailed(RuntimeError):
+    """A rank's process failed: its message (a bounded wait's report, a transport error)."""
+
+
+class SharedMemory:
+    """Every rank's buffers and counters of one program in anonymous shared mappings (the Memory
+    protocol of cpu/threads.py), created before the rank processes fork, zeroed."""
+
+    def __init__(self, layout: Layout, program: str):
+        self.layout, self.program = layout, program
+        names = {layout.canonical(program, b) for c in layout.program_copies(program)
+                 for b in (*c.src_buffers, c.dst_buffer)}
+        names |= {"input", "output"} if program == "dispatch" else {"output", "result"}
+        self._maps: list[mmap.mmap] = []
+        self._bufs = {}
+        for name in sorted(names):
+            for r in range(layout.num_ranks):
+                dt, shape = layout.spec(program, name, r)
+                self._bufs[(name, r)] = self._alloc(dt, shape)
+        n = max(len(layout.flags), 1)
+        self._flags = [self._alloc(np.dtype(np.int64), (n,)) for _ in range(layout.num_ranks)]
+
+    def _alloc(self, dt, shape) -> np.ndarray:
+        nbytes = int(np.prod(shape)) * dt.itemsize
+        m = mmap.mmap(-1, max(nbytes, 8), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._maps.append(m)
+        return np.ndarray(shape, dtype=dt, buffer=m, offset=0)
+
+    def buffer(self, program: str, name: str, rank: int) -> np.ndarray:
+        if program != self.program:
+            raise ValueError(f"this memory holds {self.program} buffers, not {program}")
+        return self._bufs[(self.layout.canonical(program, name), rank)]
+
+    def flags(self, rank: int) -> np.ndarray:
+        return self._flags[rank]
+
+
+def _exchange(obj):
+    import torch.distributed as dist  # torch is the runtime extra: only the ranks' rendezvous needs it
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _worker(rank: int, nranks: int, init_file: str, plan: Plan, layout: Layout, program: str, mem: SharedMemory,
+            lib_path, transport: tuple[str, str], timeout_s: float, conn) -> None:
+    """One rank: gloo rendezvous, transport, the JIT roles and the proxy loop.  Sends one message
+    to the parent: ("ok", stats) or ("error", kind, message)."""
+    msg = ("error", "crash", f"rank {rank}: exited without a report")
+    eng = tp = None
+    try:
+        import torch.distributed as dist  # torch is the runtime extra: only the ranks' rendezvous needs it
+
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=nranks,
+                                timeout=timedelta(seconds=timeout_s + 30))
+        abort = np.zeros(1, dtype=np.int64)
+        skip = frozenset()
+        stats = {"transport": None, "posted": 0, "applied": 0}
+        if lib_path is not None:
+            lib = load(lib_path)
+            tp = Transport(lib, transport[0], transport[1], rank, nranks)
+            flag_rank = {f.flag_id: f.rank for f in layout.flags}
+            scratch = np.zeros(1, dtype=np.int64)
+
+            def flag_address(fid: int, what: str) -> int:
+                if fid == -1:
+                    return scratch.ctypes.data
+                return mem.flags(flag_rank[fid]).ctypes.data + 8 * fid
+
+            eng = RdmaEngine(lib, tp, plan, layout, program, mem, rank, _exchange, timeout_s=timeout_s,
+                             abort=abort, flag_address=flag_address, rank_desc=rank_desc(layout, rank))
+            skip = frozenset(eng.step_names)
+            dist.barrier()  # every rank registered and connected before anyone writes
+            eng.start()
+        jit_error = None
+        try:
+            execute(plan, layout, program, mem, ranks=[rank], timeout_s=timeout_s, skip_steps=skip, abort=abort)
+        except Exception as e:  # noqa: BLE001 - reported below, after the proxy loop is down
+            jit_error = e
+        if eng is not None:
+            eng.join_local()
+            failure = eng.failure()
+            if failure is None and jit_error is None:
+                tp.flush(timeout_s)
+            stats.update(transport=tp.description, **tp.stats())
+            stats["posted"], stats["applied"] = eng.counts()
+            stats["drained"], stats["passes"] = eng.backlog()
+            if failure is not None and (eng.timed_out() or jit_error is None or
+                                        not isinstance(jit_error, CpuBackendTimeout)):
+                raise RankFailed(failure)
+        if jit_error is not None:
+            raise jit_error
+        dist.barrier()  # every rank done: no more writes into anyone's memory
+        msg = ("ok", stats)
+    except CpuBackendTimeout as e:
+        msg = ("error", "timeout", str(e))
+    except RankFailed as e:
+        msg = ("error", "timeout" if "timed out" in str(e) else "rdma", str(e))
+    except BaseException as e:  # noqa: BLE001
+        if os.environ.get("EPCC_DEBUG"):
+            traceback.print_exc()
+        msg = ("error", "crash", f"{type(e).__name__}: {e}")
+    finally:
+        try:
+            conn.send(msg)
+        except OSError:
+            pass
+        if eng is not None:
+            eng.stop_proxy()
+            eng.close()
+        if tp is not None:
+            tp.close()
+        os._exit(0)  # no atexit handlers of the parent's libraries in a forked child
+
+
+def _probe(transport, conn) -> None:
+    try:
+        lib = load(build_transport(transport[0]))
+        tp = Transport(lib, transport[0], transport[1], 0, 1)
+        desc = tp.description
+        tp.close()
+        conn.send(("ok", desc))
+    except BaseException as e:  # noqa: BLE001
+        conn.send(("error", str(e)))
+    finally:
+        os._exit(0)
+
+
+def check_transport(name: str) -> str:
+    """Raise TransportUnavailable (one line) unless transport `name` works here; returns what
+    it opened (e.g. "libfabric tcp;ofi_rxm (FI_EP_RDM, ...)"), '' for inproc."""
+    if name not in TRANSPORTS:
+        raise TransportUnavailable(f"--transport {name}: unknown transport (choose from {', '.join(TRANSPORTS)})")
+    t = TRANSPORTS[name]
+    if t is None:
+        return ""
+    ctx = mp.get_context("fork")  # probe in a child: the provider's state never enters the parent
+    a, b = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_probe, args=(t, b), daemon=True)
+    p.start()
+    b.close()
+    ok = a.poll(120)
+    res = a.recv() if ok else ("error", "the probe did not answer in 120 s")
+    p.join(5)
+    if res[0] != "ok":
+        raise TransportUnavailable(f"--transport {name}: not available here: {res[1]}".replace("\n", " "))
+    return res[1]
+
+
+class ProcessBackend:
+    """run_dispatch / run_combine (the `epcc run` backend protocol) as one process per rank."""
+
+    def __init__(self, transport: str = "libfabric-tcp", *, timeout_s: float = 30.0):
+        if transport not in TRANSPORTS or TRANSPORTS[transport] is None:
+            raise ValueError(f"ProcessBackend: transport must be one of "
+                             f"{', '.join(k for k, v in TRANSPORTS.items() if v)}, not {transport!r}")
+        self.transport_name = transport
+        self.transport = TRANSPORTS[transport]
+        self.timeout_s = timeout_seconds(timeout_s, "ProcessBackend")
+        self.last_stats: dict[str, list[dict]] = {}
+
+    def partial_rounding(self, plan: Plan) -> float:
+        """What the combine check must admit: combine partials that cross an RDMA step travel as
+        bf16 (plan/rdma.py), rounded once to its unit roundoff; 0 without such a step."""
+        return BF16_ROUNDOFF if bf16_partials(plan) else 0.0
+
+    def _run(self, plan: Plan, layout: Layout, program: str, mem: SharedMemory) -> None:
+        import torch.distributed  # noqa: F401 - torch is the runtime extra; imported once here, inherited by every rank
+
+        compile_plan(plan)  # JIT once, inherited by the forked ranks
+        has_rdma = any(s.program == program for s in rdma_steps(plan))
+        lib_path = build_proxy(plan, self.transport[0]) if has_rdma else None
+        R = layout.num_ranks
+        ctx = mp.get_context("fork")
+        with tempfile.TemporaryDirectory(prefix="epcc-rdv-") as d:
+            init_file = os.path.join(d, "rendezvous")
+            pipes, procs = [], []
+            for r in range(R):
+                a, b = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_worker, args=(r, R, init_file, plan, layout, program, mem, lib_path,
+                                                      self.transport, self.timeout_s, b), daemon=True,
+                                name=f"epcc-rank{r}")
+                p.start()
+                b.close()
+                pipes.append(a)
+                procs.append(p)
+            results: dict[int, tuple] = {}
+            deadline = time.monotonic() + 3 * self.timeout_s + 120
+            first_error_at = None
+            while len(results) < R:
+                now = time.monotonic()
+                if now > deadline or (first_error_at is not None and now > first_error_at + 5):
+                    break
+                for r, a in enumerate(pipes):
+                    if r in results:
+                        continue
+                    if a.poll(0.01):
+                        try:
+                            results[r] = a.recv()
+                        except EOFError:
+                            results[r] = ("error", "crash", f"rank {r}: the process died (exit code "
+                                                            f"{procs[r].exitcode})")
+                        if results[r][0] != "ok" and first_error_at is None:
+                            first_error_at = time.monotonic()
+                    elif not procs[r].is_alive() and not a.poll(0):
+                        results[r] = ("error", "crash", f"rank {r}: the process died (exit code {procs[r].exitcode})")
+                        if first_error_at is None:
+                            first_error_at = time.monotonic()
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                p.join(5)
+        errors = sorted((r, v) for r, v in results.items() if v[0] != "ok")
+        if errors:
+            # The root cause first: a timed-out wait or a transport error before a crash or a rank
+            # that merely gave up after another failed.
+            rank_of = {"timeout": 0, "rdma": 1, "crash": 2}
+            r, (_, kind, text) = min(errors, key=lambda e: (rank_of.get(e[1][1], 3), "gave up" in e[1][2], e[0]))
+            raise RankFailed(text)
+        if len(results) < R:
+            missing = [r for r in range(R) if r not in results]
+            raise RankFailed(f"ranks {missing} did not finish within {3 * self.timeout_s + 120:.0f} s")
+        self.last_stats[program] = [results[r][1] for r in range(R)]
+
+    def run_dispatch(self, plan: Plan, layout: Layout, x_rows: list[np.ndarray]) -> list[np.ndarray]:
+        R = layout.num_ranks
+        if len(x_rows) != R:
+            raise ValueError(f"run_dispatch: x_rows has {len(x_rows)} ranks, the layout {R}")
+        mem = SharedMemory(layout, "dispatch")
+        for r, x in enumerate(x_rows):
+            mem.buffer("dispatch", "input", r)[...] = np.asarray(x)
+        self._run(plan, layout, "dispatch", mem)
+        return [mem.buffer("dispatch", "output", r).copy() for r in range(R)]
+
+    def run_combine(self, plan: Plan, layout: Layout, y: list[np.ndarray]) -> list[np.ndarray]:
+        R = layout.num_ranks
+        if len(y) != R:
+            raise ValueError(f"run_combine: y has {len(y)} ranks, the layout {R}")
+        mem = SharedMemory(layout, "combine")
+        for r, yr in enumerate(y):
+            mem.buffer("combine", "output", r)[...] = np.asarray(yr)
+        self._run(plan, layout, "combine", mem)
+        return [mem.buffer("combine", "result", r).copy() for r in range(R)]
+
+    def summary(self) -> str:
+        """What went over the transport in the last runs, one phrase."""
+        parts = []
+        for program, stats in self.last_stats.items():
+            total = {k: sum(s.get(k, 0) or 0 for s in stats)
+                     for k in ("writes_posted", "posted", "bytes_posted", "post_ns", "drained", "passes")}
+            cost = cost_phrase(total)
+            parts.append(f"{program} {total['posted']} chunks / {total['writes_posted']} writes / "
+                         f"{total['bytes_posted'] / 1e6:.2f} MB" + (f" ({cost})" if cost else ""))
+        desc = next((s["transport"] for st in self.last_stats.values() for s in st if s.get("transport")), None)
+        return f"{desc or 'no RDMA step'}: " + ", ".join(parts) if parts else ""

@@ -1,0 +1,325 @@
+"""The `cuda` backend of `epcc.runtime.Buffer`: the bundle's direct kernels on NVIDIA GPUs (the
+Engine protocol, runtime/engines/base.py).
+
+One process per GPU (torchrun), `torch.cuda.set_device(local_rank)` before the Buffer is made.
+At construction every rank allocates one peer region (the size the manifest gives: meta areas,
+tails, records, the expert-major receive buffer, the combine staging), exchanges CUDA IPC
+handles over the group (all_gather_object) and maps its peers' regions.  The library is built
+with nvcc on first use and cached by content hash (library.py, runtime/build_cache.py); rank 0
+builds first while the others wait, then everyone loads the cached file.
+
+Calls are stream-ordered on the current torch stream and every rank must make the same calls in
+the same order (they are collectives).  Two modes:
+
+* `dispatch(..., sync=True)` (normal): after the kernels, the per-expert counts are read back
+  (one host sync, as DeepEP's normal mode), routing errors are raised, and recv_x is returned
+  trimmed to the rows received.
+* `dispatch(..., sync=False)` (low latency, CUDA-graph capturable): no host sync and no
+  allocation; recv_x is the whole receive buffer [capacity, hidden] and the counts/offsets are
+  device tensors.  Bad routing cannot be raised without a sync: such entries are ignored by the
+  kernels and reported by the next `check_routing()`.
+
+recv_x (and the fp8 scales, and recv weights) are views into the peer region: valid until the
+next dispatch on this Buffer, like DeepEP's low-latency buffers.  Copy them to keep them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ....plan.bundle import Bundle, cuda_manifest
+from ....plan.direct import DirectConfig, DirectError
+from ..base import KernelTimeout
+from ..tensors import WEIGHTS_DIFFER, check_tensor
+from .library import DirectLibrary, DirectRuntimeError, build, timeline_summary
+
+
+class _Ptr:
+    """A device pointer as a __cuda_array_interface__ object (uint8), for torch.as_tensor."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def _view(ptr: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(_Ptr(ptr, nbytes), device=device) if nbytes else torch.empty(0, dtype=torch.uint8,
+                                                                                       device=device)
+    return t.view(dtype).view(shape)
+
+
+@dataclass
+class CudaHandle:
+    """What combine needs from the dispatch it reverses (the routing stays on the GPU)."""
+
+    dispatch_index: int
+    tokens: int
+    rows: int  # rows recv_x had (trimmed total, or the capacity with sync=False)
+    topk_idx: torch.Tensor | None = None  # the routing, for a cached-handle dispatch
+    topk_weights: torch.Tensor | None = None
+
+
+class CudaDirectEngine:
+    def __init__(self, group, bundle: Bundle, *, timeout_s: float, config: dict | None = None):
+        if not torch.cuda.is_available():
+            raise RuntimeError("Buffer(backend='cuda'): no CUDA device is available")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.R = dist.get_world_size(group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        cuda_dir = bundle.cuda_dir
+        plan = bundle.plan
+        self.manifest = cuda_manifest(bundle.path)
+        if "direct" not in self.manifest:
+            raise DirectError(f"{bundle.path}: the cuda backend of Buffer runs one-hop plans; this one is not "
+                              f"({self.manifest.get('direct_not_used', '?')})")
+        entry = self.manifest["direct"]
+        cfg = dict(entry["config"])
+        tuned = cuda_dir / "tuned.json"
+        if tuned.is_file():
+            cfg.update(json.loads(tuned.read_text(encoding="utf-8")).get("config", {}))
+        cfg.update(config or {})
+        self.config = DirectConfig.from_dict(cfg)
+        c = entry["constants"]
+        self.config.check()
+        self.c = c
+        self.plan = plan
+        # build: rank 0 first (the others find it in the cache); every step that can fail on one
+        # rank is agreed on before the next collective, so a failure raises everywhere, not a hang
+        lib_path, err = None, None
+        if self.rank == 0:
+            lib_path, err = _attempt(lambda: build(cuda_dir, self.manifest))
+        _agree(group, self.R, err, "building the kernels")
+        if self.rank != 0:
+            lib_path, err = _attempt(lambda: build(cuda_dir, self.manifest))
+        _agree(group, self.R, err, "building the kernels")
+
+        def setup():
+            self.lib = DirectLibrary(lib_path, self.manifest)
+            self.lib.init(self.config.warps)
+            self.lib.prepare()
+            self.region = self.lib.malloc(self.lib.region_bytes)
+            return self.lib.ipc_handle(self.region)
+
+        handle, err = _attempt(setup)
+        _agree(group, self.R, err, "allocating the peer region")
+        handles = [None] * self.R
+        dist.all_gather_object(handles, handle, group=group)
+        self.bases = [self.region if r == self.rank else self.lib.ipc_open(h) for r, h in enumerate(handles)]
+        self.err_host, self.err_dev = self.lib.error_record()
+        self.timeout_ns = int(timeout_s * 1e9)
+        offs = dict(entry["constants"].get("offsets_named", {}))
+        self.off = offs
+        self.state_off = self.lib.state_offsets
+        self.dispatches = 0
+        # views of the peer region, made once (a call must not pay for them: low-latency mode)
+        cap, H, epr = c["capacity"], c["hidden"], c["experts_per_rank"]
+        if c["dtype"] == "fp8":
+            self.recv_x = (self.region_view("OFF_RECV_X", cap * c["x_bytes"], torch.float8_e4m3fn, (cap, H)),
+                           self.region_view("OFF_RECV_S", cap * c["scale_bytes"], torch.float32, (cap, H // 128)))
+        else:
+            self.recv_x = self.region_view("OFF_RECV_X", cap * c["x_bytes"], torch.bfloat16, (cap, H))
+        self.recv_w = self.region_view("OFF_RECV_W", cap * 4, torch.float32, (cap,))
+        self.recv_count = self.state_view("recv_count", epr)
+        self.recv_offset = self.state_view("recv_offset", epr + 1)
+        self.bad_token = self.state_view("bad_token", 1)
+        self._args = self.args()
+        dist.barrier(group=group)
+
+    # ------------------------------------------------------------------ helpers
+    def region_view(self, name: str, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
+        return _view(self.region + self.off[name], nbytes, dtype, tuple(shape), self.device)
+
+    def state_view(self, field: str, count: int) -> torch.Tensor:
+        return _view(self.region + self.off["OFF_STATE"] + self.state_off[field], 4 * count, torch.int32,
+                     (count,), self.device)
+
+    def args(self, **kw):
+        """The kernels' argument block: built once, per-call fields (and the configuration, which
+        `epcc tune` changes between calls) written into it before each launch."""
+        a = getattr(self, "_args", None)
+        if a is None:
+            a = self.lib.Args()
+            for r, b in enumerate(self.bases):
+                a.base[r] = b
+            a.me = self.rank
+            a.timeout_ns = self.timeout_ns
+            a.err = self.err_dev
+        cfg = self.config
+        a.C, a.NSB, a.NR, a.W = cfg.channels(kw.get("T")), cfg.send_blocks, cfg.recv_blocks, cfg.warps
+        a.NS, a.ND = cfg.combine_send_blocks, cfg.combine_reduce_blocks
+        a.align = 1
+        for k, v in kw.items():
+            setattr(a, k, v)
+        return a
+
+    def enable_timeline(self, on: bool = True) -> None:
+        """Stamp every block's start and every warp's end (%globaltimer) from the next call on;
+        `read_timeline` turns the stamps into per-role times.  Off again with on=False."""
+        c = self.c
+        if on:
+            self._timeline = torch.zeros(2 * c["timeline_blocks"] * c["timeline_words"], dtype=torch.int64,
+                                         device=self.device)
+            self._args.timeline = self._timeline.data_ptr()
+        else:
+            self._timeline = None
+            self._args.timeline = 0
+
+    def read_timeline(self) -> dict:
+        """Per kernel and role: ms to its first block's start, its median and last warp end."""
+        if getattr(self, "_timeline", None) is None:
+            raise RuntimeError("read_timeline: call enable_timeline() before the stamped dispatch and combine")
+        torch.cuda.synchronize(self.device)
+        raw = self._timeline.cpu().tolist()
+        return timeline_summary(raw, self.config, self.c["timeline_blocks"], self.c["timeline_words"])
+
+    def raise_if_failed(self) -> None:
+        msg = self.lib.read_error(self.err_host, self.plan.rank_names or None)
+        if msg:
+            raise KernelTimeout(msg)
+
+    def close(self) -> None:
+        """Collective: every rank's kernels finish (peers may still write into this rank's region
+        until theirs do) before any region is unmapped and freed."""
+        if not self.bases:
+            return
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        for r, b in enumerate(self.bases):
+            if r != self.rank:
+                self.lib.ipc_close(b)
+        self.lib.free(self.region)
+        self.lib.free_host(self.err_host)
+        self.bases = []
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x, topk_idx=None, topk_weights=None, *, sync: bool = True, expert_alignment: int = 1,
+                 handle: CudaHandle | None = None):
+        c = self.c
+        if handle is not None:  # cached: the handle's routing (the metadata kernel reruns on it, ~3 us)
+            if not isinstance(handle, CudaHandle) or handle.topk_idx is None:
+                raise TypeError("dispatch: handle must be a handle an earlier dispatch of this Buffer returned")
+            if topk_idx is not None:
+                raise ValueError("dispatch: give topk_idx or handle, not both")
+            topk_idx, topk_weights = handle.topk_idx, handle.topk_weights
+        if topk_idx is None:
+            raise TypeError("dispatch: topk_idx is required (or a handle from an earlier dispatch)")
+        H, K, fp8 = c["hidden"], c["topk"], c["dtype"] == "fp8"
+        if fp8:
+            if not (isinstance(x, tuple) and len(x) == 2):
+                raise TypeError("dispatch: this bundle dispatches fp8: pass x as (x_fp8, scales)")
+            x8, sc = x
+            check_tensor("dispatch", "x_fp8", x8, (None, H), (torch.float8_e4m3fn,), self.device)
+            T = x8.shape[0]
+            check_tensor("dispatch", "scales", sc, (T, H // 128), (torch.float32,), self.device)
+            xp, sp = x8.data_ptr(), sc.data_ptr()
+        else:
+            if isinstance(x, tuple):
+                raise TypeError("dispatch: this bundle dispatches bf16: pass x as one [tokens, hidden] bfloat16 tensor")
+            check_tensor("dispatch", "x", x, (None, H), (torch.bfloat16,), self.device)
+            T, xp, sp = x.shape[0], x.data_ptr(), 0
+        if T > c["max_tokens"]:
+            raise ValueError(f"dispatch: x has {T} tokens, but the bundle was compiled for at most "
+                             f"{c['max_tokens']} per rank (workload `tokens`)")
+        check_tensor("dispatch", "topk_idx", topk_idx, (T, K), (torch.int64, torch.int32), self.device)
+        if topk_weights is not None:
+            check_tensor("dispatch", "topk_weights", topk_weights, (T, K), (torch.float32,), self.device)
+        if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) \
+                or not 1 <= expert_alignment <= c["align_max"]:
+            raise ValueError(f"dispatch: expert_alignment must be an integer in [1, {c['align_max']}], "
+                             f"got {expert_alignment!r}")
+        a = self.args(T=T, x=xp, scales=sp, topk_idx=topk_idx.data_ptr(),
+                      idx_int32=int(topk_idx.dtype == torch.int32),
+                      topk_w=topk_weights.data_ptr() if topk_weights is not None else 0,
+                      has_weights=int(topk_weights is not None), align=expert_alignment)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.lib.dispatch(a, stream)
+        self.dispatches += 1
+        cap, epr = c["capacity"], c["experts_per_rank"]
+        rx, rw, counts, offsets = self.recv_x, self.recv_w, self.recv_count, self.recv_offset
+        if not sync:
+            return rx, None, rw, (counts, offsets), CudaHandle(self.dispatches, T, cap, topk_idx, topk_weights), None
+        try:
+            host_counts = counts.cpu().tolist()
+            host_offsets = offsets.cpu().tolist()
+            bad = int(self.bad_token.cpu()[0])
+        except RuntimeError:  # the context is gone: a kernel trapped
+            self.raise_if_failed()
+            raise
+        self.raise_if_failed()
+        if bad >= 0:
+            row = topk_idx[bad].tolist()
+            raise ValueError(f"dispatch: topk_idx row {bad} names an expert outside [-1, {c['experts'] - 1}] or the "
+                             f"same expert twice: {row} (those entries were not dispatched)")
+        total = host_offsets[epr]
+        if fp8:
+            rx = (rx[0][:total], rx[1][:total])
+        else:
+            rx = rx[:total]
+        me = self.rank
+        experts = [(me * epr + l) if c["placement"] == "blocked" else (l * self.R + me) for l in range(epr)]
+        idx = torch.full((total,), -1, dtype=torch.int64)
+        for l in range(epr):
+            idx[host_offsets[l]: host_offsets[l] + host_counts[l]] = experts[l]
+        return rx, idx.to(self.device, non_blocking=True), rw[:total], host_counts, CudaHandle(self.dispatches, T, total, topk_idx, topk_weights), None
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, y: torch.Tensor, handle: CudaHandle, topk_weights: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        given = getattr(handle, "topk_weights", None)
+        if topk_weights is not None and given is not None and not (
+                isinstance(topk_weights, torch.Tensor) and topk_weights.shape == given.shape
+                and torch.equal(topk_weights.to(given.device, given.dtype), given)):
+            raise ValueError(WEIGHTS_DIFFER)
+        if not isinstance(handle, CudaHandle):
+            raise TypeError(f"combine: handle must be the handle dispatch returned, not {type(handle).__name__}")
+        if handle.dispatch_index != self.dispatches:
+            raise ValueError(f"combine: handle is from dispatch #{handle.dispatch_index}, but this Buffer has run "
+                             f"dispatch #{self.dispatches} since; its routing and receive buffer are gone")
+        H = self.c["hidden"]
+        check_tensor("combine", "x", y, (handle.rows, H), (torch.bfloat16,), self.device)
+        if out is None:
+            out = torch.empty((handle.tokens, H), dtype=torch.bfloat16, device=self.device)
+        else:
+            check_tensor("combine", "out", out, (handle.tokens, H), (torch.bfloat16,), self.device)
+        a = self.args(y=y.data_ptr(), out=out.data_ptr())
+        self.lib.combine(a, torch.cuda.current_stream(self.device).cuda_stream)
+        return out
+
+    def synchronize(self) -> None:
+        """Wait for this rank's kernels; a kernel that gave up raises KernelTimeout with its report."""
+        try:
+            torch.cuda.current_stream(self.device).synchronize()
+        except RuntimeError:
+            self.raise_if_failed()
+            raise
+        self.raise_if_failed()
+
+    def check_routing(self, topk_idx=None) -> None:
+        """Raise if the last dispatch met a bad top-k row (for sync=False callers); syncs."""
+        bad = int(self.bad_token.cpu()[0])
+        if bad >= 0:
+            row = topk_idx[bad].tolist() if topk_idx is not None else "?"
+            raise ValueError(f"dispatch: topk_idx row {bad} names an expert outside [-1, {self.c['experts'] - 1}] "
+                             f"or the same expert twice: {row}")
+
+
+def _attempt(fn):
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _agree(group, world: int, err: str | None, what: str) -> None:
+    """Raise on every rank if any rank failed `what` (all_gather_object of the errors)."""
+    errs = [None] * world
+    dist.all_gather_object(errs, err, group=group)
+    bad = [(r, e) for r, e in enumerate(errs) if e]
+    if bad:
+        raise DirectRuntimeError(f"Buffer(backend='cuda'): {what} failed on " +
+                                     "; ".join(f"rank {r}: {e}" for r, e in bad))

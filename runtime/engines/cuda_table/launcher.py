@@ -1,0 +1,314 @@
+"""Python side of the generated host launcher (`<schedule>_launcher.cu`): build it, load it
+with ctypes, call it.  No torch needed; device pointers are plain ints (a torch tensor's
+`data_ptr()` works too), streams are `cudaStream_t` values as ints (0: the default stream,
+`torch.cuda.current_stream().cuda_stream` under torch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from epcc.limits import timeout_seconds
+
+from ....plan.bundle import MANIFEST_FILE, read_manifest
+from ...build_cache import cached, compiler_version, find_nvcc, key, run
+from ..base import EngineError, KernelTimeout
+from .tables import PROGRAMS, Tables
+
+RC_OK, RC_CUDA, RC_USAGE, RC_TABLES, RC_KERNEL = 0, 1, 2, 3, 4
+IPC_HANDLE_BYTES = 64
+ERROR_MESSAGE_BYTES = 512
+
+
+TIMELINE_WORDS = 4  # epcc::kTimelineWords: entry barrier passed, first item started, role done, drain done
+
+
+def role_timeline(manifest: dict, program: str, stamps: np.ndarray) -> dict:
+    """Per role of `program`'s kernel, from one launch's stamps (Context.read_timeline): when its
+    first block started moving rows and when its last block finished, in ms after the entry
+    barrier (the earliest block past it); plus the kernel's end on this rank (drain done)."""
+    kernel = next(k for k in manifest["kernels"] if k["program"] == program and k["kind"] == "main")
+    stamps = np.asarray(stamps, dtype=np.uint64)
+    if stamps.shape != (kernel["grid"], TIMELINE_WORDS):
+        raise ValueError(f"{program} timeline: shape {stamps.shape}, the kernel has {kernel['grid']} blocks "
+                         f"x {TIMELINE_WORDS} stamps")
+    t0 = int(stamps[:, 0].min())
+    ms = lambda v: (int(v) - t0) / 1e6  # noqa: E731
+    roles = []
+    for r in kernel["roles"]:
+        b0, b1 = r["blocks"]
+        started = [v for v in stamps[b0:b1, 1] if v]
+        side = {"rdma-pack": " (pack)", "rdma-unpack": " (unpack)"}.get(r.get("lowered"), "")
+        roles.append({"step": r["step"] + side, "blocks": b1 - b0,
+                      "start_ms": ms(min(started)) if started else None,
+                      "end_ms": ms(stamps[b0:b1, 2].max()) if started else None})
+    return {"roles": roles, "end_ms": ms(stamps[0, 3])}
+
+
+def median_timeline(rounds: list[dict]) -> dict:
+    """Several launches' role_timeline as one: each role's start and end, and the kernel's end,
+    the median over the launches (a single launch's proxy-path roles vary by ~10 % with the host
+    threads' scheduling)."""
+    if not rounds:
+        raise ValueError("median_timeline: no launches")
+
+    def med(vals: list) -> float | None:
+        vals = sorted(v for v in vals if v is not None)
+        return statistics.median(vals) if vals else None
+
+    roles = []
+    for i, r in enumerate(rounds[0]["roles"]):
+        roles.append({**r, "start_ms": med([x["roles"][i]["start_ms"] for x in rounds]),
+                      "end_ms": med([x["roles"][i]["end_ms"] for x in rounds])})
+    return {"roles": roles, "end_ms": med([x["end_ms"] for x in rounds]), "launches": len(rounds)}
+
+
+class CudaError(EngineError):
+    """A launcher call failed; `rc` is its EPCC_RC_* code, the message the launcher's.  A kernel
+    that gave up waiting (or found bad tables) raises KernelTimeout (base.py) instead."""
+
+    def __init__(self, rc: int, message: str):
+        super().__init__(message)
+        self.rc = rc
+
+
+def load_manifest(cuda_dir: str | Path) -> dict:
+    """The CUDA manifest of a bundle's cuda/ directory."""
+    return read_manifest(Path(cuda_dir) / MANIFEST_FILE)
+
+
+def build_library(cuda_dir: str | Path, nvcc: str | None = None, extra_flags: tuple[str, ...] = (),
+                  log: list[str] | None = None, fresh: bool = False) -> Path:
+    """The shared library the manifest names, compiled from the bundle's sources with the
+    manifest's nvcc command (plus `extra_flags`, e.g. ("-Xptxas", "-v")) into the build cache
+    (runtime/build_cache.py: compiled again only when a source, the command or nvcc changes, or
+    when `fresh`).  nvcc's output is appended to `log`."""
+    cuda_dir = Path(cuda_dir).resolve()
+    manifest = load_manifest(cuda_dir)
+    exe = find_nvcc(nvcc)
+    if exe is None:
+        raise FileNotFoundError("nvcc not found (set $NVCC or put it on PATH)")
+    build = manifest["build"]
+    cmd = list(build["command"])
+    cmd[0] = exe
+    cmd[1:1] = list(extra_flags)
+    sources = [(cuda_dir / s).read_bytes() for s in [*build["sources"], *build.get("headers", [])]]
+
+    def compile_into(out: Path, work: Path) -> None:
+        full = list(cmd)
+        full[full.index("-o") + 1] = str(out)
+        run(full, "nvcc", cwd=cuda_dir, log=log)
+
+    entry = key(*sources, "\0".join(cmd[1:]), compiler_version(exe))
+    return cached("cuda", entry, build["library"], compile_into, fresh=fresh)
+
+
+def _program(program: str | int) -> int:
+    if isinstance(program, int):
+        return program
+    return PROGRAMS.index(program)
+
+
+class Library:
+    """The loaded launcher library of one bundle."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.lib = lib = ctypes.CDLL(str(self.path))
+        u64, i32, u32, vp, p64 = ctypes.c_uint64, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(
+            ctypes.c_uint64)
+        sigs = {
+            "epcc_cuda_abi_version": ([], i32),
+            "epcc_cuda_schedule": ([], ctypes.c_char_p),
+            "epcc_cuda_num_ranks": ([], i32),
+            "epcc_cuda_num_buffers": ([i32], i32),
+            "epcc_cuda_has_program": ([i32], i32),
+            "epcc_cuda_grid": ([i32], i32),
+            "epcc_cuda_enable_timeline": ([vp, i32], i32),
+            "epcc_cuda_read_timeline": ([vp, i32, p64, u64], i32),
+            "epcc_cuda_last_error": ([vp], ctypes.c_char_p),
+            "epcc_cuda_malloc": ([i32, u64, p64], i32),
+            "epcc_cuda_free": ([u64], i32),
+            "epcc_cuda_ipc_handle": ([u64, vp], i32),
+            "epcc_cuda_ipc_open": ([i32, vp, p64], i32),
+            "epcc_cuda_ipc_close": ([u64], i32),
+            "epcc_cuda_copy_to_device": ([u64, vp, u64], i32),
+            "epcc_cuda_copy_to_host": ([vp, u64, u64], i32),
+            "epcc_cuda_create": ([i32, i32, u32, ctypes.c_double, ctypes.POINTER(vp)], i32),
+            "epcc_cuda_destroy": ([vp], None),
+            "epcc_cuda_flag_area": ([vp], u64),
+            "epcc_cuda_flag_capacity": ([vp], u32),
+            "epcc_cuda_set_flag_areas": ([vp, p64], i32),
+            "epcc_cuda_set_buffers": ([vp, i32, p64, u32, u64], i32),
+            "epcc_cuda_set_rdma": ([vp, i32, u64, u64], i32),
+            "epcc_cuda_upload_tables": ([vp, i32, vp, u64, u64], i32),
+            "epcc_cuda_launch_dispatch": ([vp, u64], i32),
+            "epcc_cuda_launch_combine": ([vp, u64, u64], i32),
+            "epcc_cuda_epoch": ([vp, i32], u64),
+            "epcc_cuda_synchronize": ([vp, u64], i32),
+            "epcc_cuda_read_error": ([vp, ctypes.c_char_p, u64], i32),
+        }
+        for name, (args, res) in sigs.items():
+            f = getattr(lib, name)
+            f.argtypes = args
+            f.restype = res
+
+    # ------------------------------------------------------------------ about the build
+    @property
+    def abi_version(self) -> int:
+        return self.lib.epcc_cuda_abi_version()
+
+    @property
+    def schedule(self) -> str:
+        return self.lib.epcc_cuda_schedule().decode()
+
+    @property
+    def num_ranks(self) -> int:
+        return self.lib.epcc_cuda_num_ranks()
+
+    def num_buffers(self, program: str | int) -> int:
+        return self.lib.epcc_cuda_num_buffers(_program(program))
+
+    def has_program(self, program: str | int) -> bool:
+        return bool(self.lib.epcc_cuda_has_program(_program(program)))
+
+    def _check(self, rc: int, ctx=None) -> None:
+        if rc != RC_OK:
+            msg = (self.lib.epcc_cuda_last_error(ctx) or b"").decode(errors="replace")
+            raise KernelTimeout(msg, rc) if rc == RC_KERNEL else CudaError(rc, msg)
+
+    # ------------------------------------------------------------------ memory and IPC
+    def malloc(self, device: int, nbytes: int) -> int:
+        out = ctypes.c_uint64()
+        self._check(self.lib.epcc_cuda_malloc(device, nbytes, ctypes.byref(out)))
+        return out.value
+
+    def free(self, ptr: int) -> None:
+        self._check(self.lib.epcc_cuda_free(ptr))
+
+    def ipc_handle(self, ptr: int) -> bytes:
+        buf = ctypes.create_string_buffer(IPC_HANDLE_BYTES)
+        self._check(self.lib.epcc_cuda_ipc_handle(ptr, buf))
+        return buf.raw
+
+    def ipc_open(self, device: int, handle: bytes) -> int:
+        if len(handle) != IPC_HANDLE_BYTES:
+            raise ValueError(f"an IPC handle is {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+        out = ctypes.c_uint64()
+        self._check(self.lib.epcc_cuda_ipc_open(device, ctypes.create_string_buffer(handle, IPC_HANDLE_BYTES),
+                                                ctypes.byref(out)))
+        return out.value
+
+    def ipc_close(self, ptr: int) -> None:
+        self._check(self.lib.epcc_cuda_ipc_close(ptr))
+
+    def copy_to_device(self, dst: int, src: np.ndarray) -> None:
+        a = np.ascontiguousarray(src)
+        self._check(self.lib.epcc_cuda_copy_to_device(dst, a.ctypes.data, a.nbytes))
+
+    def copy_to_host(self, dst: np.ndarray, src: int) -> np.ndarray:
+        if not dst.flags.c_contiguous:
+            raise ValueError("copy_to_host: dst must be C-contiguous")
+        self._check(self.lib.epcc_cuda_copy_to_host(dst.ctypes.data, src, dst.nbytes))
+        return dst
+
+    # ------------------------------------------------------------------ contexts
+    def create(self, device: int, rank: int, flag_capacity: int, timeout_s: float = 30.0) -> "Context":
+        """A context for this rank on `device`; flag_capacity >= 1 + 2 x the flags of the largest
+        layout (per program region: the barrier word, then two banks)."""
+        timeout_s = timeout_seconds(timeout_s, "create")
+        p = ctypes.c_void_p()
+        rc = self.lib.epcc_cuda_create(device, rank, flag_capacity, timeout_s, ctypes.byref(p))
+        if rc != RC_OK:
+            msg = (self.lib.epcc_cuda_last_error(p if p.value else None) or b"").decode(errors="replace")
+            if p.value:
+                self.lib.epcc_cuda_destroy(p)
+            raise CudaError(rc, msg)
+        return Context(self, p)
+
+
+class Context:
+    """One rank's state: flag area, tables and buffer pointers per program, epochs, error record."""
+
+    def __init__(self, library: Library, handle: ctypes.c_void_p):
+        self.library = library
+        self.lib = library.lib
+        self.handle = handle
+
+    def _check(self, rc: int) -> None:
+        self.library._check(rc, self.handle)
+
+    @property
+    def flag_area(self) -> int:
+        return int(self.lib.epcc_cuda_flag_area(self.handle))
+
+    @property
+    def flag_capacity(self) -> int:
+        return int(self.lib.epcc_cuda_flag_capacity(self.handle))
+
+    def set_flag_areas(self, areas: list[int]) -> None:
+        a = (ctypes.c_uint64 * len(areas))(*areas)
+        self._check(self.lib.epcc_cuda_set_flag_areas(self.handle, a))
+
+    def set_buffers(self, program: str | int, ptrs, stream: int = 0) -> None:
+        """ptrs[b][r]: buffer b (manifest order) of rank r, as mapped in this process (0: unused).
+        Ordered on `stream` after the launches before it there."""
+        a = np.ascontiguousarray(np.asarray(ptrs, dtype=np.uint64).reshape(-1))
+        self._check(self.lib.epcc_cuda_set_buffers(self.handle, _program(program),
+                                                   a.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64)), a.size,
+                                                   stream))
+
+    def set_rdma(self, program: str | int, chans: int, seq: int) -> None:
+        """GPU proxy path (rdma="proxy"): device pointers of the RdmaChan descriptors (one per copy of
+        the uploaded tables) and of the items' sequence numbers; runtime/engines/gpu_proxy builds them."""
+        self._check(self.lib.epcc_cuda_set_rdma(self.handle, _program(program), chans, seq))
+
+    def upload_tables(self, program: str | int, tables: Tables | np.ndarray, stream: int = 0) -> None:
+        """A blob from build_tables (checked against the compiled kernels), ordered on `stream`."""
+        blob = np.ascontiguousarray(tables.blob if isinstance(tables, Tables) else tables, dtype=np.uint8)
+        self._check(self.lib.epcc_cuda_upload_tables(self.handle, _program(program), blob.ctypes.data, blob.nbytes,
+                                                     stream))
+
+    def launch_dispatch(self, stream: int = 0) -> None:
+        self._check(self.lib.epcc_cuda_launch_dispatch(self.handle, stream))
+
+    def launch_combine(self, out: int = 0, stream: int = 0) -> None:
+        self._check(self.lib.epcc_cuda_launch_combine(self.handle, out, stream))
+
+    def epoch(self, program: str | int) -> int:
+        return int(self.lib.epcc_cuda_epoch(self.handle, _program(program)))
+
+    def synchronize(self, stream: int = 0) -> None:
+        self._check(self.lib.epcc_cuda_synchronize(self.handle, stream))
+
+    def enable_timeline(self, program: str | int) -> None:
+        """Every later launch of `program` stamps %globaltimer per block (read_timeline)."""
+        self._check(self.lib.epcc_cuda_enable_timeline(self.handle, _program(program)))
+
+    def read_timeline(self, program: str | int) -> np.ndarray:
+        """The stamps of the last launch (synchronize first): uint64 [grid, TIMELINE_WORDS], ns."""
+        grid = int(self.lib.epcc_cuda_grid(_program(program)))
+        out = np.zeros((max(grid, 0), TIMELINE_WORDS), dtype=np.uint64)
+        ptr = out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))
+        self._check(self.lib.epcc_cuda_read_timeline(self.handle, _program(program), ptr, out.size))
+        return out
+
+    def read_error(self) -> tuple[int, str]:
+        buf = ctypes.create_string_buffer(ERROR_MESSAGE_BYTES)
+        code = self.lib.epcc_cuda_read_error(self.handle, buf, ERROR_MESSAGE_BYTES)
+        return code, buf.value.decode(errors="replace")
+
+    def close(self) -> None:
+        if self.handle is not None and self.handle.value:
+            self.lib.epcc_cuda_destroy(self.handle)
+        self.handle = None
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

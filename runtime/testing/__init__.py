@@ -1,0 +1,10 @@
+"""What checks a run of a plan: deterministic inputs, the oracle, and executors to compare with.
+
+* inputs.py: seeded routings, routing weights, payload rows and expert outputs;
+* oracle.py: what dispatch and combine must produce (plain NumPy, no plan), and the comparison;
+* reference.py: a NumPy executor of a layout, copy by copy (`epcc run --backend reference`);
+* emulate.py: a NumPy emulator of the table-driven CUDA kernels over the same table blobs the
+  GPU reads (bench/ep_bench.py --dry-run, the tests).
+
+Used by `epcc run`, bench/ and the tests; no engine imports it.
+"""
