@@ -11,6 +11,7 @@ epcc.runtime.Buffer, `epcc tune`, `epcc run FILE.json`, bench/ep_bench.py and th
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,11 +61,11 @@ def read_plan(path: str | Path) -> Plan:
     return plan
 
 
-def read_manifest(path: str | Path) -> dict:
+def read_manifest(path: str | Path, what: str = "a bundle manifest") -> dict:
     """The JSON object in the manifest file `path` (read as every input is); ValueError saying
     why when it is not one."""
     try:
-        d = read_json(path, "a bundle manifest", JSON_MAX_BYTES)
+        d = read_json(path, what, JSON_MAX_BYTES)
     except ContentError as e:
         raise ValueError(e.reason) from None
     if not isinstance(d, dict):
@@ -89,7 +90,7 @@ def load(path: str | Path) -> Bundle:
     plan = read_plan(path / PLAN_FILE)
     mf = path / MANIFEST_FILE
     try:
-        manifest = read_manifest(mf) if mf.is_file() else {}
+        manifest = read_manifest(mf) if os.path.lexists(mf) else {}
     except FileError as e:
         raise BundleError(str(e)) from None
     except ValueError as e:
@@ -102,13 +103,13 @@ def cuda_manifest(path: str | Path, *, required: bool = True) -> dict:
     `required`)."""
     path = Path(path)
     mf = path / CUDA_DIR / MANIFEST_FILE
-    if not mf.is_file():
+    if not os.path.lexists(mf):  # anything else there is read (and refused) as a file
         if not required:
             return {}
         raise BundleError(f"{path}: no {CUDA_DIR}/{MANIFEST_FILE}; write the bundle with "
                           f"`epcc compile FILE --target cuda -o {path}`")
     try:
-        d = read_manifest(mf)
+        d = read_manifest(mf, "a CUDA bundle manifest")
         check_cuda_manifest(d)
     except FileError as e:
         raise BundleError(str(e)) from None

@@ -192,12 +192,12 @@ def test_bundle_for_another_group_size_is_refused(tmp_path):
     (bundle / "manifest.json").write_text("{broken", encoding="utf-8")
     with pytest.raises(BundleError) as e:
         load(bundle)
-    assert str(e.value) == (f"{bundle / 'manifest.json'}: unreadable manifest (Expecting property name enclosed in "
-                            f"double quotes: line 1 column 2 (char 1))")
+    assert str(e.value) == (f"{bundle / 'manifest.json'}: unreadable manifest (not valid JSON: Expecting property "
+                            f"name enclosed in double quotes: line 1 column 2 (char 1))")
     (bundle / "manifest.json").write_text("[1, 2]", encoding="utf-8")
     with pytest.raises(BundleError) as e:
         load(bundle)
-    assert str(e.value) == f"{bundle / 'manifest.json'}: unreadable manifest (a JSON object expected)"
+    assert str(e.value) == f"{bundle / 'manifest.json'}: unreadable manifest (the top level is not a JSON object)"
 
 
 @pytest.mark.parametrize("bad", ["5", -1, 0, float("nan"), True, float("inf"), 1e18, 86400.001])
