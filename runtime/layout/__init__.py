@@ -65,16 +65,27 @@ from .types import Copy, FlagInfo, Layout
 __all__ = ["Copy", "FlagInfo", "Layout", "LayoutError", "compute_layout"]
 
 
-def compute_layout(plan, topk_idx: np.ndarray, weights: np.ndarray | None = None) -> Layout:
+def compute_layout(plan, topk_idx: np.ndarray, weights: np.ndarray | None = None,
+                   tokens: np.ndarray | list[int] | None = None) -> Layout:
     """The layout of `plan` for the routing `topk_idx` [R, T, k] (expert indices, -1 = empty slot)
-    and the routing weights [R, T, k] (None: weight 1 for every row).  Bad inputs raise
-    ValueError naming the argument; a plan that cannot be laid out raises LayoutError."""
+    and the routing weights [R, T, k] (None: weight 1 for every row).  `tokens` [R]: how many
+    tokens each rank dispatches, the first tokens[h] rows of topk_idx[h] (ranks with fewer than T
+    pad the rest; None: T each).  Bad inputs raise ValueError naming the argument; a plan that
+    cannot be laid out raises LayoutError."""
     wl = plan.workload
     if wl is None:
         raise LayoutError("plan: carries no workload (compiled by an older epcc? recompile it)")
     topk = check_topk(topk_idx, wl.experts, plan.num_ranks, wl.topk)
     w = check_weights(weights, topk.shape) if weights is not None else None
-    bld = Builder(plan, topk, w)
+    counts = None
+    if tokens is not None:
+        counts = np.asarray(tokens)
+        if counts.shape != (plan.num_ranks,) or not np.issubdtype(counts.dtype, np.integer) \
+                or (counts.size and (counts.min() < 0 or counts.max() > topk.shape[1])):
+            raise ValueError(f"tokens: expected {plan.num_ranks} token counts in 0..{topk.shape[1]} (one per rank), "
+                             f"got {np.asarray(tokens).tolist()!r}"[:300])
+        counts = counts.astype(np.int64)
+    bld = Builder(plan, topk, w, counts)
     lay_out_dispatch(bld)
     lay_out_combine(bld)
     return bld.layout()

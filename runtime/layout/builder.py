@@ -85,7 +85,7 @@ class Store:
 class Builder:
     """The state of one layout computation: the routing, the copies so far, the buffers' entries."""
 
-    def __init__(self, plan, topk: np.ndarray, weights: np.ndarray | None):
+    def __init__(self, plan, topk: np.ndarray, weights: np.ndarray | None, tokens: np.ndarray | None = None):
         wl = plan.workload
         self.plan = plan
         self.wl = wl
@@ -94,6 +94,8 @@ class Builder:
         self.T = T = topk.shape[1]
         self.k = k = topk.shape[2]
         self.N = R * T
+        # tokens of each rank: the first tokens[h] rows of topk[h] (the rest pad a shorter rank)
+        self.tokens = np.full(R, T, dtype=np.int64) if tokens is None else tokens
         self.weights = weights
         self.rank_of, self.local_of = expert_rank(wl.experts, R, wl.placement)
         self.epr = wl.experts // R
@@ -162,4 +164,5 @@ class Builder:
         return Layout(num_ranks=self.R, tokens=self.T, topk=self.k, experts=wl.experts, hidden=wl.hidden,
                       row_bytes=row_bytes, entries=self.entries, copies=self.copies, flags=flags,
                       recv_counts=self.recv_counts, rank_names=names, combine_entries=self.combine_entries,
-                      partial_of=self.partial_of, output_weights=self.out_weight)
+                      partial_of=self.partial_of, output_weights=self.out_weight,
+                      tokens_per_rank=self.tokens.copy())

@@ -22,7 +22,7 @@ def lay_out_dispatch(bld: Builder) -> None:
     plan, T, R = bld.plan, bld.T, bld.R
     store = Store()
     for h in range(R):
-        store.append(("input", h), np.arange(h * T, (h + 1) * T, dtype=np.int64))
+        store.append(("input", h), np.arange(h * T, h * T + int(bld.tokens[h]), dtype=np.int64))
     # output rows, per receiving rank: (copy id, gid, expert, slot j), in copy row order
     out_parts: list[list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in range(R)]
     steps = plan.program_steps("dispatch")
@@ -116,6 +116,7 @@ def lay_out_dispatch(bld: Builder) -> None:
         g = store.gids((b, r))
         bld.entries[(b, r)] = np.stack([g // T, g % T], axis=1)
     for h in range(R):
-        bld.entries.setdefault(("input", h), np.stack([np.full(T, h), np.arange(T)], axis=1).astype(np.int64))
+        n = int(bld.tokens[h])  # a rank with no tokens has no segment in the store
+        bld.entries.setdefault(("input", h), np.stack([np.full(n, h), np.arange(n)], axis=1).astype(np.int64))
     bld.n_dispatch = len(bld.copies)
     dispatch_waits(bld)

@@ -88,6 +88,13 @@ class Layout:
     # Per rank: the routing weight of each row of `output` (float32 [n], expert-major order;
     # 1.0 when compute_layout got no weights): DeepEP's recv_topk_weights, row by row.
     output_weights: list[np.ndarray] = field(default_factory=list)
+    # Tokens each rank dispatched (int64 [R], each at most `tokens`, which is the padded width of
+    # the routing): `input` on h holds (h, 0..tokens_per_rank[h]-1).  None: every rank `tokens`.
+    tokens_per_rank: np.ndarray | None = None
+
+    def rank_tokens(self, rank: int) -> int:
+        """Tokens rank `rank` dispatched (rows of its `input`, and of its combined result)."""
+        return int(self.tokens if self.tokens_per_rank is None else self.tokens_per_rank[rank])
 
     @staticmethod
     def canonical(program: str, name: str) -> str:

@@ -298,7 +298,8 @@ def build_tables(manifest: dict, layout, program: str, rank: int) -> Tables:
                   num_ranks=layout.num_ranks, num_roles=len(roles), num_copies=len(copies), num_items=len(items),
                   num_waits=len(waits), num_drain=len(drain), num_flags=len(layout.flags), num_zero=len(zero),
                   hidden=hidden, row_bytes=int(layout.row_bytes), num_buffers=len(buffers),
-                  tokens=int(layout.tokens), total_bytes=total)
+                  tokens=layout.rank_tokens(rank) if hasattr(layout, "rank_tokens") else int(layout.tokens),
+                  total_bytes=total)
     fields.update({f"off_{n}": o for n, o in offsets.items()})
     hdr[0] = tuple(fields[f] for f in hdr_dt.names)
     blob = np.zeros(total, dtype=np.uint8)
