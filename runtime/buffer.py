@@ -13,7 +13,9 @@ the bundle's backend (runtime/engines/base.py, the Engine protocol):
 
 * cpu (runtime/engines/cpu/engine.py): the plan's roles JIT-compiled, this rank's as threads,
   buffers in peer memory (named shared memory that peers map, the CPU analogue of CUDA IPC);
-* cuda (runtime/engines/cuda_direct/engine.py): the direct one-hop kernels on this rank's GPU.
+* cuda: the direct one-hop kernels of a one-hop plan (runtime/engines/cuda_direct/engine.py), the
+  table-driven kernels of any other plan, with the GPU proxy path for a bundle compiled with
+  `--rdma proxy` (runtime/engines/cuda_table/engine.py), on this rank's GPU.
 
 Differences from DeepEP's intranode `Buffer`: outputs are expert-major (one row per (token,
 local expert), in the documented order: local expert, then source rank, then token), so
@@ -42,16 +44,21 @@ DEEPEP_LAYOUT_ARGS = frozenset({"num_tokens_per_rank", "num_tokens_per_rdma_rank
                                 "is_token_in_rank", "previous_event", "async_finish", "allocate_on_comm_stream"})
 
 
-def engine_class(backend: str) -> type:
-    """The engine of a backend name (BundleError for an unknown one)."""
+def engine_class(backend: str, bundle: bundle_io.Bundle | None = None) -> type:
+    """The engine of a backend name for `bundle` (BundleError for an unknown one): on cuda, the
+    direct kernels' where the bundle has them (a one-hop plan), else the table-driven kernels'."""
     if backend == "cpu":
         from .engines.cpu.engine import CpuEngine  # llvmlite JITs the plan: only this backend needs it
 
         return CpuEngine
     if backend == "cuda":
-        from .engines.cuda_direct.engine import CudaDirectEngine  # torch.cuda and nvcc: only this backend
+        if bundle is None or "direct" in bundle_io.cuda_manifest(bundle.path):
+            from .engines.cuda_direct.engine import CudaDirectEngine  # torch.cuda and nvcc: only this backend
 
-        return CudaDirectEngine
+            return CudaDirectEngine
+        from .engines.cuda_table.engine import CudaTableEngine  # torch.cuda and nvcc: only this backend
+
+        return CudaTableEngine
     raise BundleError(f"unknown backend '{backend}' (this runtime has: cpu, cuda)")
 
 
@@ -81,7 +88,7 @@ class Buffer:
         self.timeout_s = timeout_s
         wl = self.plan.workload
         self.hidden, self.topk, self.experts, self.dtype = wl.hidden, wl.topk, wl.experts, wl.dtype
-        self.engine: Engine = engine_class(self.backend_name)(self.group, loaded, timeout_s=timeout_s, config=config)
+        self.engine: Engine = engine_class(self.backend_name, loaded)(self.group, loaded, timeout_s=timeout_s, config=config)
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):

@@ -11,6 +11,21 @@ WEIGHTS_DIFFER = ("combine: topk_weights differ from the weights dispatch was gi
                   "dispatch again to change them)")
 
 
+class _DevicePtr:
+    """A device pointer as a __cuda_array_interface__ object (uint8), for torch.as_tensor."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def device_view(ptr: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A tensor of `dtype` and `shape` over `nbytes` of device memory at `ptr` (no copy)."""
+    t = torch.as_tensor(_DevicePtr(ptr, nbytes), device=device) if nbytes else torch.empty(0, dtype=torch.uint8,
+                                                                                             device=device)
+    return t.view(dtype).view(shape)
+
+
 def check_tensor(fn: str, arg: str, t, shape: tuple, dtypes: tuple, device: torch.device | None = None) -> None:
     """A tensor, on the engine's device (None: the cpu engine's rule), of one of `dtypes`, of
     `shape` (None: any size); on a device, contiguous."""

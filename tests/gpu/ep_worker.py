@@ -61,11 +61,16 @@ class Case:
     local expert index, so the home rank can form the combine reference from its own tokens:
     ref[t] = sum_j w[t, j] * y(x[t], e_j) in fp32."""
 
-    def __init__(self, buf: Buffer, spec: str, seed: int, dev):
+    def __init__(self, buf: Buffer, spec: str, seed: int, dev, tokens: list[int] | None = None):
         wl = buf.plan.workload
         self.R, self.T, self.K, self.E, self.H = buf.num_ranks, wl.tokens, wl.topk, wl.experts, wl.hidden
         self.dtype, self.placement, self.me, self.dev = wl.dtype, wl.placement, buf.rank, dev
+        # tokens each rank dispatches (the bundle's tokens by default): rows past a rank's count
+        # pad the routing with -1 (no expert), so the oracle gives them no rows
+        self.tokens = list(tokens) if tokens is not None else [self.T] * self.R
         self.idx = routing_topk(spec, self.R, self.T, self.K, self.E, self.placement, seed)
+        for r, n in enumerate(self.tokens):
+            self.idx[r, n:] = -1
         self.w = inputs.make_weights(self.idx, seed=seed + 1)
         g = torch.Generator(device=dev)
         g.manual_seed(seed + 2)
@@ -92,10 +97,11 @@ class Case:
             self.want_rows = self.x_all[h, t]
 
     def gpu_inputs(self):
-        me = self.me
-        x = (self.x_all[0][me].contiguous(), self.x_all[1][me].contiguous()) if self.dtype == "fp8" \
-            else self.x_all[me].contiguous()
-        return x, torch.from_numpy(self.idx[me]).to(self.dev), torch.from_numpy(self.w[me]).to(self.dev)
+        me, n = self.me, self.tokens[self.me]
+        x = (self.x_all[0][me][:n].contiguous(), self.x_all[1][me][:n].contiguous()) if self.dtype == "fp8" \
+            else self.x_all[me][:n].contiguous()
+        return x, torch.from_numpy(self.idx[me][:n].copy()).to(self.dev), \
+            torch.from_numpy(self.w[me][:n].copy()).to(self.dev)
 
     def values(self, x) -> torch.Tensor:
         """fp32 values of rows (bf16, or fp8 times its per-128-channel scales)."""
@@ -140,13 +146,13 @@ class Case:
         return y
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
-        me = self.me
-        x = (self.x_all[0][me], self.x_all[1][me]) if self.dtype == "fp8" else self.x_all[me]
+        me, n = self.me, self.tokens[self.me]
+        x = (self.x_all[0][me][:n], self.x_all[1][me][:n]) if self.dtype == "fp8" else self.x_all[me][:n]
         v = self.values(x)  # [T, H]
         ref = torch.zeros_like(v)
         mag = torch.zeros_like(v)
-        idx = torch.from_numpy(self.idx[me]).to(self.dev)
-        w = torch.from_numpy(self.w[me]).to(self.dev)
+        idx = torch.from_numpy(self.idx[me][:n].copy()).to(self.dev)
+        w = torch.from_numpy(self.w[me][:n].copy()).to(self.dev)
         loc = torch.from_numpy(self.local).to(self.dev)
         for j in range(self.K):
             e = idx[:, j]
@@ -161,6 +167,10 @@ class Case:
         """oracle.compare_combine with the bf16 rounding of one partial per (token, GPU)."""
         ref, mag = self.reference()
         got = out.float().cpu().numpy()
+        if got.shape != tuple(ref.shape):
+            return [f"combine: result has shape {list(got.shape)}, want {list(ref.shape)}"]
+        if not got.size:
+            return []
         chk = oracle.compare_combine(got[None], ref.cpu().numpy()[None], mag.cpu().numpy()[None], self.K,
                                      partial_rounding=PARTIAL_ROUNDING)
         if chk.ok:
@@ -189,9 +199,19 @@ class Checks:
                  f"{'FAIL on ' + str(int(flag.item())) + ' rank(s)' if flag.item() else 'ok'}")
 
 
+def uneven_tokens(R: int, T: int) -> list[tuple[str, list[int]]]:
+    """Token counts per rank the checks dispatch besides the bundle's T on every rank: every rank a
+    different count below T (DeepEP's tests use T - rank), and one rank with none."""
+    return [("T-1-7r", [max(0, T - 1 - 7 * r) for r in range(R)]),
+            ("rank 0 empty", [0] + [T] * (R - 1))]
+
+
 def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
     buf = Buffer(dist.group.WORLD, path, backend="cuda", timeout_s=20.0)
     name = path.name
+    # the direct kernels (a one-hop plan) also run the low-latency mode, CUDA graphs and other
+    # launch configurations; the table-driven kernels take their layout from the host
+    direct = hasattr(buf.engine, "c")
 
     def report(what: str, errs: list[str]) -> None:
         checks.report(buf, name, what, errs)
@@ -207,12 +227,23 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
             errs += case.check_combine(out)
             buf.synchronize()
             report(f"{spec} #{it} sync", errs)
-        # low-latency mode (no host sync inside) on the last case's inputs
-        rx, _, rw, (cnt, off), h, _ = buf.dispatch(x, idx, w, sync=False)
-        errs = case.check_dispatch(rx, rw, cnt.cpu().tolist())
-        out = buf.combine(case.y_for(rx, h.rows), h)
-        errs += case.check_combine(out)
-        report(f"{spec} low-latency", errs)
+        if direct:  # low-latency mode (no host sync inside) on the last case's inputs
+            rx, _, rw, (cnt, off), h, _ = buf.dispatch(x, idx, w, sync=False)
+            errs = case.check_dispatch(rx, rw, cnt.cpu().tolist())
+            out = buf.combine(case.y_for(rx, h.rows), h)
+            errs += case.check_combine(out)
+            report(f"{spec} low-latency", errs)
+
+    # ranks dispatch different numbers of tokens (one none): every mode; must not need a timeout
+    for label, tokens in uneven_tokens(buf.num_ranks, buf.plan.workload.tokens):
+        case = Case(buf, "uniform", 31, dev, tokens)
+        x, idx, w = case.gpu_inputs()
+        for sync in ((True, False) if direct else (True,)):
+            rx, ridx, rw, counts, h, _ = buf.dispatch(x, idx, w, sync=sync)
+            errs = case.check_dispatch(rx, rw, counts if sync else counts[0].cpu().tolist(), ridx if sync else None)
+            errs += case.check_combine(buf.combine(case.y_for(rx, h.rows), h))
+            buf.synchronize()
+            report(f"tokens {label} {'sync' if sync else 'low-latency'}", errs)
 
     # cached handle: dispatch again with the handle's routing (new payload)
     case = Case(buf, "uniform", 7, dev)
@@ -237,6 +268,12 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
     errs += case.check_combine(buf.combine(y, h))
     report("expert_alignment=64", errs)
 
+    if not direct:
+        bad_input(buf, x, idx, w, report)
+        buf.synchronize()
+        dist.barrier()
+        buf.close()
+        return
     # CUDA graph: dispatch (low latency) + expert outputs + combine, captured once, replayed on new inputs
     xs, idxs, ws = case.gpu_inputs()
     cap = buf.engine.c["capacity"]
@@ -265,7 +302,21 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
         errs += c2.check_combine(out)
         report(f"cuda graph replay {rep}", errs)
 
-    # bad input: errors name the argument, nothing is launched
+    bad_input(buf, x, idx, w, report)
+    decode = buf.engine.c["max_tokens"] <= META_CHUNK
+    buf.synchronize()
+    dist.barrier()
+    buf.close()
+    # dedicated replicator and home-reducer blocks beside the sending ones, on few SMs (many
+    # channels per warp): the other way the kernels can be configured (epcc tune tries it)
+    run_config(path, dev, checks, {"send_blocks": 3, "recv_blocks": 2, "combine_send_blocks": 3,
+                                   "combine_reduce_blocks": 2}, "dedicated roles 3+2")
+    if decode:  # dispatch blocks too narrow to count the metadata themselves: meta_count_kernel
+        run_config(path, dev, checks, {"warps": 4}, "warps=4")
+
+
+def bad_input(buf: Buffer, x, idx, w, report) -> None:
+    """Bad input: errors name the argument, nothing is launched."""
     errs = []
     bad_idx = idx.clone()
     bad_idx[3, 1] = bad_idx[3, 0]
@@ -284,16 +335,6 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
             if needle not in str(e):
                 errs.append(f"unexpected message: {e}")
     report("bad input raises", errs)
-    decode = buf.engine.c["max_tokens"] <= META_CHUNK
-    buf.synchronize()
-    dist.barrier()
-    buf.close()
-    # dedicated replicator and home-reducer blocks beside the sending ones, on few SMs (many
-    # channels per warp): the other way the kernels can be configured (epcc tune tries it)
-    run_config(path, dev, checks, {"send_blocks": 3, "recv_blocks": 2, "combine_send_blocks": 3,
-                                   "combine_reduce_blocks": 2}, "dedicated roles 3+2")
-    if decode:  # dispatch blocks too narrow to count the metadata themselves: meta_count_kernel
-        run_config(path, dev, checks, {"warps": 4}, "warps=4")
 
 
 def run_config(path: Path, dev, checks: Checks, config: dict, label: str) -> None:

@@ -64,9 +64,12 @@ FAST_BY = 0.7
 BUNDLES = Path(os.environ.get("EPCC_GPU_BUNDLES") or ROOT / ".gpu" / "bundles")
 HOW = ("to run: `.venv/bin/python tests/gpu/bundles.py .gpu/bundles` on a CPU machine with MLIR, carry .gpu "
        "to the GPU machine (or set EPCC_GPU_BUNDLES), run `python -m pytest tests/gpu/test_gpu.py` there")
-CASES = {  # GPUs -> bundles (tests/gpu/bundles.py writes them)
-    4: ["h200x4", "h200x4_fp8", "h200x4_t128"],
-    2: ["h200x2", "h200x2_fp8", "h200x2_t128"],
+CASES = {  # GPUs -> bundles (tests/gpu/bundles.py writes them): one-hop (the direct kernels), then
+    # multi-hop plans (the table-driven kernels; `_proxy`: RDMA steps through the GPU proxy path)
+    4: ["h200x4", "h200x4_fp8", "h200x4_t128", "h200x4_2vnode_50", "h200x4_ubb2x2_50", "h200x4_2vnode_50_proxy",
+        "h200x4_ubb2x2_50_proxy"],
+    2: ["h200x2", "h200x2_fp8", "h200x2_t128", "h200x2_2vnode_50", "h200x2_2vnode_50_proxy",
+        "h200x2_2vnode_relay_50_proxy", "h200x2_2vnode_mixed_50_proxy"],
 }
 SHARED = (4, 2)  # the EP4 bundles' 4 ranks on 2 GPUs, where fewer than 4 are present
 

@@ -34,22 +34,8 @@ import torch.distributed as dist
 from ....plan.bundle import Bundle, cuda_manifest
 from ....plan.direct import DirectConfig, DirectError
 from ..base import KernelTimeout
-from ..tensors import WEIGHTS_DIFFER, check_tensor
+from ..tensors import WEIGHTS_DIFFER, check_tensor, device_view
 from .library import DirectLibrary, DirectRuntimeError, build, timeline_summary
-
-
-class _Ptr:
-    """A device pointer as a __cuda_array_interface__ object (uint8), for torch.as_tensor."""
-
-    def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "version": 3, "strides": None}
-
-
-def _view(ptr: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    t = torch.as_tensor(_Ptr(ptr, nbytes), device=device) if nbytes else torch.empty(0, dtype=torch.uint8,
-                                                                                       device=device)
-    return t.view(dtype).view(shape)
 
 
 @dataclass
@@ -132,10 +118,10 @@ class CudaDirectEngine:
 
     # ------------------------------------------------------------------ helpers
     def region_view(self, name: str, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
-        return _view(self.region + self.off[name], nbytes, dtype, tuple(shape), self.device)
+        return device_view(self.region + self.off[name], nbytes, dtype, tuple(shape), self.device)
 
     def state_view(self, field: str, count: int) -> torch.Tensor:
-        return _view(self.region + self.off["OFF_STATE"] + self.state_off[field], 4 * count, torch.int32,
+        return device_view(self.region + self.off["OFF_STATE"] + self.state_off[field], 4 * count, torch.int32,
                      (count,), self.device)
 
     def args(self, **kw):

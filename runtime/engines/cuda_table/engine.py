@@ -1,0 +1,444 @@
+"""The `cuda` engine of `epcc.runtime.Buffer` for every plan that is not one-hop: the bundle's
+table-driven kernels (and, for a bundle compiled with `--rdma proxy`, the GPU proxy path) on
+NVIDIA GPUs, behind the Engine protocol (runtime/engines/base.py).
+
+One process per GPU (torchrun), `torch.cuda.set_device(local_rank)` before the Buffer is made.
+At construction every rank builds (rank 0 first, then the others from the build cache) and
+loads the launcher library, creates its context and flag area, and allocates every buffer of
+both programs once, at the most rows any routing of at most the bundle's `tokens` per rank can
+put there (runtime/layout/capacity.py), so buffers are mapped on the peers (CUDA IPC) once.
+
+Per dispatch with a new routing (normal mode, one host sync): the token counts, routings and
+weights of every rank are all-gathered over the group, every rank computes the same global
+layout (runtime/layout) for them, uploads its descriptor tables of both programs
+(stream-ordered: the launches before still read the previous ones) and, for a proxy bundle,
+sets up the proxy path's channels for the layout; then this rank's rows go into its `input`
+and the dispatch kernel runs.  A cached-handle dispatch (`handle=`) reuses the layout and
+tables.  Ranks may dispatch different numbers of tokens (0 included), up to the bundle's
+`tokens`.  The layout of these plans is computed on the host: the low-latency mode
+(`sync=False`) and CUDA graphs are not available for them in this version (ValueError says so).
+
+Outputs are copies (valid after the next call): recv_x [rows, hidden] in the documented
+expert-major order (local expert, home rank, token), the global expert and the routing weight of
+each row, the rows per local expert; with `expert_alignment` N every expert's rows start at a
+multiple of N (the padding rows are zero and combine ignores them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ....plan.bundle import Bundle, cuda_manifest
+from ....plan.rdma import rdma_steps
+from ...layout import Layout, compute_layout
+from ...layout.capacity import capacity_rows
+from ..base import EngineError, KernelTimeout
+from ..gpu_proxy.build import build_gpu
+from ..gpu_proxy.channels import TRANSPORTS
+from ..gpu_proxy.engine import GpuRdma
+from ..tensors import FP8_GROUP, WEIGHTS_DIFFER, check_tensor, device_view
+from .launcher import CudaError, Library, build_library, role_timeline
+from .tables import PROGRAMS, build_tables
+
+ALIGN_MAX = 1024  # largest expert_alignment (rows)
+
+
+class TableHandle:
+    """What combine (and a cached dispatch) needs from a dispatch: its layout and routing."""
+
+    def __init__(self, index: int, layout: Layout, tokens: int, rows: int, topk_idx, topk_weights,
+                 aligned_rows: torch.Tensor | None):
+        self.dispatch_index = index
+        self.layout = layout
+        self.tokens = tokens
+        self.rows = rows  # rows recv_x had (with the alignment padding)
+        self.topk_idx = topk_idx
+        self.topk_weights = topk_weights
+        self.aligned_rows = aligned_rows  # with expert_alignment: recv_x row of each output row
+
+
+class CudaTableEngine:
+    def __init__(self, group, bundle: Bundle, *, timeout_s: float, config: dict | None = None):
+        if not torch.cuda.is_available():
+            raise RuntimeError("Buffer(backend='cuda'): no CUDA device is available")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.R = dist.get_world_size(group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.plan = plan = bundle.plan
+        self.manifest = manifest = cuda_manifest(bundle.path)
+        wl = plan.workload
+        self.hidden, self.topk, self.dtype, self.max_tokens = wl.hidden, wl.topk, wl.dtype, wl.tokens
+        self.row_bytes = 2 * wl.hidden if wl.dtype == "bf16" else wl.hidden + wl.hidden // FP8_GROUP * 4
+        self.programs = [p for p in PROGRAMS
+                         if any(k["program"] == p and k["kind"] == "main" for k in manifest["kernels"])]
+        self.proxy = manifest.get("options", {}).get("rdma") == "proxy"
+        config = dict(config or {})
+        self.transport = config.pop("rdma_transport", "emulated")
+        if config:
+            raise ValueError(f"Buffer: config {sorted(config)} does not apply to the table-driven kernels (their SMs "
+                             f"and chunks are the plan's; 'rdma_transport' picks the proxy path's transport)")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"Buffer: config rdma_transport must be one of {', '.join(TRANSPORTS)}, "
+                             f"not {self.transport!r}")
+        self.timeout_s = timeout_s
+        self.dispatches = 0
+        self.layout: Layout | None = None  # the layout whose tables are uploaded
+        self.rdma: list[GpuRdma] = []
+        self.own: dict[str, list[int]] = {}
+        self.opened: list[int] = []
+        self.ctx = None
+        cuda_dir = bundle.cuda_dir
+
+        # build: rank 0 first (the others find it in the cache); a failure on any rank raises on all
+        def build():
+            lib = build_library(cuda_dir)
+            proxy = build_gpu(cuda_dir / "rdma", self.transport) if self.proxy else None
+            return lib, proxy
+
+        paths, err = None, None
+        if self.rank == 0:
+            paths, err = _attempt(build)
+        _agree(group, self.R, err, "building the kernels")
+        if self.rank != 0:
+            paths, err = _attempt(build)
+        _agree(group, self.R, err, "building the kernels")
+        lib_path, self.proxy_lib = paths
+        dev = self.device.index
+        n_flags = sum(len(s.flows) for s in plan.steps if s.verb != "exchange")
+        cap = capacity_rows(plan, self.max_tokens)
+
+        def setup():
+            self.lib = Library(str(lib_path))
+            self.ctx = self.lib.create(dev, self.rank, 1 + 2 * max(n_flags, 1), timeout_s)
+            handles = {"flags": self.lib.ipc_handle(self.ctx.flag_area)}
+            for p in self.programs:
+                self.own[p] = [self.lib.malloc(dev, max(n, 1)) for n in self._sizes(p, cap)]
+                handles[p] = [self.lib.ipc_handle(q) for q in self.own[p]]
+            return handles
+
+        mine, err = _attempt(setup)
+        _agree(group, self.R, err, "allocating the buffers")
+        everyone = [None] * self.R
+        dist.all_gather_object(everyone, mine, group=group)
+
+        def peer(h: bytes, r: int, own: int) -> int:
+            if r == self.rank:
+                return own
+            p = self.lib.ipc_open(dev, h)
+            self.opened.append(p)
+            return p
+
+        stream = self._stream()
+        self.ctx.set_flag_areas([peer(e["flags"], r, self.ctx.flag_area) for r, e in enumerate(everyone)])
+        self.ptrs = {}
+        for p in self.programs:
+            self.ptrs[p] = [[peer(everyone[r][p][b], r, self.own[p][b]) for r in range(self.R)]
+                            for b in range(len(self.own[p]))]
+            self.ctx.set_buffers(p, self.ptrs[p], stream)
+        names = {p: [b["name"] for b in manifest["buffers"][p]] for p in self.programs}
+        self.input_ptr = self.own["dispatch"][names["dispatch"].index("input")]
+        self.output_ptr = self.own["dispatch"][names["dispatch"].index("output")]
+        self.y_ptr = self.own["combine"][names["combine"].index("output")] if "combine" in self.programs else 0
+        self.ctx.synchronize(stream)
+        dist.barrier(group=group)  # every flag area and buffer exists (zeroed) before any launch
+
+    # ------------------------------------------------------------------ helpers
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _sizes(self, program: str, cap: dict) -> list[int]:
+        """Bytes of each buffer of `program` on this rank (manifest order) at its capacity."""
+        out = []
+        for b in self.manifest["buffers"][program]:
+            rows = cap.get((program, b["name"], self.rank), 0)
+            if program == "dispatch":
+                out.append(rows * self.row_bytes)
+            elif b["name"] == "output":
+                out.append(rows * 2 * self.hidden)
+            else:
+                out.append(rows * 4 * self.hidden)
+        return out
+
+    def _fail(self, e: Exception) -> EngineError:
+        """The report of a kernel or proxy that gave up, as one error."""
+        detail = str(e)
+        if isinstance(e, CudaError) and self.ctx is not None:
+            _, msg = self.ctx.read_error()
+            detail = msg or detail
+        for eng in self.rdma:
+            if eng.failure():
+                detail += "; " + eng.failure()
+        return KernelTimeout(detail) if isinstance(e, KernelTimeout) or "timed out" in detail else EngineError(detail)
+
+    def _routing_error(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None) -> str | None:
+        """What is wrong with this rank's routing (the first bad row), or None."""
+        E = self.plan.workload.experts
+        if topk_idx.shape[0] == 0:
+            return None
+        idx = topk_idx.to(torch.int64)
+        s, _ = torch.sort(idx, dim=1)
+        bad = ((idx < -1) | (idx >= E)).any(1) | ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any(1)
+        if topk_weights is not None:
+            bad |= ~torch.isfinite(topk_weights).all(1)
+        rows = torch.nonzero(bad).flatten()
+        if rows.numel() == 0:
+            return None
+        t = int(rows[0])
+        return (f"dispatch: topk_idx row {t} names an expert outside [-1, {E - 1}] or the same expert twice, or "
+                f"its weights are not finite: {topk_idx[t].tolist()}")
+
+    def _gather(self, T: int, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None):
+        """Every rank's token count, top-k indices and weights (padded to the bundle's tokens),
+        after every rank's verdict on its own routing (a bad one raises on every rank)."""
+        err = self._routing_error(topk_idx, topk_weights)
+        errs = [None] * self.R
+        dist.all_gather_object(errs, err, group=self.group)
+        if err is not None:
+            raise ValueError(err)
+        for r, e in enumerate(errs):
+            if e is not None:
+                raise ValueError(f"dispatch: rank {r} was given a bad routing ({e})")
+        K, Tm = self.topk, self.max_tokens
+        # NCCL gathers device tensors; a gloo group (ranks sharing a GPU) host ones
+        where = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        idx = torch.full((Tm, K), -1, dtype=torch.float64, device=where)
+        idx[:T] = topk_idx.to(where, torch.float64)
+        w = torch.ones((Tm, K), dtype=torch.float64, device=where)
+        if topk_weights is not None:
+            w[:T] = topk_weights.to(where, torch.float64)
+        both = torch.cat([idx, w, torch.full((Tm, 1), float(T), dtype=torch.float64, device=where)], dim=1)
+        parts = [torch.empty_like(both) for _ in range(self.R)]
+        dist.all_gather(parts, both, group=self.group)
+        allr = torch.stack(parts).cpu().numpy()
+        tokens = allr[:, 0, 2 * K].astype(np.int64) if Tm else np.zeros(self.R, dtype=np.int64)
+        return allr[:, :, :K].astype(np.int64), allr[:, :, K:2 * K].astype(np.float32), tokens
+
+    def _upload(self, layout: Layout) -> None:
+        """This rank's tables of both programs for `layout` (and the proxy path's channels)."""
+        stream = self._stream()
+        tables = {p: build_tables(self.manifest, layout, p, self.rank) for p in self.programs}
+        for p in self.programs:
+            self.ctx.upload_tables(p, tables[p], stream)
+        if self.proxy:  # the proxy path's channels follow the layout's chunks: set up anew
+            torch.cuda.current_stream(self.device).synchronize()  # every launch with the old channels is done
+            self._close_rdma()
+            exchange = self._exchange
+            for p in self.programs:
+                if not any(s.program == p for s in rdma_steps(self.plan)):
+                    continue
+                eng = GpuRdma(proxy_lib=str(self.proxy_lib), cuda_lib=self.lib, ctx=self.ctx, plan=self.plan,
+                              manifest=self.manifest, blob=tables[p].blob, program=p, rank=self.rank,
+                              device=self.device.index, exchange=exchange, timeout_s=self.timeout_s,
+                              transport=self.transport)
+                eng.start()
+                self.rdma.append(eng)
+        self.layout = layout
+
+    def _exchange(self, obj):
+        out = [None] * self.R
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _close_rdma(self) -> None:
+        for eng in self.rdma:
+            eng.close()
+        self.rdma = []
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x, topk_idx=None, topk_weights=None, *, sync: bool = True, expert_alignment: int = 1,
+                 handle: TableHandle | None = None):
+        if not sync:
+            raise ValueError("dispatch: sync=False (the low-latency, CUDA-graph capturable mode) needs the layout "
+                             "computed on the GPU; this bundle's table-driven kernels take it from the host in this "
+                             "version: use sync=True")
+        if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) \
+                or not 1 <= expert_alignment <= ALIGN_MAX:
+            raise ValueError(f"dispatch: expert_alignment must be an integer in [1, {ALIGN_MAX}], "
+                             f"got {expert_alignment!r}")
+        if handle is not None:
+            if not isinstance(handle, TableHandle):
+                raise TypeError("dispatch: handle must be a handle an earlier dispatch of this Buffer returned")
+            if topk_idx is not None:
+                raise ValueError("dispatch: give topk_idx or handle, not both")
+            topk_idx, topk_weights = handle.topk_idx, handle.topk_weights
+        if topk_idx is None:
+            raise TypeError("dispatch: topk_idx is required (or a handle from an earlier dispatch)")
+        rows, T = self._rows(x)
+        if T > self.max_tokens:
+            raise ValueError(f"dispatch: x has {T} tokens, but the bundle was compiled for at most "
+                             f"{self.max_tokens} per rank (workload `tokens`)")
+        check_tensor("dispatch", "topk_idx", topk_idx, (T, self.topk), (torch.int64, torch.int32), self.device)
+        if topk_weights is not None:
+            check_tensor("dispatch", "topk_weights", topk_weights, (T, self.topk), (torch.float32,), self.device)
+        if handle is not None:
+            layout = handle.layout
+        else:
+            idx_all, w_all, tokens = self._gather(T, topk_idx, topk_weights)
+            layout = compute_layout(self.plan, idx_all, w_all, tokens)  # same on every rank: same errors
+        try:
+            if layout is not self.layout:
+                self._upload(layout)
+            stream = self._stream()
+            if T:
+                device_view(self.input_ptr, T * self.row_bytes, torch.uint8, (T, self.row_bytes),
+                            self.device).copy_(rows)
+            self.ctx.launch_dispatch(stream)
+            n = layout.buffer_rows("output", self.rank)
+            got = device_view(self.output_ptr, n * self.row_bytes, torch.uint8, (n, self.row_bytes),
+                              self.device).clone()
+            self.ctx.synchronize(stream)
+        except (CudaError, KernelTimeout) as e:
+            raise self._fail(e) from None
+        self.dispatches += 1
+        counts = [int(c) for c in layout.recv_counts[self.rank]]
+        entries = layout.entries[("output", self.rank)]
+        idx = torch.from_numpy(np.ascontiguousarray(entries[:, 2], dtype=np.int64)).to(self.device)
+        w = torch.from_numpy(np.ascontiguousarray(layout.output_weights[self.rank], dtype=np.float32)).to(self.device)
+        aligned = None
+        if expert_alignment > 1:
+            got, idx, w, aligned = _align_rows(got, idx, w, counts, expert_alignment)
+        recv_x = self._unpack(got)
+        h = TableHandle(self.dispatches, layout, T, got.shape[0], topk_idx, topk_weights, aligned)
+        return recv_x, idx, w, counts, h, None
+
+    def _rows(self, x) -> tuple[torch.Tensor, int]:
+        """x as wire rows (uint8 [T, row_bytes], on the device) and its token count."""
+        H = self.hidden
+        if self.dtype == "fp8":
+            if not (isinstance(x, tuple) and len(x) == 2):
+                raise TypeError("dispatch: this bundle dispatches fp8: pass x as (x_fp8, scales)")
+            x8, sc = x
+            check_tensor("dispatch", "x_fp8", x8, (None, H), (torch.float8_e4m3fn,), self.device)
+            T = x8.shape[0]
+            check_tensor("dispatch", "scales", sc, (T, H // FP8_GROUP), (torch.float32,), self.device)
+            if T == 0:
+                return torch.zeros((0, self.row_bytes), dtype=torch.uint8, device=self.device), 0
+            return torch.cat([x8.view(torch.uint8), sc.view(torch.uint8)], dim=1), T
+        if isinstance(x, tuple):
+            raise TypeError("dispatch: this bundle dispatches bf16: pass x as one [tokens, hidden] bfloat16 tensor")
+        check_tensor("dispatch", "x", x, (None, H), (torch.bfloat16,), self.device)
+        T = x.shape[0]
+        if T == 0:
+            return torch.zeros((0, self.row_bytes), dtype=torch.uint8, device=self.device), 0
+        return x.view(torch.uint8), T
+
+    def _unpack(self, rows: torch.Tensor):
+        H = self.hidden
+        if self.dtype == "fp8":
+            x8 = rows[:, :H].contiguous().view(torch.float8_e4m3fn)
+            sc = rows[:, H:].contiguous().view(torch.float32)
+            return x8, sc
+        return rows.view(torch.bfloat16) if rows.shape[0] else torch.zeros((0, H), dtype=torch.bfloat16,
+                                                                             device=self.device)
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, y: torch.Tensor, handle: TableHandle, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(handle, TableHandle):
+            raise TypeError(f"combine: handle must be the handle dispatch returned, not {type(handle).__name__}")
+        given = handle.topk_weights
+        if topk_weights is not None and not (
+                isinstance(topk_weights, torch.Tensor) and given is not None and topk_weights.shape == given.shape
+                and torch.equal(topk_weights.to(given.device, given.dtype), given)):
+            if not (given is None and isinstance(topk_weights, torch.Tensor) and bool((topk_weights == 1).all())):
+                raise ValueError(WEIGHTS_DIFFER)
+        if handle.dispatch_index != self.dispatches:
+            raise ValueError(f"combine: handle is from dispatch #{handle.dispatch_index}, but this Buffer has run "
+                             f"dispatch #{self.dispatches} since; dispatch again (or with handle=) first")
+        if "combine" not in self.programs:
+            raise ValueError("combine: the bundle has no combine program")
+        H = self.hidden
+        check_tensor("combine", "x", y, (handle.rows, H), (torch.bfloat16,), self.device)
+        if handle.aligned_rows is not None:
+            y = y.index_select(0, handle.aligned_rows)
+        n = y.shape[0]
+        out = torch.empty((handle.tokens, H), dtype=torch.bfloat16, device=self.device)
+        try:
+            stream = self._stream()
+            if n:
+                device_view(self.y_ptr, n * 2 * H, torch.bfloat16, (n, H), self.device).copy_(y)
+            self.ctx.launch_combine(out.data_ptr() if handle.tokens else 0, stream)
+            self.ctx.synchronize(stream)
+        except (CudaError, KernelTimeout) as e:
+            raise self._fail(e) from None
+        return out
+
+    # ------------------------------------------------------------------ what the bench reads
+    def enable_timeline(self) -> None:
+        """Stamp every block of every later launch (Context.enable_timeline); `read_timeline`."""
+        for p in self.programs:
+            self.ctx.enable_timeline(p)
+
+    def read_timeline(self) -> dict:
+        """Per program, when each role ran in the last launch (launcher.role_timeline)."""
+        self.synchronize()
+        return {p: role_timeline(self.manifest, p, self.ctx.read_timeline(p)) for p in self.programs}
+
+    def rdma_stats(self) -> dict:
+        """Per program with RDMA steps, the proxy path's transport counters (GpuRdma.stats)."""
+        return {eng.program: eng.stats() for eng in self.rdma}
+
+    def rdma_summary(self) -> list[str]:
+        return [eng.summary for eng in self.rdma]
+
+    def synchronize(self) -> None:
+        try:
+            self.ctx.synchronize(self._stream())
+        except (CudaError, KernelTimeout) as e:
+            raise self._fail(e) from None
+
+    def close(self) -> None:
+        """Collective: every rank's kernels finish before any buffer is unmapped and freed."""
+        if self.ctx is None:
+            return
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+        self._close_rdma()
+        dist.barrier(group=self.group)  # no peer's proxy writes into this rank any more
+        for p in self.opened:
+            self.lib.ipc_close(p)
+        self.opened = []
+        for ptrs in self.own.values():
+            for p in ptrs:
+                self.lib.free(p)
+        self.own = {}
+        self.ctx.close()
+        self.ctx = None
+
+
+def _align_rows(rows: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, counts: list[int], align: int):
+    """The rows with every expert's first row at a multiple of `align` (zero rows between): the
+    padded rows, experts (-1 on padding), weights (0 on padding), and each output row's padded row."""
+    starts, pos = [], 0
+    for n in counts:
+        starts.append(pos)
+        pos += -(-n // align) * align
+    where = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in zip(starts, counts)]) if counts else \
+        torch.zeros(0, dtype=torch.int64)
+    where = where.to(rows.device)
+    out = torch.zeros((pos, rows.shape[1]), dtype=rows.dtype, device=rows.device)
+    out[where] = rows
+    pidx = torch.full((pos,), -1, dtype=idx.dtype, device=idx.device)
+    pidx[where] = idx
+    pw = torch.zeros((pos,), dtype=w.dtype, device=w.device)
+    pw[where] = w
+    return out, pidx, pw, where
+
+
+def _attempt(fn):
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _agree(group, world: int, err: str | None, what: str) -> None:
+    """Raise on every rank if any rank failed `what` (all_gather_object of the errors)."""
+    errs = [None] * world
+    dist.all_gather_object(errs, err, group=group)
+    bad = [(r, e) for r, e in enumerate(errs) if e]
+    if bad:
+        raise EngineError(f"Buffer(backend='cuda'): {what} failed on " +
+                          "; ".join(f"rank {r}: {e}" for r, e in bad))
