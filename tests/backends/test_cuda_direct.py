@@ -236,8 +236,10 @@ def test_cli_fp8_bundle_has_fp8_direct_constants(tmp_path, capsys, monkeypatch):
     hidden = m["workload"]["hidden"]
     assert (c["dtype"], c["hidden"], c["x_bytes"], c["scale_bytes"]) == ("fp8", hidden, hidden, hidden // 128 * 4)
     assert (out / "cuda" / m["direct"]["source"]).is_file()
-    text = (out / "cuda" / m["direct"]["source"]).read_text()
-    assert "constexpr bool FP8 = true;" in text and f"constexpr int SB = {hidden // 128 * 4};" in text
+    config = m["direct"]["headers"][0]
+    assert config == "epcc_direct_config.cuh" and f'#include "{config}"' in (out / "cuda" / m["direct"]["source"]).read_text()
+    text = (out / "cuda" / config).read_text()
+    assert "constexpr bool FP8 = true; " in text and f"constexpr int SB = {hidden // 128 * 4}; " in text
 
 
 def _sched_with_hidden(tmp_path: Path, hidden: int) -> Path:
