@@ -53,6 +53,7 @@ COMBINE_BATCH = 4  # records an expert-side warp reduces between two releases of
 MAX_SMEM = 227 * 1024  # dynamic shared memory one block may have (sm_90)
 TIMELINE_BLOCKS = 256  # blocks per kernel with a slot in the role timeline
 TIMELINE_WORDS = 1 + MAX_WARPS  # a block's start, then the end of each warp's role
+SENDER_INTS = 2  # what a sender publishes of its dispatch beside its counts: its channels, its expert alignment
 
 #: the static device headers, relative to INCLUDE_DIR and to a bundle's cuda/, in include order
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
@@ -118,10 +119,14 @@ def constants(plan: Plan) -> dict:
         offs.append((name, cur))
         cur += nbytes
 
+    # a meta area (one per parity): per sender its flag, its counts per expert, its channel ranges
+    # per channel, and its shape (SENDER_INTS: channels, expert alignment), which the receivers'
+    # loops over that sender's channels and layout follow (ranks may pass different T, hence C)
     meta_flags = 0
     meta_counts = _round(R * 8, 256)
     meta_channels = meta_counts + _round(R * E * 4, 256)
-    meta_stride = _round(meta_channels + R * MAX_CHANNELS * 2 * 4, 4096)
+    meta_senders = meta_channels + _round(R * MAX_CHANNELS * 2 * 4, 256)
+    meta_stride = _round(meta_senders + R * SENDER_INTS * 4, 4096)
     put("OFF_STATE", 256 + 8 * (epr + 1))
     put("OFF_META", 2 * meta_stride)
     put("OFF_DTAIL", R * MAX_CHANNELS * 8)
@@ -137,7 +142,7 @@ def constants(plan: Plan) -> dict:
     put("OFF_CSTAGE", R * T * H * 2)
     end = _round(cur, 4096)
     offsets = offs + [("META_STRIDE", meta_stride), ("META_FLAGS", meta_flags), ("META_COUNTS", meta_counts),
-                      ("META_CHANNELS", meta_channels), ("OFF_END", end)]
+                      ("META_CHANNELS", meta_channels), ("META_SENDERS", meta_senders), ("OFF_END", end)]
     return {
         "abi": ABI, "num_ranks": R, "experts": E, "experts_per_rank": epr, "topk": K, "max_local": kl,
         "hidden": H, "max_tokens": T, "max_channels": MAX_CHANNELS, "record_ints": ri, "x_bytes": xb,
@@ -146,7 +151,7 @@ def constants(plan: Plan) -> dict:
         "placement": wl.placement, "dtype": wl.dtype, "align_max": ALIGN_MAX,
         "meta_chunk": META_CHUNK, "meta_threads": META_THREADS, "meta_shared": META_SHARED,
         "combine_batch": COMBINE_BATCH,
-        "timeline_blocks": TIMELINE_BLOCKS, "timeline_words": TIMELINE_WORDS,
+        "timeline_blocks": TIMELINE_BLOCKS, "timeline_words": TIMELINE_WORDS, "sender_ints": SENDER_INTS,
         "combine_ring": COMBINE_RING, "max_smem": MAX_SMEM, "expert_stages": ring_stages(kl),
         "home_stages": ring_stages(R),
         "offsets": offsets, "region_bytes": end,
@@ -182,6 +187,7 @@ def config_decls(c: dict) -> list[tuple[str, str]]:
         ("KL", "max_local", "most rows one token can have on one rank: min(K, EPR)"),
         ("H", "hidden", "hidden size"),
         ("TMAX", "max_tokens", "tokens per rank (capacity)"),
+        ("ALIGN_MAX", "align_max", "largest expert alignment a dispatch may ask for"),
         ("CMAX", "max_channels", "most sender channels"),
         ("RI", "record_ints", "ints per record: token, n, rows[KL], padding"),
         ("XB", "x_bytes", f"payload bytes per row ({c['dtype']})"),
@@ -197,6 +203,7 @@ def config_decls(c: dict) -> list[tuple[str, str]]:
         ("MAX_SMEM", "max_smem", "dynamic shared memory one block may have"),
         ("TL_BLOCKS", "timeline_blocks", "blocks per kernel that stamp the role timeline"),
         ("TL_WORDS", "timeline_words", "a block's start, then the end of each of (at most) 16 warps"),
+        ("SENDER_INTS", "sender_ints", "ints a sender publishes beside its counts: channels, expert alignment"),
     ]
     out = [(f"constexpr int {name} = {c[key]};", what) for name, key, what in ints]
     out.append((f"constexpr bool BLOCKED = {'true' if c['placement'] == 'blocked' else 'false'};",

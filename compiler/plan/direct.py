@@ -72,7 +72,10 @@ class DirectConfig:
         """Dispatch channels (contiguous token ranges, taken by sender warps in order): a few per
         sender warp so uneven ones even out, as many as the peer region has tails for, and no
         more than there are tokens (an empty channel still costs its sender warp a take and a
-        replicating warp a queue per peer: at 128 tokens most of 1024 would be empty)."""
+        replicating warp a queue per peer: at 128 tokens most of 1024 would be empty).  Each rank
+        counts its own tokens, so ranks that dispatch different numbers of tokens have different
+        channel counts: each publishes its count with its metadata, and the peers' loops over its
+        channels follow it (epcc/direct/meta.cuh, dispatch.cuh, combine.cuh)."""
         c = max(1, min(MAX_CHANNELS, CHANNELS_PER_WARP * self.send_blocks * self.warps))
         return c if tokens is None else max(1, min(c, tokens))
 

@@ -522,6 +522,15 @@ def test_direct_library_loads_and_matches_its_manifest(built, name):
     with pytest.raises(direct_library.DirectRuntimeError, match=r"^dispatch: bad launch configuration: 64 channels, "
                                                                 r"1 sender and -1 replicator blocks of 1 warps$"):
         lib.dispatch(args, 0)
+    # the peers lay out rows by every rank's token count and alignment: out of range, nothing is launched
+    args.NR, args.T, args.align = 0, 0, 0
+    with pytest.raises(direct_library.DirectRuntimeError, match=r"^dispatch: bad arguments: 0 tokens \(at most "
+                                                                rf"{c['max_tokens']}\), expert alignment 0 \(1 to 128\)$"):
+        lib.dispatch(args, 0)
+    args.T, args.align = c["max_tokens"] + 1, 1
+    with pytest.raises(direct_library.DirectRuntimeError, match=rf"^dispatch: bad arguments: {c['max_tokens'] + 1} "
+                                                                r"tokens \(at most \d+\), expert alignment 1 "):
+        lib.dispatch(args, 0)
     args.NS = 0
     with pytest.raises(direct_library.DirectRuntimeError,
                        match=r"^combine: bad launch configuration: 0 partial and 1 home-only blocks$"):

@@ -27,6 +27,7 @@ constexpr int K = 8;                            // top-k
 constexpr int KL = 8;                           // most rows one token can have on one rank: min(K, EPR)
 constexpr int H = 7168;                         // hidden size
 constexpr int TMAX = 4096;                      // tokens per rank (capacity)
+constexpr int ALIGN_MAX = 128;                  // largest expert alignment a dispatch may ask for
 constexpr int CMAX = 1024;                      // most sender channels
 constexpr int RI = 12;                          // ints per record: token, n, rows[KL], padding
 constexpr int XB = 14336;                       // payload bytes per row (bf16)
@@ -42,6 +43,7 @@ constexpr int RING = 24;                        // 16-byte vectors per lane in a
 constexpr int MAX_SMEM = 232448;                // dynamic shared memory one block may have
 constexpr int TL_BLOCKS = 256;                  // blocks per kernel that stamp the role timeline
 constexpr int TL_WORDS = 17;                    // a block's start, then the end of each of (at most) 16 warps
+constexpr int SENDER_INTS = 2;                  // ints a sender publishes beside its counts: channels, expert alignment
 constexpr bool BLOCKED = true;                  // expert placement: blocked
 constexpr bool FP8 = false;                     // dispatch dtype: bf16
 constexpr int EXPERT_STAGES[KL] = {24, 12, 8, 6, 4, 4, 3, 3}; // ring slots S(n) of a reduction of n = 1..KL rows (expert side)
@@ -65,6 +67,7 @@ constexpr unsigned long long META_STRIDE    = 40960ULL;
 constexpr unsigned long long META_FLAGS     = 0ULL;
 constexpr unsigned long long META_COUNTS    = 256ULL;
 constexpr unsigned long long META_CHANNELS  = 4352ULL;
+constexpr unsigned long long META_SENDERS   = 37120ULL;
 constexpr unsigned long long OFF_END        = 2232184832ULL;
 
 // The bounded waits (ErrorRecord::where; the manifest's `waits` in this order), each with the

@@ -14,7 +14,8 @@ namespace {
 // =============================================================================================
 // combine_kernel: the config's COMBINE_PUSH_STEP and COMBINE_KEEP_STEP
 // Expert side (the warps of blocks [0, NS)): take the (channel, source) queues q = c * R + s
-//   (slot_of, then in order; channel-major, so every home rank gets its early channels first); per
+//   (slot_of, then in order; channel-major, so every home rank gets its early channels first), c
+//   up to the most channels a source has, skipping those beyond its source's own count; per
 //   record a warp reduces the record's rows, weighted, in fp32 (row order), stores one bf16
 //   partial into the home rank's staging row of the token, and publishes the queue's progress
 //   every CB records (release, sys).
@@ -124,16 +125,20 @@ __device__ __forceinline__ void reduce_home(int n, const uint4* const (&src)[R],
   reduce_n<R, HOME_STAGES>(n, src, w, dst, lane, ring);
 }
 
-// The expert side of one warp (blocks [0, NS)): its records' partials, queue by queue.
-__device__ void combine_partials(const Args& a, unsigned long long ce, int p, int C) {
+// The expert side of one warp (blocks [0, NS)): its records' partials, queue by queue, over each
+// source's channels (its home side waits for every one of them).
+__device__ void combine_partials(const Args& a, unsigned long long ce, int p) {
   const int me = (int)a.me, NS = (int)a.NS, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   State* st = state(a);
   const uint4* y = reinterpret_cast<const uint4*>(a.y);
   const int* chan = meta_chan(a, me, p);
   const float* rw = reinterpret_cast<const float*>(region(a, me) + OFF_RECV_W);
   const int slots = NS * (CTHREADS / 32);
-  for (int q = slot_of((int)blockIdx.x, NS, warp); q < R * C; q = take(&st->part_next, slots, lane)) {
+  const int chans_l = sender_channels(a, p, lane);  // lane s: source s's channels
+  const int Q = R * __reduce_max_sync(~0u, chans_l);
+  for (int q = slot_of((int)blockIdx.x, NS, warp); q < Q; q = take(&st->part_next, slots, lane)) {
     const int c = q / R, s = q % R;
+    if (c >= __shfl_sync(~0u, chans_l, s)) continue;
     const int start = ld_volatile(chan + (s * CMAX + c) * 2), count = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
     uint4* stage_s = reinterpret_cast<uint4*>(region(a, s) + OFF_CSTAGE) + (long long)me * TMAX * HV;
     int cur = (count > 0 && lane < RI) ? record(a, me, s, start)[lane] : 0;  // lane k: int k of the record
@@ -208,7 +213,7 @@ __global__ void __launch_bounds__(CTHREADS, 1) combine_kernel(const Args a) {
   State* st = state(a);
   const unsigned long long ce = st->comb_epoch + 1;
   if (threadIdx.x == 0) stamp(a, 1, 0);
-  if ((int)blockIdx.x < (int)a.NS) combine_partials(a, ce, (int)(st->disp_epoch & 1), st->last_C);
+  if ((int)blockIdx.x < (int)a.NS) combine_partials(a, ce, (int)(st->disp_epoch & 1));
   combine_sums(a);
   if (lane == 0) stamp(a, 1, 1 + warp);
   __syncthreads();

@@ -115,7 +115,8 @@ __device__ __forceinline__ void stamp(const Args& a, int kernel, int word) {
 // ---- region accessors -----------------------------------------------------------------------
 __device__ __forceinline__ char* region(const Args& a, int r) { return reinterpret_cast<char*>(a.base[r]); }
 __device__ __forceinline__ State* state(const Args& a) { return reinterpret_cast<State*>(region(a, (int)a.me) + OFF_STATE); }
-// meta area of rank r, parity p: flags [R] u64, counts [R][E] int, channels [R][CMAX][2] int
+// meta area of rank r, parity p, per sender: flags [R] u64, counts [R][E] int, channel ranges
+// [R][CMAX][2] int, shapes [R][SENDER_INTS] int (its channels, its expert alignment)
 __device__ __forceinline__ unsigned long long* meta_flag(const Args& a, int r, int p, int src) {
   return reinterpret_cast<unsigned long long*>(region(a, r) + OFF_META + p * META_STRIDE + META_FLAGS) + src;
 }
@@ -124,6 +125,17 @@ __device__ __forceinline__ int* meta_cnt(const Args& a, int r, int p) {
 }
 __device__ __forceinline__ int* meta_chan(const Args& a, int r, int p) {
   return reinterpret_cast<int*>(region(a, r) + OFF_META + p * META_STRIDE + META_CHANNELS);
+}
+__device__ __forceinline__ int* meta_sender(const Args& a, int r, int p) {
+  return reinterpret_cast<int*>(region(a, r) + OFF_META + p * META_STRIDE + META_SENDERS);
+}
+constexpr int SENDER_CHANNELS = 0, SENDER_ALIGN = 1;  // the ints of a sender's shape
+static_assert(SENDER_INTS == 2, "a sender's shape: its channels, its expert alignment");
+// Ranks may dispatch different numbers of tokens, hence of channels: a loop over a peer's
+// channels runs to that peer's count, as it published it.  Lane s < R: sender s's channels in the
+// dispatch of parity p (0 in the other lanes).
+__device__ __forceinline__ int sender_channels(const Args& a, int p, int lane) {
+  return lane < R ? ld_volatile(meta_sender(a, (int)a.me, p) + lane * SENDER_INTS + SENDER_CHANNELS) : 0;
 }
 __device__ __forceinline__ unsigned long long* dtail(const Args& a, int r, int src, int c) {
   return reinterpret_cast<unsigned long long*>(region(a, r) + OFF_DTAIL) + src * CMAX + c;

@@ -18,11 +18,15 @@ struct DispatchShared {
   int seg[E];
 };
 
+// The rows of (this rank, expert e) on e's rank: after the rows of the ranks before it, in e's
+// segment, which the experts before e on that rank fill, each padded to the expert alignment of
+// that rank (it lays out its receive buffer; ranks may pass different alignments).
 __device__ void dispatch_offsets(const Args& a, DispatchShared& sh, int p) {
   const int me = (int)a.me;
   const int* cnt = meta_cnt(a, me, p);
-  const int align = (int)a.align;
+  const int* shape = meta_sender(a, me, p);
   for (int ex = threadIdx.x; ex < E; ex += blockDim.x) {
+    const int align = ld_volatile(shape + rank_of(ex) * SENDER_INTS + SENDER_ALIGN);
     int tot = 0, pre = 0;
 #pragma unroll
     for (int s = 0; s < R; ++s) {
@@ -154,25 +158,28 @@ __device__ void dispatch_send(const Args& a, const DispatchShared& sh, unsigned 
     dispatch_channel(a, sh, c, e);
 }
 
-// Replication: the (R - 1) x C queues j = c x (R - 1) + the source's index among the peers
-// (channel-major, the order the peers' senders fill them).  Every warp of the kernel replicates:
-// a sender block's warps once no channel is left to send, a replicator block's (NR, usually 0)
-// from the start, so no SM idles while another still has rows to write (one SM writes ~46 GB/s:
-// a fixed sender/receiver split leaves one side waiting on the other).  Warp slot k, counted
-// from the last slot (slot_of: spread over the SMs, and away from the first senders), takes queue
-// k first, then the counter hands out the rest.  Per queue the warp copies each record's first row
-// into its other rows as the source's tail advances (bounded wait).  This rank's own channels
-// have no queue: their senders wrote every row.
+// Replication: the queues j = c x (R - 1) + the source's index among the peers (channel-major, the
+// order the peers' senders fill them), c up to the most channels a peer has: a queue beyond its
+// source's channels (a peer with fewer tokens has fewer) is skipped without a wait.  Every warp of
+// the kernel replicates: a sender block's warps once no channel is left to send, a replicator
+// block's (NR, usually 0) from the start, so no SM idles while another still has rows to write (one
+// SM writes ~46 GB/s: a fixed sender/receiver split leaves one side waiting on the other).  Warp
+// slot k, counted from the last slot (slot_of: spread over the SMs, and away from the first
+// senders), takes queue k first, then the counter hands out the rest.  Per queue the warp copies
+// each record's first row into its other rows as the source's tail advances (bounded wait).  This
+// rank's own channels have no queue: their senders wrote every row.
 __device__ void dispatch_replicate(const Args& a, unsigned long long e, int p) {
-  const int me = (int)a.me, C = (int)a.C, lane = threadIdx.x & 31;
+  const int me = (int)a.me, lane = threadIdx.x & 31;
   const int slots = (int)gridDim.x * (int)(blockDim.x >> 5);
   char* my = region(a, me);
   const int* chan = meta_chan(a, me, p);
   constexpr int PEERS = R > 1 ? R - 1 : 1;
-  const int Q = (R - 1) * C;
+  const int chans_l = sender_channels(a, p, lane);  // lane s: source s's channels
+  const int Q = (R - 1) * __reduce_max_sync(~0u, lane == me ? 0 : chans_l);
   for (int j = slots - 1 - slot_of((int)blockIdx.x, (int)gridDim.x, threadIdx.x >> 5); j < Q;
        j = take(&state(a)->recv_next, slots, lane)) {
     const int c = j / PEERS, s = j % PEERS < me ? j % PEERS : j % PEERS + 1;
+    if (c >= __shfl_sync(~0u, chans_l, s)) continue;
     const int start = ld_volatile(chan + (s * CMAX + c) * 2), count = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
     for (int done = 0; done < count;) {
       const unsigned long long v =

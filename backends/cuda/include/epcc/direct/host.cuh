@@ -162,6 +162,11 @@ int epcc_direct_dispatch(const void* args, unsigned long long stream) {
              "replicator blocks of %lld warps", a->C, a->NSB, a->NR, a->W);
     return 2;
   }
+  if (a->T < 0 || a->T > TMAX || a->align < 1 || a->align > ALIGN_MAX) {  // the peers lay out rows by both
+    snprintf(g_error, sizeof g_error, "bad arguments: %lld tokens (at most %d), expert alignment %lld (1 to %d)", a->T,
+             TMAX, a->align, ALIGN_MAX);
+    return 2;
+  }
   cudaError_t err;
   if (!meta_in_dispatch(*a)) {
     const int chunks = a->T > 0 ? (int)((a->T + MC - 1) / MC) : 1;

@@ -51,8 +51,9 @@ __device__ __forceinline__ int* chunk_counts(const Args& a) {  // [MAXCHUNKS][E 
 }
 
 // The MC metadata threads of the last metadata block: tot[0, E) this rank's tokens per expert, tot[E, E + R)
-// per destination rank; the channels' first dedup indices are in mych.  Sends the counts to every
-// peer and each destination its channel ranges, stores the first bad token, raises the flags.
+// per destination rank; the channels' first dedup indices are in mych.  Sends the counts, this
+// rank's shape (channels, expert alignment) to every peer and each destination its channel
+// ranges, stores the first bad token, raises the flags.
 __device__ void meta_publish(const Args& a, const int* tot, int bad, int p, unsigned long long e) {
   const int me = (int)a.me, T = (int)a.T, C = (int)a.C, Tc = tokens_per_channel(T, C), tid = threadIdx.x;
   const int* mych = reinterpret_cast<const int*>(region(a, me) + OFF_MYCHAN);
@@ -69,6 +70,11 @@ __device__ void meta_publish(const Args& a, const int* tot, int bad, int p, unsi
     int* ch = meta_chan(a, d, p) + (me * CMAX + c) * 2;
     ch[0] = s0;
     ch[1] = s1 - s0;
+  }
+  if (tid < R) {
+    int* shape = meta_sender(a, tid, p) + me * SENDER_INTS;
+    shape[SENDER_CHANNELS] = C;
+    shape[SENDER_ALIGN] = (int)a.align;
   }
   if (tid == 0) st->bad_token = bad;
   __threadfence_system();
