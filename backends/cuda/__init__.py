@@ -6,14 +6,16 @@ writes `build/h200x4/cuda/`: `epcc_cuda_device.cuh` (table structs, waits, row o
 `<schedule>_dispatch.cu` and `<schedule>_combine.cu` (one persistent kernel per program, plus
 the combine's bf16 conversion kernel), `<schedule>_launcher.cu` (the host API, extern "C") and
 `manifest.json` (kernels, grid and block sizes, blocks per role, buffers, the table layout
-version, the nvcc command); for a one-hop plan also `<schedule>_direct.cu` (direct.py, the
-direct kernels the Buffer API runs), and with RDMA steps the proxy loop's sources in `rdma/`.
+version, the nvcc command); for a one-hop plan also the direct kernels the Buffer API runs
+(direct.py): `<schedule>_direct.cu` and `epcc_direct_config.cuh` (generated) and the static
+headers `epcc/direct/*.cuh` (include/, copied); with RDMA steps the proxy loop's sources in `rdma/`.
 
 * codegen.py decides everything of the table-driven kernels (roles, block ranges, access
   widths, what is not lowered); templates/ lay out text;
 * abi.py: the descriptor tables' binary layout, which the device header declares and the
   runtime's blobs follow;
-* direct.py: the direct kernels of a one-hop plan (plan/direct.py decides which plans).
+* direct.py: the direct kernels of a one-hop plan (plan/direct.py decides which plans): the
+  config header it generates and the static device headers in include/epcc/direct/.
 
 Nothing here runs a kernel: runtime/engines/cuda_table builds, loads and launches the table
 kernels (and says how, step by step), runtime/engines/cuda_direct the direct ones.

@@ -179,12 +179,15 @@ RDMA_DIR = "rdma"  # the proxy sources of a plan's RDMA steps, inside the bundle
 class CudaBundle:
     """The generated sources (file name -> text) and the launch manifest.  A plan with RDMA
     steps also has the host proxy loop (backends/rdma): written by `write` into RDMA_DIR/, the
-    files listed in manifest["rdma"] (paths relative to the bundle's cuda/)."""
+    files listed in manifest["rdma"] (paths relative to the bundle's cuda/).  `static`: the
+    static sources the generated ones include (the direct kernels' headers), bundle-relative
+    name -> the file shipped with epcc, copied unchanged by `write`."""
 
     files: dict[str, str]
     manifest: dict
     kernels: list[KernelSpec]
     plan: Plan | None = None
+    static: dict[str, Path] = field(default_factory=dict)
 
     def write(self, out_dir: str | Path) -> list[Path]:
         out = Path(out_dir)
@@ -193,6 +196,11 @@ class CudaBundle:
         for name, text in self.files.items():
             p = out / name
             p.write_text(text, encoding="utf-8")
+            written.append(p)
+        for name, src in self.static.items():
+            p = out / name
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(src.read_bytes())
             written.append(p)
         if self.manifest.get("rdma"):
             paths = rdma_emit.emit(self.plan, out / RDMA_DIR)
@@ -509,8 +517,8 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
     # The direct lowering (direct.py) for one-hop plans in one IPC domain: the runtime uses it
     # when present ("lowering": "direct"); the table-driven kernels above stay the general path.
     if plan.direct is not None:
-        text, entry = direct.generate(plan, source, _ENV, EPCC_VERSION)
-        files[entry["source"]] = text
+        direct_files, entry = direct.generate(plan, source, _ENV, EPCC_VERSION)
+        files.update(direct_files)
         entry["command"] = ["nvcc", *NVCC_FLAGS, "-shared", "-o", entry["library"], entry["source"]]
         manifest["direct"] = entry
         manifest["lowering"] = "direct"
@@ -536,7 +544,8 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
             })
     manifest["rdma"] = _rdma_sources(plan)
     files["manifest.json"] = json.dumps(manifest, indent=1) + "\n"
-    return CudaBundle(files=files, manifest=manifest, kernels=kernels, plan=plan)
+    static = {n: direct.INCLUDE_DIR / n for n in direct.HEADERS} if plan.direct is not None else {}
+    return CudaBundle(files=files, manifest=manifest, kernels=kernels, plan=plan, static=static)
 
 
 def _rdma_sources(plan: Plan) -> list[str]:

@@ -5,7 +5,7 @@ flows go straight from every rank to every other rank, each carrying the tokens 
 live at the destination (`select == [dst]`), over peer links, plus a local permute for a rank's
 own experts; its combine is the reverse.  That is DeepEP's intranode shape (h200x4.sched).  For
 those plans the CUDA target writes fused, warp-specialized kernels (backends/cuda/direct.py,
-templates/direct.cu.j2) instead of the general table-driven ones.
+include/epcc/direct/) instead of the general table-driven ones.
 
 Decided here, from the plan alone (no code generation): `match` (direct or why not),
 `default_config` (the launch configuration `epcc tune` sweeps, DirectConfig) and
@@ -26,7 +26,7 @@ CHANNELS_PER_WARP = 4  # dispatch channels per sender warp (taken in order: unev
 DISPATCH_THREADS = 512  # at most 16 warps per dispatch block (the configuration's `warps`)
 COMBINE_THREADS = 512
 MAX_WARPS = DISPATCH_THREADS // 32
-# combine: 16-byte vectors per lane in a warp's shared-memory ring of cp.async loads (direct.cu.j2,
+# combine: 16-byte vectors per lane in a warp's shared-memory ring of cp.async loads (combine.cuh,
 # reduce_rows).  The loads in flight hold no registers: one SM keeps 16 warps x 32 lanes x RING x
 # 16 B = 192 KB of rows coming.  With loads into registers (at most ~8 vectors per lane before
 # 128 registers spilled, 4 for a 4-row record) the combine read ~64 GB/s per SM against the ~170
@@ -42,7 +42,7 @@ DEFAULT_SMS = 24  # SMs per program where the push step gives none
 
 def meta_shared_bytes(experts: int, ranks: int) -> int:
     """meta_count_kernel's shared memory: a mask per (warp, expert or rank) and a count per expert or
-    rank, (warps + 1) x (E + R) ints, plus a few scalars (direct.cu.j2 asserts the same)."""
+    rank, (warps + 1) x (E + R) ints, plus a few scalars (meta.cuh asserts the same)."""
     return (META_THREADS // 32 + 1) * (experts + ranks) * 4 + 64
 
 
@@ -72,7 +72,10 @@ class DirectConfig:
         """Dispatch channels (contiguous token ranges, taken by sender warps in order): a few per
         sender warp so uneven ones even out, as many as the peer region has tails for, and no
         more than there are tokens (an empty channel still costs its sender warp a take and a
-        replicating warp a queue per peer: at 128 tokens most of 1024 would be empty)."""
+        replicating warp a queue per peer: at 128 tokens most of 1024 would be empty).  Each rank
+        counts its own tokens, so ranks that dispatch different numbers of tokens have different
+        channel counts: each publishes its count with its metadata, and the peers' loops over its
+        channels follow it (epcc/direct/meta.cuh, dispatch.cuh, combine.cuh)."""
         c = max(1, min(MAX_CHANNELS, CHANNELS_PER_WARP * self.send_blocks * self.warps))
         return c if tokens is None else max(1, min(c, tokens))
 
@@ -160,7 +163,7 @@ def default_config(plan: Plan) -> DirectConfig:
 
 def dispatch_launches(tokens: int, warps: int) -> int:
     """Kernel launches of one dispatch of `tokens` tokens (epcc_direct_dispatch in
-    templates/direct.cu.j2): the dispatch kernel counts the metadata itself up to one metadata
+    backends/cuda/include/epcc/direct/host.cuh): the dispatch kernel counts the metadata itself up to one metadata
     chunk when its blocks have the threads for it (meta_in_dispatch); otherwise meta_count_kernel
     runs first, and meta_finish_kernel after it when there is more than one chunk."""
     if tokens <= META_CHUNK and warps * 32 >= META_THREADS:

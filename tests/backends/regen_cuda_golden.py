@@ -1,7 +1,9 @@
 """Rewrite the CUDA backend's golden sources (tests/backends/golden_cuda/<variant>/): every file
-`epcc compile schedules/<schedule>.sched --target cuda [options]` writes into the bundle's cuda/
-(the table-driven kernels, the launcher, the direct lowering `<schedule>_direct.cu` when the plan
-is one-hop, manifest.json).  One command, from the repository root:
+`epcc compile schedules/<schedule>.sched --target cuda [options]` generates into the bundle's
+cuda/ (the table-driven kernels, the launcher, the direct lowering's `<schedule>_direct.cu` and
+`epcc_direct_config.cuh` when the plan is one-hop, manifest.json).  The static headers a
+bundle also carries (backends/cuda/include/epcc/direct/*.cuh) have no golden: the tests check
+that the bundle's copies are byte-identical to them.  One command, from the repository root:
 
     .venv/bin/python tests/backends/regen_cuda_golden.py
 
@@ -44,8 +46,10 @@ def regenerate(variants: list[str] | None = None) -> None:
     for name in variants or list(VARIANTS):
         out = GOLDEN / name
         shutil.rmtree(out, ignore_errors=True)
-        for p in generate(name).write(out):
-            print(p.relative_to(ROOT))
+        out.mkdir(parents=True)
+        for file, text in generate(name).files.items():
+            (out / file).write_text(text, encoding="utf-8")
+            print((out / file).relative_to(ROOT))
 
 
 if __name__ == "__main__":

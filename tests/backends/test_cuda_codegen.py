@@ -10,9 +10,11 @@ No GPU here.  What runs:
   compile, and the main kernels spill nothing; h200x4's library is built with the manifest's
   own nvcc command, loads with ctypes and fails cleanly without a GPU.  Each schedule is
   compiled once (module-scoped fixture, files in parallel); skipped when nvcc is missing;
-* a golden of every emitted file for h200x4 and h200x4 --dtype fp8, the direct lowering
-  (`<schedule>_direct.cu`) and the manifest included (`.venv/bin/python
-  tests/backends/regen_cuda_golden.py` rewrites them);
+* a golden of every generated file for h200x4 and h200x4 --dtype fp8, the direct lowering's
+  (`<schedule>_direct.cu`, `epcc_direct_config.cuh`) and the manifest included
+  (`.venv/bin/python tests/backends/regen_cuda_golden.py` rewrites them); the direct kernels'
+  static headers a bundle carries are byte-identical to backends/cuda/include/, and each compiles
+  by itself after one plan's config;
 * the table blobs against the oracle: the NumPy emulator (runtime/testing/emulate.py) runs every
   rank's blocks over the same tables the GPU reads (item order, split over blocks, waits,
   ordered publication) and must reproduce dispatch_oracle / combine_oracle;
@@ -34,7 +36,7 @@ import numpy as np
 import pytest
 
 from epcc import pipeline
-from epcc.backends.cuda import abi, codegen
+from epcc.backends.cuda import abi, codegen, direct
 from epcc.backends.rdma import emit as rdma_emit
 from epcc.backends.rdma.sources import STATIC_SOURCES
 from epcc.cli import main
@@ -281,9 +283,27 @@ def test_golden_file_set(variant):
     b = golden_bundle(variant)
     assert sorted(b.files) == _golden_files(variant), f"regenerate: {REGEN}"
     schedule, _ = regen_cuda_golden.VARIANTS[variant]
-    # the goldens cover the direct lowering: its source and its manifest entry
-    assert f"{schedule}_direct.cu" in b.files and b.manifest["lowering"] == "direct"
-    assert b.manifest["direct"]["source"] == f"{schedule}_direct.cu"
+    # the goldens cover the direct lowering: its source, its config and its manifest entry
+    assert {f"{schedule}_direct.cu", direct.CONFIG_FILE} <= set(b.files)
+    assert b.manifest["lowering"] == "direct" and b.manifest["direct"]["source"] == f"{schedule}_direct.cu"
+    assert b.manifest["direct"]["headers"] == [direct.CONFIG_FILE, *direct.HEADERS]
+
+
+@pytest.mark.parametrize("variant", list(regen_cuda_golden.VARIANTS))
+def test_bundle_carries_the_static_headers_unchanged(variant, tmp_path):
+    """The static headers of the direct kernels have no golden: what a bundle carries is the
+    repository's files, byte for byte, beside the generated ones (a GPU machine builds the
+    bundle without epcc), and every header the source includes is in the bundle."""
+    b = golden_bundle(variant)
+    assert sorted(b.static) == sorted(direct.HEADERS)
+    written = {p.relative_to(tmp_path).as_posix() for p in b.write(tmp_path)}
+    assert set(b.manifest["direct"]["headers"]) <= written
+    for name in direct.HEADERS:
+        assert (tmp_path / name).read_bytes() == (direct.INCLUDE_DIR / name).read_bytes(), name
+    included = re.findall(r'^#include "([^"]+)"', (tmp_path / b.manifest["direct"]["source"]).read_text(), re.M)
+    for name in direct.HEADERS:
+        included += [f"epcc/direct/{h}" for h in re.findall(r'^#include "([^"/]+)"', (tmp_path / name).read_text(), re.M)]
+    assert set(included) == set(b.manifest["direct"]["headers"])
 
 
 @pytest.mark.parametrize("variant,name", [(v, f) for v in regen_cuda_golden.VARIANTS for f in _golden_files(v)])
@@ -318,9 +338,10 @@ def odd_plan():
     return plan
 
 
-# The direct lowering (direct.py, templates/direct.cu.j2): every shipped one-hop schedule, plus
+# The direct lowering (direct.py, include/epcc/direct/): every shipped one-hop schedule, plus
 # h200x4 with the options the GPU tests compile (tests/gpu/bundles.py): fp8 dispatch, 128 tokens.
 DIRECT = ["h200x4", "nvl8_hybrid", "h200x4@fp8", "h200x4@t128"]
+ALONE = "h200x4@fp8"  # the config each static header of the direct kernels is compiled alone with
 _DIRECT_OPTIONS = {"fp8": {"dtype": "fp8"}, "t128": {"tokens": 128}}
 
 
@@ -357,6 +378,11 @@ def built(tmp_path_factory):
         b = codegen.generate(direct_plan(name), source_of(name.split("@")[0]))
         b.write(d)
         jobs.append((name, "direct", d, b.manifest))
+        if name == ALONE:
+            for h in direct.HEADERS:  # each static header by itself, after the plan's config only
+                tu = f"alone_{Path(h).stem}.cu"
+                (d / tu).write_text(f'#include "{direct.CONFIG_FILE}"\n#include "{h}"\n')
+                jobs.append((name, f"alone:{h}", d, [*NVCC_FLAGS, "--Werror", "all-warnings", tu, "-o", tu[:-3] + ".o"]))
     for name in [*ONE_DOMAIN, ODD]:
         d = root / name
         b = codegen.generate(odd_plan() if name == ODD else plan_of(name), source_of(name.split("@")[0]))
@@ -450,6 +476,21 @@ def test_direct_source_compiles_for_sm90a_without_spills(built, name, record_pro
         assert 0 < v["registers"] <= 255, (name, k, v)
 
 
+@pytest.mark.parametrize("header", direct.HEADERS)
+def test_each_direct_header_compiles_alone_after_a_config(built, header):
+    """A static header includes what it uses: after one plan's config and nothing else it compiles
+    for sm_90a without a warning."""
+    r = built["results"][(ALONE, f"alone:{header}")]
+    assert r.returncode == 0, f"{header} alone:\n{r.stdout}{r.stderr}"
+
+
+def test_a_direct_header_without_a_config_says_which_to_include(built, tmp_path):
+    d = built["root"] / "direct" / ALONE
+    r = _nvcc(["-E", "-x", "cu", "-o", os.devnull, "epcc/direct/dispatch.cuh"], d)
+    assert r.returncode != 0
+    assert "include the plan's epcc_direct_config.cuh (written by epcc compile --target cuda) first" in r.stderr
+
+
 @pytest.mark.parametrize("name", ["h200x4", "h200x4@fp8"])
 def test_direct_library_loads_and_matches_its_manifest(built, name):
     """ctypes view of the library (direct_library.DirectLibrary): ABI, the Args layout and the
@@ -480,6 +521,15 @@ def test_direct_library_loads_and_matches_its_manifest(built, name):
     args.W, args.NR = 1, -1  # no replicator blocks is fine (the default), fewer than none is not
     with pytest.raises(direct_library.DirectRuntimeError, match=r"^dispatch: bad launch configuration: 64 channels, "
                                                                 r"1 sender and -1 replicator blocks of 1 warps$"):
+        lib.dispatch(args, 0)
+    # the peers lay out rows by every rank's token count and alignment: out of range, nothing is launched
+    args.NR, args.T, args.align = 0, 0, 0
+    with pytest.raises(direct_library.DirectRuntimeError, match=r"^dispatch: bad arguments: 0 tokens \(at most "
+                                                                rf"{c['max_tokens']}\), expert alignment 0 \(1 to 128\)$"):
+        lib.dispatch(args, 0)
+    args.T, args.align = c["max_tokens"] + 1, 1
+    with pytest.raises(direct_library.DirectRuntimeError, match=rf"^dispatch: bad arguments: {c['max_tokens'] + 1} "
+                                                                r"tokens \(at most \d+\), expert alignment 1 "):
         lib.dispatch(args, 0)
     args.NS = 0
     with pytest.raises(direct_library.DirectRuntimeError,
@@ -695,10 +745,13 @@ def test_cli_compile_target_cuda(tmp_path, capsys, monkeypatch):
     assert rc == 0, err
     assert f"{source_of('h200x4')}: CUDA sources in {tmp_path / 'b'}/cuda/" in out
     assert f"{source_of('h200x4')}: lowering: direct kernels (h200x4_direct.cu; the Buffer API runs them)" in out
-    files = sorted(p.name for p in (tmp_path / "b" / "cuda").iterdir())
+    cuda = tmp_path / "b" / "cuda"
+    files = sorted(p.name for p in cuda.iterdir() if p.is_file())
     assert files == sorted(p.name for p in (GOLDEN / "h200x4").iterdir())
     for f in files:  # the same text as the golden: paths in comments are as given on the command line
-        assert (tmp_path / "b" / "cuda" / f).read_text() == (GOLDEN / "h200x4" / f).read_text(), f
+        assert (cuda / f).read_text() == (GOLDEN / "h200x4" / f).read_text(), f
+    assert sorted(p.relative_to(cuda).as_posix() for p in cuda.rglob("*") if p.is_file() and p.parent != cuda) \
+        == sorted(direct.HEADERS)  # and the direct kernels' static headers, nothing else
     assert (tmp_path / "b" / "plan.json").is_file()
     with pytest.raises(SystemExit) as e:
         main(["compile", source_of("h200x4"), "--target", "rocm", "-o", str(tmp_path / "c")])

@@ -148,6 +148,11 @@ def test_region_offsets_are_increasing_aligned_and_hold_the_capacity(name, varia
         assert extent["OFF_RECV_S"] >= cap * c["scale_bytes"]
     assert extent["OFF_CSTAGE"] >= R * T * H * 2  # one bf16 partial per (source rank, token)
     assert extent["OFF_META"] >= 2 * named["META_STRIDE"]  # two parities
+    # a meta area: flags, counts, channel ranges and the senders' shapes (channels, alignment), in order
+    assert named["META_FLAGS"] + R * 8 <= named["META_COUNTS"]
+    assert named["META_COUNTS"] + R * E * 4 <= named["META_CHANNELS"]
+    assert named["META_CHANNELS"] + R * plan_direct.MAX_CHANNELS * 2 * 4 <= named["META_SENDERS"]
+    assert named["META_SENDERS"] + R * direct.SENDER_INTS * 4 <= named["META_STRIDE"]
     if variant == "fp8" or wl.dtype == "fp8":
         assert (c["dtype"], c["x_bytes"], c["scale_bytes"]) == ("fp8", H, H // 128 * 4)
     else:
@@ -236,8 +241,10 @@ def test_cli_fp8_bundle_has_fp8_direct_constants(tmp_path, capsys, monkeypatch):
     hidden = m["workload"]["hidden"]
     assert (c["dtype"], c["hidden"], c["x_bytes"], c["scale_bytes"]) == ("fp8", hidden, hidden, hidden // 128 * 4)
     assert (out / "cuda" / m["direct"]["source"]).is_file()
-    text = (out / "cuda" / m["direct"]["source"]).read_text()
-    assert "constexpr bool FP8 = true;" in text and f"constexpr int SB = {hidden // 128 * 4};" in text
+    config = m["direct"]["headers"][0]
+    assert config == "epcc_direct_config.cuh" and f'#include "{config}"' in (out / "cuda" / m["direct"]["source"]).read_text()
+    text = (out / "cuda" / config).read_text()
+    assert "constexpr bool FP8 = true; " in text and f"constexpr int SB = {hidden // 128 * 4}; " in text
 
 
 def _sched_with_hidden(tmp_path: Path, hidden: int) -> Path:

@@ -246,6 +246,10 @@ def test_cuda_sources_of_a_hostile_plan_compile(hostile_plan, tmp_path):
             sources.append(f"f{i}.cu")
             (tmp_path / sources[-1]).write_text(text, encoding="ascii")
     assert len(sources) == 4  # dispatch, combine, launcher, direct
+    for name, path in bundle.static.items():  # the direct kernels' static headers, then their config
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(path.read_bytes())
+    (tmp_path / "epcc_direct_config.cuh").write_text(bundle.files["epcc_direct_config.cuh"], encoding="ascii")
 
     def nvcc(src: str) -> subprocess.CompletedProcess:
         return subprocess.run([find_nvcc(), "-arch=sm_90a", "-std=c++17", "-c", src, "-o", src + ".o"],

@@ -43,6 +43,11 @@ PARTIAL_ROUNDING = 2.0 ** -8  # combine sends one bf16 partial per (token, GPU):
 
 
 def routing_topk(spec: str, R: int, T: int, K: int, E: int, placement: str, seed: int) -> np.ndarray:
+    if spec == "masked":  # uniform, a quarter of the slots -1 (empty), and every 7th token no expert at all
+        out = inputs.make_topk("uniform", R, T, K, E, placement, seed=seed).topk_idx.copy()
+        out[np.random.default_rng(seed).random(out.shape) < 0.25] = -1
+        out[:, ::7] = -1
+        return out
     if spec == "all-to-one":  # every token of every rank picks experts of rank 0 only
         epr = E // R
         rng = np.random.default_rng(seed)
@@ -59,7 +64,9 @@ class Case:
     oracle's documented order (oracle.recv_order) gathered on the GPU; the expert outputs are a
     function of the received row and its expert, y = bf16(value(row) * (1 + l / 16)) with l the
     local expert index, so the home rank can form the combine reference from its own tokens:
-    ref[t] = sum_j w[t, j] * y(x[t], e_j) in fp32."""
+    ref[t] = sum_j w[t, j] * y(x[t], e_j) in fp32.  `tokens` (one count per rank, at most the
+    bundle's): rank r dispatches its first tokens[r] tokens only; the oracle sees the others as
+    tokens with no expert (absent tokens receive nothing, and change no other token's rows)."""
 
     def __init__(self, buf: Buffer, spec: str, seed: int, dev, tokens: list[int] | None = None):
         wl = buf.plan.workload
@@ -69,8 +76,10 @@ class Case:
         # pad the routing with -1 (no expert), so the oracle gives them no rows
         self.tokens = list(tokens) if tokens is not None else [self.T] * self.R
         self.idx = routing_topk(spec, self.R, self.T, self.K, self.E, self.placement, seed)
-        for r, n in enumerate(self.tokens):
-            self.idx[r, n:] = -1
+        if tokens is not None:
+            self.idx = self.idx.copy()
+            for r, n in enumerate(self.tokens):
+                self.idx[r, n:] = -1
         self.w = inputs.make_weights(self.idx, seed=seed + 1)
         g = torch.Generator(device=dev)
         g.manual_seed(seed + 2)
@@ -107,7 +116,7 @@ class Case:
         """fp32 values of rows (bf16, or fp8 times its per-128-channel scales)."""
         if self.dtype == "fp8":
             q, sc = x
-            return (q.float().view(q.shape[0], -1, 128) * sc[:, :, None]).view(q.shape[0], -1)
+            return (q.float().view(q.shape[0], self.H // 128, 128) * sc[:, :, None]).view(q.shape[0], self.H)
         return x.float()
 
     def expert_outputs(self, recv_x, local_of_row: torch.Tensor) -> torch.Tensor:
@@ -148,7 +157,7 @@ class Case:
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
         me, n = self.me, self.tokens[self.me]
         x = (self.x_all[0][me][:n], self.x_all[1][me][:n]) if self.dtype == "fp8" else self.x_all[me][:n]
-        v = self.values(x)  # [T, H]
+        v = self.values(x)  # [tokens, H]
         ref = torch.zeros_like(v)
         mag = torch.zeros_like(v)
         idx = torch.from_numpy(self.idx[me][:n].copy()).to(self.dev)
@@ -165,6 +174,8 @@ class Case:
 
     def check_combine(self, out: torch.Tensor) -> list[str]:
         """oracle.compare_combine with the bf16 rounding of one partial per (token, GPU)."""
+        if tuple(out.shape) != (self.tokens[self.me], self.H):
+            return [f"combine: out has shape {list(out.shape)}, want [{self.tokens[self.me]}, {self.H}]"]
         ref, mag = self.reference()
         got = out.float().cpu().numpy()
         if got.shape != tuple(ref.shape):
@@ -204,6 +215,56 @@ def uneven_tokens(R: int, T: int) -> list[tuple[str, list[int]]]:
     different count below T (DeepEP's tests use T - rank), and one rank with none."""
     return [("T-1-7r", [max(0, T - 1 - 7 * r) for r in range(R)]),
             ("rank 0 empty", [0] + [T] * (R - 1))]
+
+
+def aligned_errors(buf: Buffer, case: Case, align: int, dev) -> list[str]:
+    """`case` dispatched with expert_alignment=align (every local expert's rows start at a multiple
+    of it on this rank, whatever the peers ask for) and combined: what differs from the oracle."""
+    x, idx, w = case.gpu_inputs()
+    rx, ridx, rw, counts, h, _ = buf.dispatch(x, idx, w, expert_alignment=align)
+    errs = []
+    starts = np.r_[0, np.cumsum(-(-np.asarray(case.counts) // align) * align)]
+    rows_of = torch.cat([torch.arange(int(starts[l]), int(starts[l]) + c) for l, c in enumerate(case.counts)]).to(dev)
+    packed = (rx[0][rows_of], rx[1][rows_of]) if case.dtype == "fp8" else rx[rows_of]
+    errs += case.check_dispatch(packed, rw[rows_of], counts, ridx[rows_of])
+    if h.rows != int(starts[-1]):
+        errs.append(f"recv_x has {h.rows} rows, want {int(starts[-1])} (padded)")
+    y = torch.zeros((h.rows, case.H), dtype=torch.bfloat16, device=dev)
+    y[rows_of] = case.y_for(packed, len(case.src))
+    errs += case.check_combine(buf.combine(y, h))
+    return errs
+
+
+def graph_checks(buf: Buffer, case: Case, replays: list, dev, report, label: str = "cuda graph replay") -> None:
+    """Dispatch (low latency) + expert outputs + combine captured once as a CUDA graph on `case`'s
+    inputs, then replayed on the inputs of each case `replays` makes (callables; the same token
+    counts as `case`), each replay checked against the oracle and reported as `label` i."""
+    xs, idxs, ws = case.gpu_inputs()
+    cap = buf.engine.c["capacity"]
+    row_local = torch.zeros(cap, dtype=torch.int64, device=dev)  # local expert of each received row
+    rx, _, rw, (cnt, off), h, _ = buf.dispatch(xs, idxs, ws, sync=False)  # warm-up outside the graph
+    buf.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        rx, _, rw, (cnt, off), h, _ = buf.dispatch(xs, idxs, ws, sync=False)
+        y = case.expert_outputs(rx, row_local)
+        out = buf.combine(y, h)
+    for rep, make in enumerate(replays):
+        c2 = make()
+        nx, nidx, nw = c2.gpu_inputs()
+        if case.dtype == "fp8":
+            xs[0].copy_(nx[0]); xs[1].copy_(nx[1])
+        else:
+            xs.copy_(nx)
+        idxs.copy_(nidx); ws.copy_(nw)
+        n = len(c2.src)
+        row_local.zero_()
+        row_local[:n] = torch.from_numpy(c2.local[c2.src[:, 2]]).to(dev)  # rows are expert-major: known order
+        g.replay()
+        buf.synchronize()
+        errs = c2.check_dispatch(rx, rw, cnt.cpu().tolist())
+        errs += c2.check_combine(out)
+        report(f"{label} {rep}", errs)
 
 
 def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
@@ -255,18 +316,7 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
     report("cached-handle dispatch", errs)
 
     # expert alignment: every local expert's rows start at a multiple of 64
-    rx, ridx, rw, counts, h, _ = buf.dispatch(x, idx, w, expert_alignment=64)
-    errs = []
-    starts = np.r_[0, np.cumsum(-(-np.asarray(case.counts) // 64) * 64)]
-    rows_of = torch.cat([torch.arange(int(starts[l]), int(starts[l]) + c) for l, c in enumerate(case.counts)]).to(dev)
-    packed = (rx[0][rows_of], rx[1][rows_of]) if case.dtype == "fp8" else rx[rows_of]
-    errs += case.check_dispatch(packed, rw[rows_of], counts, ridx[rows_of])
-    if h.rows != int(starts[-1]):
-        errs.append(f"recv_x has {h.rows} rows, want {int(starts[-1])} (padded)")
-    y = torch.zeros((h.rows, case.H), dtype=torch.bfloat16, device=dev)
-    y[rows_of] = case.y_for(packed, len(case.src))
-    errs += case.check_combine(buf.combine(y, h))
-    report("expert_alignment=64", errs)
+    report("expert_alignment=64", aligned_errors(buf, case, 64, dev))
 
     if not direct:
         bad_input(buf, x, idx, w, report)
@@ -275,32 +325,8 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
         buf.close()
         return
     # CUDA graph: dispatch (low latency) + expert outputs + combine, captured once, replayed on new inputs
-    xs, idxs, ws = case.gpu_inputs()
-    cap = buf.engine.c["capacity"]
-    row_local = torch.zeros(cap, dtype=torch.int64, device=dev)  # local expert of each received row
-    rx, _, rw, (cnt, off), h, _ = buf.dispatch(xs, idxs, ws, sync=False)  # warm-up outside the graph
-    buf.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        rx, _, rw, (cnt, off), h, _ = buf.dispatch(xs, idxs, ws, sync=False)
-        y = case.expert_outputs(rx, row_local)
-        out = buf.combine(y, h)
-    for rep in range(3):
-        c2 = Case(buf, ("uniform", "zipf:1.2", "no-remote")[rep], 100 + rep, dev)
-        nx, nidx, nw = c2.gpu_inputs()
-        if case.dtype == "fp8":
-            xs[0].copy_(nx[0]); xs[1].copy_(nx[1])
-        else:
-            xs.copy_(nx)
-        idxs.copy_(nidx); ws.copy_(nw)
-        n = len(c2.src)
-        row_local.zero_()
-        row_local[:n] = torch.from_numpy(c2.local[c2.src[:, 2]]).to(dev)  # rows are expert-major: known order
-        g.replay()
-        buf.synchronize()
-        errs = c2.check_dispatch(rx, rw, cnt.cpu().tolist())
-        errs += c2.check_combine(out)
-        report(f"cuda graph replay {rep}", errs)
+    graph_checks(buf, case, [lambda rep=rep: Case(buf, ("uniform", "zipf:1.2", "no-remote")[rep], 100 + rep, dev)
+                             for rep in range(3)], dev, report)
 
     bad_input(buf, x, idx, w, report)
     decode = buf.engine.c["max_tokens"] <= META_CHUNK
@@ -356,7 +382,9 @@ def run_config(path: Path, dev, checks: Checks, config: dict, label: str) -> Non
     buf.close()
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], run=run_bundle) -> int:
+    """Every bundle of `argv` through `run(path, device, checks)` on this rank; 0 when every check
+    passed on every rank."""
     local = int(os.environ.get("LOCAL_RANK", "0"))
     world, gpus = int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.device_count()
     if gpus == 0:
@@ -385,7 +413,7 @@ def main(argv: list[str]) -> int:
     crashed = 0
     for p in argv:
         try:
-            run_bundle(Path(p), dev, checks)
+            run(Path(p), dev, checks)
         except Exception:
             traceback.print_exc()
             crashed = 1

@@ -11,7 +11,11 @@ $EPCC_GPU_TIMEOUT the seconds one torchrun may take (default 1200).  The EP4 cas
 (h200x4, h200x4_fp8, h200x4_t128); the EP2 case runs on GPUs 0 and 1 (h200x2, h200x2_fp8,
 h200x2_t128).  With 2 or 3 GPUs the EP4 bundles run instead as 4 ranks on GPUs 0 and 1, two
 per GPU, time-sliced (test_ep_worker_ep4_shared_gpus; ep_worker.py: the same checks, no timing).  Each must exit 0 and
-print "ALL OK"; on failure the test shows the output tail.  Likewise the 4-rank proxy bundles
+print "ALL OK"; on failure the test shows the output tail.  test_uneven_tokens_per_rank runs
+uneven_worker.py on the 128-token and the 4096-token bundles of the same size: ranks that
+dispatch different numbers of tokens (127 / 120 / 0 / 128 rotated over the ranks) and ask for
+different expert alignments, in every mode; its kernels give up waiting after 5 s, so a
+deadlock fails fast (`python -m pytest -q tests/gpu/test_gpu.py -k uneven` on 2 GPUs runs ep2).  Likewise the 4-rank proxy bundles
 (two virtual nodes of two GPUs) run as 4 ranks on 2 GPUs where 4 are missing
 (test_gpu_proxy_path_ep4_shared_gpus: every result checked, no timing).
 
@@ -50,6 +54,7 @@ from epcc.runtime.engines.gpu_proxy.build import nvshmem_home
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "ep_worker.py"
+UNEVEN_WORKER = Path(__file__).resolve().parent / "uneven_worker.py"
 BENCH = ROOT / "bench" / "ep_bench.py"
 PROXY_BUNDLES = {  # GPUs -> the proxy-path bundles run on that many GPUs (tests/gpu/bundles.py writes them)
     4: ["h200x4_2vnode_50_proxy", "h200x4_ubb2x2_50_proxy"],
@@ -72,6 +77,11 @@ CASES = {  # GPUs -> bundles (tests/gpu/bundles.py writes them): one-hop (the di
         "h200x2_2vnode_relay_50_proxy", "h200x2_2vnode_mixed_50_proxy"],
 }
 SHARED = (4, 2)  # the EP4 bundles' 4 ranks on 2 GPUs, where fewer than 4 are present
+UNEVEN = {  # GPUs -> bundles whose ranks dispatch different numbers of tokens (uneven_worker.py)
+    4: ["h200x4_t128", "h200x4"],
+    2: ["h200x2_t128", "h200x2"],
+}
+UNEVEN_TIMEOUT_S = 600  # the whole torchrun: its kernels give up after seconds (EPCC_GPU_KERNEL_TIMEOUT)
 
 pytestmark = pytest.mark.gpu
 
@@ -109,16 +119,17 @@ def _torchrun_path() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("torchrun")
 
 
-def _torchrun(gpus: int, script: Path, args: list[str], env: dict[str, str] | None = None, ranks: int | None = None):
+def _torchrun(gpus: int, script: Path, args: list[str], env: dict[str, str] | None = None, ranks: int | None = None,
+              timeout: float | None = None):
     """Run `script` as `ranks` processes (default one per GPU) on `gpus` GPUs (the first two for 2)
-    under torchrun, NVLink multicast off; (command, result), or the test fails after
-    $EPCC_GPU_TIMEOUT s with the output so far."""
+    under torchrun, NVLink multicast off; (command, result), or the test fails after `timeout`
+    (default $EPCC_GPU_TIMEOUT) s with the output so far."""
     full = dict(os.environ)
     full.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", **(env or {}))
     if gpus == 2:
         full["CUDA_VISIBLE_DEVICES"] = "0,1"
     cmd = [_torchrun_path(), "--standalone", "--nproc-per-node", str(ranks or gpus), str(script), *args]
-    timeout = float(os.environ.get("EPCC_GPU_TIMEOUT", "1200"))
+    timeout = timeout or float(os.environ.get("EPCC_GPU_TIMEOUT", "1200"))
     try:
         return cmd, subprocess.run(cmd, cwd=ROOT, env=full, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
@@ -137,6 +148,20 @@ def test_ep_worker_all_ok(gpus):
         f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
     # the worker's summary (shown by `pytest -rA`): what ran where
     print("\n".join(line for line in r.stdout.splitlines() if "GPU checks" in line or line.startswith("bundle")))
+
+
+@pytest.mark.parametrize("gpus", sorted(UNEVEN, reverse=True), ids=lambda n: f"ep{n}")
+def test_uneven_tokens_per_rank(gpus):
+    """Ranks that dispatch different numbers of tokens (127 / 120 / 0 / 128 rotated, and more) and
+    ask for different expert alignments, every mode, against the oracle; a wait nobody serves
+    fails within seconds as a kernel timeout (uneven_worker.py)."""
+    why = _why_not(gpus, UNEVEN[gpus])
+    if why:
+        pytest.skip(why)
+    cmd, r = _torchrun(gpus, UNEVEN_WORKER, [str(BUNDLES / b) for b in UNEVEN[gpus]], timeout=UNEVEN_TIMEOUT_S)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "ALL OK" in r.stdout, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
+    print("\n".join(line for line in r.stdout.splitlines() if "GPU checks" in line))
 
 
 def test_ep_worker_ep4_shared_gpus():

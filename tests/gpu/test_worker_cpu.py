@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ep_worker as W  # noqa: E402
+import uneven_worker as U  # noqa: E402
 
 from epcc.runtime.testing import oracle  # noqa: E402
 
@@ -41,6 +42,41 @@ def test_worker_checks_agree_with_the_oracle(dtype):
     assert c.check_combine(torch.from_numpy(ref[1]).to(torch.bfloat16)) == []
     errs = c.check_combine(torch.from_numpy(ref[1] * 1.05).to(torch.bfloat16))
     assert len(errs) == 1 and errs[0].startswith("combine: token ")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_worker_checks_with_uneven_tokens_agree_with_the_oracle(dtype):
+    """Ranks with 15, 9, 0 and 16 of 16 tokens, a quarter of the slots empty: a rank's inputs are
+    its first tokens only, the expected rows never name a token beyond its rank's count, and the
+    combine reference is the oracle's over those tokens (a result with every token is refused)."""
+    cpu = torch.device("cpu")
+    tokens = [15, 9, 0, 16]
+    cases = [W.Case(buf(r, dtype), "masked", 5, cpu, tokens=tokens) for r in range(4)]
+    c = cases[1]
+    assert (c.idx == -1).mean() > 0.25 and all((c.idx[r, n:] == -1).all() for r, n in enumerate(tokens))
+    for d in cases:
+        x, idx, w = d.gpu_inputs()
+        n = tokens[d.me]
+        assert tuple(idx.shape) == (n, 4) and tuple(w.shape) == (n, 4)
+        assert (x[0] if dtype == "fp8" else x).shape[0] == n
+        assert all(t < tokens[h] for h, t, _ in d.src.tolist())
+        assert d.check_dispatch(d.want_rows, torch.from_numpy(d.rows_w), d.counts) == []
+    ys = [d.y_for(d.want_rows, len(d.src)).view(torch.int16).numpy().view(np.uint16) for d in cases]
+    ref, mag = oracle.combine_oracle(c.idx, c.E, c.placement, c.w, ys, c.H, return_abs=True)
+    for d in cases:
+        n = tokens[d.me]
+        r, m = d.reference()
+        assert np.allclose(r.numpy(), ref[d.me][:n], rtol=0, atol=1e-6)
+        assert d.check_combine(torch.from_numpy(ref[d.me][:n]).to(torch.bfloat16)) == []
+    errs = c.check_combine(torch.from_numpy(ref[1]).to(torch.bfloat16))  # all 16 tokens: 7 too many
+    assert errs == ["combine: out has shape [16, 256], want [9, 256]"]
+
+
+def test_uneven_worker_rotates_its_token_counts_over_the_ranks():
+    assert U.token_patterns(128, 2) == [[127, 120], [120, 0], [0, 128], [128, 127]]
+    assert U.token_patterns(128, 4) == [[127, 120, 0, 128], [120, 0, 128, 127], [0, 128, 127, 120],
+                                        [128, 127, 120, 0]]
+    assert U.token_patterns(4096, 2) == [[4096, 200], [200, 0], [0, 257], [257, 4096]]
 
 
 def test_worker_without_a_gpu_is_a_clear_error(capsys, monkeypatch):

@@ -1,4 +1,4 @@
-"""Host side of the direct kernels (backends/cuda/direct.py, templates/direct.cu.j2): build, load, launch.
+"""Host side of the direct kernels (backends/cuda/direct.py, include/epcc/direct/): build, load, launch.
 
 No torch and no MLIR here (numpy only): device pointers are ints, streams are `cudaStream_t` values
 as ints.  The torch-facing API is `epcc.runtime.Buffer(..., backend="cuda")` (engine.py).
@@ -36,19 +36,25 @@ def build(cuda_dir: str | Path, manifest: dict, nvcc: str | None = None, extra_f
     if exe is None:
         raise DirectRuntimeError("nvcc not found (set $NVCC or put it on PATH); the direct kernels are compiled "
                                  "on the GPU machine")
-    text = (Path(cuda_dir) / entry["source"]).read_bytes()
+    names = [entry["source"], *entry.get("headers", [])]  # the source, then the headers it includes
+    bad = [n for n in names if not isinstance(n, str) or Path(n).is_absolute() or ".." in Path(n).parts]
+    if bad:
+        raise DirectRuntimeError(f"{cuda_dir}: the manifest names files outside the bundle: {bad}")
+    texts = {n: (Path(cuda_dir) / n).read_bytes() for n in names}
     cmd = [exe, *entry["command"][1:]]
     cmd[1:1] = list(extra_flags)
 
     def compile_into(out: Path, work: Path) -> None:
-        src = work / entry["source"]
-        src.write_bytes(text)
+        for n, data in texts.items():
+            (work / n).parent.mkdir(parents=True, exist_ok=True)
+            (work / n).write_bytes(data)
         full = list(cmd)
         full[full.index("-o") + 1] = str(out)
-        full[-1] = str(src)
+        full[-1] = str(work / entry["source"])
         run(full, "nvcc", cwd=work, log=log)
 
-    return cached("cuda", key(text, "\0".join(cmd[1:]), compiler_version(exe)), entry["library"], compile_into)
+    parts = [n.encode() + b"\0" + data for n, data in texts.items()]
+    return cached("cuda", key(*parts, "\0".join(cmd[1:]), compiler_version(exe)), entry["library"], compile_into)
 
 
 def args_struct(num_ranks: int) -> type[ctypes.Structure]:
