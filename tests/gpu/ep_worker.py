@@ -178,9 +178,7 @@ class Case:
             return [f"combine: out has shape {list(out.shape)}, want [{self.tokens[self.me]}, {self.H}]"]
         ref, mag = self.reference()
         got = out.float().cpu().numpy()
-        if got.shape != tuple(ref.shape):
-            return [f"combine: result has shape {list(got.shape)}, want {list(ref.shape)}"]
-        if not got.size:
+        if not got.size:  # a rank that dispatched no tokens gets none back
             return []
         chk = oracle.compare_combine(got[None], ref.cpu().numpy()[None], mag.cpu().numpy()[None], self.K,
                                      partial_rounding=PARTIAL_ROUNDING)
