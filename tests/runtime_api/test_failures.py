@@ -6,7 +6,9 @@ the same GroupError, naming the failing rank and why, within the timeout plus a 
 the Buffer is usable again (a refused argument) or says it must be rebuilt, and a new one works.
 
 Buffer(backend="cpu"): ranks spawned as in test_buffer.py, joined by a gloo group over a TCPStore
-on 127.0.0.1 (torchrun's env:// rendezvous); each rank writes what it saw to a JSON file.
+on 127.0.0.1 (torchrun's env:// rendezvous); each rank writes what it saw to a JSON file.  The
+one-process-per-rank runner (cpu_procs.ProcessBackend) forks its ranks from this process, so a
+patched `execute` makes its rank 1 fail.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from epcc.plan.bundle import load  # noqa: E402
 from epcc.runtime.buffer import Buffer, GroupError  # noqa: E402
-from epcc.runtime.engines import agree  # noqa: E402
+from epcc.runtime.engines import agree, cpu_procs  # noqa: E402
 from epcc.runtime.engines.cpu import engine as cpu_engine  # noqa: E402
+from epcc.runtime.layout import compute_layout  # noqa: E402
 
 from test_buffer import ONE_HOP, compile_bundle  # noqa: E402
 
@@ -212,3 +216,48 @@ def test_a_killed_rank(tmp_path):
     assert TIMEOUT_S <= got["elapsed"] < TIMEOUT_S + SLACK_S, got
     assert res[0]["after"]["message"].startswith("this Buffer failed in dispatch #2 on rank 1: ")
 
+
+# ------------------------------------------------------------------ the runner: a process per rank
+
+
+def _failing(case: str):
+    real = cpu_procs.execute
+
+    def execute(plan, layout, program, mem, *, ranks, **kw):
+        if ranks == [1]:
+            if case == "error":
+                raise ValueError("an error of rank 1's own")
+            if case == "stall":
+                time.sleep(LATE_S)
+            if case == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)
+        return real(plan, layout, program, mem, ranks=ranks, **kw)
+
+    return execute
+
+
+@pytest.mark.parametrize("case, message", [
+    ("error", "dispatch #1 failed on rank 1: an error of rank 1's own"),
+    ("stall", "dispatch #1 failed on rank 1: no answer within 2 s at the end of the run (stalled, or its process "
+              "died)"),
+    ("killed", "dispatch #1 failed on rank 1: no answer within 2 s at the end of the run (stalled, or its process "
+               "died)"),
+])
+def test_runner_ranks_fail_together(tmp_path, monkeypatch, case, message):
+    bundle = compile_bundle(tmp_path, ONE_HOP.format(r=2, t=T, h=H, dtype="bf16", k=K, e=E))
+    plan = load(bundle).plan
+    ins = [_inputs(r) for r in range(2)]
+    layout = compute_layout(plan, np.stack([i[1].numpy() for i in ins]), np.stack([i[2].numpy() for i in ins]))
+    rows = [i[0].view(torch.uint8).numpy() for i in ins]
+    backend = cpu_procs.ProcessBackend("libfabric-tcp", timeout_s=TIMEOUT_S)  # one hop: no RDMA step, no transport
+    assert len(backend.run_dispatch(plan, layout, rows)) == 2
+    monkeypatch.setattr(cpu_procs, "execute", _failing(case))  # the forked ranks inherit it
+    t0 = time.monotonic()
+    with pytest.raises(cpu_procs.RankFailed) as e:
+        backend.run_dispatch(plan, layout, rows)
+    elapsed = time.monotonic() - t0
+    print(f"{case}: failed after {elapsed:.2f} s; every rank: {e.value.per_rank}")
+    assert str(e.value) == message
+    alive = (0,) if case == "killed" else (0, 1)
+    assert {r: m for r, m in e.value.per_rank.items() if r in alive} == {r: message for r in alive}
+    assert elapsed < (LATE_S if case == "stall" else TIMEOUT_S) + SLACK_S
