@@ -1,5 +1,5 @@
 """EP dispatch/combine benchmark: epcc's CUDA bundles (through `epcc.runtime.Buffer`) against
-torch+NCCL baselines.  Started by bench/ep_bench.py:
+torch+NCCL baselines and, where `import deep_ep` works, DeepEP.  Started by bench/ep_bench.py:
 
     torchrun --nproc-per-node 4 bench/ep_bench.py --bundles DIR [DIR ...] --out OUT_DIR
     torchrun --nproc-per-node 2 bench/ep_bench.py --bundles DIR --out OUT_DIR --dry-run --tokens 32
@@ -12,9 +12,10 @@ lowest first:
 * timing.py: the collectives (Comm), the per-iteration alignment and CUDA-event timing (Timer),
   warm-up / check / timed iterations, failure agreement between ranks;
 * baselines.py: the torch+NCCL Megatron-style dispatcher and bare NCCL all_to_all;
+* deepep.py: DeepEP's intranode Buffer, three dispatch variants and its combine (optional);
 * epcc.py: epcc through `Buffer(group, bundle, backend="cuda")` (`"cpu"` in a dry run);
-* child.py: the process per rank that runs epcc (a trapped kernel takes its CUDA context with
-  it, not the benchmark's);
+* child.py: the process per rank that runs epcc or DeepEP (a trapped kernel takes its CUDA
+  context with it, not the benchmark's);
 * predict.py: `epcc simulate`'s predictions (simulate.json, or a re-chunked plan simulated here);
 * report.py: per-method summaries, the table, the prediction and timeline lines, JSON;
 * cli.py: the arguments and main.

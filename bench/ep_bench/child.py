@@ -1,4 +1,4 @@
-"""The process per rank that runs epcc on one bundle.
+"""The process per rank that runs epcc (or DeepEP) on one bundle.
 
 Each has its own CUDA context and its own NCCL and gloo groups over a fresh TCP store: a kernel
 that gives up waiting traps and loses the CUDA context, and the child takes that loss with it,
@@ -18,10 +18,10 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from . import NO_MULTICAST, epcc
+from . import NO_MULTICAST, deepep, epcc
 from .timing import PG_TIMEOUT, Comm, Timer
 
-RUNNERS = {"epcc": epcc.run}  # cfg["method"] -> run(cfg, comm, timer) -> {"methods": ...}
+RUNNERS = {"epcc": epcc.run, "deepep": deepep.run}  # cfg["method"] -> run(cfg, comm, timer) -> {"methods": ...}
 
 
 def child_main(cfg: dict, conn) -> None:
@@ -91,7 +91,8 @@ def run_child(comm: Comm, args, cfg: dict) -> dict:
            "addr": os.environ.get("MASTER_ADDR", "127.0.0.1"), "port": port, "seed": args.seed,
            "warmup": args.warmup, "iters": args.iters, "kernel_timeout": args.kernel_timeout,
            "dry_run": args.dry_run, "shared": comm.shared, "flush": not args.no_flush,
-           "emulate_max_tokens": args.emulate_max_tokens, "rdma_transport": args.rdma_transport}
+           "emulate_max_tokens": args.emulate_max_tokens, "rdma_transport": args.rdma_transport,
+           "deepep_sms": args.deepep_sms}
     ctx = mp.get_context("spawn")
     rd, wr = ctx.Pipe(duplex=False)
     p = ctx.Process(target=child_main, args=(cfg, wr), daemon=True)

@@ -1,6 +1,6 @@
 """ep_bench's arguments and main: one process per GPU (rank r on cuda:LOCAL_RANK), every bundle
-on one routing; epcc in a child process per rank and bundle (child.py), the torch+NCCL baselines
-here; rank 0 prints the table last and writes OUT/ep_bench.json.
+on one routing; epcc and DeepEP in a child process per rank and bundle (child.py), the torch+NCCL
+baselines here; rank 0 prints the table last and writes OUT/ep_bench.json.
 
 --rdma-chunks TxD[,TxD...]: a bundle compiled with --rdma proxy runs once per RDMA chunking (T
 tokens per chunk, D in flight) through `Buffer(..., rdma_chunk_tokens=T, rdma_depth=D)`, which
@@ -36,7 +36,7 @@ from epcc.plan.rdma import ENV_CHUNK_TOKENS, ENV_DEPTH, MAX_DEPTH, positive_sett
 from epcc.runtime.engines.cuda_table.launcher import build_library
 from epcc.runtime.testing import inputs
 
-from . import NO_MULTICAST, OVERRIDDEN
+from . import NO_MULTICAST, OVERRIDDEN, deepep
 from .baselines import BASELINES, bench_baselines
 from .child import per_method, run_child
 from .data import bench_routing, load_bundle, make_data, traffic
@@ -44,22 +44,24 @@ from .predict import load_prediction, predict, rdma_chunking_of, rechunk
 from .report import format_predictions, format_table, jsonable, method_record, proxy_cost, status
 from .timing import GLOO_TIMEOUT, PG_TIMEOUT, Comm, Timer
 
-METHODS = ("epcc",) + BASELINES
+METHODS = ("epcc",) + BASELINES + ("deepep",)
 
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description="EP dispatch/combine benchmark: epcc's CUDA bundles through "
-                                             "epcc.runtime.Buffer against torch+NCCL baselines")
+                                             "epcc.runtime.Buffer against torch+NCCL baselines and DeepEP")
     ap.add_argument("--bundles", nargs="+", required=True, help="bundle directories (epcc compile --target cuda -o)")
     ap.add_argument("--out", required=True, help="where rank 0 writes ep_bench.json")
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    ap.add_argument("--methods", default=None,
+                    help=f"comma-separated subset of {','.join(METHODS)} (default: all; deepep where deep_ep is "
+                         f"importable)")
     ap.add_argument("--tokens", type=int, help="tokens per rank (default: each bundle's plan)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kernel-timeout", type=float, default=10.0, help="epcc: bound of every in-kernel wait, s")
     ap.add_argument("--child-timeout", type=float, default=150.0,
-                    help="epcc: bound of a bundle's whole run in its child processes, s")
+                    help="epcc, deepep: bound of a bundle's whole run in its child processes, s")
     ap.add_argument("--rebuild", action="store_true", help="run nvcc even where the build cache has the library")
     ap.add_argument("--no-flush", action="store_true", help="no L2 flush before each timed iteration")
     ap.add_argument("--strict", action="store_true",
@@ -76,17 +78,23 @@ def parse(argv=None):
                          "other one: 64x, x8), re-chunking the plan at run time (Buffer's rdma_chunk_tokens and "
                          "rdma_depth: the layout, tables, rings and the prediction follow; the kernels do not "
                          "change); default: $EPCC_RDMA_CHUNK_TOKENS x $EPCC_RDMA_DEPTH where set, else the plan's")
+    ap.add_argument("--deepep-sms", default="24", metavar="N[,N...]",
+                    help="deepep: the SM counts to run it at (even; deep_ep.Buffer.set_num_sms), one set of rows each")
     ap.add_argument("--emulate-max-tokens", "--dry-max-tokens", dest="emulate_max_tokens", type=int, default=1024,
                     help="dry run: run epcc on the CPU only when ranks x tokens is at most this")
     args = ap.parse_args(argv)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    default = args.methods is None
+    args.methods = [m.strip() for m in (args.methods or ",".join(METHODS)).split(",") if m.strip()]
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         ap.error(f"--methods: unknown {bad}; choose from {list(METHODS)}")
+    if default and not deepep.available():
+        args.methods.remove("deepep")
     if args.iters < 1 or args.warmup < 0:
         ap.error("--iters must be >= 1 and --warmup >= 0")
     try:
         args.rdma_chunks = rdma_chunkings(args.rdma_chunks, os.environ)
+        args.deepep_sms = deepep.parse_sms(args.deepep_sms)
     except ValueError as e:  # bad input: the setting and its value, exit status 1
         print(f"ep_bench: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -246,6 +254,11 @@ def main(argv=None) -> int:
             add({m: comm.all_gather_object(res[m]) for m in base})
             if not args.dry_run:
                 torch.cuda.empty_cache()
+        if "deepep" in args.methods and first_of_bundle:
+            why = deepep.skip_reason(args.dry_run, shared, wl.placement, R)
+            res = {"methods": {"deepep": {"skipped": why}}} if why else run_child(
+                comm, args, {"method": "deepep", "bundle": bundle, "tokens": T})
+            add(per_method(comm.all_gather_object(res), "deepep"))
 
     if rank == 0:
         write_report(args, report, t_start)

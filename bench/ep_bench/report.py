@@ -60,14 +60,16 @@ def summarize(per_rank: list[dict], traffic_b: dict, wire: dict | None) -> dict:
 
 def wire_for(method: str, tr: dict, rb: int, topk: int, measured: dict | None) -> dict | None:
     """The remote bytes per rank a method moves (docs/benchmarking.md, "wire"): epcc's as its
-    result counted them (`measured`)."""
+    result counted them (`measured`); a DeepEP row (name@SMs) counts its variant's."""
     base = method.split("@")[0]
     if base in ("epcc", "epcc_cached"):
         return measured
     dedup = {"dispatch": tr["dispatch"]["remote_dedup"], "combine": tr["combine"]["remote_dedup"]}
     if base == "torch_megatron":  # payload + 2k x 4 B of top-k ids and weights per token; rows back
         return {"dispatch": _with_meta(dedup["dispatch"], rb, 2 * topk * 4), "combine": tr["combine"]["remote_rows"]}
-    return dedup  # nccl_a2a: the payload only
+    if base in ("deepep", "deepep_permute"):  # payload + k x (8 + 4) B of top-k ids and weights per token
+        return {"dispatch": _with_meta(dedup["dispatch"], rb, topk * 12), "combine": dedup["combine"]}
+    return dedup  # nccl_a2a, deepep_cached: the payload only
 
 
 def _with_meta(payload: list, rb: int, meta: int) -> list:

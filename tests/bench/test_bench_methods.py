@@ -1,6 +1,8 @@
-"""The methods of bench/ep_bench/ on the CPU, without GPUs: epcc's rows driven through a
-Buffer-shaped stand-in that follows the engines' handle rules, the report's records and byte
-conventions, and the re-chunked tables of a proxy bundle through the NumPy emulator of the kernels."""
+"""The methods of bench/ep_bench/ on the CPU, without GPUs or DeepEP: epcc's rows driven through a
+Buffer-shaped stand-in that follows the engines' handle rules, DeepEP's host-side parts (its
+received rows' sources, the expert-major permute and its inverse, the per-token partials) against
+the oracle, the report's records and byte conventions, and the re-chunked tables of a proxy
+bundle through the NumPy emulator of the kernels."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 from epcc.cli import main as epcc_main  # noqa: E402
 from epcc.plan.bundle import cuda_manifest, load  # noqa: E402
+from epcc.runtime.bf16 import BF16_ROUNDOFF  # noqa: E402
 from epcc.runtime.engines.base import KernelTimeout  # noqa: E402
 from epcc.runtime.engines.cuda_table.tables import partial_rounding  # noqa: E402
 from epcc.runtime.layout import compute_layout  # noqa: E402
@@ -26,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT / "bench") not in sys.path:
     sys.path.insert(0, str(ROOT / "bench"))
 data = importlib.import_module("ep_bench.data")
+deepep = importlib.import_module("ep_bench.deepep")
 epcc_rows = importlib.import_module("ep_bench.epcc")
 report = importlib.import_module("ep_bench.report")
 child = importlib.import_module("ep_bench.child")
@@ -182,13 +186,168 @@ def test_failure_detail_prefers_the_engines_report():
     assert epcc_rows.failure_detail(Dead(), KernelTimeout("its own report")) == "its own report"
 
 
+# --------------------------------------------------------------------------- DeepEP's host-side parts
+
+
+def _deepep_view(rank: int, idx: np.ndarray, w: np.ndarray):
+    """What DeepEP's intranode dispatch gives `rank` (its documented outputs, made from the
+    oracle): token-major rows by (home, token), rank_prefix_matrix, recv_src_idx, local expert
+    of each slot (-1 elsewhere) and the slots' weights."""
+    src = data.dedup_src(idx, E, "blocked", rank)
+    prefix = np.cumsum([[int((src[:, 0] == i).sum()) if j == rank else 0 for j in range(R)] for i in range(R)], axis=0)
+    tk = idx[src[:, 0], src[:, 1]]
+    local = np.where((tk >= 0) & (tk // (E // R) == rank), tk % (E // R), -1)
+    return (torch.from_numpy(src), torch.from_numpy(prefix).int(), torch.from_numpy(src[:, 1]).int(),
+            torch.from_numpy(local), torch.from_numpy(w[src[:, 0], src[:, 1]]))
+
+
+def test_deepep_sources_and_token_rows_are_checked():
+    d, idx, w = _data()
+    src, prefix, src_idx, _, _ = _deepep_view(0, idx, w)
+    got = deepep.recv_sources(prefix, src_idx, 0)
+    assert torch.equal(got, src)
+    want = data.dedup_src(idx, E, "blocked", 0)
+    rows = d.x_all[src[:, 0], src[:, 1]]
+    deepep.check_token_rows(rows, got, d, want, "deepep dispatch")
+    bad = rows.clone()
+    bad[2, 5] ^= 1
+    with pytest.raises(data.CheckFailed, match="deepep dispatch: 1 of .* rows differ"):
+        deepep.check_token_rows(bad, got, d, want, "deepep dispatch")
+    with pytest.raises(data.CheckFailed, match="received .* tokens, not the"):
+        deepep.check_token_rows(rows[1:], got[1:], d, want, "deepep dispatch")
+
+
+def test_deepep_permute_is_the_oracles_expert_major_order():
+    """argsort by local expert (stable) of token-major rows ordered by (home, token) is the
+    oracle's (local expert, home, token): epcc's fused-permute order."""
+    d, idx, w = _data()
+    src, _, _, local, _ = _deepep_view(0, idx, w)
+    rows, slots = deepep.expert_major(local, E // R)
+    assert torch.equal(deepep.permuted_sources(src, local, rows, slots, 0, E // R), d.src)
+
+
+def test_deepep_partials_combine_to_the_reference():
+    """Per rank, the expert outputs weighted and summed per received token (unpermute), summed
+    over ranks at home (what DeepEP's combine does) = the combine reference, within the bf16
+    rounding of the partials."""
+    idx, w = _routing()
+    ds = [_data(r)[0] for r in range(R)]
+    total = torch.zeros((R, T, H), dtype=torch.float32)
+    for r in range(R):
+        src, _, _, local, wts = _deepep_view(r, idx, w)
+        parts = deepep.partial_sets(ds[r], src, local, wts, r, E // R)
+        total[src[:, 0], src[:, 1]] += parts[0].float()
+        assert torch.equal(parts[1], (parts[0].float() * -0.5).to(torch.bfloat16))  # exact: a power of two
+    for h in range(R):
+        data.check_combine(total[h].to(torch.bfloat16), ds[h].ref, ds[h].mag, K, "deepep combine", BF16_ROUNDOFF)
+    with pytest.raises(data.CheckFailed):
+        data.check_combine((total[0] * 1.01).to(torch.bfloat16), ds[0].ref, ds[0].mag, K, "deepep combine",
+                           BF16_ROUNDOFF)
+
+
+def test_deepep_settings_and_skips():
+    assert deepep.parse_sms("24, 48,24") == [24, 48]
+    for bad, msg in (("23", "--deepep-sms: '23' is not an even number of SMs >= 2"), ("", "--deepep-sms: no SM count"),
+                     ("x", "--deepep-sms: 'x' is not")):
+        with pytest.raises(ValueError, match=msg):
+            deepep.parse_sms(bad)
+    assert deepep.row_names([24]) == ["deepep@24", "deepep_cached@24", "deepep_permute@24"]
+    assert deepep.skip_reason(True, False, "blocked", 2) == "dry run: DeepEP needs GPUs"
+    assert deepep.skip_reason(False, True, "blocked", 4).startswith("ranks share GPUs")
+    if not deepep.available():
+        assert deepep.skip_reason(False, False, "blocked", 2).startswith("deep_ep is not importable")
+
+
+def test_deepep_is_left_out_of_the_default_methods_where_it_is_missing(monkeypatch):
+    cli = importlib.import_module("ep_bench.cli")
+    monkeypatch.setattr(deepep, "available", lambda: False)
+    assert cli.parse(["--bundles", "b", "--out", "o"]).methods == ["epcc", "torch_megatron", "nccl_a2a"]
+    assert cli.parse(["--bundles", "b", "--out", "o", "--methods", "deepep"]).methods == ["deepep"]
+    monkeypatch.setattr(deepep, "available", lambda: True)
+    args = cli.parse(["--bundles", "b", "--out", "o", "--deepep-sms", "24,48"])
+    assert args.methods[-1] == "deepep" and args.deepep_sms == [24, 48]
+
+
+class FakeDeepEp:
+    """deep_ep.Buffer as rank 0 of 2 sees it (test_intranode.py's usage, outputs from the oracle):
+    the peer's rows and combine partials made as the peer would make them."""
+
+    def __init__(self, idx, w):
+        self.idx, self.w = idx, w
+        self.peer = _data(1)[0]
+        self.calls: list[str] = []
+
+    def get_dispatch_layout(self, topk, experts):
+        self.calls.append("layout")
+        return None, None, None, None, None
+
+    def dispatch(self, x, handle=None, topk_idx=None, topk_weights=None, config=None, **layout):
+        src, prefix, src_idx, local, wts = _deepep_view(0, self.idx, self.w)
+        s = 0 if torch.equal(x.view(torch.uint8), data.gen_rows(T, H, "bf16", SEED, 0, 0, CPU)) else 1
+        self.set = s
+        rows = torch.stack([_rows(r, s) for r in range(R)])[src[:, 0], src[:, 1]].view(torch.bfloat16)
+        if handle is not None:
+            assert topk_idx is None and not layout
+            self.calls.append("cached")
+            return rows, None, None, None, None, None
+        assert topk_idx is not None and set(layout) == {"num_tokens_per_rank", "is_token_in_rank",
+                                                          "num_tokens_per_expert"}
+        self.calls.append("dispatch")
+        return rows, local, wts, [], (prefix, None, None, src_idx, None, None), None
+
+    def combine(self, x, handle, config=None):
+        """Rank 0's partials of its own tokens plus the peer's (the set of the last dispatch)."""
+        self.calls.append("combine")
+        src = deepep.recv_sources(handle[0], handle[3], 0)
+        out = torch.zeros((T, H), dtype=torch.float32)
+        mine = src[:, 0] == 0
+        out[src[mine, 1]] += x[mine].float()
+        psrc, _, _, plocal, pw = _deepep_view(1, self.idx, self.w)
+        theirs = psrc[:, 0] == 0
+        out[psrc[theirs, 1]] += deepep.partial_sets(self.peer, psrc, plocal, pw, 1, E // R)[self.set][theirs].float()
+        return out.to(torch.bfloat16), None, None
+
+
+def _deepep_rows(fake: FakeDeepEp, wrong_counts: bool = False):
+    d, idx, w = _data()
+    comm = RankOfTwo()
+    counts = np.bincount(d.src[:, 2].numpy() % (E // R), minlength=E // R) + (1 if wrong_counts else 0)
+    xs = [data.as_x(r, H, "bf16") for r in d.x_sets]
+    return deepep.DeepEpRows({"warmup": 1, "iters": 2}, comm, timing.Timer(comm, False), fake, (None, None), d, xs,
+                             data.dedup_src(idx, E, "blocked", 0), counts, E // R, _plan().workload)
+
+
+@pytest.mark.parametrize("variant, calls", [
+    ("deepep", ["layout", "dispatch", "combine"]),
+    ("deepep_cached", ["cached", "combine"]),
+    ("deepep_permute", ["layout", "dispatch", "combine"])])
+def test_deepep_variants_time_and_check_each_iteration(variant, calls):
+    """Each variant through a deep_ep.Buffer stand-in: warm-up, the checked and the timed
+    iterations call what the variant times (the cached one reuses one fresh dispatch's handle),
+    and the check passes the oracle's rows and combine."""
+    idx, w = _routing()
+    fake = FakeDeepEp(idx, w)
+    out = getattr(_deepep_rows(fake), variant)()
+    first = ["layout", "dispatch"] if variant != "deepep_permute" else []  # the partials (and the cached handle)
+    assert fake.calls == first + calls * 4
+    assert len(out["dispatch_ms"]) == 2 and out["check"]["max_ulp"] <= 2
+
+
+def test_deepep_permute_with_other_counts_reports_no_numbers():
+    idx, w = _routing()
+    with pytest.raises(data.CheckFailed, match="deepep_permute dispatch: rows per local expert"):
+        _deepep_rows(FakeDeepEp(idx, w), wrong_counts=True).deepep_permute()
+
+
 # --------------------------------------------------------------------------- records and bytes
 
 
 def test_wire_bytes_by_method():
     tr = {"dispatch": {"remote_dedup": [100 * 10, 100 * 20]},
           "combine": {"remote_dedup": [7, 8], "remote_rows": [70, 80]}}
-    assert report.wire_for("nccl_a2a", tr, 100, 8, None) == {"dispatch": [1000, 2000], "combine": [7, 8]}
+    assert report.wire_for("deepep@24", tr, 100, 8, None) == {"dispatch": [1000 + 10 * 96, 2000 + 20 * 96],
+                                                               "combine": [7, 8]}
+    assert report.wire_for("deepep_cached@48", tr, 100, 8, None) == {"dispatch": [1000, 2000], "combine": [7, 8]}
     assert report.wire_for("torch_megatron", tr, 100, 8, None)["dispatch"] == [1000 + 10 * 64, 2000 + 20 * 64]
     assert report.wire_for("epcc_cached", tr, 100, 8, {"dispatch": [1], "combine": [2]}) == \
         {"dispatch": [1], "combine": [2]}
@@ -200,8 +359,8 @@ def test_per_method_merges_the_ranks_answers():
                             {"methods": {"epcc": ok}, "error": "RuntimeError: y", "failed": True}], "epcc")
     assert list(got) == ["epcc", "epcc_cached"]
     assert got["epcc_cached"][1] == {"error": "RuntimeError: y"}
-    assert child.per_method([{"error": "no answer"}, {"error": "no answer"}], "epcc") == \
-        {"epcc": [{"error": "no answer"}, {"error": "no answer"}]}
+    assert child.per_method([{"error": "no answer"}, {"error": "no answer"}], "deepep") == \
+        {"deepep": [{"error": "no answer"}, {"error": "no answer"}]}
 
 
 def test_method_record_and_the_prediction_row():
