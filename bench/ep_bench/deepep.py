@@ -27,8 +27,6 @@ deep_ep is built on the GPU machine (docs/benchmarking.md); without it the rows 
 from __future__ import annotations
 
 import importlib.util
-import sys
-import traceback
 
 import numpy as np
 import torch
@@ -39,7 +37,7 @@ from epcc.runtime.testing import oracle
 
 from .data import (CheckFailed, RankData, as_rows, as_x, bench_routing, check_combine, check_rows, dedup_src,
                    expert_outputs, load_bundle, make_data)
-from .timing import Comm, PeerFailed, Timer, notify_failure, run_iterations
+from .timing import Comm, Timer, run_iterations, stop_rows
 
 VARIANTS = ("deepep", "deepep_cached", "deepep_permute")
 CONFIG_RANKS = (2, 4, 8)  # rank counts DeepEP's intranode configs cover (one host, NVLink)
@@ -177,15 +175,8 @@ def run(cfg: dict, comm: Comm, timer: Timer) -> dict:
                     out["methods"][row] = {"error": f"WRONG: {e}"}
         comm.barrier()
         buf.destroy()
-    except PeerFailed as e:
-        out["methods"][row] = {"error": f"a peer failed: {e}"}
-        out["failed"] = True
-    except Exception as e:  # noqa: BLE001 - DeepEP's kernels trap on a timeout: tell the peers, stop
-        detail = f"{type(e).__name__}: {e}"
-        sys.stderr.write(f"[rank {me}] deepep {row}: {detail}\n{traceback.format_exc()}")
-        notify_failure(comm, detail)
-        out["methods"][row] = {"error": detail}
-        out["failed"] = True
+    except Exception as e:  # noqa: BLE001 - DeepEP's kernels trap on a timeout, or a peer failed: stop
+        stop_rows(out, comm, row, e, f"{type(e).__name__}: {e}")
     return out
 
 

@@ -20,9 +20,7 @@ Rows of the report:
 
 from __future__ import annotations
 
-import sys
 import time
-import traceback
 
 import numpy as np
 import torch
@@ -37,7 +35,7 @@ from epcc.runtime.layout import compute_layout
 from .data import (CheckFailed, RankData, as_rows, as_x, bench_routing, check_combine, check_rows, load_bundle,
                    make_data, traffic)
 from .predict import rechunk
-from .timing import Comm, PeerFailed, Timer, notify_failure, run_iterations
+from .timing import Comm, PeerFailed, Timer, run_iterations, stop_rows
 
 TIMELINE_ROUNDS = 5  # stamped rounds after the timed ones; the role timeline is their median
 NO_CACHED_ON_CPU = "dry run: the cpu backend has no cached-handle dispatch (the cuda backend's table-driven engine has)"
@@ -81,15 +79,8 @@ def run(cfg: dict, comm: Comm, timer: Timer) -> dict:
             out["methods"]["epcc_cached"] = {"skipped": NO_CACHED_ON_CPU}
         comm.barrier()
         buf.close()
-    except PeerFailed as e:
-        out["methods"][row] = {"error": f"a peer failed: {e}"}
-        out["failed"] = True
-    except Exception as e:  # noqa: BLE001 - a kernel, the engine or the setup: tell the peers, stop
-        detail = failure_detail(buf, e)
-        sys.stderr.write(f"[rank {rank}] epcc {row}: {detail}\n{traceback.format_exc()}")
-        notify_failure(comm, detail)
-        out["methods"][row] = {"error": detail}
-        out["failed"] = True
+    except Exception as e:  # noqa: BLE001 - a kernel, the engine, the setup or a peer: stop
+        stop_rows(out, comm, row, e, failure_detail(buf, e))
     return out
 
 
@@ -210,7 +201,7 @@ class EpccRows:
 def failure_detail(buf: Buffer | None, e: Exception) -> str:
     """The report of what failed: an engine's error carries its kernel's or proxy's report; a CUDA
     error from torch (the context is gone) is followed by the engine's own error record."""
-    if isinstance(e, (EngineError, KernelTimeout)):
+    if isinstance(e, (EngineError, KernelTimeout, PeerFailed)):
         return str(e)
     if buf is not None:
         try:

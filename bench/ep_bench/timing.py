@@ -165,6 +165,19 @@ def guard(comm: Comm, fn) -> dict:
         return {"error": msg}
 
 
+def stop_rows(out: dict, comm: Comm, row: str, e: Exception, detail: str) -> None:
+    """A child's failure that ends its rows (its CUDA context may be gone): `row` gets the error,
+    `out` is marked failed; this rank's own failure (`detail`: what it says) is told to the peers,
+    a peer's (PeerFailed) is recorded as such."""
+    if isinstance(e, PeerFailed):
+        out["methods"][row] = {"error": f"a peer failed: {e}"}
+    else:
+        sys.stderr.write(f"[rank {comm.rank}] {row}: {detail}\n{traceback.format_exc()}")
+        notify_failure(comm, detail)
+        out["methods"][row] = {"error": detail}
+    out["failed"] = True
+
+
 def notify_failure(comm: Comm, msg: str) -> None:
     """Meet the peers' next Timer.align() (a gloo all_gather of statuses) with a failure, so
     that they stop too.  Host-side only: works with a dead CUDA context."""

@@ -186,6 +186,25 @@ def test_failure_detail_prefers_the_engines_report():
     assert epcc_rows.failure_detail(Dead(), KernelTimeout("its own report")) == "its own report"
 
 
+def test_a_failure_stops_the_rows_and_tells_the_peers(capsys):
+    told = []
+
+    class Comm(RankOfTwo):
+        def all_gather_object(self, obj):
+            told.append(obj)
+            return [obj] * R
+
+    out = {"methods": {"epcc": {"dispatch_ms": [1.0]}}}
+    timing.stop_rows(out, Comm(), "epcc_cached", RuntimeError("x"), "rank 0 step push: wait timed out")
+    assert out == {"methods": {"epcc": {"dispatch_ms": [1.0]}, "epcc_cached": {"error": "rank 0 step push: wait "
+                                                                                     "timed out"}}, "failed": True}
+    assert told == [(False, "rank 0 step push: wait timed out")]  # what the peers' next align() meets
+    assert "[rank 0] epcc_cached: rank 0 step push: wait timed out" in capsys.readouterr().err
+    out = {"methods": {}}
+    timing.stop_rows(out, Comm(), "epcc", timing.PeerFailed("rank 1: boom"), "unused")
+    assert out == {"methods": {"epcc": {"error": "a peer failed: rank 1: boom"}}, "failed": True} and len(told) == 1
+
+
 # --------------------------------------------------------------------------- DeepEP's host-side parts
 
 
