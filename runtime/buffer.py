@@ -26,10 +26,16 @@ Differences from DeepEP's intranode `Buffer`: outputs are expert-major (one row 
 local expert), in the documented order: local expert, then source rank, then token), so
 `recv_topk_idx` / `recv_topk_weights` hold the global expert and the weight of each row, and
 `combine` takes expert outputs in that same row order.  `event` is None.
+
+`rdma_chunk_tokens` / `rdma_depth` re-chunk the plan's RDMA steps for this Buffer (tokens per
+chunk, chunks in flight; plan/rdma.py `with_overrides`, as `epcc run` does with
+EPCC_RDMA_CHUNK_TOKENS / EPCC_RDMA_DEPTH): the layout, the tables and the proxy path's rings and
+FIFOs follow the new chunks, the compiled kernels do not change.  Only for a plan with RDMA steps.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +43,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..limits import timeout_seconds
+from ..limits import MAX_DEPTH, timeout_seconds
 from ..plan import bundle as bundle_io
 from ..plan.bundle import BundleError
+from ..plan.rdma import rdma_steps, with_overrides
 from .engines.agree import Agreement
 from .engines.base import Engine, GroupError, GroupTimeout, GroupTypeError, GroupValueError  # noqa: F401 - API
 from .engines.tensors import check_tensor, check_topk_idx
@@ -70,20 +77,34 @@ def engine_class(backend: str, bundle: bundle_io.Bundle | None = None) -> type:
 
 class Buffer:
     def __init__(self, group: dist.ProcessGroup | None, bundle: str | Path, *, backend: str | None = None,
-                 timeout_s: float = 30.0, config: dict | None = None):
+                 timeout_s: float = 30.0, config: dict | None = None, rdma_chunk_tokens: int | None = None,
+                 rdma_depth: int | None = None):
         if not isinstance(bundle, (str, Path)):
             raise TypeError(f"Buffer: bundle must be a path (str or pathlib.Path), not {type(bundle).__name__}")
         timeout_s = timeout_seconds(timeout_s, "Buffer")  # positive, at most a day: deadlines fit 64 bits
+        for name, v, top in (("rdma_chunk_tokens", rdma_chunk_tokens, None), ("rdma_depth", rdma_depth, MAX_DEPTH)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise TypeError(f"Buffer: {name} must be a whole number or None, not {type(v).__name__}")
+            if v is not None and not (1 <= v <= (top or v)):
+                raise ValueError(f"Buffer: {name} must be at least 1" + (f" and at most {top}" if top else "") +
+                                 f", not {v}")
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
         # Every failure from here on reaches every rank (engines/agree.py), none waits unbounded.
         self.agree = Agreement.for_group(self.group, timeout_s)
         with self.agree.call("making the Buffer", numbered=False):
-            self._make(bundle, backend, timeout_s, config)
+            self._make(bundle, backend, timeout_s, config, rdma_chunk_tokens, rdma_depth)
 
-    def _make(self, bundle, backend: str | None, timeout_s: float, config: dict | None) -> None:
+    def _make(self, bundle, backend: str | None, timeout_s: float, config: dict | None,
+              rdma_chunk_tokens: int | None, rdma_depth: int | None) -> None:
         loaded = bundle_io.load(bundle)
+        if rdma_chunk_tokens is not None or rdma_depth is not None:
+            if not rdma_steps(loaded.plan):
+                raise ValueError(f"Buffer: rdma_chunk_tokens / rdma_depth re-chunk RDMA steps, and the plan of "
+                                 f"{bundle} has none")
+            loaded = replace(loaded, plan=with_overrides(loaded.plan, chunk_tokens=rdma_chunk_tokens,
+                                                         depth=rdma_depth, env={}))
         self.plan, manifest = loaded.plan, loaded.manifest
         self.backend_name = backend or manifest.get("backend", "cpu")
         # Errors of the call itself first, the same on every rank and before any collective:
@@ -100,8 +121,8 @@ class Buffer:
         self.timeout_s = timeout_s
         wl = self.plan.workload
         self.hidden, self.topk, self.experts, self.dtype = wl.hidden, wl.topk, wl.experts, wl.dtype
-        self.engine: Engine = engine_class(self.backend_name, loaded)(self.group, loaded, timeout_s=timeout_s, config=config,
-                                                              agree=self.agree)
+        self.engine: Engine = engine_class(self.backend_name, loaded)(self.group, loaded, timeout_s=timeout_s,
+                                                                      config=config, agree=self.agree)
 
     @property
     def state(self) -> str:

@@ -1,8 +1,10 @@
-"""The parts of bench/ep_bench.py and tests/gpu/bundles.py that run on a CPU: the simulator
-predictions printed beside measured times, and the derived emulated-RDMA schedules."""
+"""The parts of bench/ep_bench/ and tests/gpu/bundles.py that run on a CPU: the simulator
+predictions printed beside measured times, the arguments, the dry run end to end, and the derived
+emulated-RDMA schedules."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -10,6 +12,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,8 +35,11 @@ def _load(path: Path, name: str):
 
 @pytest.fixture(scope="module")
 def ep_bench():
+    """The modules of the package bench/ep_bench/ (as bench/ep_bench.py imports them)."""
     pytest.importorskip("torch")
-    return _load(ROOT / "bench" / "ep_bench.py", "ep_bench_under_test")
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
+    return SimpleNamespace(**{m: importlib.import_module(f"ep_bench.{m}") for m in ("cli", "predict", "report")})
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +64,9 @@ def _report(sim: dict | None, tokens: int, d_ms: float, c_ms: float) -> dict:
 
 def test_prediction_loaded_and_compared(ep_bench, tmp_path):
     (tmp_path / "simulate.json").write_text(json.dumps(_sim_json(4096)))
-    sim = ep_bench.load_prediction(tmp_path)
+    sim = ep_bench.predict.load_prediction(tmp_path)
     assert sim["dispatch"]["total_ms"] == 1.25 and sim["combine"]["bottleneck"] == "rdma"
-    lines = ep_bench.format_predictions(_report(sim, 4096, 1.5, 1.2))
+    lines = ep_bench.report.format_predictions(_report(sim, 4096, 1.5, 1.2))
     assert lines[0].startswith("against epcc simulate")
     assert "dispatch measured 1.500 ms, simulate 1.250 ms (+20 %" in lines[1]
     assert "combine measured 1.200 ms, simulate 1.200 ms (+0 %" in lines[1]
@@ -68,19 +74,19 @@ def test_prediction_loaded_and_compared(ep_bench, tmp_path):
 
 def test_timeline_printed_beside_the_simulated_steps(ep_bench, tmp_path):
     (tmp_path / "simulate.json").write_text(json.dumps(_sim_json(4096)))
-    rep = _report(ep_bench.load_prediction(tmp_path), 4096, 1.3, 1.2)
+    rep = _report(ep_bench.predict.load_prediction(tmp_path), 4096, 1.3, 1.2)
     role = lambda s, a, b: {"step": s, "blocks": 4, "start_ms": a, "end_ms": b}  # noqa: E731
     tl = {"dispatch": {"roles": [role("rdma", 0.01, 1.21), role("fwd", None, None)], "end_ms": 1.3},
           "combine": {"roles": [role("rdma", 0.0, 1.1)], "end_ms": 1.2}}
     rep["bundles"][0]["methods"]["epcc"]["per_rank"] = [{"timeline": tl}]
-    lines = ep_bench.format_predictions(rep)
+    lines = ep_bench.report.format_predictions(rep)
     assert lines[2] == ("  dispatch rank 0 timeline, ms: rdma 0.010-1.210 (sim 0.005-1.200), fwd no rows "
                         "(sim 0.050-1.250); kernel end 1.300")
     assert lines[3] == "  combine rank 0 timeline, ms: rdma 0.000-1.100; kernel end 1.200"
 
 
 def test_prediction_for_other_tokens_not_compared(ep_bench, tmp_path):
-    lines = ep_bench.format_predictions(_report({"tokens": 4096, **_sim_json(4096)}, 64, 1.0, 1.0))
+    lines = ep_bench.report.format_predictions(_report({"tokens": 4096, **_sim_json(4096)}, 64, 1.0, 1.0))
     assert lines[1] == "v: simulate.json is for 4096 tokens, the run for 64: not compared"
 
 
@@ -90,11 +96,11 @@ def test_prediction_for_other_sms_not_compared(ep_bench, tmp_path, run_sms, comp
     # simulate.json of a direct-kernel bundle names the SMs it assumed; a tuned run may use others
     sim = dict(_sim_json(4096), model={"sm": {"model": "direct", "sms": {"dispatch": 24, "combine": 24}}})
     (tmp_path / "simulate.json").write_text(json.dumps(sim))
-    pred = ep_bench.load_prediction(tmp_path)
+    pred = ep_bench.predict.load_prediction(tmp_path)
     assert pred["sms"] == {"dispatch": 24, "combine": 24}
     rep = _report(pred, 4096, 1.0, 1.0)
     rep["bundles"][0]["methods"]["epcc"]["sms"] = run_sms
-    lines = ep_bench.format_predictions(rep)
+    lines = ep_bench.report.format_predictions(rep)
     if compared:
         assert lines[1].startswith("v: dispatch measured 1.000 ms, simulate 1.250 ms")
     else:
@@ -103,8 +109,8 @@ def test_prediction_for_other_sms_not_compared(ep_bench, tmp_path, run_sms, comp
 
 
 def test_no_prediction_no_lines(ep_bench, tmp_path):
-    assert ep_bench.load_prediction(tmp_path) is None
-    assert ep_bench.format_predictions(_report(None, 64, 1.0, 1.0)) == []
+    assert ep_bench.predict.load_prediction(tmp_path) is None
+    assert ep_bench.report.format_predictions(_report(None, 64, 1.0, 1.0)) == []
 
 
 @pytest.mark.parametrize("name", ["h200x4_2vnode_13", "h200x4_ubb2x2_13"])
@@ -147,10 +153,10 @@ def test_strict_exits_1_when_a_bundle_failed(tmp_path, strict):
 
 
 def test_rdma_chunkings_parse_and_refuse(ep_bench):
-    assert ep_bench.rdma_chunkings("32x16,64x8,64x,x4,64x8", {}) == [(32, 16), (64, 8), (64, None), (None, 4)]
-    assert ep_bench.rdma_chunkings(None, {}) == []
-    assert ep_bench.rdma_chunkings(None, {"EPCC_RDMA_CHUNK_TOKENS": "48"}) == [(48, None)]
-    assert ep_bench.chunking_label((64, None)) == "64x"
+    assert ep_bench.cli.rdma_chunkings("32x16,64x8,64x,x4,64x8", {}) == [(32, 16), (64, 8), (64, None), (None, 4)]
+    assert ep_bench.cli.rdma_chunkings(None, {}) == []
+    assert ep_bench.cli.rdma_chunkings(None, {"EPCC_RDMA_CHUNK_TOKENS": "48"}) == [(48, None)]
+    assert ep_bench.cli.chunking_label((64, None)) == "64x"
     for bad, msg in (
             ("64", "--rdma-chunks: '64' is not TOKENSxDEPTH (e.g. 64x8, 64x or x8)"),
             ("x", "--rdma-chunks: 'x' gives neither tokens nor depth"),
@@ -158,16 +164,16 @@ def test_rdma_chunkings_parse_and_refuse(ep_bench):
             ("64x99999", "--rdma-chunks 64x99999: depth=99999: must be between 1 and 65536"),
             ("ax8", "--rdma-chunks ax8: tokens='a': expected a positive whole number")):
         with pytest.raises(ValueError) as e:
-            ep_bench.rdma_chunkings(bad, {})
+            ep_bench.cli.rdma_chunkings(bad, {})
         assert str(e.value) == msg
     with pytest.raises(ValueError) as e:
-        ep_bench.rdma_chunkings(None, {"EPCC_RDMA_DEPTH": "0"})
+        ep_bench.cli.rdma_chunkings(None, {"EPCC_RDMA_DEPTH": "0"})
     assert str(e.value) == "EPCC_RDMA_DEPTH=0: must be between 1 and 65536"
 
 
 def test_a_bad_rdma_chunking_exits_1_naming_it(ep_bench, capsys):
     with pytest.raises(SystemExit) as e:
-        ep_bench.parse(["--bundles", "b", "--out", "o", "--rdma-chunks", "64x0"])
+        ep_bench.cli.parse(["--bundles", "b", "--out", "o", "--rdma-chunks", "64x0"])
     assert e.value.code == 1
     assert capsys.readouterr().err == "ep_bench: error: --rdma-chunks 64x0: depth=0: must be between 1 and 65536\n"
 
@@ -177,8 +183,8 @@ def test_a_rechunked_plan_is_predicted_as_if_compiled_so(ep_bench, tmp_path):
     the GPU machine): the same prediction as compiling the schedule with that chunking."""
     src = (ROOT / "schedules" / "h200x2_2vnode.sched").read_text(encoding="utf-8")
     plan = Plan.from_json(build_plan(str(ROOT / "schedules" / "h200x2_2vnode.sched")).plan.to_json())
-    rechunked = ep_bench.rechunk(plan, (32, 4))
-    assert ep_bench.rdma_chunking_of(rechunked) == {
+    rechunked = ep_bench.predict.rechunk(plan, (32, 4))
+    assert ep_bench.predict.rdma_chunking_of(rechunked) == {
         "dispatch.rdma": {"chunk_tokens": 32, "depth": 4, "chunks": 128},
         "combine.rdma": {"chunk_tokens": 32, "depth": 4, "chunks": 128}}
     text = src.replace("send tokens for rail.vnode from input to rail.rdma_recv over rdma\n",
@@ -186,16 +192,17 @@ def test_a_rechunked_plan_is_predicted_as_if_compiled_so(ep_bench, tmp_path):
     assert text != src
     (tmp_path / "h200x2_2vnode.sched").write_text(text, encoding="utf-8")
     compiled = build_plan(str(tmp_path / "h200x2_2vnode.sched")).plan
-    want = ep_bench._prediction(to_dict(simulate(compiled, SimOptions(rdma_proxy=True)), tokens=4096))
-    got = ep_bench.predict(rechunked, T=4096)
+    want = ep_bench.predict.prediction(to_dict(simulate(compiled, SimOptions(rdma_proxy=True)), tokens=4096))
+    got = ep_bench.predict.predict(rechunked, T=4096)
     assert got == want
-    assert got["dispatch"]["total_ms"] != ep_bench.predict(plan, T=4096)["dispatch"]["total_ms"]
+    assert got["dispatch"]["total_ms"] != ep_bench.predict.predict(plan, T=4096)["dispatch"]["total_ms"]
 
 
-def test_rechunked_proxy_bundle_checked_by_the_emulator(tmp_path):
-    """--rdma-chunks end to end, on the CPU: a proxy bundle runs once per chunking (2 ranks, gloo),
-    each with tables built from the re-chunked plan and checked by the NumPy emulator of the
-    kernels; a bundle without the proxy path runs once."""
+def test_rechunked_proxy_bundle_runs_through_buffer(tmp_path):
+    """--rdma-chunks end to end, on the CPU: a proxy bundle runs once per chunking (2 ranks, gloo)
+    through Buffer(backend="cpu", rdma_chunk_tokens=, rdma_depth=), each run's layout at that
+    chunking and every result checked against the oracle; the cached-handle row is skipped
+    (the cpu backend has none); a bundle without the proxy path runs once."""
     pytest.importorskip("torch")
     bundle = tmp_path / "b"
     r = subprocess.run([sys.executable, "-m", "epcc.cli", "compile", str(ROOT / "schedules" / "h200x2_2vnode.sched"),
@@ -204,7 +211,8 @@ def test_rechunked_proxy_bundle_checked_by_the_emulator(tmp_path):
     assert r.returncode == 0, r.stderr
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "bench" / "ep_bench.py"), "--dry-run", "--strict", "--methods", "epcc", "--tokens", "32",
-           "--out", str(tmp_path / "out"), "--bundles", str(bundle), "--rdma-chunks", "8x2,16x"]
+           "--iters", "2", "--warmup", "1", "--out", str(tmp_path / "out"), "--bundles", str(bundle),
+           "--rdma-chunks", "8x2,16x"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "ep_bench.json").read_text())
@@ -213,11 +221,16 @@ def test_rechunked_proxy_bundle_checked_by_the_emulator(tmp_path):
     got = runs["b@8x2"]["rdma_chunking"]["dispatch.rdma"]  # chunks: of the plan's 4096 tokens per rank
     assert (got["chunk_tokens"], got["depth"]) == (8, 2) and got["chunks"] > 500
     assert runs["b@16x"]["rdma_chunking"]["combine.rdma"]["chunk_tokens"] == 16
-    # the children laid out and built the tables at that chunking
+    # the engines laid out and ran the plan at that chunking (the layout their handles carry)
     assert {r["rdma_chunk_rows"]["dispatch.rdma"] for r in runs["b@8x2"]["methods"]["epcc"]["per_rank"]} == {8}
     assert {r["rdma_chunk_rows"]["combine.rdma"] for r in runs["b@16x"]["methods"]["epcc"]["per_rank"]} == {16}
-    for b in runs.values():  # both ranks' tables ran through the emulator and matched the oracle
-        assert all("checked with the NumPy emulator" in r["skipped"] and r["check"] for r in b["methods"]["epcc"]["per_rank"])
+    for b in runs.values():  # both ranks' results matched the oracle, timed 2 iterations
+        epcc = b["methods"]["epcc"]
+        assert len(epcc["check"]) == 2 and all(c and c["max_ulp"] <= 2 for c in epcc["check"]), epcc["check"]
+        assert len(epcc["summary"]["dispatch"]["iter_max_over_ranks_ms"]) == 2
+        assert epcc["host_ms_max"] > 0 and epcc["sms"] == {"dispatch": 24, "combine": 25}
+        assert "no cached-handle dispatch" in b["methods"]["epcc_cached"]["skipped"]
+    assert "against epcc simulate: not compared (a dry run: wall-clock times on the CPU)" in r.stdout
 
 
 def test_a_plan_that_cannot_be_simulated_has_no_prediction_and_says_why(ep_bench, monkeypatch, capsys):
@@ -226,8 +239,8 @@ def test_a_plan_that_cannot_be_simulated_has_no_prediction_and_says_why(ep_bench
     def fail(*a, **k):
         raise SimulationError("step 'rdma' has no resources")
 
-    monkeypatch.setattr(ep_bench, "simulate", fail)  # the simulator as the bench calls it
-    assert ep_bench.predict(plan, T=4096) is None
+    monkeypatch.setattr(ep_bench.predict, "simulate", fail)  # the simulator as the bench calls it
+    assert ep_bench.predict.predict(plan, T=4096) is None
     assert capsys.readouterr().err == ("ep_bench: cannot simulate the re-chunked plan: SimulationError: "
                                        "step 'rdma' has no resources\n")
 
@@ -236,7 +249,7 @@ def test_proxy_cost_line(ep_bench):
     """What the bench prints per program for the GPU proxy: writes, mean host time per post call,
     chunks found waiting per FIFO pass; the backlog only where the proxy loop counted it."""
     st = {"writes_posted": 4590, "post_ns": 26_392_500, "drained": 4500, "passes": 411}
-    assert ep_bench.proxy_cost(st) == ("4590 writes, 5.75 us mean host time per post call, "
+    assert ep_bench.report.proxy_cost(st) == ("4590 writes, 5.75 us mean host time per post call, "
                                        "10.9 chunks waiting per FIFO pass")
-    assert ep_bench.proxy_cost({"writes_posted": 0, "post_ns": 0}) == "0 writes"
-    assert ep_bench.proxy_cost({"writes_posted": 8, "post_ns": 8000}) == "8 writes, 1.00 us mean host time per post call"
+    assert ep_bench.report.proxy_cost({"writes_posted": 0, "post_ns": 0}) == "0 writes"
+    assert ep_bench.report.proxy_cost({"writes_posted": 8, "post_ns": 8000}) == "8 writes, 1.00 us mean host time per post call"

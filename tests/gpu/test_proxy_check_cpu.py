@@ -65,3 +65,18 @@ def test_the_first_gpu_run_passes_the_check(tmp_path):
     simulated end: +20 %) failed."""
     got = G.sim_mismatches(Path(__file__).parent / "data" / "proxy_emulated_h200x2.json")
     assert got == []
+
+
+def test_the_cached_handle_row_is_the_one_compared(tmp_path):
+    """ep_bench's epcc row of a table-driven bundle includes the host layout of every fresh
+    routing; its epcc_cached row (the kernels alone) is what the simulation predicts."""
+    path = _report(tmp_path, 2.869, 3.663, 1.565, 2.713)
+    rep = json.loads(path.read_text())
+    b = rep["bundles"][0]
+    b["methods"]["epcc_cached"] = b["methods"]["epcc"]
+    b["methods"]["epcc"] = {"summary": {"dispatch": {"median_ms": 9.0}, "combine": {"median_ms": 9.0}}}
+    path.write_text(json.dumps(rep))
+    assert G.sim_mismatches(path) == []
+    b["methods"]["epcc_cached"] = {"error": "WRONG: x"}  # no cached result: the fresh row is compared
+    path.write_text(json.dumps(rep))
+    assert G.sim_mismatches(path)[0] == f"{MIXED}: dispatch measured 9.000 ms, simulated 2.755 ms (+227 %)"

@@ -215,3 +215,62 @@ def test_a_bad_timeout_is_refused_before_any_collective(tmp_path, bad):
     with pytest.raises(TypeError) as e:
         Buffer(None, None)
     assert str(e.value) == "Buffer: bundle must be a path (str or pathlib.Path), not NoneType"
+
+
+@pytest.mark.parametrize("kw, err, msg", [
+    ({"rdma_chunk_tokens": 0}, ValueError, "Buffer: rdma_chunk_tokens must be at least 1, not 0"),
+    ({"rdma_depth": 1 << 17}, ValueError, "Buffer: rdma_depth must be at least 1 and at most 65536, not 131072"),
+    ({"rdma_depth": True}, TypeError, "Buffer: rdma_depth must be a whole number or None, not bool"),
+    ({"rdma_chunk_tokens": "8"}, TypeError, "Buffer: rdma_chunk_tokens must be a whole number or None, not str")])
+def test_a_bad_rdma_chunking_is_refused_before_any_collective(tmp_path, kw, err, msg):
+    bundle = compile_bundle(tmp_path, ONE_HOP.format(r=2, t=8, h=256, dtype="bf16", k=4, e=8))
+    with pytest.raises(err) as e:
+        Buffer(None, bundle, **kw)  # no process group: the check comes first
+    assert str(e.value) == msg
+
+
+def _rechunk_worker(rank: int, one_hop: str, two_vnode: str, store: str, result_dir: str) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+        try:
+            Buffer(None, one_hop, rdma_chunk_tokens=8)
+            raise AssertionError("a plan without RDMA steps took rdma_chunk_tokens")
+        except ValueError as e:
+            assert str(e) == (f"Buffer: rdma_chunk_tokens / rdma_depth re-chunk RDMA steps, and the plan of "
+                              f"{one_hop} has none"), str(e)
+        buf = Buffer(None, two_vnode, rdma_chunk_tokens=3, rdma_depth=2)
+        rdma = [s for s in buf.plan.steps if s.link_kind == "rdma"]
+        assert rdma and all(s.depth == 2 for s in rdma), [(s.name, s.depth) for s in rdma]
+        x, idx, w = _inputs(rank, 2, 40, 256, 8, 256, seed=3)
+        recv_x, _, _, _, handle, _ = buf.dispatch(x, idx, w)
+        sizes = {int(n) for c in handle.layout.copies if c.step == "rdma" and c.rank == rank
+                 for n in np.diff(c.chunk_starts)}
+        assert max(sizes) == 3, sizes  # the layout the engine ran was chunked at 3 tokens
+        ins = [_inputs(r, 2, 40, 256, 8, 256, seed=3) for r in range(2)]
+        rows = np.stack([i[0].view(torch.uint8).numpy() for i in ins])
+        want = dispatch_oracle(np.stack([i[1].numpy() for i in ins]), 256, "blocked", rows,
+                               np.stack([i[2].numpy() for i in ins]))[rank]
+        assert np.array_equal(recv_x.view(torch.uint8).numpy(), want.rows), "dispatch rows differ"
+        buf.combine(recv_x, handle)
+        buf.close()
+        dist.destroy_process_group()
+        (Path(result_dir) / f"rank{rank}.txt").write_text("ok")
+    except BaseException:
+        (Path(result_dir) / f"rank{rank}.txt").write_text(traceback.format_exc())
+
+
+def test_rdma_chunking_re_chunks_the_plan_the_engine_runs(tmp_path):
+    """Buffer(rdma_chunk_tokens=, rdma_depth=): the engine lays out and runs the re-chunked plan
+    (what bench/ep_bench.py --rdma-chunks relies on); a plan without RDMA steps refuses them."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    one_hop = compile_bundle(tmp_path / "a", ONE_HOP.format(r=2, t=8, h=256, dtype="bf16", k=4, e=8))
+    text = (ROOT / "schedules" / "h200x2_2vnode.sched").read_text()
+    text = text.replace("tokens 4096 per rank", "tokens 40 per rank").replace("hidden 7168", "hidden 256")
+    two_vnode = compile_bundle(tmp_path / "b", text)
+    results = tmp_path / "results"
+    results.mkdir()
+    mp.spawn(_rechunk_worker, args=(str(one_hop), str(two_vnode), str(tmp_path / "store"), str(results)),
+             nprocs=2, join=True)
+    for r in range(2):
+        assert (results / f"rank{r}.txt").read_text() == "ok", f"rank {r}"
