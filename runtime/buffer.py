@@ -17,6 +17,11 @@ the bundle's backend (runtime/engines/base.py, the Engine protocol):
   table-driven kernels of any other plan, with the GPU proxy path for a bundle compiled with
   `--rdma proxy` (runtime/engines/cuda_table/engine.py), on this rank's GPU.
 
+When a call fails on one rank (an argument it refuses, a wait that gives up, a peer that stalls or
+dies), every rank raises the same `GroupError` within the timeout and a few seconds, naming that
+rank and why; `state` then says whether the Buffer can be used again ("ready") or must be made
+anew ("failed"; its calls say so).  runtime/engines/agree.py is how.
+
 Differences from DeepEP's intranode `Buffer`: outputs are expert-major (one row per (token,
 local expert), in the documented order: local expert, then source rank, then token), so
 `recv_topk_idx` / `recv_topk_weights` hold the global expert and the weight of each row, and
@@ -35,7 +40,8 @@ import torch.distributed as dist
 from ..limits import timeout_seconds
 from ..plan import bundle as bundle_io
 from ..plan.bundle import BundleError
-from .engines.base import Engine
+from .engines.agree import Agreement
+from .engines.base import Engine, GroupError, GroupTimeout, GroupTypeError, GroupValueError  # noqa: F401 - API
 from .engines.tensors import check_tensor, check_topk_idx
 
 #: DeepEP's layout and stream arguments, which dispatch accepts and ignores (the plan's metadata
@@ -71,6 +77,12 @@ class Buffer:
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
+        # Every failure from here on reaches every rank (engines/agree.py), none waits unbounded.
+        self.agree = Agreement.for_group(self.group, timeout_s)
+        with self.agree.call("making the Buffer", numbered=False):
+            self._make(bundle, backend, timeout_s, config)
+
+    def _make(self, bundle, backend: str | None, timeout_s: float, config: dict | None) -> None:
         loaded = bundle_io.load(bundle)
         self.plan, manifest = loaded.plan, loaded.manifest
         self.backend_name = backend or manifest.get("backend", "cpu")
@@ -88,7 +100,14 @@ class Buffer:
         self.timeout_s = timeout_s
         wl = self.plan.workload
         self.hidden, self.topk, self.experts, self.dtype = wl.hidden, wl.topk, wl.experts, wl.dtype
-        self.engine: Engine = engine_class(self.backend_name, loaded)(self.group, loaded, timeout_s=timeout_s, config=config)
+        self.engine: Engine = engine_class(self.backend_name, loaded)(self.group, loaded, timeout_s=timeout_s, config=config,
+                                                              agree=self.agree)
+
+    @property
+    def state(self) -> str:
+        """"ready", or "failed" after a call that failed for good (every call then raises
+        GroupError: make a new Buffer)."""
+        return self.agree.state
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):
@@ -140,13 +159,14 @@ class Buffer:
         `sync=False` is the low-latency mode (no host sync, CUDA-graph capturable: recv_x is the whole
         receive buffer, the counts come as device tensors (counts, offsets), recv_topk_idx is None);
         `handle` (instead of topk_idx/topk_weights) reuses an earlier dispatch's routing."""
-        unknown = sorted(set(deepep_layout) - DEEPEP_LAYOUT_ARGS)
-        if unknown:
-            raise TypeError(f"dispatch: unexpected keyword argument(s) {', '.join(unknown)} (besides x, topk_idx, "
-                            f"topk_weights, sync, expert_alignment and handle it takes DeepEP's layout arguments, "
-                            f"ignored: {', '.join(sorted(DEEPEP_LAYOUT_ARGS))})")
-        return self.engine.dispatch(x, topk_idx, topk_weights, sync=sync, expert_alignment=expert_alignment,
-                                    handle=handle)
+        with self.agree.call("dispatch"):  # a refused keyword reaches the peers as the engine's errors do
+            unknown = sorted(set(deepep_layout) - DEEPEP_LAYOUT_ARGS)
+            if unknown:
+                raise TypeError(f"dispatch: unexpected keyword argument(s) {', '.join(unknown)} (besides x, topk_idx, "
+                                f"topk_weights, sync, expert_alignment and handle it takes DeepEP's layout arguments, "
+                                f"ignored: {', '.join(sorted(DEEPEP_LAYOUT_ARGS))})")
+            return self.engine.dispatch(x, topk_idx, topk_weights, sync=sync, expert_alignment=expert_alignment,
+                                        handle=handle)
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,13 +6,21 @@ Two drivers, two protocols:
   and a torch.distributed group.  Buffer checks what every engine shares (the bundle, the group,
   the DeepEP arguments it ignores) and hands each call to the engine of the bundle's backend:
   cpu (cpu/engine.py) or cuda (cuda_direct/engine.py).  Made once per Buffer as
-  `EngineClass(group, bundle, timeout_s=..., config=...)` (bundle: epcc.plan.bundle.Bundle).
+  `EngineClass(group, bundle, timeout_s=..., config=..., agree=...)` (bundle:
+  epcc.plan.bundle.Bundle; agree: the Buffer's agree.Agreement, None: the engine makes one).
 * `Runner`: every rank of a plan in one call over NumPy arrays, as `epcc run` and the tests
   drive an executor: cpu/threads.py (threads), cpu_procs.ProcessBackend (a process per rank)
   and runtime/testing/reference.py (NumPy, copy by copy).
 
 The table-driven kernels (cuda_table) and the GPU proxy path (gpu_proxy) are driven by
 bench/ep_bench.py and the tests directly; they implement neither protocol yet.
+
+Failing together (agree.py): an engine's calls are collectives, so a failure on one rank must
+reach every rank, promptly.  An Engine never waits for its peers in a torch collective: it runs
+each call inside `agree.call(name)` (an exception there reaches every rank), meets its peers only
+in the agreement's bounded rounds (`exchange`, `gather`, `barrier`), posts a failure its peers
+cannot see otherwise (a kernel's report, a refusal before a launch) with `agree.fail`, and every
+rank raises the same GroupError (below), naming the rank that failed and why.
 
 No torch here: the runners run without it.
 """
@@ -40,10 +48,43 @@ class KernelTimeout(EngineError):
         self.rc = rc
 
 
+class GroupError(EngineError):
+    """A collective call failed on some rank of the group: raised on every rank, with the same
+    message, naming the rank that failed first and why ("dispatch #3 failed on rank 1: ...").
+
+    `call`: the call ("dispatch #3"); `rank`: the rank the message names (the lowest of the ranks
+    that failed for the same reason, `ranks`); `reason`: why; `failures`: {rank: reason} of every
+    rank this rank heard of; `rebuild`: True when the Buffer cannot be used again (make a new
+    one), False when every rank refused the call before any data moved (its arguments).
+
+    The subclasses tell the kind of the root cause, so `except ValueError` still catches a
+    refused argument and `except KernelTimeout` a wait that gave up, on every rank."""
+
+    def __init__(self, message: str, *, call: str = "", rank: int = -1, ranks: tuple[int, ...] = (),
+                 reason: str = "", failures: dict[int, str] | None = None, rebuild: bool = True):
+        super().__init__(message)
+        self.call, self.rank, self.ranks, self.reason = call, rank, tuple(ranks), reason
+        self.failures = dict(failures or {})
+        self.rebuild = rebuild
+
+
+class GroupTypeError(GroupError, TypeError):
+    """A rank refused an argument of the wrong type."""
+
+
+class GroupValueError(GroupError, ValueError):
+    """A rank refused an argument's value (or a bundle that does not fit)."""
+
+
+class GroupTimeout(GroupError, KernelTimeout):
+    """A wait gave up: a rank's kernel or driver, or a rank that never answered (stalled or dead)."""
+
+
 class Engine(Protocol):
     """One rank's runner of a bundle behind Buffer."""
 
     device: Any  # torch.device where its tensors live: cpu, or this rank's GPU
+    agree: Any  # the agree.Agreement its calls fail through (Buffer passes its own)
 
     def dispatch(self, x, topk_idx, topk_weights, *, sync: bool, expert_alignment: int, handle) -> tuple:
         """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)."""

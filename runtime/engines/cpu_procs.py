@@ -8,13 +8,15 @@
 Per program: every rank's buffers and counters are allocated in shared memory (anonymous
 MAP_SHARED mappings made before the ranks start: the peer memory of runtime/shm.py, inherited
 instead of mapped by name), the plan is JIT-compiled and its proxy loop compiled
-(rdma_host.py) once, then one process per rank is forked.  Each joins a torch.distributed gloo
-group (file rendezvous), opens the transport (libfabric, provider tcp), exchanges addresses and
-keys with all_gather_object, and runs its roles: the kernels' roles as JIT drivers over peer
-memory (NVLink-class copies write straight into peers' buffers), the RDMA steps through the
-proxy loop (rdma_host.py: pack, write-with-immediate, in-order apply, credits).  The
-parent reads the results from shared memory.  A failure in any rank (a bounded wait, the
-transport) ends the run with that rank's message.
+(rdma_host.py) once, then one process per rank is forked.  The ranks meet in the bounded rounds
+of an agreement (agree.py) over a FileStore of their own (file rendezvous): each opens the
+transport (libfabric, provider tcp), exchanges addresses and keys, and runs its roles: the
+kernels' roles as JIT drivers over peer memory (NVLink-class copies write straight into peers'
+buffers), the RDMA steps through the proxy loop (rdma_host.py: pack, write-with-immediate,
+in-order apply, credits).  The parent reads the results from shared memory.  A failure in any
+rank (an error, a bounded wait, the transport, a rank that stalls or dies) reaches every rank
+within the timeout and a few seconds, each reporting the same message naming that rank
+(`RankFailed`, with every rank's report in `per_rank`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import os
 import tempfile
 import time
 import traceback
-from datetime import timedelta
 
 import numpy as np
 
@@ -35,6 +36,8 @@ from epcc.plan.rdma import bf16_partials, rdma_steps
 
 from ..bf16 import BF16_ROUNDOFF
 from ..layout import Layout
+from .agree import Agreement, GaveUp
+from .base import GroupError, KernelTimeout
 from .cpu.jit import compile_plan
 from .cpu.threads import CpuBackendTimeout, execute, rank_desc
 from .rdma_host import RdmaEngine, build_proxy, build_transport
@@ -49,7 +52,12 @@ class TransportUnavailable(RuntimeError):
 
 
 class RankFailed(RuntimeError):
-    """A rank's process failed: its message (a bounded wait's report, a transport error)."""
+    """A rank's process failed: the message every rank reported (which rank, and why: a bounded
+    wait's report, a transport error, an exception, no answer); `per_rank`: {rank: its report}."""
+
+    def __init__(self, message: str, per_rank: dict[int, str] | None = None):
+        super().__init__(message)
+        self.per_rank = dict(per_rank or {})
 
 
 class SharedMemory:
@@ -85,68 +93,68 @@ class SharedMemory:
         return self._flags[rank]
 
 
-def _exchange(obj):
-    import torch.distributed as dist  # torch is the runtime extra: only the ranks' rendezvous needs it
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _worker(rank: int, nranks: int, init_file: str, plan: Plan, layout: Layout, program: str, mem: SharedMemory,
             lib_path, transport: tuple[str, str], timeout_s: float, conn) -> None:
-    """One rank: gloo rendezvous, transport, the JIT roles and the proxy loop.  Sends one message
-    to the parent: ("ok", stats) or ("error", kind, message)."""
+    """One rank: the transport, the JIT roles and the proxy loop, meeting its peers in the rounds
+    of an agreement over a FileStore at `init_file`.  Sends one message to the parent:
+    ("ok", stats) or ("error", kind, message); every rank's message of a failed run is the same
+    (GroupError's), unless the rank failed before it could tell the others."""
     msg = ("error", "crash", f"rank {rank}: exited without a report")
     eng = tp = None
     try:
-        import torch.distributed as dist  # torch is the runtime extra: only the ranks' rendezvous needs it
+        import torch.distributed as dist  # torch is the runtime extra: only the ranks' store needs it
 
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=nranks,
-                                timeout=timedelta(seconds=timeout_s + 30))
-        abort = np.zeros(1, dtype=np.int64)
-        skip = frozenset()
-        stats = {"transport": None, "posted": 0, "applied": 0}
-        if lib_path is not None:
-            lib = load(lib_path)
-            tp = Transport(lib, transport[0], transport[1], rank, nranks)
-            flag_rank = {f.flag_id: f.rank for f in layout.flags}
-            scratch = np.zeros(1, dtype=np.int64)
+        agree = Agreement(dist.FileStore(init_file, nranks), rank, nranks, timeout_s)
+        with agree.call(program):
+            abort = np.zeros(1, dtype=np.int64)
+            skip = frozenset()
+            stats = {"transport": None, "posted": 0, "applied": 0}
+            if lib_path is not None:
+                lib = load(lib_path)
+                tp = Transport(lib, transport[0], transport[1], rank, nranks)
+                flag_rank = {f.flag_id: f.rank for f in layout.flags}
+                scratch = np.zeros(1, dtype=np.int64)
 
-            def flag_address(fid: int, what: str) -> int:
-                if fid == -1:
-                    return scratch.ctypes.data
-                return mem.flags(flag_rank[fid]).ctypes.data + 8 * fid
+                def flag_address(fid: int, what: str) -> int:
+                    if fid == -1:
+                        return scratch.ctypes.data
+                    return mem.flags(flag_rank[fid]).ctypes.data + 8 * fid
 
-            eng = RdmaEngine(lib, tp, plan, layout, program, mem, rank, _exchange, timeout_s=timeout_s,
-                             abort=abort, flag_address=flag_address, rank_desc=rank_desc(layout, rank))
-            skip = frozenset(eng.step_names)
-            dist.barrier()  # every rank registered and connected before anyone writes
-            eng.start()
-        jit_error = None
-        try:
-            execute(plan, layout, program, mem, ranks=[rank], timeout_s=timeout_s, skip_steps=skip, abort=abort)
-        except Exception as e:  # noqa: BLE001 - reported below, after the proxy loop is down
-            jit_error = e
-        if eng is not None:
-            eng.join_local()
-            failure = eng.failure()
-            if failure is None and jit_error is None:
-                tp.flush(timeout_s)
-            stats.update(transport=tp.description, **tp.stats())
-            stats["posted"], stats["applied"] = eng.counts()
-            stats["drained"], stats["passes"] = eng.backlog()
-            if failure is not None and (eng.timed_out() or jit_error is None or
-                                        not isinstance(jit_error, CpuBackendTimeout)):
-                raise RankFailed(failure)
-        if jit_error is not None:
-            raise jit_error
-        dist.barrier()  # every rank done: no more writes into anyone's memory
+                eng = RdmaEngine(lib, tp, plan, layout, program, mem, rank,
+                                 lambda obj: agree.gather("the transport addresses' exchange", obj),
+                                 timeout_s=timeout_s, abort=abort, flag_address=flag_address,
+                                 rank_desc=rank_desc(layout, rank))
+                skip = frozenset(eng.step_names)
+                agree.barrier("the transport's connection")  # every rank registered and connected before anyone writes
+                eng.start()
+            jit_error, alarmed = None, []
+            # a peer's failure (its alarm) makes this rank's waits, the drivers' and the proxy's, give up
+            with agree.watch(lambda: (alarmed.append(True), abort.__setitem__(0, 1))):
+                try:
+                    execute(plan, layout, program, mem, ranks=[rank], timeout_s=timeout_s, skip_steps=skip,
+                            abort=abort)
+                except Exception as e:  # noqa: BLE001 - reported below, after the proxy loop is down
+                    jit_error = e
+                if eng is not None:
+                    eng.join_local()
+            if eng is not None:
+                failure = eng.failure()
+                if failure is None and jit_error is None:
+                    tp.flush(timeout_s)
+                stats.update(transport=tp.description, **tp.stats())
+                stats["posted"], stats["applied"] = eng.counts()
+                stats["drained"], stats["passes"] = eng.backlog()
+                if failure is not None and (eng.timed_out() or jit_error is None or
+                                            not isinstance(jit_error, CpuBackendTimeout)):
+                    if eng.timed_out():
+                        raise KernelTimeout(failure)
+                    raise GaveUp(failure) if alarmed else RankFailed(failure)
+            if jit_error is not None:
+                raise jit_error
+            agree.barrier("the end of the run")  # every rank done: no more writes into anyone's memory
         msg = ("ok", stats)
-    except CpuBackendTimeout as e:
-        msg = ("error", "timeout", str(e))
-    except RankFailed as e:
-        msg = ("error", "timeout" if "timed out" in str(e) else "rdma", str(e))
+    except GroupError as e:
+        msg = ("error", "group", str(e))
     except BaseException as e:  # noqa: BLE001
         if os.environ.get("EPCC_DEBUG"):
             traceback.print_exc()
@@ -249,11 +257,13 @@ class ProcessBackend:
                         try:
                             results[r] = a.recv()
                         except EOFError:
+                            procs[r].join(1)
                             results[r] = ("error", "crash", f"rank {r}: the process died (exit code "
                                                             f"{procs[r].exitcode})")
                         if results[r][0] != "ok" and first_error_at is None:
                             first_error_at = time.monotonic()
                     elif not procs[r].is_alive() and not a.poll(0):
+                        procs[r].join(1)
                         results[r] = ("error", "crash", f"rank {r}: the process died (exit code {procs[r].exitcode})")
                         if first_error_at is None:
                             first_error_at = time.monotonic()
@@ -261,13 +271,13 @@ class ProcessBackend:
                 if p.is_alive():
                     p.terminate()
                 p.join(5)
-        errors = sorted((r, v) for r, v in results.items() if v[0] != "ok")
+        errors = {r: v for r, v in sorted(results.items()) if v[0] != "ok"}
         if errors:
-            # The root cause first: a timed-out wait or a transport error before a crash or a rank
-            # that merely gave up after another failed.
-            rank_of = {"timeout": 0, "rdma": 1, "crash": 2}
-            r, (_, kind, text) = min(errors, key=lambda e: (rank_of.get(e[1][1], 3), "gave up" in e[1][2], e[0]))
-            raise RankFailed(text)
+            # The ranks that met their peers agree on one message (agree.py: the root cause); a
+            # rank's own crash report is the word only where none got that far.
+            agreed = [v[2] for v in errors.values() if v[1] == "group"]
+            raise RankFailed(agreed[0] if agreed else next(iter(errors.values()))[2],
+                             {r: v[2] for r, v in errors.items()})
         if len(results) < R:
             missing = [r for r in range(R) if r not in results]
             raise RankFailed(f"ranks {missing} did not finish within {3 * self.timeout_s + 120:.0f} s")

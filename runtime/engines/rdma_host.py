@@ -4,8 +4,8 @@ One `RdmaEngine` per process (rank) and program.  The host decides everything he
 layout: the channels (one per (step, src, dst)), each chunk's sequence number on its channel
 (the producer's chunk-major order over the role's copies), the send slots and landing rings
 (depth x the channel's largest chunk), the credit words; it registers them with the transport,
-all-gathers addresses and keys through `exchange` (torch.distributed's all_gather_object), and
-runs the loop's threads: one producer per sending role, one proxy, one receiver (each a ctypes
+all-gathers addresses and keys through `exchange` (a bounded round of the ranks' agreement,
+agree.py, in cpu_procs.py), and runs the loop's threads: one producer per sending role, one proxy, one receiver (each a ctypes
 call into the emitted library, which releases the GIL).
 
 Data path of an RDMA copy: the sender packs the chunk's source rows into a send slot, the proxy

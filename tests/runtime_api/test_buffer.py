@@ -19,7 +19,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from epcc.cli import main as epcc_main  # noqa: E402
-from epcc.runtime.buffer import Buffer
+from epcc.runtime.buffer import Buffer, GroupError
 from epcc.runtime.testing.oracle import combine_oracle, compare_combine, dispatch_oracle
 from epcc.plan.bundle import BundleError, load
 
@@ -161,7 +161,12 @@ def _arg_worker(rank: int, bundle: str, store: str, result_dir: str) -> None:
             try:
                 fn()
                 out.append(f"no error for: {msg}")
-            except (TypeError, ValueError) as e:
+            except GroupError as e:  # a collective call: both ranks refused it, both raise the same error
+                want = f"{e.call} failed on ranks 0, 1: {msg}"
+                if not isinstance(e, (TypeError, ValueError)) or e.rebuild or str(e) != want:
+                    out.append(f"expected {want!r} (a TypeError or ValueError, the Buffer usable), got "
+                               f"{type(e).__name__} {str(e)!r}, rebuild={e.rebuild}")
+            except (TypeError, ValueError) as e:  # get_dispatch_layout: no collective, this rank's own error
                 if str(e) != msg:
                     out.append(f"expected {msg!r}, got {str(e)!r}")
         buf.combine(recv_x, handle, w.detach())  # the same weights: accepted

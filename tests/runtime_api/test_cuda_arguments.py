@@ -2,7 +2,9 @@
 
 The checks run before anything touches the GPU, so an engine without a library or region (made
 with __new__, its device the CPU) reaches every one of them; a test that got past the checks
-would fail on the missing library instead of passing."""
+would fail on the missing library instead of passing.  A refused argument is a GroupError (the
+engine's agreement is over a one-rank store here) that is also the TypeError or ValueError of the
+check: "dispatch #1 failed on rank 0: <the check's text>", the Buffer usable again."""
 
 from __future__ import annotations
 
@@ -11,7 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from epcc.runtime.engines.agree import Agreement
+from epcc.runtime.engines.base import GroupError
 from epcc.runtime.engines.cuda_direct.engine import CudaDirectEngine, CudaHandle
 
 H, K, T, E = 256, 4, 8, 16
@@ -22,7 +27,13 @@ def engine(dtype: str = "bf16") -> CudaDirectEngine:
     eng.c = {"hidden": H, "topk": K, "dtype": dtype, "max_tokens": T, "align_max": 128, "experts": E}
     eng.device = torch.device("cpu")
     eng.dispatches = 0
+    eng.agree = Agreement(dist.HashStore(), 0, 1, 1.0)
     return eng
+
+
+def refused(exc, text: str):
+    """pytest.raises for a refused argument: `exc` and a GroupError, the check's exact text."""
+    return pytest.raises(exc, match=r"^(dispatch|combine) #\d+ failed on rank 0: " + re.escape(text) + "$")
 
 
 def x_bf16(t: int = T, h: int = H) -> torch.Tensor:
@@ -77,26 +88,29 @@ def w(t: int = T, k: int = K, dtype=torch.float32) -> torch.Tensor:
      "combine: out must have shape [8, 256], got [3, 256]"),
 ])
 def test_bf16_argument_errors(call, exc, text):
-    with pytest.raises(exc, match="^" + re.escape(text) + "$"):
-        call(engine())
+    eng = engine()
+    with refused(exc, text) as e:
+        call(eng)
+    assert isinstance(e.value, GroupError) and e.value.reason == text and e.value.ranks == (0,)
+    assert not e.value.rebuild and eng.agree.state == "ready"  # refused before the launch: usable again
 
 
 def test_fp8_argument_errors():
     e = engine("fp8")
     x8 = torch.zeros((T, H), dtype=torch.float8_e4m3fn)
     sc = torch.ones((T, H // 128), dtype=torch.float32)
-    with pytest.raises(TypeError, match=r"^dispatch: this bundle dispatches fp8: pass x as \(x_fp8, scales\)$"):
+    with refused(TypeError, "dispatch: this bundle dispatches fp8: pass x as (x_fp8, scales)"):
         e.dispatch(x_bf16(), idx(), w())
-    with pytest.raises(ValueError, match=re.escape("dispatch: scales must have shape [8, 2], got [8, 1]")):
+    with refused(ValueError, "dispatch: scales must have shape [8, 2], got [8, 1]"):
         e.dispatch((x8, sc[:, :1].contiguous()), idx(), w())
-    with pytest.raises(TypeError, match=re.escape("dispatch: x_fp8 must be torch.float8_e4m3fn, not torch.uint8")):
+    with refused(TypeError, "dispatch: x_fp8 must be torch.float8_e4m3fn, not torch.uint8"):
         e.dispatch((x8.view(torch.uint8), sc), idx(), w())
 
 
 def test_a_tensor_on_another_device_is_named():
     e = engine()
     e.device = torch.device("cuda", 0)  # the engine's device; the tensors stay on the CPU
-    with pytest.raises(ValueError, match=re.escape("dispatch: x is on cpu; this Buffer runs on cuda:0")):
+    with refused(ValueError, "dispatch: x is on cpu; this Buffer runs on cuda:0"):
         e.dispatch(x_bf16(), idx(), w())
 
 

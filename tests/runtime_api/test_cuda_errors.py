@@ -3,10 +3,13 @@ backend that only the cuda backend accepts.  Every error is one clear exception 
 stderr with exit status 1, never a traceback from deep inside (ctypes, nvcc, torch.cuda).
 
 * `Buffer(group, bundle, backend="cuda")` on a one-rank gloo group (FileStore in a tmp dir, in
-  this process): RuntimeError "no CUDA device", before the group size or nvcc is looked at;
+  this process): "no CUDA device", before the group size or nvcc is looked at;
 * `Buffer(..., backend="cpu", config=...)`: ValueError;
 * cpu backend `dispatch(..., sync=False | expert_alignment=4 | handle=...)`: ValueError naming
   the argument (two ranks, spawned, as in test_buffer.py);
+
+(Errors of the Buffer's calls are GroupErrors, which every rank of the group raises: "making the
+Buffer failed on rank 0: <reason>"; `reason` is the check's own text.)
 * `epcc tune` on a missing bundle, a bundle that is not one-hop, a machine without GPUs.
 """
 
@@ -23,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from epcc.cli import main as epcc_main  # noqa: E402
-from epcc.runtime.buffer import Buffer
+from epcc.runtime.buffer import Buffer, GroupError, GroupValueError
 from epcc.runtime.engines.cuda_direct.engine import CudaDirectEngine
 import subprocess
 import sys
@@ -75,9 +78,10 @@ def test_cuda_buffer_without_a_gpu_says_so(tmp_path, one_rank_group, monkeypatch
     bundle = _compile(tmp_path, "schedules/h200x4.sched", "h200x4", "--target", "cuda")
     capsys.readouterr()
     monkeypatch.setenv("EPCC_CACHE", str(tmp_path / "cache"))  # nvcc must not even start
-    with pytest.raises(RuntimeError, match=r"^Buffer\(backend='cuda'\): no CUDA device is available") as e:
+    with pytest.raises(GroupError, match=r"^making the Buffer failed on rank 0: Buffer\(backend='cuda'\): no CUDA "
+                                         r"device is available") as e:
         Buffer(one_rank_group, bundle, backend="cuda")
-    assert type(e.value) is RuntimeError  # not a DirectRuntimeError from the build, nor a BundleError
+    assert type(e.value.__cause__) is RuntimeError  # not a DirectRuntimeError from the build, nor a BundleError
     assert not (tmp_path / "cache").exists()
     # a bundle without CUDA sources, or with the wrong group size: still the missing device first
     plain = _compile(tmp_path, "schedules/h200x4.sched", "plain")
@@ -98,7 +102,8 @@ def test_cpu_buffer_refuses_a_config(tmp_path, one_rank_group):
     src = tmp_path / "two.sched"
     src.write_text(TWO_RANKS)
     bundle = _compile(tmp_path, str(src), "two")
-    with pytest.raises(ValueError, match=r"^Buffer: config \(SMs, warps\) applies to the cuda backend only$"):
+    with pytest.raises(GroupValueError, match=r"^making the Buffer failed on rank 0: Buffer: config \(SMs, warps\) "
+                                              r"applies to the cuda backend only$"):
         Buffer(one_rank_group, bundle, backend="cpu", config={"warps": 4})
     with pytest.raises(ValueError, match="config"):
         Buffer(one_rank_group, bundle, config={"send_blocks": 8})  # the default backend is cpu
@@ -120,8 +125,9 @@ def _cuda_only_args_worker(rank: int, bundle: str, store: str, result_dir: str) 
             try:
                 fn()
                 out.append(f"no error for {arg}")
-            except ValueError as e:
-                if not str(e).startswith(f"dispatch: {arg}") or "cuda backend" not in str(e):
+            except GroupValueError as e:  # both ranks refused: both raise it, naming them
+                if not e.reason.startswith(f"dispatch: {arg}") or "cuda backend" not in e.reason \
+                        or not str(e).endswith(f"failed on ranks 0, 1: {e.reason}") or e.rebuild:
                     out.append(f"{arg}: {e!r} should name the argument and the cuda backend")
             except Exception as e:  # noqa: BLE001 - the wrong kind of error is what we report
                 out.append(f"{arg}: {type(e).__name__}: {e} (expected a ValueError)")

@@ -5,10 +5,16 @@ all-gathered (the plan's metadata step), every rank computes the same token-leve
 (runtime/layout), buffers live in peer memory (runtime/shm.py: named shared memory that peers
 map, the CPU analogue of CUDA IPC handles), and threads.py runs this rank's drivers, which write
 into peers' buffers and bump peers' counters directly.  `event` is None.
+
+Every exchange between the ranks is a bounded round of the Buffer's agreement (agree.py), four
+per call: the routing (after every rank checked its arguments: a refusal reaches every rank
+there, and the Buffer stays usable), the peer buffers allocated, the inputs written, the run
+ended.  While the drivers run, a peer's failure makes their waits give up at once.
 """
 
 from __future__ import annotations
 
+import struct
 import uuid
 from dataclasses import dataclass
 
@@ -19,6 +25,7 @@ import torch.distributed as dist
 from ....plan.bundle import Bundle
 from ...layout import Layout, compute_layout
 from ...shm import PeerMemory
+from ..agree import Agreement
 from ..tensors import FP8_GROUP, WEIGHTS_DIFFER, check_tensor, check_topk_idx
 from .threads import execute
 
@@ -34,7 +41,8 @@ class Handle:
 
 
 class CpuEngine:
-    def __init__(self, group, bundle: Bundle, *, timeout_s: float, config: dict | None = None):
+    def __init__(self, group, bundle: Bundle, *, timeout_s: float, config: dict | None = None,
+                 agree: Agreement | None = None):
         # `config` (a launch configuration) is the cuda engine's; Buffer refuses one for this engine
         self.group, self.plan, self.timeout_s = group, bundle.plan, timeout_s
         self.rank = dist.get_rank(group)
@@ -42,12 +50,18 @@ class CpuEngine:
         self.device = torch.device("cpu")
         wl = self.plan.workload
         self.hidden, self.topk, self.experts, self.dtype = wl.hidden, wl.topk, wl.experts, wl.dtype
-        session = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
-        dist.broadcast_object_list(session, src=_global_rank(group, 0), group=group)
-        self.memory = PeerMemory(session[0], self.rank, self.num_ranks)
+        self.agree = agree or Agreement.for_group(group, timeout_s)
+        with self.agree.call("making the Buffer", numbered=False):
+            session = self.agree.gather("the peer memory's name", uuid.uuid4().hex[:12] if self.rank == 0 else None)
+            self.memory = PeerMemory(session[0], self.rank, self.num_ranks)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x, topk_idx, topk_weights, *, sync: bool, expert_alignment: int, handle):
+        with self.agree.call("dispatch"):
+            return self._dispatch(x, topk_idx, topk_weights, sync=sync, expert_alignment=expert_alignment,
+                                  handle=handle)
+
+    def _dispatch(self, x, topk_idx, topk_weights, *, sync: bool, expert_alignment: int, handle):
         if handle is not None:
             raise ValueError("dispatch: handle (cached dispatch) needs the cuda backend")
         if topk_idx is None:
@@ -74,6 +88,10 @@ class CpuEngine:
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+        with self.agree.call("combine"):
+            return self._combine(x, handle, topk_weights)
+
+    def _combine(self, x: torch.Tensor, handle: Handle, topk_weights: torch.Tensor | None) -> torch.Tensor:
         if not isinstance(handle, Handle):
             raise TypeError(f"combine: handle must be the handle dispatch returned, not {type(handle).__name__}")
         check_tensor("combine", "x", x, (handle.recv_rows, self.hidden), (torch.bfloat16,))
@@ -83,6 +101,9 @@ class CpuEngine:
                 raise ValueError(WEIGHTS_DIFFER)
         y = (np.zeros((0, self.hidden), dtype=np.uint16) if x.shape[0] == 0 else
              x.detach().contiguous().view(torch.int16).numpy().view(np.uint16))
+        # every rank accepted its arguments before any allocates (a refused call leaves every
+        # rank's peer memory as it was: their next sizes agree)
+        self.agree.barrier("the arguments' check")
         mem = self._prepare("combine", handle.layout,
                             lambda m: m.buffer("combine", "output", self.rank).__setitem__(slice(None), y))
         result = self._run("combine", handle.layout, mem)[self.rank]
@@ -123,35 +144,42 @@ class CpuEngine:
         return x.detach().contiguous().view(torch.uint8).numpy(), x.shape[0]
 
     def _gather_routing(self, idx: np.ndarray, w: np.ndarray):
-        t = torch.from_numpy(np.concatenate([idx.astype(np.float64), w.astype(np.float64)], axis=1))
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.num_ranks)]
-        dist.all_gather(sizes, torch.tensor([idx.shape[0]], dtype=torch.int64), group=self.group)
-        counts = [int(s) for s in sizes]
+        """Every rank's top-k indices and weights: the first round of a dispatch, after every rank
+        checked its arguments (a rank that refused one posts that instead: every rank raises)."""
+        mine = (struct.pack("<q", idx.shape[0]) + np.ascontiguousarray(idx, dtype="<i8").tobytes()
+                + np.ascontiguousarray(w, dtype="<f4").tobytes())
+        parts = self.agree.exchange("the routing exchange", mine)
+        counts = [struct.unpack_from("<q", p)[0] for p in parts]
         if len(set(counts)) != 1:
-            raise ValueError(f"dispatch: every rank must dispatch the same number of tokens; ranks have "
-                             f"{counts} (pad with -1 in topk_idx)")
-        parts = [torch.zeros_like(t) for _ in range(self.num_ranks)]
-        dist.all_gather(parts, t, group=self.group)
-        allr = torch.stack(parts).numpy()
-        return allr[:, :, : self.topk].astype(np.int64), allr[:, :, self.topk:].astype(np.float32)
+            raise self.agree.everyone(ValueError(f"dispatch: every rank must dispatch the same number of tokens; "
+                                                 f"ranks have {counts} (pad with -1 in topk_idx)"))
+        n = counts[0] * self.topk
+        idx_all = np.stack([np.frombuffer(p, dtype="<i8", count=n, offset=8) for p in parts])
+        w_all = np.stack([np.frombuffer(p, dtype="<f4", count=n, offset=8 + 8 * n) for p in parts])
+        shape = (self.num_ranks, counts[0], self.topk)
+        return idx_all.reshape(shape).astype(np.int64), w_all.reshape(shape).astype(np.float32)
 
     def _prepare(self, program: str, layout: Layout, fill) -> "_Memory":
         """Peer buffers sized for this layout, this rank's counters and partials zeroed and its
         inputs written by `fill`, all before the barrier after which peers may read and write."""
         mem = _Memory(self.memory, program, layout)
         mem.allocate()  # every rank takes the same decisions: sizes come from the global layout
-        dist.barrier(group=self.group)  # owners created grown segments before peers map them
+        self.agree.barrier("the peer buffers' allocation")  # owners created grown segments before peers map them
         self.memory.map_peers()
         mem.reset_own()
         fill(mem)
-        dist.barrier(group=self.group)  # zeroed counters and written inputs, on every rank
+        self.agree.barrier("the inputs' writing")  # zeroed counters and written inputs, on every rank
         return mem
 
     def _run(self, program: str, layout: Layout, mem: "_Memory"):
-        try:
-            execute(self.plan, layout, program, mem, ranks=[self.rank], timeout_s=self.timeout_s)
-        finally:
-            dist.barrier(group=self.group)  # peers finish writing into this rank before it reads
+        """This rank's drivers, every wait bounded by the timeout; a peer that fails meanwhile (its
+        alarm) makes them give up at once.  A failure here reaches the peers in the last round,
+        where the others meet when their drivers are done: after it, no peer writes into this
+        rank any more, and this rank reads its results."""
+        abort = np.zeros(1, dtype=np.int64)
+        with self.agree.watch(lambda: abort.__setitem__(0, 1)):
+            execute(self.plan, layout, program, mem, ranks=[self.rank], timeout_s=self.timeout_s, abort=abort)
+        self.agree.barrier("the end of the run")
         return {self.rank: mem.result(self.rank)}
 
 
@@ -212,7 +240,3 @@ def _unpack_rows(rows: np.ndarray, dtype: str, hidden: int):
         sc = t[:, hidden:].contiguous().view(torch.float32)
         return x8, sc
     return t.view(torch.bfloat16)
-
-
-def _global_rank(group, r: int) -> int:
-    return dist.get_global_rank(group, r) if group is not dist.group.WORLD else r

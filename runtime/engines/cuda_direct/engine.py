@@ -4,9 +4,10 @@ Engine protocol, runtime/engines/base.py).
 One process per GPU (torchrun), `torch.cuda.set_device(local_rank)` before the Buffer is made.
 At construction every rank allocates one peer region (the size the manifest gives: meta areas,
 tails, records, the expert-major receive buffer, the combine staging), exchanges CUDA IPC
-handles over the group (all_gather_object) and maps its peers' regions.  The library is built
-with nvcc on first use and cached by content hash (library.py, runtime/build_cache.py); rank 0
-builds first while the others wait, then everyone loads the cached file.
+handles (a round of the Buffer's agreement, below) and maps its peers' regions.  The library is
+built with nvcc on first use and cached by content hash (library.py, runtime/build_cache.py);
+rank 0 builds first while the others wait (up to BUILD_S beyond the timeout), then everyone loads
+the cached file.
 
 Calls are stream-ordered on the current torch stream and every rank must make the same calls in
 the same order (they are collectives).  Two modes:
@@ -21,6 +22,20 @@ the same order (they are collectives).  Two modes:
 
 recv_x (and the fp8 scales, and recv weights) are views into the peer region: valid until the
 next dispatch on this Buffer, like DeepEP's low-latency buffers.  Copy them to keep them.
+
+Failures (agree.py; every rank raises the same GroupError, naming the rank that failed and why):
+
+* every host-side exchange (the build, the IPC handles, close) is a bounded round of the Buffer's
+  agreement, never a torch collective (an NCCL one cannot be interrupted);
+* a call's arguments are checked before its launch; a rank that refuses them launches nothing and
+  raises at once, posting its reason where its peers will look;
+* normal mode (`sync=True`) ends in a round after the read-back: a top-k row the kernels found bad
+  on one rank reaches every rank there (nothing hung; the Buffer stays usable), and a rank whose
+  kernel gave up (the report read from the host-mapped error record) posts it there too;
+* a kernel's bounded wait for a peer that refused, stalled or died gives up after the timeout and
+  traps (the CUDA context is lost: a new process); the rank then hears, within a short grace, why
+  the peer did not come.  The low-latency mode takes no round: its failures surface at the next
+  `synchronize()` or normal-mode call.
 """
 
 from __future__ import annotations
@@ -33,9 +48,14 @@ import torch.distributed as dist
 
 from ....plan.bundle import Bundle, cuda_manifest
 from ....plan.direct import DirectConfig, DirectError
-from ..base import KernelTimeout
+from ..agree import Agreement
+from ..base import GroupError, KernelTimeout
 from ..tensors import WEIGHTS_DIFFER, check_tensor, device_view
-from .library import DirectLibrary, DirectRuntimeError, build, timeline_summary
+from .library import DirectLibrary, build, timeline_summary
+
+#: How much longer than the timeout the other ranks wait for rank 0 to build the kernels (nvcc;
+#: once per machine and bundle, then the build cache has them).
+BUILD_S = 600.0
 
 
 @dataclass
@@ -50,13 +70,20 @@ class CudaHandle:
 
 
 class CudaDirectEngine:
-    def __init__(self, group, bundle: Bundle, *, timeout_s: float, config: dict | None = None):
+    def __init__(self, group, bundle: Bundle, *, timeout_s: float, config: dict | None = None,
+                 agree: Agreement | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("Buffer(backend='cuda'): no CUDA device is available")
         self.group = group
         self.rank = dist.get_rank(group)
         self.R = dist.get_world_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
+        self.agree = agree or Agreement.for_group(group, timeout_s)
+        self.bases: list[int] = []
+        with self.agree.call("making the Buffer", numbered=False):
+            self._make(bundle, timeout_s, config)
+
+    def _make(self, bundle: Bundle, timeout_s: float, config: dict | None) -> None:
         cuda_dir = bundle.cuda_dir
         plan = bundle.plan
         self.manifest = cuda_manifest(bundle.path)
@@ -74,27 +101,19 @@ class CudaDirectEngine:
         self.config.check()
         self.c = c
         self.plan = plan
-        # build: rank 0 first (the others find it in the cache); every step that can fail on one
-        # rank is agreed on before the next collective, so a failure raises everywhere, not a hang
-        lib_path, err = None, None
-        if self.rank == 0:
-            lib_path, err = _attempt(lambda: build(cuda_dir, self.manifest))
-        _agree(group, self.R, err, "building the kernels")
+        # build: rank 0 first (the others find it in the cache); a rank that fails posts why in
+        # the round the others wait in (agree.py), so every rank raises it, none hangs
+        build_wait = timeout_s + BUILD_S
+        lib_path = build(cuda_dir, self.manifest) if self.rank == 0 else None
+        self.agree.barrier("rank 0's build of the kernels", timeout_s=build_wait)
         if self.rank != 0:
-            lib_path, err = _attempt(lambda: build(cuda_dir, self.manifest))
-        _agree(group, self.R, err, "building the kernels")
-
-        def setup():
-            self.lib = DirectLibrary(lib_path, self.manifest)
-            self.lib.init(self.config.warps)
-            self.lib.prepare()
-            self.region = self.lib.malloc(self.lib.region_bytes)
-            return self.lib.ipc_handle(self.region)
-
-        handle, err = _attempt(setup)
-        _agree(group, self.R, err, "allocating the peer region")
-        handles = [None] * self.R
-        dist.all_gather_object(handles, handle, group=group)
+            lib_path = build(cuda_dir, self.manifest)
+        self.agree.barrier("the kernels' build", timeout_s=build_wait)
+        self.lib = DirectLibrary(lib_path, self.manifest)
+        self.lib.init(self.config.warps)
+        self.lib.prepare()
+        self.region = self.lib.malloc(self.lib.region_bytes)
+        handles = self.agree.gather("the peer regions' handles", self.lib.ipc_handle(self.region))
         self.bases = [self.region if r == self.rank else self.lib.ipc_open(h) for r, h in enumerate(handles)]
         self.err_host, self.err_dev = self.lib.error_record()
         self.timeout_ns = int(timeout_s * 1e9)
@@ -114,7 +133,7 @@ class CudaDirectEngine:
         self.recv_offset = self.state_view("recv_offset", epr + 1)
         self.bad_token = self.state_view("bad_token", 1)
         self._args = self.args()
-        dist.barrier(group=group)
+        self.agree.barrier("the peer regions' mapping")
 
     # ------------------------------------------------------------------ helpers
     def region_view(self, name: str, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -170,11 +189,13 @@ class CudaDirectEngine:
 
     def close(self) -> None:
         """Collective: every rank's kernels finish (peers may still write into this rank's region
-        until theirs do) before any region is unmapped and freed."""
-        if not self.bases:
+        until theirs do) before any region is unmapped and freed.  A failed Buffer keeps its
+        region until the process ends: a peer's kernel may still write into it."""
+        if not self.bases or self.agree.state != "ready":
             return
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
+        with self.agree.call("close", numbered=False):
+            self.synchronize()
+            self.agree.barrier("the kernels' end, on every rank")
         for r, b in enumerate(self.bases):
             if r != self.rank:
                 self.lib.ipc_close(b)
@@ -185,6 +206,18 @@ class CudaDirectEngine:
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x, topk_idx=None, topk_weights=None, *, sync: bool = True, expert_alignment: int = 1,
                  handle: CudaHandle | None = None):
+        with self.agree.call("dispatch"):
+            try:
+                a, topk_idx, topk_weights, T, fp8 = self._dispatch_args(x, topk_idx, topk_weights, expert_alignment,
+                                                                        handle)
+            except Exception as e:  # noqa: BLE001 - refused before the launch: the peers are in their kernels
+                self.agree.fail(e, wait_s=0, fatal=True)
+            if sync:
+                self.agree.heed()  # a peer failed already: launch nothing it will not match
+            return self._dispatch(a, topk_idx, topk_weights, T, fp8, sync)
+
+    def _dispatch_args(self, x, topk_idx, topk_weights, expert_alignment: int, handle):
+        """The argument checks, before anything touches the GPU; the launch arguments."""
         c = self.c
         if handle is not None:  # cached: the handle's routing (the metadata kernel reruns on it, ~3 us)
             if not isinstance(handle, CudaHandle) or handle.topk_idx is None:
@@ -222,6 +255,10 @@ class CudaDirectEngine:
                       idx_int32=int(topk_idx.dtype == torch.int32),
                       topk_w=topk_weights.data_ptr() if topk_weights is not None else 0,
                       has_weights=int(topk_weights is not None), align=expert_alignment)
+        return a, topk_idx, topk_weights, T, fp8
+
+    def _dispatch(self, a, topk_idx, topk_weights, T: int, fp8: bool, sync: bool):
+        c = self.c
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self.lib.dispatch(a, stream)
         self.dispatches += 1
@@ -237,10 +274,11 @@ class CudaDirectEngine:
             self.raise_if_failed()
             raise
         self.raise_if_failed()
-        if bad >= 0:
+        if bad >= 0:  # every rank's kernels finished: a refusal that leaves the Buffer usable
             row = topk_idx[bad].tolist()
             raise ValueError(f"dispatch: topk_idx row {bad} names an expert outside [-1, {c['experts'] - 1}] or the "
                              f"same expert twice: {row} (those entries were not dispatched)")
+        self.agree.barrier("the dispatch's read-back")  # every rank's kernels finished, its routing valid
         total = host_offsets[epr]
         if fp8:
             rx = (rx[0][:total], rx[1][:total])
@@ -256,6 +294,16 @@ class CudaDirectEngine:
     # ------------------------------------------------------------------ combine
     def combine(self, y: torch.Tensor, handle: CudaHandle, topk_weights: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
+        with self.agree.call("combine"):
+            try:
+                a, out = self._combine_args(y, handle, topk_weights, out)
+            except Exception as e:  # noqa: BLE001 - refused before the launch: the peers are in their kernels
+                self.agree.fail(e, wait_s=0, fatal=True)
+            self.lib.combine(a, torch.cuda.current_stream(self.device).cuda_stream)
+            return out
+
+    def _combine_args(self, y: torch.Tensor, handle: CudaHandle, topk_weights, out):
+        """The argument checks, before anything touches the GPU; the launch arguments and `out`."""
         given = getattr(handle, "topk_weights", None)
         if topk_weights is not None and given is not None and not (
                 isinstance(topk_weights, torch.Tensor) and topk_weights.shape == given.shape
@@ -272,18 +320,24 @@ class CudaDirectEngine:
             out = torch.empty((handle.tokens, H), dtype=torch.bfloat16, device=self.device)
         else:
             check_tensor("combine", "out", out, (handle.tokens, H), (torch.bfloat16,), self.device)
-        a = self.args(y=y.data_ptr(), out=out.data_ptr())
-        self.lib.combine(a, torch.cuda.current_stream(self.device).cuda_stream)
-        return out
+        return self.args(y=y.data_ptr(), out=out.data_ptr()), out
 
     def synchronize(self) -> None:
-        """Wait for this rank's kernels; a kernel that gave up raises KernelTimeout with its report."""
+        """Wait for this rank's kernels; a kernel that gave up (its report) or a lost context is
+        posted to the group, and every rank raises GroupError (GroupTimeout for a wait that gave
+        up) naming the rank that failed first."""
+        self.agree.check()
         try:
-            torch.cuda.current_stream(self.device).synchronize()
-        except RuntimeError:
+            try:
+                torch.cuda.current_stream(self.device).synchronize()
+            except RuntimeError:
+                self.raise_if_failed()
+                raise
             self.raise_if_failed()
+        except GroupError:
             raise
-        self.raise_if_failed()
+        except Exception as e:  # noqa: BLE001 - every failure must reach the peers
+            self.agree.fail(e)
 
     def check_routing(self, topk_idx=None) -> None:
         """Raise if the last dispatch met a bad top-k row (for sync=False callers); syncs."""
@@ -292,20 +346,3 @@ class CudaDirectEngine:
             row = topk_idx[bad].tolist() if topk_idx is not None else "?"
             raise ValueError(f"dispatch: topk_idx row {bad} names an expert outside [-1, {self.c['experts'] - 1}] "
                              f"or the same expert twice: {row}")
-
-
-def _attempt(fn):
-    try:
-        return fn(), None
-    except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
-        return None, f"{type(e).__name__}: {e}"
-
-
-def _agree(group, world: int, err: str | None, what: str) -> None:
-    """Raise on every rank if any rank failed `what` (all_gather_object of the errors)."""
-    errs = [None] * world
-    dist.all_gather_object(errs, err, group=group)
-    bad = [(r, e) for r, e in enumerate(errs) if e]
-    if bad:
-        raise DirectRuntimeError(f"Buffer(backend='cuda'): {what} failed on " +
-                                     "; ".join(f"rank {r}: {e}" for r, e in bad))

@@ -60,7 +60,7 @@ class TableHandle:
 
 
 class CudaTableEngine:
-    def __init__(self, group, bundle: Bundle, *, timeout_s: float, config: dict | None = None):
+    def __init__(self, group, bundle: Bundle, *, timeout_s: float, config: dict | None = None, agree=None):
         if not torch.cuda.is_available():
             raise RuntimeError("Buffer(backend='cuda'): no CUDA device is available")
         self.group = group
@@ -84,6 +84,7 @@ class CudaTableEngine:
             raise ValueError(f"Buffer: config rdma_transport must be one of {', '.join(TRANSPORTS)}, "
                              f"not {self.transport!r}")
         self.timeout_s = timeout_s
+        self.agree = agree  # the Buffer's agreement (agree.py); the collectives below predate it
         self.dispatches = 0
         self.layout: Layout | None = None  # the layout whose tables are uploaded
         self.rdma: list[GpuRdma] = []
