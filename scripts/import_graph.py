@@ -58,7 +58,8 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "pipeline": (("epcc.pipeline",), CORE[:8], "the stages of a compilation"),
     # code generation: Python that writes text, templates, static sources; runs nothing
     "backends": (("epcc.backends",), CORE, "code generators: CUDA, LLVM IR, the C proxy loop"),
-    "backends.static": (("epcc.backends.cuda.abi", "epcc.backends.rdma.abi", "epcc.backends.rdma.sources"), (),
+    "backends.static": (("epcc.backends.cuda.abi", "epcc.backends.cuda.placement", "epcc.backends.cuda.meta_program",
+                         "epcc.backends.rdma.abi", "epcc.backends.rdma.sources"), ("base", "plan"),
                         "what a runtime may read of a backend: table layouts, where static sources lie"),
     "backends.host-emit": (("epcc.backends.cpu.codegen", "epcc.backends.rdma.emit"), CORE + ("backends.static",),
                            "the emitters the CPU engines run when they load a plan"),
@@ -299,10 +300,15 @@ def document(edges: list[Import], known: dict[str, Path]) -> str:
     return layer_table() + "\n" + mermaid(edges, known)
 
 
+DOC = ROOT / "docs" / "architecture.md"
+DOC_BEGIN, DOC_END = "<!-- import_graph.py: begin -->", "<!-- import_graph.py: end -->"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="import_graph.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="report layer violations and cycles; exit 1 if any")
     ap.add_argument("--local", action="store_true", help="list the function-local imports with their reasons")
+    ap.add_argument("--update-doc", action="store_true", help="rewrite the generated block of docs/architecture.md")
     args = ap.parse_args(argv)
     known = modules()
     edges = imports(known)
@@ -317,6 +323,13 @@ def main(argv: list[str] | None = None) -> int:
                                                                            package_edges(edges))]
         print("\n".join(problems) if problems else f"{len(known)} modules, {len(edges)} imports: no violation, no cycle")
         return 1 if problems else 0
+    if args.update_doc:
+        text = DOC.read_text(encoding="utf-8")
+        head, rest = text.split(DOC_BEGIN, 1)
+        _, tail = rest.split(DOC_END, 1)
+        DOC.write_text(head + DOC_BEGIN + "\n" + document(edges, known).strip("\n") + "\n" + DOC_END + tail,
+                       encoding="utf-8")
+        return 0
     sys.stdout.write(document(edges, known))
     return 0
 

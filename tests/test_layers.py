@@ -54,7 +54,7 @@ def test_the_doc_shows_the_current_graph(graph):
     assert BEGIN in text and END in text, f"{DOC} has no generated block between {BEGIN} and {END}"
     shown = text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n") + "\n"
     assert shown == ig.document(edges, known), \
-        "docs/architecture.md is out of date: paste the output of `.venv/bin/python scripts/import_graph.py`"
+        "docs/architecture.md is out of date: run `.venv/bin/python scripts/import_graph.py --update-doc`"
 
 
 def test_the_gpu_side_loads_without_the_compilers_dependencies():

@@ -51,11 +51,15 @@ import jinja2
 from epcc import __version__ as EPCC_VERSION
 from epcc.plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
 from epcc.plan.rdma import rdma_steps
+from epcc.plan.segments import SegmentProgramError, segment_program
 from epcc.textsafe import c_template_value, for_c_templates
 
 from ..rdma import emit as rdma_emit
 from ..rdma.sources import STATIC_SOURCES
+
 from . import abi, direct
+from .meta_program import encode
+from .placement import PlacementError, placement
 
 TARGET_ARCH = "sm_90a"
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
@@ -543,9 +547,50 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
                 "roles": [],
             })
     manifest["rdma"] = _rdma_sources(plan)
-    files["manifest.json"] = json.dumps(manifest, indent=1) + "\n"
     static = {n: direct.INCLUDE_DIR / n for n in direct.HEADERS} if plan.direct is not None else {}
+    if plan.direct is None:
+        manifest["metadata"] = device_metadata(plan, manifest)
+        if manifest["metadata"]["lowering"] == "device":
+            static.update({n: direct.INCLUDE_DIR / n for n in META_FILES})
+            build = manifest["build"]
+            build["sources"].append(META_SOURCE)
+            build["headers"].append(META_HEADER)
+            build["command"].append(META_SOURCE)
+            manifest["metadata"]["steps"] = [{"program": n["program"], "step": n["step"]}
+                                             for n in manifest["not_lowered"] if n["kind"] == "metadata"]
+            manifest["not_lowered"] = [n for n in manifest["not_lowered"] if n["kind"] != "metadata"]
+    files["manifest.json"] = json.dumps(manifest, indent=1) + "\n"
     return CudaBundle(files=files, manifest=manifest, kernels=kernels, plan=plan, static=static)
+
+
+META_SOURCE = "epcc_table_meta.cu"  # the metadata kernels' driver, static (include/)
+META_HEADER = "epcc/table/meta.cuh"
+META_FILES = (META_SOURCE, META_HEADER)
+
+
+def device_metadata(plan: Plan, manifest: dict) -> dict:
+    """How the table-driven kernels get their tables: "device" (the metadata kernels,
+    include/epcc/table/meta.cuh: every rank's routing all-gathered over peer memory, each rank's
+    tables written on its GPU per dispatch) where they cover the plan, else "host" (the runtime
+    lays the routing out on the host: runtime/layout) with the reason."""
+    def host(why: str) -> dict:
+        return {"lowering": "host", "why": why}
+
+    if any(r.get("lowered") in ("rdma-pack", "rdma-unpack") for k in manifest["kernels"] for r in k["roles"]):
+        return host("the GPU proxy path's channels are set up from host-built tables")
+    if manifest["options"]["rdma"] == "external":
+        return host("RDMA steps are left to an external proxy (more ranks than one box)")
+    try:
+        prog = segment_program(plan)
+        for rank in range(plan.num_ranks):
+            pls = {p: placement(manifest, prog, p, rank, plan.workload.tokens) for p in abi.PROGRAMS
+                   if any(k["program"] == p and k["kind"] == "main" for k in manifest["kernels"])}
+            encode(manifest, plan.workload.placement, prog, pls, rank, plan.workload.tokens)
+    except (SegmentProgramError, PlacementError) as e:
+        return host(str(e))
+    return {"lowering": "device", "exchange": "all-gather of every rank's top-k over peer memory (CUDA IPC)",
+            "kernels": ["gather_copy", "gather_signal_wait", "meta_count", "meta_scan", "meta_rows", "meta_items",
+                        "meta_recv", "zero_partials"]}
 
 
 def _rdma_sources(plan: Plan) -> list[str]:

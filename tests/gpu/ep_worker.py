@@ -238,7 +238,8 @@ def graph_checks(buf: Buffer, case: Case, replays: list, dev, report, label: str
     inputs, then replayed on the inputs of each case `replays` makes (callables; the same token
     counts as `case`), each replay checked against the oracle and reported as `label` i."""
     xs, idxs, ws = case.gpu_inputs()
-    cap = buf.engine.c["capacity"]
+    rx0 = buf.dispatch(xs, idxs, ws, sync=False)[0]  # the whole receive buffer
+    cap = (rx0[0] if isinstance(rx0, tuple) else rx0).shape[0]
     row_local = torch.zeros(cap, dtype=torch.int64, device=dev)  # local expert of each received row
     rx, _, rw, (cnt, off), h, _ = buf.dispatch(xs, idxs, ws, sync=False)  # warm-up outside the graph
     buf.synchronize()
@@ -271,6 +272,8 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
     # the direct kernels (a one-hop plan) also run the low-latency mode, CUDA graphs and other
     # launch configurations; the table-driven kernels take their layout from the host
     direct = hasattr(buf.engine, "c")
+    # the table-driven kernels whose tables the GPU writes run every mode too
+    lowlat = direct or getattr(buf.engine, "on_device", False)
 
     def report(what: str, errs: list[str]) -> None:
         checks.report(buf, name, what, errs)
@@ -286,7 +289,7 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
             errs += case.check_combine(out)
             buf.synchronize()
             report(f"{spec} #{it} sync", errs)
-        if direct:  # low-latency mode (no host sync inside) on the last case's inputs
+        if lowlat:  # low-latency mode (no host sync inside) on the last case's inputs
             rx, _, rw, (cnt, off), h, _ = buf.dispatch(x, idx, w, sync=False)
             errs = case.check_dispatch(rx, rw, cnt.cpu().tolist())
             out = buf.combine(case.y_for(rx, h.rows), h)
@@ -297,7 +300,7 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
     for label, tokens in uneven_tokens(buf.num_ranks, buf.plan.workload.tokens):
         case = Case(buf, "uniform", 31, dev, tokens)
         x, idx, w = case.gpu_inputs()
-        for sync in ((True, False) if direct else (True,)):
+        for sync in ((True, False) if lowlat else (True,)):
             rx, ridx, rw, counts, h, _ = buf.dispatch(x, idx, w, sync=sync)
             errs = case.check_dispatch(rx, rw, counts if sync else counts[0].cpu().tolist(), ridx if sync else None)
             errs += case.check_combine(buf.combine(case.y_for(rx, h.rows), h))
@@ -316,6 +319,10 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
     # expert alignment: every local expert's rows start at a multiple of 64
     report("expert_alignment=64", aligned_errors(buf, case, 64, dev))
 
+    if lowlat and not direct:  # the GPU's tables, byte for byte the host's (uneven tokens, empty slots)
+        report("device tables = host tables", device_tables_errors(buf, dev))
+        graph_checks(buf, case, [lambda rep=rep: Case(buf, ("uniform", "zipf:1.2", "no-remote")[rep], 100 + rep, dev)
+                                 for rep in range(3)], dev, report)
     if not direct:
         bad_input(buf, x, idx, w, report)
         buf.synchronize()
@@ -337,6 +344,31 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
                                    "combine_reduce_blocks": 2}, "dedicated roles 3+2")
     if decode:  # dispatch blocks too narrow to count the metadata themselves: meta_count_kernel
         run_config(path, dev, checks, {"warps": 4}, "warps=4")
+
+
+def device_tables_errors(buf: Buffer, dev) -> list[str]:
+    """After a dispatch whose tables the GPU wrote, its blobs against the host's (runtime/layout
+    laid out on the host, placed as the kernels place them)."""
+    from epcc.runtime.engines.cuda_table.placed import build_placed
+    from epcc.runtime.layout import compute_layout
+
+    eng = buf.engine
+    T = buf.plan.workload.tokens
+    tokens = [max(0, T - 5 * r) for r in range(buf.num_ranks)]
+    case = Case(buf, "uniform", 57, dev, tokens)
+    x, idx, w = case.gpu_inputs()
+    buf.dispatch(x, idx, w)
+    buf.synchronize()
+    layout = compute_layout(buf.plan, case.idx, case.w, tokens)
+    errs = []
+    for p, pl in eng.meta.placements.items():
+        want = build_placed(eng.manifest, layout, pl).blob
+        got = eng.meta.blobs[p].cpu().numpy()
+        diff = np.flatnonzero(want != got)
+        if diff.size:
+            errs.append(f"{p}: {diff.size} bytes differ from the host's, first at {int(diff[0])} "
+                        f"(sections {pl.offsets})")
+    return errs
 
 
 def bad_input(buf: Buffer, x, idx, w, report) -> None:

@@ -8,20 +8,29 @@ loads the launcher library, creates its context and flag area, and allocates eve
 both programs once, at the most rows any routing of at most the bundle's `tokens` per rank can
 put there (runtime/layout/capacity.py), so buffers are mapped on the peers (CUDA IPC) once.
 
-Per dispatch with a new routing (normal mode, one host sync): the token counts, routings and
-weights of every rank are all-gathered over the group, every rank computes the same global
-layout (runtime/layout) for them, uploads its descriptor tables of both programs
-(stream-ordered: the launches before still read the previous ones) and, for a proxy bundle,
-sets up the proxy path's channels for the layout; then this rank's rows go into its `input`
-and the dispatch kernel runs.  A cached-handle dispatch (`handle=`) reuses the layout and
-tables.  Ranks may dispatch different numbers of tokens (0 included), up to the bundle's
-`tokens`.  The layout of these plans is computed on the host: the low-latency mode
-(`sync=False`) and CUDA graphs are not available for them in this version (ValueError says so).
+Where do a dispatch's tables come from (the bundle's manifest, "metadata"):
 
-Outputs are copies (valid after the next call): recv_x [rows, hidden] in the documented
-expert-major order (local expert, home rank, token), the global expert and the routing weight of
-each row, the rows per local expert; with `expert_alignment` N every expert's rows start at a
-multiple of N (the padding rows are zero and combine ignores them).
+* "device" (the plans the metadata kernels cover: backends/cuda/codegen.py device_metadata): the
+  GPU exchanges every rank's routing over peer memory and writes this rank's tables of both
+  programs itself (meta.py), stream-ordered: no host sync, no allocation, CUDA-graph capturable.
+  Both modes work: normal (`sync=True`: the per-expert counts read back, bad routing raised) and
+  low latency (`sync=False`: the whole receive buffer, counts and offsets as device tensors, a
+  bad routing row ignored and reported by `check_routing`).
+* "host" (the GPU proxy path, whose channels the host sets up from the tables, and plans beyond
+  the metadata kernels): the routings and token counts of every rank are exchanged over the
+  group, every rank computes the same layout (runtime/layout) and uploads its tables
+  (stream-ordered: the launches before still read the previous ones).  Normal mode only.
+
+Ranks may dispatch different numbers of tokens (0 included), up to the bundle's `tokens`.  A
+cached-handle dispatch (`handle=`) reuses the routing.  Outputs of the normal mode are copies
+(valid after the next call): recv_x [rows, hidden] in the documented expert-major order (local
+expert, home rank, token), the global expert and the routing weight of each row, the rows per
+local expert; with `expert_alignment` N every expert's rows start at a multiple of N (zero rows
+between; combine ignores them).
+
+Failures (agree.py): every host-side exchange is a round of the Buffer's agreement; an argument a
+rank refuses, a kernel or proxy that gave up, or a rank that stopped answering raises the same
+GroupError on every rank.
 """
 
 from __future__ import annotations
@@ -32,41 +41,55 @@ import torch.distributed as dist
 
 from ....plan.bundle import Bundle, cuda_manifest
 from ....plan.rdma import rdma_steps
+from ....plan.segments import segment_program
 from ...layout import Layout, compute_layout
 from ...layout.capacity import capacity_rows
-from ..base import EngineError, KernelTimeout
+from ..agree import Agreement
+from ..base import EngineError, GroupError, KernelTimeout
 from ..gpu_proxy.build import build_gpu
 from ..gpu_proxy.channels import TRANSPORTS
 from ..gpu_proxy.engine import GpuRdma
 from ..tensors import FP8_GROUP, WEIGHTS_DIFFER, check_tensor, device_view
 from .launcher import CudaError, Library, build_library, role_timeline
+from .meta import DeviceMeta, routing_error
 from .tables import PROGRAMS, build_tables
 
 ALIGN_MAX = 1024  # largest expert_alignment (rows)
+BUILD_S = 600.0  # how much longer than the timeout the others wait for rank 0's nvcc
 
 
 class TableHandle:
-    """What combine (and a cached dispatch) needs from a dispatch: its layout and routing."""
+    """What combine (and a cached dispatch) needs from a dispatch: its routing and shapes."""
 
-    def __init__(self, index: int, layout: Layout, tokens: int, rows: int, topk_idx, topk_weights,
+    def __init__(self, index: int, layout: Layout | None, tokens: int, rows: int, topk_idx, topk_weights,
                  aligned_rows: torch.Tensor | None):
         self.dispatch_index = index
-        self.layout = layout
+        self.layout = layout  # host metadata only
         self.tokens = tokens
-        self.rows = rows  # rows recv_x had (with the alignment padding)
+        self.rows = rows  # rows recv_x had (with the alignment padding; the capacity with sync=False)
         self.topk_idx = topk_idx
         self.topk_weights = topk_weights
         self.aligned_rows = aligned_rows  # with expert_alignment: recv_x row of each output row
 
 
 class CudaTableEngine:
-    def __init__(self, group, bundle: Bundle, *, timeout_s: float, config: dict | None = None, agree=None):
+    def __init__(self, group, bundle: Bundle, *, timeout_s: float, config: dict | None = None,
+                 agree: Agreement | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("Buffer(backend='cuda'): no CUDA device is available")
         self.group = group
         self.rank = dist.get_rank(group)
         self.R = dist.get_world_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
+        self.agree = agree or Agreement.for_group(group, timeout_s)
+        self.ctx = None
+        self.rdma: list[GpuRdma] = []
+        self.own: dict[str, list[int]] = {}
+        self.opened: list[int] = []
+        with self.agree.call("making the Buffer", numbered=False):
+            self._make(bundle, timeout_s, config)
+
+    def _make(self, bundle: Bundle, timeout_s: float, config: dict | None) -> None:
         self.plan = plan = bundle.plan
         self.manifest = manifest = cuda_manifest(bundle.path)
         wl = plan.workload
@@ -75,6 +98,7 @@ class CudaTableEngine:
         self.programs = [p for p in PROGRAMS
                          if any(k["program"] == p and k["kind"] == "main" for k in manifest["kernels"])]
         self.proxy = manifest.get("options", {}).get("rdma") == "proxy"
+        self.on_device = manifest.get("metadata", {}).get("lowering") == "device"
         config = dict(config or {})
         self.transport = config.pop("rdma_transport", "emulated")
         if config:
@@ -84,46 +108,38 @@ class CudaTableEngine:
             raise ValueError(f"Buffer: config rdma_transport must be one of {', '.join(TRANSPORTS)}, "
                              f"not {self.transport!r}")
         self.timeout_s = timeout_s
-        self.agree = agree  # the Buffer's agreement (agree.py); the collectives below predate it
         self.dispatches = 0
-        self.layout: Layout | None = None  # the layout whose tables are uploaded
-        self.rdma: list[GpuRdma] = []
-        self.own: dict[str, list[int]] = {}
-        self.opened: list[int] = []
-        self.ctx = None
+        self.layout: Layout | None = None  # host metadata: the layout whose tables are uploaded
         cuda_dir = bundle.cuda_dir
 
-        # build: rank 0 first (the others find it in the cache); a failure on any rank raises on all
         def build():
             lib = build_library(cuda_dir)
             proxy = build_gpu(cuda_dir / "rdma", self.transport) if self.proxy else None
             return lib, proxy
 
-        paths, err = None, None
-        if self.rank == 0:
-            paths, err = _attempt(build)
-        _agree(group, self.R, err, "building the kernels")
+        build_wait = timeout_s + BUILD_S  # rank 0 builds first; the others find it in the cache
+        paths = build() if self.rank == 0 else None
+        self.agree.barrier("rank 0's build of the kernels", timeout_s=build_wait)
         if self.rank != 0:
-            paths, err = _attempt(build)
-        _agree(group, self.R, err, "building the kernels")
+            paths = build()
+        self.agree.barrier("the kernels' build", timeout_s=build_wait)
         lib_path, self.proxy_lib = paths
         dev = self.device.index
         n_flags = sum(len(s.flows) for s in plan.steps if s.verb != "exchange")
         cap = capacity_rows(plan, self.max_tokens)
-
-        def setup():
-            self.lib = Library(str(lib_path))
-            self.ctx = self.lib.create(dev, self.rank, 1 + 2 * max(n_flags, 1), timeout_s)
-            handles = {"flags": self.lib.ipc_handle(self.ctx.flag_area)}
-            for p in self.programs:
-                self.own[p] = [self.lib.malloc(dev, max(n, 1)) for n in self._sizes(p, cap)]
-                handles[p] = [self.lib.ipc_handle(q) for q in self.own[p]]
-            return handles
-
-        mine, err = _attempt(setup)
-        _agree(group, self.R, err, "allocating the buffers")
-        everyone = [None] * self.R
-        dist.all_gather_object(everyone, mine, group=group)
+        self.lib = Library(str(lib_path))
+        self.ctx = self.lib.create(dev, self.rank, 1 + 2 * max(n_flags, 1), timeout_s)
+        handles = {"flags": self.lib.ipc_handle(self.ctx.flag_area)}
+        for p in self.programs:
+            self.own[p] = [self.lib.malloc(dev, max(n, 1)) for n in self._sizes(p, cap)]
+            handles[p] = [self.lib.ipc_handle(q) for q in self.own[p]]
+        self.meta = None
+        if self.on_device:
+            self.meta = DeviceMeta(self.lib.lib, manifest, plan, segment_program(plan), self.rank, self.device,
+                                   timeout_s)
+            self.area = self.lib.malloc(dev, self.meta.area_bytes)
+            handles["area"] = self.lib.ipc_handle(self.area)
+        everyone = self.agree.gather("the buffers' handles", handles)
 
         def peer(h: bytes, r: int, own: int) -> int:
             if r == self.rank:
@@ -143,8 +159,16 @@ class CudaTableEngine:
         self.input_ptr = self.own["dispatch"][names["dispatch"].index("input")]
         self.output_ptr = self.own["dispatch"][names["dispatch"].index("output")]
         self.y_ptr = self.own["combine"][names["combine"].index("output")] if "combine" in self.programs else 0
+        if self.meta is not None:
+            self.meta.set_areas([peer(e["area"], r, self.area) for r, e in enumerate(everyone)], self.rank)
+            for p in self.programs:
+                self.ctx.use_tables(p, self.meta.blobs[p].data_ptr(), self.meta.headers[p], self.meta.blobs[p].numel())
+            self.own_combine = torch.tensor(self.own.get("combine", [0]), dtype=torch.int64, device=self.device)
+            cap_rows = self.meta.recv_w.numel()
+            self.recv_view = device_view(self.output_ptr, cap_rows * self.row_bytes, torch.uint8,
+                                         (cap_rows, self.row_bytes), self.device)
         self.ctx.synchronize(stream)
-        dist.barrier(group=group)  # every flag area and buffer exists (zeroed) before any launch
+        self.agree.barrier("the buffers' mapping")  # every flag area and buffer exists (zeroed) before any launch
 
     # ------------------------------------------------------------------ helpers
     def _stream(self) -> int:
@@ -163,19 +187,21 @@ class CudaTableEngine:
                 out.append(rows * 4 * self.hidden)
         return out
 
-    def _fail(self, e: Exception) -> EngineError:
-        """The report of a kernel or proxy that gave up, as one error."""
+    def _report(self, e: Exception) -> Exception:
+        """The report of a kernel, exchange or proxy that gave up, as one error."""
         detail = str(e)
         if isinstance(e, CudaError) and self.ctx is not None:
             _, msg = self.ctx.read_error()
             detail = msg or detail
+        if self.meta is not None and self.meta.failure():
+            detail = self.meta.failure() + "; " + detail
         for eng in self.rdma:
             if eng.failure():
                 detail += "; " + eng.failure()
         return KernelTimeout(detail) if isinstance(e, KernelTimeout) or "timed out" in detail else EngineError(detail)
 
     def _routing_error(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None) -> str | None:
-        """What is wrong with this rank's routing (the first bad row), or None."""
+        """What is wrong with this rank's routing (the first bad row), or None (host metadata)."""
         E = self.plan.workload.experts
         if topk_idx.shape[0] == 0:
             return None
@@ -192,33 +218,21 @@ class CudaTableEngine:
                 f"its weights are not finite: {topk_idx[t].tolist()}")
 
     def _gather(self, T: int, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None):
-        """Every rank's token count, top-k indices and weights (padded to the bundle's tokens),
-        after every rank's verdict on its own routing (a bad one raises on every rank)."""
-        err = self._routing_error(topk_idx, topk_weights)
-        errs = [None] * self.R
-        dist.all_gather_object(errs, err, group=self.group)
-        if err is not None:
-            raise ValueError(err)
-        for r, e in enumerate(errs):
-            if e is not None:
-                raise ValueError(f"dispatch: rank {r} was given a bad routing ({e})")
+        """Host metadata: every rank's token count, top-k indices and weights (padded to the
+        bundle's tokens), in one round of the agreement."""
         K, Tm = self.topk, self.max_tokens
-        # NCCL gathers device tensors; a gloo group (ranks sharing a GPU) host ones
-        where = self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        idx = torch.full((Tm, K), -1, dtype=torch.float64, device=where)
-        idx[:T] = topk_idx.to(where, torch.float64)
-        w = torch.ones((Tm, K), dtype=torch.float64, device=where)
-        if topk_weights is not None:
-            w[:T] = topk_weights.to(where, torch.float64)
-        both = torch.cat([idx, w, torch.full((Tm, 1), float(T), dtype=torch.float64, device=where)], dim=1)
-        parts = [torch.empty_like(both) for _ in range(self.R)]
-        dist.all_gather(parts, both, group=self.group)
-        allr = torch.stack(parts).cpu().numpy()
-        tokens = allr[:, 0, 2 * K].astype(np.int64) if Tm else np.zeros(self.R, dtype=np.int64)
-        return allr[:, :, :K].astype(np.int64), allr[:, :, K:2 * K].astype(np.float32), tokens
+        idx = np.full((Tm, K), -1, dtype=np.int64)
+        w = np.ones((Tm, K), dtype=np.float32)
+        if T:
+            idx[:T] = topk_idx.cpu().numpy()
+            if topk_weights is not None:
+                w[:T] = topk_weights.cpu().numpy()
+        allr = self.agree.gather("the routings", (T, idx, w))
+        tokens = np.array([a[0] for a in allr], dtype=np.int64)
+        return np.stack([a[1] for a in allr]), np.stack([a[2] for a in allr]), tokens
 
     def _upload(self, layout: Layout) -> None:
-        """This rank's tables of both programs for `layout` (and the proxy path's channels)."""
+        """Host metadata: this rank's tables of both programs for `layout` (and the proxy path's channels)."""
         stream = self._stream()
         tables = {p: build_tables(self.manifest, layout, p, self.rank) for p in self.programs}
         for p in self.programs:
@@ -226,22 +240,19 @@ class CudaTableEngine:
         if self.proxy:  # the proxy path's channels follow the layout's chunks: set up anew
             torch.cuda.current_stream(self.device).synchronize()  # every launch with the old channels is done
             self._close_rdma()
-            exchange = self._exchange
             for p in self.programs:
                 if not any(s.program == p for s in rdma_steps(self.plan)):
                     continue
                 eng = GpuRdma(proxy_lib=str(self.proxy_lib), cuda_lib=self.lib, ctx=self.ctx, plan=self.plan,
                               manifest=self.manifest, blob=tables[p].blob, program=p, rank=self.rank,
-                              device=self.device.index, exchange=exchange, timeout_s=self.timeout_s,
+                              device=self.device.index, exchange=self._exchange, timeout_s=self.timeout_s,
                               transport=self.transport)
                 eng.start()
                 self.rdma.append(eng)
         self.layout = layout
 
     def _exchange(self, obj):
-        out = [None] * self.R
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return self.agree.gather(f"the proxy path's setup ({type(obj).__name__})", obj)
 
     def _close_rdma(self) -> None:
         for eng in self.rdma:
@@ -251,14 +262,36 @@ class CudaTableEngine:
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x, topk_idx=None, topk_weights=None, *, sync: bool = True, expert_alignment: int = 1,
                  handle: TableHandle | None = None):
-        if not sync:
-            raise ValueError("dispatch: sync=False (the low-latency, CUDA-graph capturable mode) needs the layout "
-                             "computed on the GPU; this bundle's table-driven kernels take it from the host in this "
-                             "version: use sync=True")
+        with self.agree.call("dispatch"):
+            try:
+                rows, T, topk_idx, topk_weights = self._dispatch_args(x, topk_idx, topk_weights, sync,
+                                                                      expert_alignment, handle)
+                if not self.on_device and handle is None:
+                    err = self._routing_error(topk_idx, topk_weights)
+                    if err:
+                        raise ValueError(err)
+            except Exception as e:  # noqa: BLE001 - refused before anything moved: every rank raises it
+                self.agree.fail(e, wait_s=0 if self.on_device else None, fatal=self.on_device)
+            if self.on_device:
+                if sync:
+                    self.agree.heed()  # a peer failed already: launch nothing it will not match
+                return self._dispatch_device(rows, T, topk_idx, topk_weights, sync, expert_alignment)
+            return self._dispatch_host(rows, T, topk_idx, topk_weights, expert_alignment, handle)
+
+    def _dispatch_args(self, x, topk_idx, topk_weights, sync: bool, expert_alignment: int, handle):
+        """The argument checks, before anything touches the GPU."""
+        if not sync and not self.on_device:
+            raise ValueError(f"dispatch: sync=False (the low-latency, CUDA-graph capturable mode) needs the layout "
+                             f"computed on the GPU; this bundle's tables come from the host "
+                             f"({self.manifest.get('metadata', {}).get('why', 'compiled by an older epcc')}): use "
+                             f"sync=True")
         if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) \
                 or not 1 <= expert_alignment <= ALIGN_MAX:
             raise ValueError(f"dispatch: expert_alignment must be an integer in [1, {ALIGN_MAX}], "
                              f"got {expert_alignment!r}")
+        if not sync and expert_alignment != 1:
+            raise ValueError("dispatch: expert_alignment needs sync=True with the table-driven kernels (the padded "
+                             "rows are laid out from the counts)")
         if handle is not None:
             if not isinstance(handle, TableHandle):
                 raise TypeError("dispatch: handle must be a handle an earlier dispatch of this Buffer returned")
@@ -274,11 +307,14 @@ class CudaTableEngine:
         check_tensor("dispatch", "topk_idx", topk_idx, (T, self.topk), (torch.int64, torch.int32), self.device)
         if topk_weights is not None:
             check_tensor("dispatch", "topk_weights", topk_weights, (T, self.topk), (torch.float32,), self.device)
-        if handle is not None:
+        return rows, T, topk_idx, topk_weights
+
+    def _dispatch_host(self, rows, T: int, topk_idx, topk_weights, expert_alignment: int, handle):
+        if handle is not None and handle.layout is not None:
             layout = handle.layout
         else:
             idx_all, w_all, tokens = self._gather(T, topk_idx, topk_weights)
-            layout = compute_layout(self.plan, idx_all, w_all, tokens)  # same on every rank: same errors
+            layout = compute_layout(self.plan, idx_all, w_all, tokens)  # the same on every rank
         try:
             if layout is not self.layout:
                 self._upload(layout)
@@ -291,13 +327,46 @@ class CudaTableEngine:
             got = device_view(self.output_ptr, n * self.row_bytes, torch.uint8, (n, self.row_bytes),
                               self.device).clone()
             self.ctx.synchronize(stream)
-        except (CudaError, KernelTimeout) as e:
-            raise self._fail(e) from None
+        except (CudaError, KernelTimeout, RuntimeError) as e:
+            self.agree.fail(self._report(e))
         self.dispatches += 1
         counts = [int(c) for c in layout.recv_counts[self.rank]]
         entries = layout.entries[("output", self.rank)]
         idx = torch.from_numpy(np.ascontiguousarray(entries[:, 2], dtype=np.int64)).to(self.device)
         w = torch.from_numpy(np.ascontiguousarray(layout.output_weights[self.rank], dtype=np.float32)).to(self.device)
+        return self._outputs(got, idx, w, counts, T, layout, topk_idx, topk_weights, expert_alignment)
+
+    def _dispatch_device(self, rows, T: int, topk_idx, topk_weights, sync: bool, expert_alignment: int):
+        stream = self._stream()
+        try:
+            self.meta.run(T, topk_idx, topk_weights, stream)
+            if T:
+                device_view(self.input_ptr, T * self.row_bytes, torch.uint8, (T, self.row_bytes),
+                            self.device).copy_(rows)
+            self.ctx.launch_dispatch(stream)
+        except (CudaError, KernelTimeout, EngineError) as e:
+            self.agree.fail(self._report(e))
+        self.dispatches += 1
+        m = self.meta
+        if not sync:
+            rx = self._unpack(self.recv_view)
+            h = TableHandle(self.dispatches, None, T, self.recv_view.shape[0], topk_idx, topk_weights, None)
+            return rx, None, m.recv_w, (m.recv_count, m.recv_offset), h, None
+        try:
+            counts = m.recv_count.cpu().tolist()  # the one host sync of the normal mode
+            bad = int(m.bad.cpu()[0])
+        except RuntimeError as e:  # the context is gone: a kernel trapped
+            self.agree.fail(self._report(e))
+        err = routing_error(bad, topk_idx, self.plan.workload.experts)
+        if err:  # every rank's kernels finished: the bad entries were ignored
+            self.agree.fail(ValueError(err), wait_s=0)
+        self.agree.barrier("the dispatch's read-back")
+        n = int(sum(counts))
+        got = self.recv_view[:n].clone()
+        return self._outputs(got, m.recv_idx[:n].clone(), m.recv_w[:n].clone(), counts, T, None, topk_idx,
+                             topk_weights, expert_alignment)
+
+    def _outputs(self, got, idx, w, counts, T, layout, topk_idx, topk_weights, expert_alignment: int):
         aligned = None
         if expert_alignment > 1:
             got, idx, w, aligned = _align_rows(got, idx, w, counts, expert_alignment)
@@ -329,14 +398,44 @@ class CudaTableEngine:
     def _unpack(self, rows: torch.Tensor):
         H = self.hidden
         if self.dtype == "fp8":
-            x8 = rows[:, :H].contiguous().view(torch.float8_e4m3fn)
-            sc = rows[:, H:].contiguous().view(torch.float32)
-            return x8, sc
+            return rows[:, :H].view(torch.float8_e4m3fn), rows[:, H:].view(torch.float32)
         return rows.view(torch.bfloat16) if rows.shape[0] else torch.zeros((0, H), dtype=torch.bfloat16,
                                                                              device=self.device)
 
+    def check_routing(self, topk_idx=None) -> None:
+        """Raise if the last dispatch met a bad top-k row (for sync=False callers); syncs."""
+        if self.meta is None:
+            return
+        bad = int(self.meta.bad.cpu()[0])
+        if bad < self.max_tokens:
+            row = topk_idx[bad].tolist() if topk_idx is not None else "?"
+            raise ValueError(f"dispatch: topk_idx row {bad} names an expert outside "
+                             f"[-1, {self.plan.workload.experts - 1}] or the same expert twice: {row}")
+
     # ------------------------------------------------------------------ combine
     def combine(self, y: torch.Tensor, handle: TableHandle, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+        with self.agree.call("combine"):
+            try:
+                y, out = self._combine_args(y, handle, topk_weights)
+            except Exception as e:  # noqa: BLE001 - refused before anything moved
+                self.agree.fail(e, wait_s=0 if self.on_device else None, fatal=self.on_device)
+            n = y.shape[0]
+            try:
+                stream = self._stream()
+                if n:
+                    device_view(self.y_ptr, n * 2 * self.hidden, torch.bfloat16, (n, self.hidden),
+                                self.device).copy_(y)
+                if self.meta is not None:
+                    self.meta.zero_partials(self.own_combine.data_ptr(), stream)
+                    self.ctx.launch_combine_tokens(out.data_ptr() if handle.tokens else 0, handle.tokens, stream)
+                else:
+                    self.ctx.launch_combine(out.data_ptr() if handle.tokens else 0, stream)
+                    self.ctx.synchronize(stream)
+            except (CudaError, KernelTimeout, EngineError, RuntimeError) as e:
+                self.agree.fail(self._report(e))
+            return out
+
+    def _combine_args(self, y, handle, topk_weights):
         if not isinstance(handle, TableHandle):
             raise TypeError(f"combine: handle must be the handle dispatch returned, not {type(handle).__name__}")
         given = handle.topk_weights
@@ -350,21 +449,11 @@ class CudaTableEngine:
                              f"dispatch #{self.dispatches} since; dispatch again (or with handle=) first")
         if "combine" not in self.programs:
             raise ValueError("combine: the bundle has no combine program")
-        H = self.hidden
-        check_tensor("combine", "x", y, (handle.rows, H), (torch.bfloat16,), self.device)
+        check_tensor("combine", "x", y, (handle.rows, self.hidden), (torch.bfloat16,), self.device)
         if handle.aligned_rows is not None:
             y = y.index_select(0, handle.aligned_rows)
-        n = y.shape[0]
-        out = torch.empty((handle.tokens, H), dtype=torch.bfloat16, device=self.device)
-        try:
-            stream = self._stream()
-            if n:
-                device_view(self.y_ptr, n * 2 * H, torch.bfloat16, (n, H), self.device).copy_(y)
-            self.ctx.launch_combine(out.data_ptr() if handle.tokens else 0, stream)
-            self.ctx.synchronize(stream)
-        except (CudaError, KernelTimeout) as e:
-            raise self._fail(e) from None
-        return out
+        out = torch.empty((handle.tokens, self.hidden), dtype=torch.bfloat16, device=self.device)
+        return y, out
 
     # ------------------------------------------------------------------ what the bench reads
     def enable_timeline(self) -> None:
@@ -385,19 +474,26 @@ class CudaTableEngine:
         return [eng.summary for eng in self.rdma]
 
     def synchronize(self) -> None:
+        """Wait for this rank's kernels; a failure reaches every rank as one GroupError."""
+        self.agree.check()
         try:
             self.ctx.synchronize(self._stream())
-        except (CudaError, KernelTimeout) as e:
-            raise self._fail(e) from None
+            torch.cuda.current_stream(self.device).synchronize()
+        except GroupError:
+            raise
+        except (CudaError, KernelTimeout, RuntimeError) as e:
+            self.agree.fail(self._report(e))
 
     def close(self) -> None:
         """Collective: every rank's kernels finish before any buffer is unmapped and freed."""
         if self.ctx is None:
             return
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
-        self._close_rdma()
-        dist.barrier(group=self.group)  # no peer's proxy writes into this rank any more
+        if self.agree.state == "ready":
+            with self.agree.call("close", numbered=False):
+                torch.cuda.synchronize(self.device)
+                self.agree.barrier("the kernels' end, on every rank")
+                self._close_rdma()
+                self.agree.barrier("the proxies' end")  # no peer's proxy writes into this rank any more
         for p in self.opened:
             self.lib.ipc_close(p)
         self.opened = []
@@ -405,6 +501,8 @@ class CudaTableEngine:
             for p in ptrs:
                 self.lib.free(p)
         self.own = {}
+        if self.meta is not None:
+            self.lib.free(self.area)
         self.ctx.close()
         self.ctx = None
 
@@ -426,20 +524,3 @@ def _align_rows(rows: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, counts: 
     pw = torch.zeros((pos,), dtype=w.dtype, device=w.device)
     pw[where] = w
     return out, pidx, pw, where
-
-
-def _attempt(fn):
-    try:
-        return fn(), None
-    except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
-        return None, f"{type(e).__name__}: {e}"
-
-
-def _agree(group, world: int, err: str | None, what: str) -> None:
-    """Raise on every rank if any rank failed `what` (all_gather_object of the errors)."""
-    errs = [None] * world
-    dist.all_gather_object(errs, err, group=group)
-    bad = [(r, e) for r, e in enumerate(errs) if e]
-    if bad:
-        raise EngineError(f"Buffer(backend='cuda'): {what} failed on " +
-                          "; ".join(f"rank {r}: {e}" for r, e in bad))

@@ -148,6 +148,8 @@ class Library:
             "epcc_cuda_upload_tables": ([vp, i32, vp, u64, u64], i32),
             "epcc_cuda_launch_dispatch": ([vp, u64], i32),
             "epcc_cuda_launch_combine": ([vp, u64, u64], i32),
+            "epcc_cuda_launch_combine_tokens": ([vp, u64, u64, u64], i32),
+            "epcc_cuda_use_tables": ([vp, i32, u64, ctypes.c_char_p, u64], i32),
             "epcc_cuda_epoch": ([vp, i32], u64),
             "epcc_cuda_synchronize": ([vp, u64], i32),
             "epcc_cuda_read_error": ([vp, ctypes.c_char_p, u64], i32),
@@ -275,6 +277,15 @@ class Context:
 
     def launch_dispatch(self, stream: int = 0) -> None:
         self._check(self.lib.epcc_cuda_launch_dispatch(self.handle, stream))
+
+    def use_tables(self, program: str | int, tables: int, header: bytes, nbytes: int) -> None:
+        """Tables the GPU writes itself at device address `tables` (runtime/engines/cuda_table/meta.py),
+        `header` their static header: every later launch of `program` reads them there."""
+        self._check(self.lib.epcc_cuda_use_tables(self.handle, _program(program), tables, header, nbytes))
+
+    def launch_combine_tokens(self, out: int, tokens: int, stream: int = 0) -> None:
+        """launch_combine, converting the first `tokens` partials (tables the GPU wrote)."""
+        self._check(self.lib.epcc_cuda_launch_combine_tokens(self.handle, out, tokens, stream))
 
     def launch_combine(self, out: int = 0, stream: int = 0) -> None:
         self._check(self.lib.epcc_cuda_launch_combine(self.handle, out, stream))

@@ -69,6 +69,7 @@ struct Program {
   int blocks_per_sm = 0;             // the kernel's occupancy, found when the context is created
   uint8_t* tables = nullptr;         // device copy of the blob
   size_t tables_capacity = 0;
+  bool tables_external = false;      // tables written on the GPU (epcc_cuda_use_tables): the caller's memory
   bool tables_ok = false;
   epcc::TableHeader header{};        // host copy of the header
   std::vector<epcc::ZeroDesc> zero;  // combine: partial buffers cleared before each launch
@@ -317,7 +318,7 @@ void epcc_cuda_destroy(void* ctx) {
   if (c == nullptr) return;
   if (c->device >= 0) cudaSetDevice(c->device);
   for (Program& p : c->programs) {
-    cudaFree(p.tables);
+    if (!p.tables_external) cudaFree(p.tables);
     cudaFree(p.buffers_dev);
   }
   cudaFree(c->flags);
@@ -440,6 +441,11 @@ int epcc_cuda_upload_tables(void* ctx, int program, const void* blob, uint64_t b
                 "for this hidden size)", h.hidden, info.hidden_multiple);
   }
   EPCC_TRY(c, cudaSetDevice(c->device));
+  if (p.tables_external) {  // the GPU wrote the last tables; these are the host's again
+    p.tables = nullptr;
+    p.tables_capacity = 0;
+    p.tables_external = false;
+  }
   if (p.tables_capacity < bytes) {  // cudaFree waits for the work that may still read the old blob
     EPCC_TRY(c, cudaFree(p.tables));
     p.tables = nullptr;
@@ -488,6 +494,42 @@ int epcc_cuda_upload_tables(void* ctx, int program, const void* blob, uint64_t b
   return EPCC_RC_OK;
 }
 
+// Tables the GPU writes itself, every launch (the metadata kernels, epcc/table/meta.cuh): the blob
+// lies at `tables` (device memory the caller owns and keeps, `bytes` long) and `header` is its
+// header as the host knows it (the placed blob's static fields).  The caller clears the combine's
+// partial buffers (the blob's ZeroDesc, on the GPU) and sets every buffer pointer.
+int epcc_cuda_use_tables(void* ctx, int program, uint64_t tables, const void* header, uint64_t bytes) {
+  Context* c = static_cast<Context*>(ctx);
+  if (c == nullptr || header == nullptr || tables == 0) return fail(c, EPCC_RC_USAGE, "epcc_cuda_use_tables: NULL argument");
+  if (int rc = check_program(c, program)) return rc;
+  const ProgramInfo& info = kPrograms[program];
+  Program& p = c->programs[program];
+  p.tables_ok = false;
+  epcc::TableHeader h;
+  std::memcpy(&h, header, sizeof h);
+  if (h.magic != EPCC_TABLE_MAGIC || h.version != EPCC_TABLE_VERSION || h.total_bytes != bytes ||
+      h.program != static_cast<uint32_t>(program) || h.rank != c->rank || h.num_ranks != kNumRanks ||
+      h.num_roles != info.num_roles || h.num_buffers != info.num_buffers) {
+    return fail(c, EPCC_RC_TABLES, "%s tables: the header is not one of this kernel's (version %u, rank %u of %u, "
+                "%u roles, %u buffers)", info.name, h.version, h.rank, h.num_ranks, h.num_roles, h.num_buffers);
+  }
+  if (h.num_flags > bank_words(c)) {
+    return fail(c, EPCC_RC_TABLES, "%s tables: %u flags, the flag areas hold %u per bank", info.name, h.num_flags,
+                bank_words(c));
+  }
+  EPCC_TRY(c, cudaSetDevice(c->device));
+  if (!p.tables_external) EPCC_TRY(c, cudaFree(p.tables));
+  p.tables = reinterpret_cast<uint8_t*>(tables);
+  p.tables_capacity = bytes;
+  p.tables_external = true;
+  p.header = h;
+  p.zero.clear();
+  p.used.clear();
+  for (uint64_t i = 0; i < static_cast<uint64_t>(info.num_buffers) * kNumRanks; ++i) p.used.push_back(i);
+  p.tables_ok = true;
+  return EPCC_RC_OK;
+}
+
 // Dispatch on `stream` (a cudaStream_t, 0: the legacy default stream).  Every rank launches its
 // own; the kernel meets the others at its entry barrier.  When the stream reaches the kernel's
 // end, this rank's `output` holds every row (stream order suffices for the next work).
@@ -502,7 +544,16 @@ int epcc_cuda_launch_dispatch(void* ctx, uint64_t stream) {
 // Combine on `stream`: clears this rank's partial buffers, runs the kernel, then converts the
 // home partials into `out` (bf16 [tokens, hidden], device memory; 0: skip the conversion and
 // leave the fp32 sums in the `result` buffer).
+int epcc_cuda_launch_combine_tokens(void* ctx, uint64_t out, uint64_t tokens, uint64_t stream);
+
 int epcc_cuda_launch_combine(void* ctx, uint64_t out, uint64_t stream) {
+  Context* c = static_cast<Context*>(ctx);
+  return epcc_cuda_launch_combine_tokens(ctx, out, c == nullptr ? 0 : c->programs[1].header.tokens, stream);
+}
+
+// As epcc_cuda_launch_combine, converting the first `tokens` home partials (tables the GPU wrote
+// carry this rank's token count on the GPU only).
+int epcc_cuda_launch_combine_tokens(void* ctx, uint64_t out, uint64_t tokens, uint64_t stream) {
   Context* c = static_cast<Context*>(ctx);
   if (c == nullptr) return fail(nullptr, EPCC_RC_USAGE, "epcc_cuda_launch_combine: NULL context");
   if (int rc = check_program(c, 1)) return rc;
@@ -519,7 +570,7 @@ int epcc_cuda_launch_combine(void* ctx, uint64_t out, uint64_t stream) {
   if (out != 0) {
     if (!kHasFinish || kPrograms[1].result_buffer < 0) return fail(c, EPCC_RC_USAGE, "combine: no finish kernel");
     const uint64_t result = p.buffers[static_cast<size_t>(kPrograms[1].result_buffer) * kNumRanks + c->rank];
-    const uint64_t n = static_cast<uint64_t>(p.header.tokens) * p.header.hidden;
+    const uint64_t n = tokens * p.header.hidden;
     const uint64_t want = (n / 8 + kFinishBlock - 1) / kFinishBlock;
     const uint32_t grid = static_cast<uint32_t>(std::max<uint64_t>(1, std::min<uint64_t>(want, 2ull * c->num_sms)));
     EPCC_TRY(c, kFinishLaunch(reinterpret_cast<const float*>(result), reinterpret_cast<void*>(out), n, grid, s));

@@ -1,0 +1,730 @@
+// epcc/table/meta.cuh: the metadata kernels of the table-driven kernels -- a rank's placed table
+// blobs (runtime/engines/cuda_table/placement.py) from the gathered routing and the plan's static
+// metadata program (runtime/engines/cuda_table/meta_program.py encodes it; its docstring says
+// what each record means).  The same arithmetic in NumPy: runtime/testing/device_tables.py.
+//
+// Four launches, in stream order, after the host has copied the blobs' template (their static
+// fields) into place and zeroed the scratch:
+//   meta_count  grid (home rank x token block): each token's sets, per block the tokens of each
+//               set (and the expert rows of each OUT set) and of each expert;
+//   meta_scan   one block: prefix sums -- set offsets in their buffers, output rows per expert,
+//               each part's first token and row in its copy, each copy's tokens, rows and chunks --
+//               and the descriptors' counts (RoleDesc, CopyDesc, DrainDesc, ZeroDesc, header);
+//   meta_rows   grid (part x token block) over the parts of this rank's copies: each row's source
+//               handle, destination slot and weight, each chunk's first row, each chunk's waits
+//               (a running maximum per producer);
+//   meta_items  grid (copy): each chunk's item at its place in the role's item order, its waits
+//               compacted in flag order.
+//
+// Written once for both sides: compiled by nvcc these are kernels (a block's threads run each
+// phase together, __syncthreads between phases); compiled as C++ for the host
+// (EPCC_META_HOST) each block runs its phases one thread after the other, which is how the CPU
+// tests run the very same code (tests/backends/test_meta_kernels.py).
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+namespace epcc {
+namespace meta {
+
+typedef long long i64;
+
+#if defined(__CUDACC__) && !defined(EPCC_META_HOST)
+#define EM_FN __device__ __forceinline__
+#define EM_HD __host__ __device__ inline
+#define EM_KERNEL __global__ void __launch_bounds__(kBlock)
+#define EM_SHARED __shared__
+#define EM_THREADS(t) { const int t = static_cast<int>(threadIdx.x);
+#define EM_SYNC } __syncthreads();
+#define EM_BLOCK static_cast<int>(blockIdx.x)
+#define EM_OR(p, v) atomicOr((p), (v))
+#define EM_MAX(p, v) atomicMax((p), (v))
+#define EM_MIN(p, v) atomicMin((p), (v))
+EM_FN int em_popc(unsigned v) { return __popc(v); }
+#else
+#define EM_FN static inline
+#define EM_HD static inline
+#define EM_KERNEL static void
+#define EM_SHARED static
+#define EM_THREADS(t) for (int t = 0; t < kBlock; ++t) {
+#define EM_SYNC }
+#define EM_BLOCK em_block
+#define EM_OR(p, v) (*(p) |= (v))
+#define EM_MAX(p, v) (*(p) = *(p) > (v) ? *(p) : (v))
+#define EM_MIN(p, v) (*(p) = *(p) < (v) ? *(p) : (v))
+EM_FN int em_popc(unsigned v) { return __builtin_popcount(v); }
+#endif
+
+constexpr int kBlock = 128;               // tokens per block (meta_program.py TOKEN_BLOCK)
+constexpr int kWords = kBlock / 32;       // 32-bit words of a per-block token mask
+constexpr int kMaxSets = 64;              // sets per home rank (MAX_SETS)
+constexpr int kMaxTopk = 16;
+constexpr int kMaxExperts = 1024;
+constexpr i64 kMagic = 0x4D455043;
+constexpr i64 kVersion = 1;
+
+// Field indices of the program's records: meta_program.py's lists, in order
+// (tests/backends/test_meta_kernels.py checks they agree).
+enum Header {
+  H_magic, H_version, H_num_ranks, H_experts, H_topk, H_epr, H_strided, H_max_tokens, H_token_blocks, H_hidden,
+  H_row_bytes, H_rank, H_num_sets, H_num_groups, H_num_copies, H_num_parts, H_num_contrib, H_num_tcopies,
+  H_num_roles, H_num_drain, H_num_zero, H_num_work, H_num_prods, H_num_ramp, H_off_sets, H_off_set_index,
+  H_off_or, H_off_groups, H_off_group_sets, H_off_copies, H_off_parts, H_off_contrib, H_off_tcopies,
+  H_off_roles, H_off_drain, H_off_zero, H_off_work, H_off_prods, H_off_ramp, H_off_srcbuf, H_num_srcbuf,
+  H_blob_bytes_d, H_blob_bytes_c, H_num_or, H_num_group_sets, H_sets_max, H_items_off_d, H_waits_off_d,
+  H_items_off_c, H_waits_off_c, H_COUNT
+};
+enum Set { S_origin, S_kind, S_parent, S_mask, S_all, S_dst, S_or_begin, S_or_count, S_group, S_bit, S_COUNT };
+enum Group { G_first, G_count, G_COUNT };
+enum Copy {
+  C_program, C_tpc, C_head, C_tail, C_first_part, C_num_parts, C_dst, C_ramp_front, C_ramp_front_n, C_ramp_back,
+  C_ramp_back_n, C_ramp_front_sum, C_ramp_back_sum, C_COUNT
+};
+enum Part {
+  P_copy, P_origin, P_kind, P_tok_set, P_src_set, P_dst_set, P_out_rank, P_srcbuf, P_producer, P_prod_part,
+  P_prod_slot, P_contrib_begin, P_contrib_count, P_index, P_tcopy, P_COUNT
+};
+enum Contrib { K_copy, K_part, K_slot, K_COUNT };
+enum TCopy {
+  T_program, T_copy, T_role, T_side, T_weighted, T_src_rows, T_dst_rows, T_weights, T_rows_cap, T_chunks_cap,
+  T_prod_begin, T_prod_count, T_desc_off, T_dst_buf, T_flag_id, T_flag_rank, T_step_index, T_flow_index,
+  T_src_rank, T_dst_rank, T_role_rec, T_desc_index, T_scratch_waits, T_scratch_starts, T_COUNT
+};
+enum Role {
+  R_program, R_item_begin, R_item_cap, R_wait_begin, R_wait_stride, R_first_tcopy, R_num_tcopies, R_desc_off,
+  R_step_crc, R_COUNT
+};
+enum Drain { D_program, D_copy, D_desc_off, D_COUNT };
+enum Zero { Z_buf, Z_group_first, Z_group_count, Z_result, Z_desc_off, Z_COUNT };
+enum Work { W_part, W_block, W_COUNT };
+enum SetKind { SET_SEG = 0, SET_OUT = 1, SET_LIVE = 2 };
+enum PartKind { PART_D_STAGE = 0, PART_D_OUT = 1, PART_C_STAGE = 2, PART_C_OUT = 3 };
+enum Side { SIDE_SM = 0, SIDE_PACK = 1, SIDE_UNPACK = 2 };
+
+// Byte offsets of the descriptor fields the kernels write (backends/cuda/abi.py STRUCTS).
+constexpr int kRoleItemCount = 4, kCopyNRows = 24, kDrainValue = 8, kZeroBytes = 8;
+constexpr int kHeaderTokens = 60;
+constexpr int kItemBytes = 24, kWaitBytes = 16;
+constexpr i64 kRowBufShift = 40;
+
+struct Args {
+  const i64* prog;       // the metadata program (int64)
+  i64* scratch;          // scratch_words(prog) words, zero before meta_count
+  const int* tokens;     // [R] tokens of every rank
+  const int* topk;       // [R][max_tokens][topk] every rank's routing (-1: an empty slot)
+  const float* weights;  // [R][max_tokens][topk]
+  uint8_t* blob[2];      // the placed blobs (dispatch, combine), holding their template
+  int* bad;              // the first bad token of this rank's routing (INT_MAX: none), lowered by meta_count
+  // what meta_recv writes for this rank's received rows (expert-major): the routing weight and the
+  // global expert of each row, the rows per local expert and where each expert's rows start
+  float* recv_w;
+  int64_t* recv_idx;
+  int* recv_count;       // [experts per rank]
+  int* recv_offset;      // [experts per rank + 1]
+};
+
+EM_HD const i64* rec(const i64* p, int off_field, i64 index, int width) { return p + p[off_field] + index * width; }
+EM_FN const i64* set_rec(const i64* p, i64 i) { return rec(p, H_off_sets, i, S_COUNT); }
+EM_FN const i64* part_rec(const i64* p, i64 i) { return rec(p, H_off_parts, i, P_COUNT); }
+EM_FN const i64* copy_rec(const i64* p, i64 i) { return rec(p, H_off_copies, i, C_COUNT); }
+EM_HD const i64* tcopy_rec(const i64* p, i64 i) { return rec(p, H_off_tcopies, i, T_COUNT); }
+
+// Scratch (int64 words), after the per-copy regions meta_program.py laid out (scratch_words).
+struct Scratch {
+  i64 *set_cnt, *set_rcnt, *set_base, *set_rbase, *set_total, *set_rtotal, *set_off;
+  i64 *ecnt, *ebase, *e_first;  // [R][TB][E] per block, exclusive over blocks; [E] first output row
+  i64* e_total;                 // [E]: rows of expert e
+  i64 *home_before;             // [R][E]: rows of expert e from lower home ranks
+  i64 *part_tok, *part_rows, *part_tok_base, *part_row_base;
+  i64 *copy_tok, *copy_rows, *copy_chunks;
+  i64* per_tcopy;               // the per-copy regions (waits, chunk starts)
+};
+
+EM_HD i64 scratch_words(const i64* p, i64* layout_out = nullptr) {
+  const i64 S = p[H_num_sets], TB = p[H_token_blocks], R = p[H_num_ranks], E = p[H_experts];
+  const i64 parts = p[H_num_parts], copies = p[H_num_copies];
+  i64 tc = 0;  // the per-copy regions
+  for (i64 i = 0; i < p[H_num_tcopies]; ++i) {
+    const i64* t = tcopy_rec(p, i);
+    const i64 prods = t[T_prod_count] > 0 ? t[T_prod_count] : 1;
+    const i64 end = t[T_scratch_waits] + t[T_chunks_cap] * prods + t[T_chunks_cap] + 1;
+    if (end > tc) tc = end;
+  }
+  const i64 sizes[] = {S * TB, S * TB, S * TB, S * TB, S, S, S, R * TB * E, R * TB * E, E, R * E,
+                       parts, parts, parts, parts, copies, copies, copies, tc, E};
+  i64 total = 0;
+  for (int i = 0; i < static_cast<int>(sizeof sizes / sizeof sizes[0]); ++i) {
+    if (layout_out) layout_out[i] = total;
+    total += sizes[i];
+  }
+  return total;
+}
+
+EM_FN Scratch scratch_of(const Args& a) {
+  i64 at[20];
+  scratch_words(a.prog, at);
+  i64* s = a.scratch;
+  Scratch x;
+  x.set_cnt = s + at[0]; x.set_rcnt = s + at[1]; x.set_base = s + at[2]; x.set_rbase = s + at[3];
+  x.set_total = s + at[4]; x.set_rtotal = s + at[5]; x.set_off = s + at[6];
+  x.ecnt = s + at[7]; x.ebase = s + at[8]; x.e_first = s + at[9]; x.home_before = s + at[10];
+  x.part_tok = s + at[11]; x.part_rows = s + at[12]; x.part_tok_base = s + at[13]; x.part_row_base = s + at[14];
+  x.copy_tok = s + at[15]; x.copy_rows = s + at[16]; x.copy_chunks = s + at[17];
+  x.per_tcopy = s + at[18];
+  x.e_total = s + at[19];
+  return x;
+}
+
+// ---------------------------------------------------------------------------------- chunks
+// plan.chunk_sizes: the ramp ends (sizes in the program), whole chunks of tpc, the remainder
+// before the tail ramp; ramps only where the copy holds both ends and one whole chunk.
+struct Chunking {
+  i64 n, tpc, front_n, back_n, front_sum, back_sum, whole, rest;
+  const i64* front;
+  const i64* back;
+  bool ramps;
+};
+
+EM_FN Chunking chunking(const i64* p, i64 copy, i64 n) {
+  const i64* c = copy_rec(p, copy);
+  Chunking k;
+  k.n = n;
+  k.tpc = c[C_tpc];
+  k.front = p + p[H_off_ramp] + c[C_ramp_front];
+  k.back = p + p[H_off_ramp] + c[C_ramp_back];
+  k.ramps = k.tpc > 0 && c[C_ramp_front_sum] + c[C_ramp_back_sum] + k.tpc <= n;
+  k.front_n = k.ramps ? c[C_ramp_front_n] : 0;
+  k.back_n = k.ramps ? c[C_ramp_back_n] : 0;
+  k.front_sum = k.ramps ? c[C_ramp_front_sum] : 0;
+  k.back_sum = k.ramps ? c[C_ramp_back_sum] : 0;
+  const i64 middle = n - k.front_sum - k.back_sum;
+  k.whole = k.tpc > 0 ? middle / k.tpc : 0;
+  k.rest = k.tpc > 0 ? middle % k.tpc : 0;
+  return k;
+}
+
+EM_FN i64 num_chunks(const Chunking& k) {
+  if (k.n <= 0) return 0;
+  if (k.tpc <= 0) return 1;
+  return k.front_n + k.whole + (k.rest ? 1 : 0) + k.back_n;
+}
+
+// The first token of chunk c (c == num_chunks: n).
+EM_FN i64 chunk_start(const Chunking& k, i64 c) {
+  if (k.tpc <= 0) return c <= 0 ? 0 : k.n;
+  i64 t = 0;
+  if (c < k.front_n) {
+    for (i64 i = 0; i < c; ++i) t += k.front[i];
+    return t;
+  }
+  t = k.front_sum;
+  c -= k.front_n;
+  const i64 mid = k.whole + (k.rest ? 1 : 0);
+  if (c <= k.whole) return t + c * k.tpc;
+  if (c < mid || (c == mid && k.rest)) return t + k.whole * k.tpc + (c > k.whole ? k.rest : 0);
+  t += k.whole * k.tpc + k.rest;
+  c -= mid;
+  for (i64 i = 0; i < c && i < k.back_n; ++i) t += k.back[i];
+  return t;
+}
+
+// The chunk holding token `tok` (0 <= tok < n).
+EM_FN i64 chunk_of(const Chunking& k, i64 tok) {
+  if (k.tpc <= 0) return 0;
+  if (tok < k.front_sum) {
+    i64 t = 0;
+    for (i64 i = 0; i < k.front_n; ++i) {
+      t += k.front[i];
+      if (tok < t) return i;
+    }
+  }
+  const i64 mid_end = k.front_sum + k.whole * k.tpc + k.rest;
+  if (tok < mid_end) return k.front_n + (tok - k.front_sum) / k.tpc;
+  i64 t = mid_end;
+  const i64 first_back = k.front_n + k.whole + (k.rest ? 1 : 0);
+  for (i64 i = 0; i < k.back_n; ++i) {
+    t += k.back[i];
+    if (tok < t) return first_back + i;
+  }
+  return first_back + k.back_n - 1;
+}
+
+// ---------------------------------------------------------------------------------- tokens
+// One block's tokens of one home rank: which sets each is in and, per set, expert and row masks.
+struct Shared {
+  unsigned long long bits[kBlock];        // per token: its sets (bit = the set's `bit`)
+  unsigned set_words[kMaxSets][kWords];   // per set: its tokens in this block
+  unsigned exp_words[kMaxExperts][kWords];  // per expert: the tokens that picked it
+  unsigned row_words[kMaxSets][kMaxTopk][kWords];  // OUT sets: tokens with at least m + 1 rows
+  short experts[kBlock][kMaxTopk];        // per token and slot: the expert (-1: none, bad or repeated)
+  unsigned long long dmask[kBlock];
+};
+
+EM_FN int rank_of_expert(const i64* p, int e) {
+  return p[H_strided] ? e % static_cast<int>(p[H_num_ranks]) : e / static_cast<int>(p[H_epr]);
+}
+EM_FN int local_of_expert(const i64* p, int e) {
+  return p[H_strided] ? e / static_cast<int>(p[H_num_ranks]) : e % static_cast<int>(p[H_epr]);
+}
+EM_FN int expert_of(const i64* p, int rank, int local) {
+  return p[H_strided] ? local * static_cast<int>(p[H_num_ranks]) + rank : rank * static_cast<int>(p[H_epr]) + local;
+}
+
+// Rows of a token on rank d (its experts there).
+EM_FN int rows_on(const Shared& sh, int t, int K, const i64* p, int d) {
+  int n = 0;
+  for (int j = 0; j < K; ++j) {
+    const int e = sh.experts[t][j];
+    if (e >= 0 && rank_of_expert(p, e) == d) ++n;
+  }
+  return n;
+}
+
+// Fills `sh` for the tokens [block * kBlock, ...) of home rank h (every thread of the block).
+// Marks the first bad token of this rank's own routing.
+EM_FN void load_block(const Args& a, int h, int block, Shared& sh) {
+  const i64* p = a.prog;
+  const int K = static_cast<int>(p[H_topk]), E = static_cast<int>(p[H_experts]);
+  const int T = a.tokens[h];
+  const int nsets = static_cast<int>(p[H_sets_max]);
+  const i64* index = p + p[H_off_set_index] + static_cast<i64>(h) * kMaxSets;
+  EM_THREADS(t)
+    for (int s = t; s < kMaxSets * kWords; s += kBlock) (&sh.set_words[0][0])[s] = 0u;
+    for (int s = t; s < E * kWords; s += kBlock) (&sh.exp_words[0][0])[s] = 0u;
+    for (int s = t; s < kMaxSets * kMaxTopk * kWords; s += kBlock) (&sh.row_words[0][0][0])[s] = 0u;
+  EM_SYNC
+  EM_THREADS(t)
+    const int tok = block * kBlock + t;
+    unsigned long long d = 0;
+    bool bad = false;
+    for (int j = 0; j < K; ++j) {
+      int e = tok < T ? a.topk[(static_cast<i64>(h) * p[H_max_tokens] + tok) * K + j] : -1;
+      if (e < -1 || e >= E) { bad = true; e = -1; }
+      for (int i = 0; i < j && e >= 0; ++i)
+        if (sh.experts[t][i] == e) { bad = true; e = -1; }
+      sh.experts[t][j] = static_cast<short>(e);
+      if (e >= 0) {
+        d |= 1ull << rank_of_expert(p, e);
+        EM_OR(&sh.exp_words[e][t / 32], 1u << (t % 32));
+      }
+    }
+    if (bad && h == static_cast<int>(p[H_rank])) EM_MIN(a.bad, tok);
+    sh.dmask[t] = d;
+    unsigned long long bits = 0;
+    for (int b = 0; b < nsets; ++b) {
+      const i64 si = index[b];
+      if (si < 0) break;
+      const i64* s = set_rec(p, si);
+      bool in;
+      if (s[S_kind] == SET_SEG) {
+        const bool base = s[S_parent] < 0 ? tok < T : ((bits >> set_rec(p, s[S_parent])[S_bit]) & 1ull) != 0;
+        in = base && (s[S_all] || (d & static_cast<unsigned long long>(s[S_mask])) != 0);
+      } else if (s[S_kind] == SET_OUT) {
+        in = ((bits >> set_rec(p, s[S_parent])[S_bit]) & 1ull) && ((d >> s[S_dst]) & 1ull);
+        if (in) {
+          const int n = rows_on(sh, t, K, p, static_cast<int>(s[S_dst]));
+          for (int m = 0; m < n; ++m) EM_OR(&sh.row_words[b][m][t / 32], 1u << (t % 32));
+        }
+      } else {
+        in = false;
+        const i64* ors = p + p[H_off_or] + s[S_or_begin];
+        for (i64 i = 0; i < s[S_or_count] && !in; ++i) in = ((bits >> set_rec(p, ors[i])[S_bit]) & 1ull) != 0;
+      }
+      if (in) {
+        bits |= 1ull << b;
+        EM_OR(&sh.set_words[b][t / 32], 1u << (t % 32));
+      }
+    }
+    sh.bits[t] = bits;
+  EM_SYNC
+}
+
+// Tokens of a 128-bit block mask before token t, and in all.
+EM_FN int before(const unsigned (&w)[kWords], int t) {
+  int n = 0;
+  for (int i = 0; i < t / 32; ++i) n += em_popc(w[i]);
+  return n + em_popc(w[t / 32] & ((1u << (t % 32)) - 1u));
+}
+EM_FN int count(const unsigned (&w)[kWords]) {
+  int n = 0;
+  for (int i = 0; i < kWords; ++i) n += em_popc(w[i]);
+  return n;
+}
+
+// ---------------------------------------------------------------------------------- kernels
+// Grid: num_ranks x token_blocks (home rank major).
+EM_KERNEL meta_count(Args a
+#ifdef EPCC_META_HOST
+                     , int em_block
+#endif
+) {
+  EM_SHARED Shared sh;
+  const i64* p = a.prog;
+  const int TB = static_cast<int>(p[H_token_blocks]);
+  const int h = EM_BLOCK / TB, block = EM_BLOCK % TB;
+  load_block(a, h, block, sh);
+  const Scratch x = scratch_of(a);
+  const i64* index = p + p[H_off_set_index] + static_cast<i64>(h) * kMaxSets;
+  const int E = static_cast<int>(p[H_experts]), K = static_cast<int>(p[H_topk]);
+  EM_THREADS(t)
+    for (int b = t; b < kMaxSets; b += kBlock) {
+      const i64 si = index[b];
+      if (si < 0) continue;
+      x.set_cnt[si * TB + block] = count(sh.set_words[b]);
+      int rows = 0;
+      for (int m = 0; m < K; ++m) rows += count(sh.row_words[b][m]);
+      x.set_rcnt[si * TB + block] = rows;
+    }
+    for (int e = t; e < E; e += kBlock) x.ecnt[(static_cast<i64>(h) * TB + block) * E + e] = count(sh.exp_words[e]);
+  EM_SYNC
+}
+
+// One block.
+EM_KERNEL meta_scan(Args a
+#ifdef EPCC_META_HOST
+                    , int em_block
+#endif
+) {
+#ifdef EPCC_META_HOST
+  (void)em_block;
+#endif
+  const i64* p = a.prog;
+  const Scratch x = scratch_of(a);
+  const i64 TB = p[H_token_blocks], R = p[H_num_ranks], E = p[H_experts], EPR = p[H_epr];
+  EM_THREADS(t)
+    for (i64 s = t; s < p[H_num_sets]; s += kBlock) {
+      i64 n = 0, r = 0;
+      for (i64 b = 0; b < TB; ++b) {
+        x.set_base[s * TB + b] = n;
+        x.set_rbase[s * TB + b] = r;
+        n += x.set_cnt[s * TB + b];
+        r += x.set_rcnt[s * TB + b];
+      }
+      x.set_total[s] = n;
+      x.set_rtotal[s] = r;
+    }
+    for (i64 he = t; he < R * E; he += kBlock) {
+      const i64 h = he / E, e = he % E;
+      i64 n = 0;
+      for (i64 b = 0; b < TB; ++b) {
+        x.ebase[(h * TB + b) * E + e] = n;
+        n += x.ecnt[(h * TB + b) * E + e];
+      }
+      x.home_before[h * E + e] = n;  // this home's total for now
+    }
+  EM_SYNC
+  EM_THREADS(t)
+    for (i64 g = t; g < p[H_num_groups]; g += kBlock) {
+      const i64* gr = rec(p, H_off_groups, g, G_COUNT);
+      const i64* sets = p + p[H_off_group_sets] + gr[G_first];
+      i64 off = 0;
+      for (i64 i = 0; i < gr[G_count]; ++i) {
+        x.set_off[sets[i]] = off;
+        off += x.set_total[sets[i]];
+      }
+    }
+    for (i64 e = t; e < E; e += kBlock) {  // home totals -> rows of lower home ranks; e's rows in all
+      i64 n = 0;
+      for (i64 h = 0; h < R; ++h) {
+        const i64 c = x.home_before[h * E + e];
+        x.home_before[h * E + e] = n;
+        n += c;
+      }
+      x.e_first[e] = n;  // total for now
+      x.e_total[e] = n;
+    }
+    for (i64 q = t; q < p[H_num_parts]; q += kBlock) {
+      const i64* pr = part_rec(p, q);
+      const i64 s = pr[P_tok_set];
+      x.part_tok[q] = x.set_total[s];
+      x.part_rows[q] = (pr[P_kind] == PART_D_OUT || pr[P_kind] == PART_C_OUT) ? x.set_rtotal[s] : x.set_total[s];
+    }
+  EM_SYNC
+  EM_THREADS(t)
+    for (i64 d = t; d < R; d += kBlock) {  // each rank's output rows: expert-major
+      i64 n = 0;
+      for (i64 l = 0; l < EPR; ++l) {
+        const int e = expert_of(p, static_cast<int>(d), static_cast<int>(l));
+        const i64 c = x.e_first[e];
+        x.e_first[e] = n;
+        n += c;
+      }
+    }
+    for (i64 c = t; c < p[H_num_copies]; c += kBlock) {
+      const i64* cr = copy_rec(p, c);
+      i64 n = 0, r = 0;
+      for (i64 q = cr[C_first_part]; q < cr[C_first_part] + cr[C_num_parts]; ++q) {
+        x.part_tok_base[q] = n;
+        x.part_row_base[q] = r;
+        n += x.part_tok[q];
+        r += x.part_rows[q];
+      }
+      x.copy_tok[c] = n;
+      x.copy_rows[c] = r;
+      x.copy_chunks[c] = num_chunks(chunking(p, c, n));
+    }
+  EM_SYNC
+  // the descriptors' counts
+  EM_THREADS(t)
+    for (i64 i = t; i < p[H_num_tcopies]; i += kBlock) {
+      const i64* tc = tcopy_rec(p, i);
+      uint8_t* blob = a.blob[tc[T_program]];
+      const uint32_t rows = static_cast<uint32_t>(x.copy_rows[tc[T_copy]]);
+      memcpy(blob + tc[T_desc_off] + kCopyNRows, &rows, 4);
+      i64* starts = x.per_tcopy + tc[T_scratch_starts];
+      starts[0] = 0;
+      starts[x.copy_chunks[tc[T_copy]]] = x.copy_rows[tc[T_copy]];
+    }
+    for (i64 i = t; i < p[H_num_roles]; i += kBlock) {
+      const i64* ro = rec(p, H_off_roles, i, R_COUNT);
+      i64 items = 0;
+      for (i64 j = ro[R_first_tcopy]; j < ro[R_first_tcopy] + ro[R_num_tcopies]; ++j)
+        items += x.copy_chunks[tcopy_rec(p, j)[T_copy]];
+      const uint32_t v = static_cast<uint32_t>(items);
+      memcpy(a.blob[ro[R_program]] + ro[R_desc_off] + kRoleItemCount, &v, 4);
+    }
+    for (i64 i = t; i < p[H_num_drain]; i += kBlock) {
+      const i64* dr = rec(p, H_off_drain, i, D_COUNT);
+      const uint64_t v = static_cast<uint64_t>(x.copy_chunks[dr[D_copy]]);
+      memcpy(a.blob[dr[D_program]] + dr[D_desc_off] + kDrainValue, &v, 8);
+    }
+    for (i64 i = t; i < p[H_num_zero]; i += kBlock) {
+      const i64* z = rec(p, H_off_zero, i, Z_COUNT);
+      i64 rows = 0;
+      if (z[Z_result]) {
+        rows = p[H_max_tokens];
+      } else {
+        const i64* sets = p + p[H_off_group_sets] + z[Z_group_first];
+        for (i64 j = 0; j < z[Z_group_count]; ++j) rows += x.set_total[sets[j]];
+      }
+      const uint64_t v = static_cast<uint64_t>(rows) * 4u * static_cast<uint64_t>(p[H_hidden]);
+      memcpy(a.blob[1] + z[Z_desc_off] + kZeroBytes, &v, 8);
+    }
+    if (t == 0) {
+      const uint32_t tok = static_cast<uint32_t>(a.tokens[p[H_rank]]);
+      if (p[H_blob_bytes_d]) memcpy(a.blob[0] + kHeaderTokens, &tok, 4);
+      if (p[H_blob_bytes_c]) memcpy(a.blob[1] + kHeaderTokens, &tok, 4);
+    }
+  EM_SYNC
+}
+
+// The output row of (token t of this block, slot j) of home h, expert e.
+EM_FN i64 output_row(const Scratch& x, const Shared& sh, const i64* p, int h, int block, int t, int e) {
+  const i64 E = p[H_experts], TB = p[H_token_blocks];
+  return x.e_first[e] + x.home_before[h * E + e] + x.ebase[(h * TB + block) * E + e] + before(sh.exp_words[e], t);
+}
+
+// The token of a part's set within its copy: the part's first token plus the token's rank in the set.
+EM_FN i64 part_token(const Scratch& x, const i64* p, const Shared& sh, i64 part, int block, int t) {
+  const i64* pr = part_rec(p, part);
+  const i64 s = pr[P_tok_set];
+  const int b = static_cast<int>(set_rec(p, s)[S_bit]);
+  return x.part_tok_base[part] + x.set_base[s * p[H_token_blocks] + block] + before(sh.set_words[b], t);
+}
+
+EM_FN i64 seg_slot(const Scratch& x, const i64* p, const Shared& sh, i64 s, int block, int t) {
+  const int b = static_cast<int>(set_rec(p, s)[S_bit]);
+  return x.set_off[s] + x.set_base[s * p[H_token_blocks] + block] + before(sh.set_words[b], t);
+}
+
+// Grid: num_work (part x token block, parts of this rank's copies only).
+EM_KERNEL meta_rows(Args a
+#ifdef EPCC_META_HOST
+                    , int em_block
+#endif
+) {
+  EM_SHARED Shared sh;
+  const i64* p = a.prog;
+  const i64* w = rec(p, H_off_work, EM_BLOCK, W_COUNT);
+  const i64 part = w[W_part];
+  const int block = static_cast<int>(w[W_block]);
+  const i64* pr = part_rec(p, part);
+  const int h = static_cast<int>(pr[P_origin]);
+  load_block(a, h, block, sh);
+  const Scratch x = scratch_of(a);
+  const i64* tc = tcopy_rec(p, pr[P_tcopy]);
+  const i64 copy = pr[P_copy];
+  const int kind = static_cast<int>(pr[P_kind]);
+  const int K = static_cast<int>(p[H_topk]), TB = static_cast<int>(p[H_token_blocks]);
+  const int tok_bit = static_cast<int>(set_rec(p, pr[P_tok_set])[S_bit]);
+  uint8_t* blob = a.blob[tc[T_program]];
+  int64_t* src_rows = reinterpret_cast<int64_t*>(blob + tc[T_src_rows]);
+  int64_t* dst_rows = reinterpret_cast<int64_t*>(blob + tc[T_dst_rows]);
+  float* weights = tc[T_weighted] ? reinterpret_cast<float*>(blob + tc[T_weights]) : nullptr;
+  const i64 srcbuf = (p + p[H_off_srcbuf] + pr[P_tcopy] * 8)[pr[P_srcbuf]];
+  const Chunking ck = chunking(p, copy, x.copy_tok[copy]);
+  i64* waits = x.per_tcopy + tc[T_scratch_waits];
+  i64* starts = x.per_tcopy + tc[T_scratch_starts];
+  const i64 nprod = tc[T_prod_count];
+  EM_THREADS(t)
+    if ((sh.bits[t] >> tok_bit) & 1ull) {
+      const i64 tok = part_token(x, p, sh, part, block, t);  // the token within the copy
+      const i64 chunk = chunk_of(ck, tok);
+      const bool first_of_chunk = chunk_start(ck, chunk) == tok;
+      i64 row = 0;  // its first row in the copy
+      if (kind == PART_D_STAGE || kind == PART_C_STAGE) {
+        row = x.part_row_base[part] + (tok - x.part_tok_base[part]);
+        const i64 src = seg_slot(x, p, sh, pr[P_src_set], block, t);
+        const i64 dst = seg_slot(x, p, sh, pr[P_dst_set], block, t);
+        src_rows[row] = (srcbuf << kRowBufShift) | src;
+        dst_rows[row] = dst;
+      } else {
+        // expert rows: in local-expert order; rows before the token in its block from the row masks
+        const i64 s = pr[P_tok_set];
+        int rb = 0;
+        for (int m = 0; m < K; ++m) rb += before(sh.row_words[tok_bit][m], t);
+        row = x.part_row_base[part] + x.set_rbase[s * TB + block] + rb;
+        const int d = static_cast<int>(pr[P_out_rank]);
+        const i64 slot = seg_slot(x, p, sh, kind == PART_D_OUT ? pr[P_src_set] : pr[P_dst_set], block, t);
+        int order[kMaxTopk];
+        int n = 0;
+        for (int j = 0; j < K; ++j) {
+          const int e = sh.experts[t][j];
+          if (e < 0 || rank_of_expert(p, e) != d) continue;
+          int at = n++;
+          while (at > 0 && local_of_expert(p, sh.experts[t][order[at - 1]]) > local_of_expert(p, e)) {
+            order[at] = order[at - 1];
+            --at;
+          }
+          order[at] = j;
+        }
+        for (int i = 0; i < n; ++i) {
+          const int j = order[i];
+          const i64 out = output_row(x, sh, p, h, block, t, sh.experts[t][j]);
+          if (kind == PART_D_OUT) {
+            src_rows[row + i] = (srcbuf << kRowBufShift) | slot;
+            dst_rows[row + i] = out;
+          } else {
+            src_rows[row + i] = (srcbuf << kRowBufShift) | out;
+            dst_rows[row + i] = slot;
+            if (weights) {
+              weights[row + i] =
+                  a.weights[(static_cast<i64>(h) * p[H_max_tokens] + block * kBlock + t) * K + j];
+            }
+          }
+        }
+      }
+      if (first_of_chunk) starts[chunk] = row;
+      // waits: per producer, its chunk holding this token
+      if (kind == PART_D_STAGE || kind == PART_D_OUT) {
+        if (pr[P_producer] >= 0 && pr[P_prod_slot] >= 0) {
+          const i64 prod = pr[P_producer];
+          const i64 ptok = x.part_tok_base[copy_rec(p, prod)[C_first_part] + pr[P_prod_part]] +
+                           (seg_slot(x, p, sh, pr[P_src_set], block, t) - x.set_off[pr[P_src_set]]);
+          const i64 v = chunk_of(chunking(p, prod, x.copy_tok[prod]), ptok) + 1;
+          EM_MAX(reinterpret_cast<unsigned long long*>(waits + chunk * nprod + pr[P_prod_slot]),
+                 static_cast<unsigned long long>(v));
+        }
+      } else if (kind == PART_C_STAGE) {
+        const i64* ks = p + p[H_off_contrib] + pr[P_contrib_begin] * K_COUNT;
+        for (i64 i = 0; i < pr[P_contrib_count]; ++i, ks += K_COUNT) {
+          const i64 q = ks[K_part];
+          const int qb = static_cast<int>(set_rec(p, part_rec(p, q)[P_tok_set])[S_bit]);
+          if (!((sh.bits[t] >> qb) & 1ull)) continue;
+          const i64 qtok = part_token(x, p, sh, q, block, t);
+          const i64 v = chunk_of(chunking(p, ks[K_copy], x.copy_tok[ks[K_copy]]), qtok) + 1;
+          EM_MAX(reinterpret_cast<unsigned long long*>(waits + chunk * nprod + ks[K_slot]),
+                 static_cast<unsigned long long>(v));
+        }
+      }
+    }
+  EM_SYNC
+}
+
+// Grid: num_ranks x token_blocks.  This rank's received rows: each one's weight and expert.
+EM_KERNEL meta_recv(Args a
+#ifdef EPCC_META_HOST
+                    , int em_block
+#endif
+) {
+  EM_SHARED Shared sh;
+  const i64* p = a.prog;
+  const int TB = static_cast<int>(p[H_token_blocks]);
+  const int h = EM_BLOCK / TB, block = EM_BLOCK % TB;
+  load_block(a, h, block, sh);
+  const Scratch x = scratch_of(a);
+  const int K = static_cast<int>(p[H_topk]), me = static_cast<int>(p[H_rank]);
+  EM_THREADS(t)
+    for (int j = 0; j < K; ++j) {
+      const int e = sh.experts[t][j];
+      if (e < 0 || rank_of_expert(p, e) != me) continue;
+      const i64 row = output_row(x, sh, p, h, block, t, e);
+      a.recv_w[row] = a.weights[(static_cast<i64>(h) * p[H_max_tokens] + block * kBlock + t) * K + j];
+      a.recv_idx[row] = e;
+    }
+    if (EM_BLOCK == 0 && t == 0) {
+      const int epr = static_cast<int>(p[H_epr]);
+      int n = 0;
+      for (int l = 0; l < epr; ++l) {
+        const int c = static_cast<int>(x.e_total[expert_of(p, me, l)]);
+        a.recv_offset[l] = n;
+        a.recv_count[l] = c;
+        n += c;
+      }
+      a.recv_offset[epr] = n;
+    }
+  EM_SYNC
+}
+
+// The place of item (copy i of the role, chunk c) in the role's item order: by progress
+// (2c + 1) / (2 n_i), ties by copy (tables.item_order).
+EM_FN i64 item_position(const Scratch& x, const i64* p, const i64* ro, i64 i, i64 c) {
+  const i64 ni = x.copy_chunks[tcopy_rec(p, ro[R_first_tcopy] + i)[T_copy]];
+  i64 pos = c;
+  for (i64 j = 0; j < ro[R_num_tcopies]; ++j) {
+    if (j == i) continue;
+    const i64 nj = x.copy_chunks[tcopy_rec(p, ro[R_first_tcopy] + j)[T_copy]];
+    if (nj == 0) continue;
+    const i64 X = (2 * c + 1) * nj;  // chunk c' of j comes first iff (2c' + 1) ni < X (or <= X for j < i)
+    i64 lim = j < i ? X / ni : (X + ni - 1) / ni - 1;  // the largest odd value (2c' + 1) allowed
+    i64 n = lim >= 1 ? (lim - 1) / 2 + 1 : 0;
+    pos += n < nj ? n : nj;
+  }
+  return pos;
+}
+
+// Grid: num_tcopies.
+EM_KERNEL meta_items(Args a
+#ifdef EPCC_META_HOST
+                     , int em_block
+#endif
+) {
+  const i64* p = a.prog;
+  const Scratch x = scratch_of(a);
+  const i64 ti = EM_BLOCK;
+  const i64* tc = tcopy_rec(p, ti);
+  const i64* ro = rec(p, H_off_roles, tc[T_role_rec], R_COUNT);
+  const int program = static_cast<int>(tc[T_program]);
+  uint8_t* blob = a.blob[program];
+  const i64 items_at = p[program ? H_items_off_c : H_items_off_d], waits_at = p[program ? H_waits_off_c : H_waits_off_d];
+  const i64 n = x.copy_chunks[tc[T_copy]];
+  const i64 nprod = tc[T_prod_count];
+  const i64* waits = x.per_tcopy + tc[T_scratch_waits];
+  const i64* starts = x.per_tcopy + tc[T_scratch_starts];
+  const i64* prods = p + p[H_off_prods] + tc[T_prod_begin];
+  const i64 i = ti - ro[R_first_tcopy];
+  EM_THREADS(t)
+    for (i64 c = t; c < n; c += kBlock) {
+      const i64 pos = item_position(x, p, ro, i, c);
+      const i64 w0 = ro[R_wait_begin] + pos * ro[R_wait_stride];
+      uint32_t nw = 0;
+      if (tc[T_side] != SIDE_UNPACK) {
+        for (i64 k = 0; k < nprod; ++k) {  // producers in flag order
+          const uint64_t v = static_cast<uint64_t>(waits[c * nprod + k]);
+          if (v == 0) continue;
+          const uint32_t wd[4] = {static_cast<uint32_t>(copy_rec(p, prods[k])[C_dst]), static_cast<uint32_t>(prods[k]),
+                                  static_cast<uint32_t>(v), static_cast<uint32_t>(v >> 32)};  // WaitDesc
+          memcpy(blob + waits_at + (w0 + nw) * kWaitBytes, wd, kWaitBytes);
+          ++nw;
+        }
+      }
+      const uint32_t item[6] = {static_cast<uint32_t>(tc[T_desc_index]), static_cast<uint32_t>(c),
+                                static_cast<uint32_t>(starts[c]), static_cast<uint32_t>(starts[c + 1]),
+                                static_cast<uint32_t>(w0), nw};  // ItemDesc
+      memcpy(blob + items_at + (ro[R_item_begin] + pos) * kItemBytes, item, kItemBytes);
+    }
+  EM_SYNC
+}
+
+}  // namespace meta
+}  // namespace epcc

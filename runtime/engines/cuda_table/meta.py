@@ -1,0 +1,180 @@
+"""The metadata of a table-driven plan on the GPU (epcc_table_meta.cu): per dispatch, every
+rank's routing exchanged over peer memory and this rank's table blobs of both programs written by
+the metadata kernels (epcc/table/meta.cuh), stream-ordered, no host round trip (CUDA-graph
+capturable).  The blobs are placed (placement.py) and stay where they are: the launcher is told
+once where they lie (Context.use_tables).
+
+`DeviceMeta` holds what one rank needs: the encoded metadata program (meta_program.py), the
+blobs' templates and the blobs, the scratch, this rank's gather area (peer memory every rank
+maps, allocated by the caller with the launcher library's malloc), the exchange's epoch, an
+error word the kernels write before they give up, and what a dispatch returns of the received
+rows (their weights, experts, the rows per local expert).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from epcc.plan.segments import SegmentProgram
+from ..base import EngineError
+from epcc.backends.cuda.meta_program import HEADER, MetaProgram, encode
+from epcc.backends.cuda.placement import Placement, placement, template
+
+from .tables import PROGRAMS
+
+MAX_RANKS = 64
+
+
+class _Exchange(ctypes.Structure):
+    _fields_ = [("areas", ctypes.c_uint64 * MAX_RANKS), ("own", ctypes.c_uint64), ("routing", ctypes.c_uint64),
+                ("weights", ctypes.c_uint64), ("epoch", ctypes.c_uint64), ("error", ctypes.c_uint64),
+                ("timeout_ns", ctypes.c_uint64), ("rank", ctypes.c_int), ("num_ranks", ctypes.c_int),
+                ("max_tokens", ctypes.c_int), ("k", ctypes.c_int), ("tokens", ctypes.c_int),
+                ("topk_int32", ctypes.c_int)]
+
+
+class _Args(ctypes.Structure):  # epcc::meta::Args
+    _fields_ = [("prog", ctypes.c_uint64), ("scratch", ctypes.c_uint64), ("tokens", ctypes.c_uint64),
+                ("topk", ctypes.c_uint64), ("weights", ctypes.c_uint64), ("blob", ctypes.c_uint64 * 2),
+                ("bad", ctypes.c_uint64), ("recv_w", ctypes.c_uint64), ("recv_idx", ctypes.c_uint64),
+                ("recv_count", ctypes.c_uint64), ("recv_offset", ctypes.c_uint64)]
+
+
+class _Meta(ctypes.Structure):  # EpccTableMeta
+    _fields_ = [("exchange", _Exchange), ("args", _Args), ("templ", ctypes.c_uint64 * 2),
+                ("blob_bytes", ctypes.c_uint64 * 2), ("scratch_words", ctypes.c_int64), ("grid_count", ctypes.c_int),
+                ("grid_rows", ctypes.c_int), ("grid_items", ctypes.c_int), ("grid_copy", ctypes.c_int)]
+
+
+def bind(lib: ctypes.CDLL) -> None:
+    """Declare the metadata entry points of a bundle library."""
+    lib.epcc_table_meta.argtypes = [ctypes.POINTER(_Meta), ctypes.c_uint64]
+    lib.epcc_table_meta.restype = ctypes.c_int
+    lib.epcc_table_meta_zero.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]
+    lib.epcc_table_meta_zero.restype = ctypes.c_int
+    lib.epcc_table_meta_area.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
+    lib.epcc_table_meta_area.restype = None
+    lib.epcc_table_meta_scratch_words.argtypes = [ctypes.c_void_p]
+    lib.epcc_table_meta_scratch_words.restype = ctypes.c_int64
+    lib.epcc_table_meta_error.argtypes = []
+    lib.epcc_table_meta_error.restype = ctypes.c_char_p
+
+
+def area_layout(lib, num_ranks: int, max_tokens: int, topk: int) -> tuple[int, int, int, int]:
+    """(bytes, tokens offset, top-k offset, weights offset) of a gather area."""
+    out = (ctypes.c_uint64 * 4)()
+    lib.epcc_table_meta_area(num_ranks, max_tokens, topk, out)
+    return int(out[0]), int(out[1]), int(out[2]), int(out[3])
+
+
+def program_of(manifest: dict, plan, prog: SegmentProgram, rank: int) -> tuple[MetaProgram, dict[str, Placement]]:
+    """This rank's placements and metadata program (MetaProgramError where the kernels do not cover
+    the plan)."""
+    tokens = plan.workload.tokens
+    programs = [p for p in PROGRAMS if any(k["program"] == p and k["kind"] == "main" for k in manifest["kernels"])]
+    pls = {p: placement(manifest, prog, p, rank, tokens) for p in programs}
+    return encode(manifest, plan.workload.placement, prog, pls, rank, tokens), pls
+
+
+class DeviceMeta:
+    """One rank's metadata on the GPU (see the module docstring).  Device memory comes from torch
+    (on the current device) except the gather area, which the caller allocates and maps on peers."""
+
+    def __init__(self, lib, manifest: dict, plan, prog: SegmentProgram, rank: int, device, timeout_s: float):
+        import torch  # the engines run under torch on the GPU machine
+
+        self.lib, self.rank, self.device = lib, rank, device
+        bind(lib)
+        self.mp, self.placements = program_of(manifest, plan, prog, rank)
+        wl = plan.workload
+        R, self.T, self.K = plan.num_ranks, wl.tokens, wl.topk
+        self.R = R
+        self.prog = torch.from_numpy(self.mp.array).to(device)
+        words = int(lib.epcc_table_meta_scratch_words(self.mp.array.ctypes.data))
+        self.scratch = torch.zeros(max(words, 1), dtype=torch.int64, device=device)
+        self.templates = {p: torch.from_numpy(template(manifest, pl, R)).to(device) for p, pl in self.placements.items()}
+        self.blobs = {p: t.clone() for p, t in self.templates.items()}
+        self.headers = {p: self.templates[p][:128].cpu().numpy().tobytes() for p in self.templates}
+        epr = wl.experts // R
+        cap = R * wl.tokens * min(wl.topk, epr)
+        self.recv_w = torch.zeros(max(cap, 1), dtype=torch.float32, device=device)
+        self.recv_idx = torch.zeros(max(cap, 1), dtype=torch.int64, device=device)
+        self.recv_count = torch.zeros(epr, dtype=torch.int32, device=device)
+        self.recv_offset = torch.zeros(epr + 1, dtype=torch.int32, device=device)
+        self.bad = torch.zeros(1, dtype=torch.int32, device=device)
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        self.error = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+        self.area_bytes, self.off_tokens, self.off_topk, self.off_weights = area_layout(lib, R, wl.tokens, wl.topk)
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.areas: list[int] = []
+        self.own_area = 0
+
+    def set_areas(self, areas: list[int], rank: int) -> None:
+        """Every rank's gather area as mapped here (this rank's own at `rank`)."""
+        if len(areas) > MAX_RANKS:
+            raise EngineError(f"{len(areas)} ranks: the metadata exchange handles at most {MAX_RANKS}")
+        self.areas, self.own_area = list(areas), areas[rank]
+
+    def run(self, tokens: int, topk_idx, topk_weights, stream: int) -> None:
+        """The exchange and the metadata kernels of one dispatch, on `stream` (no host sync)."""
+        import torch  # see __init__
+
+        m = _Meta()
+        x = m.exchange
+        for r, a in enumerate(self.areas):
+            x.areas[r] = a
+        x.own = self.own_area
+        x.routing = topk_idx.data_ptr() if tokens else 0
+        x.weights = topk_weights.data_ptr() if (topk_weights is not None and tokens) else 0
+        x.epoch = self.epoch.data_ptr()
+        x.error = self.error.data_ptr()
+        x.timeout_ns = self.timeout_ns
+        x.rank, x.num_ranks, x.max_tokens, x.k, x.tokens = self.rank, self.R, self.T, self.K, tokens
+        x.topk_int32 = int(topk_idx.dtype == torch.int32)
+        a = m.args
+        a.prog = self.prog.data_ptr()
+        a.scratch = self.scratch.data_ptr()
+        a.tokens = self.own_area + self.off_tokens
+        a.topk = self.own_area + self.off_topk
+        a.weights = self.own_area + self.off_weights
+        for i, p in enumerate(PROGRAMS):
+            if p in self.blobs:
+                a.blob[i] = self.blobs[p].data_ptr()
+                m.templ[i] = self.templates[p].data_ptr()
+                m.blob_bytes[i] = self.blobs[p].numel()
+        a.bad = self.bad.data_ptr()
+        a.recv_w, a.recv_idx = self.recv_w.data_ptr(), self.recv_idx.data_ptr()
+        a.recv_count, a.recv_offset = self.recv_count.data_ptr(), self.recv_offset.data_ptr()
+        m.scratch_words = self.scratch.numel()
+        arr = self.mp.array
+        h = {f: int(arr[i]) for i, f in enumerate(HEADER)}
+        m.grid_count = h["num_ranks"] * h["token_blocks"]
+        m.grid_rows = h["num_work"]
+        m.grid_items = h["num_tcopies"]
+        m.grid_copy = max(1, min(264, -(-self.R * self.T * self.K // 256)))
+        if self.lib.epcc_table_meta(ctypes.byref(m), stream) != 0:
+            raise EngineError(f"metadata kernels: {self.lib.epcc_table_meta_error().decode(errors='replace')}")
+
+    def zero_partials(self, own_buffers_dev: int, stream: int) -> None:
+        """The combine's partial buffers of this rank, cleared (before the combine kernel)."""
+        if self.lib.epcc_table_meta_zero(self.blobs["combine"].data_ptr(), own_buffers_dev, stream) != 0:
+            raise EngineError(f"zeroing the partials: {self.lib.epcc_table_meta_error().decode(errors='replace')}")
+
+    def failure(self) -> str | None:
+        """What the exchange's kernels wrote before they gave up (None: nothing)."""
+        code, rank = (int(v) for v in self.error.tolist())
+        if code == 1:
+            return (f"the metadata exchange timed out: rank {self.rank} received no routing from rank {rank} "
+                    f"(it did not dispatch, or it failed)")
+        return None
+
+
+def routing_error(bad: int, topk_idx, experts: int) -> str | None:
+    """The message of a bad routing row the metadata kernels marked (bad: the first bad token)."""
+    if bad >= topk_idx.shape[0]:
+        return None
+    return (f"dispatch: topk_idx row {bad} names an expert outside [-1, {experts - 1}] or the same expert twice: "
+            f"{topk_idx[bad].tolist()} (those entries were not dispatched)")
+
+
+__all__ = ["DeviceMeta", "area_layout", "bind", "program_of", "routing_error"]

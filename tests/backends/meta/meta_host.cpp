@@ -1,0 +1,40 @@
+// The metadata kernels compiled for the host (EPCC_META_HOST): each block's phases run one thread
+// after the other, blocks one after the other, in the order the GPU launches them.  Built and
+// called by tests/backends/test_meta_kernels.py (ctypes).
+#define EPCC_META_HOST 1
+#include <climits>
+#include <cstring>
+
+#include "epcc/table/meta.cuh"
+
+using namespace epcc::meta;
+
+extern "C" long long epcc_meta_scratch_words(const long long* prog) { return scratch_words(prog); }
+
+extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const int* tokens, const int* topk,
+                             const float* weights, unsigned char* blob_d, unsigned char* blob_c, int* bad,
+                             float* recv_w, long long* recv_idx, int* recv_count, int* recv_offset) {
+  if (prog[H_magic] != kMagic || prog[H_version] != kVersion) return 1;
+  std::memset(scratch, 0, sizeof(long long) * scratch_words(prog));
+  *bad = INT_MAX;
+  Args a;
+  a.prog = prog;
+  a.scratch = scratch;
+  a.tokens = tokens;
+  a.topk = topk;
+  a.weights = weights;
+  a.blob[0] = blob_d;
+  a.blob[1] = blob_c;
+  a.bad = bad;
+  a.recv_w = recv_w;
+  a.recv_idx = reinterpret_cast<int64_t*>(recv_idx);
+  a.recv_count = recv_count;
+  a.recv_offset = recv_offset;
+  const int blocks = static_cast<int>(prog[H_num_ranks] * prog[H_token_blocks]);
+  for (int b = 0; b < blocks; ++b) meta_count(a, b);
+  meta_scan(a, 0);
+  for (int b = 0; b < prog[H_num_work]; ++b) meta_rows(a, b);
+  for (int b = 0; b < prog[H_num_tcopies]; ++b) meta_items(a, b);
+  for (int b = 0; b < blocks; ++b) meta_recv(a, b);
+  return 0;
+}
