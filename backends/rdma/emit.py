@@ -16,12 +16,14 @@ import jinja2
 
 from epcc.plan import Plan
 from epcc.plan.rdma import rdma_steps
+from epcc.textsafe import c_template_value, for_c_templates
 
 from .abi import TABLES
 from .sources import NATIVE_DIR, STATIC_SOURCES, TEMPLATE_DIR
 
-_ENV = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), trim_blocks=True, lstrip_blocks=True,
-                          keep_trailing_newline=True, undefined=jinja2.StrictUndefined)
+_ENV = for_c_templates(jinja2.Environment(  # user text only through c_comment / c_string
+    loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), trim_blocks=True, lstrip_blocks=True,
+    keep_trailing_newline=True, undefined=jinja2.StrictUndefined, finalize=c_template_value))
 
 
 def proxy_source(plan: Plan) -> str:

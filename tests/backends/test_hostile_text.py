@@ -24,11 +24,13 @@ import pytest
 from mlir import ir
 
 from epcc import pipeline
-from epcc.backends import cuda, rdma
+from epcc.backends.cuda import codegen as cuda_codegen
 from epcc.backends.cpu import codegen as cpu_codegen
-from epcc.backends.rdma.build import CFLAGS, NATIVE_DIR
+from epcc.backends.rdma import emit as rdma_emit
+from epcc.backends.rdma.sources import NATIVE_DIR
 from epcc.cli import main
 from epcc.dialect import new_context
+from epcc.runtime.build_cache import CFLAGS, find_nvcc
 from epcc.textsafe import (UnsafeText, c_comment, c_string, c_template_value, dot_text, llvm_comment, mlir_text,
                            svg_text, terminal)
 
@@ -128,12 +130,12 @@ def test_cuda_sources_carry_the_hostile_text_escaped(cuda_bundle, hostile):
     assert c_comment(TITLE) in direct
 
 
-@pytest.mark.skipif(cuda.find_nvcc() is None, reason="nvcc is not installed")
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc is not installed")
 def test_nvcc_compiles_the_cuda_sources_of_the_hostile_schedule(cuda_bundle, tmp_path):
     sources = sorted(p for p in cuda_bundle.iterdir() if p.suffix == ".cu")
 
     def nvcc(src: Path) -> subprocess.CompletedProcess:
-        return subprocess.run([cuda.find_nvcc(), "-arch=sm_90a", "-std=c++17", "-c", src.name, "-o",
+        return subprocess.run([find_nvcc(), "-arch=sm_90a", "-std=c++17", "-c", src.name, "-o",
                                str(tmp_path / (src.name + ".o"))], cwd=cuda_bundle, capture_output=True, text=True)
 
     with ThreadPoolExecutor(2) as pool:
@@ -224,7 +226,7 @@ def test_rdma_proxy_source_of_a_hostile_plan_compiles(tmp_path):
     plan.schedule = ANY
     for s in plan.steps:
         s.title = ANY
-    text = rdma.proxy_source(plan)
+    text = rdma_emit.proxy_source(plan)
     assert_clean(text, "proxy loop")
     src = tmp_path / "loop.c"
     src.write_text(text, encoding="ascii")
@@ -232,13 +234,13 @@ def test_rdma_proxy_source_of_a_hostile_plan_compiles(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-@pytest.mark.skipif(cuda.find_nvcc() is None, reason="nvcc is not installed")
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc is not installed")
 def test_cuda_sources_of_a_hostile_plan_compile(hostile_plan, tmp_path):
-    bundle = cuda.generate(hostile_plan, source=ANY)
+    bundle = cuda_codegen.generate(hostile_plan, source=ANY)
     sources = []
     for i, (name, text) in enumerate(bundle.files.items()):
         assert_clean(text, repr(name))
-        if name == cuda.codegen.HEADER_FILE:
+        if name == cuda_codegen.HEADER_FILE:
             (tmp_path / name).write_text(text, encoding="ascii")
         elif name.endswith(".cu"):  # the schedule's name names the files: here they get names of our own
             sources.append(f"f{i}.cu")
@@ -246,7 +248,7 @@ def test_cuda_sources_of_a_hostile_plan_compile(hostile_plan, tmp_path):
     assert len(sources) == 4  # dispatch, combine, launcher, direct
 
     def nvcc(src: str) -> subprocess.CompletedProcess:
-        return subprocess.run([cuda.find_nvcc(), "-arch=sm_90a", "-std=c++17", "-c", src, "-o", src + ".o"],
+        return subprocess.run([find_nvcc(), "-arch=sm_90a", "-std=c++17", "-c", src, "-o", src + ".o"],
                               cwd=tmp_path, capture_output=True, text=True)
 
     with ThreadPoolExecutor(2) as pool:

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from epcc import cli, limits
-from epcc.backends.cpu.procs import ProcessBackend
+from epcc.runtime.engines.cpu_procs import ProcessBackend
 from epcc.cli import main
 from epcc.plan.check import check_plan_json
 
