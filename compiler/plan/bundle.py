@@ -7,13 +7,19 @@
 `load(DIR)` checks the plan and the top-level manifest, `cuda_manifest(DIR)` the CUDA one; every
 problem is a BundleError whose message names the file and says what to do.  Used by
 epcc.runtime.Buffer, `epcc tune`, `epcc run FILE.json`, bench/ep_bench.py and the tests.
+`write_bundle` is the one writer of a bundle (`epcc compile`): the final IR, plan.json, what the
+backends generate, and manifest.json.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+from .. import __version__
 from ..files import JSON_MAX_BYTES, ContentError, FileError, read_json
 from ..limits import MAX_RANKS
 from .check import PlanJsonError, check_plan_json
@@ -115,3 +121,28 @@ def cuda_manifest(path: str | Path, *, required: bool = True) -> dict:
     except ValueError as e:
         raise BundleError(f"{mf}: not a manifest written by epcc ({e}); recompile the bundle") from None
     return d
+
+
+def write_bundle(out: str | Path, plan: Plan, *, ir_name: str, ir_text: str, source: str, source_bytes: bytes,
+                 stages: list[str], backends: dict[str, Callable[[Path], list[Path]]] | None = None
+                 ) -> dict[str, list[Path]]:
+    """Write the bundle of `plan` into directory `out`: the final IR (`ir_name`), plan.json, each
+    backend's files (`backends`: subdirectory -> a writer of that directory, returning the paths it
+    wrote), then manifest.json, which says what was compiled from which source (`source`, whose
+    bytes are `source_bytes`) through which `stages`.  Returns the paths each backend wrote."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ir_name).write_text(ir_text, encoding="utf-8")
+    (out / PLAN_FILE).write_text(plan.to_json() + "\n", encoding="utf-8")
+    manifest = {
+        "epcc_version": __version__,
+        "schedule": plan.schedule,
+        "source": source,
+        "source_sha256": hashlib.sha256(source_bytes).hexdigest(),
+        "num_ranks": plan.num_ranks,
+        "routing": plan.routing,
+        "stages": list(stages),
+        "files": {"ir": ir_name, "plan": PLAN_FILE},
+    }
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return {sub: write(out / sub) for sub, write in (backends or {}).items()}

@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from epcc import cli, limits
+from epcc import limits
 from epcc.runtime.engines.cpu_procs import ProcessBackend
+from epcc.runtime.testing.check import run_bytes
 from epcc.cli import main
 from epcc.plan.check import check_plan_json
 
@@ -370,7 +371,7 @@ def test_random_edits_of_a_plan_give_a_user_error_or_a_run(plan_dict, tmp_path, 
 
 def test_a_run_that_cannot_fit_in_memory_is_refused_with_the_estimate(monkeypatch, capsys):
     monkeypatch.setattr(limits, "available_memory", lambda: 64 << 30)
-    need = cli._run_bytes(4, 1000, 1048576, "bf16", 2)
+    need = run_bytes(4, 1000, 1048576, "bf16", 2)
     # per token: its bf16 row, 2 x top-2 dispatched rows, 2 x top-2 expert outputs, 2 fp32 and 5 float64 results
     assert need == 4 * 1000 * (2 * 1048576 * 5 + 2 * 2 * 1048576 + 1048576 * 48)
     refused(["run", SMALL, "--tokens", "1000", "--hidden", "1048576"],
