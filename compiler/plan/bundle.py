@@ -8,7 +8,7 @@
 `write_bundle` (`epcc compile`) writes the files, then manifest.json.  Each JSON file carries its
 format and version (plan/schema.py).  `load(DIR)` reads manifest.json, checks that every file it
 lists is there with the content it records (the sha256), then checks plan.json field by field
-(plan/check.py);
+(plan/check.py) and against the invariants the compiler proved (plan/invariants.py);
 `cuda_manifest(DIR)` does the same for cuda/manifest.json (plan/cuda_manifest.py).  Every problem
 is a BundleError whose message names the file, and the field, and says what to do.  Used by
 epcc.runtime.Buffer, `epcc tune`, `epcc run FILE.json` (read_plan: a plan file named by itself is

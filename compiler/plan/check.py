@@ -8,7 +8,8 @@ annotation gives (a whole number where an int is declared, never a bool or a str
 number), and numbers lie in the ranges the compiler itself produces -- so that a bad value is
 named here, as a user error, instead of surfacing later as a TypeError, an OverflowError or an
 allocation of terabytes.  It also checks what refers to what: ranks, selections, dependencies and
-roles name ranks and steps that exist.  The first problem raises PlanJsonError naming the field
+roles name ranks and steps that exist; and last the structural invariants the compiler proved
+(plan/invariants.py).  The first problem raises PlanJsonError naming the field
 (`steps[2].flows[5].select[0]`).
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 
 from ..limits import MAX_DEPTH, MAX_RAMP, MAX_RANKS, MAX_SIZE, MAX_SMS
 from ..limits import WORKLOAD_LIMITS as LIMITS
+from .invariants import check_invariants
 from .model import Plan
 from .schema import MAX_FLOAT, MAX_INT, PLAN_FORMAT, FormatVersionError, SchemaError, Str, check_format, fail
 
@@ -119,17 +121,32 @@ def check_plan_json(d: Any) -> dict:
     with their defaults) unless `d` (a parsed plan.json) is
     not a plan this epcc could have written: its format and version (FormatVersionError for
     another version), the types of every field, the ranges of its numbers, that ranks,
-    selections, dependencies and roles refer to what exists; PlanJsonError naming the field
-    otherwise."""
+    selections, dependencies and roles refer to what exists, and the structural invariants
+    (plan/invariants.py); PlanJsonError naming the field otherwise."""
     try:
         check_format(d, PLAN_FORMAT)
         d = {k: v for k, v in d.items() if k not in ENVELOPE}
+        _check_sizes(d)
         _check_fields(d)
+        check_invariants(d)
     except FormatVersionError:
         raise
     except SchemaError as e:
         raise PlanJsonError(str(e)) from None
     return d
+
+
+def _check_sizes(d: dict) -> None:
+    """The flows of a step, counted before any of them is looked at: a plan of more flows than
+    (rank, source, destination) triples is refused at the cost of its length alone."""
+    R, steps = d.get("num_ranks"), d.get("steps")
+    if isinstance(R, bool) or not isinstance(R, int) or not 1 <= R <= MAX_RANKS or not isinstance(steps, list):
+        return  # the field checks say what is wrong
+    for i, s in enumerate(steps):
+        flows = s.get("flows") if isinstance(s, dict) else None
+        if isinstance(flows, list) and len(flows) > R * R:
+            raise SchemaError(f"steps[{i}].flows: {len(flows)} flows, more than the {R * R} (rank, source, "
+                              f"destination) triples of {R} ranks")
 
 
 def _check_fields(d: dict) -> None:
