@@ -23,6 +23,9 @@ MAX_DEPTH = 1 << 16  # chunks in flight on one step
 MAX_SMS = 4096
 MAX_RAMP = 8  # halvings: a chunk of 256 tokens ramps from 1
 MAX_SIZE = 1 << 40  # tokens or bytes in a chunk or capacity
+# Rows a layout of a plan (runtime/layout) may hold, by the upper bound plan/invariants.py's
+# layout_rows gives: beyond it the layout's index arrays alone would outgrow a machine's memory.
+MAX_LAYOUT_ROWS = 1 << 32
 WORKLOAD_LIMITS = {"tokens": 1 << 24, "hidden": 1 << 20, "topk": 1024, "experts": 1 << 16, "node_limit": 1 << 16}
 
 MAX_ZIPF_EXPONENT = 16.0  # 65536 experts at popularity rank^-16: the coldest still above 1e-77

@@ -52,6 +52,7 @@ from epcc import __version__ as EPCC_VERSION
 from epcc.plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
 from epcc.plan.rdma import rdma_steps
 from epcc.plan.segments import SegmentProgramError, segment_program
+from epcc.plan.schema import CUDA_FORMAT
 from epcc.textsafe import c_template_value, for_c_templates
 
 from ..rdma import emit as rdma_emit
@@ -495,7 +496,8 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         step_name_bytes=STEP_NAME_BYTES)
     sources = [k.file for k in kernels] + [launcher_file]
     manifest = {
-        "format": "epcc-cuda-manifest",
+        "format": CUDA_FORMAT.name,
+        "version": CUDA_FORMAT.version,
         "table_version": abi.TABLE_VERSION,
         "epcc_version": EPCC_VERSION,
         "schedule": plan.schedule,

@@ -17,6 +17,7 @@ import jinja2
 from epcc.plan import Plan
 from epcc.textsafe import c_template_value, for_c_templates
 from epcc.plan.rdma import rdma_steps
+from epcc.textsafe import c_template_value, for_c_templates
 
 from .abi import TABLES
 from .sources import NATIVE_DIR, STATIC_SOURCES, TEMPLATE_DIR

@@ -6,7 +6,11 @@
   proxy path's shape), with the run-time overrides of chunk size and depth;
 * direct.py: which plans lower to the CUDA target's direct one-hop kernels and their shape
   (launch configuration, launches, metadata passes);
-* bundle.py: the one loader of a compiled bundle (plan.json and manifests).
+* bundle.py: the one writer and the one loader of a compiled bundle (plan.json, manifests, the
+  sha256 of every file);
+* schema.py: the formats and versions of a bundle's JSON files, and a checker of JSON against a
+  schema; check.py (plan.json field by field), invariants.py (what the compiler proved about a
+  plan, re-checked at load), cuda_manifest.py (cuda/manifest.json).
 
 Nothing here needs MLIR, lark or jinja2: a GPU machine reads bundles with it.
 """

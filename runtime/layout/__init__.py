@@ -56,6 +56,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...limits import MAX_LAYOUT_ROWS
+from ...plan.invariants import layout_rows
 from ..routing import check_topk, check_weights
 from .builder import Builder, LayoutError
 from .combine import lay_out_combine
@@ -77,6 +79,10 @@ def compute_layout(plan, topk_idx: np.ndarray, weights: np.ndarray | None = None
         raise LayoutError("plan: carries no workload (compiled by an older epcc? recompile it)")
     topk = check_topk(topk_idx, wl.experts, plan.num_ranks, wl.topk)
     w = check_weights(weights, topk.shape) if weights is not None else None
+    rows = layout_rows(plan, topk.shape[1])  # before anything is allocated per copy
+    if rows > MAX_LAYOUT_ROWS:
+        raise LayoutError(f"plan: its layout could hold up to {rows} rows at {topk.shape[1]} tokens per rank, "
+                          f"more than this runtime lays out ({MAX_LAYOUT_ROWS}); use fewer tokens")
     counts = None
     if tokens is not None:
         counts = np.asarray(tokens)

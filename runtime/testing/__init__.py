@@ -3,6 +3,8 @@
 * inputs.py: seeded routings, routing weights, payload rows and expert outputs;
 * oracle.py: what dispatch and combine must produce (plain NumPy, no plan), and the comparison;
 * reference.py: a NumPy executor of a layout, copy by copy (`epcc run --backend reference`);
+* check.py: a run against the oracle, in words (the first differing rank, token and expert; the
+  combine's error summary) and the memory such a run holds (`epcc run`);
 * emulate.py: a NumPy emulator of the table-driven CUDA kernels over the same table blobs the
   GPU reads (bench/ep_bench.py --dry-run, the tests).
 

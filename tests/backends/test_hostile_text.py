@@ -25,8 +25,8 @@ from mlir import ir
 
 from epcc import pipeline
 from epcc.backends.cuda import codegen as cuda_codegen
-from epcc.backends.rdma import emit as rdma_emit
 from epcc.backends.cpu import codegen as cpu_codegen
+from epcc.backends.rdma import emit as rdma_emit
 from epcc.backends.rdma.sources import NATIVE_DIR
 from epcc.cli import main
 from epcc.dialect import new_context

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -25,11 +26,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from epcc import cli, limits
+from epcc import limits
 from epcc.runtime.engines.cpu_procs import ProcessBackend
+from epcc.runtime.testing.check import run_bytes
 from epcc.cli import main
 from epcc.plan.check import check_plan_json
 
+from bundle_tools import edit_json, rehash
 from test_cli import REPO, SMALL, _at_repo_root, no_crash  # noqa: F401 (the fixture applies here too)
 from test_cli import run as run_cli
 
@@ -310,13 +313,25 @@ def test_plans_that_are_not_json_or_not_plans(plan_dict, tmp_path, capsys):
              f"{p}: {NOT_A_PLAN}: not valid JSON: NaN is not a number JSON allows\n"),
             (json.dumps(plan_dict).replace('"tail_s": 0.0', '"tail_s": 1e999', 1),
              f"{p}: {NOT_A_PLAN}: not valid JSON: 1e999 is out of range of a double\n"),
-            ('{"schedule": 1}', f"{p}: {NOT_A_PLAN}: schedule: expected a string, got 1"),
-            ("{}", f"{p}: {NOT_A_PLAN}: schedule: missing"),
+            ('{"format": "epcc-plan", "version": 1, "schedule": 1}',
+             f"{p}: {NOT_A_PLAN}: schedule: expected a string, got 1"),
+            ('{"format": "epcc-plan", "version": 1}', f"{p}: {NOT_A_PLAN}: schedule: missing"),
+            ("{}", f"{p}: {NOT_A_PLAN}: format: missing (a plan.json of an older epcc has none: recompile)"),
+            ('{"format": "epcc-plan"}', f"{p}: {NOT_A_PLAN}: version: missing (a plan.json of an older epcc has "
+                                        f"none: recompile)"),
+            ('{"format": "epcc-plan", "version": "1"}', f"{p}: {NOT_A_PLAN}: version: expected a whole number, "
+                                                        f"got the string '1'"),
+            ('{"format": "epcc-manifest", "version": 1}', f"{p}: {NOT_A_PLAN}: format: expected 'epcc-plan', got "
+                                                          f"the string 'epcc-manifest'"),
+            (json.dumps({**plan_dict, "version": 2}), f"{p}: compiled by a newer epcc (plan.json version 2, this "
+                                                      f"epcc reads version 1): recompile it with this epcc"),
+            (json.dumps({**plan_dict, "version": 0}), f"{p}: compiled by an older epcc (plan.json version 0, this "
+                                                      f"epcc reads version 1): recompile it with this epcc"),
             (json.dumps({**plan_dict, "extra": 1}), f"{p}: {NOT_A_PLAN}: extra: not a field of Plan"),
             ("{\udcff}", f"{p}: {NOT_A_PLAN}: not UTF-8 text (byte 0xff at offset 1)\n")):
         p.write_bytes(text.encode("utf-8", "surrogateescape"))
         rc, out, err = run(["run", str(p), "--backend", "reference"], capsys)
-        assert (rc, out) == (1, "") and err.startswith(f"epcc: error: {message}"), err
+        assert (rc, out) == (1, "") and err.startswith(f"epcc: error: {message}"), (err, message)
     d = json.loads(json.dumps(plan_dict))
     d["steps"][0]["flows"].append(dict(d["steps"][0]["flows"][0]))
     p.write_text(json.dumps(d), encoding="utf-8")
@@ -370,7 +385,7 @@ def test_random_edits_of_a_plan_give_a_user_error_or_a_run(plan_dict, tmp_path, 
 
 def test_a_run_that_cannot_fit_in_memory_is_refused_with_the_estimate(monkeypatch, capsys):
     monkeypatch.setattr(limits, "available_memory", lambda: 64 << 30)
-    need = cli._run_bytes(4, 1000, 1048576, "bf16", 2)
+    need = run_bytes(4, 1000, 1048576, "bf16", 2)
     # per token: its bf16 row, 2 x top-2 dispatched rows, 2 x top-2 expert outputs, 2 fp32 and 5 float64 results
     assert need == 4 * 1000 * (2 * 1048576 * 5 + 2 * 2 * 1048576 + 1048576 * 48)
     refused(["run", SMALL, "--tokens", "1000", "--hidden", "1048576"],
@@ -382,38 +397,80 @@ def test_a_run_that_cannot_fit_in_memory_is_refused_with_the_estimate(monkeypatc
 # --------------------------------------------------------------------------- epcc tune: the manifest
 
 
-@pytest.mark.parametrize("text, why", [
-    ("[]", "the top level is not a JSON object"),
-    ('{"num_ranks": "2", "direct": {}}', "num_ranks: expected a whole number of ranks in 1..4096, got '2'"),
-    ('{"num_ranks": 0, "direct": {}}', "num_ranks: expected a whole number of ranks in 1..4096, got 0"),
-    ('{"num_ranks": 2.5, "direct": {}}', "num_ranks: expected a whole number of ranks in 1..4096, got 2.5"),
-    ('{"direct": {}}', "num_ranks: expected a whole number of ranks in 1..4096, got None"),
-    ('{"num_ranks": 2, "direct": []}', "direct: expected a JSON object"),
-])
-def test_tune_refuses_a_malformed_manifest(text, why, tmp_path, capsys):
-    man = tmp_path / "cuda" / "manifest.json"
-    man.parent.mkdir()
-    man.write_text(text, encoding="utf-8")
-    refused(["tune", str(tmp_path)], f"{man}: not a manifest written by epcc ({why}); recompile the bundle", capsys)
+@pytest.fixture(scope="module")
+def cuda_bundle(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cuda") / "b"
+    assert main(["compile", str(REPO / "schedules" / "h200x4.sched"), "--target", "cuda", "-o", str(out),
+                 "--tokens", "64"]) == 0
+    return out
 
 
-def test_tune_refuses_manifests_that_are_not_json_or_not_files(tmp_path, capsys):
-    man = tmp_path / "cuda" / "manifest.json"
-    man.parent.mkdir()
+def _drop(d: dict, key: str) -> dict:
+    del d[key]
+    return d
+
+
+def _role_blocks(d: dict) -> dict:
+    d["kernels"][0]["roles"][0]["blocks"] = [0, 9999]
+    return d
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda d: [], "the top level is not a JSON object"),
+    (lambda d: {**d, "num_ranks": "2"}, "num_ranks: expected a whole number, got the string '2'"),
+    (lambda d: {**d, "num_ranks": 0}, "num_ranks: 0 is out of range (expected 1..4096)"),
+    (lambda d: {**d, "num_ranks": 2.5}, "num_ranks: expected a whole number, got 2.5"),
+    (lambda d: _drop(d, "num_ranks"), "num_ranks: missing"),
+    (lambda d: {**d, "direct": []}, "direct: expected an object, got a list"),
+    (lambda d: _drop(d, "version"), "version: missing (a cuda/manifest.json of an older epcc has none: recompile)"),
+    (lambda d: {**d, "build": {**d["build"], "sources": ["../../x.cu"]}},
+     "build.sources[0]: expected a file name (letters, digits, _ . + -), got the string '../../x.cu'"),
+    (_role_blocks, "kernels[0].roles[0].blocks[1]: 9999 is out of range (expected 0..4096)"),
+], ids=["list", "ranks-string", "ranks-0", "ranks-fraction", "no-ranks", "direct-list", "no-version", "path",
+        "blocks"])
+def test_tune_refuses_a_malformed_manifest(edit, why, cuda_bundle, tmp_path, capsys):
+    b = tmp_path / "b"
+    shutil.copytree(cuda_bundle, b)
+    man = b / "cuda" / "manifest.json"
+    edit_json(man, edit, bundle=b)
+    refused(["tune", str(b)], f"{man}: not a manifest written by epcc ({why}); recompile the bundle", capsys)
+
+
+def test_tune_refuses_manifests_of_another_version_or_changed(cuda_bundle, tmp_path, capsys):
+    b = tmp_path / "b"
+    shutil.copytree(cuda_bundle, b)
+    man = b / "cuda" / "manifest.json"
+    edit_json(man, lambda d: {**d, "num_ranks": 2})
+    refused(["tune", str(b)], f"{b}: cuda/manifest.json is not the file 'epcc compile' wrote (its sha256 differs "
+                              f"from the one manifest.json records): the bundle was changed after it was compiled; "
+                              f"recompile it", capsys)
+    for version, which in ((2, "a newer"), (0, "an older")):
+        edit_json(man, lambda d: {**d, "version": version}, bundle=b)
+        refused(["tune", str(b)], f"{man}: compiled by {which} epcc (cuda/manifest.json version {version}, this "
+                                  f"epcc reads version 1): recompile it with this epcc", capsys)
+
+
+def test_tune_refuses_manifests_that_are_not_json_or_not_files(cuda_bundle, tmp_path, capsys):
+    b = tmp_path / "b"
+    shutil.copytree(cuda_bundle, b)
+    man = b / "cuda" / "manifest.json"
     man.write_text("{", encoding="utf-8")
-    refused(["tune", str(tmp_path)], f"{man}: not a manifest written by epcc (not valid JSON: Expecting property name "
-                                     f"enclosed in double quotes: line 1 column 2 (char 1)); recompile the bundle", capsys)
+    rehash(b)
+    refused(["tune", str(b)], f"{man}: not a manifest written by epcc (not valid JSON: Expecting property name "
+                              f"enclosed in double quotes: line 1 column 2 (char 1)); recompile the bundle", capsys)
     man.write_text("[" * 5000 + "]" * 5000, encoding="utf-8")
-    refused(["tune", str(tmp_path)], f"{man}: not a manifest written by epcc (JSON nested more than 32 levels deep); "
-                                     f"recompile the bundle", capsys)
+    rehash(b)
+    refused(["tune", str(b)], f"{man}: not a manifest written by epcc (JSON nested more than 32 levels deep); "
+                              f"recompile the bundle", capsys)
     man.unlink()
     _fifo(man)
-    refused(["tune", str(tmp_path)], f"{man}: is a named pipe (FIFO), not a CUDA bundle manifest", capsys)
+    refused(["tune", str(b)], f"{man}: is a named pipe (FIFO), not a CUDA bundle manifest", capsys)
     man.unlink()
-    refused(["tune", str(tmp_path)], f"{tmp_path}: no cuda/manifest.json; write the bundle with `epcc compile FILE "
-                                     f"--target cuda -o {tmp_path}`", capsys)
-    man.write_text('{"num_ranks": 2, "direct_not_used": ["x"]}', encoding="utf-8")
-    refused(["tune", str(tmp_path)], f"{tmp_path}: nothing to tune: the plan is not one-hop (?)", capsys)
+    refused(["tune", str(b)], f"{b}: no cuda/manifest.json; write the bundle with `epcc compile FILE "
+                              f"--target cuda -o {b}`", capsys)
+    shutil.copy(cuda_bundle / "cuda" / "manifest.json", man)
+    edit_json(man, lambda d: {**_drop(d, "direct"), "lowering": "tables", "direct_not_used": "x"}, bundle=b)
+    refused(["tune", str(b)], f"{b}: nothing to tune: the plan is not one-hop (x)", capsys)
 
 
 # --------------------------------------------------------------------------- what diagnostics echo

@@ -202,10 +202,20 @@ def test_compiled_plan_runs_and_a_dropped_flow_is_caught(capsys, tmp_path):
     assert re.match(r"h200x4_2vnode: 4 ranks x 32 tokens, hidden 7168 .*; load [\d.]+ ms, inputs", out), out
     rc, out, err = run(["run", str(plan_file), "--backend", "reference", "--hidden", "256"], capsys)
     assert rc == 1 and "is a compiled plan, whose hidden size is fixed" in err
-    # Hand edit: drop the forward of rank 2's RDMA-received tokens to rank 3.
+    # Hand edit: drop the forward of rank 2's RDMA-received tokens to rank 3.  Its reverse in the
+    # combine is left without a flow to reverse: refused when the plan is loaded.
     d = json.loads(plan_file.read_text())
     fwd = next(s for s in d["steps"] if s["program"] == "dispatch" and s["name"] == "fwd")
     fwd["flows"] = [f for f in fwd["flows"] if (f["src"], f["dst"]) != (2, 3)]
+    plan_file.write_text(json.dumps(d))
+    i, back = next((i, s) for i, s in enumerate(d["steps"]) if s["program"] == "combine" and s["reverse_of"] == "fwd")
+    j = next(j for j, f in enumerate(back["flows"]) if (f["src"], f["dst"]) == (3, 2))
+    rc, out, err = run(["run", str(plan_file), "--backend", "reference"], capsys)
+    assert (rc, out) == (1, "") and err == (f"epcc: error: {plan_file}: not a plan written by 'epcc compile': "
+                                            f"steps[{i}].flows: {len(back['flows'])} flows reverse dispatch step "
+                                            f"'fwd', which has {len(fwd['flows'])}\n"), err
+    # Dropped from both programs, the plan is consistent but loses tokens: the oracle says which.
+    del back["flows"][j]
     plan_file.write_text(json.dumps(d))
     rc, out, err = run(["run", str(plan_file), "--backend", "reference"], capsys)
     assert rc == 1

@@ -7,6 +7,8 @@ all inputs are derived from one seed).  Argument errors must name the argument.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import traceback
 from pathlib import Path
@@ -197,12 +199,37 @@ def test_bundle_for_another_group_size_is_refused(tmp_path):
     (bundle / "manifest.json").write_text("{broken", encoding="utf-8")
     with pytest.raises(BundleError) as e:
         load(bundle)
-    assert str(e.value) == (f"{bundle / 'manifest.json'}: unreadable manifest (not valid JSON: Expecting property "
-                            f"name enclosed in double quotes: line 1 column 2 (char 1))")
+    assert str(e.value) == (f"{bundle / 'manifest.json'}: not a manifest written by epcc (not valid JSON: Expecting "
+                            f"property name enclosed in double quotes: line 1 column 2 (char 1)); recompile the bundle")
     (bundle / "manifest.json").write_text("[1, 2]", encoding="utf-8")
     with pytest.raises(BundleError) as e:
         load(bundle)
-    assert str(e.value) == f"{bundle / 'manifest.json'}: unreadable manifest (the top level is not a JSON object)"
+    assert str(e.value) == (f"{bundle / 'manifest.json'}: not a manifest written by epcc (the top level is not a "
+                            f"JSON object); recompile the bundle")
+    (bundle / "manifest.json").unlink()
+    with pytest.raises(BundleError) as e:
+        load(bundle)
+    assert str(e.value) == (f"{bundle}: not an epcc bundle (no manifest.json); write one with `epcc compile FILE -o "
+                            f"{bundle}`")
+
+
+def test_a_plan_whose_ranks_are_a_string_is_refused_by_name(tmp_path):
+    """`"num_ranks": "2"` is a BundleError naming the field, before the group's size is compared."""
+    bundle = compile_bundle(tmp_path, ONE_HOP.format(r=2, t=8, h=256, dtype="bf16", k=4, e=8))
+    plan = bundle / "plan.json"
+    d = json.loads(plan.read_text(encoding="utf-8"))
+    plan.write_text(json.dumps({**d, "num_ranks": "2"}), encoding="utf-8")
+    m = json.loads((bundle / "manifest.json").read_text(encoding="utf-8"))
+    m["sha256"]["plan.json"] = hashlib.sha256(plan.read_bytes()).hexdigest()
+    (bundle / "manifest.json").write_text(json.dumps(m), encoding="utf-8")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(BundleError) as e:
+            Buffer(None, bundle)
+    finally:
+        dist.destroy_process_group()
+    assert str(e.value) == (f"{plan}: not a plan written by 'epcc compile': num_ranks: expected a whole number, got "
+                            f"the string '2'")
 
 
 @pytest.mark.parametrize("bad", ["5", -1, 0, float("nan"), True, float("inf"), 1e18, 86400.001])

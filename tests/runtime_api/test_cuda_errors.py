@@ -196,11 +196,19 @@ def test_tune_on_a_bundle_that_is_not_one_hop(tmp_path, capsys, monkeypatch):
     assert "nothing to tune: the plan is not one-hop" in line and "step 'rdma' (line " in line
 
 
-def test_tune_on_a_broken_manifest(tmp_path, capsys):
-    (tmp_path / "b" / "cuda").mkdir(parents=True)
-    (tmp_path / "b" / "cuda" / "manifest.json").write_text("{not json")
-    assert epcc_main(["tune", str(tmp_path / "b")]) == 1
-    assert "not a manifest written by epcc" in _one_line_error(capsys)
+def test_tune_on_a_broken_manifest(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    b = _compile(tmp_path, "schedules/h200x4.sched", "h200x4", "--target", "cuda")
+    capsys.readouterr()
+    (b / "cuda" / "manifest.json").write_text("{not json")
+    assert epcc_main(["tune", str(b)]) == 1
+    assert "cuda/manifest.json is not the file 'epcc compile' wrote" in _one_line_error(capsys)
+    (b / "cuda").rename(tmp_path / "elsewhere")
+    (b / "cuda").mkdir()
+    (b / "cuda" / "manifest.json").write_text("{not json")
+    (b / "manifest.json").unlink()
+    assert epcc_main(["tune", str(b)]) == 1
+    assert "not an epcc bundle (no manifest.json)" in _one_line_error(capsys)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 4, reason="this machine has the GPUs")

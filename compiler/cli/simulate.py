@@ -1,0 +1,84 @@
+"""`epcc simulate FILE`: the plan's simulated step times, link busy time and bottleneck; and the
+simulation `epcc viz --scheduled` draws."""
+
+from __future__ import annotations
+
+import json
+
+from ..files import refuse_overwrite
+from ..sim import SimOptions, SimulationError, simulate
+from ..sim.build import build_plan
+from ..sim.gantt import write_svg
+from ..sim.report import table, to_dict
+from .common import EXIT_OK, inputs_of, say, say_lines, user_error, warn
+from .options import kernel_options, pass_options, plan_options, positive
+
+
+def add_parser(sub) -> None:
+    c = sub.add_parser("simulate", help="simulate a schedule's plan: step times, link busy time, bottleneck",
+                       description="Build the plan (the pass pipeline as far as its passes exist), run the fluid "
+                                   "discrete-event simulator over it (max-min fair link sharing, chunk pipelining, "
+                                   "latency; the model: compiler/sim/__init__.py) and print per-step start/end, "
+                                   "busy time per link class, the bottleneck, the total with overlap and the serial "
+                                   "sum, in ms.")
+    c.add_argument("file", metavar="FILE", help="the .sched file")
+    plan_options(c)
+    c.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    c.add_argument("--gantt", metavar="OUT.svg", help="also draw a Gantt chart of the steps into this SVG file")
+    c.add_argument("--rdma", choices=("proxy", "emulate"), default="proxy",
+                   help="how the RDMA steps run, as `epcc compile --target cuda --rdma`: proxy (default: credit "
+                        "window, chunks staged and applied by one SM each) or emulate (paced SM roles); matters "
+                        "only with the topology's `sm` rates")
+    kernel_options(c)
+    c.set_defaults(func=cmd_simulate)
+
+
+def simulation(args, options):
+    """(the built plan, its simulation) under the SM model of the kernels that `--kernels` and `--sms`
+    pick (`epcc simulate` and `epcc viz --scheduled`): auto (default) is what the CUDA target runs, the
+    direct kernels where it lowers the plan to them (Plan.direct, plan/direct.py), else the
+    table-driven kernels' SM roles.  Bad values and direct options on a plan without direct kernels
+    are user errors (exit 1); the options are checked before the plan is built."""
+    kernels = args.kernels or "auto"
+    sms = positive(args.sms, "--sms", "a whole number of SMs", "SMs must be at least 1")
+    if sms is not None and kernels == "table":
+        raise user_error("--sms applies to the direct kernels, not to --kernels table (the plan's `sms` give the "
+                         "roles)")
+    built = build_plan(args.file, options, args.sources)
+    warn(built.compilation)
+    direct = None
+    if kernels != "table":  # kernel-formation recorded the CUDA target's choice (plan/direct.py)
+        direct, why = built.plan.direct, built.plan.direct_not_used
+        if direct is not None and sms is not None:
+            direct = direct.with_sms(sms)
+        if direct is None and (kernels == "direct" or sms is not None):
+            flag = "--kernels direct" if kernels == "direct" else "--sms"
+            raise user_error(f"{flag}: the CUDA target does not lower {args.file} to direct kernels: {why}")
+    try:
+        res = simulate(built.plan, SimOptions(rdma_proxy=getattr(args, "rdma", "proxy") == "proxy", direct=direct))
+    except SimulationError as e:
+        raise user_error(f"{args.file}: cannot simulate the plan: {e}") from None
+    return built, res
+
+
+def cmd_simulate(args) -> int:
+    options = pass_options(args)
+    tokens = options.tokens
+    if args.gantt and not args.gantt.lower().endswith(".svg"):
+        raise user_error(f"--gantt {args.gantt}: the Gantt chart is written as SVG; name the file *.svg")
+    if args.gantt:
+        refuse_overwrite("--gantt", args.gantt, [args.gantt], inputs_of(args))
+    built, res = simulation(args, options)
+    if args.gantt:
+        try:
+            write_svg(res, args.gantt)
+        except OSError as e:
+            raise user_error(f"--gantt {args.gantt}: cannot write the chart: {e.strerror or e}") from None
+    if args.json:
+        d = to_dict(res, built.passes_run, tokens if tokens is not None else built.schedule.workload.tokens)
+        print(json.dumps(d, indent=1))
+    else:
+        say_lines(table(res, built.passes_run))
+        if args.gantt:
+            say(f"Gantt chart written to {args.gantt}")
+    return EXIT_OK
