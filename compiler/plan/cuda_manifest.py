@@ -66,7 +66,7 @@ SCHEMA = Obj({
         "proxy_blocks": Int(0, MAX_SMS), "pace_rdma": Bool(), "copy_unroll": Int(1, MAX_UNROLL),
         "accum_unroll": Int(1, MAX_UNROLL),
     }),
-    "build": Obj({"library": Name, "sources": List(Name, 1, MAX_LIST), "headers": List(Name, 0, MAX_LIST),
+    "build": Obj({"library": Name, "sources": List(Name, 1, MAX_LIST), "headers": List(RelPath, 0, MAX_LIST),
                   "command": _COMMAND}),
     "buffers": Obj({p: List(BUFFER, 0, MAX_LIST) for p in PROGRAMS}),
     "kernels": List(KERNEL, 0, MAX_LIST),

@@ -224,12 +224,13 @@ def test_a_plan_whose_ranks_are_a_string_is_refused_by_name(tmp_path):
     (bundle / "manifest.json").write_text(json.dumps(m), encoding="utf-8")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(BundleError) as e:
+        with pytest.raises(ValueError) as e:  # the group's error (every rank raises it) carrying the bundle's
             Buffer(None, bundle)
     finally:
         dist.destroy_process_group()
-    assert str(e.value) == (f"{plan}: not a plan written by 'epcc compile': num_ranks: expected a whole number, got "
-                            f"the string '2'")
+    assert e.value.reason == (f"{plan}: not a plan written by 'epcc compile': num_ranks: expected a whole number, got "
+                              f"the string '2'")
+    assert str(e.value) == f"making the Buffer failed on rank 0: {e.value.reason}"
 
 
 @pytest.mark.parametrize("bad", ["5", -1, 0, float("nan"), True, float("inf"), 1e18, 86400.001])
@@ -262,9 +263,9 @@ def _rechunk_worker(rank: int, one_hop: str, two_vnode: str, store: str, result_
         try:
             Buffer(None, one_hop, rdma_chunk_tokens=8)
             raise AssertionError("a plan without RDMA steps took rdma_chunk_tokens")
-        except ValueError as e:
-            assert str(e) == (f"Buffer: rdma_chunk_tokens / rdma_depth re-chunk RDMA steps, and the plan of "
-                              f"{one_hop} has none"), str(e)
+        except ValueError as e:  # every rank's error (agree.py), carrying the refusal's own text
+            assert e.reason == (f"Buffer: rdma_chunk_tokens / rdma_depth re-chunk RDMA steps, and the plan of "
+                                f"{one_hop} has none"), str(e)
         buf = Buffer(None, two_vnode, rdma_chunk_tokens=3, rdma_depth=2)
         rdma = [s for s in buf.plan.steps if s.link_kind == "rdma"]
         assert rdma and all(s.depth == 2 for s in rdma), [(s.name, s.depth) for s in rdma]
