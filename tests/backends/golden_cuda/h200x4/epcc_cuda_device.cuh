@@ -232,7 +232,9 @@ struct KernelArgs {
   const uint64_t* flag_areas;   // [num_ranks]: every rank's flag area, as mapped in this process
   ErrorRecord* error;           // host-mapped error record
   uint32_t* error_claim;        // device word: the first reporter takes it
-  uint64_t epoch;               // launches of this program before this one (entry barrier)
+  uint64_t epoch;               // launches of this program before this one (entry barrier): set by the
+                                // kernel from *epoch_dev, which its last block advances (CUDA-graph capturable)
+  uint64_t* epoch_dev;          // device words: [0] launches so far, [1] blocks of this launch done
   uint64_t timeout_ns;          // bound of every wait
   uint64_t* timeline;           // nullptr, or [grid * kTimelineWords] %globaltimer stamps per block (below)
   const RdmaChan* rdma;         // GPU proxy path: [num_copies], by CopyDesc index; nullptr without RDMA roles
@@ -242,7 +244,7 @@ struct KernelArgs {
   uint32_t region;              // word offset of this program's region in a flag area (its barrier word)
   uint32_t bank;                // word offset, within the region, of this launch's counters
   uint32_t program;             // 0 dispatch, 1 combine
-  uint32_t reserved;
+  uint32_t bank_words;          // counters per bank: this launch's bank is 1 + (epoch % 2) * bank_words
 };
 
 __device__ __forceinline__ const TableHeader& header(const KernelArgs& a) {
@@ -378,6 +380,31 @@ __device__ __forceinline__ void entry_barrier(const KernelArgs& a, const char* w
     wait_ge(a, barrier_word(a, a.rank), (a.epoch + 1) * a.num_ranks, what, -1, -1, -1, static_cast<int32_t>(a.rank));
   }
   __syncthreads();
+}
+
+// A launch's own copy of its arguments, in shared memory: the epoch (and so the bank) come from
+// the device, so a CUDA graph that replays the launch still meets its peers at the right barrier.
+__device__ __forceinline__ const KernelArgs& launch_args(const KernelArgs& given, KernelArgs& mine) {
+  if (threadIdx.x == 0) {
+    mine = given;
+    mine.epoch = *reinterpret_cast<volatile uint64_t*>(given.epoch_dev);
+    mine.bank = 1u + static_cast<uint32_t>(mine.epoch % 2u) * given.bank_words;
+  }
+  __syncthreads();
+  return mine;
+}
+
+// The last block of a launch to finish advances the device epoch (every block has read it).
+__device__ __forceinline__ void advance_epoch(const KernelArgs& a) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(reinterpret_cast<unsigned long long*>(a.epoch_dev + 1), 1ull) == gridDim.x - 1ull) {
+      a.epoch_dev[1] = 0;
+      a.epoch_dev[0] = a.epoch + 1;
+      __threadfence();
+    }
+  }
 }
 
 // End of a launch (block 0): every counter on this rank has reached its final value, so every

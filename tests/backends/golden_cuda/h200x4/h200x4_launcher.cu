@@ -77,7 +77,8 @@ struct Program {
   uint64_t* buffers_dev = nullptr;   // [num_buffers * kNumRanks]
   std::vector<uint64_t> buffers;
   bool buffers_ok = false;
-  uint64_t epoch = 0;                // launches so far (entry barrier)
+  uint64_t epoch = 0;                // launches so far (host count; the kernels keep theirs in epoch_dev)
+  uint64_t* epoch_dev = nullptr;     // device: launches so far, blocks of the running launch done
   uint64_t* timeline = nullptr;      // [grid * kTimelineWords] when enabled (epcc_cuda_enable_timeline)
   const epcc::RdmaChan* rdma = nullptr;  // GPU proxy path (epcc_cuda_set_rdma), device memory of the caller
   const uint32_t* rdma_seq = nullptr;
@@ -180,7 +181,9 @@ int launch_main(Context* c, int program, cudaStream_t stream) {
   a.flag_areas = c->flag_areas_dev;
   a.error = c->error_dev;
   a.error_claim = c->error_claim;
-  a.epoch = p.epoch;
+  a.epoch = p.epoch;  // the kernel reads its own from epoch_dev
+  a.epoch_dev = p.epoch_dev;
+  a.bank_words = bank_words(c);
   a.timeout_ns = c->timeout_ns;
   a.timeline = p.timeline;
   a.rdma = p.rdma;
@@ -300,6 +303,8 @@ int epcc_cuda_create(int device, int rank, uint32_t flag_capacity, double timeou
   for (int p = 0; p < kNumPrograms; ++p) {
     if (kPrograms[p].present) {
       EPCC_TRY(c, cudaMalloc(&c->programs[p].buffers_dev, sizeof(uint64_t) * kPrograms[p].num_buffers * kNumRanks));
+      EPCC_TRY(c, cudaMalloc(&c->programs[p].epoch_dev, 2 * sizeof(uint64_t)));
+      EPCC_TRY(c, cudaMemset(c->programs[p].epoch_dev, 0, 2 * sizeof(uint64_t)));
     }
   }
   // Load every kernel now.  With lazy loading (CUDA_MODULE_LOADING=LAZY, the default) the first
@@ -320,6 +325,7 @@ void epcc_cuda_destroy(void* ctx) {
   for (Program& p : c->programs) {
     if (!p.tables_external) cudaFree(p.tables);
     cudaFree(p.buffers_dev);
+    cudaFree(p.epoch_dev);
   }
   cudaFree(c->flags);
   cudaFree(c->flag_areas_dev);

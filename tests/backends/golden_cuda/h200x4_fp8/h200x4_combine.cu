@@ -27,7 +27,9 @@ static __device__ __noinline__ void epcc_h200x4_combine_push(const epcc::KernelA
   epcc::run_role<epcc::AccumWeightedBf16<8, 8>, 16u>(a, 1u, "push", block, 24u, 0.f);
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) epcc_h200x4_combine_kernel(const __grid_constant__ epcc::KernelArgs a) {
+extern "C" __global__ void __launch_bounds__(512, 1) epcc_h200x4_combine_kernel(const __grid_constant__ epcc::KernelArgs given) {
+  __shared__ epcc::KernelArgs mine;
+  const epcc::KernelArgs& a = epcc::launch_args(given, mine);
   epcc::entry_barrier(a, "combine entry barrier");
   if (a.timeline != nullptr && threadIdx.x == 0) a.timeline[blockIdx.x * epcc::kTimelineWords + 1] = 0;
   epcc::stamp(a, 0);
@@ -42,6 +44,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) epcc_h200x4_combine_kernel(
   epcc::stamp(a, 2);
   epcc::drain(a, "combine drain");
   if (blockIdx.x == 0) epcc::stamp(a, 3);
+  epcc::advance_epoch(a);
 }
 
 extern "C" cudaError_t epcc_h200x4_combine_launch(const epcc::KernelArgs* args, cudaStream_t stream) {
