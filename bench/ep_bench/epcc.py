@@ -93,15 +93,20 @@ class EpccRows:
             cfg, comm, timer, buf, plan, manifest, data
         wl = plan.workload
         self.direct = direct  # the direct kernels (else the table-driven ones, or the cpu backend)
+        # the low-latency mode (no host sync in dispatch): the direct kernels, and the table-driven
+        # ones whose tables the GPU writes (the bundle's metadata "device")
+        self.lowlat = direct or bool(getattr(buf.engine, "on_device", False))
+        self.idx_all = idx
         self.xs = [as_x(r, wl.hidden, wl.dtype) for r in data.x_sets]
         self.n = data.src.shape[0]  # the rows this rank receives
         self.rounding = 0.0 if self.direct else partial_rounding(manifest)
         self.ys = data.y_sets
         self.last = None  # the handle of the last dispatch
-        if self.direct:  # sync=False combines the whole receive buffer: the expert outputs padded to it
+        if self.lowlat:  # sync=False combines the whole receive buffer: the expert outputs padded to it
             cap = self._capacity()
             self.ys = [torch.cat([y, torch.zeros((cap - self.n, wl.hidden), dtype=y.dtype, device=y.device)])
                        for y in data.y_sets]
+        if self.direct:
             eng = buf.engine
             self.common = {"lowering": "direct", "config": dict(vars(eng.config)),
                            "sms": {"dispatch": eng.config.dispatch_sms, "combine": eng.config.combine_sms},
@@ -144,6 +149,8 @@ class EpccRows:
         """What the layout the engine ran tells (table-driven and cpu: the handle carries it): the
         bytes it moved across, the largest chunk of each RDMA step this rank sends."""
         layout = getattr(self.last, "layout", None)
+        if layout is None and not self.direct and self.lowlat:  # the GPU laid it out: the host's, for the bytes
+            layout = compute_layout(self.plan, self.idx_all, None)
         if layout is None:
             return {}
         rank = self.comm.rank
@@ -154,7 +161,7 @@ class EpccRows:
 
     def _fresh(self, s: int):
         d = self.d
-        if self.direct:
+        if self.lowlat:
             return self.buf.dispatch(self.xs[s], d.topk, d.weights, sync=False)
         return self.buf.dispatch(self.xs[s], d.topk, d.weights)
 
@@ -171,10 +178,11 @@ class EpccRows:
 
     def cached(self) -> dict:
         d = self.d
-        first = self.buf.dispatch(self.xs[0], d.topk, d.weights)[4]  # the layout and tables, once
+        sync = not self.lowlat  # the same mode as the fresh row (the combine's rows are shaped by it)
+        first = self.buf.dispatch(self.xs[0], d.topk, d.weights, sync=sync)[4]  # the layout and tables, once
 
         def dispatch(s: int):
-            return self.buf.dispatch(self.xs[s], handle=first)
+            return self.buf.dispatch(self.xs[s], handle=first, sync=sync)
 
         out = self._iterate(dispatch)
         # TIMELINE_ROUNDS more (untimed) rounds with the kernels' per-block stamps: when each role

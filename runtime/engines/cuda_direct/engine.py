@@ -210,10 +210,12 @@ class CudaDirectEngine:
             try:
                 a, topk_idx, topk_weights, T, fp8 = self._dispatch_args(x, topk_idx, topk_weights, expert_alignment,
                                                                         handle)
-            except Exception as e:  # noqa: BLE001 - refused before the launch: the peers are in their kernels
-                self.agree.fail(e, wait_s=0, fatal=True)
+            except Exception as e:  # noqa: BLE001 - refused before the launch
+                if sync:  # the peers meet it in their verdict round below: nobody launches, the Buffer stays usable
+                    self.agree.fail(e)
+                self.agree.fail(e, wait_s=0, fatal=True)  # low latency: the peers are in their kernels already
             if sync:
-                self.agree.heed()  # a peer failed already: launch nothing it will not match
+                self.agree.barrier("the dispatch's arguments")  # every rank's verdict before any launch
             return self._dispatch(a, topk_idx, topk_weights, T, fp8, sync)
 
     def _dispatch_args(self, x, topk_idx, topk_weights, expert_alignment: int, handle):

@@ -271,10 +271,12 @@ class CudaTableEngine:
                     if err:
                         raise ValueError(err)
             except Exception as e:  # noqa: BLE001 - refused before anything moved: every rank raises it
-                self.agree.fail(e, wait_s=0 if self.on_device else None, fatal=self.on_device)
+                if sync or not self.on_device:  # the peers meet it in their verdict round: the Buffer stays usable
+                    self.agree.fail(e)
+                self.agree.fail(e, wait_s=0, fatal=True)  # low latency: the peers are in their kernels already
             if self.on_device:
                 if sync:
-                    self.agree.heed()  # a peer failed already: launch nothing it will not match
+                    self.agree.barrier("the dispatch's arguments")  # every rank's verdict before any launch
                 return self._dispatch_device(rows, T, topk_idx, topk_weights, sync, expert_alignment)
             return self._dispatch_host(rows, T, topk_idx, topk_weights, expert_alignment, handle)
 
@@ -312,6 +314,7 @@ class CudaTableEngine:
     def _dispatch_host(self, rows, T: int, topk_idx, topk_weights, expert_alignment: int, handle):
         if handle is not None and handle.layout is not None:
             layout = handle.layout
+            self.agree.barrier("the dispatch's arguments")  # every rank's verdict before any launch
         else:
             idx_all, w_all, tokens = self._gather(T, topk_idx, topk_weights)
             layout = compute_layout(self.plan, idx_all, w_all, tokens)  # the same on every rank
@@ -417,8 +420,8 @@ class CudaTableEngine:
         with self.agree.call("combine"):
             try:
                 y, out = self._combine_args(y, handle, topk_weights)
-            except Exception as e:  # noqa: BLE001 - refused before anything moved
-                self.agree.fail(e, wait_s=0 if self.on_device else None, fatal=self.on_device)
+            except Exception as e:  # noqa: BLE001 - refused before the launch: the peers' kernels wait for this rank
+                self.agree.fail(e, wait_s=0, fatal=True)
             n = y.shape[0]
             try:
                 stream = self._stream()
