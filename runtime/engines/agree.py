@@ -224,6 +224,17 @@ class Agreement:
     def barrier(self, phase: str, *, timeout_s: float | None = None) -> None:
         self.exchange(phase, timeout_s=timeout_s)
 
+    def verdicts(self, phase: str, error: BaseException | None) -> None:
+        """A round in which every rank says whether it refuses its arguments after work that left
+        every rank consistent (a bad routing row its kernels ignored, read back once they had
+        finished): where any rank does, every rank raises the same GroupError, and the Buffer stays
+        usable (nothing is left half done)."""
+        said = self.exchange(phase, b"" if error is None else json.dumps(describe(error)).encode())
+        call = self._call or self._last_call
+        failures = {r: (*json.loads(p), call) for r, p in enumerate(said) if p}
+        if failures:
+            raise compose(failures, rebuild=False)
+
     def everyone(self, error: BaseException) -> GroupError:
         """The error of a check every rank made on the same data after a round (the token counts
         all ranks sent): the same on every rank without another round.  Raise it before any data

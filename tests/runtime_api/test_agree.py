@@ -253,3 +253,26 @@ def test_the_root_cause_comes_first():
     failures[3] = ("value", "dispatch: bad topk", "dispatch #3")
     e = ag.compose(failures, rebuild=True)
     assert (type(e), str(e), e.rank) == (ag.GroupValueError, "dispatch #3 failed on rank 3: dispatch: bad topk", 3)
+
+
+def test_verdicts_after_consistent_work_keep_the_buffer_usable():
+    """A refusal every rank learns only after its work (a bad routing row the kernels ignored,
+    read back once they finished), in the call's second round: every rank raises the same error,
+    naming the rank, and the Buffer stays usable; a round where none refuses passes."""
+    def body(a, r):
+        with a.call("dispatch"):
+            a.barrier("the dispatch's arguments")
+            a.verdicts("the dispatch's read-back", None)
+        try:
+            with a.call("dispatch"):
+                a.barrier("the dispatch's arguments")
+                a.verdicts("the dispatch's read-back", ValueError("dispatch: topk_idx row 3 names ...") if r == 2
+                           else None)
+        except GroupError as e:
+            seen = (type(e).__name__, str(e), e.rebuild, a.state)
+        with a.call("dispatch"):
+            return seen, a.gather("routing", r)
+
+    out = run(3, body)
+    want = ("GroupValueError", "dispatch #2 failed on rank 2: dispatch: topk_idx row 3 names ...", False, "ready")
+    assert out == [(want, [0, 1, 2])] * 3

@@ -129,6 +129,15 @@ __global__ void zero_partials(const uint8_t* blob, const uint64_t* buffers) {
 
 __global__ void set_int(int* p, int v) { *p = v; }
 
+// The first *count rows of `row_bytes` (a multiple of 16) from src to dst: a copy whose length
+// only the GPU knows (the rows a low-latency dispatch received).
+__global__ void copy_rows(uint4* dst, const uint4* src, const int* count, uint64_t row_vecs) {
+  const uint64_t n = static_cast<uint64_t>(*count) * row_vecs;
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
 thread_local char g_error[512];
 
 int fail(cudaError_t e, const char* what) {
@@ -193,6 +202,15 @@ int epcc_table_meta(const EpccTableMeta* m, uint64_t stream) {
   epcc::meta::meta_recv<<<m->grid_count, kBlock, 0, s>>>(m->args);
   if ((e = cudaGetLastError()) != cudaSuccess) return fail(e, "launch the metadata kernels");
   return 0;
+}
+
+// The first *count rows (row_bytes each, a multiple of 16) of src into dst, on `stream`.
+int epcc_table_meta_copy_rows(uint64_t dst, uint64_t src, uint64_t count, uint64_t row_bytes, uint64_t stream) {
+  copy_rows<<<264, 256, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+      reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), reinterpret_cast<const int*>(count),
+      row_bytes / 16);
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? 0 : fail(e, "launch copy_rows");
 }
 
 // The combine's partial buffers of this rank, cleared (before the combine kernel, on its stream).

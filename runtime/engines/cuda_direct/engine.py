@@ -276,11 +276,12 @@ class CudaDirectEngine:
             self.raise_if_failed()
             raise
         self.raise_if_failed()
-        if bad >= 0:  # every rank's kernels finished: a refusal that leaves the Buffer usable
-            row = topk_idx[bad].tolist()
-            raise ValueError(f"dispatch: topk_idx row {bad} names an expert outside [-1, {c['experts'] - 1}] or the "
-                             f"same expert twice: {row} (those entries were not dispatched)")
-        self.agree.barrier("the dispatch's read-back")  # every rank's kernels finished, its routing valid
+        err = None
+        if bad >= 0:
+            err = ValueError(f"dispatch: topk_idx row {bad} names an expert outside [-1, {c['experts'] - 1}] or the "
+                             f"same expert twice: {topk_idx[bad].tolist()} (those entries were not dispatched)")
+        # every rank's kernels finished (the bad entries ignored): a refusal leaves the Buffer usable
+        self.agree.verdicts("the dispatch's read-back", err)
         total = host_offsets[epr]
         if fp8:
             rx = (rx[0][:total], rx[1][:total])

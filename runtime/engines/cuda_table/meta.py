@@ -52,6 +52,8 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.epcc_table_meta.restype = ctypes.c_int
     lib.epcc_table_meta_zero.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]
     lib.epcc_table_meta_zero.restype = ctypes.c_int
+    lib.epcc_table_meta_copy_rows.argtypes = [ctypes.c_uint64] * 5
+    lib.epcc_table_meta_copy_rows.restype = ctypes.c_int
     lib.epcc_table_meta_area.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
     lib.epcc_table_meta_area.restype = None
     lib.epcc_table_meta_scratch_words.argtypes = [ctypes.c_void_p]
@@ -110,27 +112,42 @@ class DeviceMeta:
         self.own_area = 0
 
     def set_areas(self, areas: list[int], rank: int) -> None:
-        """Every rank's gather area as mapped here (this rank's own at `rank`)."""
+        """Every rank's gather area as mapped here (this rank's own at `rank`); the launch
+        arguments are made here, once (a call only sets its routing)."""
         if len(areas) > MAX_RANKS:
             raise EngineError(f"{len(areas)} ranks: the metadata exchange handles at most {MAX_RANKS}")
         self.areas, self.own_area = list(areas), areas[rank]
+        self.args = self._args()
 
     def run(self, tokens: int, topk_idx, topk_weights, stream: int) -> None:
         """The exchange and the metadata kernels of one dispatch, on `stream` (no host sync)."""
         import torch  # see __init__
 
+        m = self.args
+        x = m.exchange
+        x.routing = topk_idx.data_ptr() if tokens else 0
+        x.weights = topk_weights.data_ptr() if (topk_weights is not None and tokens) else 0
+        x.tokens = tokens
+        x.topk_int32 = int(topk_idx.dtype == torch.int32)
+        if self.lib.epcc_table_meta(ctypes.byref(m), stream) != 0:
+            raise EngineError(f"metadata kernels: {self.lib.epcc_table_meta_error().decode(errors='replace')}")
+
+    def copy_rows(self, dst: int, src: int, row_bytes: int, stream: int) -> None:
+        """As many rows as this rank received in the last dispatch (a count only the GPU knows)."""
+        count = self.recv_offset.data_ptr() + 4 * (self.recv_offset.numel() - 1)
+        if self.lib.epcc_table_meta_copy_rows(dst, src, count, row_bytes, stream) != 0:
+            raise EngineError(f"copying the rows: {self.lib.epcc_table_meta_error().decode(errors='replace')}")
+
+    def _args(self) -> _Meta:
         m = _Meta()
         x = m.exchange
         for r, a in enumerate(self.areas):
             x.areas[r] = a
         x.own = self.own_area
-        x.routing = topk_idx.data_ptr() if tokens else 0
-        x.weights = topk_weights.data_ptr() if (topk_weights is not None and tokens) else 0
         x.epoch = self.epoch.data_ptr()
         x.error = self.error.data_ptr()
         x.timeout_ns = self.timeout_ns
-        x.rank, x.num_ranks, x.max_tokens, x.k, x.tokens = self.rank, self.R, self.T, self.K, tokens
-        x.topk_int32 = int(topk_idx.dtype == torch.int32)
+        x.rank, x.num_ranks, x.max_tokens, x.k = self.rank, self.R, self.T, self.K
         a = m.args
         a.prog = self.prog.data_ptr()
         a.scratch = self.scratch.data_ptr()
@@ -152,8 +169,7 @@ class DeviceMeta:
         m.grid_rows = h["num_work"]
         m.grid_items = h["num_tcopies"]
         m.grid_copy = max(1, min(264, -(-self.R * self.T * self.K // 256)))
-        if self.lib.epcc_table_meta(ctypes.byref(m), stream) != 0:
-            raise EngineError(f"metadata kernels: {self.lib.epcc_table_meta_error().decode(errors='replace')}")
+        return m
 
     def zero_partials(self, own_buffers_dev: int, stream: int) -> None:
         """The combine's partial buffers of this rank, cleared (before the combine kernel)."""
