@@ -26,6 +26,9 @@ MAX_SIZE = 1 << 40  # tokens or bytes in a chunk or capacity
 # Rows a layout of a plan (runtime/layout) may hold, by the upper bound plan/invariants.py's
 # layout_rows gives: beyond it the layout's index arrays alone would outgrow a machine's memory.
 MAX_LAYOUT_ROWS = 1 << 32
+# (flow, home rank) pairs the load-time delivery check (plan/invariants.py) may visit, some tens
+# of seconds of Python at most: a one-hop EP256 plan visits 65536 of them.
+MAX_REACH_WORK = 1 << 26
 WORKLOAD_LIMITS = {"tokens": 1 << 24, "hidden": 1 << 20, "topk": 1024, "experts": 1 << 16, "node_limit": 1 << 16}
 
 MAX_ZIPF_EXPONENT = 16.0  # 65536 experts at popularity rank^-16: the coldest still above 1e-77

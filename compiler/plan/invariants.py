@@ -17,7 +17,10 @@ bound what laying it out costs, in one pass over the steps and flows (no allocat
 * token streams (the tokens of one home rank, flowing through the dispatch steps: plan/model.py
   and analysis/flow.py): the most that reach a staging buffer on any rank is the number its
   declared worst case (`worst_case_bytes` = streams x tokens x bytes per token) was computed
-  from; at most one per home rank reaches each rank's `output` (delivery exactly once);
+  from; at most one per home rank reaches each rank's `output`, and from every home rank h to
+  every rank d a chain of flows whose selections all include d does (a token's selections are
+  hit by its destination set, so such a chain carries every token of h routed to d): together,
+  delivery exactly once;
 * the rows a layout of the plan can hold (`layout_rows`, an upper bound from the streams) stay
   within MAX_LAYOUT_ROWS at the plan's tokens per rank.
 
@@ -30,7 +33,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from ..limits import MAX_LAYOUT_ROWS
+from ..limits import MAX_LAYOUT_ROWS, MAX_REACH_WORK
 from .schema import SchemaError
 
 ROOT_BUFFERS = {"dispatch": ("input", "output"), "combine": ("output", "result")}
@@ -65,6 +68,7 @@ def check_invariants(d: dict) -> None:
         if rows > MAX_LAYOUT_ROWS:
             raise SchemaError(f"steps: a layout of the plan could hold up to {rows} rows at its {wl['tokens']} "
                               f"tokens per rank, more than this runtime lays out ({MAX_LAYOUT_ROWS})")
+    _reach_every_receiver(d)
 
 
 def _buffers(d: dict) -> dict[str, set[str]]:
@@ -225,6 +229,54 @@ def _stream_bounds(d: dict, streams: dict, tokens: int) -> None:
                 raise SchemaError(f"steps[{i}].flows[{j}]: the writes into output deliver {delivered[f['dst']]} "
                                   f"token streams to rank {f['dst']}, more than one per home rank ({R}): a token "
                                   f"would reach its expert twice")
+
+
+def _reach_every_receiver(d: dict) -> None:
+    """SchemaError unless, for every home rank h and receiver r, the dispatch steps carry a token
+    of h whose only destination is r into r's `output`.  Per (buffer, rank) the home ranks whose
+    tokens reach it, each with the receivers (bits) those tokens may be routed to; the steps in
+    program order as the layout runs them.  The work is one entry per (flow, home rank in its
+    source), at most MAX_REACH_WORK."""
+    R = d["num_ranks"]
+    masks: dict = {}
+
+    def selected(sel) -> int:
+        if sel is None:
+            return (1 << R) - 1
+        key = tuple(sel)
+        if key not in masks:
+            masks[key] = sum(1 << r for r in set(sel) if 0 <= r < R)
+        return masks[key]
+
+    reach: dict = {("input", r): {r: (1 << R) - 1} for r in range(R)}
+    work = 0
+    for s in d["steps"]:
+        if s["program"] != "dispatch" or s["verb"] == "exchange":
+            continue
+        landed: dict = defaultdict(dict)
+        for f in s["flows"]:
+            sel = selected(f["select"])
+            into = landed[(s["dst_buffer"], f["dst"])]
+            for b in s["src_buffers"]:
+                homes = reach.get((b, f["src"]), {})
+                work += len(homes)
+                for h, m in homes.items():
+                    if m & sel:
+                        into[h] = into.get(h, 0) | (m & sel)
+            if work > MAX_REACH_WORK:
+                raise SchemaError(f"steps: checking delivery would take more than {MAX_REACH_WORK} steps "
+                                  f"(flows x home ranks in their sources): the plan is too large to load")
+        for k, homes in landed.items():
+            old = reach.setdefault(k, {})
+            for h, m in homes.items():
+                old[h] = old.get(h, 0) | m
+    for r in range(R):
+        got = reach.get(("output", r), {})
+        for h in range(R):
+            if not got.get(h, 0) >> r & 1:
+                raise SchemaError(f"steps: no chain of dispatch flows carries rank {h}'s tokens routed to rank "
+                                  f"{r} into its output (every selection along it must include {r}): they "
+                                  f"would be lost")
 
 
 def layout_rows(plan: Any, tokens: int) -> int:
