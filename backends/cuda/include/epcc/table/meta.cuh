@@ -1,6 +1,6 @@
 // epcc/table/meta.cuh: the metadata kernels of the table-driven kernels -- a rank's placed table
-// blobs (runtime/engines/cuda_table/placement.py) from the gathered routing and the plan's static
-// metadata program (runtime/engines/cuda_table/meta_program.py encodes it; its docstring says
+// blobs (backends/cuda/placement.py) from the gathered routing and the plan's static
+// metadata program (backends/cuda/meta_program.py encodes it; its docstring says
 // what each record means).  The same arithmetic in NumPy: runtime/testing/device_tables.py.
 //
 // Four launches, in stream order, after the host has copied the blobs' template (their static
