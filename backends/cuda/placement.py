@@ -175,6 +175,16 @@ def _dispatch_caps(c, tokens: int, per_token: int) -> tuple[int, int]:
     return (toks * per_token if c.into_output else toks), toks
 
 
+def record_writer(blob: np.ndarray):
+    """put(offset, record name, fields): one abi.py record written into the byte array `blob`."""
+    def put(offset: int, name: str, rec: tuple) -> None:
+        dt = dtype(name)
+        arr = np.zeros(1, dtype=dt)
+        arr[0] = rec
+        blob[offset: offset + dt.itemsize] = np.frombuffer(arr.tobytes(), dtype=np.uint8)
+    return put
+
+
 def template(manifest: dict, pl: Placement, num_ranks: int) -> np.ndarray:
     """The placed blob with its static fields only (what no routing changes): the bytes the
     metadata kernels start from.  Zero where the kernels write: RoleDesc.item_count, CopyDesc.n_rows,
@@ -184,11 +194,7 @@ def template(manifest: dict, pl: Placement, num_ranks: int) -> np.ndarray:
     wl = manifest["workload"]
     blob = np.zeros(pl.total_bytes, dtype=np.uint8)
 
-    def put(offset: int, name: str, rec: tuple) -> None:
-        dt = dtype(name)
-        arr = np.zeros(1, dtype=dt)
-        arr[0] = rec
-        blob[offset: offset + dt.itemsize] = np.frombuffer(arr.tobytes(), dtype=np.uint8)
+    put = record_writer(blob)
 
     for ri, pr in enumerate(pl.roles):
         for pc in pr.copies:

@@ -11,7 +11,7 @@ import numpy as np
 
 from epcc.backends.cuda.abi import (NO_FLAG, PROGRAMS, ROW_BUF_SHIFT, TABLE_MAGIC, TABLE_VERSION, dtype,
                                     step_crc)
-from epcc.backends.cuda.placement import Placement
+from epcc.backends.cuda.placement import Placement, record_writer
 
 from .tables import TableError, Tables, combine_rows, item_order
 
@@ -58,11 +58,7 @@ def assemble(manifest: dict, pl: Placement, rows: dict[int, CopyRows], flag_rank
     buffers = {b["name"]: i for i, b in enumerate(manifest["buffers"][program])}
     blob = np.zeros(pl.total_bytes, dtype=np.uint8)
 
-    def put(offset: int, name: str, rec: tuple) -> None:
-        dt = dtype(name)
-        arr = np.zeros(1, dtype=dt)
-        arr[0] = rec
-        blob[offset: offset + dt.itemsize] = np.frombuffer(arr.tobytes(), dtype=np.uint8)
+    put = record_writer(blob)
 
     def put_array(offset: int, arr: np.ndarray) -> None:
         raw = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
