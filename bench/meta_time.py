@@ -6,7 +6,10 @@ exchange over peer memory and the metadata kernels that write a rank's tables of
 
 Each iteration: a barrier, CUDA events around `meta.run` on the current stream, the time the
 maximum over ranks (the exchange waits for the slowest rank's routing); prints the median, the
-10th and 90th percentiles, and the tokens per rank.  Uniform routing, the bundle's tokens.
+10th and 90th percentiles, and the tokens per rank, and the host's own time to enqueue the
+launches (where it exceeds the GPU's, the events time the host).  Uniform routing, the
+bundle's tokens.  `--profile` then records 20 more iterations under torch.profiler and prints
+rank 0's kernels and copies with their mean device time, to find what bounds the metadata.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -31,6 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("bundle")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--profile", action="store_true", help="per-kernel device times of rank 0 (torch.profiler)")
     args = ap.parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -50,17 +55,24 @@ def main(argv=None) -> int:
     topk = torch.from_numpy(idx[rank]).to(dev)
     weights = torch.from_numpy(w[rank]).to(dev)
     stream = torch.cuda.current_stream(dev).cuda_stream
-    times = []
-    for i in range(args.warmup + args.iters):
+    times, host = [], []
+
+    def once(i: int) -> None:
         dist.barrier()
         torch.cuda.synchronize(dev)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        h0 = time.perf_counter()
         meta.run(T, topk, weights, stream)
+        h1 = time.perf_counter()
         b.record()
         b.synchronize()
         if i >= args.warmup:
             times.append(a.elapsed_time(b) * 1e3)
+            host.append((h1 - h0) * 1e6)
+
+    for i in range(args.warmup + args.iters):
+        once(i)
     t = torch.tensor(times, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     us = sorted(t.tolist())
@@ -68,7 +80,22 @@ def main(argv=None) -> int:
         q = statistics.quantiles(us, n=10)
         print(f"{Path(args.bundle).name}: {world} ranks x {T} tokens: metadata (exchange + tables) "
               f"median {statistics.median(us):.1f} us (p10 {q[0]:.1f}, p90 {q[-1]:.1f}), max over ranks, "
-              f"{len(us)} iterations, {torch.cuda.get_device_name(dev)}")
+              f"{len(us)} iterations, {torch.cuda.get_device_name(dev)}; host enqueue median "
+              f"{statistics.median(host):.1f} us")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile  # reason: only with --profile
+
+        n = 20
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(n):
+                once(args.warmup + i)
+        if rank == 0:
+            rows = [(e.key, e.self_device_time_total / n, e.count // n) for e in prof.key_averages()
+                    if e.self_device_time_total > 0 and str(e.device_type).endswith("CUDA")]
+            rows.sort(key=lambda r: -r[1])
+            print(f"per dispatch, rank 0, mean over {n} (device us, launches):")
+            for key, us_, cnt in rows[:16]:
+                print(f"  {us_:8.1f}  x{cnt:<3d} {key[:100]}")
     dist.barrier()
     buf.close()
     dist.destroy_process_group()

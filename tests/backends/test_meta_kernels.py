@@ -18,10 +18,11 @@ import pytest
 from test_cuda_codegen import CASES, codegen, small_case, source_of
 
 from epcc.backends.cuda import meta_program
+from epcc.backends.cuda.abi import dtype
 from epcc.backends.cuda.placement import max_chunks, placement, template
 from epcc.plan.model import chunk_sizes
 from epcc.plan.segments import segment_program
-from epcc.runtime.engines.cuda_table.placed import build_placed
+from epcc.runtime.engines.cuda_table.placed import build_placed, placed_differences
 from epcc.runtime.layout import compute_layout
 from epcc.runtime.testing.device_tables import Routing, device_tables
 
@@ -62,13 +63,19 @@ def _routing(name: str, tokens: int, chunk: int, seed: int):
     return plan, idx, w.astype(np.float32), counts
 
 
-def _run(lib, plan, m, prog, rank, tokens, idx, w, counts):
-    """The host-compiled kernels' blobs and received rows of `rank`."""
+def _run(lib, plan, m, prog, rank, tokens, idx, w, counts, blobs=None):
+    """The host-compiled kernels' blobs and received rows of `rank` (into `blobs` where given,
+    after restoring their static fields as the GPU does: the template up to the row arrays)."""
     R = plan.num_ranks
     pls = {p: placement(m, prog, p, rank, tokens) for p in ("dispatch", "combine")}
     arr = np.ascontiguousarray(meta_program.encode(m, plan.workload.placement, prog, pls, rank, tokens).array)
     scratch = np.zeros(lib.epcc_meta_scratch_words(arr.ctypes.data), dtype=np.int64)
-    blobs = {p: template(m, pls[p], R).copy() for p in pls}
+    if blobs is None:
+        blobs = {p: template(m, pls[p], R).copy() for p in pls}
+    else:
+        for p in pls:
+            n = pls[p].offsets["rows"]
+            blobs[p][:n] = template(m, pls[p], R)[:n]
     t32, w32 = np.ascontiguousarray(idx, dtype=np.int32), np.ascontiguousarray(w, dtype=np.float32)
     c32, bad = np.ascontiguousarray(counts, dtype=np.int32), np.zeros(1, np.int32)
     epr = plan.workload.experts // R
@@ -122,6 +129,39 @@ def test_a_bad_routing_row_is_marked_and_ignored(host_kernels):
     for p, pl in pls.items():
         assert np.array_equal(build_placed(m, layout, pl).blob, blobs[p]), p
     assert _run(host_kernels, plan, m, prog, 1, tokens, bad_idx, w, counts)[2] >= tokens  # another rank's row
+
+
+@pytest.mark.parametrize("name,tokens,chunk", COVERED[:3])
+def test_a_dispatch_over_the_last_ones_rows_reads_only_its_own(host_kernels, name, tokens, chunk):
+    """The GPU restores only a blob's static fields per dispatch: a routing after a busier one
+    leaves rows past its counts, which the kernels never read; what they read equals the host's,
+    and a wrong byte there is found."""
+    plan, idx, w, counts = _routing(name, tokens, chunk, 5)
+    _, busy_idx, busy_w, _ = _routing(name, tokens, chunk, 6)
+    busy_idx[busy_idx < 0] = idx.max()  # every slot of every token taken (repeats are dropped)
+    busy = np.full_like(counts, tokens)
+    m = codegen.generate(plan, source_of(name)).manifest
+    prog = segment_program(plan)
+    layout = compute_layout(plan, idx, w, counts)
+    stale = checked = 0
+    for rank in range(plan.num_ranks):
+        _, blobs, *_ = _run(host_kernels, plan, m, prog, rank, tokens, busy_idx, busy_w, busy)
+        pls, blobs, *_ = _run(host_kernels, plan, m, prog, rank, tokens, idx, w, counts, blobs=blobs)
+        for p, pl in pls.items():
+            want = build_placed(m, layout, pl).blob
+            assert not placed_differences(want, blobs[p], pl).size, (rank, p)
+            stale += int(np.count_nonzero(want != blobs[p]))
+            cd = dtype("CopyDesc")
+            for pc in pl.copies:
+                at = pl.offsets["copies"] + pc.index * cd.itemsize
+                n = int(want[at: at + cd.itemsize].view(cd)[0]["n_rows"])
+                if 0 < n < pc.rows_cap:
+                    bad = blobs[p].copy()
+                    bad[pc.dst_rows + 8 * n - 8] ^= 1  # the last row read
+                    bad[pc.dst_rows + 8 * n] ^= 1  # the first one past: not read
+                    assert placed_differences(want, bad, pl).tolist() == [pc.dst_rows + 8 * n - 8]
+                    checked += 1
+    assert stale and checked  # the case has rows left over, and rows to spoil
 
 
 @pytest.mark.parametrize("name,tokens,chunk", COVERED[:3])

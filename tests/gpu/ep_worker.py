@@ -349,7 +349,7 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
 def device_tables_errors(buf: Buffer, dev) -> list[str]:
     """After a dispatch whose tables the GPU wrote, its blobs against the host's (runtime/layout
     laid out on the host, placed as the kernels place them)."""
-    from epcc.runtime.engines.cuda_table.placed import build_placed
+    from epcc.runtime.engines.cuda_table.placed import build_placed, placed_differences
     from epcc.runtime.layout import compute_layout
 
     eng = buf.engine
@@ -364,7 +364,7 @@ def device_tables_errors(buf: Buffer, dev) -> list[str]:
     for p, pl in eng.meta.placements.items():
         want = build_placed(eng.manifest, layout, pl).blob
         got = eng.meta.blobs[p].cpu().numpy()
-        diff = np.flatnonzero(want != got)
+        diff = placed_differences(want, got, pl)
         if diff.size:
             errs.append(f"{p}: {diff.size} bytes differ from the host's, first at {int(diff[0])} "
                         f"(sections {pl.offsets})")

@@ -24,8 +24,12 @@ namespace {
 
 using epcc::meta::Args;
 using epcc::meta::kBlock;
+using epcc::meta::kScan;
 
 constexpr int kMaxRanks = 64;
+// The layout of EpccTableMeta and Args that runtime/engines/cuda_table/meta.py writes with ctypes:
+// changed whenever they change, checked by the runtime at load (epcc_table_meta_abi).
+constexpr int kMetaAbi = 2;
 
 struct Exchange {
   uint64_t areas[kMaxRanks];  // every rank's gather area, as mapped here
@@ -62,8 +66,36 @@ __device__ __forceinline__ uint64_t globaltimer() {
   return t;
 }
 
-// This rank's routing into every rank's area (padded with -1 / 0 to max_tokens).
-__global__ void gather_copy(Exchange x) {
+}  // namespace
+
+extern "C" {
+// What epcc_table_meta runs with (runtime/engines/cuda_table/meta.py fills it with ctypes).
+struct EpccTableMeta {
+  Exchange exchange;
+  Args args;                    // args.tokens / topk / weights: this rank's gather area
+  const uint8_t* templ[2];      // the blobs' static bytes (device)
+  uint64_t templ_bytes[2];      // how many: the blob up to its row arrays (the rows are all written)
+  int64_t scratch_words;
+  int grid_count, grid_rows, grid_items, grid_copy;
+};
+}
+
+namespace {
+
+// This rank's routing into every rank's area (padded with -1 / 0 to max_tokens); on the side,
+// what the metadata kernels start from: the scratch zero, the blobs' static fields in place, no
+// bad token yet.
+__global__ void gather_copy(EpccTableMeta m) {
+  const Exchange& x = m.exchange;
+  const uint64_t first = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
+  const uint64_t step = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = first; i < static_cast<uint64_t>(m.scratch_words); i += step) m.args.scratch[i] = 0;
+  for (int p = 0; p < 2; ++p) {
+    const uint64_t n16 = m.templ_bytes[p] / 16;  // placement.py aligns every section to 16 bytes
+    for (uint64_t i = first; i < n16; i += step)
+      reinterpret_cast<uint4*>(m.args.blob[p])[i] = reinterpret_cast<const uint4*>(m.templ[p])[i];
+  }
+  if (first == 0) *m.args.bad = INT_MAX;
   const uint64_t n = static_cast<uint64_t>(x.max_tokens) * x.k;
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < n * x.num_ranks; i += stride) {
@@ -127,8 +159,6 @@ __global__ void zero_partials(const uint8_t* blob, const uint64_t* buffers) {
   }
 }
 
-__global__ void set_int(int* p, int v) { *p = v; }
-
 // The first *count rows of `row_bytes` (a multiple of 16) from src to dst: a copy whose length
 // only the GPU knows (the rows a low-latency dispatch received).
 __global__ void copy_rows(uint4* dst, const uint4* src, const int* count, uint64_t row_vecs) {
@@ -149,17 +179,9 @@ int fail(cudaError_t e, const char* what) {
 
 extern "C" {
 
-// What epcc_table_meta runs with (runtime/engines/cuda_table/meta.py fills it with ctypes).
-struct EpccTableMeta {
-  Exchange exchange;
-  Args args;                    // args.tokens / topk / weights: this rank's gather area
-  const uint8_t* templ[2];      // the blobs' static bytes (device)
-  uint64_t blob_bytes[2];
-  int64_t scratch_words;
-  int grid_count, grid_rows, grid_items, grid_copy;
-};
-
 const char* epcc_table_meta_error(void) { return g_error; }
+
+int epcc_table_meta_abi(void) { return kMetaAbi; }
 
 // The layout of a gather area: out[0] its bytes, out[1..3] the offsets of the token counts, the
 // top-k indices and the weights (the flags are at 0).
@@ -174,32 +196,24 @@ void epcc_table_meta_area(int num_ranks, int max_tokens, int topk, uint64_t* out
   out[3] = area_weights(x);
 }
 
-int64_t epcc_table_meta_scratch_words(const int64_t* prog_host) {
-  return epcc::meta::scratch_words(reinterpret_cast<const long long*>(prog_host));
+// The scratch's words; `layout` (epcc::meta::kLayout words, may be null) where its regions start.
+int64_t epcc_table_meta_scratch_words(const int64_t* prog_host, int64_t* layout) {
+  return epcc::meta::scratch_words(reinterpret_cast<const long long*>(prog_host),
+                                   reinterpret_cast<long long*>(layout));
 }
 
 // The exchange and the metadata kernels of one dispatch, on `stream`.
 int epcc_table_meta(const EpccTableMeta* m, uint64_t stream) {
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   cudaError_t e;
-  gather_copy<<<m->grid_copy, 256, 0, s>>>(m->exchange);
+  gather_copy<<<m->grid_copy, 256, 0, s>>>(*m);
   if ((e = cudaGetLastError()) != cudaSuccess) return fail(e, "launch gather_copy");
   gather_signal_wait<<<1, 64, 0, s>>>(m->exchange);
   if ((e = cudaGetLastError()) != cudaSuccess) return fail(e, "launch gather_signal_wait");
-  for (int p = 0; p < 2; ++p) {
-    if (!m->blob_bytes[p]) continue;
-    if ((e = cudaMemcpyAsync(m->args.blob[p], m->templ[p], m->blob_bytes[p], cudaMemcpyDeviceToDevice, s)) !=
-        cudaSuccess)
-      return fail(e, "copy the table template");
-  }
-  if ((e = cudaMemsetAsync(m->args.scratch, 0, 8ull * m->scratch_words, s)) != cudaSuccess)
-    return fail(e, "clear the scratch");
-  set_int<<<1, 1, 0, s>>>(m->args.bad, INT_MAX);
   epcc::meta::meta_count<<<m->grid_count, kBlock, 0, s>>>(m->args);
-  epcc::meta::meta_scan<<<1, kBlock, 0, s>>>(m->args);
-  if (m->grid_rows) epcc::meta::meta_rows<<<m->grid_rows, kBlock, 0, s>>>(m->args);
+  epcc::meta::meta_scan<<<1, kScan, 0, s>>>(m->args);
+  epcc::meta::meta_rows<<<m->grid_rows + m->grid_count, kBlock, 0, s>>>(m->args);  // rows, received rows
   if (m->grid_items) epcc::meta::meta_items<<<m->grid_items, kBlock, 0, s>>>(m->args);
-  epcc::meta::meta_recv<<<m->grid_count, kBlock, 0, s>>>(m->args);
   if ((e = cudaGetLastError()) != cudaSuccess) return fail(e, "launch the metadata kernels");
   return 0;
 }

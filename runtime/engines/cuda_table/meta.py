@@ -23,6 +23,8 @@ from epcc.backends.cuda.placement import Placement, placement, template
 from .tables import PROGRAMS
 
 MAX_RANKS = 64
+META_ABI = 2  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
+LAYOUT_WORDS = 20  # meta.cuh kLayout: the scratch's regions
 
 
 class _Exchange(ctypes.Structure):
@@ -37,17 +39,27 @@ class _Args(ctypes.Structure):  # epcc::meta::Args
     _fields_ = [("prog", ctypes.c_uint64), ("scratch", ctypes.c_uint64), ("tokens", ctypes.c_uint64),
                 ("topk", ctypes.c_uint64), ("weights", ctypes.c_uint64), ("blob", ctypes.c_uint64 * 2),
                 ("bad", ctypes.c_uint64), ("recv_w", ctypes.c_uint64), ("recv_idx", ctypes.c_uint64),
-                ("recv_count", ctypes.c_uint64), ("recv_offset", ctypes.c_uint64)]
+                ("recv_count", ctypes.c_uint64), ("recv_offset", ctypes.c_uint64),
+                ("lay", ctypes.c_int64 * LAYOUT_WORDS)]
 
 
 class _Meta(ctypes.Structure):  # EpccTableMeta
     _fields_ = [("exchange", _Exchange), ("args", _Args), ("templ", ctypes.c_uint64 * 2),
-                ("blob_bytes", ctypes.c_uint64 * 2), ("scratch_words", ctypes.c_int64), ("grid_count", ctypes.c_int),
+                ("templ_bytes", ctypes.c_uint64 * 2), ("scratch_words", ctypes.c_int64), ("grid_count", ctypes.c_int),
                 ("grid_rows", ctypes.c_int), ("grid_items", ctypes.c_int), ("grid_copy", ctypes.c_int)]
 
 
 def bind(lib: ctypes.CDLL) -> None:
-    """Declare the metadata entry points of a bundle library."""
+    """Declare the metadata entry points of a bundle library (EngineError: a library built from
+    another version's metadata sources, whose arguments this runtime would lay out wrongly)."""
+    abi = getattr(lib, "epcc_table_meta_abi", None)
+    if abi is None:
+        raise EngineError(f"the bundle's library has metadata kernels of an older epcc (no epcc_table_meta_abi; "
+                          f"this runtime needs ABI {META_ABI}): recompile the bundle with this epcc")
+    abi.argtypes, abi.restype = [], ctypes.c_int
+    if abi() != META_ABI:
+        raise EngineError(f"the bundle's metadata kernels have ABI {abi()}, this runtime needs {META_ABI}: "
+                          f"recompile the bundle with this epcc")
     lib.epcc_table_meta.argtypes = [ctypes.POINTER(_Meta), ctypes.c_uint64]
     lib.epcc_table_meta.restype = ctypes.c_int
     lib.epcc_table_meta_zero.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]
@@ -56,7 +68,7 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.epcc_table_meta_copy_rows.restype = ctypes.c_int
     lib.epcc_table_meta_area.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
     lib.epcc_table_meta_area.restype = None
-    lib.epcc_table_meta_scratch_words.argtypes = [ctypes.c_void_p]
+    lib.epcc_table_meta_scratch_words.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.epcc_table_meta_scratch_words.restype = ctypes.c_int64
     lib.epcc_table_meta_error.argtypes = []
     lib.epcc_table_meta_error.restype = ctypes.c_char_p
@@ -92,7 +104,8 @@ class DeviceMeta:
         R, self.T, self.K = plan.num_ranks, wl.tokens, wl.topk
         self.R = R
         self.prog = torch.from_numpy(self.mp.array).to(device)
-        words = int(lib.epcc_table_meta_scratch_words(self.mp.array.ctypes.data))
+        self.layout = (ctypes.c_int64 * LAYOUT_WORDS)()
+        words = int(lib.epcc_table_meta_scratch_words(self.mp.array.ctypes.data, self.layout))
         self.scratch = torch.zeros(max(words, 1), dtype=torch.int64, device=device)
         self.templates = {p: torch.from_numpy(template(manifest, pl, R)).to(device) for p, pl in self.placements.items()}
         self.blobs = {p: t.clone() for p, t in self.templates.items()}
@@ -158,10 +171,11 @@ class DeviceMeta:
             if p in self.blobs:
                 a.blob[i] = self.blobs[p].data_ptr()
                 m.templ[i] = self.templates[p].data_ptr()
-                m.blob_bytes[i] = self.blobs[p].numel()
+                m.templ_bytes[i] = self.placements[p].offsets["rows"]
         a.bad = self.bad.data_ptr()
         a.recv_w, a.recv_idx = self.recv_w.data_ptr(), self.recv_idx.data_ptr()
         a.recv_count, a.recv_offset = self.recv_count.data_ptr(), self.recv_offset.data_ptr()
+        a.lay[:] = list(self.layout)
         m.scratch_words = self.scratch.numel()
         arr = self.mp.array
         h = {f: int(arr[i]) for i, f in enumerate(HEADER)}

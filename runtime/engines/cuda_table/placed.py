@@ -114,3 +114,23 @@ def assemble(manifest: dict, pl: Placement, rows: dict[int, CopyRows], flag_rank
     return Tables(program, rank, blob, pl.num_flags, [(n, zero_rows[n] * 4 * hidden) for _, n in pl.zero])
 
 
+
+
+def placed_differences(want: np.ndarray, got: np.ndarray, pl: Placement) -> np.ndarray:
+    """The bytes where a placed blob the GPU wrote (`got`) differs from the host's (`want`), over
+    what the kernels read: everything before the row arrays, and each copy's first n_rows rows
+    (want's CopyDesc) -- the room past them keeps what an earlier dispatch left there, since the
+    metadata kernels restore only the blob's static fields before they write its rows."""
+    if want.shape != got.shape:
+        raise ValueError(f"blobs of {want.size} and {got.size} bytes")
+    read = np.zeros(want.size, dtype=bool)
+    read[:pl.offsets["rows"]] = True
+    cd = dtype("CopyDesc")
+    for pc in pl.copies:
+        at = pl.offsets["copies"] + pc.index * cd.itemsize
+        n = int(want[at: at + cd.itemsize].view(cd)[0]["n_rows"])
+        read[pc.src_rows: pc.src_rows + 8 * n] = True
+        read[pc.dst_rows: pc.dst_rows + 8 * n] = True
+        if pc.weights:
+            read[pc.weights: pc.weights + 4 * n] = True
+    return np.flatnonzero(read & (want != got))

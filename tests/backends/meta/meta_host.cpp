@@ -15,9 +15,9 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
                              const float* weights, unsigned char* blob_d, unsigned char* blob_c, int* bad,
                              float* recv_w, long long* recv_idx, int* recv_count, int* recv_offset) {
   if (prog[H_magic] != kMagic || prog[H_version] != kVersion) return 1;
-  std::memset(scratch, 0, sizeof(long long) * scratch_words(prog));
-  *bad = INT_MAX;
   Args a;
+  std::memset(scratch, 0, sizeof(long long) * scratch_words(prog, a.lay));
+  *bad = INT_MAX;
   a.prog = prog;
   a.scratch = scratch;
   a.tokens = tokens;
@@ -33,8 +33,7 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
   const int blocks = static_cast<int>(prog[H_num_ranks] * prog[H_token_blocks]);
   for (int b = 0; b < blocks; ++b) meta_count(a, b);
   meta_scan(a, 0);
-  for (int b = 0; b < prog[H_num_work]; ++b) meta_rows(a, b);
+  for (int b = 0; b < prog[H_num_work] + blocks; ++b) meta_rows(a, b);  // then the received rows
   for (int b = 0; b < prog[H_num_tcopies]; ++b) meta_items(a, b);
-  for (int b = 0; b < blocks; ++b) meta_recv(a, b);
   return 0;
 }

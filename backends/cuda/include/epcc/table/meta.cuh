@@ -3,18 +3,25 @@
 // metadata program (backends/cuda/meta_program.py encodes it; its docstring says
 // what each record means).  The same arithmetic in NumPy: runtime/testing/device_tables.py.
 //
-// Four launches, in stream order, after the host has copied the blobs' template (their static
-// fields) into place and zeroed the scratch:
+// Four launches, in stream order, after the blobs' static fields (their template up to the row
+// arrays) are in place and the scratch is zero:
 //   meta_count  grid (home rank x token block): each token's sets, per block the tokens of each
 //               set (and the expert rows of each OUT set) and of each expert;
-//   meta_scan   one block: prefix sums -- set offsets in their buffers, output rows per expert,
-//               each part's first token and row in its copy, each copy's tokens, rows and chunks --
-//               and the descriptors' counts (RoleDesc, CopyDesc, DrainDesc, ZeroDesc, header);
-//   meta_rows   grid (part x token block) over the parts of this rank's copies: each row's source
-//               handle, destination slot and weight, each chunk's first row, each chunk's waits
-//               (a running maximum per producer);
+//   meta_scan   one block of kScan threads: prefix sums -- set offsets in their buffers, output
+//               rows per expert, each part's first token and row in its copy, each copy's tokens,
+//               rows and chunks -- and the descriptors' counts (RoleDesc, CopyDesc, DrainDesc,
+//               ZeroDesc, header);
+//   meta_rows   grid (part x token block over the parts of this rank's copies, then home rank x
+//               token block): each row's source handle, destination slot and weight, each
+//               chunk's first row, each chunk's waits (a running maximum per producer); then the
+//               received rows' weights and experts (meta_recv's blocks ride in the same launch:
+//               both need only the scan);
 //   meta_items  grid (copy): each chunk's item at its place in the role's item order, its waits
 //               compacted in flag order.
+// What bounds them (2 x H100, 2026-11-26, bench/meta_time.py --profile): latency, not bytes --
+// chains of dependent loads.  Hence a block reads its home's set records into shared memory
+// once, the scratch layout is computed once on the host (Args.lay), and the scan's serial
+// prefix sums load a run of counts before they add them.
 //
 // Written once for both sides: compiled by nvcc these are kernels (a block's threads run each
 // phase together, __syncthreads between phases); compiled as C++ for the host
@@ -33,8 +40,10 @@ typedef long long i64;
 #define EM_FN __device__ __forceinline__
 #define EM_HD __host__ __device__ inline
 #define EM_KERNEL __global__ void __launch_bounds__(kBlock)
+#define EM_KERNEL_SCAN __global__ void __launch_bounds__(kScan)
 #define EM_SHARED __shared__
 #define EM_THREADS(t) { const int t = static_cast<int>(threadIdx.x);
+#define EM_THREADS_SCAN(t) { const int t = static_cast<int>(threadIdx.x);
 #define EM_SYNC } __syncthreads();
 #define EM_BLOCK static_cast<int>(blockIdx.x)
 #define EM_OR(p, v) atomicOr((p), (v))
@@ -45,8 +54,10 @@ EM_FN int em_popc(unsigned v) { return __popc(v); }
 #define EM_FN static inline
 #define EM_HD static inline
 #define EM_KERNEL static void
+#define EM_KERNEL_SCAN static void
 #define EM_SHARED static
 #define EM_THREADS(t) for (int t = 0; t < kBlock; ++t) {
+#define EM_THREADS_SCAN(t) for (int t = 0; t < kScan; ++t) {
 #define EM_SYNC }
 #define EM_BLOCK em_block
 #define EM_OR(p, v) (*(p) |= (v))
@@ -56,6 +67,9 @@ EM_FN int em_popc(unsigned v) { return __builtin_popcount(v); }
 #endif
 
 constexpr int kBlock = 128;               // tokens per block (meta_program.py TOKEN_BLOCK)
+constexpr int kScan = 512;                // threads of meta_scan's one block
+constexpr int kRun = 8;                   // counts a scan thread loads before it adds them
+constexpr int kLayout = 20;               // regions of the scratch (scratch_words)
 constexpr int kWords = kBlock / 32;       // 32-bit words of a per-block token mask
 constexpr int kMaxSets = 64;              // sets per home rank (MAX_SETS)
 constexpr int kMaxTopk = 16;
@@ -121,6 +135,7 @@ struct Args {
   int64_t* recv_idx;
   int* recv_count;       // [experts per rank]
   int* recv_offset;      // [experts per rank + 1]
+  i64 lay[kLayout];      // where each scratch region starts (scratch_words(prog, lay), on the host)
 };
 
 EM_HD const i64* rec(const i64* p, int off_field, i64 index, int width) { return p + p[off_field] + index * width; }
@@ -150,10 +165,10 @@ EM_HD i64 scratch_words(const i64* p, i64* layout_out = nullptr) {
     const i64 end = t[T_scratch_waits] + t[T_chunks_cap] * prods + t[T_chunks_cap] + 1;
     if (end > tc) tc = end;
   }
-  const i64 sizes[] = {S * TB, S * TB, S * TB, S * TB, S, S, S, R * TB * E, R * TB * E, E, R * E,
-                       parts, parts, parts, parts, copies, copies, copies, tc, E};
+  const i64 sizes[kLayout] = {S * TB, S * TB, S * TB, S * TB, S, S, S, R * TB * E, R * TB * E, E, R * E,
+                              parts, parts, parts, parts, copies, copies, copies, tc, E};
   i64 total = 0;
-  for (int i = 0; i < static_cast<int>(sizeof sizes / sizeof sizes[0]); ++i) {
+  for (int i = 0; i < kLayout; ++i) {
     if (layout_out) layout_out[i] = total;
     total += sizes[i];
   }
@@ -161,8 +176,7 @@ EM_HD i64 scratch_words(const i64* p, i64* layout_out = nullptr) {
 }
 
 EM_FN Scratch scratch_of(const Args& a) {
-  i64 at[20];
-  scratch_words(a.prog, at);
+  const i64* at = a.lay;
   i64* s = a.scratch;
   Scratch x;
   x.set_cnt = s + at[0]; x.set_rcnt = s + at[1]; x.set_base = s + at[2]; x.set_rbase = s + at[3];
@@ -250,8 +264,19 @@ EM_FN i64 chunk_of(const Chunking& k, i64 tok) {
 }
 
 // ---------------------------------------------------------------------------------- tokens
+// A set of the block's home rank as the token loop needs it (its record, read once per block).
+struct SetInfo {
+  unsigned long long mask;     // SEG: the destination ranks it selects
+  unsigned long long or_bits;  // LIVE: the bits of the sets it unites
+  int kind;                    // SetKind; -1: past the home's last set
+  int parent_bit;              // SEG, OUT: the bit of its parent set (-1: none)
+  int all;                     // SEG: selects every token of its parent
+  int dst;                     // OUT: its destination rank
+};
+
 // One block's tokens of one home rank: which sets each is in and, per set, expert and row masks.
 struct Shared {
+  SetInfo sets[kMaxSets];
   unsigned long long bits[kBlock];        // per token: its sets (bit = the set's `bit`)
   unsigned set_words[kMaxSets][kWords];   // per set: its tokens in this block
   unsigned exp_words[kMaxExperts][kWords];  // per expert: the tokens that picked it
@@ -292,6 +317,23 @@ EM_FN void load_block(const Args& a, int h, int block, Shared& sh) {
     for (int s = t; s < kMaxSets * kWords; s += kBlock) (&sh.set_words[0][0])[s] = 0u;
     for (int s = t; s < E * kWords; s += kBlock) (&sh.exp_words[0][0])[s] = 0u;
     for (int s = t; s < kMaxSets * kMaxTopk * kWords; s += kBlock) (&sh.row_words[0][0][0])[s] = 0u;
+    for (int b = t; b < kMaxSets; b += kBlock) {
+      SetInfo& in = sh.sets[b];
+      const i64 si = b < nsets ? index[b] : -1;
+      in.kind = -1;
+      if (si < 0) continue;
+      const i64* s = set_rec(p, si);
+      in.kind = static_cast<int>(s[S_kind]);
+      in.parent_bit = s[S_parent] < 0 ? -1 : static_cast<int>(set_rec(p, s[S_parent])[S_bit]);
+      in.all = static_cast<int>(s[S_all]);
+      in.mask = static_cast<unsigned long long>(s[S_mask]);
+      in.dst = static_cast<int>(s[S_dst]);
+      in.or_bits = 0;
+      if (in.kind != SET_SEG && in.kind != SET_OUT) {
+        const i64* ors = p + p[H_off_or] + s[S_or_begin];
+        for (i64 i = 0; i < s[S_or_count]; ++i) in.or_bits |= 1ull << set_rec(p, ors[i])[S_bit];
+      }
+    }
   EM_SYNC
   EM_THREADS(t)
     const int tok = block * kBlock + t;
@@ -312,23 +354,20 @@ EM_FN void load_block(const Args& a, int h, int block, Shared& sh) {
     sh.dmask[t] = d;
     unsigned long long bits = 0;
     for (int b = 0; b < nsets; ++b) {
-      const i64 si = index[b];
-      if (si < 0) break;
-      const i64* s = set_rec(p, si);
+      const SetInfo& s = sh.sets[b];
+      if (s.kind < 0) break;
       bool in;
-      if (s[S_kind] == SET_SEG) {
-        const bool base = s[S_parent] < 0 ? tok < T : ((bits >> set_rec(p, s[S_parent])[S_bit]) & 1ull) != 0;
-        in = base && (s[S_all] || (d & static_cast<unsigned long long>(s[S_mask])) != 0);
-      } else if (s[S_kind] == SET_OUT) {
-        in = ((bits >> set_rec(p, s[S_parent])[S_bit]) & 1ull) && ((d >> s[S_dst]) & 1ull);
+      if (s.kind == SET_SEG) {
+        const bool base = s.parent_bit < 0 ? tok < T : ((bits >> s.parent_bit) & 1ull) != 0;
+        in = base && (s.all || (d & s.mask) != 0);
+      } else if (s.kind == SET_OUT) {
+        in = ((bits >> s.parent_bit) & 1ull) && ((d >> s.dst) & 1ull);
         if (in) {
-          const int n = rows_on(sh, t, K, p, static_cast<int>(s[S_dst]));
+          const int n = rows_on(sh, t, K, p, s.dst);
           for (int m = 0; m < n; ++m) EM_OR(&sh.row_words[b][m][t / 32], 1u << (t % 32));
         }
       } else {
-        in = false;
-        const i64* ors = p + p[H_off_or] + s[S_or_begin];
-        for (i64 i = 0; i < s[S_or_count] && !in; ++i) in = ((bits >> set_rec(p, ors[i])[S_bit]) & 1ull) != 0;
+        in = (bits & s.or_bits) != 0;
       }
       if (in) {
         bits |= 1ull << b;
@@ -379,10 +418,26 @@ EM_KERNEL meta_count(Args a
   EM_SYNC
 }
 
-// One block.
-EM_KERNEL meta_scan(Args a
+// An exclusive prefix sum over n counts at src[0], src[stride], ...: dst[i] the sum before i,
+// the total returned.  The counts are loaded kRun at a time before they are added (one memory
+// latency per run, not per count).
+EM_FN i64 prefix_run(const i64* src, i64* dst, i64 n, i64 stride) {
+  i64 sum = 0;
+  for (i64 b0 = 0; b0 < n; b0 += kRun) {
+    i64 v[kRun];
+    for (int j = 0; j < kRun; ++j) v[j] = b0 + j < n ? src[(b0 + j) * stride] : 0;
+    for (int j = 0; j < kRun && b0 + j < n; ++j) {
+      dst[(b0 + j) * stride] = sum;
+      sum += v[j];
+    }
+  }
+  return sum;
+}
+
+// One block of kScan threads.
+EM_KERNEL_SCAN meta_scan(Args a
 #ifdef EPCC_META_HOST
-                    , int em_block
+                         , int em_block
 #endif
 ) {
 #ifdef EPCC_META_HOST
@@ -391,30 +446,23 @@ EM_KERNEL meta_scan(Args a
   const i64* p = a.prog;
   const Scratch x = scratch_of(a);
   const i64 TB = p[H_token_blocks], R = p[H_num_ranks], E = p[H_experts], EPR = p[H_epr];
-  EM_THREADS(t)
-    for (i64 s = t; s < p[H_num_sets]; s += kBlock) {
-      i64 n = 0, r = 0;
-      for (i64 b = 0; b < TB; ++b) {
-        x.set_base[s * TB + b] = n;
-        x.set_rbase[s * TB + b] = r;
-        n += x.set_cnt[s * TB + b];
-        r += x.set_rcnt[s * TB + b];
+  const i64 S = p[H_num_sets];
+  EM_THREADS_SCAN(t)
+    // every set's tokens and rows before each block (two sums per set), every (home, expert)'s
+    // rows before each block
+    for (i64 i = t; i < 2 * S + R * E; i += kScan) {
+      if (i < 2 * S) {
+        const i64 s = i >> 1;
+        if (i & 1) x.set_rtotal[s] = prefix_run(x.set_rcnt + s * TB, x.set_rbase + s * TB, TB, 1);
+        else x.set_total[s] = prefix_run(x.set_cnt + s * TB, x.set_base + s * TB, TB, 1);
+      } else {
+        const i64 he = i - 2 * S, h = he / E, e = he % E;
+        x.home_before[h * E + e] = prefix_run(x.ecnt + h * TB * E + e, x.ebase + h * TB * E + e, TB, E);  // for now
       }
-      x.set_total[s] = n;
-      x.set_rtotal[s] = r;
-    }
-    for (i64 he = t; he < R * E; he += kBlock) {
-      const i64 h = he / E, e = he % E;
-      i64 n = 0;
-      for (i64 b = 0; b < TB; ++b) {
-        x.ebase[(h * TB + b) * E + e] = n;
-        n += x.ecnt[(h * TB + b) * E + e];
-      }
-      x.home_before[h * E + e] = n;  // this home's total for now
     }
   EM_SYNC
-  EM_THREADS(t)
-    for (i64 g = t; g < p[H_num_groups]; g += kBlock) {
+  EM_THREADS_SCAN(t)
+    for (i64 g = t; g < p[H_num_groups]; g += kScan) {
       const i64* gr = rec(p, H_off_groups, g, G_COUNT);
       const i64* sets = p + p[H_off_group_sets] + gr[G_first];
       i64 off = 0;
@@ -423,25 +471,20 @@ EM_KERNEL meta_scan(Args a
         off += x.set_total[sets[i]];
       }
     }
-    for (i64 e = t; e < E; e += kBlock) {  // home totals -> rows of lower home ranks; e's rows in all
-      i64 n = 0;
-      for (i64 h = 0; h < R; ++h) {
-        const i64 c = x.home_before[h * E + e];
-        x.home_before[h * E + e] = n;
-        n += c;
-      }
+    for (i64 e = t; e < E; e += kScan) {  // home totals -> rows of lower home ranks; e's rows in all
+      const i64 n = prefix_run(x.home_before + e, x.home_before + e, R, E);
       x.e_first[e] = n;  // total for now
       x.e_total[e] = n;
     }
-    for (i64 q = t; q < p[H_num_parts]; q += kBlock) {
+    for (i64 q = t; q < p[H_num_parts]; q += kScan) {
       const i64* pr = part_rec(p, q);
       const i64 s = pr[P_tok_set];
       x.part_tok[q] = x.set_total[s];
       x.part_rows[q] = (pr[P_kind] == PART_D_OUT || pr[P_kind] == PART_C_OUT) ? x.set_rtotal[s] : x.set_total[s];
     }
   EM_SYNC
-  EM_THREADS(t)
-    for (i64 d = t; d < R; d += kBlock) {  // each rank's output rows: expert-major
+  EM_THREADS_SCAN(t)
+    for (i64 d = t; d < R; d += kScan) {  // each rank's output rows: expert-major
       i64 n = 0;
       for (i64 l = 0; l < EPR; ++l) {
         const int e = expert_of(p, static_cast<int>(d), static_cast<int>(l));
@@ -450,23 +493,18 @@ EM_KERNEL meta_scan(Args a
         n += c;
       }
     }
-    for (i64 c = t; c < p[H_num_copies]; c += kBlock) {
+    for (i64 c = t; c < p[H_num_copies]; c += kScan) {
       const i64* cr = copy_rec(p, c);
-      i64 n = 0, r = 0;
-      for (i64 q = cr[C_first_part]; q < cr[C_first_part] + cr[C_num_parts]; ++q) {
-        x.part_tok_base[q] = n;
-        x.part_row_base[q] = r;
-        n += x.part_tok[q];
-        r += x.part_rows[q];
-      }
+      const i64 n = prefix_run(x.part_tok + cr[C_first_part], x.part_tok_base + cr[C_first_part], cr[C_num_parts], 1);
+      x.copy_rows[c] =
+          prefix_run(x.part_rows + cr[C_first_part], x.part_row_base + cr[C_first_part], cr[C_num_parts], 1);
       x.copy_tok[c] = n;
-      x.copy_rows[c] = r;
       x.copy_chunks[c] = num_chunks(chunking(p, c, n));
     }
   EM_SYNC
   // the descriptors' counts
-  EM_THREADS(t)
-    for (i64 i = t; i < p[H_num_tcopies]; i += kBlock) {
+  EM_THREADS_SCAN(t)
+    for (i64 i = t; i < p[H_num_tcopies]; i += kScan) {
       const i64* tc = tcopy_rec(p, i);
       uint8_t* blob = a.blob[tc[T_program]];
       const uint32_t rows = static_cast<uint32_t>(x.copy_rows[tc[T_copy]]);
@@ -475,7 +513,7 @@ EM_KERNEL meta_scan(Args a
       starts[0] = 0;
       starts[x.copy_chunks[tc[T_copy]]] = x.copy_rows[tc[T_copy]];
     }
-    for (i64 i = t; i < p[H_num_roles]; i += kBlock) {
+    for (i64 i = t; i < p[H_num_roles]; i += kScan) {
       const i64* ro = rec(p, H_off_roles, i, R_COUNT);
       i64 items = 0;
       for (i64 j = ro[R_first_tcopy]; j < ro[R_first_tcopy] + ro[R_num_tcopies]; ++j)
@@ -483,12 +521,12 @@ EM_KERNEL meta_scan(Args a
       const uint32_t v = static_cast<uint32_t>(items);
       memcpy(a.blob[ro[R_program]] + ro[R_desc_off] + kRoleItemCount, &v, 4);
     }
-    for (i64 i = t; i < p[H_num_drain]; i += kBlock) {
+    for (i64 i = t; i < p[H_num_drain]; i += kScan) {
       const i64* dr = rec(p, H_off_drain, i, D_COUNT);
       const uint64_t v = static_cast<uint64_t>(x.copy_chunks[dr[D_copy]]);
       memcpy(a.blob[dr[D_program]] + dr[D_desc_off] + kDrainValue, &v, 8);
     }
-    for (i64 i = t; i < p[H_num_zero]; i += kBlock) {
+    for (i64 i = t; i < p[H_num_zero]; i += kScan) {
       const i64* z = rec(p, H_off_zero, i, Z_COUNT);
       i64 rows = 0;
       if (z[Z_result]) {
@@ -527,15 +565,10 @@ EM_FN i64 seg_slot(const Scratch& x, const i64* p, const Shared& sh, i64 s, int 
   return x.set_off[s] + x.set_base[s * p[H_token_blocks] + block] + before(sh.set_words[b], t);
 }
 
-// Grid: num_work (part x token block, parts of this rank's copies only).
-EM_KERNEL meta_rows(Args a
-#ifdef EPCC_META_HOST
-                    , int em_block
-#endif
-) {
-  EM_SHARED Shared sh;
+// Work item `wi` (a part of this rank's copies x a token block): its rows.
+EM_FN void rows_block(const Args& a, i64 wi, Shared& sh) {
   const i64* p = a.prog;
-  const i64* w = rec(p, H_off_work, EM_BLOCK, W_COUNT);
+  const i64* w = rec(p, H_off_work, wi, W_COUNT);
   const i64 part = w[W_part];
   const int block = static_cast<int>(w[W_block]);
   const i64* pr = part_rec(p, part);
@@ -631,16 +664,11 @@ EM_KERNEL meta_rows(Args a
   EM_SYNC
 }
 
-// Grid: num_ranks x token_blocks.  This rank's received rows: each one's weight and expert.
-EM_KERNEL meta_recv(Args a
-#ifdef EPCC_META_HOST
-                    , int em_block
-#endif
-) {
-  EM_SHARED Shared sh;
+// Block `hb` (home rank x token block): this rank's received rows, each one's weight and expert.
+EM_FN void recv_block(const Args& a, int hb, Shared& sh) {
   const i64* p = a.prog;
   const int TB = static_cast<int>(p[H_token_blocks]);
-  const int h = EM_BLOCK / TB, block = EM_BLOCK % TB;
+  const int h = hb / TB, block = hb % TB;
   load_block(a, h, block, sh);
   const Scratch x = scratch_of(a);
   const int K = static_cast<int>(p[H_topk]), me = static_cast<int>(p[H_rank]);
@@ -652,7 +680,7 @@ EM_KERNEL meta_recv(Args a
       a.recv_w[row] = a.weights[(static_cast<i64>(h) * p[H_max_tokens] + block * kBlock + t) * K + j];
       a.recv_idx[row] = e;
     }
-    if (EM_BLOCK == 0 && t == 0) {
+    if (hb == 0 && t == 0) {
       const int epr = static_cast<int>(p[H_epr]);
       int n = 0;
       for (int l = 0; l < epr; ++l) {
@@ -664,6 +692,19 @@ EM_KERNEL meta_recv(Args a
       a.recv_offset[epr] = n;
     }
   EM_SYNC
+}
+
+// Grid: num_work (part x token block, parts of this rank's copies only), then num_ranks x
+// token_blocks (the received rows).
+EM_KERNEL meta_rows(Args a
+#ifdef EPCC_META_HOST
+                    , int em_block
+#endif
+) {
+  EM_SHARED Shared sh;
+  const i64 work = a.prog[H_num_work];
+  if (EM_BLOCK < work) rows_block(a, EM_BLOCK, sh);
+  else recv_block(a, static_cast<int>(EM_BLOCK - work), sh);
 }
 
 // The place of item (copy i of the role, chunk c) in the role's item order: by progress
