@@ -24,9 +24,9 @@ namespace {
 
 using epcc::meta::Args;
 using epcc::meta::kBlock;
+using epcc::meta::kMaxRanks;
 using epcc::meta::kScan;
 
-constexpr int kMaxRanks = 64;
 // The layout of EpccTableMeta and Args that runtime/engines/cuda_table/meta.py writes with ctypes:
 // changed whenever they change, checked by the runtime at load (epcc_table_meta_abi).
 constexpr int kMetaAbi = 2;

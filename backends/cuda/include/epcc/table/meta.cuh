@@ -69,11 +69,13 @@ EM_FN int em_popc(unsigned v) { return __builtin_popcount(v); }
 constexpr int kBlock = 128;               // tokens per block (meta_program.py TOKEN_BLOCK)
 constexpr int kScan = 512;                // threads of meta_scan's one block
 constexpr int kRun = 8;                   // counts a scan thread loads before it adds them
+constexpr int kSeg = 16;                  // local experts per segment of the output-row scan
 constexpr int kLayout = 20;               // regions of the scratch (scratch_words)
 constexpr int kWords = kBlock / 32;       // 32-bit words of a per-block token mask
 constexpr int kMaxSets = 64;              // sets per home rank (MAX_SETS)
 constexpr int kMaxTopk = 16;
 constexpr int kMaxExperts = 1024;
+constexpr int kMaxRanks = 64;             // ranks of a plan the kernels cover (the exchange's too)
 constexpr i64 kMagic = 0x4D455043;
 constexpr i64 kVersion = 1;
 
@@ -434,6 +436,21 @@ EM_FN i64 prefix_run(const i64* src, i64* dst, i64 n, i64 stride) {
   return sum;
 }
 
+// The same over the counts at src[idx[0]], src[idx[1]], ... into dst[idx[i]].
+EM_FN i64 prefix_gather(const i64* idx, const i64* src, i64* dst, i64 n) {
+  i64 sum = 0;
+  for (i64 b0 = 0; b0 < n; b0 += kRun) {
+    i64 at[kRun], v[kRun];
+    for (int j = 0; j < kRun; ++j) at[j] = b0 + j < n ? idx[b0 + j] : -1;
+    for (int j = 0; j < kRun; ++j) v[j] = at[j] >= 0 ? src[at[j]] : 0;
+    for (int j = 0; j < kRun && b0 + j < n; ++j) {
+      dst[at[j]] = sum;
+      sum += v[j];
+    }
+  }
+  return sum;
+}
+
 // One block of kScan threads.
 EM_KERNEL_SCAN meta_scan(Args a
 #ifdef EPCC_META_HOST
@@ -447,6 +464,8 @@ EM_KERNEL_SCAN meta_scan(Args a
   const Scratch x = scratch_of(a);
   const i64 TB = p[H_token_blocks], R = p[H_num_ranks], E = p[H_experts], EPR = p[H_epr];
   const i64 S = p[H_num_sets];
+  const i64 nseg = (EPR + kSeg - 1) / kSeg;  // segments of a rank's local experts
+  EM_SHARED i64 seg_sum[kMaxExperts / kSeg + kMaxRanks];
   EM_THREADS_SCAN(t)
     // every set's tokens and rows before each block (two sums per set), every (home, expert)'s
     // rows before each block
@@ -464,12 +483,7 @@ EM_KERNEL_SCAN meta_scan(Args a
   EM_THREADS_SCAN(t)
     for (i64 g = t; g < p[H_num_groups]; g += kScan) {
       const i64* gr = rec(p, H_off_groups, g, G_COUNT);
-      const i64* sets = p + p[H_off_group_sets] + gr[G_first];
-      i64 off = 0;
-      for (i64 i = 0; i < gr[G_count]; ++i) {
-        x.set_off[sets[i]] = off;
-        off += x.set_total[sets[i]];
-      }
+      prefix_gather(p + p[H_off_group_sets] + gr[G_first], x.set_total, x.set_off, gr[G_count]);
     }
     for (i64 e = t; e < E; e += kScan) {  // home totals -> rows of lower home ranks; e's rows in all
       const i64 n = prefix_run(x.home_before + e, x.home_before + e, R, E);
@@ -483,15 +497,15 @@ EM_KERNEL_SCAN meta_scan(Args a
       x.part_rows[q] = (pr[P_kind] == PART_D_OUT || pr[P_kind] == PART_C_OUT) ? x.set_rtotal[s] : x.set_total[s];
     }
   EM_SYNC
+  // each rank's output rows, expert-major: e_first[e] the rows of the rank's lower local experts,
+  // in three passes over segments of kSeg local experts (their sums, their prefix per rank, the
+  // prefix within each)
   EM_THREADS_SCAN(t)
-    for (i64 d = t; d < R; d += kScan) {  // each rank's output rows: expert-major
-      i64 n = 0;
-      for (i64 l = 0; l < EPR; ++l) {
-        const int e = expert_of(p, static_cast<int>(d), static_cast<int>(l));
-        const i64 c = x.e_first[e];
-        x.e_first[e] = n;
-        n += c;
-      }
+    for (i64 i = t; i < R * nseg; i += kScan) {
+      const int d = static_cast<int>(i / nseg), l0 = static_cast<int>(i % nseg) * kSeg;
+      i64 sum = 0;
+      for (int l = l0; l < l0 + kSeg && l < EPR; ++l) sum += x.e_first[expert_of(p, d, l)];
+      seg_sum[i] = sum;
     }
     for (i64 c = t; c < p[H_num_copies]; c += kScan) {
       const i64* cr = copy_rec(p, c);
@@ -500,6 +514,28 @@ EM_KERNEL_SCAN meta_scan(Args a
           prefix_run(x.part_rows + cr[C_first_part], x.part_row_base + cr[C_first_part], cr[C_num_parts], 1);
       x.copy_tok[c] = n;
       x.copy_chunks[c] = num_chunks(chunking(p, c, n));
+    }
+  EM_SYNC
+  EM_THREADS_SCAN(t)
+    for (i64 d = t; d < R; d += kScan) {
+      i64 n = 0;
+      for (i64 g = 0; g < nseg; ++g) {
+        const i64 c = seg_sum[d * nseg + g];
+        seg_sum[d * nseg + g] = n;
+        n += c;
+      }
+    }
+  EM_SYNC
+  EM_THREADS_SCAN(t)
+    for (i64 i = t; i < R * nseg; i += kScan) {
+      const int d = static_cast<int>(i / nseg), l0 = static_cast<int>(i % nseg) * kSeg;
+      i64 v[kSeg];
+      for (int j = 0; j < kSeg; ++j) v[j] = l0 + j < EPR ? x.e_first[expert_of(p, d, l0 + j)] : 0;
+      i64 n = seg_sum[i];
+      for (int j = 0; j < kSeg && l0 + j < EPR; ++j) {
+        x.e_first[expert_of(p, d, l0 + j)] = n;
+        n += v[j];
+      }
     }
   EM_SYNC
   // the descriptors' counts
