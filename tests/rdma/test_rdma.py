@@ -784,7 +784,7 @@ def test_a_proxy_that_fails_on_one_rank_fails_every_rank_at_once(gpu_loop):
             s.close()
     times = _same_on_both(out, "dispatch #1 failed on rank 1: the GPU proxy of the dispatch program stopped: "
                                "epcc rdma: the GPU proxy failed (status 2)")
-    assert max(times) < 0.5, times
+    assert max(times) < 1.0, times  # at once (a look every few ms), not at a timeout
     assert sides[0].status == 2  # the failed rank's peer stopped its own proxy too (on_fail)
 
 
@@ -796,11 +796,11 @@ def test_a_proxy_that_stalls_on_one_rank_is_named_by_every_rank(gpu_loop):
     sides[0].start()
     sides[1].push(0, 0, 0, np.ones(8, dtype=np.uint8))
     try:
-        out = _watched_ranks([[sides[0]], [sides[1]]], timeout_s=1.0)
+        out = _watched_ranks([[sides[0]], [sides[1]]], timeout_s=2.0)
     finally:
         sides[0].close()
         lib.epcc_rdma_engine_fini(sides[1].engine.ctypes.data)
         lib.epcc_tp_close(sides[1].tp)
     times = _same_on_both(out, "dispatch #1 failed on rank 1: the GPU proxy of the dispatch program has not taken "
-                               "entry 0 of FIFO 0 in 0.5 s (stalled)")
-    assert all(0.5 <= t < 1.0 for t in times), times
+                               "entry 0 of FIFO 0 in 1 s (stalled)")
+    assert all(1.0 <= t < 2.0 for t in times), times
