@@ -1,14 +1,23 @@
-"""One rank of tests/gpu/test_gpu_failures.py: `Buffer(backend="cuda")` on a bundle's direct
-kernels, where rank 1 fails on purpose in its second dispatch (normal mode) and every rank records
-what it raised, and when, as JSON.  Started by the test with torchrun's environment (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one process per GPU:
+"""One rank of tests/gpu/test_gpu_failures.py: `Buffer(backend="cuda")` on a bundle (the direct
+kernels of a one-hop bundle, the table-driven kernels of a multi-hop one, with the GPU proxy path
+for a bundle compiled with `--rdma proxy`), where rank 1 fails on purpose in its second dispatch
+(normal mode) and every rank records what it raised, and when, as JSON.  Started by the test with
+torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one process per
+GPU:
 
-    python tests/gpu/fail_worker.py BUNDLE CASE OUT_DIR TIMEOUT_S
+    python tests/gpu/fail_worker.py BUNDLE CASE OUT_DIR TIMEOUT_S LATE_S
 
-CASE: refuse-device (rank 1's top-k names one expert twice in a row: the kernels skip it and
-every rank hears it after the read-back), refuse-host (rank 1's top-k has the wrong shape: it
-launches nothing, its peer's kernels give up after the timeout), stall (rank 1 comes to the call
-after its peer gave up on it), killed (rank 1's process is killed before the call).
+CASE (what rank 1 does in dispatch #2; CASES below):
+
+* refuse-host: its top-k has the wrong shape (refused before anything moves);
+* refuse-device: its top-k names one expert twice in row 3 (the direct kernels and the metadata
+  kernels skip it and every rank hears it after the read-back; host-built tables refuse it first);
+* stall / killed: it comes to the call LATE_S late (after its peer gave up on it) / its process
+  is killed before the call;
+* stall-mid / killed-mid: it passes the call's first round, then stalls (LATE_S) / is killed
+  where it would start its GPU work (`launch_hook`), so its peer's kernels wait for it and give up;
+* proxy-fails / proxy-stalls (GPU proxy path): its dispatch proxy stops at once / takes nothing
+  (`proxy_hook`) while the kernels need it.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -26,7 +36,11 @@ import torch
 import torch.distributed as dist
 
 from epcc.runtime.buffer import Buffer, GroupError
-from epcc.runtime.engines import agree
+from epcc.runtime.engines.gpu_proxy.engine import GpuRdma
+
+CASES = ("refuse-host", "refuse-device", "stall", "killed", "stall-mid", "killed-mid", "proxy-fails", "proxy-stalls")
+#: Cases where rank 1's process is gone when the others finish.
+KILLED = ("killed", "killed-mid")
 
 
 def _call(buf: Buffer, fn) -> dict:
@@ -44,7 +58,62 @@ def _seen(r: dict) -> dict:
     return {k: v for k, v in r.items() if k != "value"}
 
 
-def main(bundle: str, case: str, out_dir: str, timeout_s: float) -> None:
+def launch_point(buf: Buffer) -> tuple[object, str]:
+    """(object, method) of the engine's first GPU work in a normal-mode dispatch, after the call's
+    first round: the metadata kernels (table engine, tables written on the GPU), the launch of the
+    table-driven kernels (host-built tables: the GPU proxy path), the direct kernels."""
+    eng = buf.engine
+    if getattr(eng, "meta", None) is not None:
+        return eng.meta, "run"
+    if hasattr(eng, "ctx"):
+        return eng.ctx, "launch_dispatch"
+    return eng.lib, "dispatch"
+
+
+def launch_hook(buf: Buffer, action) -> None:
+    """Run `action` once, at the next dispatch's launch point (launch_point)."""
+    obj, name = launch_point(buf)
+    orig, own = getattr(obj, name), name in vars(obj)
+
+    def hooked(*args, **kw):
+        if own:
+            setattr(obj, name, orig)
+        else:  # the class's method again
+            delattr(obj, name)
+        action()
+        return orig(*args, **kw)
+
+    setattr(obj, name, hooked)
+
+
+def proxy_hook(kind: str) -> None:
+    """The next dispatch program's proxy: `fails` (started, then aborted: its loop ends at its first
+    idle pass with status 2) or `stalls` (a thread that takes no FIFO entry until it is stopped)."""
+    orig = GpuRdma.start
+
+    def start(self: GpuRdma) -> None:
+        if self.program != "dispatch":
+            return orig(self)
+        GpuRdma.start = orig
+        if kind == "fails":
+            orig(self)
+            self.abort[0] = 1
+            return None
+
+        def idle() -> None:
+            while not (self.stop[0] or self.abort[0]):
+                time.sleep(0.01)
+
+        self.thread = threading.Thread(target=idle, name="epcc-test-stalled-proxy", daemon=True)
+        self.thread.start()
+        return None
+
+    GpuRdma.start = start
+
+
+def main(bundle: str, case: str, out_dir: str, timeout_s: float, late_s: float) -> None:
+    if case not in CASES:
+        raise SystemExit(f"fail_worker: case must be one of {', '.join(CASES)}, not {case!r}")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(dev)
@@ -52,6 +121,7 @@ def main(bundle: str, case: str, out_dir: str, timeout_s: float) -> None:
     try:
         dist.init_process_group("nccl", device_id=dev)
         buf = Buffer(dist.group.WORLD, bundle, backend="cuda", timeout_s=timeout_s)
+        res["engine"] = type(buf.engine).__name__
         wl = buf.plan.workload
         T, K, E, H = wl.tokens, wl.topk, wl.experts, wl.hidden
         g = np.random.default_rng(rank)
@@ -73,13 +143,19 @@ def main(bundle: str, case: str, out_dir: str, timeout_s: float) -> None:
         elif case == "refuse-host":
             bad = idx[:, : K - 1].contiguous() if rank == 1 else idx
             res["failed"] = _seen(_call(buf, lambda: buf.dispatch(x, bad, w)))
-        elif case == "stall":
+            res["again"] = _call(buf, round_trip)["ok"]
+        else:
             if rank == 1:
-                time.sleep(timeout_s + agree.GRACE_S + 3)
-            res["failed"] = _seen(_call(buf, lambda: buf.dispatch(x, idx, w)))
-        elif case == "killed":
-            if rank == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
+                if case == "stall":
+                    time.sleep(late_s)
+                elif case == "killed":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                elif case == "stall-mid":
+                    launch_hook(buf, lambda: time.sleep(late_s))
+                elif case == "killed-mid":
+                    launch_hook(buf, lambda: os.kill(os.getpid(), signal.SIGKILL))
+                else:
+                    proxy_hook(case.split("-")[1])
             res["failed"] = _seen(_call(buf, lambda: buf.dispatch(x, idx, w)))
         res["after"] = _seen(_call(buf, lambda: buf.dispatch(x, idx, w)))
         res["status"] = "ok"
@@ -89,7 +165,7 @@ def main(bundle: str, case: str, out_dir: str, timeout_s: float) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     if rank == 0:  # it hosts the store: the others' verdicts need it until they are done
         deadline = time.monotonic() + 120
-        others = [r for r in range(1, world) if (case, r) != ("killed", 1)]
+        others = [r for r in range(1, world) if not (case in KILLED and r == 1)]
         while time.monotonic() < deadline and not all((out / f"rank{r}.json").exists() for r in others):
             time.sleep(0.05)
     sys.stdout.flush()
@@ -97,4 +173,4 @@ def main(bundle: str, case: str, out_dir: str, timeout_s: float) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]), float(sys.argv[5]))

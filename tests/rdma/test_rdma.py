@@ -26,12 +26,16 @@ from epcc.plan import Plan
 from epcc.plan import rdma as rdma_plan
 from epcc.plan.rdma import rdma_steps
 from epcc.runtime.build_cache import CFLAGS, BuildError, c_compiler
+from epcc.runtime.engines import agree
 from epcc.runtime.engines import cpu_procs as procs
 from epcc.runtime.engines import transport
 from epcc.runtime.engines.cpu.threads import timeout_message
 from epcc.runtime.engines.gpu_proxy import channels
 from epcc.runtime.engines.gpu_proxy.build import build_gpu, nvshmem_home
+from epcc.runtime.engines.base import GroupError
 from epcc.runtime.engines.gpu_proxy.channels import ENTRY_WORDS, RETIRED_WORD
+from epcc.runtime.engines.gpu_proxy.engine import GpuRdma
+from epcc.runtime.engines.gpu_proxy.watch import ProxyFailed, ProxyWatch, wait_watched
 from epcc.runtime.engines.rdma_host import build_transport
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -635,3 +639,168 @@ def test_gpu_proxy_engine_refuses_fifos_of_another_layout(gpu_loop):
     assert lib.epcc_rdma_engine_init(g.engine.ctypes.data) == -1
     lib.epcc_rdma_engine_fini(g.engine.ctypes.data)
     lib.epcc_tp_close(g.tp)
+
+
+# ------------------------------------------------------------ the proxy path's watched wait, on the CPU
+
+class _WatchedSide(_GpuSide):
+    """A _GpuSide seen as the table engine's watch sees a GpuRdma: its own `stopped` and `waiting`."""
+
+    program = "dispatch"
+    thread = None
+    failure, stopped, waiting = GpuRdma.failure, GpuRdma.stopped, GpuRdma.waiting
+
+    def __init__(self, lib, plan):
+        super().__init__(lib, plan)
+        self._fifo_host, self._fifos = self.fifo, self.lay
+
+
+def test_a_fifo_entry_waits_until_the_proxy_takes_it(gpu_loop):
+    """FifoLayout.waiting reads what epcc_rdma_fifo_peek tests: an entry the kernels published at
+    the FIFO's head; once the running loop took it, nothing waits."""
+    lib, plan = gpu_loop
+    g = _WatchedSide(lib, plan)
+    try:
+        assert g.waiting() == [] and g.stopped() is None
+        g.push(1, 1, 0, np.ones(8, dtype=np.uint8))
+        assert g.waiting() == [(1, 0)]  # not started: nobody takes it
+        g.start()
+        g.wait(lambda: g.word(1, 1) == 1, "taken")
+        assert g.waiting() == [] and g.stopped() is None
+    finally:
+        g.close()
+    assert g.stopped() == "its thread ended (status 0)"
+
+
+def test_the_watch_names_a_stalled_proxy_after_the_stall_bound(gpu_loop):
+    lib, plan = gpu_loop
+    g = _WatchedSide(lib, plan)  # never started: alive in the sense that it has not failed
+    try:
+        g.push(0, 0, 0, np.ones(8, dtype=np.uint8))
+        w = ProxyWatch([g], 2.5)
+        w.check(10.0)
+        w.check(12.4)
+        with pytest.raises(ProxyFailed) as e:
+            w.check(12.5)
+        assert str(e.value) == ("the GPU proxy of the dispatch program has not taken entry 0 of FIFO 0 in 2.5 s "
+                                "(stalled)")
+    finally:
+        lib.epcc_rdma_engine_fini(g.engine.ctypes.data)
+        lib.epcc_tp_close(g.tp)
+
+
+def test_the_watch_lets_a_proxy_that_makes_progress_go_on(gpu_loop):
+    """An entry at the head for a while is no stall as long as the head moves: each new head
+    starts its own clock."""
+    lib, plan = gpu_loop
+    g = _WatchedSide(lib, plan)
+    w = ProxyWatch([g], 2.5)
+    try:
+        g.push(0, 0, 0, np.ones(8, dtype=np.uint8))
+        w.check(0.0)
+        g.start()
+        g.wait(lambda: g.word(0, 1) == 1, "taken")
+        g.push(0, 0, 1, np.ones(8, dtype=np.uint8))
+        g.wait(lambda: g.word(0, 1) == 2, "taken")
+        w.check(2.0)
+        g.stop[0] = 1  # the loop ends: from then on the head stays, and a new entry waits
+        g.thread.join(20)
+        g.push(0, 0, 2, np.ones(8, dtype=np.uint8))
+        g.thread = None  # (as if it had not been started: only the stall bound can name it)
+        w.check(3.0)
+        w.check(5.4)
+        with pytest.raises(ProxyFailed, match="has not taken entry 2 of FIFO 0 in 2.5 s"):
+            w.check(5.5)
+    finally:
+        g.stop[0] = 1
+        lib.epcc_rdma_engine_fini(g.engine.ctypes.data)
+        lib.epcc_tp_close(g.tp)
+
+
+def test_the_watch_names_a_proxy_that_stopped(gpu_loop):
+    """The loop ended on its own (here: the abort word, what a failed rank sets): the watch says
+    so at its next look, with the loop's status."""
+    lib, plan = gpu_loop
+    g = _WatchedSide(lib, plan)
+    g.start()
+    try:
+        g.abort[0] = 1
+        g.thread.join(20)
+        with pytest.raises(ProxyFailed) as e:
+            ProxyWatch([g], 2.5).check(0.0)
+    finally:
+        g.close()
+    assert str(e.value) == "the GPU proxy of the dispatch program stopped: epcc rdma: the GPU proxy failed (status 2)"
+
+
+def _watched_ranks(sides, timeout_s: float):
+    """Two ranks as threads over one store, each waiting for a launch that never completes
+    (its kernels wait for the other rank) with its own side's proxy watched: (the GroupError,
+    seconds) per rank."""
+    dist = pytest.importorskip("torch.distributed")  # the runtime extra: its HashStore stands in for the group's store
+    store = dist.HashStore()
+    out: list = [None, None]
+
+    def one(r: int) -> None:
+        a = agree.Agreement(store, r, 2, timeout_s)
+        t0 = time.monotonic()
+        try:
+            with a.call("dispatch"):
+                wait_watched(lambda: time.monotonic() - t0 > 4 * timeout_s, ProxyWatch(sides[r], timeout_s / 2), a,
+                             on_fail=lambda: [s.abort.__setitem__(0, 1) for s in sides[r]])
+            out[r] = ("returned", time.monotonic() - t0)
+        except GroupError as e:
+            out[r] = (e, time.monotonic() - t0)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def _same_on_both(out, message: str) -> list[float]:
+    for r in (0, 1):
+        e, _ = out[r]
+        assert isinstance(e, GroupError), (r, e)
+        assert (type(e).__name__, str(e), e.rank, e.rebuild) == ("GroupTimeout", message, 1, True), (r, str(e))
+    return [out[r][1] for r in (0, 1)]
+
+
+def test_a_proxy_that_fails_on_one_rank_fails_every_rank_at_once(gpu_loop):
+    """Rank 1's proxy stops (here: aborted) while both ranks wait for their kernels: rank 1 posts
+    it at its next look, rank 0 gives up at its next look at the alarm, both with rank 1's
+    reason; long before the kernels' timeout."""
+    lib, plan = gpu_loop
+    sides = [_WatchedSide(lib, plan), _WatchedSide(lib, plan)]
+    for s in sides:
+        s.start()
+    sides[1].abort[0] = 1
+    try:
+        out = _watched_ranks([[sides[0]], [sides[1]]], timeout_s=2.0)
+    finally:
+        for s in sides:
+            s.close()
+    times = _same_on_both(out, "dispatch #1 failed on rank 1: the GPU proxy of the dispatch program stopped: "
+                               "epcc rdma: the GPU proxy failed (status 2)")
+    assert max(times) < 1.0, times  # at once (a look every few ms), not at a timeout
+    assert sides[0].status == 2  # the failed rank's peer stopped its own proxy too (on_fail)
+
+
+def test_a_proxy_that_stalls_on_one_rank_is_named_by_every_rank(gpu_loop):
+    """Rank 1's proxy takes nothing (never started) while its kernels published an entry: after
+    half the timeout both ranks raise the stall, naming rank 1, before any kernel would time out."""
+    lib, plan = gpu_loop
+    sides = [_WatchedSide(lib, plan), _WatchedSide(lib, plan)]
+    sides[0].start()
+    sides[1].push(0, 0, 0, np.ones(8, dtype=np.uint8))
+    try:
+        out = _watched_ranks([[sides[0]], [sides[1]]], timeout_s=2.0)
+    finally:
+        sides[0].close()
+        lib.epcc_rdma_engine_fini(sides[1].engine.ctypes.data)
+        lib.epcc_tp_close(sides[1].tp)
+    times = _same_on_both(out, "dispatch #1 failed on rank 1: the GPU proxy of the dispatch program has not taken "
+                               "entry 0 of FIFO 0 in 1 s (stalled)")
+    assert all(1.0 <= t < 2.0 for t in times), times

@@ -30,10 +30,14 @@ between; combine ignores them).
 
 Failures (agree.py): every host-side exchange is a round of the Buffer's agreement; an argument a
 rank refuses, a kernel or proxy that gave up, or a rank that stopped answering raises the same
-GroupError on every rank.
+GroupError on every rank.  On the GPU proxy path the host's wait for a launch is watched
+(gpu_proxy/watch.py): a proxy thread that stops or stalls is posted to the group at once, and a
+peer's failure ends this rank's wait at once, instead of every rank's kernels timing out together.
 """
 
 from __future__ import annotations
+
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -49,6 +53,7 @@ from ..base import EngineError, GroupError, KernelTimeout
 from ..gpu_proxy.build import build_gpu
 from ..gpu_proxy.channels import TRANSPORTS
 from ..gpu_proxy.engine import GpuRdma
+from ..gpu_proxy.watch import STALL_FRACTION, ProxyFailed, ProxyWatch, wait_watched
 from ..tensors import FP8_GROUP, WEIGHTS_DIFFER, check_tensor, device_view
 from .launcher import CudaError, Library, build_library, role_timeline
 from .meta import DeviceMeta, routing_error
@@ -84,6 +89,7 @@ class CudaTableEngine:
         self.agree = agree or Agreement.for_group(group, timeout_s)
         self.ctx = None
         self.rdma: list[GpuRdma] = []
+        self._done = None  # the event the proxy path's watched wait polls
         self.own: dict[str, list[int]] = {}
         self.opened: list[int] = []
         with self.agree.call("making the Buffer", numbered=False):
@@ -262,6 +268,40 @@ class CudaTableEngine:
             eng.close()
         self.rdma = []
 
+    def _abort_rdma(self) -> None:
+        for eng in self.rdma:
+            eng.abort_proxy()
+
+    def _finish(self, stream: int) -> None:
+        """Wait for this rank's launches on `stream`; on the proxy path watched (watch.py): its
+        proxies' failures and its peers' alarm end the wait at once."""
+        if not self.rdma:
+            self.ctx.synchronize(stream)
+            return
+        if self._done is None:
+            self._done = torch.cuda.Event()
+        self._done.record(torch.cuda.current_stream(self.device))
+
+        def done() -> bool:
+            try:
+                return self._done.query()
+            except RuntimeError:  # a kernel trapped: the launcher's report (its error record) instead
+                self.ctx.synchronize(stream)
+                raise
+
+        wait_watched(done, ProxyWatch(self.rdma, self.timeout_s * STALL_FRACTION), self.agree,
+                     on_fail=self._abort_rdma)
+
+    def _fail_launch(self, e: Exception) -> NoReturn:
+        """A launch failed on this rank, or a peer's did (a GroupError, already the group's): this
+        rank's proxies stop, and every rank raises the same GroupError."""
+        if isinstance(e, GroupError):
+            self._abort_rdma()
+            raise e
+        report = e if isinstance(e, ProxyFailed) else self._report(e)
+        self._abort_rdma()
+        self.agree.fail(report)
+
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x, topk_idx=None, topk_weights=None, *, sync: bool = True, expert_alignment: int = 1,
                  handle: TableHandle | None = None):
@@ -332,9 +372,9 @@ class CudaTableEngine:
             n = layout.buffer_rows("output", self.rank)
             got = device_view(self.output_ptr, n * self.row_bytes, torch.uint8, (n, self.row_bytes),
                               self.device).clone()
-            self.ctx.synchronize(stream)
-        except (CudaError, KernelTimeout, RuntimeError) as e:
-            self.agree.fail(self._report(e))
+            self._finish(stream)
+        except (CudaError, KernelTimeout, RuntimeError) as e:  # a GroupError too: a peer failed first
+            self._fail_launch(e)
         self.dispatches += 1
         counts = [int(c) for c in layout.recv_counts[self.rank]]
         entries = layout.entries[("output", self.rank)]
@@ -437,9 +477,9 @@ class CudaTableEngine:
                     self.ctx.launch_combine_tokens(out.data_ptr() if handle.tokens else 0, handle.tokens, stream)
                 else:
                     self.ctx.launch_combine(out.data_ptr() if handle.tokens else 0, stream)
-                    self.ctx.synchronize(stream)
-            except (CudaError, KernelTimeout, EngineError, RuntimeError) as e:
-                self.agree.fail(self._report(e))
+                    self._finish(stream)
+            except (CudaError, KernelTimeout, EngineError, RuntimeError) as e:  # a GroupError too: a peer's
+                self._fail_launch(e)
             return out
 
     def _combine_args(self, y, handle, topk_weights):
@@ -484,12 +524,10 @@ class CudaTableEngine:
         """Wait for this rank's kernels; a failure reaches every rank as one GroupError."""
         self.agree.check()
         try:
-            self.ctx.synchronize(self._stream())
+            self._finish(self._stream())
             torch.cuda.current_stream(self.device).synchronize()
-        except GroupError:
-            raise
-        except (CudaError, KernelTimeout, RuntimeError) as e:
-            self.agree.fail(self._report(e))
+        except (CudaError, KernelTimeout, RuntimeError) as e:  # a GroupError too: a peer failed first
+            self._fail_launch(e)
 
     def close(self) -> None:
         """Collective: every rank's kernels finish before any buffer is unmapped and freed."""

@@ -29,7 +29,7 @@ from ..base import EngineError
 ALIGN = 256
 FIFO_WORDS = 8  # epcc_rdma_fifo: tail, head, retired, flushed, depth, entries, done, external
 ENTRY_WORDS = 6  # epcc_rdma_entry: word, kind, chan, chan_seq, bytes, value
-RETIRED_WORD, DEPTH_WORD, ENTRIES_WORD = 2, 4, 5  # epcc_rdma_fifo's words the host fills or the kernels read
+HEAD_WORD, RETIRED_WORD, DEPTH_WORD, ENTRIES_WORD = 1, 2, 4, 5  # epcc_rdma_fifo's words the host reads or fills
 RDMA_CHAN = np.dtype([("ring", "<u8"), ("signals", "<u8"), ("counter", "<u8"), ("credit", "<u8"),
                       ("entries", "<u8"), ("retired", "<u8"), ("depth", "<u4"), ("slot_bytes", "<u4"),
                       ("chan", "<u4"), ("chan_depth", "<u4")])  # epcc::RdmaChan (device.cu.j2)
@@ -164,6 +164,16 @@ class FifoLayout:
 
     def retired_ptr(self, base: int, i: int) -> int:
         return base + 8 * (self.struct_word(i) + RETIRED_WORD)
+
+    def waiting(self, host: np.ndarray) -> list[tuple[int, int]]:
+        """(FIFO, head) of every FIFO whose entry at its head is valid but not yet taken by the
+        proxy (the test of epcc_rdma_fifo_peek, read from the host-pinned region `host`)."""
+        out = []
+        for i, depth in enumerate(self.depths):
+            head = int(host[self.struct_word(i) + HEAD_WORD])
+            if int(host[self.entries_word(i) + ENTRY_WORDS * (head % depth)]) == (head << 1) | 1:
+                out.append((i, head))
+        return out
 
 
 def fifo_layout(depths) -> FifoLayout:

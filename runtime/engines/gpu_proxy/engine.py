@@ -262,6 +262,26 @@ class GpuRdma:
     def timed_out(self) -> bool:
         return self.status == STATUS_TIMEOUT
 
+    def stopped(self) -> str | None:
+        """Why the started proxy no longer serves its FIFOs (its failure, or a thread that ended),
+        or None while it runs (watch.py)."""
+        why = self.failure()
+        if why:
+            return why
+        if self.thread is not None and not self.thread.is_alive():
+            return f"its thread ended (status {self.status})"
+        return None
+
+    def waiting(self) -> list[tuple[int, int]]:
+        """(FIFO, entry) of each FIFO whose next entry the kernels published and the proxy has not
+        taken (watch.py: one that stays so is a stalled proxy)."""
+        return self._fifos.waiting(self._fifo_host)
+
+    def abort_proxy(self) -> None:
+        """Ask the proxy thread to stop at its next idle pass (the Buffer failed: nobody will wait
+        for what it would post)."""
+        self.abort[0] = 1
+
     def stats(self) -> dict:
         """The transport's counters (writes, bytes, completions, post_ns: host time in post calls)
         and the proxy's backlog (drained chunk entries over the FIFO passes that found any)."""
