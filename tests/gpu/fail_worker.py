@@ -59,15 +59,14 @@ def _seen(r: dict) -> dict:
 
 
 def launch_point(buf: Buffer) -> tuple[object, str]:
-    """(object, method) of the engine's first GPU work in a normal-mode dispatch, after the call's
-    first round: the metadata kernels (table engine, tables written on the GPU), the launch of the
-    table-driven kernels (host-built tables: the GPU proxy path), the direct kernels."""
+    """(object, method) of the engine's last host step before its GPU work in a normal-mode
+    dispatch, after the call's first round: the agreement's last look for a peer's failure (the
+    direct engine, the table engine with tables written on the GPU), the launch of the
+    table-driven kernels (host-built tables)."""
     eng = buf.engine
-    if getattr(eng, "meta", None) is not None:
-        return eng.meta, "run"
-    if hasattr(eng, "ctx"):
-        return eng.ctx, "launch_dispatch"
-    return eng.lib, "dispatch"
+    if getattr(eng, "meta", None) is not None or not hasattr(eng, "ctx"):
+        return eng.agree, "heed"
+    return eng.ctx, "launch_dispatch"
 
 
 def launch_hook(buf: Buffer, action) -> None:

@@ -18,9 +18,8 @@ pytest.importorskip("torch")  # the worker runs under torch on the GPU machine
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fail_worker as F  # noqa: E402
 
-from epcc.runtime.engines.cuda_direct.library import DirectLibrary  # noqa: E402
+from epcc.runtime.engines.agree import Agreement  # noqa: E402
 from epcc.runtime.engines.cuda_table.launcher import Context  # noqa: E402
-from epcc.runtime.engines.cuda_table.meta import DeviceMeta  # noqa: E402
 from epcc.runtime.engines.gpu_proxy.engine import GpuRdma  # noqa: E402
 
 
@@ -37,20 +36,23 @@ class _Calls:
     def dispatch(self, *a):
         self.log.append(("dispatch", a))
 
+    def heed(self, *a):
+        self.log.append(("heed", a))
+
 
 def _buf(kind: str):
     gpu = _Calls()
-    if kind == "table":  # tables written on the GPU: the metadata kernels come first
-        eng = types.SimpleNamespace(meta=gpu, ctx=_Calls())
+    if kind == "table":  # tables written on the GPU: the last look for a peer's failure, then the metadata kernels
+        eng = types.SimpleNamespace(meta=_Calls(), ctx=_Calls(), agree=gpu)
     elif kind == "proxy":  # host-built tables: the launch
-        eng = types.SimpleNamespace(meta=None, ctx=gpu)
+        eng = types.SimpleNamespace(meta=None, ctx=gpu, agree=_Calls())
     else:
-        eng = types.SimpleNamespace(lib=gpu)
+        eng = types.SimpleNamespace(lib=_Calls(), agree=gpu)
     return types.SimpleNamespace(engine=eng), gpu
 
 
-@pytest.mark.parametrize("kind, method, real", [("table", "run", DeviceMeta), ("proxy", "launch_dispatch", Context),
-                                                 ("direct", "dispatch", DirectLibrary)])
+@pytest.mark.parametrize("kind, method, real", [("table", "heed", Agreement), ("proxy", "launch_dispatch", Context),
+                                                 ("direct", "heed", Agreement)])
 def test_the_launch_hook_runs_once_where_the_gpu_work_starts(kind, method, real):
     assert callable(getattr(real, method))  # the engines' own entry points carry these names
     buf, gpu = _buf(kind)

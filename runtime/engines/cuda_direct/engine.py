@@ -262,6 +262,8 @@ class CudaDirectEngine:
     def _dispatch(self, a, topk_idx, topk_weights, T: int, fp8: bool, sync: bool):
         c = self.c
         stream = torch.cuda.current_stream(self.device).cuda_stream
+        if sync:  # a rank held up since the arguments' round hears a peer's failure, not its dead kernels
+            self.agree.heed()
         self.lib.dispatch(a, stream)
         self.dispatches += 1
         cap, epr = c["capacity"], c["experts_per_rank"]

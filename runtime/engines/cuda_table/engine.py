@@ -384,6 +384,8 @@ class CudaTableEngine:
 
     def _dispatch_device(self, rows, T: int, topk_idx, topk_weights, sync: bool, expert_alignment: int):
         stream = self._stream()
+        if sync:  # a rank held up since the arguments' round hears a peer's failure, not its dead kernels
+            self.agree.heed()
         try:
             self.meta.run(T, topk_idx, topk_weights, stream)
             if T:
