@@ -19,8 +19,9 @@ Where do a dispatch's tables come from (the bundle's manifest, "metadata"):
   Both modes work: normal (`sync=True`: the per-expert counts read back, bad routing raised) and
   low latency (`sync=False`: the whole receive buffer, counts and offsets as device tensors, a
   bad routing row ignored and reported by `check_routing`).
-* "host" (plans beyond the metadata kernels, bundles of an older epcc): the routings and token counts of every rank are exchanged over the
-  group, every rank computes the same layout (runtime/layout) and uploads its tables
+* "host" (plans beyond the metadata kernels, bundles of an older epcc): the routings and token
+  counts of every rank are exchanged over the group, every rank computes the same layout
+  (runtime/layout) and uploads its tables
   (stream-ordered: the launches before still read the previous ones).  Normal mode only.
 
 Ranks may dispatch different numbers of tokens (0 included), up to the bundle's `tokens`.  A
