@@ -50,6 +50,7 @@ import jinja2
 
 from epcc import __version__ as EPCC_VERSION
 from epcc.plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
+from epcc.plan.direct import MAX_IPC_RANKS
 from epcc.plan.rdma import rdma_steps
 from epcc.plan.segments import SegmentProgramError, segment_program
 from epcc.plan.schema import CUDA_FORMAT
@@ -574,14 +575,18 @@ def device_metadata(plan: Plan, manifest: dict) -> dict:
     """How the table-driven kernels get their tables: "device" (the metadata kernels,
     include/epcc/table/meta.cuh: every rank's routing all-gathered over peer memory, each rank's
     tables written on its GPU per dispatch) where they cover the plan, else "host" (the runtime
-    lays the routing out on the host: runtime/layout) with the reason."""
+    lays the routing out on the host: runtime/layout) with the reason.  The GPU proxy path
+    (rdma="proxy") is covered too: its channels and rings are sized once from the placement (every
+    channel any routing can use, its largest chunk) and the metadata kernels number each RDMA chunk
+    on its channel (meta.cuh Args.seq) for the pack and unpack roles."""
     def host(why: str) -> dict:
         return {"lowering": "host", "why": why}
 
-    if any(r.get("lowered") in ("rdma-pack", "rdma-unpack") for k in manifest["kernels"] for r in k["roles"]):
-        return host("the GPU proxy path's channels are set up from host-built tables")
     if manifest["options"]["rdma"] == "external":
         return host("RDMA steps are left to an external proxy (more ranks than one box)")
+    if manifest["options"]["rdma"] == "proxy" and plan.num_ranks > MAX_IPC_RANKS:
+        return host(f"the GPU proxy path's {plan.num_ranks} ranks span more than one CUDA IPC domain (at most "
+                    f"{MAX_IPC_RANKS}), and the metadata kernels gather the routing over CUDA IPC peer memory")
     try:
         prog = segment_program(plan)
         for rank in range(plan.num_ranks):

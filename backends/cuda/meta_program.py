@@ -183,7 +183,8 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
     producers_of: dict[tuple[str, int], list[int]] = {}
     for program, pl in tables.items():
         for pc in pl.copies:
-            producers_of[(program, pc.copy)] = pc.producers
+            if pc.side != "rdma-unpack":  # a landing chunk waits for its signal, not for producers
+                producers_of[(program, pc.copy)] = pc.producers
 
     def ramp_lists(tpc, head, tail):
         if not tpc:
@@ -242,7 +243,7 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
     for pid, seg in seg_read.items():
         row = parts[pid]
         cc = copy_meta[row[PART.index("copy")]]
-        if ("combine", cc.id) not in producers_of:  # not in this rank's tables: its waits are not needed
+        if ("combine", cc.id) not in producers_of:  # not in this rank's tables, or landing here: no waits
             continue
         prods = producers_of[("combine", cc.id)]
         row[PART.index("contrib_begin")] = len(contrib)

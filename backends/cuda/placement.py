@@ -62,6 +62,7 @@ class PlacedCopy:
     tokens_cap: int
     chunks_cap: int
     producers: list[int]  # flag ids of the copies its chunks may wait for, ascending (none on unpack)
+    chunk_rows_cap: int = 0  # the most rows one of its chunks can hold (a GPU proxy path's slot)
     src_rows: int = 0  # absolute offsets of its row arrays
     dst_rows: int = 0
     weights: int = 0
@@ -110,18 +111,22 @@ def placement(manifest: dict, prog: SegmentProgram, program: str, rank: int, tok
         producers = {c.id: sorted({prog.segments[p.src].writer for p in c.parts
                                    if prog.segments[p.src].writer >= 0}) for c in copies}
         caps = dcap
+        per_tok = {c.id: per_token if c.into_output else 1 for c in copies}
     else:
         copies = prog.combine
         producers = {c.id: sorted({c2.id for c2 in prog.combine if c2.dst_buffer == c.src_buffer_name
                                    and c2.dst == c.src and c2.step_index < c.step_index}) for c in copies}
-        caps = {}
+        caps, per_tok = {}, {}
         for c in copies:  # rows and tokens of its dispatch copies' parts that read the reverse source
             rows = toks = 0
+            per_tok[c.id] = 1
             for d in c.pool:
                 dc = prog.dispatch[d]
                 n = sum(1 for p in dc.parts if p.src_buffer == c.src_buffer)
                 rows += n * tokens * (per_token if dc.into_output else 1)
                 toks += n * tokens
+                if n and dc.into_output:
+                    per_tok[c.id] = per_token
             caps[c.id] = (rows, toks)
     by_step: dict[str, list] = {}
     for c in copies:
@@ -139,8 +144,10 @@ def placement(manifest: dict, prog: SegmentProgram, program: str, rank: int, tok
         for c in mine:
             rows_cap, toks_cap = caps[c.id]
             prods = [] if side == "rdma-unpack" else producers[c.id]
+            chunk_toks = min(c.tpc, toks_cap) if c.tpc else toks_cap  # ramps and the remainder are smaller
             pc = PlacedCopy(c.id, program, side, ri, len(placed), role["op"] == "accum_weighted", rows_cap, toks_cap,
-                            max_chunks(toks_cap, c.tpc, c.ramp_head, c.ramp_tail), prods)
+                            max_chunks(toks_cap, c.tpc, c.ramp_head, c.ramp_tail), prods,
+                            min(rows_cap, chunk_toks * per_tok[c.id]))
             pr.copies.append(pc)
             placed.append(pc)
         pr.item_cap = sum(c.chunks_cap for c in pr.copies)

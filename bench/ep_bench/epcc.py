@@ -6,9 +6,10 @@ Rows of the report:
 * epcc: dispatch with the routing given afresh every iteration, as a MoE layer calls it, then
   combine of the expert outputs.  Bundles with the direct lowering (one-hop plans):
   `dispatch(x, idx, w, sync=False)` (metadata on the GPU, no host sync: what a training step or a
-  CUDA graph runs).  Table-driven bundles: `dispatch(x, idx, w)`, in which the engine all-gathers
-  the routing, computes the layout on the host, uploads its tables (a proxy bundle also sets its
-  proxy path up anew) and runs the kernels: the time includes that host work.
+  CUDA graph runs), and likewise table-driven bundles whose tables the GPU writes (the manifest's
+  metadata "device", GPU proxy path included).  Other table-driven bundles: `dispatch(x, idx, w)`,
+  in which the engine all-gathers the routing, computes the layout on the host, uploads its tables
+  and runs the kernels: the time includes that host work.
 * epcc_cached (table-driven bundles): `dispatch(x, handle=h)`, the layout and tables of one earlier
   dispatch reused: the kernels alone (with the engine's copies of x into its input buffer and of
   recv_x out of its output buffer), which is what `epcc simulate` predicts.  The role timeline

@@ -125,7 +125,7 @@ def test_nvshmem_not_found_says_where_it_looked(tmp_path, monkeypatch):
 def test_gpu_proxy_refuses_an_unknown_transport():
     plan, *_ = small_case("h200x4_2vnode", 8, 2)
     with pytest.raises(channels.RdmaGpuError) as e:
-        gpu_engine.GpuRdma(proxy_lib="-", cuda_lib=None, ctx=None, plan=plan, manifest={}, blob=None,
+        gpu_engine.GpuRdma(proxy_lib="-", cuda_lib=None, ctx=None, plan=plan, manifest={}, source=None,
                          program="dispatch", rank=0, device=0, exchange=None, transport="ibverbs")
     assert str(e.value) == "transport 'ibverbs': the GPU proxy path runs emulated or nvshmem"
 
@@ -169,8 +169,9 @@ def test_nvshmem_over_a_library_built_without_it_is_refused(tmp_path, monkeypatc
         pytest.skip(f"cannot load the CUDA runtime here: {e}")
     blob = tables.build_tables(b.manifest, layout, "dispatch", 0).blob
     with pytest.raises(channels.RdmaGpuError) as e:
-        gpu_engine.GpuRdma(proxy_lib=str(lib), cuda_lib=None, ctx=None, plan=plan, manifest=b.manifest, blob=blob,
-                         program="dispatch", rank=0, device=0, exchange=None, transport="nvshmem")
+        gpu_engine.GpuRdma(proxy_lib=str(lib), cuda_lib=None, ctx=None, plan=plan, manifest=b.manifest,
+                           source=channels.from_tables(b.manifest, blob, "dispatch"),
+                           program="dispatch", rank=0, device=0, exchange=None, transport="nvshmem")
     assert str(e.value) == f"{lib}: built without NVSHMEM (build_gpu(..., 'nvshmem') links it)"
 
 
@@ -219,18 +220,18 @@ def _relay_side(program, rank, tokens=24, chunk=3):
     """h200x2_2vnode_relay (two RDMA steps per program): one rank's tables, roles and channel plan."""
     plan, layout, *_ = small_case("h200x2_2vnode_relay", tokens, chunk)
     m = codegen.generate(plan, source_of("h200x2_2vnode_relay"), codegen.CudaOptions(rdma="proxy")).manifest
-    parsed = tables.parse_tables(tables.build_tables(m, layout, program, rank).blob)
-    _, pack, unpack = channels.item_sequences(m, parsed, program)
+    blob = tables.build_tables(m, layout, program, rank).blob
+    parsed, src = tables.parse_tables(blob), channels.from_tables(m, blob, program)
     kernel = next(k for k in m["kernels"] if k["program"] == program and k["kind"] == "main")
     steps = {s.step: s for s in rdma_steps(plan) if s.program == program}
-    cp = channels.channel_plan(program, kernel, pack, unpack, steps, channels.wire_pitch(m, program))
-    return parsed, kernel, cp
+    cp = channels.channel_plan(program, kernel, src.pack, src.unpack, steps, channels.wire_pitch(m, program))
+    return parsed, kernel, cp, src
 
 
 @pytest.mark.parametrize("program", abi.PROGRAMS)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_two_rdma_steps_each_pack_role_points_at_its_own_fifo(program, rank):
-    parsed, kernel, cp = _relay_side(program, rank)
+    parsed, kernel, cp, src = _relay_side(program, rank)
     assert [r.step for r in cp.roles] == [kernel["roles"][r.index]["step"] for r in cp.roles]
     assert sorted(r.step for r in cp.roles) == ["relay", "there"]  # two pack roles, two FIFOs
     assert cp.fifos.depths == tuple(r.depth for r in cp.roles)
@@ -238,7 +239,7 @@ def test_two_rdma_steps_each_pack_role_points_at_its_own_fifo(program, rank):
     at = channels.Regions(send_bufs=(0x10000, 0x20000), claims=0x30000, credits=0x40000, fifos=0x50000,
                           landing=0x60000, signals=0x70000, consumed=0x80000)
     peer_depth = {k: 5 + ch.index for k, ch in cp.send.items()}
-    desc = channels.descriptors(parsed, kernel, cp, at, peer_depth)
+    desc = channels.descriptors(src.copies, src.num_copies, cp, at, peer_depth)
     seen = {}
     for i, role in enumerate(cp.roles):
         assert int(parsed["roles"][role.index]["item_count"]) > 0

@@ -36,6 +36,10 @@ import torch.distributed as dist
 from epcc.runtime.testing import inputs, oracle
 from epcc.plan.direct import META_CHUNK
 from epcc.runtime.buffer import Buffer
+from epcc.runtime.engines.cuda_table.placed import build_placed, placed_differences
+from epcc.runtime.engines.cuda_table.tables import parse_tables
+from epcc.runtime.engines.gpu_proxy.channels import item_sequences, role_items
+from epcc.runtime.layout import compute_layout
 
 ROUTINGS = tuple(os.environ.get("EPCC_GPU_ROUTINGS", "uniform,zipf:1.2,all-to-one,no-remote,empty").split(","))
 ITERS = int(os.environ.get("EPCC_GPU_ITERS", "2"))
@@ -348,10 +352,8 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
 
 def device_tables_errors(buf: Buffer, dev) -> list[str]:
     """After a dispatch whose tables the GPU wrote, its blobs against the host's (runtime/layout
-    laid out on the host, placed as the kernels place them)."""
-    from epcc.runtime.engines.cuda_table.placed import build_placed, placed_differences
-    from epcc.runtime.layout import compute_layout
-
+    laid out on the host, placed as the kernels place them), and for the GPU proxy path each RDMA
+    chunk's number on its channel against the host's numbering of those tables."""
     eng = buf.engine
     T = buf.plan.workload.tokens
     tokens = [max(0, T - 5 * r) for r in range(buf.num_ranks)]
@@ -368,6 +370,16 @@ def device_tables_errors(buf: Buffer, dev) -> list[str]:
         if diff.size:
             errs.append(f"{p}: {diff.size} bytes differ from the host's, first at {int(diff[0])} "
                         f"(sections {pl.offsets})")
+        if p in eng.meta.seq:  # the GPU proxy path: chunk numbers on their channels
+            parsed = parse_tables(want)
+            want_seq, *_ = item_sequences(eng.manifest, parsed, p)
+            kernel = next(k for k in eng.manifest["kernels"] if k["program"] == p and k["kind"] == "main")
+            items = [i for ri, r in enumerate(kernel["roles"]) if r.get("lowered") in ("rdma-pack", "rdma-unpack")
+                     for i, *_ in role_items(parsed, ri, r["step"])]
+            got_seq = eng.meta.seq[p].cpu().numpy().view(np.uint32)
+            if not items or got_seq[items].tolist() != want_seq[items].tolist():
+                errs.append(f"{p}: the RDMA chunks' numbers on their channels differ from the host's "
+                            f"({len(items)} RDMA items)")
     return errs
 
 

@@ -17,7 +17,10 @@ dispatch different numbers of tokens (127 / 120 / 0 / 128 rotated over the ranks
 different expert alignments, in every mode; its kernels give up waiting after 5 s, so a
 deadlock fails fast (`python -m pytest -q tests/gpu/test_gpu.py -k uneven` on 2 GPUs runs ep2).  Likewise the 4-rank proxy bundles
 (two virtual nodes of two GPUs) run as 4 ranks on 2 GPUs where 4 are missing
-(test_gpu_proxy_path_ep4_shared_gpus: every result checked, no timing).
+(test_gpu_proxy_path_ep4_shared_gpus: every result checked, no timing).  The same proxy bundles
+run through `Buffer` with their tables written on the GPU (proxy_worker.py,
+test_proxy_bundles_through_buffer_*): normal and low-latency mode, fresh routing on every call,
+uneven token counts, CUDA graphs, over each transport.
 
 The GPU proxy path runs through bench/ep_bench.py --strict on the 2-vnode plan of two
 GPUs (h200x2_2vnode_50_proxy; h200x2_2vnode_relay_50_proxy: two RDMA steps per program, so two
@@ -82,6 +85,7 @@ UNEVEN = {  # GPUs -> bundles whose ranks dispatch different numbers of tokens (
     2: ["h200x2_t128", "h200x2"],
 }
 UNEVEN_TIMEOUT_S = 600  # the whole torchrun: its kernels give up after seconds (EPCC_GPU_KERNEL_TIMEOUT)
+PROXY_WORKER = Path(__file__).resolve().parent / "proxy_worker.py"
 
 pytestmark = pytest.mark.gpu
 
@@ -241,6 +245,52 @@ def test_gpu_proxy_path_ep4_shared_gpus(transport, tmp_path):
     assert f"{ranks} ranks on {gpus} GPU(s)" in stdout, stdout[-6000:]
     print("\n".join(line for line in stdout.splitlines() if "epcc ok" in line or line.strip().startswith("rdma ")
                     or "time-sliced" in line))
+
+
+def _nvshmem_missing(transport: str) -> str | None:
+    if transport != "nvshmem":
+        return None
+    try:
+        nvshmem_home()
+    except BuildError as e:
+        return str(e)
+    return None
+
+
+def _proxy_worker(gpus: int, bundles: list[str], transport: str, ranks: int | None = None) -> str:
+    """proxy_worker.py over `transport` on `bundles` (skipped where the case or NVSHMEM is missing):
+    it must exit 0 with ALL OK; its stdout."""
+    why = _why_not(gpus, bundles) or _nvshmem_missing(transport)
+    if why:
+        pytest.skip(why)
+    cmd, r = _torchrun(gpus, PROXY_WORKER, [transport, *[str(BUNDLES / b) for b in bundles]], ranks=ranks,
+                       env={"NVSHMEM_REMOTE_TRANSPORT": os.environ.get("NVSHMEM_REMOTE_TRANSPORT", "none")})
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "ALL OK" in r.stdout, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
+    print("\n".join(line for line in r.stdout.splitlines() if "GPU checks" in line or "time-sliced" in line))
+    return r.stdout
+
+
+@pytest.mark.parametrize("transport", ["emulated", "nvshmem"])
+@pytest.mark.parametrize("gpus", sorted(PROXY_BUNDLES, reverse=True), ids=lambda n: f"ep{n}")
+def test_proxy_bundles_through_buffer_with_tables_from_the_gpu(gpus, transport):
+    """The GPU proxy path's bundles through Buffer with their tables written on the GPU
+    (proxy_worker.py): the proxy set up once, fresh routing on every call in normal and
+    low-latency mode, uneven token counts with a rank of none, CUDA graph replays, all against the
+    oracle, over each transport."""
+    _proxy_worker(gpus, PROXY_BUNDLES[gpus], transport)
+
+
+@pytest.mark.parametrize("transport", ["emulated", "nvshmem"])
+def test_proxy_bundles_through_buffer_ep4_shared_gpus(transport):
+    """The 4-rank proxy bundles through proxy_worker.py as 4 ranks on GPUs 0 and 1 where fewer
+    than 4 are present (a 4-GPU machine runs the ep4 case of the test above instead)."""
+    ranks, gpus = SHARED
+    have, what = _gpus()
+    if have >= ranks:
+        pytest.skip(f"{what}: test_proxy_bundles_through_buffer_with_tables_from_the_gpu[ep4-*] runs them")
+    out = _proxy_worker(gpus, PROXY_BUNDLES[ranks], transport, ranks=ranks)
+    assert f"{ranks} ranks, {gpus} x " in out, out[-6000:]
 
 
 def sim_mismatches(report_path: Path) -> list[str]:

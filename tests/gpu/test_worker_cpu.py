@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ep_worker as W  # noqa: E402
+import proxy_worker as P  # noqa: E402
 import uneven_worker as U  # noqa: E402
 
 from epcc.runtime.testing import oracle  # noqa: E402
@@ -84,3 +85,39 @@ def test_worker_without_a_gpu_is_a_clear_error(capsys, monkeypatch):
     assert W.main([]) == 1
     assert capsys.readouterr().err.strip() == (
         "ep_worker: no CUDA device visible (the GPU checks need GPUs; run it under torchrun there)")
+
+
+def test_proxy_worker_rotates_token_counts_with_a_rank_of_none():
+    assert P.token_patterns(128, 2) == [("128/127", [128, 127]), ("127/0", [127, 0]), ("0/65", [0, 65]),
+                                        ("65/128", [65, 128]), ("T-1-7r", [127, 120])]
+    assert all(0 in t for _, t in P.token_patterns(4096, 4)[:4])
+
+
+def _proxy_buf(metadata="device", layout=None, rdma=("dispatch", "combine"), failure=None, posted=5):
+    engines = [types.SimpleNamespace(program=p, failure=lambda: failure) for p in rdma]
+    eng = types.SimpleNamespace(manifest={"metadata": {"lowering": metadata}}, on_device=metadata == "device",
+                                proxy=bool(rdma), rdma=engines, layout=layout,
+                                rdma_stats=lambda: {e.program: {"writes_posted": posted} for e in engines})
+    return types.SimpleNamespace(engine=eng), engines
+
+
+def test_proxy_worker_refuses_what_is_not_the_proxy_path_from_the_gpus_tables(monkeypatch):
+    """Its checks must fail a Buffer whose tables come from the host, whose proxy is missing, set
+    up anew, failed, or posted nothing, and pass the one that is right."""
+    monkeypatch.setattr(P.dist, "barrier", lambda: None)
+    good, engines = _proxy_buf()
+    assert P.setup_errors(good) == [] and P.proxy_state_errors(good, engines, {"dispatch": 4, "combine": 4}) == []
+    assert P.setup_errors(_proxy_buf(metadata="host")[0])[0].startswith("metadata is not the GPU's")
+    assert P.setup_errors(_proxy_buf(rdma=())[0]) == [
+        "the bundle does not run the GPU proxy path (compile it with --rdma proxy)"]
+    again, _ = _proxy_buf()
+    assert P.proxy_state_errors(again, engines) == [
+        "the proxy path was set up anew (it must be set up once, for every routing)"]
+    host, engines = _proxy_buf(layout=object())
+    assert P.proxy_state_errors(host, engines) == ["a layout was computed on the host"]
+    failed, engines = _proxy_buf(failure="epcc: wait timed out")
+    assert P.proxy_state_errors(failed, engines) == ["proxy dispatch: epcc: wait timed out",
+                                                     "proxy combine: epcc: wait timed out"]
+    idle, engines = _proxy_buf(posted=4)
+    assert P.proxy_state_errors(idle, engines, {"dispatch": 4, "combine": 3}) == [
+        "dispatch: the proxy posted no chunk (4 writes, 4 before)"]

@@ -183,6 +183,25 @@ const char* epcc_table_meta_error(void) { return g_error; }
 
 int epcc_table_meta_abi(void) { return kMetaAbi; }
 
+// Load every kernel of this file now (the launcher does the same for its own, epcc_cuda_create):
+// with lazy loading the first launch of a kernel loads it, and loading waits for the device while
+// holding the context, so a zero_partials first launched behind a dispatch kernel that waits for
+// the GPU proxy would block the proxy thread's CUDA calls, and the dispatch, for good.
+int epcc_table_meta_load(void) {
+  cudaFuncAttributes attr;
+  cudaError_t e;
+  if ((e = cudaFuncGetAttributes(&attr, gather_copy)) != cudaSuccess ||
+      (e = cudaFuncGetAttributes(&attr, gather_signal_wait)) != cudaSuccess ||
+      (e = cudaFuncGetAttributes(&attr, zero_partials)) != cudaSuccess ||
+      (e = cudaFuncGetAttributes(&attr, copy_rows)) != cudaSuccess ||
+      (e = cudaFuncGetAttributes(&attr, epcc::meta::meta_count)) != cudaSuccess ||
+      (e = cudaFuncGetAttributes(&attr, epcc::meta::meta_scan)) != cudaSuccess ||
+      (e = cudaFuncGetAttributes(&attr, epcc::meta::meta_rows)) != cudaSuccess ||
+      (e = cudaFuncGetAttributes(&attr, epcc::meta::meta_items)) != cudaSuccess)
+    return fail(e, "load the metadata kernels");
+  return 0;
+}
+
 // The layout of a gather area: out[0] its bytes, out[1..3] the offsets of the token counts, the
 // top-k indices and the weights (the flags are at 0).
 void epcc_table_meta_area(int num_ranks, int max_tokens, int topk, uint64_t* out) {

@@ -603,6 +603,15 @@ static void emu_close(epcc_tp *tp) {
     free(t);
 }
 
+/* Called first by the GPU proxy thread (runtime/engines/gpu_proxy/engine.py): its CUDA calls (copies,
+ * event queries) belong to no stream capture and must go on while the application captures a CUDA
+ * graph on another thread (a low-latency dispatch under torch.cuda.graph, whose default global
+ * mode would refuse them): relaxed capture mode, for this thread only. */
+extern "C" int epcc_tp_proxy_thread(void) {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    return cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess ? 0 : -1;
+}
+
 const epcc_tp_ops epcc_tp_ops_emulated = {
     "emulated", emu_open, emu_reg, emu_mr_remote, emu_dereg, emu_address, emu_connect,
     emu_post_write, emu_poll, emu_flush, emu_close, emu_post_write_signal,

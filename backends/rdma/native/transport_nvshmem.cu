@@ -353,6 +353,15 @@ static void nv_close(epcc_tp *tp) {
     free(t);
 }
 
+/* Called first by the GPU proxy thread (runtime/engines/gpu_proxy/engine.py): its CUDA calls (copies,
+ * event queries) belong to no stream capture and must go on while the application captures a CUDA
+ * graph on another thread (a low-latency dispatch under torch.cuda.graph, whose default global
+ * mode would refuse them): relaxed capture mode, for this thread only. */
+extern "C" int epcc_tp_proxy_thread(void) {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    return cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess ? 0 : -1;
+}
+
 const epcc_tp_ops epcc_tp_ops_nvshmem = {
     "nvshmem", nv_open, nv_reg, nv_mr_remote, nv_dereg, nv_address, nv_connect, nv_post_write, nv_poll, nv_flush, nv_close,
     nv_post_write_signal,

@@ -13,12 +13,15 @@ Where do a dispatch's tables come from (the bundle's manifest, "metadata"):
 * "device" (the plans the metadata kernels cover: backends/cuda/codegen.py device_metadata): the
   GPU exchanges every rank's routing over peer memory and writes this rank's tables of both
   programs itself (meta.py), stream-ordered: no host sync, no allocation, CUDA-graph capturable.
+  With the GPU proxy path, its channels, rings and FIFOs are set up once, here, for every
+  routing (gpu_proxy/channels.py from_placement), the metadata kernels number each RDMA chunk on
+  its channel, and the proxy threads run for the Buffer's life, following what the kernels push.
   Both modes work: normal (`sync=True`: the per-expert counts read back, bad routing raised) and
   low latency (`sync=False`: the whole receive buffer, counts and offsets as device tensors, a
   bad routing row ignored and reported by `check_routing`).
-* "host" (the GPU proxy path, whose channels the host sets up from the tables, and plans beyond
-  the metadata kernels): the routings and token counts of every rank are exchanged over the
-  group, every rank computes the same layout (runtime/layout) and uploads its tables
+* "host" (plans beyond the metadata kernels, bundles of an older epcc): the routings and token
+  counts of every rank are exchanged over the group, every rank computes the same layout
+  (runtime/layout) and uploads its tables
   (stream-ordered: the launches before still read the previous ones).  Normal mode only.
 
 Ranks may dispatch different numbers of tokens (0 included), up to the bundle's `tokens`.  A
@@ -51,7 +54,7 @@ from ...layout.capacity import capacity_rows
 from ..agree import Agreement
 from ..base import EngineError, GroupError, KernelTimeout
 from ..gpu_proxy.build import build_gpu
-from ..gpu_proxy.channels import TRANSPORTS
+from ..gpu_proxy.channels import TRANSPORTS, from_placement, from_tables
 from ..gpu_proxy.engine import GpuRdma
 from ..gpu_proxy.watch import STALL_FRACTION, ProxyFailed, ProxyWatch, wait_watched
 from ..tensors import FP8_GROUP, WEIGHTS_DIFFER, check_tensor, device_view
@@ -173,6 +176,9 @@ class CudaTableEngine:
             cap_rows = self.meta.recv_w.numel()
             self.recv_view = device_view(self.output_ptr, cap_rows * self.row_bytes, torch.uint8,
                                          (cap_rows, self.row_bytes), self.device)
+            if self.proxy:  # every channel any routing uses, set up once; the kernels number the chunks
+                for p in self.meta.seq:
+                    self._start_rdma(p, from_placement(manifest, self.meta.placements[p]), self.meta.seq[p].data_ptr())
         # the inputs' buffers as tensors, once (a call copies into a slice of them)
         self.input_view = device_view(self.input_ptr, self.max_tokens * self.row_bytes, torch.uint8,
                                       (self.max_tokens, self.row_bytes), self.device)
@@ -252,13 +258,17 @@ class CudaTableEngine:
             for p in self.programs:
                 if not any(s.program == p for s in rdma_steps(self.plan)):
                     continue
-                eng = GpuRdma(proxy_lib=str(self.proxy_lib), cuda_lib=self.lib, ctx=self.ctx, plan=self.plan,
-                              manifest=self.manifest, blob=tables[p].blob, program=p, rank=self.rank,
-                              device=self.device.index, exchange=self._exchange, timeout_s=self.timeout_s,
-                              transport=self.transport)
-                eng.start()
-                self.rdma.append(eng)
+                self._start_rdma(p, from_tables(self.manifest, tables[p].blob, p))
         self.layout = layout
+
+    def _start_rdma(self, program: str, source, seq_dev: int = 0) -> None:
+        """The GPU proxy path of `program` (gpu_proxy/engine.py), its thread started."""
+        eng = GpuRdma(proxy_lib=str(self.proxy_lib), cuda_lib=self.lib, ctx=self.ctx, plan=self.plan,
+                      manifest=self.manifest, source=source, program=program, rank=self.rank,
+                      device=self.device.index, exchange=self._exchange, timeout_s=self.timeout_s,
+                      transport=self.transport, seq_dev=seq_dev)
+        eng.start()
+        self.rdma.append(eng)
 
     def _exchange(self, obj):
         return self.agree.gather(f"the proxy path's setup ({type(obj).__name__})", obj)

@@ -5,7 +5,8 @@ capturable).  The blobs are placed (placement.py) and stay where they are: the l
 once where they lie (Context.use_tables).
 
 `DeviceMeta` holds what one rank needs: the encoded metadata program (meta_program.py), the
-blobs' templates and the blobs, the scratch, this rank's gather area (peer memory every rank
+blobs' templates and the blobs (and, for the GPU proxy path, each RDMA item's sequence number on
+its channel, which the kernels write beside them), the scratch, this rank's gather area (peer memory every rank
 maps, allocated by the caller with the launcher library's malloc), the exchange's epoch, an
 error word the kernels write before they give up, and what a dispatch returns of the received
 rows (their weights, experts, the rows per local expert).
@@ -39,7 +40,7 @@ class _Args(ctypes.Structure):  # epcc::meta::Args
     _fields_ = [("prog", ctypes.c_uint64), ("scratch", ctypes.c_uint64), ("tokens", ctypes.c_uint64),
                 ("topk", ctypes.c_uint64), ("weights", ctypes.c_uint64), ("blob", ctypes.c_uint64 * 2),
                 ("bad", ctypes.c_uint64), ("recv_w", ctypes.c_uint64), ("recv_idx", ctypes.c_uint64),
-                ("recv_count", ctypes.c_uint64), ("recv_offset", ctypes.c_uint64),
+                ("recv_count", ctypes.c_uint64), ("recv_offset", ctypes.c_uint64), ("seq", ctypes.c_uint64 * 2),
                 ("lay", ctypes.c_int64 * LAYOUT_WORDS)]
 
 
@@ -72,6 +73,9 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.epcc_table_meta_scratch_words.restype = ctypes.c_int64
     lib.epcc_table_meta_error.argtypes = []
     lib.epcc_table_meta_error.restype = ctypes.c_char_p
+    if hasattr(lib, "epcc_table_meta_load"):  # bundles of an older epcc (none with the GPU proxy path) lack it
+        lib.epcc_table_meta_load.argtypes = []
+        lib.epcc_table_meta_load.restype = ctypes.c_int
 
 
 def area_layout(lib, num_ranks: int, max_tokens: int, topk: int) -> tuple[int, int, int, int]:
@@ -99,6 +103,8 @@ class DeviceMeta:
 
         self.lib, self.rank, self.device = lib, rank, device
         bind(lib)
+        if hasattr(lib, "epcc_table_meta_load") and lib.epcc_table_meta_load() != 0:  # not behind a running kernel
+            raise EngineError(f"metadata kernels: {lib.epcc_table_meta_error().decode(errors='replace')}")
         self.mp, self.placements = program_of(manifest, plan, prog, rank)
         wl = plan.workload
         R, self.T, self.K = plan.num_ranks, wl.tokens, wl.topk
@@ -109,6 +115,9 @@ class DeviceMeta:
         self.scratch = torch.zeros(max(words, 1), dtype=torch.int64, device=device)
         self.templates = {p: torch.from_numpy(template(manifest, pl, R)).to(device) for p, pl in self.placements.items()}
         self.blobs = {p: t.clone() for p, t in self.templates.items()}
+        # the GPU proxy path's: each RDMA item's sequence number on its channel (KernelArgs.rdma_seq)
+        self.seq = {p: torch.zeros(max(pl.num_items, 1), dtype=torch.int32, device=device)
+                    for p, pl in self.placements.items() if any(r.side != "sm" for r in pl.roles)}
         self.headers = {p: self.templates[p][:128].cpu().numpy().tobytes() for p in self.templates}
         epr = wl.experts // R
         cap = R * wl.tokens * min(wl.topk, epr)
@@ -175,6 +184,8 @@ class DeviceMeta:
         a.bad = self.bad.data_ptr()
         a.recv_w, a.recv_idx = self.recv_w.data_ptr(), self.recv_idx.data_ptr()
         a.recv_count, a.recv_offset = self.recv_count.data_ptr(), self.recv_offset.data_ptr()
+        for i, p in enumerate(PROGRAMS):
+            a.seq[i] = self.seq[p].data_ptr() if p in self.seq else 0
         a.lay[:] = list(self.layout)
         m.scratch_words = self.scratch.numel()
         arr = self.mp.array

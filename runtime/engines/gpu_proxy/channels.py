@@ -1,4 +1,6 @@
-"""The GPU proxy path's shared decisions for one rank and program, from its uploaded tables.
+"""The GPU proxy path's shared decisions for one rank and program, from its uploaded tables
+(`from_tables`: a layout the host computed) or from the placement of the tables the metadata
+kernels write (`from_placement`: decided once, for every routing).
 
 * channels: one per (step, sender, receiver); a chunk's sequence number on its channel is its
   position among the channel's items in the role's item order, which both sides' tables list in
@@ -11,7 +13,10 @@
   it as credit) and the credit source word; per send channel: the credit word (device memory,
   written by the receiver's proxy, read by the pack role);
 * the RdmaChan descriptors (one per CopyDesc) and the items' sequence numbers, in device memory,
-  handed to the launcher with `Context.set_rdma`;
+  handed to the launcher with `Context.set_rdma`: from host tables the host numbers the items;
+  from a placement the metadata kernels do, per dispatch (meta.cuh Args.seq), and every channel
+  any routing can use is set up, its slots sized for the most bytes one of its chunks can hold
+  (PlacedCopy.chunk_rows_cap), so nothing here depends on a routing;
 * links: every link class the program's RDMA steps use is one link of the transport (step_links,
   in step order); the emulated transport paces each (emulated_spec), NVSHMEM has one.
 
@@ -24,7 +29,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from epcc.backends.cuda.placement import Placement
+
 from ..base import EngineError
+from ..cuda_table.tables import parse_tables
 
 ALIGN = 256
 FIFO_WORDS = 8  # epcc_rdma_fifo: tail, head, retired, flushed, depth, entries, done, external
@@ -221,6 +229,61 @@ def item_sequences(manifest: dict, parsed: dict, program: str) -> tuple[np.ndarr
     return seq, sides["rdma-pack"], sides["rdma-unpack"]
 
 
+def placed_sequences(manifest: dict, pl: Placement) -> tuple[dict, dict]:
+    """(pack roles, unpack roles) as item_sequences gives them, from a placement alone (the tables
+    the metadata kernels write, for any routing): every channel the roles' copies can use, each
+    copy at its most chunks, each chunk at the most bytes one can hold.  The channel plan then
+    sizes the rings once for every routing; the chunk counts it derives are bounds, which the GPU
+    proxy loop does not read (it follows the FIFO entries and consumed words the kernels write)."""
+    wire = wire_pitch(manifest, pl.program)
+    sides: dict[str, dict[int, dict]] = {"rdma-pack": {}, "rdma-unpack": {}}
+    for ri, pr in enumerate(pl.roles):
+        if pr.side not in sides:
+            continue
+        chans: dict[tuple[str, int, int], list[int]] = {}
+        for pc in pr.copies:
+            c = pl.copy_meta[pc.copy]
+            chans.setdefault((pr.step, int(c.src), int(c.dst)), []).extend([pc.chunk_rows_cap * wire] * pc.chunks_cap)
+        sides[pr.side][ri] = chans
+    return sides["rdma-pack"], sides["rdma-unpack"]
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a rank's GPU proxy path of one program is set up from: its pack and unpack roles'
+    channels (item_sequences' form), the copies those roles move (CopyDesc index, role index,
+    side, channel), the tables' CopyDesc count, and the items' sequence numbers (None: the
+    metadata kernels write them per dispatch)."""
+
+    pack: dict
+    unpack: dict
+    copies: tuple[tuple[int, int, str, tuple], ...]
+    num_copies: int
+    seq: np.ndarray | None
+
+
+def from_tables(manifest: dict, blob: np.ndarray, program: str) -> Source:
+    """From host-built tables (a layout the host computed): this layout's chunks, numbered here."""
+    parsed = parse_tables(blob)
+    seq, pack, unpack = item_sequences(manifest, parsed, program)
+    kernel = next(k for k in manifest["kernels"] if k["program"] == program and k["kind"] == "main")
+    copies = {}
+    for ri, role in enumerate(kernel["roles"]):
+        if role.get("lowered") in ("rdma-pack", "rdma-unpack"):
+            for _, it, _, key in role_items(parsed, ri, role["step"]):
+                copies[int(it["copy"])] = (int(it["copy"]), ri, role["lowered"], key)
+    return Source(pack, unpack, tuple(copies.values()), len(parsed["copies"]), seq)
+
+
+def from_placement(manifest: dict, pl: Placement) -> Source:
+    """From the placement of the tables the metadata kernels write: every channel, at its bounds."""
+    pack, unpack = placed_sequences(manifest, pl)
+    copies = tuple((pc.index, pc.role, pr.side, (pr.step, int(pl.copy_meta[pc.copy].src),
+                                                 int(pl.copy_meta[pc.copy].dst)))
+                   for pr in pl.roles if pr.side in ("rdma-pack", "rdma-unpack") for pc in pr.copies)
+    return Source(pack, unpack, copies, len(pl.copies), None)
+
+
 @dataclass
 class ChannelPlan:
     """One rank's side of a program's GPU proxy path, decided before anything is allocated."""
@@ -289,23 +352,23 @@ class Regions:
     consumed: int  # u64 [n receive channels], host-pinned
 
 
-def descriptors(parsed: dict, kernel: dict, cp: ChannelPlan, at: Regions, peer_depth: dict) -> np.ndarray:
-    """The kernels' RdmaChan table (one per CopyDesc): a pack role's copies point at the role's own
+def descriptors(copies, num_copies: int, cp: ChannelPlan, at: Regions, peer_depth: dict) -> np.ndarray:
+    """The kernels' RdmaChan table (one per CopyDesc, `num_copies`; Source.copies says which copy a
+    pack or unpack role moves over which channel): a pack role's copies point at the role's own
     send slots, claim counter, FIFO entries and retired word, and their channel's credit word; an
     unpack role's at their channel's landing slots, signal words and consumed word.  `peer_depth`:
     the receiver's landing slots of each send channel (the credit window)."""
-    desc = np.zeros(max(len(parsed["copies"]), 1), dtype=RDMA_CHAN)
-    for i, role in enumerate(cp.roles):
-        for _, it, _, key in role_items(parsed, role.index, role.step):
-            ch = cp.send[key]
-            desc[int(it["copy"])] = (at.send_bufs[i], 0, at.claims + 8 * i, at.credits + 8 * ch.index,
-                                     cp.fifos.entries_ptr(at.fifos, i), cp.fifos.retired_ptr(at.fifos, i), role.depth,
-                                     role.slot_bytes, ch.index, peer_depth[ch.key])
-    for ri, role in enumerate(kernel["roles"]):
-        if role.get("lowered") != "rdma-unpack":
-            continue
-        for _, it, _, key in role_items(parsed, ri, role["step"]):
+    desc = np.zeros(max(num_copies, 1), dtype=RDMA_CHAN)
+    fifo = {role.index: i for i, role in enumerate(cp.roles)}
+    for index, ri, side, key in copies:
+        if side == "rdma-pack":
+            i = fifo[ri]
+            role, ch = cp.roles[i], cp.send[key]
+            desc[index] = (at.send_bufs[i], 0, at.claims + 8 * i, at.credits + 8 * ch.index,
+                           cp.fifos.entries_ptr(at.fifos, i), cp.fifos.retired_ptr(at.fifos, i), role.depth,
+                           role.slot_bytes, ch.index, peer_depth[ch.key])
+        else:
             ch = cp.recv[key]
-            desc[int(it["copy"])] = (at.landing + ch.offset, at.signals + ch.sig_offset, at.consumed + 8 * ch.index,
-                                     0, 0, 0, ch.depth, ch.slot_bytes, 0, 0)
+            desc[index] = (at.landing + ch.offset, at.signals + ch.sig_offset, at.consumed + 8 * ch.index,
+                           0, 0, 0, ch.depth, ch.slot_bytes, 0, 0)
     return desc

@@ -38,11 +38,11 @@ import numpy as np
 from epcc.backends.rdma.abi import ENGINE, RECV_CHAN, SEND_CHAN, SEND_ROLE
 from epcc.plan.rdma import rdma_steps
 
-from ..cuda_table.tables import PROGRAMS, parse_tables
+from ..cuda_table.tables import PROGRAMS
 from ..transport import (ERRLEN, STATUS_OK, STATUS_TIMEOUT, TP_LOCAL, TP_REMOTE_WRITE, Transport, TransportError,
                          c_string, load, u64_table)
-from .channels import (RETIRED_WORD, TRANSPORTS, RdmaGpuError, Regions, channel_plan, descriptors, emulated_spec,
-                       item_sequences, step_links, transport_links, wire_pitch)
+from .channels import (RETIRED_WORD, TRANSPORTS, RdmaGpuError, Regions, Source, channel_plan, descriptors,
+                       emulated_spec, step_links, transport_links, wire_pitch)
 
 
 def nvshmem_bootstrap(lib, rank: int, nranks: int, device: int, exchange) -> None:
@@ -70,11 +70,15 @@ def nvshmem_bootstrap(lib, rank: int, nranks: int, device: int, exchange) -> Non
 
 
 class GpuRdma:
-    """The GPU proxy path of one rank and program: transport, rings, descriptors, proxy thread."""
+    """The GPU proxy path of one rank and program: transport, rings, descriptors, proxy thread.
+    `source` (channels.py): host-built tables (`from_tables`: this layout's channels, numbered
+    here) or the placement of the tables the metadata kernels write (`from_placement`: every
+    channel at its bounds, set up once for every routing; the kernels number the items into
+    `seq_dev`, uint32 [the blob's items] in device memory)."""
 
-    def __init__(self, *, proxy_lib: str, cuda_lib, ctx, plan, manifest: dict, blob: np.ndarray, program: str,
-                 rank: int, device: int, exchange, timeout_s: float = 30.0, transport: str = "emulated",
-                 spec: str | None = None, log=None):
+    def __init__(self, *, proxy_lib: str, cuda_lib, ctx, plan, manifest: dict, source: Source | None,
+                 program: str, rank: int, device: int, exchange, timeout_s: float = 30.0,
+                 transport: str = "emulated", spec: str | None = None, log=None, seq_dev: int = 0):
         if program not in PROGRAMS:
             raise RdmaGpuError(f"program must be one of {PROGRAMS}, not {program!r}")
         self.cuda, self.program, self.rank = cuda_lib, program, rank
@@ -97,14 +101,14 @@ class GpuRdma:
         if not hasattr(self.lib, "epcc_rdma_proxy_gpu"):
             raise RdmaGpuError(f"{proxy_lib}: no epcc_rdma_proxy_gpu (a proxy library of an older epcc?)")
         self.lib.epcc_rdma_proxy_gpu.argtypes, self.lib.epcc_rdma_proxy_gpu.restype = [ctypes.c_void_p], ctypes.c_int
-        parsed = parse_tables(blob)
-        R = int(parsed["header"]["num_ranks"])
-        seq, pack, unpack = item_sequences(manifest, parsed, program)
+        if source.seq is None and not seq_dev:
+            raise RdmaGpuError(f"{program}: tables the metadata kernels write need their sequence numbers' memory")
+        R = plan.num_ranks
         kernel = next(k for k in manifest["kernels"] if k["program"] == program and k["kind"] == "main")
         wire = wire_pitch(manifest, program)
         step_index = {s.step: s.index for s in steps.values()}
 
-        cp = channel_plan(program, kernel, pack, unpack, steps, wire)
+        cp = channel_plan(program, kernel, source.pack, source.unpack, steps, wire)
         roles, send, recv = cp.roles, cp.send, cp.recv
         landing_bytes, sig_bytes = cp.landing_bytes, cp.sig_bytes
 
@@ -223,11 +227,14 @@ class GpuRdma:
         regions = Regions(send_bufs=tuple(send_bufs), claims=claims, credits=credits, fifos=fifo_ptr, landing=landing,
                           signals=signals, consumed=consumed_ptr)
         peer_depth = {k: everyone[ch.dst]["recv"][k][3] for k, ch in send.items()}
-        desc = descriptors(parsed, kernel, cp, regions, peer_depth)
+        desc = descriptors(source.copies, source.num_copies, cp, regions, peer_depth)
         self.desc_dev = dmalloc(desc.nbytes)
-        self.seq_dev = dmalloc(seq.nbytes)
         cuda_lib.copy_to_device(self.desc_dev, desc.view(np.uint8))
-        cuda_lib.copy_to_device(self.seq_dev, seq)
+        if source.seq is not None:
+            self.seq_dev = dmalloc(source.seq.nbytes)
+            cuda_lib.copy_to_device(self.seq_dev, source.seq)
+        else:  # written by the metadata kernels before every dispatch
+            self.seq_dev = seq_dev
         ctx.set_rdma(program, self.desc_dev, self.seq_dev)
         self.summary = (f"{program}: {len(send)} send / {len(recv)} receive channels, depth "
                         f"{', '.join(str(r.depth) for r in roles) or '-'}, send slots of "
@@ -248,6 +255,11 @@ class GpuRdma:
     # -- the proxy thread -------------------------------------------------------------------
     def start(self) -> None:
         def run():
+            # the transport's CUDA calls must not fail while the caller captures a CUDA graph
+            if hasattr(self.lib, "epcc_tp_proxy_thread") and self.lib.epcc_tp_proxy_thread() != 0:
+                self.err.value = b"epcc rdma: the GPU proxy thread could not leave CUDA graph capture checks"
+                self.status = -1
+                return
             self.status = int(self.lib.epcc_rdma_proxy_gpu(self.engine.ctypes.data))
 
         self.thread = threading.Thread(target=run, name=f"epcc-rdma-gpu-{self.program}", daemon=True)

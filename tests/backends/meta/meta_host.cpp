@@ -13,7 +13,8 @@ extern "C" long long epcc_meta_scratch_words(const long long* prog) { return scr
 
 extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const int* tokens, const int* topk,
                              const float* weights, unsigned char* blob_d, unsigned char* blob_c, int* bad,
-                             float* recv_w, long long* recv_idx, int* recv_count, int* recv_offset) {
+                             float* recv_w, long long* recv_idx, int* recv_count, int* recv_offset,
+                             unsigned* seq_d, unsigned* seq_c) {
   if (prog[H_magic] != kMagic || prog[H_version] != kVersion) return 1;
   Args a;
   std::memset(scratch, 0, sizeof(long long) * scratch_words(prog, a.lay));
@@ -30,6 +31,8 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
   a.recv_idx = reinterpret_cast<int64_t*>(recv_idx);
   a.recv_count = recv_count;
   a.recv_offset = recv_offset;
+  a.seq[0] = seq_d;
+  a.seq[1] = seq_c;
   const int blocks = static_cast<int>(prog[H_num_ranks] * prog[H_token_blocks]);
   for (int b = 0; b < blocks; ++b) meta_count(a, b);
   meta_scan(a, 0);

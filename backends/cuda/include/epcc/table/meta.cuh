@@ -137,6 +137,10 @@ struct Args {
   int64_t* recv_idx;
   int* recv_count;       // [experts per rank]
   int* recv_offset;      // [experts per rank + 1]
+  // GPU proxy path (nullptr without): per program, each item's sequence number on its channel
+  // (the chunks of one role between the same two ranks, in item order), what the pack and unpack
+  // roles read as KernelArgs.rdma_seq; [the blob's num_items], written for RDMA items only
+  uint32_t* seq[2];
   i64 lay[kLayout];      // where each scratch region starts (scratch_words(prog, lay), on the host)
 };
 
@@ -744,13 +748,18 @@ EM_KERNEL meta_rows(Args a
 }
 
 // The place of item (copy i of the role, chunk c) in the role's item order: by progress
-// (2c + 1) / (2 n_i), ties by copy (tables.item_order).
-EM_FN i64 item_position(const Scratch& x, const i64* p, const i64* ro, i64 i, i64 c) {
-  const i64 ni = x.copy_chunks[tcopy_rec(p, ro[R_first_tcopy] + i)[T_copy]];
+// (2c + 1) / (2 n_i), ties by copy (tables.item_order).  With `channel`, its place among the
+// items of the role's copies between the same two ranks only: the chunk's sequence number on its
+// GPU proxy channel (runtime/engines/gpu_proxy/channels.py item_sequences).
+EM_FN i64 item_position(const Scratch& x, const i64* p, const i64* ro, i64 i, i64 c, bool channel = false) {
+  const i64* ti = tcopy_rec(p, ro[R_first_tcopy] + i);
+  const i64 ni = x.copy_chunks[ti[T_copy]];
   i64 pos = c;
   for (i64 j = 0; j < ro[R_num_tcopies]; ++j) {
     if (j == i) continue;
-    const i64 nj = x.copy_chunks[tcopy_rec(p, ro[R_first_tcopy] + j)[T_copy]];
+    const i64* tj = tcopy_rec(p, ro[R_first_tcopy] + j);
+    if (channel && (tj[T_src_rank] != ti[T_src_rank] || tj[T_dst_rank] != ti[T_dst_rank])) continue;
+    const i64 nj = x.copy_chunks[tj[T_copy]];
     if (nj == 0) continue;
     const i64 X = (2 * c + 1) * nj;  // chunk c' of j comes first iff (2c' + 1) ni < X (or <= X for j < i)
     i64 lim = j < i ? X / ni : (X + ni - 1) / ni - 1;  // the largest odd value (2c' + 1) allowed
@@ -799,6 +808,8 @@ EM_KERNEL meta_items(Args a
                                 static_cast<uint32_t>(starts[c]), static_cast<uint32_t>(starts[c + 1]),
                                 static_cast<uint32_t>(w0), nw};  // ItemDesc
       memcpy(blob + items_at + (ro[R_item_begin] + pos) * kItemBytes, item, kItemBytes);
+      if (a.seq[program] && tc[T_side] != SIDE_SM)
+        a.seq[program][ro[R_item_begin] + pos] = static_cast<uint32_t>(item_position(x, p, ro, i, c, true));
     }
   EM_SYNC
 }
