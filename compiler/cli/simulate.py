@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import json
 
+from ..backends.cuda.codegen import CudaCodegenError, CudaOptions
+from ..backends.cuda.codegen import generate as generate_cuda
 from ..files import refuse_overwrite
+from ..plan import Plan
 from ..sim import SimOptions, SimulationError, simulate
+from ..sim.base import DeviceMetadata
 from ..sim.build import build_plan
 from ..sim.gantt import write_svg
+from ..sim.meta import from_manifest
 from ..sim.report import table, to_dict
 from .common import EXIT_OK, inputs_of, say, say_lines, user_error, warn
 from .options import kernel_options, pass_options, plan_options, positive
@@ -54,11 +59,24 @@ def simulation(args, options):
         if direct is None and (kernels == "direct" or sms is not None):
             flag = "--kernels direct" if kernels == "direct" else "--sms"
             raise user_error(f"{flag}: the CUDA target does not lower {args.file} to direct kernels: {why}")
+    rdma = getattr(args, "rdma", "proxy")
     try:
-        res = simulate(built.plan, SimOptions(rdma_proxy=getattr(args, "rdma", "proxy") == "proxy", direct=direct))
+        metadata = table_metadata(built.plan, rdma) if direct is None else None
+        res = simulate(built.plan, SimOptions(rdma_proxy=rdma == "proxy", direct=direct, metadata=metadata))
     except SimulationError as e:
         raise user_error(f"{args.file}: cannot simulate the plan: {e}") from None
     return built, res
+
+
+def table_metadata(plan: Plan, rdma: str) -> DeviceMetadata | None:
+    """The metadata kernels the CUDA target's table-driven bundle of `plan` runs before each dispatch
+    (`epcc compile --target cuda --rdma RDMA`: its manifest's "metadata"), or None where it runs
+    none (direct kernels; the host lays the routing out; a plan the backend cannot lower)."""
+    try:
+        manifest = generate_cuda(plan, options=CudaOptions(rdma=rdma)).manifest
+    except CudaCodegenError:
+        return None
+    return from_manifest(manifest.get("metadata"))
 
 
 def cmd_simulate(args) -> int:
