@@ -9,6 +9,7 @@ from ..backends.cuda.codegen import CudaCodegenError, CudaOptions
 from ..backends.cuda.codegen import generate as generate_cuda
 from ..files import refuse_overwrite
 from ..plan import Plan
+from ..plan.rdma import rdma_steps
 from ..sim import SimOptions, SimulationError, simulate
 from ..sim.base import DeviceMetadata
 from ..sim.build import build_plan
@@ -70,10 +71,13 @@ def simulation(args, options):
 
 def table_metadata(plan: Plan, rdma: str) -> DeviceMetadata | None:
     """The metadata kernels the CUDA target's table-driven bundle of `plan` runs before each dispatch
-    (`epcc compile --target cuda --rdma RDMA`: its manifest's "metadata"), or None where it runs
-    none (direct kernels; the host lays the routing out; a plan the backend cannot lower)."""
+    (its manifest's "metadata", as `epcc compile --target cuda --rdma RDMA` writes it where the plan
+    has RDMA steps, and with the default --rdma where it has none: the option then only says
+    whether the plan leaves one box), or None where it runs none (direct kernels; the host lays
+    the routing out; a plan the backend cannot lower)."""
     try:
-        manifest = generate_cuda(plan, options=CudaOptions(rdma=rdma)).manifest
+        options = CudaOptions(rdma=rdma if rdma_steps(plan) else "auto")
+        manifest = generate_cuda(plan, options=options).manifest
     except CudaCodegenError:
         return None
     return from_manifest(manifest.get("metadata"))
