@@ -584,20 +584,26 @@ def device_metadata(plan: Plan, manifest: dict) -> dict:
 
     if manifest["options"]["rdma"] == "external":
         return host("RDMA steps are left to an external proxy (more ranks than one box)")
-    if manifest["options"]["rdma"] == "proxy" and plan.num_ranks > MAX_IPC_RANKS:
-        return host(f"the GPU proxy path's {plan.num_ranks} ranks span more than one CUDA IPC domain (at most "
+    if plan.num_ranks > MAX_IPC_RANKS:
+        return host(f"the plan's {plan.num_ranks} ranks span more than one CUDA IPC domain (at most "
                     f"{MAX_IPC_RANKS}), and the metadata kernels gather the routing over CUDA IPC peer memory")
+    blocks = {"meta_count": 0, "meta_rows": 0, "meta_items": 0}
     try:
         prog = segment_program(plan)
         for rank in range(plan.num_ranks):
             pls = {p: placement(manifest, prog, p, rank, plan.workload.tokens) for p in abi.PROGRAMS
                    if any(k["program"] == p and k["kind"] == "main" for k in manifest["kernels"])}
-            encode(manifest, plan.workload.placement, prog, pls, rank, plan.workload.tokens)
+            g = encode(manifest, plan.workload.placement, prog, pls, rank, plan.workload.tokens).grids()
+            for kernel, n in (("meta_count", g["count"]), ("meta_rows", g["rows"] + g["count"]),
+                              ("meta_items", g["items"])):
+                blocks[kernel] = max(blocks[kernel], n)
     except (SegmentProgramError, PlacementError) as e:
         return host(str(e))
+    # blocks: what each kernel launches per dispatch, the most of any rank (meta_rows: the rows
+    # and the received rows); `epcc simulate` charges the kernels' waves by them (sim/meta.py)
     return {"lowering": "device", "exchange": "all-gather of every rank's top-k over peer memory (CUDA IPC)",
             "kernels": ["gather_copy", "gather_signal_wait", "meta_count", "meta_scan", "meta_rows", "meta_items",
-                        "meta_recv", "zero_partials"]}
+                        "zero_partials"], "blocks": blocks}
 
 
 def _rdma_sources(plan: Plan) -> list[str]:

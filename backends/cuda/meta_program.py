@@ -82,6 +82,13 @@ class MetaProgram:
     scratch_words: int  # int64 words of device scratch the kernels need
     blob_bytes: dict[str, int]
 
+    def grids(self) -> dict[str, int]:
+        """Blocks of the metadata kernels' launches (epcc_table_meta.cu's grid_count, grid_rows,
+        grid_items): `count`, one per (home rank, token block); `rows`, one per (part, token block),
+        meta_rows launching count more for the received rows; `items`, one per copy of this rank."""
+        h = {f: int(self.array[i]) for i, f in enumerate(HEADER)}
+        return {"count": h["num_ranks"] * h["token_blocks"], "rows": h["num_work"], "items": h["num_tcopies"]}
+
 
 def _put(rows: list[list[int]], fields: list[str], rec: dict) -> int:
     missing = set(fields) - set(rec)

@@ -217,7 +217,7 @@ def main(argv=None) -> int:
             entry["rdma_chunking"] = rdma_chunking_of(plan)
         wl, R = plan.workload, plan.num_ranks
         T = args.tokens or wl.tokens
-        sim = predict(plan, T=T) if chunking else load_prediction(bundle)
+        sim = predict(plan, T=T, manifest=loaded[1]) if chunking else load_prediction(bundle)
         if sim:
             entry["simulate"] = sim
         entry["workload"] = {"ranks": R, "tokens": T, "hidden": wl.hidden, "dtype": wl.dtype, "topk": wl.topk,

@@ -138,8 +138,10 @@ def format_predictions(report: dict) -> list[str]:
         cells = []
         for p in ("dispatch", "combine"):
             m, s = r["summary"][p]["median_ms"], sim[p]
+            meta = s.get("metadata_us") or {}
+            with_meta = f"metadata kernels {sum(meta.values()):.0f} us included, " if meta else ""
             cells.append(f"{p} measured {m:.3f} ms, simulate {s['total_ms']:.3f} ms ({(m / s['total_ms'] - 1) * 100:+.0f} %; "
-                         f"serial sum {s['serial_ms']:.3f}, bottleneck {s['bottleneck']})")
+                         f"{with_meta}serial sum {s['serial_ms']:.3f}, bottleneck {s['bottleneck']})")
         out.append(f"{label}: " + "; ".join(cells))
         out += format_timeline(b, r, sim)
     if out:
@@ -149,20 +151,23 @@ def format_predictions(report: dict) -> list[str]:
 
 def format_timeline(b: dict, r: dict, sim: dict | None) -> list[str]:
     """Rank 0's role timeline, the median of the untimed stamped rounds (ms after the entry
-    barrier: first block moving rows .. last block done), beside the simulator's step start .. end."""
+    barrier: first block moving rows .. last block done), beside the simulator's step start .. end
+    (less the metadata kernels it puts before the dispatch kernel, whose barrier the timeline
+    starts at)."""
     tl = (r.get("per_rank") or [{}])[0].get("timeline")
     if not tl:
         return []
     out = []
     for p in ("dispatch", "combine"):
         steps = (sim or {}).get(p, {}).get("steps", {})
+        before = sum(((sim or {}).get(p, {}).get("metadata_us") or {}).values()) / 1e3
         cells = []
         for role in tl[p]["roles"]:
             got = (f"{role['start_ms']:.3f}-{role['end_ms']:.3f}" if role["start_ms"] is not None else "no rows")
             if role.get("median_end_ms") is not None:
                 got += f" (median warp end {role['median_end_ms']:.3f})"
             s = steps.get(role["step"])
-            cells.append(f"{role['step']} {got}" + (f" (sim {s[0]:.3f}-{s[1]:.3f})" if s else ""))
+            cells.append(f"{role['step']} {got}" + (f" (sim {s[0] - before:.3f}-{s[1] - before:.3f})" if s else ""))
         out.append(f"  {p} rank 0 timeline, ms: " + ", ".join(cells) + f"; kernel end {tl[p]['end_ms']:.3f}")
     return out
 

@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import json
 
+from ..backends.cuda.codegen import CudaCodegenError, CudaOptions
+from ..backends.cuda.codegen import generate as generate_cuda
 from ..files import refuse_overwrite
+from ..plan import Plan
+from ..plan.rdma import rdma_steps
 from ..sim import SimOptions, SimulationError, simulate
+from ..sim.base import DeviceMetadata
 from ..sim.build import build_plan
 from ..sim.gantt import write_svg
+from ..sim.meta import from_manifest
 from ..sim.report import table, to_dict
 from .common import EXIT_OK, inputs_of, say, say_lines, user_error, warn
 from .options import kernel_options, pass_options, plan_options, positive
@@ -54,11 +60,27 @@ def simulation(args, options):
         if direct is None and (kernels == "direct" or sms is not None):
             flag = "--kernels direct" if kernels == "direct" else "--sms"
             raise user_error(f"{flag}: the CUDA target does not lower {args.file} to direct kernels: {why}")
+    rdma = getattr(args, "rdma", "proxy")
     try:
-        res = simulate(built.plan, SimOptions(rdma_proxy=getattr(args, "rdma", "proxy") == "proxy", direct=direct))
+        metadata = table_metadata(built.plan, rdma) if direct is None else None
+        res = simulate(built.plan, SimOptions(rdma_proxy=rdma == "proxy", direct=direct, metadata=metadata))
     except SimulationError as e:
         raise user_error(f"{args.file}: cannot simulate the plan: {e}") from None
     return built, res
+
+
+def table_metadata(plan: Plan, rdma: str) -> DeviceMetadata | None:
+    """The metadata kernels the CUDA target's table-driven bundle of `plan` runs before each dispatch
+    (its manifest's "metadata", as `epcc compile --target cuda --rdma RDMA` writes it where the plan
+    has RDMA steps, and with the default --rdma where it has none: the option then only says
+    whether the plan leaves one box), or None where it runs none (direct kernels; the host lays
+    the routing out; a plan the backend cannot lower)."""
+    try:
+        options = CudaOptions(rdma=rdma if rdma_steps(plan) else "auto")
+        manifest = generate_cuda(plan, options=options).manifest
+    except CudaCodegenError:
+        return None
+    return from_manifest(manifest.get("metadata"))
 
 
 def cmd_simulate(args) -> int:

@@ -12,7 +12,9 @@ SM models (only with the topology's `sm` rates): the table-driven kernels run ea
 on its own SMs (sim/sm_terms.py); the direct kernels of a one-hop plan share one pool of SMs per
 rank and program among all its steps, and start each program after its kernel launches
 (sim/direct.py).  `SimOptions.direct` picks the second; `epcc simulate` sets it where the CUDA
-target lowers the plan to direct kernels.
+target lowers the plan to direct kernels.  Where the table-driven kernels' tables are written on
+the GPU per dispatch, `SimOptions.metadata` starts the dispatch after those metadata kernels
+(sim/meta.py); `epcc simulate` sets it from the CUDA target's manifest.
 
 Rates.  Between two events every rate is constant; at every event the rates of all moving flows
 are recomputed by progressive filling: all unfrozen flows rise together, a resource that fills up

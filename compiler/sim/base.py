@@ -15,6 +15,18 @@ class SimulationError(Exception):
     """The plan cannot be simulated (unknown dependency, missing resource, deadlock)."""
 
 
+@dataclass(frozen=True)
+class DeviceMetadata:
+    """The metadata kernels a table-driven CUDA bundle runs before every dispatch (its manifest's
+    "metadata" with lowering "device"; sim/meta.py models them): the blocks each launches (the
+    most of any rank) and the plan steps whose work they do, (program, step)."""
+
+    count_blocks: int
+    rows_blocks: int
+    items_blocks: int
+    steps: tuple[tuple[str, str], ...] = ()
+
+
 @dataclass
 class SimOptions:
     pipelining: bool = True  # follow `pipelined_deps` chunk by chunk (False: every dep is a barrier)
@@ -28,6 +40,10 @@ class SimOptions:
     # program, launches before the first step); None: SM roles as kernel-formation laid them out
     # (sim/sm_terms.py).  `epcc simulate` sets it from the CUDA target's lowering.
     direct: DirectKernels | None = None
+    # The table-driven kernels get their tables from the metadata kernels on the GPU (sim/meta.py:
+    # their time before the dispatch's first step); None: no such kernels (direct kernels, or the
+    # host lays the routing out).  `epcc simulate` sets it from the CUDA target's manifest.
+    metadata: DeviceMetadata | None = None
 
 
 @dataclass

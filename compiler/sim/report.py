@@ -36,6 +36,7 @@ def to_dict(res: SimResult, passes_run: list[str] | None = None, tokens: int | N
             "link_busy_ms": {c.name: c.work_s * 1e3 for c in p.link_classes.values()},
             "link_active_ms": {c.name: c.active_s * 1e3 for c in p.link_classes.values()},
             "launch_ms": p.launch_s * 1e3,
+            "metadata_us": {k: v * 1e6 for k, v in p.metadata.items()},  # its parts, in launch_ms
             "events": p.events,
         }
     active: dict[str, float] = {}
@@ -95,6 +96,10 @@ def table(res: SimResult, passes_run: list[str] | None = None) -> str:
         if p.bottleneck:
             out.append(f"bottleneck: {p.bottleneck.describe()}")
         out.append(f"critical path: {' -> '.join(p.critical_path)}")
+        if p.metadata:
+            parts = ", ".join(f"{k} {v * 1e6:.1f}" for k, v in p.metadata.items())
+            out.append(f"{name} metadata kernels on the GPU: {sum(p.metadata.values()) * 1e6:.1f} us before the "
+                       f"first step ({parts} us)")
         launches = f" (kernel launch and metadata {_ms(p.launch_s)} ms before the first step included)" if p.launch_s else ""
         out.append(f"{name}: total {_ms(p.makespan_s)} ms with overlap, serial sum {_ms(p.serial_s)} ms{launches}")
     if len(res.programs) > 1:

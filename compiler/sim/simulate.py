@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 from ..plan import Plan, PlanStep
 from .direct import describe, with_direct_pool
-from .base import ResourceStat, SimOptions, StepTiming
+from .base import DeviceMetadata, ResourceStat, SimOptions, StepTiming
 from .engine import _Engine, program_steps, step_alone
+from .meta import metadata_terms
 from .sm_terms import with_sm_terms
 
 PROGRAM_ORDER = ("dispatch", "combine")
@@ -55,6 +56,8 @@ class ProgramResult:
     critical_path: list[str]
     events: int
     launch_s: float = 0.0  # kernel launch and metadata passes before the first step (the direct kernels; in makespan and serial)
+    # the table-driven kernels' metadata on the GPU, seconds per part (sim/meta.py), in launch_s
+    metadata: dict[str, float] = field(default_factory=dict)
 
     def step(self, name: str) -> StepTiming:
         for s in self.steps:
@@ -147,7 +150,8 @@ def link_class_of(resource: str, steps_using: list[PlanStep]) -> tuple[str, str 
 
 
 def simulate_program(plan: Plan, program: str, steps: list[PlanStep], opts: SimOptions,
-                     other_names: set[str], launch_s: float = 0.0) -> ProgramResult:
+                     other_names: set[str], launch_s: float = 0.0,
+                     metadata: dict[str, float] | None = None) -> ProgramResult:
     eng = _Engine(steps, plan.resources, opts, other_names, start_s=launch_s).run()
     timings: list[StepTiming] = []
     for i, s in enumerate(steps):
@@ -200,15 +204,29 @@ def simulate_program(plan: Plan, program: str, steps: list[PlanStep], opts: SimO
             cur = max(preds, key=lambda t: t.end_s) if preds else None
         path.reverse()
     return ProgramResult(program, timings, makespan, serial, resources, classes, bottleneck, path, eng.events,
-                         launch_s)
+                         launch_s, dict(metadata or {}))
 
 
-def with_sm_model(plan: Plan, opts: SimOptions) -> tuple[Plan, dict[str, float]]:
+def with_sm_model(plan: Plan, opts: SimOptions) -> tuple[Plan, dict[str, float], dict[str, dict[str, float]]]:
     """The plan with the SM model of `opts` applied (the direct kernels' pools, or the table-driven
-    kernels' roles) and the launch time before each program's first step."""
+    kernels' roles), the launch time before each program's first step, and per program the parts
+    of the table-driven kernels' metadata on the GPU in it (sim/meta.py; with opts.metadata)."""
     if opts.direct is not None:
-        return with_direct_pool(plan, opts.direct)
-    return with_sm_terms(plan, rdma_proxy=opts.rdma_proxy), {}
+        return (*with_direct_pool(plan, opts.direct), {})
+    roles = with_sm_terms(plan, rdma_proxy=opts.rdma_proxy)
+    if opts.metadata is None:
+        return roles, {}, {}
+    terms = metadata_terms(plan, opts.metadata)
+    return without_metadata_steps(roles, opts.metadata), {"dispatch": sum(terms.values())}, {"dispatch": terms}
+
+
+def without_metadata_steps(plan: Plan, meta: DeviceMetadata) -> Plan:
+    """The plan with the steps whose work the metadata kernels do (meta.steps) costing nothing:
+    their flows move no bytes and wait no latency (the kernels' time is the dispatch's launch)."""
+    done = set(meta.steps)
+    steps = [dataclasses.replace(s, flows=[dataclasses.replace(f, bytes=0.0, latency_s=0.0) for f in s.flows])
+             if (s.program, s.name) in done else s for s in plan.steps]
+    return dataclasses.replace(plan, steps=steps)
 
 
 def simulate(plan: Plan, opts: SimOptions | None = None) -> SimResult:
@@ -216,13 +234,19 @@ def simulate(plan: Plan, opts: SimOptions | None = None) -> SimResult:
     (its first steps ready after its kernel launches, where the SM model counts them)."""
     opts = opts or SimOptions()
     model = describe(plan, opts.direct)
-    plan, launches = with_sm_model(plan, opts)
+    if opts.direct is None and opts.metadata is not None:
+        m = opts.metadata
+        model = {**model, "text": model["text"] + "; metadata kernels on the GPU before the dispatch (sim/meta.py)",
+                 "metadata": {"blocks": {"meta_count": m.count_blocks, "meta_rows": m.rows_blocks,
+                                         "meta_items": m.items_blocks},
+                              "steps": [f"{p}.{s}" for p, s in m.steps]}}
+    plan, launches, metadata = with_sm_model(plan, opts)
     res = SimResult(plan.schedule, plan.routing, plan.num_ranks, options=opts, sm_model=model)
     progs = program_steps(plan)
     order = [p for p in PROGRAM_ORDER if p in progs] + sorted(p for p in progs if p not in PROGRAM_ORDER)
     for p in order:
         others = {s.name for q, ss in progs.items() if q != p for s in ss}
-        res.programs[p] = simulate_program(plan, p, progs[p], opts, others, launches.get(p, 0.0))
+        res.programs[p] = simulate_program(plan, p, progs[p], opts, others, launches.get(p, 0.0), metadata.get(p))
     return res
 
 
@@ -240,6 +264,6 @@ def simulate_subset(plan: Plan, names: list[str] | tuple[str, ...], program: str
     sub = [dataclasses.replace(s, deps=tuple(d for d in s.deps if d in wanted),
                                pipelined_deps=tuple(d for d in s.pipelined_deps if d in wanted)) for s in steps]
     others = {s.name for s in plan.steps if s.program == program and s.name not in wanted}
-    p, _ = with_sm_model(dataclasses.replace(plan, steps=sub), opts)  # no launches: the group alone
+    p, _, _ = with_sm_model(dataclasses.replace(plan, steps=sub), opts)  # no launches: the group alone
     sub = p.steps
     return simulate_program(p, program, sub, opts, others)

@@ -85,6 +85,26 @@ def test_timeline_printed_beside_the_simulated_steps(ep_bench, tmp_path):
     assert lines[3] == "  combine rank 0 timeline, ms: rdma 0.000-1.100; kernel end 1.200"
 
 
+def test_the_metadata_kernels_are_named_and_left_out_of_the_timeline(ep_bench, tmp_path):
+    # simulate.json of a bundle whose metadata kernels run before the dispatch kernel: the line says
+    # how much of the prediction they are; the role timeline starts at the dispatch kernel's barrier
+    sim = _sim_json(4096)
+    sim["programs"]["dispatch"]["metadata_us"] = {"gather": 2.0, "rows": 3.0}
+    sim["programs"]["combine"]["metadata_us"] = {}
+    (tmp_path / "simulate.json").write_text(json.dumps(sim))
+    pred = ep_bench.predict.load_prediction(tmp_path)
+    assert pred["dispatch"]["metadata_us"] == {"gather": 2.0, "rows": 3.0} and pred["combine"]["metadata_us"] == {}
+    rep = _report(pred, 4096, 1.3, 1.2)
+    role = lambda s, a, b: {"step": s, "blocks": 4, "start_ms": a, "end_ms": b}  # noqa: E731
+    tl = {"dispatch": {"roles": [role("rdma", 0.01, 1.21)], "end_ms": 1.3},
+          "combine": {"roles": [role("rdma", 0.0, 1.1)], "end_ms": 1.2}}
+    rep["bundles"][0]["methods"]["epcc"]["per_rank"] = [{"timeline": tl}]
+    lines = ep_bench.report.format_predictions(rep)
+    assert "dispatch measured 1.300 ms, simulate 1.250 ms (+4 %; metadata kernels 5 us included, serial sum" in lines[1]
+    assert "combine measured 1.200 ms, simulate 1.200 ms (+0 %; serial sum" in lines[1]
+    assert lines[2] == "  dispatch rank 0 timeline, ms: rdma 0.010-1.210 (sim 0.000-1.195); kernel end 1.300"
+
+
 def test_prediction_for_other_tokens_not_compared(ep_bench, tmp_path):
     lines = ep_bench.report.format_predictions(_report({"tokens": 4096, **_sim_json(4096)}, 64, 1.0, 1.0))
     assert lines[1] == "v: simulate.json is for 4096 tokens, the run for 64: not compared"
@@ -196,6 +216,12 @@ def test_a_rechunked_plan_is_predicted_as_if_compiled_so(ep_bench, tmp_path):
     got = ep_bench.predict.predict(rechunked, T=4096)
     assert got == want
     assert got["dispatch"]["total_ms"] != ep_bench.predict.predict(plan, T=4096)["dispatch"]["total_ms"]
+    # a bundle whose manifest has the metadata kernels: their time before the dispatch, from the manifest
+    manifest = {"metadata": {"lowering": "device", "blocks": {"meta_count": 64, "meta_rows": 256, "meta_items": 6},
+                             "steps": [{"program": "dispatch", "step": "meta"}]}}
+    meta = ep_bench.predict.predict(rechunked, T=4096, manifest=manifest)
+    assert sum(meta["dispatch"]["metadata_us"].values()) > 50 and meta["combine"]["metadata_us"] == {}
+    assert meta["dispatch"]["total_ms"] > got["dispatch"]["total_ms"] and meta["combine"] == got["combine"]
 
 
 def test_rechunked_proxy_bundle_runs_through_buffer(tmp_path):

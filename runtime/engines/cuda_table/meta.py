@@ -18,7 +18,7 @@ import ctypes
 
 from epcc.plan.segments import SegmentProgram
 from ..base import EngineError
-from epcc.backends.cuda.meta_program import HEADER, MetaProgram, encode
+from epcc.backends.cuda.meta_program import MetaProgram, encode
 from epcc.backends.cuda.placement import Placement, placement, template
 
 from .tables import PROGRAMS
@@ -188,11 +188,8 @@ class DeviceMeta:
             a.seq[i] = self.seq[p].data_ptr() if p in self.seq else 0
         a.lay[:] = list(self.layout)
         m.scratch_words = self.scratch.numel()
-        arr = self.mp.array
-        h = {f: int(arr[i]) for i, f in enumerate(HEADER)}
-        m.grid_count = h["num_ranks"] * h["token_blocks"]
-        m.grid_rows = h["num_work"]
-        m.grid_items = h["num_tcopies"]
+        g = self.mp.grids()
+        m.grid_count, m.grid_rows, m.grid_items = g["count"], g["rows"], g["items"]
         m.grid_copy = max(1, min(264, -(-self.R * self.T * self.K // 256)))
         return m
 

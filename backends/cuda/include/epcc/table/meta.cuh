@@ -14,7 +14,7 @@
 //   meta_rows   grid (part x token block over the parts of this rank's copies, then home rank x
 //               token block): each row's source handle, destination slot and weight, each
 //               chunk's first row, each chunk's waits (a running maximum per producer); then the
-//               received rows' weights and experts (meta_recv's blocks ride in the same launch:
+//               received rows' weights and experts (recv_block: its blocks ride in the same launch:
 //               both need only the scan);
 //   meta_items  grid (copy): each chunk's item at its place in the role's item order, its waits
 //               compacted in flag order.
@@ -131,7 +131,7 @@ struct Args {
   const float* weights;  // [R][max_tokens][topk]
   uint8_t* blob[2];      // the placed blobs (dispatch, combine), holding their template
   int* bad;              // the first bad token of this rank's routing (INT_MAX: none), lowered by meta_count
-  // what meta_recv writes for this rank's received rows (expert-major): the routing weight and the
+  // what recv_block writes for this rank's received rows (expert-major): the routing weight and the
   // global expert of each row, the rows per local expert and where each expert's rows start
   float* recv_w;
   int64_t* recv_idx;

@@ -1,0 +1,120 @@
+"""The table-driven kernels' metadata on the GPU in the cost model: the time before a dispatch's
+first step.
+
+Where the CUDA target lowers a plan's metadata to the device (docs/cuda.md "Tables written on the
+GPU"; the manifest's "metadata" says lowering "device"), six kernels run stream-ordered before
+every dispatch kernel, and the dispatch's first steps become ready after them (as the direct
+kernels' launches, sim/direct.py).  `SimOptions.metadata` (a DeviceMetadata: the blocks each
+kernel launches, from the manifest) turns the term on; the plan's metadata steps (`exchange`), whose
+work the kernels do, then cost nothing of their own.  The combine has no metadata: the dispatch's
+kernels wrote both programs' tables.  Per dispatch, in seconds:
+
+* exchange: `gather_copy` writes the rank's top-k (T x K x 8 bytes: int32 expert, fp32 weight) into
+  every peer's gather area, zeroes a scratch and restores the tables' static fields, GATHER_S plus
+  the bytes over the plan's link between ranks (the fastest `p2p` link, else the fastest other
+  link between ranks: the 2-vnode plans declare only their RDMA-class link, which bounds it from
+  above); a link of per-GPU ports carries the rank's copies to all R - 1 peers, a link of GPU
+  pairs one copy per pair;  `gather_signal_wait` waits for every peer's flag, SIGNAL_S (one round
+  trip; more where the ranks arrive apart, which the model does not know);
+* `meta_count`, one block per (home rank, 128-token block): PASS_S + waves x COUNT_WAVE_S;
+* `meta_scan`, one block whatever the plan: SCAN_S;
+* `meta_rows`, one block per (part, 128-token block) and per (home rank, 128-token block):
+  PASS_S + waves x ROWS_WAVE_S;
+* `meta_items`, one block per copy (at most a wave): PASS_S, where it launches;
+* launch gaps: GAP_S between kernels, one per launch.
+
+waves = ceil(blocks / META_SMS).  The constants are calibrated on one measurement (below): a pass's
+floor is the smallest kernel's time (meta_items), each wave of count and rows the rest of theirs,
+and the gaps what the events around all six launches hold beyond the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..plan import Plan
+from .base import DeviceMetadata, SimulationError
+
+TOKEN_BLOCK = 128  # tokens per block of meta_count and meta_rows (include/epcc/table/meta.cuh kBlock)
+
+# Measured 2026-11-26 on 2 x H100 (132 SMs, NVLink 450 GB/s per direction), `torchrun --nproc-per-node 2
+# bench/meta_time.py BUNDLE --profile` for h200x2_2vnode_50 (2 ranks x 4096 tokens, top-8 of 256 experts;
+# meta_count 64 blocks, meta_rows 256): mean device us per dispatch of each kernel, and the events around the
+# six launches (the most of the two ranks).
+MEASURED_US = {"gather_copy": 8.3, "gather_signal_wait": 8.5, "meta_count": 12.4, "meta_scan": 20.1,
+               "meta_rows": 32.2, "meta_items": 3.7}
+MEASURED_WHOLE_US = 100.0
+META_SMS = 132  # the calibration GPU's SMs (H100 SXM; H200 has as many)
+_CAL_BYTES, _CAL_BPS = 4096 * 8 * 8, 450e9  # the gather's bytes to the one peer, over NVLink
+_CAL_COUNT_BLOCKS, _CAL_ROWS_BLOCKS = 64, 256
+
+
+def waves(blocks: int) -> int:
+    """Waves of `blocks` blocks over the GPU's META_SMS SMs (0 for none)."""
+    return math.ceil(blocks / META_SMS)
+
+
+PASS_S = MEASURED_US["meta_items"] * 1e-6  # a kernel's floor: a block per copy, less than a wave
+COUNT_WAVE_S = (MEASURED_US["meta_count"] * 1e-6 - PASS_S) / waves(_CAL_COUNT_BLOCKS)
+ROWS_WAVE_S = (MEASURED_US["meta_rows"] * 1e-6 - PASS_S) / waves(_CAL_ROWS_BLOCKS)
+SCAN_S = MEASURED_US["meta_scan"] * 1e-6
+GATHER_S = MEASURED_US["gather_copy"] * 1e-6 - _CAL_BYTES / _CAL_BPS
+SIGNAL_S = MEASURED_US["gather_signal_wait"] * 1e-6
+GAP_S = (MEASURED_WHOLE_US - sum(MEASURED_US.values())) * 1e-6 / len(MEASURED_US)
+
+
+def from_manifest(metadata: dict | None, where: str = "manifest.json") -> DeviceMetadata | None:
+    """The DeviceMetadata of a CUDA manifest's "metadata" entry; None where the bundle has no
+    metadata kernels (no entry: direct kernels; lowering "host").  A device entry without the
+    kernels' blocks (a bundle compiled before they were recorded) is a SimulationError."""
+    if not metadata or metadata.get("lowering") != "device":
+        return None
+    blocks = metadata.get("blocks")
+    keys = ("meta_count", "meta_rows", "meta_items")
+    if not isinstance(blocks, dict) or not all(isinstance(blocks.get(k), int) and blocks[k] >= 0 for k in keys):
+        raise SimulationError(f"{where}: the metadata kernels' blocks are not recorded (\"metadata\": {{\"blocks\": "
+                              f"{{{', '.join(keys)}}}}}): recompile the bundle")
+    steps = tuple((str(s["program"]), str(s["step"])) for s in metadata.get("steps", []))
+    return DeviceMetadata(blocks["meta_count"], blocks["meta_rows"], blocks["meta_items"], steps)
+
+
+def exchange_link(plan: Plan) -> tuple[str | None, float, bool]:
+    """(the link the gather's bytes are charged to, its rate in bytes/s, whether it is a link of
+    per-GPU ports): the fastest `p2p` link the plan's steps use, else the fastest other link
+    between ranks; (None, 0, False) where the plan has none."""
+    kinds = {s.link: s.link_kind for s in plan.steps if s.link and s.link_kind not in (None, "local")}
+    best: tuple[int, float, str] | None = None
+    for name, kind in kinds.items():
+        caps = [c for r, c in plan.resources.items() if r.startswith(f"link:{name}:")]
+        if caps and (best is None or (kind == "p2p", max(caps)) > best[:2]):
+            best = (kind == "p2p", max(caps), name)
+    if best is None:
+        return None, 0.0, False
+    name = best[2]
+    ports = any(r.startswith(f"link:{name}:") and r.endswith((":out", ":in")) for r in plan.resources)
+    return name, best[1], ports
+
+
+def metadata_terms(plan: Plan, meta: DeviceMetadata) -> dict[str, float]:
+    """Seconds of each part of the metadata before a dispatch (module docstring), in launch order:
+    gather, transfer, signal, count, scan, rows, items, gaps."""
+    wl = plan.workload
+    if wl is None:
+        raise SimulationError("the plan has no workload: the metadata kernels' exchange has no size")
+    _, bps, ports = exchange_link(plan)
+    per_peer = wl.tokens * wl.topk * 8
+    moved = per_peer * (plan.num_ranks - 1 if ports else 1) if plan.num_ranks > 1 else 0
+    launches = 5 + (1 if meta.items_blocks else 0)
+    return {
+        "gather": GATHER_S,
+        "transfer": moved / bps if bps > 0 else 0.0,
+        "signal": SIGNAL_S,
+        "count": PASS_S + waves(meta.count_blocks) * COUNT_WAVE_S,
+        "scan": SCAN_S,
+        "rows": PASS_S + waves(meta.rows_blocks) * ROWS_WAVE_S,
+        "items": PASS_S if meta.items_blocks else 0.0,
+        "gaps": launches * GAP_S,
+    }
+
+
+__all__ = ["from_manifest", "exchange_link", "metadata_terms", "waves"]

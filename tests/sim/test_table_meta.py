@@ -1,0 +1,148 @@
+"""The table-driven kernels' metadata on the GPU in the simulator (compiler/sim/meta.py): its
+calibration reproduces the measurement it came from, it grows with tokens and ranks, it sits
+before the dispatch's first step only, it is zero where the bundle has no metadata kernels (direct
+kernels; the host lays the routing out), and `epcc simulate` reports it with its parts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from epcc.cli import main
+from epcc.cli.simulate import table_metadata
+from epcc.passes import PassOptions
+from epcc.sim import SimOptions, SimulationError, simulate
+from epcc.sim.base import DeviceMetadata
+from epcc.sim.build import build_plan
+from epcc.sim.meta import MEASURED_US, MEASURED_WHOLE_US, exchange_link, from_manifest, metadata_terms, waves
+
+REPO = Path(__file__).resolve().parents[2]
+VNODE2 = str(REPO / "schedules" / "h200x2_2vnode.sched")
+VNODE4 = str(REPO / "schedules" / "h200x4_2vnode.sched")
+
+
+def _plan(path: str, tokens: int | None = None):
+    return build_plan(path, PassOptions(tokens=tokens)).plan
+
+
+def run(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_calibration_gives_back_the_measurement():
+    # h200x2_2vnode_50 as measured (2 x H100, 2026-11-26): 64 count blocks, 256 rows blocks, 6
+    # items blocks, the gather's 256 KiB over NVLink (450 GB/s) rather than the plan's RDMA link
+    plan = _plan(VNODE2)
+    meta = table_metadata(plan, "emulate")
+    assert (meta.count_blocks, meta.rows_blocks, meta.items_blocks) == (64, 256, 6)
+    assert meta.steps == (("dispatch", "meta"),)
+    t = {k: v * 1e6 for k, v in metadata_terms(plan, meta).items()}
+    assert t["transfer"] == pytest.approx(4096 * 8 * 8 / 50e9 * 1e6)  # the plan's one link: rdma at 50 GB/s
+    nvlink = 4096 * 8 * 8 / 450e9 * 1e6
+    assert t["gather"] + nvlink == pytest.approx(MEASURED_US["gather_copy"])
+    assert t["signal"] == pytest.approx(MEASURED_US["gather_signal_wait"])
+    for part, kernel in (("count", "meta_count"), ("scan", "meta_scan"), ("rows", "meta_rows"), ("items", "meta_items")):
+        assert t[part] == pytest.approx(MEASURED_US[kernel]), part
+    assert sum(t.values()) - t["transfer"] + nvlink == pytest.approx(MEASURED_WHOLE_US)
+
+
+def test_it_grows_with_the_tokens():
+    per_tokens = {}
+    for tokens in (1024, 4096, 16384):
+        plan = _plan(VNODE2, tokens)
+        meta = table_metadata(plan, "emulate")
+        assert meta.count_blocks == 2 * tokens // 128
+        per_tokens[tokens] = metadata_terms(plan, meta)
+    small, mid, big = (per_tokens[t] for t in (1024, 4096, 16384))
+    assert big["transfer"] == pytest.approx(4 * mid["transfer"]) and mid["transfer"] == pytest.approx(4 * small["transfer"])
+    assert waves(256) == 2 and waves(1024) == 8
+    assert big["rows"] > mid["rows"] > small["rows"]  # 8 waves of rows blocks at 16384 tokens, 2 at 4096, 1 at 1024
+    assert big["count"] > mid["count"]  # 256 count blocks: 2 waves
+    assert big["scan"] == mid["scan"] == small["scan"]  # one block whatever the tokens
+    assert sum(big.values()) > sum(mid.values()) > sum(small.values())
+
+
+def test_it_grows_with_the_ranks():
+    two, four = _plan(VNODE2), _plan(VNODE4)
+    t2 = metadata_terms(two, table_metadata(two, "emulate"))
+    m4 = table_metadata(four, "emulate")
+    t4 = metadata_terms(four, m4)
+    assert m4.count_blocks == 4 * 32 and m4.rows_blocks > 256
+    assert t4["rows"] > t2["rows"] and sum(t4.values()) > sum(t2.values())
+    # h200x4_2vnode's peers: the fastest p2p link, NVLink of per-GPU ports (the rank's 3 copies through one port)
+    name, bps, ports = exchange_link(four)
+    assert (name, ports) == ("nvlink", True)
+    assert t4["transfer"] == pytest.approx(3 * 4096 * 8 * 8 / bps)
+    assert exchange_link(two)[0::2] == ("rdma", False)  # no p2p link: the RDMA-class pair link
+
+
+def test_it_delays_the_dispatch_only_and_replaces_the_exchange_step():
+    plan = _plan(VNODE2)
+    meta = table_metadata(plan, "emulate")
+    without = simulate(plan, SimOptions(rdma_proxy=False))
+    with_meta = simulate(plan, SimOptions(rdma_proxy=False, metadata=meta))
+    total = sum(metadata_terms(plan, meta).values())
+    d0, d1 = without.programs["dispatch"], with_meta.programs["dispatch"]
+    assert d1.launch_s == pytest.approx(total) and d1.metadata == metadata_terms(plan, meta)
+    exchange = d0.step("meta").end_s  # the plan's exchange step: a latency the kernels now pay
+    assert exchange > 0 and d1.step("meta").end_s == pytest.approx(total)
+    assert d1.makespan_s == pytest.approx(d0.makespan_s + total - exchange)
+    assert d1.serial_s == pytest.approx(d0.serial_s + total - exchange)
+    c0, c1 = without.programs["combine"], with_meta.programs["combine"]
+    assert c1.launch_s == 0 and c1.metadata == {} and c1.makespan_s == c0.makespan_s
+
+
+def test_zero_without_metadata_kernels():
+    # the direct kernels (one-hop plans) have their own metadata (sim/direct.py)
+    assert table_metadata(_plan(str(REPO / "schedules" / "h200x4.sched")), "emulate") is None
+    # the GPU proxy path's channels are set up from host-built tables
+    assert table_metadata(_plan(VNODE2), "proxy") is None
+    # beyond one box the host lays the routing out (a plan without RDMA steps, as compiled by default)
+    ep16 = _plan(str(REPO / "schedules" / "ubbv2_ep16.sched"))
+    assert table_metadata(ep16, "proxy") is None and table_metadata(ep16, "emulate") is None
+
+
+def test_the_manifest_entry_is_read_or_refused():
+    assert from_manifest(None) is None
+    assert from_manifest({"lowering": "host", "why": "x"}) is None
+    entry = {"lowering": "device", "blocks": {"meta_count": 64, "meta_rows": 256, "meta_items": 0},
+             "steps": [{"program": "dispatch", "step": "meta"}]}
+    assert from_manifest(entry) == DeviceMetadata(64, 256, 0, (("dispatch", "meta"),))
+    # no meta_items launch where the plan has no copy: five launches, not six
+    plan = _plan(VNODE2)
+    t = metadata_terms(plan, from_manifest(entry))
+    six = metadata_terms(plan, dataclasses.replace(from_manifest(entry), items_blocks=6))
+    assert t["items"] == 0 and t["gaps"] == pytest.approx(six["gaps"] * 5 / 6)
+    with pytest.raises(SimulationError, match="recompile the bundle"):
+        from_manifest({"lowering": "device", "steps": []}, "b/cuda/manifest.json")
+
+
+def test_epcc_simulate_reports_the_term(capsys, gpu_bundles, tmp_path):
+    # the bundles' simulate.json (tests/gpu/bundles.py): the emulated-RDMA bundle has the metadata
+    # kernels, its proxy twin and the one-hop bundle do not
+    src = str(gpu_bundles.rdma_source(tmp_path, "h200x2_2vnode_13"))
+    code, out, err = run(["simulate", src, "--json", "--rdma", "emulate"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    parts = d["programs"]["dispatch"]["metadata_us"]
+    assert list(parts) == ["gather", "transfer", "signal", "count", "scan", "rows", "items", "gaps"]
+    assert parts["transfer"] == pytest.approx(4096 * 8 * 8 / 13e9 * 1e6)
+    assert d["programs"]["dispatch"]["launch_ms"] == pytest.approx(sum(parts.values()) / 1e3)
+    assert d["programs"]["combine"]["metadata_us"] == {} and d["programs"]["combine"]["launch_ms"] == 0
+    assert d["model"]["sm"]["metadata"] == {"blocks": {"meta_count": 64, "meta_rows": 256, "meta_items": 6},
+                                            "steps": ["dispatch.meta"]}
+    code, out, err = run(["simulate", src, "--json", "--rdma", "proxy"], capsys)
+    assert code == 0 and json.loads(out)["programs"]["dispatch"]["metadata_us"] == {}
+    assert "metadata" not in json.loads(out)["model"]["sm"]
+    code, out, err = run(["simulate", str(gpu_bundles.ep2_source(tmp_path)), "--json"], capsys)
+    assert code == 0 and json.loads(out)["programs"]["dispatch"]["metadata_us"] == {}
+    code, out, err = run(["simulate", src, "--rdma", "emulate"], capsys)
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("dispatch metadata kernels on the GPU:"))
+    assert f"{sum(parts.values()):.1f} us before the first step (gather " in line
+    assert "metadata kernels on the GPU before the dispatch (sim/meta.py)" in out
