@@ -34,6 +34,7 @@ from epcc.plan import bundle as bundle_io
 from epcc.plan.cuda_manifest import check_supa_manifest
 from epcc.plan.schema import SchemaError
 from epcc.runtime import build_cache
+from epcc.runtime.engines.cuda_table import launcher
 
 REPO = Path(__file__).resolve().parents[2]
 #: every shipped Biren schedule and the EP4 plans: all compiled through the shim
@@ -181,8 +182,9 @@ def test_supa_headers_use_only_surveyed_names():
 
 @pytest.fixture(scope="module")
 def shim_built(tmp_path_factory):
-    """Every plan's bundle written, its library built with the manifest's shim command, once with
-    the supa* runtime names and once with the su* ones (-DEPCC_SUPA_API_V1); files in parallel."""
+    """Every plan's bundle written and its library built through the shim: with the supa* runtime
+    names by the runtime's own builder (launcher.build_shim_library: the manifest's shim command,
+    into a fresh $EPCC_CACHE), and with the su* ones (-DEPCC_SUPA_API_V1 added); in parallel."""
     if NVCC is None:
         pytest.skip("nvcc not found (PATH, $NVCC, /usr/local/cuda*/bin): the SUPA sources are not compiled")
     root = tmp_path_factory.mktemp("supa")
@@ -192,25 +194,60 @@ def shim_built(tmp_path_factory):
         b = supa_bundle(name)
         b.write(d)
         cmd = list(b.manifest["build"]["shim"]["command"])
-        for api, extra in build.SHIM_API_FLAGS.items():
-            full = [NVCC, *cmd[1:cmd.index("-shared")], *extra, *cmd[cmd.index("-shared"):]]
-            full[full.index("-o") + 1] = f"lib_{api}.so"
-            jobs.append((name, api, d, full))
+        assert b.manifest["build"]["shim"]["api"] == "supa"
+        jobs.append((name, "supa", d, b.manifest))
+        full = [NVCC, *cmd[1:cmd.index("-shared")], *build.SHIM_API_FLAGS["su"], *cmd[cmd.index("-shared"):]]
+        full[full.index("-o") + 1] = "lib_su.so"
+        jobs.append((name, "su", d, full))
 
     def run(job):
-        name, api, d, cmd = job
-        return (name, api), subprocess.run(cmd, cwd=d, capture_output=True, text=True)
+        name, api, d, what = job
+        if api == "su":
+            r = subprocess.run(what, cwd=d, capture_output=True, text=True)
+            return (name, api), (r.returncode, r.stdout + r.stderr, d / "lib_su.so")
+        log: list[str] = []
+        try:
+            lib = launcher.build_shim_library(d, what, nvcc=NVCC, log=log)
+            return (name, api), (0, "".join(log), lib)
+        except RuntimeError as e:
+            return (name, api), (1, "".join(log) + str(e), None)
 
-    with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as ex:
-        return {"root": root, "results": dict(ex.map(run, jobs))}
+    saved = os.environ.get("EPCC_CACHE")
+    os.environ["EPCC_CACHE"] = str(root / "cache")  # never a cached library: nvcc runs
+    try:
+        with ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2))) as ex:
+            return {"root": root, "results": dict(ex.map(run, jobs))}
+    finally:
+        if saved is None:
+            os.environ.pop("EPCC_CACHE", None)
+        else:
+            os.environ["EPCC_CACHE"] = saved
 
 
 @pytest.mark.parametrize("api", list(build.SHIM_API_FLAGS))
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_nvcc_compiles_every_supa_source_through_the_shim(shim_built, name, api):
-    r = shim_built["results"][(name, api)]
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert (shim_built["root"] / name / f"lib_{api}.so").is_file()
+    rc, out, lib = shim_built["results"][(name, api)]
+    assert rc == 0, out
+    assert lib.is_file()
+
+
+@pytest.mark.parametrize("api", list(build.SHIM_API_FLAGS))
+def test_shim_library_loads_with_the_supa_prefix_and_fails_cleanly_without_a_gpu(shim_built, api):
+    """The SUPA launcher's C ABI is the CUDA launcher's under epcc_supa_: the runtime's Library
+    drives it unchanged; its refusals carry the SUPA target's prefix."""
+    rc, out, path = shim_built["results"][("h200x4_2vnode", api)]
+    assert rc == 0, out
+    lib = launcher.Library(path, SUPA.abi_prefix)
+    assert (lib.abi_version, lib.schedule, lib.num_ranks) == (codegen.abi.TABLE_VERSION, "h200x4_2vnode", 4)
+    assert lib.has_program("dispatch") and lib.has_program("combine")
+    with pytest.raises(launcher.CudaError, match=r"^epcc supa \(h200x4_2vnode\): rank 9: these kernels were compiled "
+                                                 r"for 4 ranks"):
+        lib.create(0, 9, 64)
+    m = supa_bundle("h200x4_2vnode").manifest
+    grids = {k["program"]: k["grid"] for k in m["kernels"] if k["kind"] == "main"}
+    assert [lib.lib.epcc_cuda_grid(i) for i in (0, 1, 2)] == [grids["dispatch"], grids["combine"], -1]
+    assert lib.lib.epcc_table_meta_area is not None  # the metadata driver is in the same library
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,6 +271,11 @@ def test_cli_compile_target_supa(tmp_path, capsys, monkeypatch):
     assert not (out / "cuda").exists()
     with pytest.raises(bundle_io.BundleError, match="no cuda/manifest.json"):
         bundle_io.cuda_manifest(out)
+    plain = tmp_path / "plain"
+    assert main(["compile", source_of("ubbv2_ep16"), "-o", str(plain)]) == 0
+    with pytest.raises(bundle_io.BundleError, match=r"no supa/manifest.json; write the bundle with `epcc compile FILE "
+                                                    r"--target supa"):
+        bundle_io.supa_manifest(plain)
     rc = main(["compile", source_of("h200x4_2vnode"), "--target", "supa", "--rdma", "proxy", "-o",
                str(tmp_path / "p")])
     assert rc == 1 and "--target supa: rdma 'proxy'" in capsys.readouterr().err
