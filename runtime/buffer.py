@@ -15,7 +15,11 @@ the bundle's backend (runtime/engines/base.py, the Engine protocol):
   buffers in peer memory (named shared memory that peers map, the CPU analogue of CUDA IPC);
 * cuda: the direct one-hop kernels of a one-hop plan (runtime/engines/cuda_direct/engine.py), the
   table-driven kernels of any other plan, with the GPU proxy path for a bundle compiled with
-  `--rdma proxy` (runtime/engines/cuda_table/engine.py), on this rank's GPU.
+  `--rdma proxy` (runtime/engines/cuda_table/engine.py), on this rank's GPU;
+* supa: the bundle's SUPA sources (`--target supa`).  With EPCC_SUPA_SHIM=1 (never implied) they
+  are built by nvcc through the SUPA-on-CUDA shim and run on this rank's NVIDIA GPU by the table
+  engine (runtime/engines/supa_shim); otherwise Buffer says that no SUPA device is present (or,
+  where torch_supa is importable, that running on it is not implemented yet).
 
 When a call fails on one rank (an argument it refuses, a wait that gives up, a peer that stalls or
 dies), every rank raises the same `GroupError` within the timeout and a few seconds, naming that
@@ -35,6 +39,8 @@ FIFOs follow the new chunks, the compiled kernels do not change.  Only for a pla
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -48,7 +54,8 @@ from ..plan import bundle as bundle_io
 from ..plan.bundle import BundleError
 from ..plan.rdma import rdma_steps, with_overrides
 from .engines.agree import Agreement
-from .engines.base import Engine, GroupError, GroupTimeout, GroupTypeError, GroupValueError  # noqa: F401 - API
+from .engines.base import (Engine, EngineError, GroupError, GroupTimeout, GroupTypeError,  # noqa: F401 - API
+                           GroupValueError)
 from .engines.tensors import check_tensor, check_topk_idx
 
 #: DeepEP's layout and stream arguments, which dispatch accepts and ignores (the plan's metadata
@@ -57,9 +64,37 @@ DEEPEP_LAYOUT_ARGS = frozenset({"num_tokens_per_rank", "num_tokens_per_rdma_rank
                                 "is_token_in_rank", "previous_event", "async_finish", "allocate_on_comm_stream"})
 
 
+#: Buffer(backend="supa") runs the SUPA sources on NVIDIA GPUs through the SUPA-on-CUDA shim only
+#: when this is "1": the shim is chosen explicitly, never because a SUPA device is missing.
+SUPA_SHIM_ENV = "EPCC_SUPA_SHIM"
+
+
+def supa_shim() -> bool:
+    """True when Buffer(backend="supa") may run through the shim ($EPCC_SUPA_SHIM=1); otherwise an
+    EngineError that says why it cannot run here (ValueError for another value of the variable)."""
+    value = os.environ.get(SUPA_SHIM_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"Buffer(backend='supa'): ${SUPA_SHIM_ENV} is {value!r}; set it to 1 to run the SUPA kernels "
+                         f"on NVIDIA GPUs through the SUPA-on-CUDA shim, or leave it unset (0)")
+    if value == "1":
+        return True
+    if importlib.util.find_spec("torch_supa") is not None:
+        raise EngineError("Buffer(backend='supa'): torch_supa is importable, but this runtime runs SUPA bundles only "
+                          f"through the SUPA-on-CUDA shim on NVIDIA GPUs (${SUPA_SHIM_ENV}=1): building them with brcc "
+                          "and running them on torch_supa devices with a BCCL group is not implemented yet")
+    raise EngineError("Buffer(backend='supa'): no SUPA device is present (torch_supa is not importable); to run the "
+                      f"bundle's SUPA kernels on NVIDIA GPUs through the SUPA-on-CUDA shim, set ${SUPA_SHIM_ENV}=1")
+
+
 def engine_class(backend: str, bundle: bundle_io.Bundle | None = None) -> type:
     """The engine of a backend name for `bundle` (BundleError for an unknown one): on cuda, the
-    direct kernels' where the bundle has them (a one-hop plan), else the table-driven kernels'."""
+    direct kernels' where the bundle has them (a one-hop plan), else the table-driven kernels';
+    on supa, the table-driven kernels' SUPA sources through the shim (supa_shim() says whether)."""
+    if backend == "supa":
+        supa_shim()
+        from .engines.supa_shim.engine import SupaShimEngine  # torch.cuda and nvcc: only this backend
+
+        return SupaShimEngine
     if backend == "cpu":
         from .engines.cpu.engine import CpuEngine  # llvmlite JITs the plan: only this backend needs it
 
@@ -72,7 +107,7 @@ def engine_class(backend: str, bundle: bundle_io.Bundle | None = None) -> type:
         from .engines.cuda_table.engine import CudaTableEngine  # torch.cuda and nvcc: only this backend
 
         return CudaTableEngine
-    raise BundleError(f"unknown backend '{backend}' (this runtime has: cpu, cuda)")
+    raise BundleError(f"unknown backend '{backend}' (this runtime has: cpu, cuda, supa)")
 
 
 class Buffer:
@@ -113,6 +148,9 @@ class Buffer:
             raise RuntimeError("Buffer(backend='cuda'): no CUDA device is available (torch.cuda.is_available() is "
                                "False: a CPU-only torch, no driver, or CUDA_VISIBLE_DEVICES hides the GPUs); "
                                "use backend='cpu' on this machine")
+        if self.backend_name == "supa" and supa_shim() and not torch.cuda.is_available():
+            raise RuntimeError(f"Buffer(backend='supa') with ${SUPA_SHIM_ENV}=1 runs the SUPA kernels on NVIDIA GPUs "
+                               "through the SUPA-on-CUDA shim, and no CUDA device is available")
         if self.backend_name != "cuda" and config is not None:
             raise ValueError("Buffer: config (SMs, warps) applies to the cuda backend only")
         if self.plan.num_ranks != self.num_ranks:

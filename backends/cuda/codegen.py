@@ -53,11 +53,13 @@ from epcc.plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
 from epcc.plan.direct import MAX_IPC_RANKS
 from epcc.plan.rdma import rdma_steps
 from epcc.plan.segments import SegmentProgramError, segment_program
-from epcc.plan.schema import CUDA_FORMAT
+from epcc.plan.schema import CUDA_FORMAT, SUPA_FORMAT
 from epcc.textsafe import c_template_value, for_c_templates
 
 from ..rdma import emit as rdma_emit
 from ..rdma.sources import STATIC_SOURCES
+from ..supa import build as supa_build
+from ..target import CUDA, Target
 
 from . import abi, direct
 from .meta_program import encode
@@ -66,7 +68,7 @@ from .placement import PlacementError, placement
 TARGET_ARCH = "sm_90a"
 GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 NVCC_FLAGS = ["-O3", "-std=c++17", GENCODE, "-Xcompiler", "-fPIC"]
-HEADER_FILE = "epcc_cuda_device.cuh"
+HEADER_FILE = CUDA.device_header
 STEP_NAME_BYTES = 48
 MAX_SLEEP_NS = 1024
 FINISH_BLOCK = 256
@@ -340,7 +342,7 @@ def _pack_blocks(r: RolePlan, how: str, opts: CudaOptions) -> int:
     return (r.pack_sms if how == "rdma-pack" else r.unpack_sms) or opts.proxy_blocks
 
 
-def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelSpec | None:
+def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Target = CUDA) -> KernelSpec | None:
     sched = ident(plan.schedule)
     groups: dict[str, list[tuple[KernelPlan, RolePlan]]] = {"kernel": [], "dma": [], "proxy": [], "meta": []}
     for kp in plan.kernels:
@@ -432,13 +434,16 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions) -> KernelS
             f"  {_op_words(plan, rs.op, rs.access_bytes, rs.unroll)}",
         ]
         rs.summary = f"{rs.role}, {rs.verb} {moves}" + ("" if rs.lowered == "sm" else f" [{rs.lowered}]")
-    block = 32 * max(rs.warps for rs in roles)
+    block = target.warp_size * max(rs.warps for rs in roles)
+    if block > target.max_block_threads:
+        raise CudaCodegenError(f"{program}: a role of {block // target.warp_size} warps needs {block} threads a block; "
+                               f"{target.name} blocks have at most {target.max_block_threads}")
     name = f"epcc_{sched}_{program}_kernel"
     finish = None
     if program == "combine":
         finish = FinishSpec(f"epcc_{sched}_combine_finish_kernel", f"epcc_{sched}_combine_finish_launch",
                             f"epcc_{sched}_combine_finish_load", FINISH_BLOCK)
-    return KernelSpec(program=program, name=name, file=f"{plan.schedule}_{program}.cu",
+    return KernelSpec(program=program, name=name, file=f"{plan.schedule}_{program}{target.source_suffix}",
                       launch_fn=f"epcc_{sched}_{program}_launch", occupancy_fn=f"epcc_{sched}_{program}_occupancy",
                       grid=roles[-1].block_end, block=block, roles=roles, not_lowered=not_lowered, finish=finish)
 
@@ -451,11 +456,20 @@ def _structs() -> list[dict]:
     return out
 
 
-def generate(plan: Plan, source: str | None = None, options: CudaOptions | None = None) -> CudaBundle:
-    """The CUDA sources and launch manifest of a final plan (after kernel formation)."""
+IPC_HANDLE_BYTES = 64  # what the runtime exchanges per IPC handle (runtime/engines/cuda_table/launcher.py)
+
+
+def generate(plan: Plan, source: str | None = None, options: CudaOptions | None = None,
+             target: Target = CUDA) -> CudaBundle:
+    """The sources and launch manifest of a final plan (after kernel formation) for `target`
+    (backends/target.py: CUDA, or SUPA's `.su` sources from the same templates)."""
     opts = options or CudaOptions()
     if opts.rdma not in ("auto", "emulate", "external", "proxy"):
         raise CudaCodegenError(f"rdma must be 'auto', 'emulate', 'external' or 'proxy', not {opts.rdma!r}")
+    if opts.rdma == "proxy" and not target.kernel_writes_host_memory:
+        raise CudaCodegenError(f"rdma 'proxy' (the GPU proxy path) has kernels write FIFO entries into host-mapped "
+                               f"memory, which {target.language} kernels may not write: use rdma 'emulate' or "
+                               f"'external' with --target {target.name}")
     if opts.rdma == "auto":
         opts = replace(opts, rdma="emulate" if plan.num_ranks <= ONE_IPC_DOMAIN_RANKS else "external")
     if plan.workload is None:
@@ -464,12 +478,19 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         raise CudaCodegenError("the plan has no kernels: run the whole pipeline (kernel-formation)")
     source = source or f"{plan.schedule}.sched"
     sched = ident(plan.schedule)
-    kernels = [k for k in (_kernel(plan, p, source, opts) for p in abi.PROGRAMS) if k is not None]
+    kernels = [k for k in (_kernel(plan, p, source, opts, target) for p in abi.PROGRAMS) if k is not None]
     if not kernels:
         raise CudaCodegenError("the plan has no step a GPU kernel runs")
+    cuda = target.name == CUDA.name
+    header_file = target.device_header
+    launcher_file = f"{plan.schedule}_launcher{target.source_suffix}"
     files: dict[str, str] = {}
-    common = dict(version=EPCC_VERSION, source=source, schedule=plan.schedule, header_file=HEADER_FILE)
-    files[HEADER_FILE] = _ENV.get_template("device.cu.j2").render(
+    common = dict(version=EPCC_VERSION, source=source, schedule=plan.schedule, header_file=header_file,
+                  target=target, cuda=cuda, rt=target.rt, abi=target.abi_prefix, api_header=supa_build.API_HEADER,
+                  rc_runtime=target.name.upper(), launcher_file=launcher_file, ipc_handle_bytes=IPC_HANDLE_BYTES,
+                  error_memory=("host-mapped, so it survives the trap" if target.kernel_writes_host_memory
+                                else "device memory: the launcher reads it back after the stream"))
+    files[header_file] = _ENV.get_template("device.cu.j2").render(
         **common, table_version=abi.TABLE_VERSION, table_magic=abi.TABLE_MAGIC,
         row_buf_shift=abi.ROW_BUF_SHIFT, structs=_structs(), step_name_bytes=STEP_NAME_BYTES,
         max_sleep_ns=MAX_SLEEP_NS)
@@ -477,8 +498,7 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         files[k.file] = _ENV.get_template("program.cu.j2").render(**common, k=k)
     buffers = {p: _buffers(plan, p) for p in abi.PROGRAMS}
     by_program = {k.program: k for k in kernels}
-    launcher_file = f"{plan.schedule}_launcher.cu"
-    library = f"libepcc_{plan.schedule}.so"
+    library = f"libepcc_{plan.schedule}.so" if cuda else f"libepcc_{plan.schedule}_{target.name}.so"
     progs = []
     for i, p in enumerate(abi.PROGRAMS):
         k = by_program.get(p)
@@ -496,34 +516,35 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         **common, sched=sched, num_ranks=plan.num_ranks, programs=progs, table_version=abi.TABLE_VERSION,
         step_name_bytes=STEP_NAME_BYTES)
     sources = [k.file for k in kernels] + [launcher_file]
+    static_headers = [target.prelude] + ([] if cuda else [h for h in supa_build.HEADERS if h != target.prelude])
+    fmt = CUDA_FORMAT if cuda else SUPA_FORMAT
     manifest = {
-        "format": CUDA_FORMAT.name,
-        "version": CUDA_FORMAT.version,
+        "format": fmt.name,
+        "version": fmt.version,
         "table_version": abi.TABLE_VERSION,
         "epcc_version": EPCC_VERSION,
         "schedule": plan.schedule,
         "source": source,
         "num_ranks": plan.num_ranks,
-        "target": TARGET_ARCH,
+        "target": TARGET_ARCH if cuda else f"{target.name}:{supa_build.ARCH}",
         "workload": {"hidden": plan.workload.hidden, "dtype": plan.workload.dtype, "tokens": plan.workload.tokens,
                      "topk": plan.workload.topk, "experts": plan.workload.experts,
                      "row_bytes": wire_row_bytes(plan)},
         "options": asdict(opts),
-        "build": {
-            "library": library,
-            "sources": sources,
-            "headers": [HEADER_FILE],
-            "command": ["nvcc", *NVCC_FLAGS, "-shared", "-o", library, *sources],
-        },
+        "build": ({"library": library, "sources": sources, "headers": [header_file, *static_headers],
+                   "command": ["nvcc", *NVCC_FLAGS, "-shared", "-o", library, *sources]} if cuda
+                  else supa_build.build_section(library, sources, [header_file, *static_headers])),
         "buffers": buffers,
         "flags": {"regions": list(abi.PROGRAMS), "words_per_region": "flag_capacity (>= 1 + 2 x layout flags)",
                   "barrier_word": 0, "flag_word": "1 + (epoch % 2) * ((flag_capacity - 1) // 2) + flag_id"},
         "kernels": [],
         "not_lowered": [n for k in kernels for n in k.not_lowered],
     }
+    if not cuda:
+        manifest["machine"] = _machine(target)
     # The direct lowering (direct.py) for one-hop plans in one IPC domain: the runtime uses it
     # when present ("lowering": "direct"); the table-driven kernels above stay the general path.
-    if plan.direct is not None:
+    if plan.direct is not None and cuda:
         direct_files, entry = direct.generate(plan, source, _ENV, EPCC_VERSION)
         files.update(direct_files)
         entry["command"] = ["nvcc", *NVCC_FLAGS, "-shared", "-o", entry["library"], entry["source"]]
@@ -531,10 +552,14 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         manifest["lowering"] = "direct"
     else:
         manifest["lowering"] = "tables"
-        manifest["direct_not_used"] = plan.direct_not_used
+        manifest["direct_not_used"] = (plan.direct_not_used if cuda or plan.direct is None else
+                                       f"the direct kernels are written for CUDA only (warp shuffles and votes, "
+                                       f"cp.async, host-mapped memory): the {target.language} target runs the "
+                                       f"table-driven kernels")
     for k in kernels:
         manifest["kernels"].append({
-            "name": k.name, "kind": "main", "program": k.program, "file": k.file, "launch": "cooperative",
+            "name": k.name, "kind": "main", "program": k.program, "file": k.file,
+            "launch": "cooperative" if target.residency == "cooperative" else "plain",
             "launch_fn": k.launch_fn, "grid": k.grid, "block": k.block, "shared_bytes": 0,
             "roles": [{"index": r.index, "step": r.step, "title": r.title, "line": r.line, "role": r.role,
                        "engine": r.engine, "lowered": r.lowered, "blocks": [r.block_begin, r.block_end],
@@ -550,15 +575,22 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
                 "roles": [],
             })
     manifest["rdma"] = _rdma_sources(plan)
-    static = {n: direct.INCLUDE_DIR / n for n in direct.HEADERS} if plan.direct is not None else {}
-    if plan.direct is None:
+    static = {n: target.include_dir / n for n in static_headers}
+    if manifest["lowering"] == "direct":
+        static.update({n: direct.INCLUDE_DIR / n for n in direct.HEADERS})
+    else:
         manifest["metadata"] = device_metadata(plan, manifest)
         if manifest["metadata"]["lowering"] == "device":
-            static.update({n: direct.INCLUDE_DIR / n for n in META_FILES})
+            meta_source = f"{META_STEM}{target.source_suffix}"
+            files[meta_source] = _ENV.get_template("table_meta.cu.j2").render(**common, file=meta_source)
+            static[META_HEADER] = direct.INCLUDE_DIR / META_HEADER
             build = manifest["build"]
-            build["sources"].append(META_SOURCE)
+            build["sources"].append(meta_source)
             build["headers"].append(META_HEADER)
-            build["command"].append(META_SOURCE)
+            if cuda:
+                build["command"].append(meta_source)
+            else:
+                manifest["build"] = supa_build.build_section(library, build["sources"], build["headers"])
             manifest["metadata"]["steps"] = [{"program": n["program"], "step": n["step"]}
                                              for n in manifest["not_lowered"] if n["kind"] == "metadata"]
             manifest["not_lowered"] = [n for n in manifest["not_lowered"] if n["kind"] != "metadata"]
@@ -566,9 +598,18 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
     return CudaBundle(files=files, manifest=manifest, kernels=kernels, plan=plan, static=static)
 
 
-META_SOURCE = "epcc_table_meta.cu"  # the metadata kernels' driver, static (include/)
-META_HEADER = "epcc/table/meta.cuh"
-META_FILES = (META_SOURCE, META_HEADER)
+def _machine(target: Target) -> dict:
+    """What the kernels were generated for (backends/target.py), as a manifest records it."""
+    return {"warp_size": target.warp_size, "max_block_threads": target.max_block_threads,
+            "shared_bytes_per_block": target.shared_bytes_per_block, "blocks_per_cu": target.blocks_per_cu,
+            "vector_bytes": target.vector_bytes, "residency": target.residency, "atomics": target.atomics,
+            "timer": target.timer, "backoff": target.backoff, "peer_memory": target.peer_memory,
+            "copy_engines": list(target.copy_engines), "kernel_writes_host_memory": target.kernel_writes_host_memory}
+
+
+META_STEM = "epcc_table_meta"  # the metadata kernels' driver: generated per target (templates/table_meta.cu.j2)
+META_SOURCE = f"{META_STEM}.cu"
+META_HEADER = "epcc/table/meta.cuh"  # static (cuda/include/), target-neutral through the prelude
 
 
 def device_metadata(plan: Plan, manifest: dict) -> dict:

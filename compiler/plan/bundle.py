@@ -3,13 +3,15 @@
     DIR/NAME.mlir              the final IR
     DIR/plan.json              the plan (model.py), all a runtime reads of the compiler
     DIR/cuda/...               with --target cuda: the generated kernels and their manifest.json
+    DIR/supa/...               with --target supa: the same kernels as SUPA sources, their manifest.json
     DIR/manifest.json          what was compiled from which source, and the sha256 of every file above
 
 `write_bundle` (`epcc compile`) writes the files, then manifest.json.  Each JSON file carries its
 format and version (plan/schema.py).  `load(DIR)` reads manifest.json, checks that every file it
 lists is there with the content it records (the sha256), then checks plan.json field by field
 (plan/check.py) and against the invariants the compiler proved (plan/invariants.py);
-`cuda_manifest(DIR)` does the same for cuda/manifest.json (plan/cuda_manifest.py).  Every problem
+`cuda_manifest(DIR)` does the same for cuda/manifest.json (plan/cuda_manifest.py), `supa_manifest(DIR)`
+for supa/manifest.json.  Every problem
 is a BundleError whose message names the file, and the field, and says what to do.  Used by
 epcc.runtime.Buffer, `epcc tune`, `epcc run FILE.json` (read_plan: a plan file named by itself is
 checked field by field, without a manifest), bench/ep_bench.py and the tests.
@@ -33,15 +35,17 @@ from .. import __version__
 from ..files import JSON_MAX_BYTES, ContentError, FileError, read_bytes, read_json
 from ..limits import MAX_RANKS
 from .check import PlanJsonError, check_plan_json
-from .cuda_manifest import check_cuda_manifest
+from .cuda_manifest import check_cuda_manifest, check_supa_manifest
 from .model import Plan
-from .schema import (BUNDLE_FORMAT, CUDA_FORMAT, PLAN_FORMAT, FormatVersionError, Hex64, Int, List, Map, Name, Obj,
+from .schema import (BUNDLE_FORMAT, CUDA_FORMAT, PLAN_FORMAT, SUPA_FORMAT, FormatVersionError, Hex64, Int, List, Map, Name, Obj,
                      RelPath, Str, check_format)
 
 PLAN_FILE = "plan.json"
 MANIFEST_FILE = "manifest.json"
 CUDA_DIR = "cuda"
 CUDA_MANIFEST = f"{CUDA_DIR}/{MANIFEST_FILE}"
+SUPA_DIR = "supa"
+SUPA_MANIFEST = f"{SUPA_DIR}/{MANIFEST_FILE}"
 MAX_FILES = 4096  # files one bundle lists
 
 # manifest.json: what a loader reads of it (fields it does not name are ignored).
@@ -67,6 +71,10 @@ class Bundle:
     @property
     def cuda_dir(self) -> Path:
         return self.path / CUDA_DIR
+
+    @property
+    def supa_dir(self) -> Path:
+        return self.path / SUPA_DIR
 
 
 def _exists(p: Path) -> bool:
@@ -211,25 +219,36 @@ def load(path: str | Path) -> Bundle:
 def cuda_manifest(path: str | Path, *, required: bool = True) -> dict:
     """The CUDA manifest of the bundle in directory `path` ({} where there is none and it is not
     `required`), after the bundle's files are verified against its manifest.json."""
+    return _target_manifest(path, CUDA_DIR, "CUDA", CUDA_FORMAT, check_cuda_manifest, required)
+
+
+def supa_manifest(path: str | Path, *, required: bool = True) -> dict:
+    """The SUPA manifest (supa/manifest.json) of the bundle in directory `path`, as cuda_manifest."""
+    return _target_manifest(path, SUPA_DIR, "SUPA", SUPA_FORMAT, check_supa_manifest, required)
+
+
+def _target_manifest(path: str | Path, sub: str, what: str, fmt, check: Callable[[dict], Any],
+                     required: bool) -> dict:
     path = Path(path)
-    mf = path / CUDA_MANIFEST
+    rel = f"{sub}/{MANIFEST_FILE}"
+    mf = path / rel
     if not _exists(mf):
         if not required:
             return {}
-        raise BundleError(f"{path}: no {CUDA_MANIFEST}; write the bundle with "
-                          f"`epcc compile FILE --target cuda -o {path}`")
+        raise BundleError(f"{path}: no {rel}; write the bundle with "
+                          f"`epcc compile FILE --target {sub} -o {path}`")
     manifest = _verified_manifest(path)
-    if CUDA_MANIFEST not in manifest["sha256"]:
-        raise BundleError(f"{path}: {CUDA_MANIFEST} is not part of the bundle (manifest.json has no sha256 of it: "
-                          f"left from an earlier compilation?); recompile with `epcc compile FILE --target cuda "
+    if rel not in manifest["sha256"]:
+        raise BundleError(f"{path}: {rel} is not part of the bundle (manifest.json has no sha256 of it: "
+                          f"left from an earlier compilation?); recompile with `epcc compile FILE --target {sub} "
                           f"-o {path}`")
-    d = _read_checked(mf, "a CUDA bundle manifest", CUDA_FORMAT, check_cuda_manifest)
+    d = _read_checked(mf, f"a {what} bundle manifest", fmt, check)
     for field in ("num_ranks", "schedule"):
         if d[field] != manifest[field]:
-            raise BundleError(f"{path}: {CUDA_MANIFEST} says {field} {d[field]!r}, {MANIFEST_FILE} "
+            raise BundleError(f"{path}: {rel} says {field} {d[field]!r}, {MANIFEST_FILE} "
                               f"{manifest[field]!r}: files of different compilations; recompile the bundle")
     return d
 
 
-__all__ = ["Bundle", "BundleError", "CUDA_DIR", "MANIFEST_FILE", "PLAN_FILE", "cuda_manifest", "load", "plan_text",
-           "read_manifest", "read_plan", "write_bundle"]
+__all__ = ["Bundle", "BundleError", "CUDA_DIR", "MANIFEST_FILE", "PLAN_FILE", "SUPA_DIR", "cuda_manifest", "load",
+           "plan_text", "read_manifest", "read_plan", "supa_manifest", "write_bundle"]

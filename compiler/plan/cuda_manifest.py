@@ -3,6 +3,10 @@ uses (runtime/engines/cuda_direct, cuda_table, gpu_proxy, runtime/testing/emulat
 bench/ep_bench.py), with its type and range, and what refers to what (a role's buffers, the
 lowering and its direct entry).  Written by backends/cuda/codegen.py; format and version in
 plan/schema.py.  Paths in it name files inside the bundle's cuda/ directory only.
+
+supa/manifest.json (the SUPA target: the same generator) has the same fields but its "build" (the
+brcc steps of both runtime generations and the shim's nvcc command) and "machine" (what the
+kernels were generated for): SUPA_SCHEMA, check_supa_manifest.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ DIRECT = Obj({
     "steps": List(Obj({"program": Str(choices=PROGRAMS), "name": Str()}), 0, MAX_LIST),
 })
 
-SCHEMA = Obj({
+_FIELDS = {
     "table_version": Int(0, 1 << 31), "epcc_version": Str(), "schedule": Str(), "source": Str(),
     "num_ranks": Int(1, MAX_RANKS), "target": Str(),
     "workload": Obj({
@@ -75,13 +79,39 @@ SCHEMA = Obj({
     "direct": DIRECT,
     "direct_not_used": Nullable(Str()),
     "rdma": List(RelPath, 0, MAX_LIST),
-}, optional=frozenset({"direct", "direct_not_used"}))
+}
+_OPTIONAL = frozenset({"direct", "direct_not_used"})
+SCHEMA = Obj(_FIELDS, optional=_OPTIONAL)
+
+_STEPS = List(_COMMAND, 1, MAX_LIST)
+SUPA_SCHEMA = Obj({
+    **_FIELDS,
+    "build": Obj({
+        "library": Name, "sources": List(Name, 1, MAX_LIST), "headers": List(RelPath, 0, MAX_LIST), "arch": Str(),
+        "brcc": Obj({"su": Obj({"about": Str(), "steps": _STEPS}), "supa": Obj({"about": Str(), "steps": _STEPS})}),
+        "shim": Obj({"library": Name, "api": Str(choices=("su", "supa")), "command": _COMMAND}),
+    }),
+    "machine": Obj({"warp_size": Int(1, MAX_THREADS), "max_block_threads": Int(1, MAX_THREADS),
+                    "blocks_per_cu": Int(1, MAX_THREADS), "kernel_writes_host_memory": Bool()}),
+}, optional=_OPTIONAL)
+
+
+def check_supa_manifest(d: dict) -> None:
+    """check_cuda_manifest for a supa/manifest.json (SUPA_SCHEMA; no direct lowering)."""
+    SUPA_SCHEMA.check(d, "")
+    if d["lowering"] != "tables":
+        raise SchemaError(f"lowering: {d['lowering']!r}; the SUPA target has the table-driven kernels only")
+    _check_references(d)
 
 
 def check_cuda_manifest(d: dict) -> None:
     """SchemaError naming the field unless `d` (a parsed cuda/manifest.json, its format version
     checked) has every field a runtime reads, of its type and in its range, consistently."""
     SCHEMA.check(d, "")
+    _check_references(d)
+
+
+def _check_references(d: dict) -> None:
     if ("direct" in d) != (d["lowering"] == "direct"):
         raise SchemaError(f"lowering: {d['lowering']!r}, {'with' if 'direct' in d else 'without'} a direct entry")
     if "direct" in d and d["direct"]["constants"]["num_ranks"] != d["num_ranks"]:
@@ -113,4 +143,4 @@ def check_cuda_manifest(d: dict) -> None:
                     raise SchemaError(f"{at}.roles[{j}]: no {k['program']} buffer named {b!r}")
 
 
-__all__ = ["check_cuda_manifest"]
+__all__ = ["check_cuda_manifest", "check_supa_manifest"]

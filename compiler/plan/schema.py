@@ -5,6 +5,7 @@ Every JSON file epcc writes into a bundle opens with its format and version:
     plan.json            {"format": "epcc-plan", "version": 1, ...}           (plan/check.py checks the rest)
     manifest.json        {"format": "epcc-bundle", "version": 1, ...}         (plan/bundle.py)
     cuda/manifest.json   {"format": "epcc-cuda-manifest", "version": 1, ...}  (plan/cuda_manifest.py)
+    supa/manifest.json   {"format": "epcc-supa-manifest", "version": 1, ...}  (plan/cuda_manifest.py, SUPA_SCHEMA)
 
 A reader checks the format and version first (:func:`check_format`): a file of a newer or older
 version is refused as such (FormatVersionError: recompile), before any field is read.  A version
@@ -39,6 +40,7 @@ class Format:
 PLAN_FORMAT = Format("epcc-plan", 1, "plan.json")
 BUNDLE_FORMAT = Format("epcc-bundle", 1, "manifest.json")
 CUDA_FORMAT = Format("epcc-cuda-manifest", 1, "cuda/manifest.json")
+SUPA_FORMAT = Format("epcc-supa-manifest", 1, "supa/manifest.json")
 
 
 class SchemaError(ValueError):

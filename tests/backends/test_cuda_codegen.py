@@ -39,6 +39,7 @@ from epcc import pipeline
 from epcc.backends.cuda import abi, codegen, direct
 from epcc.backends.rdma import emit as rdma_emit
 from epcc.backends.rdma.sources import STATIC_SOURCES
+from epcc.backends.target import CUDA
 from epcc.cli import main
 from epcc.passes import PassOptions
 from epcc.plan.rdma import rdma_steps
@@ -293,14 +294,16 @@ def test_golden_file_set(variant):
 
 @pytest.mark.parametrize("variant", list(regen_cuda_golden.VARIANTS))
 def test_bundle_carries_the_static_headers_unchanged(variant, tmp_path):
-    """The static headers of the direct kernels have no golden: what a bundle carries is the
-    repository's files, byte for byte, beside the generated ones (a GPU machine builds the
-    bundle without epcc), and every header the source includes is in the bundle."""
+    """The static headers of the direct kernels and the device prelude of the table-driven ones
+    have no golden: what a bundle carries is the repository's files, byte for byte, beside the
+    generated ones (a GPU machine builds the bundle without epcc), and every header the source
+    includes is in the bundle."""
     b = golden_bundle(variant)
-    assert sorted(b.static) == sorted(direct.HEADERS)
+    assert sorted(b.static) == sorted([*direct.HEADERS, CUDA.prelude])
     written = {p.relative_to(tmp_path).as_posix() for p in b.write(tmp_path)}
     assert set(b.manifest["direct"]["headers"]) <= written
-    for name in direct.HEADERS:
+    assert CUDA.prelude in b.manifest["build"]["headers"]
+    for name in [*direct.HEADERS, CUDA.prelude]:
         assert (tmp_path / name).read_bytes() == (direct.INCLUDE_DIR / name).read_bytes(), name
     included = re.findall(r'^#include "([^"]+)"', (tmp_path / b.manifest["direct"]["source"]).read_text(), re.M)
     for name in direct.HEADERS:
@@ -753,7 +756,7 @@ def test_cli_compile_target_cuda(tmp_path, capsys, monkeypatch):
     for f in files:  # the same text as the golden: paths in comments are as given on the command line
         assert (cuda / f).read_text() == (GOLDEN / "h200x4" / f).read_text(), f
     assert sorted(p.relative_to(cuda).as_posix() for p in cuda.rglob("*") if p.is_file() and p.parent != cuda) \
-        == sorted(direct.HEADERS)  # and the direct kernels' static headers, nothing else
+        == sorted([*direct.HEADERS, CUDA.prelude])  # and the static headers (direct kernels, prelude), nothing else
     assert (tmp_path / "b" / "plan.json").is_file()
     with pytest.raises(SystemExit) as e:
         main(["compile", source_of("h200x4"), "--target", "rocm", "-o", str(tmp_path / "c")])

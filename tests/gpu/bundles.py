@@ -17,6 +17,11 @@ line is replaced and the derived file written next to the bundles.  Every bundle
 beside the measured times.  On two GPUs: h200x2_2vnode (one RDMA step per program),
 h200x2_2vnode_relay (two, over one link) and h200x2_2vnode_mixed (two, over links of 50 and
 25 GB/s).
+
+SUPA bundles (`--target supa`; test_gpu.py runs them through the SUPA-on-CUDA shim): supa_h200x4
+and supa_h200x2 (the one-hop plan, which the SUPA target lowers to the table-driven kernels),
+supa_h200x4_2vnode_50, supa_h200x4_ubb2x2_50 and supa_h200x2_2vnode_50 (RDMA emulated over peer
+memory; metadata on the GPU).
 """
 
 from __future__ import annotations
@@ -93,11 +98,20 @@ def ep2_source(out_dir: Path) -> Path:
     return path
 
 
+SUPA_VARIANTS = {  # name -> the CUDA variant whose source and options it compiles with --target supa
+    "supa_h200x4": "h200x4",
+    "supa_h200x2": "h200x2",
+    "supa_h200x4_2vnode_50": "h200x4_2vnode_50",
+    "supa_h200x4_ubb2x2_50": "h200x4_ubb2x2_50",
+    "supa_h200x2_2vnode_50": "h200x2_2vnode_50",
+}
+
+
 def build(epcc: Path, out: Path, name: str, src: Path, extra: list[str], compile_extra: tuple[str, ...] = (),
-          rdma: str = "proxy") -> bool:
-    """Compile `src` into out/name (CUDA bundle) and store its `epcc simulate --json` beside it
+          rdma: str = "proxy", target: str = "cuda") -> bool:
+    """Compile `src` into out/name (a `target` bundle) and store its `epcc simulate --json` beside it
     (`--rdma`: how the bundle runs its RDMA steps, which the simulator's SM terms model)."""
-    for cmd in ([str(epcc), "compile", str(src), "--target", "cuda", "-o", str(out / name), *extra, *compile_extra],
+    for cmd in ([str(epcc), "compile", str(src), "--target", target, "-o", str(out / name), *extra, *compile_extra],
                 [str(epcc), "simulate", str(src), "--json", "--rdma", rdma, *extra]):
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
@@ -121,6 +135,14 @@ def main(argv: list[str]) -> int:
             return 1
         # the same plan with the RDMA step through the host proxy loop (copy-engine transport)
         if not build(epcc, out, f"{name}_proxy", rdma_source(out, name), [], ("--rdma", "proxy")):
+            return 1
+    for name, base in SUPA_VARIANTS.items():
+        if base in VARIANTS:
+            ranks, extra = VARIANTS[base]
+            src = H200X4 if ranks == 4 else ep2
+        else:
+            src, extra = rdma_source(out, base), []
+        if not build(epcc, out, name, src, extra, rdma="emulate", target="supa"):
             return 1
     return 0
 

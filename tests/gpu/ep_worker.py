@@ -13,6 +13,10 @@ the argument.  A decode-sized bundle (one metadata chunk, whose dispatch kernel 
 metadata itself) runs again with 4-warp blocks, which launch the metadata kernel first.  Prints
 one line per check on rank 0 and exits 1 if any rank failed.
 
+$EPCC_GPU_BACKEND picks the Buffer's backend (default cuda): `supa` runs SUPA bundles (`epcc compile
+--target supa`) through the SUPA-on-CUDA shim, which EPCC_SUPA_SHIM=1 must select (test_gpu.py sets
+both); their table-driven kernels get the same checks.
+
 More ranks than GPUs (e.g. the EP4 bundles on a 2-GPU machine: `torchrun --nproc-per-node 4` with
 two GPUs visible): rank r runs on GPU r mod #GPUs and the ranks of one GPU share it, their
 kernels time-sliced by the driver (one context at a time), so a rank's bounded waits on a peer of
@@ -43,6 +47,7 @@ from epcc.runtime.layout import compute_layout
 
 ROUTINGS = tuple(os.environ.get("EPCC_GPU_ROUTINGS", "uniform,zipf:1.2,all-to-one,no-remote,empty").split(","))
 ITERS = int(os.environ.get("EPCC_GPU_ITERS", "2"))
+BACKEND = os.environ.get("EPCC_GPU_BACKEND", "cuda")  # cuda, or supa (SUPA bundles through the shim)
 PARTIAL_ROUNDING = 2.0 ** -8  # combine sends one bf16 partial per (token, GPU): unit roundoff of bf16
 
 
@@ -271,7 +276,7 @@ def graph_checks(buf: Buffer, case: Case, replays: list, dev, report, label: str
 
 
 def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
-    buf = Buffer(dist.group.WORLD, path, backend="cuda", timeout_s=20.0)
+    buf = Buffer(dist.group.WORLD, path, backend=BACKEND, timeout_s=20.0)
     name = path.name
     # the direct kernels (a one-hop plan) also run the low-latency mode, CUDA graphs and other
     # launch configurations; the table-driven kernels take their layout from the host
@@ -410,7 +415,7 @@ def run_config(path: Path, dev, checks: Checks, config: dict, label: str) -> Non
     (uniform, Zipf and empty routings, sync and low-latency).  With `warps=4` a decode-sized bundle
     (one metadata chunk) has dispatch blocks too narrow to count the metadata themselves, so the
     dispatch launches meta_count_kernel first, the path every larger batch takes."""
-    buf = Buffer(dist.group.WORLD, path, backend="cuda", timeout_s=20.0, config=config)
+    buf = Buffer(dist.group.WORLD, path, backend=BACKEND, timeout_s=20.0, config=config)
     for spec in ("uniform", "zipf:1.2", "empty"):
         case = Case(buf, spec, 11, dev)
         x, idx, w = case.gpu_inputs()

@@ -38,6 +38,11 @@ steps' chunks, ~80 % busy while both run, so the host's scheduling moves the fas
 ~10 %); both steps on one queue, or both paced at one link's speed, give 0.9 or more
 (h200x2_2vnode_relay, one link: 0.93).  (A bound of 0.6, set from two rounds at 0.49-0.50,
 failed a later run's 0.61.)
+
+The SUPA target's kernels (`--target supa` bundles: supa_*) run through `Buffer(backend="supa")`
+with EPCC_SUPA_SHIM=1, built by nvcc through the SUPA-on-CUDA shim: ep_worker.py's checks
+(EPCC_GPU_BACKEND=supa) on 4 ranks (a GPU each, or 2 GPUs time-sliced) and on 2 ranks
+(test_supa_shim_ep_worker, test_supa_shim_ep4_shared_gpus).
 """
 
 from __future__ import annotations
@@ -99,7 +104,14 @@ def _gpus() -> tuple[int, str]:
     return n, f"{n} CUDA device(s) visible"
 
 
-def _why_not(gpus: int, bundles: list[str]) -> str | None:
+SUPA_CASES = {  # ranks -> SUPA bundles (tests/gpu/bundles.py SUPA_VARIANTS)
+    4: ["supa_h200x4", "supa_h200x4_2vnode_50", "supa_h200x4_ubb2x2_50"],
+    2: ["supa_h200x2", "supa_h200x2_2vnode_50"],
+}
+SUPA_ENV = {"EPCC_GPU_BACKEND": "supa", "EPCC_SUPA_SHIM": "1"}
+
+
+def _why_not(gpus: int, bundles: list[str], target: str = "cuda") -> str | None:
     """None when the case can run on `gpus` GPUs with `bundles`, else the skip reason (with how to run it)."""
     have, what = _gpus()
     if have < 2:
@@ -110,7 +122,7 @@ def _why_not(gpus: int, bundles: list[str]) -> str | None:
         return f"nvcc not found (PATH, $NVCC, /usr/local/cuda*/bin): the direct kernels are built on this machine; {HOW}"
     if not BUNDLES.is_dir():
         return f"no bundle directory {BUNDLES}; {HOW}"
-    missing = [b for b in bundles if not (BUNDLES / b / "cuda" / "manifest.json").is_file()]
+    missing = [b for b in bundles if not (BUNDLES / b / target / "manifest.json").is_file()]
     if missing:
         return f"bundles missing under {BUNDLES}: {', '.join(missing)}; {HOW}"
     if _torchrun_path() is None:
@@ -166,6 +178,34 @@ def test_uneven_tokens_per_rank(gpus):
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "ALL OK" in r.stdout, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
     print("\n".join(line for line in r.stdout.splitlines() if "GPU checks" in line))
+
+
+@pytest.mark.parametrize("ranks", sorted(SUPA_CASES, reverse=True), ids=lambda n: f"ep{n}")
+def test_supa_shim_ep_worker(ranks):
+    """The SUPA bundles' kernels (the .su sources through the shim) against the oracle: every
+    routing, uneven token counts, low latency, graphs where their tables are written on the GPU."""
+    why = _why_not(ranks, SUPA_CASES[ranks], "supa")
+    if why:
+        pytest.skip(why)
+    cmd, r = _torchrun(ranks, WORKER, [str(BUNDLES / b) for b in SUPA_CASES[ranks]], env=SUPA_ENV)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "ALL OK" in r.stdout, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
+    print("\n".join(line for line in r.stdout.splitlines() if "GPU checks" in line or line.startswith("supa_")))
+
+
+def test_supa_shim_ep4_shared_gpus():
+    """The 4-rank SUPA bundles as 4 ranks on 2 GPUs, time-sliced, where fewer than 4 GPUs are present."""
+    ranks, gpus = SHARED
+    have, what = _gpus()
+    if have >= ranks:
+        pytest.skip(f"{what}: test_supa_shim_ep_worker[ep4] runs them on a GPU each")
+    why = _why_not(gpus, SUPA_CASES[ranks], "supa")
+    if why:
+        pytest.skip(why)
+    cmd, r = _torchrun(gpus, WORKER, [str(BUNDLES / b) for b in SUPA_CASES[ranks]], env=SUPA_ENV, ranks=ranks)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "ALL OK" in r.stdout and f"{ranks} ranks, {gpus} x " in r.stdout, \
+        f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
 
 
 def test_ep_worker_ep4_shared_gpus():

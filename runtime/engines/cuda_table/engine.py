@@ -81,10 +81,25 @@ class TableHandle:
 
 
 class CudaTableEngine:
+    #: what a target's engine changes (runtime/engines/supa_shim): the backend's name in messages,
+    #: where its kernels lie, how they are built, the launcher's C prefix, where kernels may write
+    BACKEND = "cuda"
+    ABI_PREFIX = "epcc_cuda"
+    ERROR_ON_DEVICE = False  # the metadata exchange's error words: host-mapped (kernels may write host memory)
+
+    def _manifest(self, bundle: Bundle) -> dict:
+        return cuda_manifest(bundle.path)
+
+    def _sources(self, bundle: Bundle):
+        return bundle.cuda_dir
+
+    def _build_library(self, src_dir, manifest: dict):
+        return build_library(src_dir)
+
     def __init__(self, group, bundle: Bundle, *, timeout_s: float, config: dict | None = None,
                  agree: Agreement | None = None):
         if not torch.cuda.is_available():
-            raise RuntimeError("Buffer(backend='cuda'): no CUDA device is available")
+            raise RuntimeError(f"Buffer(backend='{self.BACKEND}'): no CUDA device is available")
         self.group = group
         self.rank = dist.get_rank(group)
         self.R = dist.get_world_size(group)
@@ -100,7 +115,7 @@ class CudaTableEngine:
 
     def _make(self, bundle: Bundle, timeout_s: float, config: dict | None) -> None:
         self.plan = plan = bundle.plan
-        self.manifest = manifest = cuda_manifest(bundle.path)
+        self.manifest = manifest = self._manifest(bundle)
         wl = plan.workload
         self.hidden, self.topk, self.dtype, self.max_tokens = wl.hidden, wl.topk, wl.dtype, wl.tokens
         self.row_bytes = 2 * wl.hidden if wl.dtype == "bf16" else wl.hidden + wl.hidden // FP8_GROUP * 4
@@ -119,10 +134,10 @@ class CudaTableEngine:
         self.timeout_s = timeout_s
         self.dispatches = 0
         self.layout: Layout | None = None  # host metadata: the layout whose tables are uploaded
-        cuda_dir = bundle.cuda_dir
+        cuda_dir = self._sources(bundle)
 
         def build():
-            lib = build_library(cuda_dir)
+            lib = self._build_library(cuda_dir, manifest)
             proxy = build_gpu(cuda_dir / "rdma", self.transport) if self.proxy else None
             return lib, proxy
 
@@ -136,7 +151,7 @@ class CudaTableEngine:
         dev = self.device.index
         n_flags = sum(len(s.flows) for s in plan.steps if s.verb != "exchange")
         cap = capacity_rows(plan, self.max_tokens)
-        self.lib = Library(str(lib_path))
+        self.lib = Library(str(lib_path), self.ABI_PREFIX)
         self.ctx = self.lib.create(dev, self.rank, 1 + 2 * max(n_flags, 1), timeout_s)
         handles = {"flags": self.lib.ipc_handle(self.ctx.flag_area)}
         for p in self.programs:
@@ -145,7 +160,7 @@ class CudaTableEngine:
         self.meta = None
         if self.on_device:
             self.meta = DeviceMeta(self.lib.lib, manifest, plan, segment_program(plan), self.rank, self.device,
-                                   timeout_s)
+                                   timeout_s, error_on_device=self.ERROR_ON_DEVICE)
             self.area = self.lib.malloc(dev, self.meta.area_bytes)
             handles["area"] = self.lib.ipc_handle(self.area)
         everyone = self.agree.gather("the buffers' handles", handles)

@@ -2,6 +2,10 @@
 with ctypes, call it.  No torch needed; device pointers are plain ints (a torch tensor's
 `data_ptr()` works too), streams are `cudaStream_t` values as ints (0: the default stream,
 `torch.cuda.current_stream().cuda_stream` under torch).
+
+The SUPA target's launcher (`<schedule>_launcher.su`, backends/supa) has the same C ABI under the
+prefix `epcc_supa_`: `Library(path, prefix="epcc_supa")` calls it through the same methods, and
+`build_shim_library` builds a SUPA bundle with nvcc through the SUPA-on-CUDA shim.
 """
 
 from __future__ import annotations
@@ -88,23 +92,37 @@ def build_library(cuda_dir: str | Path, nvcc: str | None = None, extra_flags: tu
     (runtime/build_cache.py: compiled again only when a source, the command or nvcc changes, or
     when `fresh`).  nvcc's output is appended to `log`."""
     cuda_dir = Path(cuda_dir).resolve()
-    manifest = load_manifest(cuda_dir)
+    build = load_manifest(cuda_dir)["build"]
+    return _build(cuda_dir, build, build["command"], build["library"], "cuda", nvcc, extra_flags, log, fresh)
+
+
+def build_shim_library(supa_dir: str | Path, manifest: dict, nvcc: str | None = None,
+                       extra_flags: tuple[str, ...] = (), log: list[str] | None = None, fresh: bool = False) -> Path:
+    """A SUPA bundle's library built by nvcc through the SUPA-on-CUDA shim: the command of its
+    manifest's build.shim (`manifest`: the bundle's checked supa/manifest.json), cached as
+    build_library's."""
+    build = manifest["build"]
+    return _build(Path(supa_dir).resolve(), build, build["shim"]["command"], build["shim"]["library"], "supa-shim",
+                  nvcc, extra_flags, log, fresh)
+
+
+def _build(src_dir: Path, build: dict, command: list[str], library: str, kind: str, nvcc: str | None,
+           extra_flags: tuple[str, ...], log: list[str] | None, fresh: bool) -> Path:
     exe = find_nvcc(nvcc)
     if exe is None:
         raise FileNotFoundError("nvcc not found (set $NVCC or put it on PATH)")
-    build = manifest["build"]
-    cmd = list(build["command"])
+    cmd = list(command)
     cmd[0] = exe
     cmd[1:1] = list(extra_flags)
-    sources = [(cuda_dir / s).read_bytes() for s in [*build["sources"], *build.get("headers", [])]]
+    sources = [(src_dir / s).read_bytes() for s in [*build["sources"], *build.get("headers", [])]]
 
     def compile_into(out: Path, work: Path) -> None:
         full = list(cmd)
         full[full.index("-o") + 1] = str(out)
-        run(full, "nvcc", cwd=cuda_dir, log=log)
+        run(full, "nvcc", cwd=src_dir, log=log)
 
     entry = key(*sources, "\0".join(cmd[1:]), compiler_version(exe))
-    return cached("cuda", entry, build["library"], compile_into, fresh=fresh)
+    return cached(kind, entry, library, compile_into, fresh=fresh)
 
 
 def _program(program: str | int) -> int:
@@ -113,12 +131,31 @@ def _program(program: str | int) -> int:
     return PROGRAMS.index(program)
 
 
-class Library:
-    """The loaded launcher library of one bundle."""
+class _Abi:
+    """A launcher library's functions under the CUDA launcher's names: `epcc_cuda_X` is the
+    library's `<prefix>_X` (the SUPA launcher exports the same C ABI as `epcc_supa_X`); every
+    other name (the metadata driver's epcc_table_meta*) is the library's own."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, lib: ctypes.CDLL, prefix: str):
+        self._lib, self._prefix = lib, prefix
+
+    def __getattr__(self, name: str):
+        if name.startswith(ABI_PREFIX + "_"):
+            name = self._prefix + name[len(ABI_PREFIX):]
+        return getattr(self._lib, name)
+
+
+ABI_PREFIX = "epcc_cuda"
+
+
+class Library:
+    """The loaded launcher library of one bundle (`prefix`: its exported functions' prefix,
+    backends/target.py abi_prefix)."""
+
+    def __init__(self, path: str | Path, prefix: str = ABI_PREFIX):
         self.path = Path(path)
-        self.lib = lib = ctypes.CDLL(str(self.path))
+        self.prefix = prefix
+        self.lib = lib = _Abi(ctypes.CDLL(str(self.path)), prefix)
         u64, i32, u32, vp, p64 = ctypes.c_uint64, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.POINTER(
             ctypes.c_uint64)
         sigs = {

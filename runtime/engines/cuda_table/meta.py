@@ -98,7 +98,8 @@ class DeviceMeta:
     """One rank's metadata on the GPU (see the module docstring).  Device memory comes from torch
     (on the current device) except the gather area, which the caller allocates and maps on peers."""
 
-    def __init__(self, lib, manifest: dict, plan, prog: SegmentProgram, rank: int, device, timeout_s: float):
+    def __init__(self, lib, manifest: dict, plan, prog: SegmentProgram, rank: int, device, timeout_s: float,
+                 error_on_device: bool = False):
         import torch  # the engines run under torch on the GPU machine
 
         self.lib, self.rank, self.device = lib, rank, device
@@ -127,7 +128,10 @@ class DeviceMeta:
         self.recv_offset = torch.zeros(epr + 1, dtype=torch.int32, device=device)
         self.bad = torch.zeros(1, dtype=torch.int32, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
-        self.error = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+        # the exchange's error words: pinned host memory the kernel writes, or device memory where
+        # kernels may not write host memory (SUPA on BR1xx), read back after the stream
+        self.error = (torch.zeros(2, dtype=torch.int32, device=device) if error_on_device
+                      else torch.zeros(2, dtype=torch.int32, pin_memory=True))
         self.area_bytes, self.off_tokens, self.off_topk, self.off_weights = area_layout(lib, R, wl.tokens, wl.topk)
         self.timeout_ns = int(timeout_s * 1e9)
         self.areas: list[int] = []
@@ -200,7 +204,10 @@ class DeviceMeta:
 
     def failure(self) -> str | None:
         """What the exchange's kernels wrote before they gave up (None: nothing)."""
-        code, rank = (int(v) for v in self.error.tolist())
+        try:
+            code, rank = (int(v) for v in self.error.tolist())
+        except RuntimeError:  # device memory after a kernel trapped: the runtime may refuse the copy
+            return None
         if code == 1:
             return (f"the metadata exchange timed out: rank {self.rank} received no routing from rank {rank} "
                     f"(it did not dispatch, or it failed)")

@@ -7,7 +7,7 @@
 //   [1, 25) push: sender, pull output -> result
 // Every launch: entry barrier (clear this rank's counters, meet every rank), the roles, then
 // block 0 drains (waits until every counter on this rank is final).  With a timeline enabled,
-// each block stamps %globaltimer at those points (epcc::kTimelineWords).
+// each block stamps the prelude's timer at those points (epcc::kTimelineWords).
 // epcc_h200x4_combine_finish_kernel: after it, converts the home partials (`result`, fp32) to bf16.
 #include "epcc_cuda_device.cuh"
 
@@ -27,13 +27,13 @@ static __device__ __noinline__ void epcc_h200x4_combine_push(const epcc::KernelA
   epcc::run_role<epcc::AccumWeightedBf16<8, 8>, 16u>(a, 1u, "push", block, 24u, 0.f);
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) epcc_h200x4_combine_kernel(const __grid_constant__ epcc::KernelArgs given) {
+extern "C" __global__ void __launch_bounds__(512, 1) epcc_h200x4_combine_kernel(const EPCC_GRID_CONSTANT epcc::KernelArgs given) {
   __shared__ epcc::KernelArgs mine;
   const epcc::KernelArgs& a = epcc::launch_args(given, mine);
   epcc::entry_barrier(a, "combine entry barrier");
-  if (a.timeline != nullptr && threadIdx.x == 0) a.timeline[blockIdx.x * epcc::kTimelineWords + 1] = 0;
+  if (a.timeline != nullptr && EPCC_TID == 0) a.timeline[EPCC_BID * epcc::kTimelineWords + 1] = 0;
   epcc::stamp(a, 0);
-  const uint32_t b = blockIdx.x;
+  const uint32_t b = EPCC_BID;
   if (b < 1u) {
     // step 'keep' (own tokens to local experts), schedules/h200x4.sched:52
     epcc_h200x4_combine_keep(a, b - 0u);
@@ -43,7 +43,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) epcc_h200x4_combine_kernel(
   }
   epcc::stamp(a, 2);
   epcc::drain(a, "combine drain");
-  if (blockIdx.x == 0) epcc::stamp(a, 3);
+  if (EPCC_BID == 0) epcc::stamp(a, 3);
   epcc::advance_epoch(a);
 }
 
@@ -59,13 +59,13 @@ extern "C" cudaError_t epcc_h200x4_combine_occupancy(int* blocks_per_sm) {
 
 // Combine finish: this rank's home partials (`result`, fp32 [tokens, hidden]) -> bf16 combined_x.
 extern "C" __global__ void __launch_bounds__(256)
-epcc_h200x4_combine_finish_kernel(const float* __restrict__ result, __nv_bfloat16* __restrict__ out, uint64_t n) {
+epcc_h200x4_combine_finish_kernel(const float* __restrict__ result, epcc::bf16* __restrict__ out, uint64_t n) {
   epcc::finish_bf16(result, out, n);
 }
 
 extern "C" cudaError_t epcc_h200x4_combine_finish_launch(const float* result, void* out, uint64_t n, uint32_t grid,
                                           cudaStream_t stream) {
-  epcc_h200x4_combine_finish_kernel<<<grid, 256, 0, stream>>>(result, static_cast<__nv_bfloat16*>(out), n);
+  epcc_h200x4_combine_finish_kernel<<<grid, 256, 0, stream>>>(result, static_cast<epcc::bf16*>(out), n);
   return cudaGetLastError();
 }
 

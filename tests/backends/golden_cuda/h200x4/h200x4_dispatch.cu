@@ -8,7 +8,7 @@
 // Not in this kernel: step 'meta' (metadata exchange: the host computes the layout (runtime/layout) and uploads the tables).
 // Every launch: entry barrier (clear this rank's counters, meet every rank), the roles, then
 // block 0 drains (waits until every counter on this rank is final).  With a timeline enabled,
-// each block stamps %globaltimer at those points (epcc::kTimelineWords).
+// each block stamps the prelude's timer at those points (epcc::kTimelineWords).
 #include "epcc_cuda_device.cuh"
 
 // step 'push' (send each token once to every peer that needs it), schedules/h200x4.sched:50
@@ -27,13 +27,13 @@ static __device__ __noinline__ void epcc_h200x4_dispatch_keep(const epcc::Kernel
   epcc::run_role<epcc::CopyRows<16, 8>, 16u>(a, 1u, "keep", block, 1u, 0.f);
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) epcc_h200x4_dispatch_kernel(const __grid_constant__ epcc::KernelArgs given) {
+extern "C" __global__ void __launch_bounds__(512, 1) epcc_h200x4_dispatch_kernel(const EPCC_GRID_CONSTANT epcc::KernelArgs given) {
   __shared__ epcc::KernelArgs mine;
   const epcc::KernelArgs& a = epcc::launch_args(given, mine);
   epcc::entry_barrier(a, "dispatch entry barrier");
-  if (a.timeline != nullptr && threadIdx.x == 0) a.timeline[blockIdx.x * epcc::kTimelineWords + 1] = 0;
+  if (a.timeline != nullptr && EPCC_TID == 0) a.timeline[EPCC_BID * epcc::kTimelineWords + 1] = 0;
   epcc::stamp(a, 0);
-  const uint32_t b = blockIdx.x;
+  const uint32_t b = EPCC_BID;
   if (b < 24u) {
     // step 'push' (send each token once to every peer that needs it), schedules/h200x4.sched:50
     epcc_h200x4_dispatch_push(a, b - 0u);
@@ -43,7 +43,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) epcc_h200x4_dispatch_kernel
   }
   epcc::stamp(a, 2);
   epcc::drain(a, "dispatch drain");
-  if (blockIdx.x == 0) epcc::stamp(a, 3);
+  if (EPCC_BID == 0) epcc::stamp(a, 3);
   epcc::advance_epoch(a);
 }
 

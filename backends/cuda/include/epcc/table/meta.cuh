@@ -23,8 +23,9 @@
 // once, the scratch layout is computed once on the host (Args.lay), and the scan's serial
 // prefix sums load a run of counts before they add them.
 //
-// Written once for both sides: compiled by nvcc these are kernels (a block's threads run each
-// phase together, __syncthreads between phases); compiled as C++ for the host
+// Written once for both sides: compiled as device code (nvcc, or brcc for SUPA, after the
+// target's device prelude epcc/prelude/*, whose names it uses) these are kernels (a block's
+// threads run each phase together, __syncthreads between phases); compiled as C++ for the host
 // (EPCC_META_HOST) each block runs its phases one thread after the other, which is how the CPU
 // tests run the very same code (tests/backends/test_meta_kernels.py).
 #pragma once
@@ -36,20 +37,24 @@ namespace meta {
 
 typedef long long i64;
 
-#if defined(__CUDACC__) && !defined(EPCC_META_HOST)
+#if !defined(EPCC_META_HOST) && !defined(EPCC_TID)
+#error "include the target's device prelude (epcc/prelude/cuda.cuh or supa.suh) before epcc/table/meta.cuh, or define EPCC_META_HOST"
+#endif
+
+#if !defined(EPCC_META_HOST)
 #define EM_FN __device__ __forceinline__
 #define EM_HD __host__ __device__ inline
 #define EM_KERNEL __global__ void __launch_bounds__(kBlock)
 #define EM_KERNEL_SCAN __global__ void __launch_bounds__(kScan)
 #define EM_SHARED __shared__
-#define EM_THREADS(t) { const int t = static_cast<int>(threadIdx.x);
-#define EM_THREADS_SCAN(t) { const int t = static_cast<int>(threadIdx.x);
+#define EM_THREADS(t) { const int t = static_cast<int>(EPCC_TID);
+#define EM_THREADS_SCAN(t) { const int t = static_cast<int>(EPCC_TID);
 #define EM_SYNC } __syncthreads();
-#define EM_BLOCK static_cast<int>(blockIdx.x)
+#define EM_BLOCK static_cast<int>(EPCC_BID)
 #define EM_OR(p, v) atomicOr((p), (v))
 #define EM_MAX(p, v) atomicMax((p), (v))
 #define EM_MIN(p, v) atomicMin((p), (v))
-EM_FN int em_popc(unsigned v) { return __popc(v); }
+EM_FN int em_popc(unsigned v) { return epcc::popc(v); }
 #else
 #define EM_FN static inline
 #define EM_HD static inline
