@@ -428,9 +428,13 @@ def test_which_bundles_get_their_tables_from_the_gpu():
         assert "metadata" not in {n["kind"] for n in m["not_lowered"]}, name
     # beyond one box the routing cannot be gathered over CUDA IPC (docs/cuda.md: across nodes)
     m = _proxy_manifest(codegen_plan("dgx_h800_2node"), "dgx_h800_2node")
-    assert m["metadata"] == {"lowering": "host", "why": "the GPU proxy path's 16 ranks span more than one CUDA IPC "
+    assert m["metadata"] == {"lowering": "host", "why": "the plan's 16 ranks span more than one CUDA IPC "
                                                          "domain (at most 8), and the metadata kernels gather the "
                                                          "routing over CUDA IPC peer memory"}
+    # whatever the RDMA option: SM roles standing in for the NIC do not make one box of two either
+    plan = codegen_plan("ubbv2_ep16")
+    m = codegen.generate(plan, source_of("ubbv2_ep16"), codegen.CudaOptions(rdma="emulate")).manifest
+    assert m["metadata"]["lowering"] == "host" and "16 ranks span more than one CUDA IPC" in m["metadata"]["why"]
 
 
 def codegen_plan(name: str):
