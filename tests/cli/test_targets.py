@@ -40,7 +40,7 @@ def test_the_decision():
 
 
 def test_shipped_biren_schedules_name_their_vendor():
-    assert set(BIREN) >= {"ubbv2_ep16", "ubbv2_ep32", "ubbv2_ep32_port10", "ocs_ep16"}
+    assert set(BIREN) >= {"ubbv2_ep16", "ubbv2_ep32", "ubbv2_ep32_port10", "ocs_ep16", "ubbv2_card"}
     assert "h200x4_ubb2x2" not in BIREN  # runs on H200: nvidia hopper
 
 

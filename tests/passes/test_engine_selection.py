@@ -106,6 +106,8 @@ def test_simulate_charges_the_chosen_engine(tmp_path):
 
 
 def test_duplicate_launch(tmp_path):
+    card = build_plan(str(REPO / "schedules" / "ubbv2_card.sched")).plan
+    assert card.launch.duplicate == [[0, 1]]
     ep32 = build_plan(str(REPO / "schedules" / "ubbv2_ep32.sched")).plan
     assert ep32.launch.duplicate == [[r, r + 1] for r in range(0, 32, 2)]
     port10 = build_plan(str(REPO / "schedules" / "ubbv2_ep32_port10.sched")).plan
