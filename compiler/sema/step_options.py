@@ -114,7 +114,14 @@ class StepOptions:
             return
         link = st.link
         if link is None:
-            return  # no link resolved: already reported, or a local step without a local link
+            default = model.DEFAULT_ENGINE["local"]
+            if st.verb in ("copy", "permute", "reduce") and not self.topo.local_links() and st.engine != default:
+                self.err(opt.value.span, f"step '{st.name}' has no local link to run on engine '{st.engine}': "
+                                         f"without one, local steps run on '{default}'",
+                         f"declare one, e.g. 'link hbm local {{ bandwidth 600 GB/s  engines {default} 600 GB/s, "
+                         f"{st.engine} 300 GB/s }}'")
+                st.engine = None
+            return  # otherwise no link resolved: already reported
         if link.kind == "rdma":
             self.err(opt.span, f"step '{st.name}' runs over the rdma link '{link.name}', which its NIC drives",
                      "drop 'engine' (the step's chunks are posted by the proxy)")
