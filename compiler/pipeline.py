@@ -140,6 +140,7 @@ def describe_schedule(s: model.Schedule) -> str:
     out = [f"schedule {s.name}" + (f"  # {terminal(s.title)}" if s.title else "")]
     out.append(f"topology {t.name}: " + " x ".join(f"{lv.count} {lv.name}" for lv in sp.levels)
                + f" = {t.num_ranks} ranks")
+    out.append(f"  vendor {t.vendor} arch {t.arch}")
     for g in sp.groups.values():
         out.append(f"  group {g.name} = {g.size} {g.level}")
     for r in t.relations.values():
@@ -150,6 +151,8 @@ def describe_schedule(s: model.Schedule) -> str:
         eff = f" at {l.efficiency * 100:g} %" if l.efficiency < 1 else ""
         sh = f", shared per {l.shared_per}" if l.shared_per else ""
         sh += f", fp32 atomics {l.atomics / 1e9:g} GB/s per pair" if l.atomics else ""
+        sh += (", engines " + ", ".join(f"{e} {r / 1e9:g} GB/s" for e, r in l.engine_rates.items())
+               if l.engine_rates else "")
         conn = f" connects {l.relation_text} ({len(l.pairs) // 2} pairs)" if l.kind != "local" else ""
         out.append(f"  link {l.name} {l.kind}: {bw}{eff}, {l.latency * 1e6:g} us, engine {l.engine}{sh}{conn}")
     out.append(f"workload: {wl.tokens} tokens/rank, hidden {wl.hidden} {wl.dtype}, top-{wl.topk} of {wl.experts} "
@@ -163,7 +166,7 @@ def describe_schedule(s: model.Schedule) -> str:
                 f" capacity {b.capacity_bytes} B" if b.capacity_bytes else "")
             out.append(f"  buffer {b.name} ({b.role}){cap}")
         for st in p.steps:
-            link = f" over {st.link.name}" if st.link else ""
+            link = (f" over {st.link.name}" if st.link else "") + (f" engine {st.engine}" if st.engine else "")
             deps = f" after {', '.join(st.deps)}" if st.deps else ""
             out.append(f"  step {st.name}: {st.describe()}{link}{deps}    # line {st.span.line}")
     if s.combine is None:

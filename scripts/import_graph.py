@@ -45,8 +45,8 @@ RUNTIME = ("rt.base", "rt.layout", "rt.engines", "rt.buffer", "rt.testing")
 #: matches module x and every module below it, `=x` module x alone; the longest match decides.
 LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     # the compiler core: frontend -> sema -> ir/analysis/passes -> pipeline, over the plan and cost model
-    "base": (("=epcc", "epcc.diagnostics", "epcc.files", "epcc.limits", "epcc.textsafe"), (),
-             "the package, its diagnostics, bounded input files, value limits, escaping of user text"),
+    "base": (("=epcc", "epcc.diagnostics", "epcc.files", "epcc.limits", "epcc.textsafe", "epcc.vendors"), (),
+             "the package, its diagnostics, bounded input files, value limits, escaping of user text, the vendors"),
     "plan": (("epcc.plan",), CORE[:1], "the plan (data), its RDMA and direct-kernel shapes, the bundle loader"),
     "costmodel": (("epcc.costmodel",), CORE[:2], "rate and work terms the passes and the simulator share"),
     "frontend": (("epcc.frontend",), CORE[:3], "the .sched grammar and its AST"),

@@ -163,8 +163,17 @@ class Table:
 
 @dataclass(frozen=True)
 class LinkProp:
-    key: str  # connects | bandwidth | latency | engine | lanes | efficiency | shared | atomics | post
-    value: object  # RelExpr | Quantity | Name | int
+    key: str  # connects | bandwidth | latency | engine | lanes | efficiency | shared | atomics | post | engines
+    value: object  # RelExpr | Quantity | Name | int | tuple[EngineRate, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class EngineRate:
+    """`spc 27.9 GB/s` in a link's `engines`: what that copy engine reaches over the link."""
+
+    engine: Name
+    rate: Quantity
     span: Span
 
 
@@ -186,6 +195,15 @@ class SmRate:
 
 
 @dataclass(frozen=True)
+class Vendor:
+    """`vendor biren arch br166`: whose machine the topology is."""
+
+    name: Name
+    arch: Name | None
+    span: Span
+
+
+@dataclass(frozen=True)
 class Topology:
     name: Name
     levels: tuple[Level, ...]
@@ -198,6 +216,7 @@ class Topology:
     span: Span
     extra_ranks: tuple[Name, ...] = ()  # `rank` given more than once (an error)
     sm_rates: tuple[SmRate, ...] = ()  # every `sm` line's rates, in source order
+    vendors: tuple[Vendor, ...] = ()  # every `vendor` line (more than one is an error)
 
 
 # --------------------------------------------------------------------------- workload
@@ -263,7 +282,7 @@ class Action:
 
 @dataclass(frozen=True)
 class StepOpt:
-    key: str  # over | chunk | depth | after | parallel | order | sms | dedup
+    key: str  # over | chunk | depth | after | parallel | order | sms | dedup | engine
     value: object
     span: Span
 

@@ -62,7 +62,7 @@ class AstBuilder:
         levels_span = None
         rank = None
         extra_ranks: list[ast.Name] = []
-        groups, rels, tables, links, sm_rates = [], [], [], [], []
+        groups, rels, tables, links, sm_rates, vendors = [], [], [], [], [], []
         for it in tree.children[1:]:
             d = it.data
             if d == "levels_decl":
@@ -89,8 +89,11 @@ class AstBuilder:
             elif d == "sm_decl":
                 sm_rates.extend(ast.SmRate(self.name(r.children[0]), self.quantity(r.children[1]), self.span(r))
                                 for r in it.children)
+            elif d == "vendor_decl":
+                arch = self.name(it.children[1]) if len(it.children) > 1 else None
+                vendors.append(ast.Vendor(self.name(it.children[0]), arch, self.span(it)))
         return ast.Topology(name, tuple(levels), levels_span, rank, tuple(groups), tuple(rels), tuple(tables),
-                            tuple(links), self.span(tree), tuple(extra_ranks), tuple(sm_rates))
+                            tuple(links), self.span(tree), tuple(extra_ranks), tuple(sm_rates), tuple(vendors))
 
     def rel_expr(self, tree: Tree) -> ast.RelExpr:
         return ast.RelExpr(tuple(self.rel_alt(a) for a in tree.children), self.span(tree))
@@ -166,6 +169,9 @@ class AstBuilder:
                 val = int(c[0])
             elif d == "shared_prop":
                 val = self.name(c[0])
+            elif d == "engines_prop":
+                val = tuple(ast.EngineRate(self.name(r.children[0]), self.quantity(r.children[1]), self.span(r))
+                            for r in c)
             elif d == "efficiency_prop":
                 val = self.number_quantity(c[0], "%" if len(c) > 1 else None)
             else:  # pragma: no cover
@@ -287,6 +293,8 @@ class AstBuilder:
             return ast.StepOpt("ramp", int(c[0]), sp)
         if d == "dedup_opt":
             return ast.StepOpt("dedup", self.name(c[0]), sp)
+        if d == "engine_opt":
+            return ast.StepOpt("engine", self.name(c[0]), sp)
         raise AssertionError(d)  # pragma: no cover
 
 

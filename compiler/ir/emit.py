@@ -93,6 +93,8 @@ class _Emitter:
     # ------------------------------------------------------------------ topology
     def _topology(self, t: model.Topology) -> None:
         top = ops.topology_module(t.name, loc=span_loc(t.span))
+        query.annotate(top.operation, "vendor", t.vendor)  # whose machine (`vendor biren arch br166`)
+        query.annotate(top.operation, "arch", t.arch)
         if t.sm_rates:  # bytes/s per SM by kind of work (the simulator's SM term)
             query.annotate(top.operation, "sm_rates_Bps", {k: float(v) for k, v in t.sm_rates.items()})
         if t.sm_launch:  # seconds per kernel launch (the simulator's launches of the direct kernels)
@@ -116,10 +118,12 @@ class _Emitter:
             links = ops.links_module(loc=span_loc(t.span))
             with ir.InsertionPoint(links.body):
                 for lk in sorted(t.links.values(), key=lambda lk: lk.span):
-                    ops.link(lk.name, lk.kind, bandwidth_Bps=lk.bandwidth, latency_s=lk.latency,
-                             engine=lk.engine, lanes=lk.lanes, efficiency=lk.efficiency,
-                             connects=lk.relation_text, pairs=lk.pairs, shared_per=lk.shared_per,
-                             loc=span_loc(lk.span))
+                    op = ops.link(lk.name, lk.kind, bandwidth_Bps=lk.bandwidth, latency_s=lk.latency,
+                                  engine=lk.engine, lanes=lk.lanes, efficiency=lk.efficiency,
+                                  connects=lk.relation_text, pairs=lk.pairs, shared_per=lk.shared_per,
+                                  loc=span_loc(lk.span))
+                    if lk.engine_rates:  # the engines engine-selection chooses between, with their rates
+                        query.annotate(op, "engines_Bps", {e: float(r) for e, r in lk.engine_rates.items()})
 
     def _workload(self, w: model.Workload) -> None:
         ops.workload(tokens=w.tokens, hidden=w.hidden, dtype=w.dtype, topk=w.topk, experts=w.experts,

@@ -72,6 +72,7 @@ PIPELINE = (
     "route-analysis",
     "verify-delivery",
     "derive-combine",
+    "engine-selection",
     "chunk-pipeline",
     "overlap-schedule",
     "buffer-allocation",

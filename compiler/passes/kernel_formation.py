@@ -31,6 +31,12 @@ holding an `epcc.role` per step, at the location of the step.
 The plan also records the CUDA target's choice for the whole plan (plan/direct.py): `Plan.direct`,
 the direct one-hop kernels and their shape where the plan has it, else the reason in
 `Plan.direct_not_used`; the CUDA code generator and `epcc simulate` read it, neither re-derives it.
+And the launches across a card's dies (plan/launch.py): `Plan.launch`, the rank pairs one
+duplicate-mode launch covers where the ranks are the two dies of a card and the plan is symmetric
+across them, else why not (IR: `epcc.launch = {duplicate, why}` on the top module).
+
+Engines: a step's engine is engine-selection's choice (`PlanStep.engine`); a role over a link
+that offers several engines carries the reason (`epcc.engine_why`: both engines' rates and times).
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ from ..ir import ops, query
 from ..costmodel.rates import PROXY_MIN_SMS, proxy_rates, sm_rates
 from ..plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
 from ..plan.direct import direct_kernels
+from ..plan.launch import duplicate_launch
+from ..sema import model
+from ..vendors import VENDORS
 from . import Pass, PassContext, register
 from .overlap_schedule import busy_time, step_times
 
@@ -51,6 +60,25 @@ DEFAULT_SMS = 24
 META_SMS = 2  # counting and exchanging counts is latency-bound: a couple of SMs
 
 PROXY_MAX_SMS = 16  # blocks of a GPU proxy path's pack or unpack role at most (at least: rates.PROXY_MIN_SMS)
+
+
+def step_engine(ps: PlanStep, links) -> str:
+    """The engine a step runs on: engine-selection's choice, else its link's."""
+    return ps.engine or (links[ps.link].engine if ps.link in links else "sm")
+
+
+def card_dies(topo: model.Topology) -> tuple[list[int] | None, str]:
+    """(each rank's other die on its card, or None, and then why not): the ranks are the dies of
+    two-die cards when the architecture has two dies per card and the innermost level, the rank's,
+    counts 2 (stride 1: the other die of rank r is r ^ 1)."""
+    arch = VENDORS[topo.vendor].arch(topo.arch)
+    if arch is None or arch.dies_per_card != 2:
+        return None, f"{topo.vendor} {topo.arch}: one die per card, nothing to duplicate"
+    lv = topo.space.rank_level
+    if lv.count != 2:
+        return None, (f"the ranks are {lv.name}s, {lv.count} per instance of the level above, not the 2 dies of a "
+                      f"{topo.arch} card: each rank's own launch spans its card's dies")
+    return [r ^ 1 for r in range(topo.num_ranks)], ""
 
 
 def role_of(ps: PlanStep, verb_of_dispatch: str | None) -> str:
@@ -131,7 +159,7 @@ class KernelFormation(Pass):
             times = step_times(ctx, program)
             groups: dict[str, list[PlanStep]] = {"meta": [], "kernel": [], "proxy": [], "dma": []}
             for s in steps:
-                engine = links[s.link].engine if s.link in links else "sm"
+                engine = step_engine(s, links)
                 if s.verb == "exchange":
                     groups["meta"].append(s)
                 elif s.link_kind == "rdma" or engine in ("nic", "proxy"):
@@ -153,7 +181,7 @@ class KernelFormation(Pass):
                     sms = {}
                 at = 0
                 for s in members:
-                    engine = links[s.link].engine if s.link in links else "sm"
+                    engine = step_engine(s, links)
                     ds_verb = sched.dispatch.step(s.reverse_of).verb if s.reverse_of else None
                     n_sm = sms.get(s.name, 0)
                     pack, unpack = proxy_sms(plan, s) if kind == "proxy" else (0, 0)
@@ -164,6 +192,9 @@ class KernelFormation(Pass):
                 kernels.append(kp)
         plan.kernels = kernels
         plan.direct, plan.direct_not_used = direct_kernels(plan)
+        plan.launch = duplicate_launch(plan, *card_dies(sched.topology))
+        query.annotate(module, "launch", {"duplicate": [list(p) for p in plan.launch.duplicate],
+                                          "why": plan.launch.why})
         self._emit(module, ctx, kernels)
 
     def _emit(self, module, ctx: PassContext, kernels: list[KernelPlan]) -> None:
@@ -175,6 +206,7 @@ class KernelFormation(Pass):
             op = steps.get(program, {}).get(step)
             return op.location if op is not None else None
 
+        engine_why = {(s.program, s.name): s.engine_why for s in ctx.get("plan").steps if s.engine_why}
         with ir.InsertionPoint(query.body(module)):
             for kp in kernels:
                 loc = step_loc(kp.program, kp.roles[0].step) or module.location
@@ -185,6 +217,9 @@ class KernelFormation(Pass):
                     for r in kp.roles:
                         op = ops.role(step=r.step, role=r.role, sm_begin=r.sm_begin, sm_end=r.sm_end, warps=r.warps,
                                       engine=r.engine, loc=step_loc(kp.program, r.step) or loc)
+                        why = engine_why.get((kp.program, r.step))
+                        if why:  # engine-selection's reason: the link's engines, their rates and times
+                            query.annotate(op, "engine_why", why)
                         if r.pack_sms or r.unpack_sms:
                             query.annotate(op, "pack_sms", r.pack_sms)
                             query.annotate(op, "unpack_sms", r.unpack_sms)

@@ -18,6 +18,7 @@ from . import (  # noqa: F401 - importing a pass module registers its pass
     buffer_allocation,
     chunk_pipeline,
     derive_combine,
+    engine_selection,
     instantiate,
     kernel_formation,
     overlap_schedule,

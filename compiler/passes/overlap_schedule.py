@@ -104,7 +104,8 @@ class OverlapSchedule(Pass):
             for s in steps:
                 if s.name not in ops:
                     continue
-                engine = links[s.link].engine if s.link in links else ("host" if s.verb == "exchange" else "sm")
+                engine = s.engine or (links[s.link].engine if s.link in links else
+                                      ("host" if s.verb == "exchange" else "sm"))
                 query.annotate(ops[s.name], "order", {
                     "priority": s.priority,
                     "est_start_us": round(starts[s.name] * 1e6, 3),

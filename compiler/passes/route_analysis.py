@@ -49,7 +49,7 @@ def build_plan(sched: model.Schedule, flow: FlowAnalysis) -> Plan:
                 rank_names=[space.describe(r) for r in range(topo.num_ranks)], sm_rates=dict(topo.sm_rates),
                 sm_launch_s=topo.sm_launch, sm_meta_s=topo.sm_meta,
                 atomics={l.name: l.atomics for l in topo.links.values() if l.atomics},
-                post_s={l.name: l.post for l in topo.links.values() if l.post})
+                post_s={l.name: l.post for l in topo.links.values() if l.post}, vendor=topo.vendor, arch=topo.arch)
     max_latency = max((l.latency for l in topo.links.values()), default=0.0)
     for st in sched.dispatch.steps:
         vol = flow.volumes[st.name]

@@ -15,8 +15,8 @@
 Nothing here needs MLIR, lark or jinja2: a GPU machine reads bundles with it.
 """
 
-from .model import (WARPS_PER_SM, BufferPlan, DirectKernels, Flow, KernelPlan, Plan, PlanStep, RolePlan,
-                    WorkloadPlan, chunk_sizes, ramp_sizes)
+from .model import (WARPS_PER_SM, BufferPlan, DirectKernels, Flow, KernelPlan, LaunchPlan, Plan, PlanStep,
+                    RolePlan, WorkloadPlan, chunk_sizes, ramp_sizes)
 
-__all__ = ["WARPS_PER_SM", "BufferPlan", "DirectKernels", "Flow", "KernelPlan", "Plan", "PlanStep", "RolePlan",
-           "WorkloadPlan", "chunk_sizes", "ramp_sizes"]
+__all__ = ["WARPS_PER_SM", "BufferPlan", "DirectKernels", "Flow", "KernelPlan", "LaunchPlan", "Plan", "PlanStep",
+           "RolePlan", "WorkloadPlan", "chunk_sizes", "ramp_sizes"]

@@ -24,7 +24,8 @@ from typing import Any
 from ..limits import MAX_DEPTH, MAX_RAMP, MAX_RANKS, MAX_SIZE, MAX_SMS
 from ..limits import WORKLOAD_LIMITS as LIMITS
 from .invariants import check_invariants
-from .model import Plan
+from ..vendors import VENDORS
+from .model import ENGINES, Plan
 from .schema import MAX_FLOAT, MAX_INT, PLAN_FORMAT, FormatVersionError, SchemaError, Str, check_format, fail
 
 PROGRAMS = ("dispatch", "combine")
@@ -168,6 +169,23 @@ def _check_fields(d: dict) -> None:
             raise SchemaError(f"workload.hidden: {wl['hidden']} is not divisible by {FP8_SCALE_GROUP} (fp8)")
         if wl["placement"] not in PLACEMENTS:
             raise SchemaError(f"workload.placement: {wl['placement']!r} is not one of {', '.join(PLACEMENTS)}")
+    vendor = VENDORS.get(d["vendor"])
+    if vendor is None:
+        raise SchemaError(f"vendor: {d['vendor']!r} is not one of {', '.join(VENDORS)}")
+    if vendor.arch(d["arch"]) is None:
+        raise SchemaError(f"arch: {d['arch']!r} is not a {vendor.name} architecture "
+                          f"({', '.join(a.name for a in vendor.archs)})")
+    launch = d.get("launch")
+    if launch is not None:
+        dies: set[int] = set()
+        for i, pair in enumerate(launch["duplicate"]):
+            if len(pair) != 2:
+                raise SchemaError(f"launch.duplicate[{i}]: {len(pair)} ranks (expected the 2 dies of a card)")
+            for j, r in enumerate(pair):
+                _range(f"launch.duplicate[{i}][{j}]", r, 0, R - 1, "a rank")
+                if r in dies:
+                    raise SchemaError(f"launch.duplicate[{i}][{j}]: rank {r} appears twice")
+                dies.add(r)
     names = d.get("rank_names", [])
     if names and len(names) != R:
         raise SchemaError(f"rank_names: {len(names)} names for {R} ranks")
@@ -212,6 +230,8 @@ def _check_step(s: dict, at: str, R: int) -> None:
     _range(f"{at}.ramp_tail", s.get("ramp_tail"), 0, MAX_RAMP)
     _range(f"{at}.line", s.get("line"), 0, MAX_INT)
     _range(f"{at}.completion_lag", s.get("completion_lag"), 0, 1)
+    if s.get("engine") is not None and s["engine"] not in ENGINES:
+        raise SchemaError(f"{at}.engine: {s['engine']!r} is not one of {', '.join(ENGINES)}")
     flows = s["flows"]
     if len(flows) > R * R:
         raise SchemaError(f"{at}.flows: {len(flows)} flows, more than the {R * R} (rank, source, destination) "

@@ -24,6 +24,15 @@ from dataclasses import asdict, dataclass, field, replace
 from math import ceil
 from typing import Any
 
+from ..vendors import DEFAULT_ARCH, DEFAULT_VENDOR
+
+
+# What may move a step's rows: GPU threads (sm; spc, a Biren compute cluster; tma), a copy engine
+# (ce, dma), a NIC (nic) or the host proxy (proxy).  A link's `engines` and a step's `engine`
+# choose among the COPY_ENGINES (p2p, d2d and local links).
+ENGINES = ("sm", "spc", "tma", "ce", "dma", "nic", "proxy")
+COPY_ENGINES = ("sm", "spc", "tma", "ce", "dma")
+
 
 def ramp_sizes(tokens_per_chunk: int, halvings: int) -> list[int]:
     """Chunk sizes, in tokens, of one end of a ramped copy, smallest first: `tokens_per_chunk`
@@ -122,6 +131,13 @@ class PlanStep:
     # it by that much more.  Set by the simulator's SM terms (sim/sm_terms.py); 0: chunks
     # complete as bytes move (the fluid model).
     completion_lag: float = 0.0
+    # The engine that copies its rows (engine-selection): the link's `engine`, or of the link's
+    # `engines` the one the cost model found fastest or the step named; None in a plan from
+    # before engines were chosen per step (its roles say the engine) and for metadata exchanges
+    # routed by the compiler.  `engine_why`: how it was chosen, both engines' rates and times
+    # (None where the link offers one engine).
+    engine: str | None = None
+    engine_why: str | None = None
 
     @property
     def total_bytes(self) -> float:
@@ -237,6 +253,19 @@ class DirectKernels:
 
 
 @dataclass
+class LaunchPlan:
+    """How the plan's kernels are launched on cards of several dies (plan/launch.py decides).
+
+    `duplicate`: rank pairs [die 0's rank, die 1's rank], one per card, whose kernels one
+    duplicate-mode launch covers (the same kernel and launch configuration on both dies of the card,
+    each die reading its own rank's arguments); empty where the plan is not symmetric across
+    the dies or the cards have one die, with the reason in `why`."""
+
+    duplicate: list[list[int]] = field(default_factory=list)
+    why: str = ""
+
+
+@dataclass
 class Plan:
     schedule: str
     num_ranks: int
@@ -264,6 +293,13 @@ class Plan:
     # None with the reason in `direct_not_used`.
     direct: DirectKernels | None = None
     direct_not_used: str | None = None
+    # Whose machine the topology is (`vendor biren arch br166`, epcc.vendors); nvidia hopper in a
+    # plan from before topologies named it.
+    vendor: str = DEFAULT_VENDOR
+    arch: str = DEFAULT_ARCH
+    # Duplicate-mode launches across the dies of a card (kernel-formation, plan/launch.py); None
+    # in a plan from before they were decided.
+    launch: LaunchPlan | None = None
 
     def step(self, name: str, program: str = "dispatch") -> PlanStep:
         for s in self.steps:
@@ -297,6 +333,8 @@ class Plan:
         kernels = [KernelPlan(**{**k, "roles": [RolePlan(**r) for r in k["roles"]]}) for k in d.pop("kernels", [])]
         wl = d.pop("workload", None)
         direct = d.pop("direct", None)
+        launch = d.pop("launch", None)
         return Plan(**d, steps=steps, buffers=buffers, kernels=kernels,
                     workload=WorkloadPlan(**wl) if wl else None,
-                    direct=DirectKernels(**direct) if direct else None)
+                    direct=DirectKernels(**direct) if direct else None,
+                    launch=LaunchPlan(**launch) if launch else None)

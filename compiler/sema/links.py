@@ -82,6 +82,16 @@ def _link(lk: ast.Link, rels: RelationResolver, diags: DiagnosticBag) -> model.L
                         f"engines are {', '.join(model.ENGINES)}")
             ok = False
         engine = en.text
+    engine_rates = _engine_rates(props.get("engines"), kind, diags)
+    ok &= engine_rates is not None
+    if engine_rates:
+        if "engine" not in props:
+            engine = next(iter(engine_rates))
+        elif engine in model.ENGINES and engine not in engine_rates:
+            diags.error(props["engine"].value.span, f"engine '{engine}' is not one of the link's engines "
+                        f"({', '.join(engine_rates)})", "name one of them, or drop 'engine' (the first of "
+                        "'engines' is the link's engine where the cost model has no preference)")
+            ok = False
     lanes = 1
     if "lanes" in props:
         lanes = props["lanes"].value
@@ -154,7 +164,42 @@ def _link(lk: ast.Link, rels: RelationResolver, diags: DiagnosticBag) -> model.L
     if not ok:
         return None
     return model.LinkInfo(lk.name.text, kind, bw, lat, engine, lanes, eff, pairs, rel_text, lk.span, shared, atomics,
-                          post)
+                          post, engine_rates or {})
+
+
+def _engine_rates(prop: ast.LinkProp | None, kind: str, diags: DiagnosticBag) -> dict[str, float] | None:
+    """A link's `engines spc 27.9 GB/s, dma 15 GB/s`: rate by engine, in the order written ({}
+    without the property); None when any of it is wrong (reported)."""
+    if prop is None:
+        return {}
+    if kind == "rdma":
+        diags.error(prop.span, "an rdma link is driven by its NIC; 'engines' chooses between copy engines of a "
+                    "p2p, d2d or local link", "drop 'engines' (the step's chunks are posted by the proxy)")
+        return None
+    out: dict[str, float] = {}
+    first: dict[str, ast.EngineRate] = {}
+    ok = True
+    for er in prop.value:
+        name = er.engine.text
+        if name not in model.COPY_ENGINES:
+            diags.error(er.engine.span, f"unknown copy engine '{name}'", *suggestion(name, model.COPY_ENGINES),
+                        f"copy engines are {', '.join(model.COPY_ENGINES)}")
+            ok = False
+            continue
+        if name in first:
+            diags.error(er.span, f"engine '{name}' is given twice", Note("first given here", first[name].span))
+            ok = False
+            continue
+        first[name] = er
+        rate = parse_quantity(er.rate, "bandwidth", diags)
+        if rate is not None and rate <= 0:
+            diags.error(er.rate.span, f"an engine's rate must be positive, not {quantity_text(er.rate)}")
+            rate = None
+        if rate is None:
+            ok = False
+            continue
+        out[name] = rate
+    return out if ok else None
 
 
 def _check_pairs(targets: list[set[int]], span: Span, what: str, space: model.RankSpace,

@@ -14,9 +14,10 @@ from typing import Callable, Mapping, Sequence
 
 from ..diagnostics import Span
 from ..costmodel.uniform import hit_probability
+from ..plan.model import COPY_ENGINES, ENGINES  # noqa: F401 - the engines a link or step names
+from ..vendors import DEFAULT_ARCH, DEFAULT_VENDOR
 
 LINK_KINDS = ("p2p", "d2d", "rdma", "local")
-ENGINES = ("sm", "spc", "tma", "ce", "dma", "nic", "proxy")
 DEFAULT_ENGINE = {"p2p": "sm", "d2d": "sm", "rdma": "nic", "local": "sm"}
 DTYPES = ("bf16", "fp8")
 PLACEMENTS = ("blocked", "strided")
@@ -161,6 +162,11 @@ class LinkInfo:
     # the credit it returns for one included; one proxy thread per rank and program posts them
     # one after another, so a channel moves at most chunk / post.  0: not declared.
     post: float = 0.0
+    # `engines spc 27.9 GB/s, dma 15 GB/s`: the copy engines that can drive this link and the rate
+    # each reaches over it (per direction and rank pair), in the order written; a step over the
+    # link runs on the one the cost model finds fastest (engine-selection) unless it names one
+    # (`engine dma`).  Empty: the link's one `engine`, at the link's rate.
+    engine_rates: Mapping[str, float] = field(default_factory=dict)
 
     def connects(self, a: int, b: int) -> bool:
         if self.kind == "local":
@@ -203,6 +209,9 @@ class Topology:
     sm_launch: float = 0.0
     # the `sm` line's `meta 6 us`: seconds per metadata pass of a dispatch (0: not given)
     sm_meta: float = 0.0
+    # `vendor biren arch br166` (epcc.vendors): whose machine it is; nvidia hopper when not given
+    vendor: str = DEFAULT_VENDOR
+    arch: str = DEFAULT_ARCH
 
     @property
     def num_ranks(self) -> int:
@@ -330,6 +339,7 @@ class Step:
     chunk_bytes: int | None = None
     depth: int | None = None
     sms: int | None = None
+    engine: str | None = None  # `engine dma`: the copy engine this step runs on (None: engine-selection picks)
     ramp: int | None = None  # most halvings of its first / last chunks (None: chunk-pipeline's default)
     order: str | None = None  # first | last
     dedup: str = "rank"  # rank | none

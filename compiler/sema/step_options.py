@@ -87,6 +87,13 @@ class StepOptions:
                     self.err(o.value.span, f"unknown dedup mode '{o.value.text}'", *suggestion(o.value.text, DEDUP),
                              "dedup rank: one copy per token and receiving rank; dedup none: one copy per expert")
                 st.dedup = o.value.text
+            elif key == "engine":
+                if o.value.text not in model.COPY_ENGINES:
+                    self.err(o.value.span, f"unknown copy engine '{o.value.text}'",
+                             *suggestion(o.value.text, model.COPY_ENGINES),
+                             f"copy engines are {', '.join(model.COPY_ENGINES)}")
+                else:
+                    st.engine = o.value.text
             elif key == "order":
                 st.order = o.value
             elif key == "after":
@@ -95,6 +102,40 @@ class StepOptions:
                 st.parallel = tuple(n.text for n in o.value)
         if resolve_link:
             self._link(st, given.get("over"))
+            if st.engine is not None:
+                self._check_engine(st, given["engine"])
+
+    def _check_engine(self, st: model.Step, opt: ast.StepOpt) -> None:
+        """A step's `engine` is one its link offers (its `engines`, or its one `engine`)."""
+        if st.verb == "exchange":
+            self.err(opt.span, f"step '{st.name}' exchanges metadata, which the compiler routes; 'engine' chooses "
+                               f"how a step copies rows", "drop 'engine'")
+            st.engine = None
+            return
+        link = st.link
+        if link is None:
+            default = model.DEFAULT_ENGINE["local"]
+            if st.verb in ("copy", "permute", "reduce") and not self.topo.local_links() and st.engine != default:
+                self.err(opt.value.span, f"step '{st.name}' has no local link to run on engine '{st.engine}': "
+                                         f"without one, local steps run on '{default}'",
+                         f"declare one, e.g. 'link hbm local {{ bandwidth 600 GB/s  engines {default} 600 GB/s, "
+                         f"{st.engine} 300 GB/s }}'")
+                st.engine = None
+            return  # otherwise no link resolved: already reported
+        if link.kind == "rdma":
+            self.err(opt.span, f"step '{st.name}' runs over the rdma link '{link.name}', which its NIC drives",
+                     "drop 'engine' (the step's chunks are posted by the proxy)")
+            st.engine = None
+            return
+        offered = tuple(link.engine_rates) or (link.engine,)
+        if st.engine not in offered:
+            notes = [f"link '{link.name}' offers {', '.join(offered)}"]
+            if not link.engine_rates:
+                notes.append(f"give the link the engines it can run on, e.g. 'engines {link.engine} 20 GB/s, "
+                             f"{st.engine} 15 GB/s'")
+            self.err(opt.value.span, f"link '{link.name}' cannot run step '{st.name}' on engine '{st.engine}'",
+                     *notes)
+            st.engine = None
 
     def _link(self, st: model.Step, over: ast.StepOpt | None) -> None:
         links = self.topo.links

@@ -4,7 +4,7 @@ In the order a topology is checked: its levels and groups make the rank space
 (:mod:`epcc.sema.rank_space`); its tables and relations are evaluated over that space
 (:mod:`epcc.sema.relations`); its links are checked and their `connects` evaluated the same way
 (:mod:`epcc.sema.links`); its `sm` lines (the per-SM rates and fixed times the simulator uses)
-are read here.
+and its `vendor` line (whose machine it is, :mod:`epcc.vendors`) are read here.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from .links import resolve_links
 from .rank_space import build_rank_space
 from .relations import RelationResolver
 from .units import parse_quantity
+from ..vendors import DEFAULT_ARCH, DEFAULT_VENDOR, VENDORS
 
 
 def resolve_topology(t: ast.Topology, diags: DiagnosticBag) -> model.Topology | None:
@@ -30,9 +31,35 @@ def resolve_topology(t: ast.Topology, diags: DiagnosticBag) -> model.Topology | 
     rels.resolve_all()
     links, broken_links = resolve_links(t.links, rels, diags)
     rates, times = _sm_rates(t, diags)
+    vendor, arch = _vendor(t, diags)
     return model.Topology(t.name.text, space, dict(rels.relations), links, t.span,
                           frozenset(rels.broken), frozenset(broken_links), rates,
-                          times.get(model.SM_LAUNCH, 0.0), times.get(model.SM_META, 0.0))
+                          times.get(model.SM_LAUNCH, 0.0), times.get(model.SM_META, 0.0), vendor, arch)
+
+
+def _vendor(t: ast.Topology, diags: DiagnosticBag) -> tuple[str, str]:
+    """The `vendor` line: (vendor, architecture); nvidia hopper without one.  An unknown vendor or
+    architecture is reported and the default stands in (the rest of the file is still checked)."""
+    if not t.vendors:
+        return DEFAULT_VENDOR, DEFAULT_ARCH
+    first = t.vendors[0]
+    for extra in t.vendors[1:]:
+        diags.error(extra.span, f"topology '{t.name.text}' names its vendor twice", Note("first named here", first.span))
+    name = first.name.text
+    vendor = VENDORS.get(name)
+    if vendor is None:
+        diags.error(first.name.span, f"unknown vendor '{name}'", *suggestion(name, VENDORS),
+                    f"vendors are {', '.join(VENDORS)}")
+        return DEFAULT_VENDOR, DEFAULT_ARCH
+    if first.arch is None:
+        return name, vendor.archs[0].name
+    arch = first.arch.text
+    if vendor.arch(arch) is None:
+        names = [a.name for a in vendor.archs]
+        diags.error(first.arch.span, f"unknown {name} architecture '{arch}'", *suggestion(arch, names),
+                    f"{name} architectures: {', '.join(names)}")
+        return name, vendor.archs[0].name
+    return name, arch
 
 
 def _sm_rates(t: ast.Topology, diags: DiagnosticBag) -> tuple[dict[str, float], dict[str, float]]:

@@ -65,6 +65,7 @@ class StepTiming:
     alone_s: float = 0.0  # duration when the step runs alone (serial sum's term)
     critical: bool = False
     moves_bytes: bool = True  # False: latency only (no flow uses a resource)
+    engine: str | None = None  # the engine that copies its rows (PlanStep.engine)
 
     @property
     def achieved_bps(self) -> float | None:

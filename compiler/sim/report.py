@@ -21,6 +21,7 @@ def to_dict(res: SimResult, passes_run: list[str] | None = None, tokens: int | N
     for s in res.steps:
         steps.append({
             "name": s.name, "program": s.program, "verb": s.verb, "link": s.link, "link_kind": s.link_kind,
+            "engine": s.engine,
             "ready_ms": s.ready_s * 1e3, "start_ms": s.start_s * 1e3, "end_ms": s.end_s * 1e3,
             "bytes": s.bytes, "max_rank_bytes": s.max_rank_bytes,
             "achieved_gbps": s.achieved_bps / 1e9 if s.achieved_bps else None,
@@ -75,7 +76,7 @@ def table(res: SimResult, passes_run: list[str] | None = None) -> str:
         out.append(f"SM model: {res.sm_model['text']}")
     w = max([15] + [len(s.name) for s in res.steps])
     lw = max([7] + [len(s.link or "-") for s in res.steps])
-    hdr = (f"{'step':<{w + 1}} {'link':<{lw}} {'kind':<6} {'start':>8} {'end':>8} {'MB/rank':>9} {'GB/s':>8} "
+    hdr = (f"{'step':<{w + 1}} {'link':<{lw}} {'kind':<6} {'engine':<6} {'start':>8} {'end':>8} {'MB/rank':>9} {'GB/s':>8} "
            f"{'chunks':>6} {'alone':>8}")
     for name, p in res.programs.items():
         out.append("")
@@ -86,7 +87,7 @@ def table(res: SimResult, passes_run: list[str] | None = None) -> str:
         for s in p.steps:
             gbps = f"{s.achieved_bps / 1e9:.1f}" if s.achieved_bps else "-"
             mark = "*" if s.critical else " "
-            out.append(f"{mark}{s.name:<{w}} {s.link or '-':<{lw}} {s.link_kind or '-':<6} {_ms(s.start_s):>8} "
+            out.append(f"{mark}{s.name:<{w}} {s.link or '-':<{lw}} {s.link_kind or '-':<6} {s.engine or '-':<6} {_ms(s.start_s):>8} "
                        f"{_ms(s.end_s):>8} {s.max_rank_bytes / 1e6:>9.2f} {gbps:>8} {s.num_chunks:>6} {_ms(s.alone_s):>8}")
         out.append("link busy (busiest instance; busy = bytes / capacity, active = wall time with traffic):")
         cw = max([10] + [len(c.name) for c in p.link_classes.values()])

@@ -123,7 +123,8 @@ class SimResult:
 
 def link_class_of(resource: str, steps_using: list[PlanStep]) -> tuple[str, str | None]:
     """`link:<name>:...` -> name; `hbm:<rank>` -> the local link its steps name (hbm by default);
-    `sm:...` (a role's or a direct kernel's pool of SMs) -> sm; `pack:` / `unpack:` (the GPU proxy
+    `sm:...` (a role's or a direct kernel's pool of SMs) -> sm; `engine:<link>.<engine>:...` (a
+    copy engine slower than its link) -> `<link> <engine>`; `pack:` / `unpack:` (the GPU proxy
     path's blocks of an RDMA step) -> rdma pack / rdma unpack; `post:` (a rank's proxy thread) ->
     rdma proxy."""
     kinds = [s.link_kind for s in steps_using if s.link_kind]
@@ -137,6 +138,9 @@ def link_class_of(resource: str, steps_using: list[PlanStep]) -> tuple[str, str 
         return f"rdma {resource.split(':')[0]}", "sm"
     if resource.startswith("post:"):  # a rank's proxy thread, posting one chunk after another
         return "rdma proxy", kind
+    if resource.startswith("engine:"):  # the copy engine a step runs on, below the link's rate (engine-selection)
+        link, engine = resource.split(":")[1].split(".", 1)
+        return f"{link} {engine}", kind
     if resource.startswith("atomics:"):  # fp32 adds into a peer over a link (the link's `atomics`)
         return f"{resource.split(':')[1]} atomics", kind
     if resource.startswith("link:"):
@@ -160,7 +164,7 @@ def simulate_program(plan: Plan, program: str, steps: list[PlanStep], opts: SimO
             float(eng.ready_t[i]), float(eng.start_t[i]), float(eng.end_t[i]), s.total_bytes,
             s.max_rank_bytes(), max(1, int(s.num_chunks or 1)), eng.chunk_times(i),
             step_alone(s, plan.resources, opts),
-            moves_bytes=any(f.resources and f.bytes > 0 for f in s.flows)))
+            moves_bytes=any(f.resources and f.bytes > 0 for f in s.flows), engine=s.engine))
     makespan = max((t.end_s for t in timings), default=launch_s)
     serial = launch_s + sum(t.alone_s for t in timings)
 

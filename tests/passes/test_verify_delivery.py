@@ -52,7 +52,7 @@ def write(tmp_path, name: str, text: str) -> Path:
 # ---------------------------------------------------------------------------- shipped schedules
 
 EXPECTED_RANKS = {"dgx_h800_2node": 16, "h200x2_2vnode": 2, "h200x2_2vnode_relay": 2, "h200x2_2vnode_mixed": 2, "h200x4": 4, "h200x4_2vnode": 4, "h200x4_ubb2x2": 4, "nvl8_hybrid": 8,
-                  "ocs_ep16": 16, "ubbv2_ep16": 16, "ubbv2_ep32": 32, "ubbv2_ep32_port10": 32}
+                  "ocs_ep16": 16, "ubbv2_card": 2, "ubbv2_ep16": 16, "ubbv2_ep32": 32, "ubbv2_ep32_port10": 32}
 
 
 def test_every_shipped_schedule_is_listed():
