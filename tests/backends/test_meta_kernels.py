@@ -271,7 +271,7 @@ def test_max_chunks_is_the_most_any_shorter_copy_has():
 
 
 def _proxy_manifest(plan, name: str) -> dict:
-    return codegen.generate(plan, source_of(name), codegen.CudaOptions(rdma="proxy")).manifest
+    return codegen.generate(plan, source_of(name), codegen.CudaOptions(rdma="proxy", proxy_device_tables=True)).manifest
 
 
 def _rdma_items(m: dict, parsed: dict, program: str) -> list[int]:
@@ -426,6 +426,10 @@ def test_which_bundles_get_their_tables_from_the_gpu():
         m = _proxy_manifest(codegen_plan(name), name)
         assert m["metadata"]["lowering"] == "device", (name, m["metadata"])
         assert "metadata" not in {n["kind"] for n in m["not_lowered"]}, name
+    # by default the proxy path keeps host-built tables (the device path is opt-in until validated on GPUs)
+    m = codegen.generate(codegen_plan("h200x2_2vnode"), source_of("h200x2_2vnode"),
+                         codegen.CudaOptions(rdma="proxy")).manifest
+    assert m["metadata"]["lowering"] == "host" and "proxy_device_tables" in m["metadata"]["why"]
     # beyond one box the routing cannot be gathered over CUDA IPC (docs/cuda.md: across nodes)
     m = _proxy_manifest(codegen_plan("dgx_h800_2node"), "dgx_h800_2node")
     assert m["metadata"] == {"lowering": "host", "why": "the plan's 16 ranks span more than one CUDA IPC "
