@@ -103,6 +103,11 @@ def add_parser(sub) -> None:
     c.set_defaults(func=cmd_compile)
 
 
+def _rdma_without_target(rdma: str) -> str:
+    return (f"--rdma {rdma} chooses how a target's kernels run RDMA steps: add --target "
+            f"{' or --target '.join(TARGETS)}")
+
+
 def cmd_compile(args) -> int:
     until = args.emit or pipeline.STAGES[-1].name
 
@@ -113,14 +118,14 @@ def cmd_compile(args) -> int:
                      print_after if args.print_ir_after_all else None)
     warn(c)
     if args.emit:
-        if args.rdma != "auto" and args.target != "cuda":
-            raise user_error(f"--rdma {args.rdma} chooses how the CUDA backend runs RDMA steps: add --target cuda")
+        if args.rdma != "auto" and args.target not in TARGETS:
+            raise user_error(_rdma_without_target(args.rdma))
         if not args.print_ir_after_all:
             say_lines(pipeline.show(c, args.emit).rstrip("\n"))
         return EXIT_OK
     choice = resolve_target(c, args.target)
-    if args.rdma != "auto" and choice.target != "cuda":
-        raise user_error(f"--rdma {args.rdma} chooses how the CUDA backend runs RDMA steps: add --target cuda")
+    if args.rdma != "auto" and choice.target not in TARGETS:
+        raise user_error(_rdma_without_target(args.rdma))
     out = Path(args.output or Path("build") / c.schedule.name)
     ir_file = out / f"{c.schedule.name}.mlir"
     # the bundle directory is the compiler's: it writes NAME.mlir, plan.json, manifest.json and a

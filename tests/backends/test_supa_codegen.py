@@ -278,4 +278,4 @@ def test_cli_compile_target_supa(tmp_path, capsys, monkeypatch):
         bundle_io.supa_manifest(plain)
     rc = main(["compile", source_of("h200x4_2vnode"), "--target", "supa", "--rdma", "proxy", "-o",
                str(tmp_path / "p")])
-    assert rc == 1 and "--rdma proxy" in capsys.readouterr().err  # refused: SUPA has no GPU proxy path
+    assert rc == 1 and "--target supa: rdma 'proxy'" in capsys.readouterr().err

@@ -493,7 +493,7 @@ def test_tokens_and_hidden_beyond_the_files_limits_are_refused(capsys):
 
 def test_rdma_without_the_cuda_target_is_refused(capsys, tmp_path):
     rc, out, err = run(["compile", SMALL, "--rdma", "proxy", "-o", str(tmp_path / "b")], capsys)
-    assert rc == 1 and "--rdma proxy chooses how the CUDA backend runs RDMA steps: add --target cuda" in err
+    assert rc == 1 and "--rdma proxy chooses how a target's kernels run RDMA steps: add --target cuda or --target supa" in err
 
 
 def _variant(tmp_path: Path, name: str, old: str, new: str) -> str:
@@ -542,3 +542,14 @@ def test_an_empty_or_non_finite_routing_file_is_refused(capsys, tmp_path):
                       (inf, "popularity must be finite (entry 3 is not)")):
         rc, out, err = run(["simulate", "schedules/h200x4.sched", "--routing", str(path)], capsys)
         assert (rc, err) == (1, f"epcc: error: {path}: {msg}\n")
+
+
+def test_rdma_options_reach_the_supa_target(capsys, tmp_path):
+    """--rdma is the target's choice, SUPA's too: emulate compiles, proxy is refused by the SUPA
+    backend with its own reason (its kernels may not write host memory), not as a missing target."""
+    sched = str(Path(__file__).resolve().parents[2] / "schedules" / "h200x4_2vnode.sched")
+    rc, out, err = run(["compile", sched, "--target", "supa", "--rdma", "emulate", "-o", str(tmp_path / "e")], capsys)
+    assert rc == 0, err
+    assert (tmp_path / "e" / "supa" / "manifest.json").is_file()
+    rc, out, err = run(["compile", sched, "--target", "supa", "--rdma", "proxy", "-o", str(tmp_path / "p")], capsys)
+    assert rc == 1 and "--target supa: rdma 'proxy' (the GPU proxy path)" in err
