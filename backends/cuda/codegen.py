@@ -632,7 +632,7 @@ def device_metadata(plan: Plan, manifest: dict) -> dict:
         return host("RDMA steps are left to an external proxy (more ranks than one box)")
     if manifest["options"]["rdma"] == "proxy" and not manifest["options"].get("proxy_device_tables"):
         return host("the GPU proxy path's channels are set up from host-built tables (its tables from the GPU, "
-                    "CudaOptions.proxy_device_tables, are not yet validated on GPUs)")
+                    "`--proxy-tables device`, are not yet validated on GPUs)")
     if plan.num_ranks > MAX_IPC_RANKS:
         return host(f"the plan's {plan.num_ranks} ranks span more than one CUDA IPC domain (at most "
                     f"{MAX_IPC_RANKS}), and the metadata kernels gather the routing over CUDA IPC peer memory")

@@ -38,7 +38,9 @@ def _generator(backend) -> Callable[[Plan, str, object], Generated]:
     its target's language and against its runtime."""
     def generate(plan: Plan, source: str, args) -> Generated:
         try:
-            gen = generate_cuda(plan, source=source, options=CudaOptions(rdma=args.rdma), target=backend)
+            gen = generate_cuda(plan, source=source, target=backend,
+                                options=CudaOptions(rdma=args.rdma,
+                                                    proxy_device_tables=args.proxy_tables == "device"))
         except CudaCodegenError as e:
             raise TargetError(str(e)) from None
 
@@ -99,6 +101,10 @@ def add_parser(sub) -> None:
                         "loop, which writes them through a transport; an unpack role applies them), emulate (paced "
                         "SM roles over peer memory), external (left to the caller's proxy), auto (emulate up to 8 "
                         "ranks, else external; the default)")
+    c.add_argument("--proxy-tables", choices=["host", "device"], default="host",
+                   help="with --rdma proxy, where the proxy path's tables come from: host (laid out per routing, "
+                        "normal mode; the default) or device (written by the metadata kernels, the proxy set up "
+                        "once; experimental: its first GPU run posted no chunk)")
     plan_options(c)
     c.set_defaults(func=cmd_compile)
 
@@ -126,6 +132,8 @@ def cmd_compile(args) -> int:
     choice = resolve_target(c, args.target)
     if args.rdma != "auto" and choice.target not in TARGETS:
         raise user_error(_rdma_without_target(args.rdma))
+    if args.proxy_tables != "host" and args.rdma != "proxy":
+        raise user_error(f"--proxy-tables {args.proxy_tables} is for the GPU proxy path: add --rdma proxy")
     out = Path(args.output or Path("build") / c.schedule.name)
     ir_file = out / f"{c.schedule.name}.mlir"
     # the bundle directory is the compiler's: it writes NAME.mlir, plan.json, manifest.json and a

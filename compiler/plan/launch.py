@@ -12,7 +12,8 @@ what two would.  What each die moves may still differ with the routing: the kern
 counts at run time, as they do without duplicate mode.
 
 Decided from the plan and how its ranks sit on cards (`twin`: each rank's other die, from the
-rank space); kernel-formation records it in `Plan.launch`, the SUPA code generator reads it.
+rank space); kernel-formation records it in `Plan.launch` (plan.json, `--emit`).  Advisory for
+now: the SUPA code generator does not use it yet (every die is launched as its own rank).
 """
 
 from __future__ import annotations

@@ -35,7 +35,6 @@ import math
 from ..plan import Plan
 from .base import DeviceMetadata, SimulationError
 
-TOKEN_BLOCK = 128  # tokens per block of meta_count and meta_rows (include/epcc/table/meta.cuh kBlock)
 
 # Measured 2026-11-26 on 2 x H100 (132 SMs, NVLink 450 GB/s per direction), `torchrun --nproc-per-node 2
 # bench/meta_time.py BUNDLE --profile` for h200x2_2vnode_50 (2 ranks x 4096 tokens, top-8 of 256 experts;

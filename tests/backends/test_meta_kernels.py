@@ -429,7 +429,7 @@ def test_which_bundles_get_their_tables_from_the_gpu():
     # by default the proxy path keeps host-built tables (the device path is opt-in until validated on GPUs)
     m = codegen.generate(codegen_plan("h200x2_2vnode"), source_of("h200x2_2vnode"),
                          codegen.CudaOptions(rdma="proxy")).manifest
-    assert m["metadata"]["lowering"] == "host" and "proxy_device_tables" in m["metadata"]["why"]
+    assert m["metadata"]["lowering"] == "host" and "--proxy-tables device" in m["metadata"]["why"]
     # beyond one box the routing cannot be gathered over CUDA IPC (docs/cuda.md: across nodes)
     m = _proxy_manifest(codegen_plan("dgx_h800_2node"), "dgx_h800_2node")
     assert m["metadata"] == {"lowering": "host", "why": "the plan's 16 ranks span more than one CUDA IPC "

@@ -553,3 +553,16 @@ def test_rdma_options_reach_the_supa_target(capsys, tmp_path):
     assert (tmp_path / "e" / "supa" / "manifest.json").is_file()
     rc, out, err = run(["compile", sched, "--target", "supa", "--rdma", "proxy", "-o", str(tmp_path / "p")], capsys)
     assert rc == 1 and "--target supa: rdma 'proxy' (the GPU proxy path)" in err
+
+
+def test_proxy_tables_choose_where_the_proxy_paths_tables_come_from(capsys, tmp_path):
+    sched = str(Path(__file__).resolve().parents[2] / "schedules" / "h200x2_2vnode.sched")
+    rc, out, err = run(["compile", sched, "--target", "cuda", "--proxy-tables", "device", "-o", str(tmp_path / "a")],
+                       capsys)
+    assert (rc, err) == (1, "epcc: error: --proxy-tables device is for the GPU proxy path: add --rdma proxy\n")
+    for tables, lowering in (("host", "host"), ("device", "device")):
+        rc, out, err = run(["compile", sched, "--target", "cuda", "--rdma", "proxy", "--proxy-tables", tables,
+                            "-o", str(tmp_path / tables)], capsys)
+        assert rc == 0, err
+        m = json.loads((tmp_path / tables / "cuda" / "manifest.json").read_text())
+        assert m["metadata"]["lowering"] == lowering and m["options"]["proxy_device_tables"] == (tables == "device")

@@ -107,6 +107,10 @@ SUPA_VARIANTS = {  # name -> the CUDA variant whose source and options it compil
 }
 
 
+# the GPU proxy path with `--proxy-tables device`, on 2 and 4 GPUs (tests/gpu/proxy_worker.py)
+PROXY_DEVICE_VARIANTS = ["h200x2_2vnode_50", "h200x4_2vnode_50"]
+
+
 def build(epcc: Path, out: Path, name: str, src: Path, extra: list[str], compile_extra: tuple[str, ...] = (),
           rdma: str = "proxy", target: str = "cuda") -> bool:
     """Compile `src` into out/name (a `target` bundle) and store its `epcc simulate --json` beside it
@@ -135,6 +139,10 @@ def main(argv: list[str]) -> int:
             return 1
         # the same plan with the RDMA step through the host proxy loop (copy-engine transport)
         if not build(epcc, out, f"{name}_proxy", rdma_source(out, name), [], ("--rdma", "proxy")):
+            return 1
+    for name in PROXY_DEVICE_VARIANTS:  # the proxy path with its tables written on the GPU (experimental)
+        if not build(epcc, out, f"{name}_proxy_dev", rdma_source(out, name), [],
+                     ("--rdma", "proxy", "--proxy-tables", "device")):
             return 1
     for name, base in SUPA_VARIANTS.items():
         if base in VARIANTS:

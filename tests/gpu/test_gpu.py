@@ -301,14 +301,11 @@ def _proxy_worker(gpus: int, bundles: list[str], transport: str, ranks: int | No
     """proxy_worker.py over `transport` on `bundles` (skipped where the case or NVSHMEM is missing):
     it must exit 0 with ALL OK; its stdout."""
     why = _why_not(gpus, bundles) or _nvshmem_missing(transport)
-    if not why:
-        host = [b for b in bundles
-                if json.loads((BUNDLES / b / "cuda" / "manifest.json").read_text())["metadata"]["lowering"] != "device"]
-        if host:  # the default: CudaOptions.proxy_device_tables is off until this test passes on GPUs
-            why = (f"{', '.join(host)}: the proxy path's tables come from the host (compile with "
-                   f"CudaOptions(proxy_device_tables=True) for the path this test checks)")
     if why:
         pytest.skip(why)
+    host = [b for b in bundles
+            if json.loads((BUNDLES / b / "cuda" / "manifest.json").read_text())["metadata"]["lowering"] != "device"]
+    assert not host, f"{', '.join(host)}: compiled without --proxy-tables device (tests/gpu/bundles.py)"
     cmd, r = _torchrun(gpus, PROXY_WORKER, [transport, *[str(BUNDLES / b) for b in bundles]], ranks=ranks,
                        env={"NVSHMEM_REMOTE_TRANSPORT": os.environ.get("NVSHMEM_REMOTE_TRANSPORT", "none")})
     out = r.stdout + r.stderr
@@ -317,16 +314,25 @@ def _proxy_worker(gpus: int, bundles: list[str], transport: str, ranks: int | No
     return r.stdout
 
 
+PROXY_DEVICE_BUNDLES = {2: ["h200x2_2vnode_50_proxy_dev"], 4: ["h200x4_2vnode_50_proxy_dev"]}
+# Known to fail (2 x H100, 2026-11-26: the first dispatch posted no chunk, every wait timed out):
+# strict, so the day it passes this fails and the default can follow (`--proxy-tables`).
+PROXY_DEVICE_BROKEN = pytest.mark.xfail(strict=True, reason="the GPU proxy path with tables written on the GPU "
+                                        "posts no chunk in its first dispatch (opt-in: --proxy-tables device)")
+
+
+@PROXY_DEVICE_BROKEN
 @pytest.mark.parametrize("transport", ["emulated", "nvshmem"])
-@pytest.mark.parametrize("gpus", sorted(PROXY_BUNDLES, reverse=True), ids=lambda n: f"ep{n}")
+@pytest.mark.parametrize("gpus", sorted(PROXY_DEVICE_BUNDLES, reverse=True), ids=lambda n: f"ep{n}")
 def test_proxy_bundles_through_buffer_with_tables_from_the_gpu(gpus, transport):
     """The GPU proxy path's bundles through Buffer with their tables written on the GPU
     (proxy_worker.py): the proxy set up once, fresh routing on every call in normal and
     low-latency mode, uneven token counts with a rank of none, CUDA graph replays, all against the
     oracle, over each transport."""
-    _proxy_worker(gpus, PROXY_BUNDLES[gpus], transport)
+    _proxy_worker(gpus, PROXY_DEVICE_BUNDLES[gpus], transport)
 
 
+@PROXY_DEVICE_BROKEN
 @pytest.mark.parametrize("transport", ["emulated", "nvshmem"])
 def test_proxy_bundles_through_buffer_ep4_shared_gpus(transport):
     """The 4-rank proxy bundles through proxy_worker.py as 4 ranks on GPUs 0 and 1 where fewer
@@ -335,7 +341,7 @@ def test_proxy_bundles_through_buffer_ep4_shared_gpus(transport):
     have, what = _gpus()
     if have >= ranks:
         pytest.skip(f"{what}: test_proxy_bundles_through_buffer_with_tables_from_the_gpu[ep4-*] runs them")
-    out = _proxy_worker(gpus, PROXY_BUNDLES[ranks], transport, ranks=ranks)
+    out = _proxy_worker(gpus, PROXY_DEVICE_BUNDLES[ranks], transport, ranks=ranks)
     assert f"{ranks} ranks, {gpus} x " in out, out[-6000:]
 
 

@@ -13,15 +13,17 @@ Where do a dispatch's tables come from (the bundle's manifest, "metadata"):
 * "device" (the plans the metadata kernels cover: backends/cuda/codegen.py device_metadata): the
   GPU exchanges every rank's routing over peer memory and writes this rank's tables of both
   programs itself (meta.py), stream-ordered: no host sync, no allocation, CUDA-graph capturable.
-  With the GPU proxy path, its channels, rings and FIFOs are set up once, here, for every
+  With the GPU proxy path (opt-in, CudaOptions.proxy_device_tables: its first GPU run on
+  2 x H100, 2026-11-26, posted no chunk), its channels, rings and FIFOs are set up once, here, for every
   routing (gpu_proxy/channels.py from_placement), the metadata kernels number each RDMA chunk on
   its channel, and the proxy threads run for the Buffer's life, following what the kernels push.
   Both modes work: normal (`sync=True`: the per-expert counts read back, bad routing raised) and
   low latency (`sync=False`: the whole receive buffer, counts and offsets as device tensors, a
   bad routing row ignored and reported by `check_routing`).
-* "host" (plans beyond the metadata kernels, bundles of an older epcc): the routings and token
-  counts of every rank are exchanged over the group, every rank computes the same layout
-  (runtime/layout) and uploads its tables
+* "host" (plans beyond the metadata kernels, the GPU proxy path unless compiled with
+  CudaOptions.proxy_device_tables, bundles of an older epcc): the routings and token counts of
+  every rank are exchanged over the group, every rank computes the same layout (runtime/layout)
+  and uploads its tables
   (stream-ordered: the launches before still read the previous ones).  Normal mode only.
 
 Ranks may dispatch different numbers of tokens (0 included), up to the bundle's `tokens`.  A
@@ -425,10 +427,11 @@ class CudaTableEngine:
             h = TableHandle(self.dispatches, None, T, self.recv_view.shape[0], topk_idx, topk_weights, None)
             return rx, None, m.recv_w, (m.recv_count, m.recv_offset), h, None
         try:
+            self._finish(stream)  # on the proxy path watched: a stalled proxy or a peer's alarm ends it
             counts = m.recv_count.cpu().tolist()  # the one host sync of the normal mode
             bad = int(m.bad.cpu()[0])
-        except RuntimeError as e:  # the context is gone: a kernel trapped
-            self.agree.fail(self._report(e))
+        except (CudaError, KernelTimeout, RuntimeError) as e:  # a kernel trapped, or a peer failed first
+            self._fail_launch(e)
         err = routing_error(bad, topk_idx, self.plan.workload.experts)
         # every rank's kernels finished (the bad entries ignored): a refusal leaves the Buffer usable
         self.agree.verdicts("the dispatch's read-back", ValueError(err) if err else None)

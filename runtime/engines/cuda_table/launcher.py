@@ -139,10 +139,11 @@ class _Abi:
     def __init__(self, lib: ctypes.CDLL, prefix: str):
         self._lib, self._prefix = lib, prefix
 
-    def __getattr__(self, name: str):
-        if name.startswith(ABI_PREFIX + "_"):
-            name = self._prefix + name[len(ABI_PREFIX):]
-        return getattr(self._lib, name)
+    def __getattr__(self, name: str):  # once per name: the function is kept as an attribute
+        own = self._prefix + name[len(ABI_PREFIX):] if name.startswith(ABI_PREFIX + "_") else name
+        f = getattr(self._lib, own)
+        setattr(self, name, f)
+        return f
 
 
 ABI_PREFIX = "epcc_cuda"

@@ -73,9 +73,8 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.epcc_table_meta_scratch_words.restype = ctypes.c_int64
     lib.epcc_table_meta_error.argtypes = []
     lib.epcc_table_meta_error.restype = ctypes.c_char_p
-    if hasattr(lib, "epcc_table_meta_load"):  # bundles of an older epcc (none with the GPU proxy path) lack it
-        lib.epcc_table_meta_load.argtypes = []
-        lib.epcc_table_meta_load.restype = ctypes.c_int
+    lib.epcc_table_meta_load.argtypes = []
+    lib.epcc_table_meta_load.restype = ctypes.c_int
 
 
 def area_layout(lib, num_ranks: int, max_tokens: int, topk: int) -> tuple[int, int, int, int]:
@@ -104,7 +103,7 @@ class DeviceMeta:
 
         self.lib, self.rank, self.device = lib, rank, device
         bind(lib)
-        if hasattr(lib, "epcc_table_meta_load") and lib.epcc_table_meta_load() != 0:  # not behind a running kernel
+        if lib.epcc_table_meta_load() != 0:  # not behind a running kernel
             raise EngineError(f"metadata kernels: {lib.epcc_table_meta_error().decode(errors='replace')}")
         self.mp, self.placements = program_of(manifest, plan, prog, rank)
         wl = plan.workload
