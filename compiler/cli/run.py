@@ -53,6 +53,9 @@ def add_parser(sub) -> None:
                         "(default: uniform)")
     c.add_argument("--tokens", metavar="N", help="tokens per rank (default: the workload's)")
     c.add_argument("--hidden", metavar="N", help="hidden size (default: the workload's; fp8 needs a multiple of 128)")
+    c.add_argument("--layout", metavar="expert|token",
+                   help="dispatch output layout: expert (one row per token and local expert) or token (one row per "
+                        "token and destination rank, DeepEP's) (default: the workload's)")
     c.add_argument("--seed", metavar="N", default="0", help="seed of every random input (default: 0)")
     c.add_argument("--transport", default="inproc", metavar="inproc|libfabric-tcp",
                    help="how ranks run and RDMA steps move (cpu backend): inproc: every rank's roles as threads of "
