@@ -190,10 +190,12 @@ def cmd_run(args) -> int:
         got = timed("dispatch", backend.run_dispatch, plan, layout, [x[r] for r in range(R)])
     except Exception as e:
         return backend_failed("dispatch", e)
-    want = timed("oracle", oracle.dispatch_oracle, routing.topk_idx, wl.experts, wl.placement, x, weights)
+    token_major = wl.layout == "token"
+    want = timed("oracle", oracle.token_dispatch_oracle if token_major else oracle.dispatch_oracle,
+                 routing.topk_idx, wl.experts, wl.placement, x, weights)
     rows = [int(w.rows.shape[0]) for w in want]
-    recv = f"{sum(rows)} rows received ({min(rows)}..{max(rows)} per rank)"
-    diff = check.dispatch_difference(layout, got, want, names)
+    recv = f"{sum(rows)} rows received ({min(rows)}..{max(rows)} per rank)" + (", token-major" if token_major else "")
+    diff = (check.token_dispatch_difference if token_major else check.dispatch_difference)(layout, got, want, names)
     if diff is not None:
         say(f"{head}: {recv}; dispatch MISMATCH, combine not run; {times()}")
         say(f"epcc: error: dispatch differs from the oracle: {diff}", err=True)
@@ -203,8 +205,12 @@ def cmd_run(args) -> int:
         res = timed("combine", backend.run_combine, plan, layout, y)
     except Exception as e:
         return backend_failed("combine", e)
-    ref, mag = timed("oracle", lambda: oracle.combine_oracle(routing.topk_idx, wl.experts, wl.placement, weights, y,
-                                                             wl.hidden, return_abs=True))
+    if token_major:  # the adjoint: a token's rows summed, unweighted
+        ref, mag = timed("oracle", lambda: oracle.token_combine_oracle(routing.topk_idx, wl.experts, wl.placement, y,
+                                                                       wl.hidden, return_abs=True))
+    else:
+        ref, mag = timed("oracle", lambda: oracle.combine_oracle(routing.topk_idx, wl.experts, wl.placement, weights,
+                                                                 y, wl.hidden, return_abs=True))
     bad_shapes = check.combine_shapes_difference(res, R, (tokens, wl.hidden))
     if bad_shapes is not None:
         say(f"{head}: {recv}; dispatch OK; combine MISMATCH; {times()}")
