@@ -107,12 +107,7 @@ def lay_out_dispatch(bld: Builder) -> None:
             continue
         loc = bld.local_of[e]
         order = np.lexsort((t, h, loc))
-        pos = np.empty(order.size, dtype=np.int64)
-        pos[order] = np.arange(order.size, dtype=np.int64)
-        off = 0
-        for cid, g, _, _ in parts:
-            bld.copies[cid].dst_slots = pos[off:off + g.size]
-            off += g.size
+        _place(bld, parts, order)
         bld.entries[("output", d)] = np.stack([h, t, e], axis=1)[order].reshape(-1, 3)
         bld.recv_counts[d] = np.bincount(loc, minlength=bld.epr)
         ow = w[h, t, j] if w is not None else np.ones(gid.size, dtype=np.float32)
@@ -133,17 +128,22 @@ def lay_out_dispatch(bld: Builder) -> None:
     dispatch_waits(bld)
 
 
-def _token_major_output(bld: Builder, d: int, parts, gid: np.ndarray, h: np.ndarray, t: np.ndarray) -> None:
-    """Rank d's token-major `output`: its rows (one per token) ordered by (home rank, token), the
-    copies' destination rows in it, each row's top-k as DeepEP returns it, and rows per local
-    expert (num_recv_tokens_per_expert)."""
-    order = np.lexsort((t, h))
+def _place(bld: Builder, parts, order: np.ndarray) -> None:
+    """The output copies' destination rows: the rows of `parts` (in copy order) sorted by `order`."""
     pos = np.empty(order.size, dtype=np.int64)
     pos[order] = np.arange(order.size, dtype=np.int64)
     off = 0
     for cid, g, _, _ in parts:
         bld.copies[cid].dst_slots = pos[off:off + g.size]
         off += g.size
+
+
+def _token_major_output(bld: Builder, d: int, parts, gid: np.ndarray, h: np.ndarray, t: np.ndarray) -> None:
+    """Rank d's token-major `output`: its rows (one per token) ordered by (home rank, token), the
+    copies' destination rows in it, each row's top-k as DeepEP returns it, and rows per local
+    expert (num_recv_tokens_per_expert)."""
+    order = np.lexsort((t, h))
+    _place(bld, parts, order)
     g = gid[order]
     twice = np.flatnonzero(g[1:] == g[:-1])
     if twice.size:

@@ -33,6 +33,15 @@ def token_text(names: list[str], h: int, t: int) -> str:
     return f"token {t} of {names[h] if 0 <= h < len(names) else f'rank {h}'}"
 
 
+def _output_rows(got_rows, d: int, shape, rank: str) -> tuple[np.ndarray | None, str | None]:
+    """The backend's output rows of rank d, or why they are not uint8 rows of `shape`."""
+    rows = np.asarray(got_rows[d]) if d < len(got_rows) else None
+    if rows is None or rows.dtype != np.uint8 or rows.shape != shape:
+        what = "nothing" if rows is None else f"{rows.dtype} {list(rows.shape)}"
+        return None, f"{rank}: the backend returned {what} for output, expected uint8 {list(shape)}"
+    return rows, None
+
+
 def dispatch_difference(layout, got_rows, want: list[oracle.RankRecv], names: list[str]) -> str | None:
     """The first difference between what the backend (`got_rows`, per rank) and the layout
     delivered and the oracle (`want`), in words; None where they agree bit for bit."""
@@ -64,10 +73,9 @@ def dispatch_difference(layout, got_rows, want: list[oracle.RankRecv], names: li
                     f"(local expert, home rank, token) puts {token_text(names, h2, t2)} for expert {e2} there")
         if not np.array_equal(layout.recv_counts[d], w.counts):
             return f"{rank}: rows per local expert {layout.recv_counts[d].tolist()}, expected {w.counts.tolist()}"
-        rows = np.asarray(got_rows[d]) if d < len(got_rows) else None
-        if rows is None or rows.dtype != np.uint8 or rows.shape != w.rows.shape:
-            what = "nothing" if rows is None else f"{rows.dtype} {list(rows.shape)}"
-            return f"{rank}: the backend returned {what} for output, expected uint8 {list(w.rows.shape)}"
+        rows, wrong = _output_rows(got_rows, d, w.rows.shape, rank)
+        if wrong:
+            return wrong
         bad = np.flatnonzero((rows != w.rows).any(axis=1))
         if bad.size:
             i = int(bad[0])
@@ -111,10 +119,9 @@ def token_dispatch_difference(layout, got_rows, want: list[oracle.TokenRecv], na
                     f"order (home rank, token) puts {token_text(names, *(int(v) for v in w.src[i]))} there")
         if not np.array_equal(layout.recv_counts[d], w.counts):
             return f"{rank}: tokens per local expert {layout.recv_counts[d].tolist()}, expected {w.counts.tolist()}"
-        rows = np.asarray(got_rows[d]) if d < len(got_rows) else None
-        if rows is None or rows.dtype != np.uint8 or rows.shape != w.rows.shape:
-            what = "nothing" if rows is None else f"{rows.dtype} {list(rows.shape)}"
-            return f"{rank}: the backend returned {what} for output, expected uint8 {list(w.rows.shape)}"
+        rows, wrong = _output_rows(got_rows, d, w.rows.shape, rank)
+        if wrong:
+            return wrong
         for what, got, exp in (("payload", rows, w.rows), ("top-k experts", layout.recv_topk_idx[d], w.topk_idx),
                                ("top-k weights", layout.recv_topk_weights[d].view(np.uint32),
                                 w.topk_weights.view(np.uint32))):
