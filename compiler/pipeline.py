@@ -78,6 +78,9 @@ def _sema(c: Compilation) -> None:
                 "error", f"--dtype fp8: {c.schedule.name} has hidden {wl.hidden}, which fp8 dispatch needs divisible "
                          f"by {model.FP8_SCALE_GROUP} (one scale per {model.FP8_SCALE_GROUP} channels)", None)])
         c.schedule = dataclasses.replace(c.schedule, workload=dataclasses.replace(wl, dtype=dtype))
+    layout = getattr(c.options, "layout", None) if c.options is not None else None
+    if layout is not None:
+        c.schedule = dataclasses.replace(c.schedule, workload=dataclasses.replace(c.schedule.workload, layout=layout))
 
 
 def _mlir(c: Compilation) -> None:

@@ -29,7 +29,11 @@ anew ("failed"; its calls say so).  runtime/engines/agree.py is how.
 Differences from DeepEP's intranode `Buffer`: outputs are expert-major (one row per (token,
 local expert), in the documented order: local expert, then source rank, then token), so
 `recv_topk_idx` / `recv_topk_weights` hold the global expert and the weight of each row, and
-`combine` takes expert outputs in that same row order.  `event` is None.
+`combine` takes expert outputs in that same row order.  `event` is None.  A bundle compiled with
+the workload's `layout token` (cpu backend) returns DeepEP's token-major outputs instead: one row
+per token and destination rank, in (source rank, token) order, `recv_topk_idx` / `recv_topk_weights`
+[rows, topk] with local expert ids (-1 where the expert is elsewhere), and `combine` sums each
+token's rows at its home rank, unweighted, as DeepEP's does.
 
 `rdma_chunk_tokens` / `rdma_depth` re-chunk the plan's RDMA steps for this Buffer (tokens per
 chunk, chunks in flight; plan/rdma.py `with_overrides`, as `epcc run` does with
@@ -151,6 +155,9 @@ class Buffer:
         if self.backend_name == "supa" and supa_shim() and not torch.cuda.is_available():
             raise RuntimeError(f"Buffer(backend='supa') with ${SUPA_SHIM_ENV}=1 runs the SUPA kernels on NVIDIA GPUs "
                                "through the SUPA-on-CUDA shim, and no CUDA device is available")
+        if self.backend_name != "cpu" and self.plan.workload is not None and self.plan.workload.layout == "token":
+            raise BundleError(f"bundle {bundle} dispatches token-major (workload layout token), which only the cpu "
+                              f"backend runs; the {self.backend_name} kernels write expert-major output")
         if self.backend_name != "cuda" and config is not None:
             raise ValueError("Buffer: config (SMs, warps) applies to the cuda backend only")
         if self.plan.num_ranks != self.num_ranks:
@@ -229,7 +236,8 @@ class Buffer:
 
     # ------------------------------------------------------------------ combine
     def combine(self, x: torch.Tensor, handle, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
-        """Sum each token's expert outputs, weighted by its routing weights, at its home rank.
+        """Sum each token's expert outputs, weighted by its routing weights, at its home rank
+        (token-major bundles: sum each token's rows, unweighted).
 
         x: [recv rows, hidden] bfloat16, rows in dispatch's order.  The weights of dispatch are used
         (`topk_weights`, if given, must equal them: combine cannot re-route)."""

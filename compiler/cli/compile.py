@@ -134,6 +134,9 @@ def cmd_compile(args) -> int:
         raise user_error(_rdma_without_target(args.rdma))
     if args.proxy_tables != "host" and args.rdma != "proxy":
         raise user_error(f"--proxy-tables {args.proxy_tables} is for the GPU proxy path: add --rdma proxy")
+    if choice.target is not None and c.schedule.workload.layout == "token":
+        raise user_error(f"{c.path}: the token-major layout runs on the CPU backend only: the {choice.target} target's "
+                         f"kernels write expert-major output; use --target {NO_TARGET} (or the expert layout)")
     out = Path(args.output or Path("build") / c.schedule.name)
     ir_file = out / f"{c.schedule.name}.mlir"
     # the bundle directory is the compiler's: it writes NAME.mlir, plan.json, manifest.json and a

@@ -1,11 +1,13 @@
-"""The options several commands share: the plan's workload (--routing, --tokens, --dtype), the
+"""The options several commands share: the plan's workload (--routing, --tokens, --dtype, --layout), the
 kernels' SM model (--kernels, --sms), and how a positive whole number is read from the command line."""
 
 from __future__ import annotations
 
 import argparse
 
+from ..diagnostics import did_you_mean
 from ..passes import PassOptions
+from ..sema.model import LAYOUTS
 from ..sema.workload import LIMITS
 from .common import user_error
 
@@ -16,6 +18,9 @@ def plan_options(c: argparse.ArgumentParser) -> None:
                         "or a .npy file of top-k indices [N, k] or expert popularity [E] (default: uniform)")
     c.add_argument("--tokens", metavar="N", help="tokens per rank (default: the workload's)")
     c.add_argument("--dtype", choices=("bf16", "fp8"), help="dispatch dtype (default: the workload's)")
+    c.add_argument("--layout", metavar="|".join(LAYOUTS),
+                   help="dispatch output layout: expert (one row per token and local expert) or token (one row "
+                        "per token and destination rank, DeepEP's) (default: the workload's)")
 
 
 def kernel_options(c: argparse.ArgumentParser, only: str = "") -> None:
@@ -55,4 +60,14 @@ def pass_options(args) -> PassOptions:
                       "tokens per rank must be at least 1", LIMITS["tokens"])
     hidden = positive(getattr(args, "hidden", None), "--hidden", "a whole number of channels, e.g. --hidden 256",
                       "the hidden size must be at least 1", LIMITS["hidden"])
-    return PassOptions(routing=args.routing, tokens=tokens, hidden=hidden, dtype=getattr(args, "dtype", None))
+    return PassOptions(routing=args.routing, tokens=tokens, hidden=hidden, dtype=getattr(args, "dtype", None),
+                       layout=layout_option(getattr(args, "layout", None)))
+
+
+def layout_option(text: str | None) -> str | None:
+    """--layout's value (None: the workload's), or a user error naming the flag."""
+    if text is None or text in LAYOUTS:
+        return text
+    near = did_you_mean(text, LAYOUTS)
+    raise user_error(f"--layout {text}: expected {' or '.join(LAYOUTS)} (expert: one row per token and local expert; "
+                     f"token: one row per token and destination rank)" + (f"; {near}" if near else ""))

@@ -53,6 +53,9 @@ def add_parser(sub) -> None:
                         "(default: uniform)")
     c.add_argument("--tokens", metavar="N", help="tokens per rank (default: the workload's)")
     c.add_argument("--hidden", metavar="N", help="hidden size (default: the workload's; fp8 needs a multiple of 128)")
+    c.add_argument("--layout", metavar="expert|token",
+                   help="dispatch output layout: expert (one row per token and local expert) or token (one row per "
+                        "token and destination rank, DeepEP's) (default: the workload's)")
     c.add_argument("--seed", metavar="N", default="0", help="seed of every random input (default: 0)")
     c.add_argument("--transport", default="inproc", metavar="inproc|libfabric-tcp",
                    help="how ranks run and RDMA steps move (cpu backend): inproc: every rank's roles as threads of "
@@ -187,10 +190,12 @@ def cmd_run(args) -> int:
         got = timed("dispatch", backend.run_dispatch, plan, layout, [x[r] for r in range(R)])
     except Exception as e:
         return backend_failed("dispatch", e)
-    want = timed("oracle", oracle.dispatch_oracle, routing.topk_idx, wl.experts, wl.placement, x, weights)
+    token_major = wl.layout == "token"
+    want = timed("oracle", oracle.token_dispatch_oracle if token_major else oracle.dispatch_oracle,
+                 routing.topk_idx, wl.experts, wl.placement, x, weights)
     rows = [int(w.rows.shape[0]) for w in want]
-    recv = f"{sum(rows)} rows received ({min(rows)}..{max(rows)} per rank)"
-    diff = check.dispatch_difference(layout, got, want, names)
+    recv = f"{sum(rows)} rows received ({min(rows)}..{max(rows)} per rank)" + (", token-major" if token_major else "")
+    diff = (check.token_dispatch_difference if token_major else check.dispatch_difference)(layout, got, want, names)
     if diff is not None:
         say(f"{head}: {recv}; dispatch MISMATCH, combine not run; {times()}")
         say(f"epcc: error: dispatch differs from the oracle: {diff}", err=True)
@@ -200,8 +205,12 @@ def cmd_run(args) -> int:
         res = timed("combine", backend.run_combine, plan, layout, y)
     except Exception as e:
         return backend_failed("combine", e)
-    ref, mag = timed("oracle", lambda: oracle.combine_oracle(routing.topk_idx, wl.experts, wl.placement, weights, y,
-                                                             wl.hidden, return_abs=True))
+    if token_major:  # the adjoint: a token's rows summed, unweighted
+        ref, mag = timed("oracle", lambda: oracle.token_combine_oracle(routing.topk_idx, wl.experts, wl.placement, y,
+                                                                       wl.hidden, return_abs=True))
+    else:
+        ref, mag = timed("oracle", lambda: oracle.combine_oracle(routing.topk_idx, wl.experts, wl.placement, weights,
+                                                                 y, wl.hidden, return_abs=True))
     bad_shapes = check.combine_shapes_difference(res, R, (tokens, wl.hidden))
     if bad_shapes is not None:
         say(f"{head}: {recv}; dispatch OK; combine MISMATCH; {times()}")

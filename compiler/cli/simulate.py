@@ -52,6 +52,9 @@ def simulation(args, options):
                          "roles)")
     built = build_plan(args.file, options, args.sources)
     warn(built.compilation)
+    if built.schedule.workload.layout == "token":
+        raise user_error(f"{args.file}: cannot simulate the token-major layout: the cost model charges "
+                         f"expert-major output rows")
     direct = None
     if kernels != "table":  # kernel-formation recorded the CUDA target's choice (plan/direct.py)
         direct, why = built.plan.direct, built.plan.direct_not_used

@@ -224,7 +224,7 @@ class Topology:
 
 @dataclass(frozen=True)
 class WorkloadItem:
-    key: str  # tokens | hidden | dtype | topk | experts | node_limit | weights
+    key: str  # tokens | hidden | dtype | topk | experts | node_limit | weights | layout
     values: tuple[object, ...]  # ints and Names, as written
     span: Span
 

@@ -31,6 +31,7 @@ class PassOptions:
     tokens: int | None = None  # override the workload's tokens per rank
     hidden: int | None = None  # override the workload's hidden size (epcc run --hidden)
     dtype: str | None = None  # override the workload's dispatch dtype (bf16 | fp8)
+    layout: str | None = None  # override the workload's output layout (expert | token)
 
 
 @dataclass

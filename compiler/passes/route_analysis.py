@@ -45,7 +45,7 @@ def build_plan(sched: model.Schedule, flow: FlowAnalysis) -> Plan:
     wl = sched.workload
     plan = Plan(sched.name, topo.num_ranks, flow.routing.describe(), wl.bytes_per_token,
                 workload=WorkloadPlan(wl.tokens, wl.hidden, wl.dtype, wl.topk, wl.experts, wl.placement,
-                                      wl.weights_travel),
+                                      wl.weights_travel, wl.layout),
                 rank_names=[space.describe(r) for r in range(topo.num_ranks)], sm_rates=dict(topo.sm_rates),
                 sm_launch_s=topo.sm_launch, sm_meta_s=topo.sm_meta,
                 atomics={l.name: l.atomics for l in topo.links.values() if l.atomics},

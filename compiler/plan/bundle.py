@@ -23,7 +23,6 @@ rewrite manifest.json too, which is why the contents are checked as well.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -86,7 +85,7 @@ def _exists(p: Path) -> bool:
 
 def plan_text(plan: Plan) -> str:
     """plan.json's text: the plan's fields with its format and version."""
-    d = {**dataclasses.asdict(plan), "format": PLAN_FORMAT.name, "version": PLAN_FORMAT.version}
+    d = {**plan.to_dict(), "format": PLAN_FORMAT.name, "version": PLAN_FORMAT.version}
     return json.dumps(d, indent=1, sort_keys=True) + "\n"
 
 

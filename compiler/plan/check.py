@@ -32,6 +32,7 @@ PROGRAMS = ("dispatch", "combine")
 VERBS = ("send", "pull", "copy", "permute", "reduce", "exchange")
 DTYPES = ("bf16", "fp8")
 PLACEMENTS = ("blocked", "strided")
+LAYOUTS = ("expert", "token")
 FP8_SCALE_GROUP = 128
 ENVELOPE = ("format", "version")  # plan/schema.py's fields, not the Plan's
 
@@ -169,6 +170,8 @@ def _check_fields(d: dict) -> None:
             raise SchemaError(f"workload.hidden: {wl['hidden']} is not divisible by {FP8_SCALE_GROUP} (fp8)")
         if wl["placement"] not in PLACEMENTS:
             raise SchemaError(f"workload.placement: {wl['placement']!r} is not one of {', '.join(PLACEMENTS)}")
+        if wl["layout"] not in LAYOUTS:
+            raise SchemaError(f"workload.layout: {wl['layout']!r} is not one of {', '.join(LAYOUTS)}")
     vendor = VENDORS.get(d["vendor"])
     if vendor is None:
         raise SchemaError(f"vendor: {d['vendor']!r} is not one of {', '.join(VENDORS)}")

@@ -222,6 +222,9 @@ class WorkloadPlan:
     experts: int
     placement: str  # blocked | strided
     weights_travel: bool
+    # expert (one output row per (token, local expert)) | token (one per (token, destination
+    # rank)); left out of plan.json when expert, as plans from before the choice are
+    layout: str = "expert"
 
     def rank_of_expert(self, e: int, num_ranks: int) -> int:
         epr = self.experts // num_ranks
@@ -310,8 +313,15 @@ class Plan:
     def program_steps(self, program: str) -> list[PlanStep]:
         return [s for s in self.steps if s.program == program]
 
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plan.json holds it (without its format and version)."""
+        d = asdict(self)
+        if d["workload"] is not None and d["workload"]["layout"] == "expert":
+            del d["workload"]["layout"]
+        return d
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> "Plan":

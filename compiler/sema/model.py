@@ -21,6 +21,9 @@ LINK_KINDS = ("p2p", "d2d", "rdma", "local")
 DEFAULT_ENGINE = {"p2p": "sm", "d2d": "sm", "rdma": "nic", "local": "sm"}
 DTYPES = ("bf16", "fp8")
 PLACEMENTS = ("blocked", "strided")
+# Dispatch output layouts: expert-major (one row per (token, local expert), the permute fused) or
+# token-major (one row per (token, destination rank), DeepEP's intranode layout).
+LAYOUTS = ("expert", "token")
 
 # Per-token metadata that travels with a token when routing weights travel:
 # one fp32 weight and one int32 expert index per top-k slot.
@@ -234,6 +237,7 @@ class Workload:
     weights_travel: bool
     num_ranks: int
     span: Span
+    layout: str = "expert"  # LAYOUTS
 
     @property
     def experts_per_rank(self) -> int:

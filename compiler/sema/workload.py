@@ -115,10 +115,19 @@ def resolve_workload(w: ast.Workload, topo: model.Topology | None, diags: Diagno
                                  f"tokens) or 'weights stay'", *_maybe(did_you_mean(wv.text, ("travel", "stay"))))
             ok = False
         weights = wv.text == "travel"
+    layout = "expert"
+    if "layout" in items:
+        lv = items["layout"].values[0]
+        if lv.text not in model.LAYOUTS:
+            diags.error(lv.span, f"unknown output layout '{lv.text}'", *_maybe(did_you_mean(lv.text, model.LAYOUTS)),
+                        "layouts: expert (one row per token and local expert, the default), token (one row per "
+                        "token and destination rank, as DeepEP's intranode dispatch)")
+            ok = False
+        layout = lv.text
     if not ok or topo is None:
         return None
     return model.Workload(tokens, hidden, dt.text, topk, experts, placement, node_limit, scope, weights,
-                          topo.num_ranks, w.span)
+                          topo.num_ranks, w.span, layout)
 
 
 LIMITS = WORKLOAD_LIMITS

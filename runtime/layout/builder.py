@@ -119,6 +119,11 @@ class Builder:
         self.store = Store()
         self.recv_counts = np.zeros((R, self.epr), dtype=np.int64)
         self.n_dispatch = 0
+        self.token_major = getattr(wl, "layout", "expert") == "token"
+        # token-major output only: per rank, each row's top-k as DeepEP returns it (local expert
+        # ids on the rank, -1 elsewhere; the weights of those slots, 0 elsewhere)
+        self.recv_topk_idx: list[np.ndarray] = []
+        self.recv_topk_weights: list[np.ndarray] = []
 
     # ------------------------------------------------------------------ selections
     def hit_mask(self, sel: tuple[int, ...]) -> np.ndarray:
@@ -165,4 +170,5 @@ class Builder:
                       row_bytes=row_bytes, entries=self.entries, copies=self.copies, flags=flags,
                       recv_counts=self.recv_counts, rank_names=names, combine_entries=self.combine_entries,
                       partial_of=self.partial_of, output_weights=self.out_weight,
-                      tokens_per_rank=self.tokens.copy())
+                      tokens_per_rank=self.tokens.copy(), token_major=self.token_major,
+                      recv_topk_idx=self.recv_topk_idx, recv_topk_weights=self.recv_topk_weights)

@@ -4,7 +4,8 @@ An entry is a token copy (home rank, token); `input` on h holds (h, 0..T-1).  A 
 reads the entries EARLIER steps wrote into the step's source buffers on its `src` rank whose
 destination ranks hit its `select`, appends one entry per token into a staging buffer, or places
 one row per (token, expert of dst) into `output`, whose rows end expert-major (local expert,
-home rank, token).  The waits are waits.py's.
+home rank, token); with the workload's `layout token`, one row per token with an expert on dst,
+in (home rank, token) order.  The waits are waits.py's.
 """
 
 from __future__ import annotations
@@ -56,7 +57,14 @@ def lay_out_dispatch(bld: Builder) -> None:
             ids_a = np.concatenate(ids) if ids else EMPTY
             gid_a = np.concatenate(gids) if gids else EMPTY
             c = Copy("dispatch", st.name, si, fi, f.rank, f.src, f.dst, [], EMPTY, st.dst_buffer, EMPTY)
-            if into_output:
+            if into_output and bld.token_major:  # one row per token with an expert on dst
+                i = np.flatnonzero((bld.dest[gid_a] == f.dst).any(axis=1))
+                tok = np.arange(i.size, dtype=np.int64)
+                c.src_slots = slots_a[i]
+                rid = ids_a[i]
+                cid = bld.add_copy(c, tok, rid)
+                out_parts[f.dst].append((cid, gid_a[i], EMPTY, EMPTY))
+            elif into_output:
                 i, j = np.nonzero(bld.dest[gid_a] == f.dst)
                 e = bld.flat[gid_a[i], j]
                 o = np.lexsort((bld.local_of[e], i))
@@ -94,14 +102,12 @@ def lay_out_dispatch(bld: Builder) -> None:
         else:
             gid = e = j = EMPTY
         h, t = gid // T, gid % T
+        if bld.token_major:
+            _token_major_output(bld, d, parts, gid, h, t)
+            continue
         loc = bld.local_of[e]
         order = np.lexsort((t, h, loc))
-        pos = np.empty(order.size, dtype=np.int64)
-        pos[order] = np.arange(order.size, dtype=np.int64)
-        off = 0
-        for cid, g, _, _ in parts:
-            bld.copies[cid].dst_slots = pos[off:off + g.size]
-            off += g.size
+        _place(bld, parts, order)
         bld.entries[("output", d)] = np.stack([h, t, e], axis=1)[order].reshape(-1, 3)
         bld.recv_counts[d] = np.bincount(loc, minlength=bld.epr)
         ow = w[h, t, j] if w is not None else np.ones(gid.size, dtype=np.float32)
@@ -120,3 +126,34 @@ def lay_out_dispatch(bld: Builder) -> None:
         bld.entries.setdefault(("input", h), np.stack([np.full(n, h), np.arange(n)], axis=1).astype(np.int64))
     bld.n_dispatch = len(bld.copies)
     dispatch_waits(bld)
+
+
+def _place(bld: Builder, parts, order: np.ndarray) -> None:
+    """The output copies' destination rows: the rows of `parts` (in copy order) sorted by `order`."""
+    pos = np.empty(order.size, dtype=np.int64)
+    pos[order] = np.arange(order.size, dtype=np.int64)
+    off = 0
+    for cid, g, _, _ in parts:
+        bld.copies[cid].dst_slots = pos[off:off + g.size]
+        off += g.size
+
+
+def _token_major_output(bld: Builder, d: int, parts, gid: np.ndarray, h: np.ndarray, t: np.ndarray) -> None:
+    """Rank d's token-major `output`: its rows (one per token) ordered by (home rank, token), the
+    copies' destination rows in it, each row's top-k as DeepEP returns it, and rows per local
+    expert (num_recv_tokens_per_expert)."""
+    order = np.lexsort((t, h))
+    _place(bld, parts, order)
+    g = gid[order]
+    twice = np.flatnonzero(g[1:] == g[:-1])
+    if twice.size:
+        raise LayoutError(f"plan: token {int(g[twice[0]] % bld.T)} of rank {int(g[twice[0]] // bld.T)} reaches "
+                          f"the token-major output of rank {d} twice")
+    bld.entries[("output", d)] = np.stack([g // bld.T, g % bld.T], axis=1).reshape(-1, 2)
+    on = bld.dest[g] == d  # [n, k]
+    e = bld.flat[g]
+    bld.recv_topk_idx.append(np.where(on, bld.local_of[np.maximum(e, 0)], -1).astype(np.int64).reshape(-1, bld.k))
+    w = bld.weights.reshape(bld.N, bld.k)[g] if bld.weights is not None else np.ones(e.shape, np.float32)
+    bld.recv_topk_weights.append(np.where(on, w, 0).astype(np.float32).reshape(-1, bld.k))
+    bld.recv_counts[d] = np.bincount(bld.local_of[e[on]], minlength=bld.epr)
+    bld.out_weight.append(np.ones(g.size, dtype=np.float32))  # combine sums a token's rows unweighted

@@ -5,7 +5,8 @@ Computed by runtime/layout from a Plan and every rank's top-k indices; consumed 
 arrays: no MLIR, no torch.
 
 Slots are row indices into a buffer of one rank.  Staging buffers hold token copies, one row of
-`row_bytes` each; `output` holds one row per (token, local expert), expert-major; combine's
+`row_bytes` each; `output` holds one row per (token, local expert), expert-major (token-major
+with the workload's `layout token`: one row per (token, destination rank)); combine's
 partial buffers mirror the dispatch buffers slot for slot (fp32 partial sums of `hidden`).
 """
 
@@ -91,6 +92,14 @@ class Layout:
     # Tokens each rank dispatched (int64 [R], each at most `tokens`, which is the padded width of
     # the routing): `input` on h holds (h, 0..tokens_per_rank[h]-1).  None: every rank `tokens`.
     tokens_per_rank: np.ndarray | None = None
+    # Token-major output (workload `layout token`): `output` holds one row per (token, destination
+    # rank) in (home rank, token) order, entries[("output", r)] are int64 [n, 2] (home, token),
+    # output_weights are 1.0 (combine sums a token's rows unweighted, as DeepEP's does), and
+    # recv_topk_idx[r] / recv_topk_weights[r] ([n, k]) give each row's top-k: the local expert id
+    # where the expert is on r, else -1, and its weight, else 0.
+    token_major: bool = False
+    recv_topk_idx: list[np.ndarray] = field(default_factory=list)
+    recv_topk_weights: list[np.ndarray] = field(default_factory=list)
 
     def rank_tokens(self, rank: int) -> int:
         """Tokens rank `rank` dispatched (rows of its `input`, and of its combined result)."""

@@ -5,6 +5,7 @@ memory such a run holds.
 * run_bytes: about the most memory a checked run holds at once;
 * dispatch_difference: the first difference between a backend's dispatched rows (with the
   layout's sources, counts and weights) and the oracle's, naming rank, token and expert;
+* token_dispatch_difference: the same for the token-major layout (oracle.token_dispatch_oracle);
 * combine_difference: the combine results against the oracle's sums, the error summary and the
   first value outside the tolerance (oracle.compare_combine).
 """
@@ -30,6 +31,15 @@ def run_bytes(R: int, tokens: int, hidden: int, dtype: str, topk: int) -> int:
 
 def token_text(names: list[str], h: int, t: int) -> str:
     return f"token {t} of {names[h] if 0 <= h < len(names) else f'rank {h}'}"
+
+
+def _output_rows(got_rows, d: int, shape, rank: str) -> tuple[np.ndarray | None, str | None]:
+    """The backend's output rows of rank d, or why they are not uint8 rows of `shape`."""
+    rows = np.asarray(got_rows[d]) if d < len(got_rows) else None
+    if rows is None or rows.dtype != np.uint8 or rows.shape != shape:
+        what = "nothing" if rows is None else f"{rows.dtype} {list(rows.shape)}"
+        return None, f"{rank}: the backend returned {what} for output, expected uint8 {list(shape)}"
+    return rows, None
 
 
 def dispatch_difference(layout, got_rows, want: list[oracle.RankRecv], names: list[str]) -> str | None:
@@ -63,10 +73,9 @@ def dispatch_difference(layout, got_rows, want: list[oracle.RankRecv], names: li
                     f"(local expert, home rank, token) puts {token_text(names, h2, t2)} for expert {e2} there")
         if not np.array_equal(layout.recv_counts[d], w.counts):
             return f"{rank}: rows per local expert {layout.recv_counts[d].tolist()}, expected {w.counts.tolist()}"
-        rows = np.asarray(got_rows[d]) if d < len(got_rows) else None
-        if rows is None or rows.dtype != np.uint8 or rows.shape != w.rows.shape:
-            what = "nothing" if rows is None else f"{rows.dtype} {list(rows.shape)}"
-            return f"{rank}: the backend returned {what} for output, expected uint8 {list(w.rows.shape)}"
+        rows, wrong = _output_rows(got_rows, d, w.rows.shape, rank)
+        if wrong:
+            return wrong
         bad = np.flatnonzero((rows != w.rows).any(axis=1))
         if bad.size:
             i = int(bad[0])
@@ -82,6 +91,47 @@ def dispatch_difference(layout, got_rows, want: list[oracle.RankRecv], names: li
                 int(np.flatnonzero(gw.astype(np.float32).view(np.uint32) != w.weights.view(np.uint32))[0])
             h, t, e = (int(v) for v in w.src[i]) if w.src.shape[0] else (0, 0, 0)
             return f"{rank}: output row {i} ({token_text(names, h, t)}, expert {e}) carries the wrong routing weight"
+    return None
+
+
+def token_dispatch_difference(layout, got_rows, want: list[oracle.TokenRecv], names: list[str]) -> str | None:
+    """dispatch_difference for the token-major layout: the backend's rows and the layout's
+    (home, token), top-k and counts against oracle.token_dispatch_oracle; None where they agree
+    bit for bit."""
+    for d, w in enumerate(want):
+        rank = names[d]
+        got_src = layout.entries.get(("output", d), np.zeros((0, 2), np.int64))
+        if not np.array_equal(got_src, w.src):
+            gk, wk = got_src[:, 0] * layout.tokens + got_src[:, 1], w.src[:, 0] * layout.tokens + w.src[:, 1]
+            missing, extra = np.flatnonzero(~np.isin(wk, gk)), np.flatnonzero(~np.isin(gk, wk))
+            if missing.size:
+                h, t = (int(v) for v in w.src[missing[0]])
+                return f"{rank} never receives {token_text(names, h, t)}"
+            if extra.size:
+                h, t = (int(v) for v in got_src[extra[0]])
+                return f"{rank} receives {token_text(names, h, t)}, which has no expert there"
+            if gk.size != wk.size:
+                u, cnt = np.unique(gk, return_counts=True)
+                k = int(u[cnt > 1][0])
+                return f"{rank} receives {token_text(names, k // layout.tokens, k % layout.tokens)} more than once"
+            i = int(np.flatnonzero(gk != wk)[0])
+            return (f"{rank}: output row {i} holds {token_text(names, *(int(v) for v in got_src[i]))}; the documented "
+                    f"order (home rank, token) puts {token_text(names, *(int(v) for v in w.src[i]))} there")
+        if not np.array_equal(layout.recv_counts[d], w.counts):
+            return f"{rank}: tokens per local expert {layout.recv_counts[d].tolist()}, expected {w.counts.tolist()}"
+        rows, wrong = _output_rows(got_rows, d, w.rows.shape, rank)
+        if wrong:
+            return wrong
+        for what, got, exp in (("payload", rows, w.rows), ("top-k experts", layout.recv_topk_idx[d], w.topk_idx),
+                               ("top-k weights", layout.recv_topk_weights[d].view(np.uint32),
+                                w.topk_weights.view(np.uint32))):
+            if got.shape != exp.shape:
+                return f"{rank}: {what} of shape {list(got.shape)}, expected {list(exp.shape)}"
+            bad = np.flatnonzero((got != exp).any(axis=1))
+            if bad.size:
+                more = f" ({bad.size - 1} more rows differ)" if bad.size > 1 else ""
+                h, t = (int(v) for v in w.src[bad[0]])
+                return f"{rank}: output row {int(bad[0])} ({token_text(names, h, t)}) has the wrong {what}{more}"
     return None
 
 

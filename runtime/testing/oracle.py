@@ -10,6 +10,13 @@ token index.  An index of -1 in `topk_idx` is an empty slot.  Combine: for every
 token t, out[h, t] = sum over the token's experts e of w_e * y(row of (h, t, e)), accumulated in
 fp32 (the caller rounds to bf16 when comparing).
 
+Token-major (the workload's `layout token`, DeepEP V1 intranode): destination rank d receives
+every token with at least one expert on d ONCE, ordered by (home rank, token), with the token's
+top-k as seen from d (the local expert id where the expert is on d, else -1; the weight there,
+else 0) and the rows per local expert.  Its combine is the adjoint: out[h, t] = sum over the
+token's destination ranks d of y_d[row of (h, t)], unweighted (the expert computation on d has
+weighted and reduced its local experts into that row).
+
 Also here: the comparison helpers the `epcc run` command, the bench and the tests share (bf16
 conversions: runtime/bf16.py).
 """
@@ -54,17 +61,23 @@ def recv_order(topk_idx: np.ndarray, experts: int, placement: str) -> list[tuple
     return out
 
 
-def dispatch_oracle(topk_idx, experts: int, placement: str, x_rows, weights=None) -> list[RankRecv]:
-    """Per destination rank d: the rows it receives (x_rows [R, T, row_bytes] uint8, opaque
-    payload rows), their (home, token, expert), routing weights and per-local-expert counts."""
-    topk = check_topk(topk_idx, experts)
-    R, T, k = topk.shape
+def _payload(x_rows, R: int, T: int) -> np.ndarray:
+    """x_rows (uint8 [R, T, row_bytes], or a list of R [T, row_bytes]) as one array."""
     if isinstance(x_rows, (list, tuple)):
         x = np.stack([np.asarray(r) for r in x_rows]) if len(x_rows) else np.zeros((0, T, 0), np.uint8)
     else:
         x = np.asarray(x_rows)
     if x.dtype != np.uint8 or x.ndim != 3 or x.shape[:2] != (R, T):
         raise ValueError(f"x_rows: expected uint8 [{R}, {T}, row_bytes], got {x.dtype} {list(x.shape)}")
+    return x
+
+
+def dispatch_oracle(topk_idx, experts: int, placement: str, x_rows, weights=None) -> list[RankRecv]:
+    """Per destination rank d: the rows it receives (x_rows [R, T, row_bytes] uint8, opaque
+    payload rows), their (home, token, expert), routing weights and per-local-expert counts."""
+    topk = check_topk(topk_idx, experts)
+    R, T, k = topk.shape
+    x = _payload(x_rows, R, T)
     w = check_weights(weights, topk.shape) if weights is not None else np.ones(topk.shape, np.float32)
     rank_of, local_of = expert_rank(experts, R, placement)
     epr = experts // R
@@ -73,6 +86,46 @@ def dispatch_oracle(topk_idx, experts: int, placement: str, x_rows, weights=None
         h, t, e = src[:, 0], src[:, 1], src[:, 2]
         out.append(RankRecv(rows=x[h, t], src=src, weights=w[h, t, j],
                             counts=np.bincount(local_of[e], minlength=epr).astype(np.int64)))
+    return out
+
+
+@dataclass
+class TokenRecv:
+    """What one destination rank receives in the token-major layout."""
+
+    rows: np.ndarray  # uint8 [n, row_bytes]: recv_x
+    src: np.ndarray  # int64 [n, 2]: (home rank, token)
+    topk_idx: np.ndarray  # int64 [n, k]: local expert id on this rank, -1 elsewhere
+    topk_weights: np.ndarray  # float32 [n, k]: the weight of those slots, 0 elsewhere
+    counts: np.ndarray  # int64 [E/R]: num_recv_tokens_per_expert
+
+
+def token_recv_order(topk_idx: np.ndarray, experts: int, placement: str) -> list[np.ndarray]:
+    """Per destination rank: (home, token) [n, 2] of the tokens with an expert on it, by (home
+    rank, token)."""
+    topk = check_topk(topk_idx, experts)
+    R = topk.shape[0]
+    rank_of, _ = expert_rank(experts, R, placement)
+    dest = np.where(topk >= 0, rank_of[np.maximum(topk, 0)], -1)
+    return [np.argwhere((dest == d).any(axis=2)).astype(np.int64).reshape(-1, 2) for d in range(R)]
+
+
+def token_dispatch_oracle(topk_idx, experts: int, placement: str, x_rows, weights=None) -> list[TokenRecv]:
+    """Per destination rank d, token-major: every token with an expert on d once (x_rows as in
+    :func:`dispatch_oracle`), its top-k as seen from d, and the rows per local expert."""
+    topk = check_topk(topk_idx, experts)
+    R, T, k = topk.shape
+    x = _payload(x_rows, R, T)
+    w = check_weights(weights, topk.shape) if weights is not None else np.ones(topk.shape, np.float32)
+    rank_of, local_of = expert_rank(experts, R, placement)
+    out = []
+    for d, src in enumerate(token_recv_order(topk, experts, placement)):
+        h, t = src[:, 0], src[:, 1]
+        e = topk[h, t].reshape(-1, k)
+        on = (e >= 0) & (rank_of[np.maximum(e, 0)] == d)
+        out.append(TokenRecv(rows=x[h, t], src=src, topk_idx=np.where(on, local_of[np.maximum(e, 0)], -1),
+                             topk_weights=np.where(on, w[h, t].reshape(-1, k), 0).astype(np.float32),
+                             counts=np.bincount(local_of[e[on]], minlength=experts // R).astype(np.int64)))
     return out
 
 
@@ -111,16 +164,44 @@ def combine_oracle(topk_idx, experts: int, placement: str, weights, y, hidden: i
             raise ValueError(f"y: rank {d} should have [{src.shape[0]}, {hidden}] expert outputs, "
                              f"got {list(yd.shape)}")
         h, t = src[:, 0], src[:, 1]
-        contrib = w[h, t, j][:, None] * yd  # fp32 products
-        gid = h * T + t
-        # out[gid] += contrib, fp32, rows of one token summed in row order (expert ascending)
-        order = np.argsort(gid, kind="stable")
-        g = gid[order]
-        first = np.flatnonzero(np.r_[True, g[1:] != g[:-1]]) if g.size else g
-        if g.size:
-            out[g[first]] += np.add.reduceat(contrib[order], first, axis=0)
-            if mag is not None:
-                mag[g[first]] += np.add.reduceat(np.abs(contrib[order]), first, axis=0)
+        _accumulate(out, mag, h * T + t, w[h, t, j][:, None] * yd)  # fp32 products
+    out = out.reshape(R, T, hidden)
+    if return_abs:
+        return out, mag.reshape(R, T, hidden)
+    return out
+
+
+def _accumulate(out: np.ndarray, mag: np.ndarray | None, gid: np.ndarray, contrib: np.ndarray) -> None:
+    """out[gid] += contrib (and mag[gid] += |contrib|), fp32, the rows of one token summed in row
+    order."""
+    order = np.argsort(gid, kind="stable")
+    g = gid[order]
+    if g.size:
+        first = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+        out[g[first]] += np.add.reduceat(contrib[order], first, axis=0)
+        if mag is not None:
+            mag[g[first]] += np.add.reduceat(np.abs(contrib[order]), first, axis=0)
+
+
+def token_combine_oracle(topk_idx, experts: int, placement: str, y, hidden: int | None = None,
+                         *, return_abs: bool = False):
+    """The adjoint of :func:`token_dispatch_oracle`: out [R, T, hidden] float32, out[h, t] = sum
+    over the token's destination ranks d of y_d[row of (h, t)] (y: per rank [n_d, hidden], bf16
+    bits as uint16 or float32, aligned with the token-major rows), unweighted.  With
+    `return_abs`, also sum |y| (the scale of any other summation order's rounding)."""
+    topk = check_topk(topk_idx, experts)
+    R, T, k = topk.shape
+    if len(y) != R:
+        raise ValueError(f"y: expected expert outputs for {R} ranks, got {len(y)}")
+    if hidden is None:
+        hidden = next((np.asarray(v).shape[1] for v in y if np.asarray(v).ndim == 2), 0)
+    out = np.zeros((R * T, hidden), np.float32)
+    mag = np.zeros((R * T, hidden), np.float32) if return_abs else None
+    for d, src in enumerate(token_recv_order(topk, experts, placement)):
+        yd = _as_f32(y[d])
+        if yd.shape != (src.shape[0], hidden):
+            raise ValueError(f"y: rank {d} should have [{src.shape[0]}, {hidden}] rows, got {list(yd.shape)}")
+        _accumulate(out, mag, src[:, 0] * T + src[:, 1], yd)
     out = out.reshape(R, T, hidden)
     if return_abs:
         return out, mag.reshape(R, T, hidden)

@@ -489,7 +489,7 @@ def test_escape_sequences_in_the_source_are_shown_not_sent(tmp_path, capsys):
     line = SMALL_TEXT.splitlines().index("  topk 2") + 1
     assert (rc, out) == (1, "")
     assert err == (f"{p}:{line}:10: error: unexpected character U+001B; expected one of 'dtype', 'experts', 'hidden', "
-                   f"'node_limit', 'tokens', 'topk', 'weights' or '}}'\n"
+                   f"'layout', 'node_limit', 'tokens', 'topk', 'weights' or '}}'\n"
                    f"    topk 2 \\x1b[31mRED\\x1b[0m\n"
                    f"           ^~~~\n")
 

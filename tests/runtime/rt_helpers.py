@@ -71,11 +71,18 @@ def check_against_oracle(plan, topk_idx, w, x, seed: int = 0, chunked: bool = Fa
     wl = plan.workload
     R = plan.num_ranks
     lay = layout if layout is not None else compute_layout(plan, topk_idx, w)
-    want = oracle.dispatch_oracle(topk_idx, wl.experts, wl.placement, x, w)
+    token_major = wl.layout == "token"
+    assert lay.token_major == token_major
+    want = (oracle.token_dispatch_oracle if token_major else oracle.dispatch_oracle)(topk_idx, wl.experts,
+                                                                                      wl.placement, x, w)
     for d in range(R):
         assert np.array_equal(lay.entries[("output", d)], want[d].src), f"rank {d}: output entries"
         assert np.array_equal(lay.recv_counts[d], want[d].counts), f"rank {d}: counts"
-        assert np.array_equal(lay.output_weights[d].view(np.uint32), want[d].weights.view(np.uint32))
+        if token_major:
+            assert np.array_equal(lay.recv_topk_idx[d], want[d].topk_idx), f"rank {d}: top-k experts"
+            assert np.array_equal(lay.recv_topk_weights[d].view(np.uint32), want[d].topk_weights.view(np.uint32))
+        else:
+            assert np.array_equal(lay.output_weights[d].view(np.uint32), want[d].weights.view(np.uint32))
     y = inputs.make_expert_outputs([v.rows.shape[0] for v in want], wl.hidden, seed)
     if backend == "cpu":
         got = threads.run_dispatch(plan, lay, list(x))
@@ -88,7 +95,10 @@ def check_against_oracle(plan, topk_idx, w, x, seed: int = 0, chunked: bool = Fa
         assert np.array_equal(got[d], want[d].rows), f"rank {d}: output rows"
     if not chunked and backend == "reference":
         res = reference.run_combine(plan, lay, y)
-    ref, mag = oracle.combine_oracle(topk_idx, wl.experts, wl.placement, w, y, wl.hidden, return_abs=True)
+    if token_major:
+        ref, mag = oracle.token_combine_oracle(topk_idx, wl.experts, wl.placement, y, wl.hidden, return_abs=True)
+    else:
+        ref, mag = oracle.combine_oracle(topk_idx, wl.experts, wl.placement, w, y, wl.hidden, return_abs=True)
     chk = oracle.compare_combine(np.stack(res), ref, mag, wl.topk)
     assert chk.ok, f"combine differs at {chk.first_bad}: {chk.got} vs {chk.want}"
     return lay

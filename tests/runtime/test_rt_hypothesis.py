@@ -134,6 +134,33 @@ def test_cpu_backend_matches_the_oracle(tmp_path_factory, case):
     check_against_oracle(plan, topk, w, x, seed=seed, backend="cpu")
 
 
+def token_major(text: str) -> str:
+    """The generated schedule with the workload's `layout token`."""
+    head, sep, rest = text.partition("workload {")
+    body, close, tail = rest.partition(" }")
+    assert sep and close
+    return f"{head}{sep}{body}  layout token{close}{tail}"
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.booleans())
+def test_token_major_layout_matches_the_oracle(tmp_path_factory, case, on_cpu):
+    """`layout token` on every generated plan shape: the layout, the reference executor (whole and
+    chunk by chunk) and the CPU backend equal the token-major oracle."""
+    text, R, T, k, E, seed, empty, skew = case
+    plan = compile_text(token_major(text), tmp_path_factory.getbasetemp())
+    assert plan.workload.layout == "token"
+    topk = random_topk(R, T, k, E, seed, empty, skew)
+    topk, w, x = make_inputs(plan, topk_idx=topk, seed=seed)
+    lay = compute_layout(plan, topk, w)
+    check_invariants(plan, lay)
+    if on_cpu:
+        check_against_oracle(plan, topk, w, x, seed=seed, backend="cpu", layout=lay)
+    else:
+        check_against_oracle(plan, topk, w, x, seed=seed, layout=lay)
+        check_against_oracle(plan, topk, w, x, seed=seed, chunked=True, layout=lay)
+
+
 def test_every_generated_plan_shape_compiles_and_runs(tmp_path):
     for plan_name in sorted(PLANS):
         text = TOPO.format(nodes=2, gpus=3, dtype="bf16", topk=3, experts=12, placement="strided",

@@ -22,7 +22,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from epcc.cli import main as epcc_main  # noqa: E402
 from epcc.runtime.buffer import Buffer, GroupError
-from epcc.runtime.testing.oracle import combine_oracle, compare_combine, dispatch_oracle
+from epcc.runtime.testing.oracle import (combine_oracle, compare_combine, dispatch_oracle, token_combine_oracle,
+                                        token_dispatch_oracle)
 from epcc.plan.bundle import BundleError, load
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,16 +80,25 @@ def _worker(rank: int, ranks: int, bundle: str, store: str, result_dir: str, sha
             rows = np.stack([i[0].view(torch.uint8).numpy() for i in ins])
             idx_all = np.stack([i[1].numpy() for i in ins])
             w_all = np.stack([i[2].numpy() for i in ins])
-            want = dispatch_oracle(idx_all, e, "blocked", rows, w_all)[rank]
+            token_major = shape.get("layout") == "token"
+            if token_major:
+                want = token_dispatch_oracle(idx_all, e, "blocked", rows, w_all)[rank]
+                assert np.array_equal(recv_idx.numpy(), want.topk_idx), "dispatch top-k experts differ"
+                assert np.array_equal(recv_w.numpy(), want.topk_weights), "dispatch top-k weights differ"
+            else:
+                want = dispatch_oracle(idx_all, e, "blocked", rows, w_all)[rank]
+                assert np.array_equal(recv_idx.numpy(), want.src[:, 2]), "dispatch experts differ"
+                assert np.array_equal(recv_w.numpy(), want.weights), "dispatch weights differ"
             assert np.array_equal(recv_x.view(torch.uint8).numpy(), want.rows), "dispatch rows differ"
-            assert np.array_equal(recv_idx.numpy(), want.src[:, 2]), "dispatch experts differ"
-            assert np.array_equal(recv_w.numpy(), want.weights), "dispatch weights differ"
             assert counts == [int(c) for c in want.counts], "per-expert counts differ"
             y = (recv_x.float() * 0.5 + 1).to(torch.bfloat16)  # a stand-in expert
             got = buf.combine(y, handle)
             ys = [None] * ranks
             dist.all_gather_object(ys, y.view(torch.int16).numpy().view(np.uint16))
-            ref, mag = combine_oracle(idx_all, e, "blocked", w_all, ys, h, return_abs=True)
+            if token_major:
+                ref, mag = token_combine_oracle(idx_all, e, "blocked", ys, h, return_abs=True)
+            else:
+                ref, mag = combine_oracle(idx_all, e, "blocked", w_all, ys, h, return_abs=True)
             check = compare_combine(got.float().numpy(), ref[rank], mag[rank], k)
             assert check.ok, f"combine differs: {check}"
         # recv_x is the caller's: the second call reused the peer segment it was received in
@@ -117,6 +127,16 @@ def test_dispatch_combine_match_oracle(tmp_path, ranks):
     bundle = compile_bundle(tmp_path, ONE_HOP.format(r=ranks, t=shape["tokens"], h=shape["hidden"], dtype="bf16",
                                                      k=shape["topk"], e=shape["experts"]))
     _spawn(tmp_path, ranks, bundle, shape)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_token_major_dispatch_combine_match_oracle(tmp_path, ranks):
+    """`layout token`: DeepEP's outputs (one row per token and rank, per-rank top-k), its combine the adjoint."""
+    shape = dict(tokens=48, hidden=256, topk=min(4, ranks * 2), experts=ranks * 4, layout="token")
+    text = ONE_HOP.format(r=ranks, t=shape["tokens"], h=shape["hidden"], dtype="bf16", k=shape["topk"],
+                          e=shape["experts"]).replace("weights travel }", "weights travel  layout token }")
+    assert "layout token" in text
+    _spawn(tmp_path, ranks, compile_bundle(tmp_path, text), shape)
 
 
 def test_two_hop_schedule_through_staging(tmp_path):

@@ -238,6 +238,8 @@ PINNED = {
                                   "rank 4 (node 1, card 0) ('hop' sends to its 'far')",
     "dependency_cycle": "32:70: error: dependency cycle: hop -> keep -> hop",
     "level_count_zero": "2:15: error: level 'node' has count 0; it must be at least 1",
+    "unknown_layout": "19:10: error: unknown output layout 'tokens'",
+    "duplicate_layout": "20:3: error: 'layout' is given twice in the workload",
 }
 
 
@@ -253,6 +255,7 @@ DID_YOU_MEAN = {
     "unknown_link": "nv", "unknown_step_in_after": "push", "unknown_step_in_parallel": "push",
     "unknown_table": "mate", "unknown_table_column": "mate", "unknown_rank_set": "peer",
     "unknown_rank_set_member": "gpu", "unknown_name_in_index_map": "gpu", "unsupported_dtype": "bf16",
+    "unknown_layout": "token",
 }
 
 

@@ -81,8 +81,12 @@ class CpuEngine:
         recv = out[self.rank]
         entries = layout.entries[("output", self.rank)]
         recv_x = _unpack_rows(recv, self.dtype, self.hidden)
-        recv_idx = torch.from_numpy(entries[:, 2].astype(np.int64))
-        recv_w = torch.from_numpy(np.ascontiguousarray(layout.output_weights[self.rank], dtype=np.float32))
+        if layout.token_major:  # DeepEP's: each row's top-k, local expert ids on this rank, -1 elsewhere
+            recv_idx = torch.from_numpy(np.ascontiguousarray(layout.recv_topk_idx[self.rank], dtype=np.int64))
+            recv_w = torch.from_numpy(np.ascontiguousarray(layout.recv_topk_weights[self.rank], dtype=np.float32))
+        else:
+            recv_idx = torch.from_numpy(entries[:, 2].astype(np.int64))
+            recv_w = torch.from_numpy(np.ascontiguousarray(layout.output_weights[self.rank], dtype=np.float32))
         counts = [int(c) for c in layout.recv_counts[self.rank]]
         return recv_x, recv_idx, recv_w, counts, Handle(layout, tokens, recv.shape[0], w), None
 

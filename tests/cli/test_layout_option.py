@@ -1,0 +1,98 @@
+"""The workload's output layout on the command line and in plan.json: `layout token` in a .sched
+file and `--layout token` on compile / run, what they write, what refuses them (exact text), and
+`epcc run` of token-major plans on the CPU backend against the token-major oracle."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from epcc.cli import main
+from epcc.plan.bundle import BundleError, load
+
+from bundle_tools import edit_json
+from test_cli import REPO, SMALL, _at_repo_root, no_crash, run  # noqa: F401 (the fixture applies here too)
+
+
+def _workload(bundle: Path) -> dict:
+    return json.loads((bundle / "plan.json").read_text(encoding="utf-8"))["workload"]
+
+
+def test_the_default_plan_has_no_layout_field_and_token_is_written(tmp_path, capsys):
+    assert run(["compile", SMALL, "-o", str(tmp_path / "e")], capsys)[0] == 0
+    assert "layout" not in _workload(tmp_path / "e")  # absent: expert-major, as before the option
+    assert load(tmp_path / "e").plan.workload.layout == "expert"
+    assert run(["compile", SMALL, "-o", str(tmp_path / "t"), "--layout", "token"], capsys)[0] == 0
+    assert _workload(tmp_path / "t")["layout"] == "token"
+    assert load(tmp_path / "t").plan.workload.layout == "token"
+
+
+def test_the_sched_option_and_the_flag_agree(tmp_path, capsys):
+    text = (REPO / SMALL).read_text(encoding="utf-8")
+    assert "  experts 8\n" in text
+    src = tmp_path / "tok.sched"
+    src.write_text(text.replace("  experts 8\n", "  experts 8\n  layout token\n"), encoding="utf-8")
+    assert run(["compile", str(src), "-o", str(tmp_path / "a")], capsys)[0] == 0
+    assert _workload(tmp_path / "a")["layout"] == "token"
+    # the flag overrides the file, either way
+    assert run(["compile", str(src), "-o", str(tmp_path / "b"), "--layout", "expert"], capsys)[0] == 0
+    assert "layout" not in _workload(tmp_path / "b")
+
+
+def test_a_bad_layout_flag_is_named(capsys):
+    rc, out, err = run(["compile", SMALL, "--layout", "tokens"], capsys)
+    assert (rc, out) == (1, "")
+    assert err == ("epcc: error: --layout tokens: expected expert or token (expert: one row per token and local "
+                   "expert; token: one row per token and destination rank); did you mean 'token'?\n")
+    rc, _, err = run(["run", SMALL, "--layout", "rows"], capsys)
+    assert rc == 1 and err.startswith("epcc: error: --layout rows: expected expert or token (")
+
+
+def test_gpu_targets_and_the_cost_model_refuse_token_major(tmp_path, capsys):
+    rc, _, err = run(["compile", SMALL, "--layout", "token", "--target", "cuda", "-o", str(tmp_path / "c")], capsys)
+    assert rc == 1 and no_crash(err)
+    assert err.endswith(f"epcc: error: {SMALL}: the token-major layout runs on the CPU backend only: the cuda "
+                        f"target's kernels write expert-major output; use --target none (or the expert layout)\n")
+    rc, _, err = run(["simulate", SMALL, "--layout", "token"], capsys)
+    assert rc == 1
+    assert err.endswith(f"epcc: error: {SMALL}: cannot simulate the token-major layout: the cost model charges "
+                        f"expert-major output rows\n")
+
+
+def test_a_tampered_layout_in_plan_json_is_named(tmp_path, capsys):
+    b = tmp_path / "b"
+    assert run(["compile", SMALL, "-o", str(b)], capsys)[0] == 0
+
+    def set_layout(d):
+        d["workload"]["layout"] = "token-major"
+        return d
+
+    edit_json(b / "plan.json", set_layout, bundle=b)
+    with pytest.raises(BundleError) as e:
+        load(b)
+    assert str(e.value) == (f"{b / 'plan.json'}: not a plan written by 'epcc compile': workload.layout: "
+                            f"'token-major' is not one of expert, token")
+
+
+@pytest.mark.parametrize("schedule,routing", [
+    ("schedules/h200x4.sched", "uniform"), ("schedules/h200x4.sched", "zipf:1.2"),
+    ("schedules/h200x4.sched", "one-hot"), ("schedules/h200x4_2vnode.sched", "uniform"),
+    ("schedules/h200x2_2vnode_relay.sched", "empty")])
+def test_epcc_run_token_major_on_the_cpu_backend(schedule, routing, capsys):
+    rc, out, err = run(["run", schedule, "--layout", "token", "--tokens", "48", "--hidden", "128",
+                        "--routing", routing, "--seed", "5"], capsys)
+    assert rc == 0, err
+    assert ", token-major; dispatch OK (bit-exact); combine OK (" in out
+
+
+def test_epcc_run_of_a_token_major_plan_json(tmp_path, capsys):
+    b = tmp_path / "b"
+    assert run(["compile", "schedules/h200x4.sched", "-o", str(b), "--layout", "token", "--tokens", "32"],
+               capsys)[0] == 0
+    shutil.rmtree(b / "cuda", ignore_errors=True)
+    rc, out, err = run(["run", str(b / "plan.json"), "--tokens", "16"], capsys)
+    assert rc == 0, err
+    assert "token-major; dispatch OK (bit-exact)" in out
