@@ -66,7 +66,8 @@ def simulation(args, options):
     rdma = getattr(args, "rdma", "proxy")
     try:
         metadata = table_metadata(built.plan, rdma) if direct is None else None
-        res = simulate(built.plan, SimOptions(rdma_proxy=rdma == "proxy", direct=direct, metadata=metadata))
+        res = simulate(built.plan, SimOptions(rdma_proxy=rdma == "proxy", direct=direct, metadata=metadata,
+                                              calls=metadata is not None))
     except SimulationError as e:
         raise user_error(f"{args.file}: cannot simulate the plan: {e}") from None
     return built, res

@@ -18,6 +18,13 @@ THREAD_ENGINES = ("sm", "spc", "tma")
 PROXY_MIN_SMS = 4  # blocks of a pack or unpack role at least (and in a plan that does not give them)
 FP32_ADD_PER_FLOW_BYTE = 2.0  # a combine flow counts bf16 partials (2 B per channel); its adds are fp32 (4 B)
 GATHER_ROWS = 4  # expert rows of one token a combine warp adds in registers before one red.add (the CUDA kernels' kRun)
+# fp32 red.add bytes per second that one GPU's memory absorbs, whichever SMs issue them (its own
+# combine roles' local adds and its peers' adds over NVLink alike): fitted 2026-11-26 on 4 x H100
+# (ep_bench role timelines, results/2026-11-26_4xH100_b.md): h200x4_ubb2x2_50's three weighted
+# gather roles (72 SMs) added 426 MB of fp32 in 1.02-1.10 ms, h200x4_2vnode_50's keep, keep_far
+# and the peer's intra and fwd 425 MB in 1.00 ms: 400 GB/s, where 72 SMs at the per-SM rate
+# alone would add 3x faster.  Not binding at 2 ranks (8 + 8 SMs: 190 GB/s).
+RED_BPS = 400e9
 
 
 def work_of(step: PlanStep, rates: dict | None = None) -> str:
@@ -68,6 +75,16 @@ def proxy_rates(rates: dict[str, float], step: PlanStep) -> tuple[float, float]:
     they take on the wire as bf16), the receiver applies at the step's kind of work."""
     work = work_of(step, rates)
     return rates["copy"] / (2.0 if work == "add" else 1.0), rates[work]
+
+
+def red_bytes_per_flow_byte(step: PlanStep, e: float) -> float:
+    """fp32 bytes a combine step's adds write per byte of its flows: a flow of partials (one per
+    token) adds each as fp32, twice its bf16 bytes; a weighted gather whose flows count expert
+    rows (`PlanStep.rows`) adds once per run of up to GATHER_ROWS rows of a token (e rows
+    expected), 2 x runs / e."""
+    if step.rows and step.weighted:
+        return FP32_ADD_PER_FLOW_BYTE * max(1.0, e / GATHER_ROWS) / max(e, 1.0)
+    return FP32_ADD_PER_FLOW_BYTE
 
 
 def sm_rates(plan: Plan) -> dict[str, float]:

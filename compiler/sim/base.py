@@ -44,6 +44,10 @@ class SimOptions:
     # their time before the dispatch's first step); None: no such kernels (direct kernels, or the
     # host lays the routing out).  `epcc simulate` sets it from the CUDA target's manifest.
     metadata: DeviceMetadata | None = None
+    # The Buffer call's copies around the table-driven kernels (sim/calls.py: x into the input
+    # buffer; the expert outputs in, the partials cleared, the result converted), in each program's
+    # time.  `epcc simulate` sets it with `metadata` (the bundles whose Buffer runs them).
+    calls: bool = False
 
 
 @dataclass

@@ -38,6 +38,7 @@ def to_dict(res: SimResult, passes_run: list[str] | None = None, tokens: int | N
             "link_active_ms": {c.name: c.active_s * 1e3 for c in p.link_classes.values()},
             "launch_ms": p.launch_s * 1e3,
             "metadata_us": {k: v * 1e6 for k, v in p.metadata.items()},  # its parts, in launch_ms
+            "calls_us": {k: v * 1e6 for k, v in p.calls.items()},  # the Buffer call's copies, in launch_ms
             "events": p.events,
         }
     active: dict[str, float] = {}
@@ -101,6 +102,10 @@ def table(res: SimResult, passes_run: list[str] | None = None) -> str:
             parts = ", ".join(f"{k} {v * 1e6:.1f}" for k, v in p.metadata.items())
             out.append(f"{name} metadata kernels on the GPU: {sum(p.metadata.values()) * 1e6:.1f} us before the "
                        f"first step ({parts} us)")
+        if p.calls:
+            parts = ", ".join(f"{k} {v * 1e6:.1f}" for k, v in p.calls.items())
+            out.append(f"{name} Buffer call's copies beside the kernels: {sum(p.calls.values()) * 1e6:.1f} us "
+                       f"({parts} us)")
         launches = f" (kernel launch and metadata {_ms(p.launch_s)} ms before the first step included)" if p.launch_s else ""
         out.append(f"{name}: total {_ms(p.makespan_s)} ms with overlap, serial sum {_ms(p.serial_s)} ms{launches}")
     if len(res.programs) > 1:

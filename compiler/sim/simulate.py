@@ -10,7 +10,8 @@ from ..plan import Plan, PlanStep
 from .direct import describe, with_direct_pool
 from .base import DeviceMetadata, ResourceStat, SimOptions, StepTiming
 from .engine import _Engine, program_steps, step_alone
-from .meta import metadata_terms
+from .calls import call_terms
+from .meta import GAP_S, metadata_terms
 from .sm_terms import with_sm_terms
 
 PROGRAM_ORDER = ("dispatch", "combine")
@@ -58,6 +59,8 @@ class ProgramResult:
     launch_s: float = 0.0  # kernel launch and metadata passes before the first step (the direct kernels; in makespan and serial)
     # the table-driven kernels' metadata on the GPU, seconds per part (sim/meta.py), in launch_s
     metadata: dict[str, float] = field(default_factory=dict)
+    # the Buffer call's copies around the kernels, seconds per part (sim/calls.py), in launch_s
+    calls: dict[str, float] = field(default_factory=dict)
 
     def step(self, name: str) -> StepTiming:
         for s in self.steps:
@@ -155,7 +158,7 @@ def link_class_of(resource: str, steps_using: list[PlanStep]) -> tuple[str, str 
 
 def simulate_program(plan: Plan, program: str, steps: list[PlanStep], opts: SimOptions,
                      other_names: set[str], launch_s: float = 0.0,
-                     metadata: dict[str, float] | None = None) -> ProgramResult:
+                     metadata: dict[str, float] | None = None, calls: dict[str, float] | None = None) -> ProgramResult:
     eng = _Engine(steps, plan.resources, opts, other_names, start_s=launch_s).run()
     timings: list[StepTiming] = []
     for i, s in enumerate(steps):
@@ -208,7 +211,7 @@ def simulate_program(plan: Plan, program: str, steps: list[PlanStep], opts: SimO
             cur = max(preds, key=lambda t: t.end_s) if preds else None
         path.reverse()
     return ProgramResult(program, timings, makespan, serial, resources, classes, bottleneck, path, eng.events,
-                         launch_s, dict(metadata or {}))
+                         launch_s, dict(metadata or {}), dict(calls or {}))
 
 
 def with_sm_model(plan: Plan, opts: SimOptions) -> tuple[Plan, dict[str, float], dict[str, dict[str, float]]]:
@@ -244,13 +247,17 @@ def simulate(plan: Plan, opts: SimOptions | None = None) -> SimResult:
                  "metadata": {"blocks": {"meta_count": m.count_blocks, "meta_rows": m.rows_blocks,
                                          "meta_items": m.items_blocks},
                               "steps": [f"{p}.{s}" for p, s in m.steps]}}
+    calls = call_terms(plan, GAP_S) if opts.calls and opts.direct is None else {}
     plan, launches, metadata = with_sm_model(plan, opts)
+    for p, parts in calls.items():  # the copies run in stream order with the kernels: before or after, time added
+        launches[p] = launches.get(p, 0.0) + sum(parts.values())
     res = SimResult(plan.schedule, plan.routing, plan.num_ranks, options=opts, sm_model=model)
     progs = program_steps(plan)
     order = [p for p in PROGRAM_ORDER if p in progs] + sorted(p for p in progs if p not in PROGRAM_ORDER)
     for p in order:
         others = {s.name for q, ss in progs.items() if q != p for s in ss}
-        res.programs[p] = simulate_program(plan, p, progs[p], opts, others, launches.get(p, 0.0), metadata.get(p))
+        res.programs[p] = simulate_program(plan, p, progs[p], opts, others, launches.get(p, 0.0), metadata.get(p),
+                                           calls.get(p))
     return res
 
 

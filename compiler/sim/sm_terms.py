@@ -80,8 +80,8 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from ..costmodel.rates import (FP32_ADD_PER_FLOW_BYTE, PROXY_MIN_SMS, proxy_blocks, proxy_rates, sm_rates,
-                               step_sms, window_rate, work_of)
+from ..costmodel.rates import (FP32_ADD_PER_FLOW_BYTE, PROXY_MIN_SMS, RED_BPS, proxy_blocks, proxy_rates,
+                               red_bytes_per_flow_byte, sm_rates, step_sms, window_rate, work_of)
 from ..costmodel.uniform import rows_per_token
 from ..plan import Plan, PlanStep
 from .base import SimOptions
@@ -148,8 +148,18 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
                 lead = chunk / stage_bps + post_s
                 tail = chunk / apply_bps
                 lag = max(lag, min(1.0, chunk / apply_bps * min(cap, link_bps) / f.bytes))
+            weights: tuple[float, ...] = ()
+            if n and s.program == "combine" and work in rates and f.resources and f.bytes > 0:
+                # the fp32 adds land in the receiving GPU's memory, which absorbs RED_BPS of them
+                name = f"red:{f.dst}"
+                resources[name] = RED_BPS
+                base = f.weights or tuple(1.0 for _ in dict.fromkeys(f.resources))
+                listed = f.resources if f.weights else tuple(dict.fromkeys(f.resources))
+                f = dataclasses.replace(f, resources=listed, weights=base)
+                extra.append(name)
+                weights = base + tuple(1.0 for _ in extra[:-1]) + (red_bytes_per_flow_byte(s, expand),)
             flows.append(dataclasses.replace(f, resources=f.resources + tuple(extra), tail_s=f.tail_s + tail,
-                                             lead_s=f.lead_s + lead)
+                                             lead_s=f.lead_s + lead, weights=weights or f.weights)
                          if extra or tail or lead else f)
         steps.append(dataclasses.replace(s, flows=flows, completion_lag=lag))
     return _little_lags(plan, steps, resources, rates, sms, expand)

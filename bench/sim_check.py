@@ -1,0 +1,213 @@
+"""`epcc simulate` against the recorded measurements: for every epcc row of ep_bench reports
+(results/raw/*.json by default), the bundle's schedule is simulated here, on the CPU, with the
+options tests/gpu/bundles.py compiled it with, and the measured time (median over the timed
+iterations of the maximum over ranks) is printed beside the prediction with the error; where
+the report carries the kernels' role timeline, the kernel's end beside the simulated kernel too.
+
+    .venv/bin/python bench/sim_check.py                        # every report in results/raw/
+    .venv/bin/python bench/sim_check.py REPORT.json --steps    # and each role's end, measured vs simulated
+    .venv/bin/python bench/sim_check.py --json                 # one JSON object
+
+Exit status 0; 1 with --strict where a current record misses by more than --tolerance (10 %), or on
+a report that cannot be read.  Records that timed code since changed are listed in SUPERSEDED
+(tests/sim/test_sim_check.py holds the others within 10 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))  # bundles.py: how each bundle is compiled
+import bundles  # noqa: E402
+
+from epcc.cli.main import parser as epcc_parser  # noqa: E402
+from epcc.cli.options import pass_options  # noqa: E402
+from epcc.cli.simulate import simulation  # noqa: E402
+from epcc.diagnostics import CompileError, SourceMap  # noqa: E402
+from epcc.sim.report import to_dict  # noqa: E402
+
+PROGRAMS = ("dispatch", "combine")
+ROWS = ("epcc", "epcc_cached")  # ep_bench's epcc rows: fresh routing, cached handle
+TOLERANCE = 0.10
+
+# (report file name, bundle) -> why its epcc rows do not time the code as it is now
+SUPERSEDED = {
+    ("2026-11-26_2xH100_ep_bench_76c2fc7.json", "h200x2_2vnode_50"):
+        "the bench before the one-way-layers restructure: the host layout and the inputs outside the timing",
+    ("2026-11-26_2xH100_ep_bench.json", "h200x2_2vnode_50"):
+        "the combine then copied the whole receive buffer in (since: only the rows received)",
+    ("2026-11-26_2xH100_ep_bench.json", "h200x2_2vnode_13"):
+        "the combine then copied the whole receive buffer in (since: only the rows received)",
+    ("2026-11-26_4xH100_ep_bench.json", "h200x4_2vnode_50"):
+        "the combine then copied the whole receive buffer in, the metadata before its rework (eleven launches)",
+}
+
+
+@dataclass
+class Record:
+    report: str
+    device: str
+    bundle: str
+    row: str
+    program: str
+    dtype: str
+    tokens: int
+    measured_ms: float
+    predicted_ms: float
+    kernel_ms: float | None = None  # the kernel's end in the role timeline (max over ranks)
+    sim_kernel_ms: float | None = None  # the simulated kernel: the program's makespan less its launch
+    superseded: str | None = None
+    steps: dict = field(default_factory=dict)  # step -> [measured end, simulated end] (ms, from the kernel's start)
+
+    @property
+    def error(self) -> float:
+        return self.predicted_ms / self.measured_ms - 1.0
+
+    @property
+    def kernel_error(self) -> float | None:
+        if self.kernel_ms and self.sim_kernel_ms is not None:
+            return self.sim_kernel_ms / self.kernel_ms - 1.0
+        return None
+
+
+class CheckError(Exception):
+    """A report this tool cannot read, or a bundle it cannot rebuild."""
+
+
+def bundle_source(name: str, out_dir: Path) -> tuple[Path, list[str]]:
+    """(the .sched file, the `epcc simulate` options) tests/gpu/bundles.py compiles bundle `name` with."""
+    base, proxy = (name[: -len("_proxy")], True) if name.endswith("_proxy") else (name, False)
+    if base in bundles.VARIANTS:
+        ranks, extra = bundles.VARIANTS[base]
+        src = bundles.H200X4 if ranks == 4 else bundles.ep2_source(out_dir)
+        return src, [*extra, "--rdma", "proxy"]
+    if base in bundles.RDMA_VARIANTS:
+        return bundles.rdma_source(out_dir, base), ["--rdma", "proxy" if proxy else "emulate"]
+    raise CheckError(f"bundle '{name}': not one tests/gpu/bundles.py builds")
+
+
+def simulate_bundle(name: str, tokens: int | None, out_dir: Path) -> dict:
+    """`epcc simulate --json` of bundle `name` (at `tokens` per rank where given)."""
+    src, opts = bundle_source(name, out_dir)
+    argv = ["simulate", str(src), "--json", *opts]
+    if tokens is not None and "--tokens" not in opts:
+        argv += ["--tokens", str(tokens)]
+    args = epcc_parser().parse_args(argv)
+    args.sources = SourceMap()
+    try:
+        built, res = simulation(args, pass_options(args))
+    except CompileError as e:
+        raise CheckError(f"bundle '{name}': {src.name} does not compile: {e}") from None
+    return to_dict(res, built.passes_run, tokens)
+
+
+def _timeline(per_rank: list[dict], program: str) -> tuple[float | None, dict[str, float]]:
+    """(the kernel's end, each role's end), ms, the maximum over ranks."""
+    ends, roles = [], {}
+    for r in per_rank:
+        t = (r.get("timeline") or {}).get(program)
+        if not t:
+            continue
+        ends.append(float(t["end_ms"]))
+        for role in t.get("roles", []):
+            for step in str(role["step"]).split("+"):
+                roles[step] = max(roles.get(step, 0.0), float(role["end_ms"]))
+    return (max(ends) if ends else None), roles
+
+
+def records_of(path: Path, out_dir: Path, cache: dict) -> list[Record]:
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        bundle_list = report["bundles"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckError(f"{path}: not an ep_bench report: {e}") from None
+    out = []
+    for b in bundle_list:
+        name, wl = b.get("name"), b.get("workload") or {}
+        rows = [(r, b["methods"][r]) for r in ROWS if isinstance(b.get("methods", {}).get(r), dict)]
+        rows = [(r, m) for r, m in rows if "summary" in m]
+        if not rows:
+            continue
+        tokens = wl.get("tokens")
+        key = (name, tokens)
+        if key not in cache:
+            cache[key] = simulate_bundle(name, tokens, out_dir)
+        sim = cache[key]
+        sim_steps = {p: {s["name"]: s["end_ms"] for s in sim["steps"] if s["program"] == p} for p in PROGRAMS}
+        # the timeline: the direct kernels stamp the fresh row, the table-driven ones the cached row
+        stamped = next((m["per_rank"] for _, m in rows if any(r.get("timeline") for r in m.get("per_rank", []))), [])
+        for row, m in rows:
+            for p in PROGRAMS:
+                if p not in m["summary"] or p not in sim["programs"]:
+                    continue
+                prog = sim["programs"][p]
+                launch = prog.get("launch_ms", 0.0)  # kernel launches, metadata, the call's copies
+                kernel, roles = _timeline(stamped, p)
+                steps = {s: [roles[s], sim_steps[p][s] - launch] for s in roles if s in sim_steps[p]}
+                out.append(Record(path.name, str(report.get("device", "?")), name, row, p, str(wl.get("dtype", "?")),
+                                  int(tokens or 0), float(m["summary"][p]["median_ms"]), prog["total_ms"],
+                                  kernel, prog["total_ms"] - launch, SUPERSEDED.get((path.name, name)), steps))
+    return out
+
+
+def collect(paths: list[Path]) -> list[Record]:
+    cache: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        return [r for p in paths for r in records_of(p, Path(tmp), cache)]
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{x * 100:+.0f} %"
+
+
+def table(records: list[Record], tolerance: float, steps: bool) -> list[str]:
+    head = (f"{'report':38} {'bundle':18} {'row':11} {'program':8} {'dtype':5} {'tokens':>6} {'measured':>9} "
+            f"{'predicted':>9} {'error':>6}  {'kernel':>7} {'sim':>7} {'error':>6}")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        flag = " OLD" if r.superseded else (" MISS" if abs(r.error) > tolerance else "")
+        k = f"{r.kernel_ms:7.3f} {r.sim_kernel_ms:7.3f} {_pct(r.kernel_error):>6}" if r.kernel_ms else ""
+        lines.append(f"{r.report:38} {r.bundle:18} {r.row:11} {r.program:8} {r.dtype:5} {r.tokens:6d} "
+                     f"{r.measured_ms:9.3f} {r.predicted_ms:9.3f} {_pct(r.error):>6}  {k}{flag}")
+        if steps and r.row == "epcc" and r.steps:
+            for s, (meas, sim) in r.steps.items():
+                lines.append(f"{'':40}{s:24} role end {meas:7.3f}  simulated {sim:7.3f}  {_pct(sim / meas - 1):>6}")
+    current = [r for r in records if not r.superseded]
+    miss = [r for r in current if abs(r.error) > tolerance]
+    lines.append(f"{len(current)} current records, {len(miss)} beyond {tolerance * 100:.0f} %; "
+                 f"{len(records) - len(current)} superseded (OLD: {', '.join(sorted(set(SUPERSEDED.values())))})")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("reports", nargs="*", type=Path, help="ep_bench.json reports (default: results/raw/*.json)")
+    ap.add_argument("--tolerance", type=float, default=TOLERANCE, help="flag errors beyond this fraction (0.10)")
+    ap.add_argument("--steps", action="store_true", help="also each role's end, measured (timeline) vs simulated")
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    ap.add_argument("--strict", action="store_true", help="exit 1 where a current record misses")
+    args = ap.parse_args(argv)
+    paths = args.reports or sorted((ROOT / "results" / "raw").glob("*.json"))
+    try:
+        records = collect(paths)
+    except CheckError as e:
+        print(f"sim_check: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"tolerance": args.tolerance,
+                          "records": [{**asdict(r), "error": r.error, "kernel_error": r.kernel_error} for r in records]},
+                         indent=1))
+    else:
+        print("\n".join(table(records, args.tolerance, args.steps)))
+    bad = [r for r in records if not r.superseded and abs(r.error) > args.tolerance]
+    return 1 if args.strict and bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

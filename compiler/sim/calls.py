@@ -1,0 +1,78 @@
+"""The runtime's stream work around the table-driven kernels in one Buffer call, in the cost model.
+
+Besides the kernels, a Buffer call of a table-driven bundle (runtime/engines/cuda_table) runs
+copies on the same stream, each a grid-wide copy bound by the GPU's memory (read + write bytes):
+
+* dispatch: x copied into the kernel's input buffer, T x row bytes;
+* combine: the expert outputs copied into the kernel's receive buffer (the rows received, T x K
+  expected per rank, 2 x hidden bytes each: `copy_rows`), the fp32 partial buffers cleared
+  (`zero_partials`: the result's T rows and every staging buffer's rows the dispatch landed,
+  4 x hidden bytes each, written), and after the kernel the fp32 result converted to bf16 (T x
+  hidden x (4 + 2) bytes);
+* a launch gap (sim/meta.py GAP_S) per launch: one in dispatch, three in combine.
+
+They run at COPY_EFFICIENCY x the topology's local (`hbm`) link bandwidth, in bytes read plus
+bytes written.  Fitted on the measurements below: the timed call less the kernel's end in the role
+timeline, less the metadata (sim/meta.py), over these bytes.  `SimOptions.calls` turns the term on
+(`epcc simulate` sets it with the metadata kernels: the bundles whose Buffer runs these copies).
+"""
+
+from __future__ import annotations
+
+from ..plan import Plan
+
+# Fitted 2026-11-26 on ep_bench (results/2026-11-26_4xH100_b.md, 4 x H100; results/2026-11-26_2xH200.md,
+# 2 x H200): the combine's call less its kernel is 0.554 ms (h200x4_2vnode_50, 1.35 GB moved: 2.44 TB/s) and
+# 0.70-0.73 ms (h200x4_ubb2x2_50, 1.68 GB: 2.3-2.4 TB/s) on H100, 0.42 ms (h200x2_2vnode_50 and _13,
+# 1.35 GB: 3.2 TB/s) on H200; the dispatch's copy of x 0.03-0.04 ms (117 MB) on H100.  One rate for both
+# (the model does not know the GPU): 2.6 TB/s, 0.87 of the schedules' 3000 GB/s `hbm` link.
+COPY_EFFICIENCY = 0.87
+LAUNCHES = {"dispatch": 1, "combine": 3}
+LOCAL = ("input", "output")
+
+
+def local_rate(plan: Plan) -> float:
+    """Bytes/s of the GPU's memory: the plan's `hbm:<rank>` capacity (the topology's local link);
+    0 where the topology declares none."""
+    return max((c for r, c in plan.resources.items() if r.startswith("hbm:")), default=0.0)
+
+
+def staged_tokens(plan: Plan) -> float:
+    """Tokens the dispatch lands in staging buffers (not input, not output) on its busiest rank:
+    the combine's fp32 partial buffers of the same names hold as many rows."""
+    per: dict[int, float] = {}
+    bpt = plan.bytes_per_token or 1.0
+    for s in plan.steps:
+        if s.program != "dispatch" or s.dst_buffer in LOCAL or s.dst_buffer is None or s.rows:
+            continue
+        for f in s.flows:
+            if f.resources and f.bytes > 0:
+                per[f.dst] = per.get(f.dst, 0.0) + f.bytes / bpt
+    return max(per.values(), default=0.0)
+
+
+def call_bytes(plan: Plan) -> dict[str, dict[str, float]]:
+    """Per program, the bytes (read + written) of each copy a Buffer call runs beside the kernel."""
+    wl = plan.workload
+    if wl is None:
+        return {}
+    T, H = wl.tokens, wl.hidden
+    out = {"dispatch": {"input": 2.0 * T * plan.bytes_per_token}}
+    if any(s.program == "combine" for s in plan.steps):
+        out["combine"] = {"rows": 2.0 * T * wl.topk * 2 * H,
+                          "zero": 4.0 * H * (T + staged_tokens(plan)),
+                          "convert": 6.0 * T * H}
+    return out
+
+
+def call_terms(plan: Plan, gap_s: float) -> dict[str, dict[str, float]]:
+    """Seconds of each part of the call's stream work beside the kernels, per program (module
+    docstring); {} where the topology gives no local link to price them."""
+    rate = COPY_EFFICIENCY * local_rate(plan)
+    if rate <= 0:
+        return {}
+    return {p: {**{k: b / rate for k, b in parts.items()}, "gaps": LAUNCHES[p] * gap_s}
+            for p, parts in call_bytes(plan).items()}
+
+
+__all__ = ["COPY_EFFICIENCY", "call_bytes", "call_terms", "local_rate", "staged_tokens"]
