@@ -8,6 +8,7 @@ NumPy version (runtime/testing/device_tables.py).  The GPU runs the same code (t
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ from epcc import pipeline
 from epcc.backends.cuda import meta_program
 from epcc.backends.cuda.abi import dtype
 from epcc.backends.cuda.placement import max_chunks, placement, template
+from epcc.backends.target import CUDA, SUPA
 from epcc.plan.model import chunk_sizes
 from epcc.plan.rdma import rdma_steps
 from epcc.plan.segments import segment_program
@@ -35,7 +37,8 @@ from epcc.runtime.testing.device_tables import Routing, device_tables
 REPO = Path(__file__).resolve().parents[2]
 INCLUDE = REPO / "backends" / "cuda" / "include"
 HEADER = INCLUDE / "epcc" / "table" / "meta.cuh"
-COVERED = [c for c in CASES if c[0] != "ubbv2_ep32"]  # ubbv2_ep32: more paths than one 64-bit word of sets
+# ubbv2_ep32 and its port-10 variant: 98 token sets of one home rank, two 64-bit words of memberships
+COVERED = [*CASES, ("ubbv2_ep32_port10", 4, 1)]
 # plans with RDMA steps compiled with --rdma proxy (the GPU proxy path): one and two RDMA steps per
 # program, 2 and 4 ranks, a forward after the RDMA step (2vnode on 4 GPUs) and a reorder before it (ubb2x2)
 PROXY = [("h200x2_2vnode", 40, 3), ("h200x4_2vnode", 32, 3), ("h200x2_2vnode_relay", 40, 3),
@@ -98,19 +101,31 @@ def xv2_plan(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def host_kernels(tmp_path_factory):
+    """The kernels compiled for the host at a capacity (meta_program.Capacity: the shared memory
+    sizes a bundle's driver defines; None: the header's defaults), one build per capacity."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
-    out = tmp_path_factory.mktemp("meta") / "libmeta_host.so"
-    r = subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", f"-I{INCLUDE}",
-                        "-o", str(out), str(Path(__file__).parent / "meta" / "meta_host.cpp")],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    lib = ctypes.CDLL(str(out))
-    lib.epcc_meta_run.argtypes = [ctypes.c_void_p] * 14
-    lib.epcc_meta_scratch_words.argtypes = [ctypes.c_void_p]
-    lib.epcc_meta_scratch_words.restype = ctypes.c_longlong
-    return lib
+    root = tmp_path_factory.mktemp("meta")
+    built: dict[tuple, ctypes.CDLL] = {}
+
+    def lib_for(cap: meta_program.Capacity | None = None) -> ctypes.CDLL:
+        key = tuple(sorted(cap.macros().items())) if cap is not None else ()
+        if key not in built:
+            out = root / f"libmeta_host_{len(built)}.so"
+            r = subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
+                                f"-I{INCLUDE}", *(f"-D{k}={v}" for k, v in key), "-o", str(out),
+                                str(Path(__file__).parent / "meta" / "meta_host.cpp")], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+            lib = ctypes.CDLL(str(out))
+            lib.epcc_meta_run.argtypes = [ctypes.c_void_p] * 14
+            lib.epcc_meta_scratch_words.argtypes = [ctypes.c_void_p]
+            lib.epcc_meta_scratch_words.restype = ctypes.c_longlong
+            lib.epcc_meta_shared_bytes.restype = ctypes.c_longlong
+            built[key] = lib
+        return built[key]
+
+    return lib_for
 
 
 def _routing(name: str, tokens: int, chunk: int, seed: int):
@@ -127,14 +142,17 @@ def _routing(name: str, tokens: int, chunk: int, seed: int):
     return plan, idx, w.astype(np.float32), counts
 
 
-def _run(lib, plan, m, prog, rank, tokens, idx, w, counts, seqs=None, blobs=None):
-    """The host-compiled kernels' blobs and received rows of `rank` (into `blobs` where given,
+def _run(kernels, plan, m, prog, rank, tokens, idx, w, counts, seqs=None, blobs=None):
+    """The host-compiled kernels' blobs and received rows of `rank`, built at the capacity its
+    program needs, as the bundle's driver is (into `blobs` where given,
     after restoring their static fields as the GPU does: the template up to the row arrays);
     `seqs` (a dict): each program's RDMA items' sequence numbers on their channels go there too
     (the GPU proxy path's)."""
     R = plan.num_ranks
     pls = {p: placement(m, prog, p, rank, tokens) for p in ("dispatch", "combine")}
-    arr = np.ascontiguousarray(meta_program.encode(m, plan.workload.placement, prog, pls, rank, tokens).array)
+    mp = meta_program.encode(m, plan.workload.placement, prog, pls, rank, tokens)
+    lib = kernels(mp.capacity())
+    arr = np.ascontiguousarray(mp.array)
     scratch = np.zeros(lib.epcc_meta_scratch_words(arr.ctypes.data), dtype=np.int64)
     if blobs is None:
         blobs = {p: template(m, pls[p], R).copy() for p in pls}
@@ -258,7 +276,7 @@ def test_the_headers_field_indices_are_the_programs():
         body = re.search(r"enum " + enum + r" \{(.*?)\};", text, re.S).group(1)
         names = [n.strip() for n in body.replace("\n", " ").split(",") if n.strip()]
         assert names == [f"{prefix}_{f}" for f in fields] + [f"{prefix}_COUNT"], enum
-    assert f"kBlock = {meta_program.TOKEN_BLOCK}" in text and f"kMaxSets = {meta_program.MAX_SETS}" in text
+    assert f"kBlock = {meta_program.TOKEN_BLOCK}" in text and f"kMaxSets = {meta_program.SET_WORD} * kSetWords" in text
 
 
 def test_max_chunks_is_the_most_any_shorter_copy_has():
@@ -444,3 +462,47 @@ def test_which_bundles_get_their_tables_from_the_gpu():
 def codegen_plan(name: str):
     from test_cuda_codegen import plan_of
     return plan_of(name)
+
+
+def test_the_shared_memory_is_sized_per_plan_and_counted_as_the_compiler_counts(host_kernels):
+    """meta_program.shared_bytes is sizeof(Shared) at every capacity (the host compiler's); a
+    program with more sets, OUT sets, experts or top-k than the build holds is refused, not run;
+    ubbv2_ep32 needs two set words and fits both targets' shared memory."""
+    caps = [None, meta_program.Capacity(2, 32, 256, 8), meta_program.Capacity(3, 5, 16, 4),
+            meta_program.Capacity(1, 1, 1, 1)]
+    for cap in caps:
+        want = meta_program.shared_bytes(cap or meta_program.Capacity(1, 64, 1024, 16))
+        assert host_kernels(cap).epcc_meta_shared_bytes() == want, cap
+    name, tokens, chunk = "ubbv2_ep32", 4, 1
+    plan, idx, w, counts = _routing(name, tokens, chunk, 1)
+    m = codegen.generate(plan, source_of(name)).manifest
+    prog = segment_program(plan)
+    pls = {p: placement(m, prog, p, 0, tokens) for p in ("dispatch", "combine")}
+    mp = meta_program.encode(m, plan.workload.placement, prog, pls, 0, tokens)
+    need = mp.capacity()
+    assert need.set_words == 2 and need.sets > 64
+    for limit in (CUDA.shared_bytes_per_block, SUPA.shared_bytes_per_block):
+        assert meta_program.shared_bytes(need) <= limit
+    one_word = meta_program.Capacity(1, need.out_sets, need.experts, need.topk)
+    arr = np.ascontiguousarray(mp.array)
+    assert host_kernels(one_word).epcc_meta_run(arr.ctypes.data, *[None] * 13) == 1  # refused before any write
+
+
+def test_a_plan_beyond_the_targets_shared_memory_gets_host_tables_saying_why():
+    """The capacity a bundle's kernels are built for is in its manifest and its driver; where it
+    exceeds the target's shared memory per block the manifest says "host" with the numbers."""
+    plan = codegen_plan("h200x4_ubb2x2")
+    m = codegen.generate(plan, source_of("h200x4_ubb2x2")).manifest
+    cap = m["metadata"]["capacity"]
+    assert m["metadata"]["lowering"] == "device"
+    assert cap["set_words"] == 1 and cap["sets"] == 14 and cap["shared_bytes"] <= CUDA.shared_bytes_per_block
+    small = dataclasses.replace(SUPA, shared_bytes_per_block=cap["shared_bytes"] - 8)
+    m = codegen.generate(plan, source_of("h200x4_ubb2x2"), codegen.CudaOptions(rdma="emulate"), target=small).manifest
+    assert m["metadata"]["lowering"] == "host"
+    assert m["metadata"]["why"] == (f"the metadata kernels need {cap['shared_bytes']} bytes of shared memory per block "
+                                    f"for rank 0's 14 token sets (1 x 64-bit words), 4 output sets of one home rank, "
+                                    f"256 experts and top-8; the SUPA target allows {cap['shared_bytes'] - 8}")
+    src = codegen.generate(plan, source_of("h200x4_ubb2x2")).files["epcc_table_meta.cu"]
+    for k, v in meta_program.Capacity(**{f: cap[f] for f in codegen.CAPACITY_FIELDS}).macros().items():
+        assert f"#define {k} {v}\n" in src
+    assert f"sizeof(epcc::meta::Shared) <= {CUDA.shared_bytes_per_block}" in src
