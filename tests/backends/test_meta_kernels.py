@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import test_cuda_codegen
-from test_cuda_codegen import CASES, codegen, small_case, source_of
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_cuda_codegen import ALL, CASES, codegen, small_case, source_of
 
 from epcc import pipeline
 
@@ -37,8 +39,11 @@ from epcc.runtime.testing.device_tables import Routing, device_tables
 REPO = Path(__file__).resolve().parents[2]
 INCLUDE = REPO / "backends" / "cuda" / "include"
 HEADER = INCLUDE / "epcc" / "table" / "meta.cuh"
-# ubbv2_ep32 and its port-10 variant: 98 token sets of one home rank, two 64-bit words of memberships
-COVERED = [*CASES, ("ubbv2_ep32_port10", 4, 1)]
+# Every shipped plan, with tokens and chunk sizes small enough for the CPU (every rank of the
+# 32-rank plans runs): the emulator's cases and the rest.  ubbv2_ep32 and its port-10 variant have
+# 98 token sets of one home rank (two 64-bit words of memberships).
+COVERED = [*CASES, ("h200x2_2vnode", 40, 3), ("h200x2_2vnode_mixed", 40, 3), ("h200x2_2vnode_relay", 40, 3),
+           ("h200x4_ubb2x2", 24, 2), ("ubbv2_card", 24, 3), ("ubbv2_ep32_port10", 4, 1)]
 # plans with RDMA steps compiled with --rdma proxy (the GPU proxy path): one and two RDMA steps per
 # program, 2 and 4 ranks, a forward after the RDMA step (2vnode on 4 GPUs) and a reorder before it (ubb2x2)
 PROXY = [("h200x2_2vnode", 40, 3), ("h200x4_2vnode", 32, 3), ("h200x2_2vnode_relay", 40, 3),
@@ -142,15 +147,57 @@ def _routing(name: str, tokens: int, chunk: int, seed: int):
     return plan, idx, w.astype(np.float32), counts
 
 
-def _run(kernels, plan, m, prog, rank, tokens, idx, w, counts, seqs=None, blobs=None):
+_MANIFESTS: dict[tuple, dict] = {}
+
+
+def _manifest(plan, name: str, tokens: int, chunk: int) -> dict:
+    """The default bundle's manifest of small_case(name, tokens, chunk)'s plan (cached: the
+    32-rank plans take a while)."""
+    key = (name, tokens, chunk)
+    if key not in _MANIFESTS:
+        _MANIFESTS[key] = codegen.generate(plan, source_of(name)).manifest
+    return _MANIFESTS[key]
+
+
+def _check_every_rank(kernels, name, plan, m, tokens, idx, w, counts, key=None) -> None:
+    """Every rank's blobs and received rows from the host-compiled kernels, byte for byte the host
+    layout's (runtime/layout, the oracle) for this routing."""
+    layout = compute_layout(plan, idx, w, counts)
+    prog = segment_program(plan)
+    for rank in range(plan.num_ranks):
+        pls, blobs, bad, rw, ri, rc, ro = _run(kernels, plan, m, prog, rank, tokens, idx, w, counts,
+                                               key=None if key is None else (*key, rank))
+        for p, pl in pls.items():
+            want = build_placed(m, layout, pl).blob
+            diff = np.flatnonzero(want != blobs[p])
+            assert not diff.size, f"{name} rank {rank} {p}: {diff.size} bytes differ, from byte {diff[0]} " \
+                                  f"(sections at {pl.offsets})"
+        assert bad >= tokens  # none
+        n = int(layout.recv_counts[rank].sum())
+        assert rc.tolist() == layout.recv_counts[rank].tolist()
+        assert ro.tolist() == [0, *np.cumsum(layout.recv_counts[rank]).tolist()]
+        assert np.array_equal(ri[:n], layout.entries[("output", rank)][:, 2])
+        assert np.array_equal(rw[:n], layout.output_weights[rank])
+
+
+_PROGRAMS: dict[tuple, tuple] = {}
+
+
+def _run(kernels, plan, m, prog, rank, tokens, idx, w, counts, seqs=None, blobs=None, key=None):
     """The host-compiled kernels' blobs and received rows of `rank`, built at the capacity its
     program needs, as the bundle's driver is (into `blobs` where given,
     after restoring their static fields as the GPU does: the template up to the row arrays);
     `seqs` (a dict): each program's RDMA items' sequence numbers on their channels go there too
-    (the GPU proxy path's)."""
+    (the GPU proxy path's); `key`: names the bundle and rank, whose placements and program (the
+    same for every routing) are then kept for the next call."""
     R = plan.num_ranks
-    pls = {p: placement(m, prog, p, rank, tokens) for p in ("dispatch", "combine")}
-    mp = meta_program.encode(m, plan.workload.placement, prog, pls, rank, tokens)
+    if key is None or key not in _PROGRAMS:
+        pls = {p: placement(m, prog, p, rank, tokens) for p in ("dispatch", "combine")}
+        mp = meta_program.encode(m, plan.workload.placement, prog, pls, rank, tokens)
+        if key is not None:
+            _PROGRAMS[key] = pls, mp
+    else:
+        pls, mp = _PROGRAMS[key]
     lib = kernels(mp.capacity())
     arr = np.ascontiguousarray(mp.array)
     scratch = np.zeros(lib.epcc_meta_scratch_words(arr.ctypes.data), dtype=np.int64)
@@ -175,26 +222,47 @@ def _run(kernels, plan, m, prog, rank, tokens, idx, w, counts, seqs=None, blobs=
     return pls, blobs, int(bad[0]), rw, ri, rc, ro
 
 
+def test_every_shipped_plan_is_covered():
+    assert sorted({c[0] for c in COVERED}) == ALL
+
+
 @pytest.mark.parametrize("name,tokens,chunk", COVERED)
 @pytest.mark.parametrize("seed", [1, 2])
 def test_host_compiled_kernels_write_the_host_layouts_blobs(host_kernels, name, tokens, chunk, seed):
     plan, idx, w, counts = _routing(name, tokens, chunk, seed)
-    layout = compute_layout(plan, idx, w, counts)
-    m = codegen.generate(plan, source_of(name)).manifest
-    prog = segment_program(plan)
-    for rank in range(plan.num_ranks):
-        pls, blobs, bad, rw, ri, rc, ro = _run(host_kernels, plan, m, prog, rank, tokens, idx, w, counts)
-        for p, pl in pls.items():
-            want = build_placed(m, layout, pl).blob
-            diff = np.flatnonzero(want != blobs[p])
-            assert not diff.size, f"{name} rank {rank} {p}: {diff.size} bytes differ, from byte {diff[0]} " \
-                                  f"(sections at {pl.offsets})"
-        assert bad >= tokens  # none
-        n = int(layout.recv_counts[rank].sum())
-        assert rc.tolist() == layout.recv_counts[rank].tolist()
-        assert ro.tolist() == [0, *np.cumsum(layout.recv_counts[rank]).tolist()]
-        assert np.array_equal(ri[:n], layout.entries[("output", rank)][:, 2])
-        assert np.array_equal(rw[:n], layout.output_weights[rank])
+    _check_every_rank(host_kernels, name, plan, _manifest(plan, name, tokens, chunk), tokens, idx, w, counts,
+                      key=(name, tokens, chunk))
+
+
+def _hidden_routing(plan, tokens: int, rng, zero: int, masked: float, hot: int):
+    """A routing no test fixes: per rank a token count (rank `zero` none), per token top-k distinct
+    experts drawn from `hot` experts favoured 8 : 1 over the rest (0: all alike), a share
+    `masked` of slots -1, weights at random."""
+    wl, R = plan.workload, plan.num_ranks
+    favour = np.ones(wl.experts)
+    favour[rng.permutation(wl.experts)[:hot]] = 8.0
+    keys = rng.random((R, tokens, wl.experts)) ** (1.0 / favour)  # weighted sampling without replacement
+    idx = np.argsort(-keys, axis=2)[:, :, :wl.topk].astype(np.int64)
+    counts = rng.integers(0, tokens + 1, R)
+    counts[zero] = 0
+    for r, n in enumerate(counts):
+        idx[r, n:] = -1
+    idx[rng.random(idx.shape) < masked] = -1
+    w = rng.random(idx.shape).astype(np.float32)
+    return idx, w, counts
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from(COVERED), seed=st.integers(0, 2**32 - 1), zero=st.integers(0, 63),
+       masked=st.sampled_from([0.0, 0.1, 0.6]), hot=st.sampled_from([0, 3, 40]))
+def test_hidden_routings_every_plan(host_kernels, case, seed, zero, masked, hot):
+    """Property: for any shipped plan and any routing -- uneven token counts, a rank with none,
+    masked slots, skewed or uniform experts -- every rank's device tables are the host layout's."""
+    name, tokens, chunk = case
+    plan = small_case(name, tokens, chunk, seed=1)[0]
+    idx, w, counts = _hidden_routing(plan, tokens, np.random.default_rng(seed), zero % plan.num_ranks, masked, hot)
+    _check_every_rank(host_kernels, name, plan, _manifest(plan, name, tokens, chunk), tokens, idx, w, counts,
+                      key=(name, tokens, chunk))
 
 
 def test_a_bad_routing_row_is_marked_and_ignored(host_kernels):

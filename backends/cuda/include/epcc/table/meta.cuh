@@ -149,6 +149,8 @@ constexpr i64 kRowBufShift = 40;
 struct Args {
   const i64* prog;       // the metadata program (int64)
   i64* scratch;          // scratch_words(prog) words, zero before meta_count
+  // every rank's routing, gathered: the kernels read it from here only, whatever moved it here and
+  // however many peer-memory domains the ranks span (the driver's exchange fills it)
   const int* tokens;     // [R] tokens of every rank
   const int* topk;       // [R][max_tokens][topk] every rank's routing (-1: an empty slot)
   const float* weights;  // [R][max_tokens][topk]
