@@ -516,15 +516,24 @@ def test_which_bundles_get_their_tables_from_the_gpu():
     m = codegen.generate(codegen_plan("h200x2_2vnode"), source_of("h200x2_2vnode"),
                          codegen.CudaOptions(rdma="proxy")).manifest
     assert m["metadata"]["lowering"] == "host" and "--proxy-tables device" in m["metadata"]["why"]
-    # beyond one box the routing cannot be gathered over CUDA IPC (docs/cuda.md: across nodes)
+    # beyond one box the tables are the kernels' but the routing cannot be gathered over CUDA IPC
+    # (docs/cuda.md: across CUDA IPC domains)
     m = _proxy_manifest(codegen_plan("dgx_h800_2node"), "dgx_h800_2node")
-    assert m["metadata"] == {"lowering": "host", "why": "the plan's 16 ranks span more than one CUDA IPC "
-                                                         "domain (at most 8), and the metadata kernels gather the "
-                                                         "routing over CUDA IPC peer memory"}
+    assert m["metadata"] == {"lowering": "host", "why": "the metadata kernels hold this plan's tables (20 token sets "
+                                                         "of rank 0, 13824 bytes of shared memory per block), but its "
+                                                         "16 ranks span more than one CUDA IPC domain (at most 8), and "
+                                                         "the routing's exchange across CUDA IPC domains (through the "
+                                                         "GPU proxy path's transport) is not built"}
     # whatever the RDMA option: SM roles standing in for the NIC do not make one box of two either
     plan = codegen_plan("ubbv2_ep16")
     m = codegen.generate(plan, source_of("ubbv2_ep16"), codegen.CudaOptions(rdma="emulate")).manifest
     assert m["metadata"]["lowering"] == "host" and "16 ranks span more than one CUDA IPC" in m["metadata"]["why"]
+    # the default beyond one box: an external proxy, which carries no routing; 98 sets of one home
+    for name in ("ubbv2_ep32", "ubbv2_ep32_port10"):
+        m = codegen.generate(codegen_plan(name), source_of(name)).manifest
+        assert m["metadata"]["lowering"] == "host", name
+        assert m["metadata"]["why"].startswith("the metadata kernels hold this plan's tables (98 token sets"), name
+        assert "external proxy (more ranks than one box), which carries no routing" in m["metadata"]["why"], name
 
 
 def codegen_plan(name: str):
