@@ -62,7 +62,7 @@ from ..supa import build as supa_build
 from ..target import CUDA, Target
 
 from . import abi, direct
-from .meta_program import encode
+from .meta_program import Capacity, check_shared, encode, shared_bytes
 from .placement import PlacementError, placement
 
 TARGET_ARCH = "sm_90a"
@@ -584,10 +584,13 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
     if manifest["lowering"] == "direct":
         static.update({n: direct.INCLUDE_DIR / n for n in direct.HEADERS})
     else:
-        manifest["metadata"] = device_metadata(plan, manifest)
+        manifest["metadata"] = device_metadata(plan, manifest, target)
         if manifest["metadata"]["lowering"] == "device":
             meta_source = f"{META_STEM}{target.source_suffix}"
-            files[meta_source] = _ENV.get_template("table_meta.cu.j2").render(**common, file=meta_source)
+            cap = manifest["metadata"]["capacity"]
+            capacity = dict(cap, macros=Capacity(**{f: cap[f] for f in CAPACITY_FIELDS}).macros())
+            files[meta_source] = _ENV.get_template("table_meta.cu.j2").render(**common, file=meta_source,
+                                                                               capacity=capacity)
             static[META_HEADER] = direct.INCLUDE_DIR / META_HEADER
             build = manifest["build"]
             build["sources"].append(meta_source)
@@ -617,42 +620,70 @@ META_SOURCE = f"{META_STEM}.cu"
 META_HEADER = "epcc/table/meta.cuh"  # static (cuda/include/), target-neutral through the prelude
 
 
-def device_metadata(plan: Plan, manifest: dict) -> dict:
+CAPACITY_FIELDS = ("set_words", "out_sets", "experts", "topk", "home", "sets")
+
+
+def device_metadata(plan: Plan, manifest: dict, target: Target = CUDA) -> dict:
     """How the table-driven kernels get their tables: "device" (the metadata kernels,
     include/epcc/table/meta.cuh: every rank's routing all-gathered over peer memory, each rank's
-    tables written on its GPU per dispatch) where they cover the plan, else "host" (the runtime
-    lays the routing out on the host: runtime/layout) with the reason.  The GPU proxy path
+    tables written on its GPU per dispatch) where they cover the plan and the routing can reach
+    every rank, else "host" (the runtime lays the routing out on the host: runtime/layout) with the
+    reason: the kernels compute the tables of every rank from a gathered routing whatever the
+    number of ranks (up to 64), but the gather crosses CUDA IPC domains only through a transport,
+    which is not built (docs/cuda.md, "Across CUDA IPC domains").  The GPU proxy path
     (rdma="proxy") is covered too: its channels and rings are sized once from the placement (every
     channel any routing can use, its largest chunk) and the metadata kernels number each RDMA chunk
-    on its channel (meta.cuh Args.seq) for the pack and unpack roles."""
+    on its channel (meta.cuh Args.seq) for the pack and unpack roles.  `capacity`: what the kernels'
+    shared memory is sized for (meta_program.Capacity, the most any rank's program needs), within
+    the target's shared memory per block (else "host", with the numbers)."""
     def host(why: str) -> dict:
         return {"lowering": "host", "why": why}
 
-    if manifest["options"]["rdma"] == "external":
-        return host("RDMA steps are left to an external proxy (more ranks than one box)")
     if manifest["options"]["rdma"] == "proxy" and not manifest["options"].get("proxy_device_tables"):
         return host("the GPU proxy path's channels are set up from host-built tables (its tables from the GPU, "
                     "`--proxy-tables device`, are not yet validated on GPUs)")
-    if plan.num_ranks > MAX_IPC_RANKS:
-        return host(f"the plan's {plan.num_ranks} ranks span more than one CUDA IPC domain (at most "
-                    f"{MAX_IPC_RANKS}), and the metadata kernels gather the routing over CUDA IPC peer memory")
+    no_exchange = None  # why the routing cannot reach every rank's GPU
+    if manifest["options"]["rdma"] == "external":
+        no_exchange = "its RDMA steps are left to an external proxy (more ranks than one box), which carries no routing"
+    elif plan.num_ranks > MAX_IPC_RANKS:
+        no_exchange = f"its {plan.num_ranks} ranks span more than one CUDA IPC domain (at most {MAX_IPC_RANKS})"
+    if no_exchange:
+        # the tables are the same computation whatever moves the routing (one rank's program says
+        # whether the kernels hold them: the sets are every home's)
+        try:
+            prog = segment_program(plan)
+            pls = {p: placement(manifest, prog, p, 0, plan.workload.tokens) for p in abi.PROGRAMS
+                   if any(k["program"] == p and k["kind"] == "main" for k in manifest["kernels"])}
+            cap = encode(manifest, plan.workload.placement, prog, pls, 0, plan.workload.tokens).capacity()
+            check_shared(cap, target.shared_bytes_per_block, target.language)
+        except (SegmentProgramError, PlacementError) as e:
+            return host(str(e))
+        return host(f"the metadata kernels hold this plan's tables ({cap.sets} token sets of rank {cap.home}, "
+                    f"{shared_bytes(cap)} bytes of shared memory per block), but {no_exchange}, and the routing's "
+                    f"exchange across CUDA IPC domains (through the GPU proxy path's transport) is not built")
     blocks = {"meta_count": 0, "meta_rows": 0, "meta_items": 0}
+    cap: Capacity | None = None
     try:
         prog = segment_program(plan)
         for rank in range(plan.num_ranks):
             pls = {p: placement(manifest, prog, p, rank, plan.workload.tokens) for p in abi.PROGRAMS
                    if any(k["program"] == p and k["kind"] == "main" for k in manifest["kernels"])}
-            g = encode(manifest, plan.workload.placement, prog, pls, rank, plan.workload.tokens).grids()
+            mp = encode(manifest, plan.workload.placement, prog, pls, rank, plan.workload.tokens)
+            g = mp.grids()
             for kernel, n in (("meta_count", g["count"]), ("meta_rows", g["rows"] + g["count"]),
                               ("meta_items", g["items"])):
                 blocks[kernel] = max(blocks[kernel], n)
+            need = mp.capacity()
+            cap = need if cap is None or need.sets > cap.sets else cap
+        check_shared(cap, target.shared_bytes_per_block, target.language)
     except (SegmentProgramError, PlacementError) as e:
         return host(str(e))
     # blocks: what each kernel launches per dispatch, the most of any rank (meta_rows: the rows
     # and the received rows); `epcc simulate` charges the kernels' waves by them (sim/meta.py)
     return {"lowering": "device", "exchange": "all-gather of every rank's top-k over peer memory (CUDA IPC)",
             "kernels": ["gather_copy", "gather_signal_wait", "meta_count", "meta_scan", "meta_rows", "meta_items",
-                        "zero_partials"], "blocks": blocks}
+                        "zero_partials"], "blocks": blocks,
+            "capacity": {**{f: getattr(cap, f) for f in CAPACITY_FIELDS}, "shared_bytes": shared_bytes(cap)}}
 
 
 def _rdma_sources(plan: Plan) -> list[str]:

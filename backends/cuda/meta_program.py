@@ -10,16 +10,24 @@ is the same arithmetic in NumPy) as one int64 array, uploaded once per Buffer:
   rank mask its last flow applied, or every token of the home for `input`), OUT (the tokens of a
   segment with an expert on one rank: an into-output part's tokens, one row per such expert) and
   LIVE (the tokens of a segment that went on from there: the union of the LIVE sets of the
-  segments made from it and of the OUT sets read out of it);
+  segments made from it and of the OUT sets read out of it); a set's `bit` is its place among its
+  home's sets (a token's memberships: `set_words` words of 64 bits, sized by the plan's most sets
+  of one home rank), an OUT set's `out` its place among its home's OUT sets (its per-row masks);
 * groups: each dispatch buffer of each rank, its SEG sets in slot order (offsets are prefix sums);
 * copies: every copy of both programs (its chunking) and its parts: which set gives a part's
-  tokens, where their source and destination slots come from, and what a chunk waits for;
+  tokens, where their source and destination slots come from (`srcbuf`: the buffer its source
+  rows are in, the role's source buffer resolved here), and what a chunk waits for;
 * tables: the copies of this rank's two blobs, with their descriptors' static fields, where their
   rows go, their producers; the roles (item and wait room); the drain and zero lists;
 * work: the (part, token block) pairs whose rows this rank writes.
 
 Every record is a fixed number of int64 fields, named below (the header declares the same
 indices as enums, generated from these lists by the code generator, so the two cannot drift).
+
+The kernels' shared memory is sized per bundle (`Capacity`: the generated driver defines it
+before it includes meta.cuh): the set words, OUT sets, experts and top-k of the plan.
+`shared_bytes` is what one block of meta_count / meta_rows then holds; a plan whose capacity
+exceeds the target's shared memory per block is refused with the numbers (MetaProgramError).
 """
 
 from __future__ import annotations
@@ -36,9 +44,9 @@ from epcc.plan.segments import SegmentProgram
 from .placement import Placement, PlacementError
 
 MAGIC = 0x4D455043  # "CPEM"
-VERSION = 1
+VERSION = 2
 TOKEN_BLOCK = 128  # tokens per block of the kernels: 4 x 32-bit membership words
-MAX_SETS = 64  # sets per home rank: a token's memberships fit one 64-bit word
+SET_WORD = 64  # a token's set memberships: words of 64 bits, as many as the plan's most sets per home rank
 MAX_RANKS = 64  # a rank mask fits one 64-bit word
 MAX_RAMP = 64  # chunk sizes of one ramp end, at most
 
@@ -51,9 +59,9 @@ HEADER = ["magic", "version", "num_ranks", "experts", "topk", "epr", "strided", 
           "num_tcopies", "num_roles", "num_drain", "num_zero", "num_work", "num_prods", "num_ramp",
           "off_sets", "off_set_index", "off_or", "off_groups", "off_group_sets", "off_copies", "off_parts",
           "off_contrib", "off_tcopies", "off_roles", "off_drain", "off_zero", "off_work", "off_prods", "off_ramp",
-          "off_srcbuf", "num_srcbuf", "blob_bytes_d", "blob_bytes_c", "num_or", "num_group_sets", "sets_max",
+          "blob_bytes_d", "blob_bytes_c", "num_or", "num_group_sets", "sets_max",
           "items_off_d", "waits_off_d", "items_off_c", "waits_off_c"]
-SET = ["origin", "kind", "parent", "mask", "all", "dst", "or_begin", "or_count", "group", "bit"]
+SET = ["origin", "kind", "parent", "mask", "all", "dst", "or_begin", "or_count", "group", "bit", "out"]
 GROUP = ["first", "count"]  # into group_sets
 COPY = ["program", "tpc", "head", "tail", "first_part", "num_parts", "dst", "ramp_front", "ramp_front_n",
         "ramp_back", "ramp_back_n", "ramp_front_sum", "ramp_back_sum"]
@@ -76,11 +84,65 @@ class MetaProgramError(PlacementError):
     """The plan is beyond what the metadata kernels handle (the message says what; the host lays it out)."""
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """What the metadata kernels' shared memory is sized for (meta.cuh's EPCC_META_* macros)."""
+    set_words: int  # 64-bit words of a token's set memberships: the most sets of one home rank / 64
+    out_sets: int  # the most OUT sets of one home rank (each holds top-k row masks)
+    experts: int
+    topk: int
+    home: int = 0  # a home rank with the most sets (what an error names)
+    sets: int = 0  # its sets
+
+    def macros(self) -> dict[str, int]:
+        return {"EPCC_META_SET_WORDS": self.set_words, "EPCC_META_OUT_SETS": self.out_sets,
+                "EPCC_META_EXPERTS": self.experts, "EPCC_META_TOPK": self.topk}
+
+    def covers(self, need: "Capacity") -> bool:
+        return all(getattr(self, f) >= getattr(need, f) for f in ("set_words", "out_sets", "experts", "topk"))
+
+
+def shared_bytes(cap: Capacity) -> int:
+    """sizeof(meta.cuh's Shared) at `cap` (tests/backends/test_meta_kernels.py checks it against
+    the host compiler's): per set its SetInfo (a rank mask, `set_words` words of LIVE bits, five
+    ints) and its block mask; per token its set bits, top-k experts (short) and rank mask; per
+    expert a block mask; per OUT set top-k block masks."""
+    words = TOKEN_BLOCK // 32
+    sets = SET_WORD * cap.set_words
+    info = 8 + 8 * cap.set_words + 5 * 4
+    info += -info % 8
+    total = (sets * info + TOKEN_BLOCK * 8 * cap.set_words + sets * words * 4 + cap.experts * words * 4
+             + cap.out_sets * cap.topk * words * 4 + TOKEN_BLOCK * cap.topk * 2)
+    total += -total % 8
+    return total + TOKEN_BLOCK * 8
+
+
+def check_shared(cap: Capacity, limit: int, target: str) -> None:
+    """MetaProgramError, with the numbers, where `cap` needs more shared memory than `limit`."""
+    need = shared_bytes(cap)
+    if need > limit:
+        raise MetaProgramError(
+            f"the metadata kernels need {need} bytes of shared memory per block for rank {cap.home}'s "
+            f"{cap.sets} token sets ({cap.set_words} x 64-bit words), {cap.out_sets} output sets of one home rank, "
+            f"{cap.experts} experts and top-{cap.topk}; the {target} target allows {limit}")
+
+
 @dataclass
 class MetaProgram:
     array: np.ndarray  # int64
     scratch_words: int  # int64 words of device scratch the kernels need
     blob_bytes: dict[str, int]
+
+    def capacity(self) -> Capacity:
+        """What this program needs of the kernels' shared memory."""
+        h = {f: int(self.array[i]) for i, f in enumerate(HEADER)}
+        sets = self.array[h["off_sets"]: h["off_sets"] + h["num_sets"] * len(SET)].reshape(-1, len(SET))
+        origin, kind = sets[:, SET.index("origin")], sets[:, SET.index("kind")]
+        per_home = np.bincount(origin, minlength=h["num_ranks"]) if len(sets) else np.zeros(1, np.int64)
+        outs = np.bincount(origin[kind == SET_OUT], minlength=1) if len(sets) else np.zeros(1, np.int64)
+        home = int(np.argmax(per_home))
+        return Capacity(set_words=max(1, -(-int(per_home.max()) // SET_WORD)), out_sets=max(1, int(outs.max())),
+                        experts=h["experts"], topk=h["topk"], home=home, sets=int(per_home[home]))
 
     def grids(self) -> dict[str, int]:
         """Blocks of the metadata kernels' launches (epcc_table_meta.cu's grid_count, grid_rows,
@@ -114,17 +176,19 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
     seg_set: dict[int, int] = {}
     sets: list[list[int]] = []
     per_origin: dict[int, int] = {h: 0 for h in range(R)}
+    outs_of: dict[int, int] = {h: 0 for h in range(R)}
     or_list: list[int] = []
 
     def new_set(origin: int, kind: int, parent: int = -1, mask: int = 0, every: int = 0, dst: int = -1,
                 group: int = -1) -> int:
         bit = per_origin[origin]
-        if bit >= MAX_SETS:
-            raise MetaProgramError(f"more than {MAX_SETS} token sets of rank {origin}'s tokens: the plan has too many "
-                                   f"paths for the metadata kernels")
         per_origin[origin] += 1
+        out = -1
+        if kind == SET_OUT:
+            out = outs_of[origin]
+            outs_of[origin] += 1
         return _put(sets, SET, dict(origin=origin, kind=kind, parent=parent, mask=_s64(mask), all=every, dst=dst,
-                                    or_begin=0, or_count=0, group=group, bit=bit))
+                                    or_begin=0, or_count=0, group=group, bit=bit, out=out))
 
     groups: list[list[int]] = []
     group_sets: list[int] = []
@@ -166,7 +230,8 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
         sets[i][SET.index("or_count")] = len(members)
         or_list.extend(members)
         live_set[s.id] = i
-    set_index = np.zeros((R, MAX_SETS), dtype=np.int64) - 1  # (origin, bit) -> set, in evaluation order
+    sets_max = max(per_origin.values(), default=0)
+    set_index = np.zeros((R, sets_max), dtype=np.int64) - 1  # (origin, bit) -> set, in evaluation order
     order = sorted(range(len(sets)), key=lambda i: (sets[i][0], sets[i][SET.index("bit")]))
     for i in order:
         set_index[sets[i][0], sets[i][SET.index("bit")]] = i
@@ -270,7 +335,6 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
     scratch = 0
     bufs = {program: {b["name"]: i for i, b in enumerate(manifest["buffers"][program])} for program in PROGRAMS}
     kernels = {k["program"]: k for k in manifest["kernels"] if k["kind"] == "main"}
-    src_lut: list[list[int]] = []  # per tcopy: role src buffer ids (by the part's src_buffer index)
     for program, pl in tables.items():
         kernel = kernels[program]
         for ri, (pr, role) in enumerate(zip(pl.roles, kernel["roles"])):
@@ -291,13 +355,13 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
                 scratch += pc.chunks_cap * max(len(pc.producers), 1) + pc.chunks_cap + 1
                 prods.extend(pc.producers)
                 ti = _put(tcopies, TCOPY, t)
-                src_lut.append(lut + [0] * (8 - len(lut)))
-                if len(lut) > 8:
-                    raise MetaProgramError(f"step '{pr.step}' reads {len(lut)} buffers (at most 8)")
                 for k in range(copies[pc.copy][COPY.index("num_parts")]):
                     part = parts[copies[pc.copy][COPY.index("first_part")] + k]
                     if part[PART.index("tcopy")] == -1:
                         part[PART.index("tcopy")] = ti
+                        # the role's source buffer the part reads (its index there; none: buffer 0)
+                        i = part[PART.index("srcbuf")]
+                        part[PART.index("srcbuf")] = lut[i] if i < len(lut) else 0
             _put(roles, ROLE, dict(program=PROGRAMS.index(program), item_begin=pr.item_begin, item_cap=pr.item_cap,
                                    wait_begin=pr.wait_begin, wait_stride=pr.wait_stride, first_tcopy=first,
                                    num_tcopies=len(pr.copies),
@@ -315,12 +379,12 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
     token_blocks = -(-max_tokens // TOKEN_BLOCK)
     work = [[pid, b] for pid, row in enumerate(parts) if row[PART.index("tcopy")] >= 0
             for b in range(token_blocks)]
-    sections = [("sets", sets, len(SET)), ("set_index", set_index.tolist(), MAX_SETS), ("or", [[x] for x in or_list], 1),
+    sections = [("sets", sets, len(SET)), ("set_index", set_index.tolist(), sets_max), ("or", [[x] for x in or_list], 1),
                 ("groups", groups, len(GROUP)), ("group_sets", [[x] for x in group_sets], 1),
                 ("copies", copies, len(COPY)), ("parts", parts, len(PART)), ("contrib", contrib, len(CONTRIB)),
                 ("tcopies", tcopies, len(TCOPY)), ("roles", roles, len(ROLE)), ("drain", drain, len(DRAIN)),
                 ("zero", zero, len(ZERO)), ("work", work, len(WORK)), ("prods", [[x] for x in prods], 1),
-                ("ramp", [[x] for x in ramp], 1), ("srcbuf", src_lut, 8)]
+                ("ramp", [[x] for x in ramp], 1)]
     head = dict(magic=MAGIC, version=VERSION,
                 items_off_d=placements["dispatch"].offsets["items"] if "dispatch" in placements else 0,
                 waits_off_d=placements["dispatch"].offsets["waits"] if "dispatch" in placements else 0,
@@ -332,10 +396,10 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
                 row_bytes=int(wl["row_bytes"]), rank=rank, num_sets=len(sets), num_groups=len(groups),
                 num_copies=len(copies), num_parts=len(parts), num_contrib=len(contrib), num_tcopies=len(tcopies),
                 num_roles=len(roles), num_drain=len(drain), num_zero=len(zero), num_work=len(work),
-                num_prods=len(prods), num_ramp=len(ramp), num_srcbuf=len(src_lut),
+                num_prods=len(prods), num_ramp=len(ramp),
                 blob_bytes_d=placements["dispatch"].total_bytes if "dispatch" in placements else 0,
                 blob_bytes_c=placements["combine"].total_bytes if "combine" in placements else 0,
-                num_or=len(or_list), num_group_sets=len(group_sets), sets_max=max(per_origin.values(), default=0))
+                num_or=len(or_list), num_group_sets=len(group_sets), sets_max=sets_max)
     off = len(HEADER)
     body: list[int] = []
     for name, rows, width in sections:

@@ -114,8 +114,11 @@ def placement(manifest: dict, prog: SegmentProgram, program: str, rank: int, tok
         per_tok = {c.id: per_token if c.into_output else 1 for c in copies}
     else:
         copies = prog.combine
-        producers = {c.id: sorted({c2.id for c2 in prog.combine if c2.dst_buffer == c.src_buffer_name
-                                   and c2.dst == c.src and c2.step_index < c.step_index}) for c in copies}
+        writers: dict[tuple, list] = {}  # (buffer, rank) -> the combine copies writing there
+        for c2 in copies:
+            writers.setdefault((c2.dst_buffer, c2.dst), []).append(c2)
+        producers = {c.id: sorted({c2.id for c2 in writers.get((c.src_buffer_name, c.src), ())
+                                   if c2.step_index < c.step_index}) for c in copies}
         caps, per_tok = {}, {}
         for c in copies:  # rows and tokens of its dispatch copies' parts that read the reverse source
             rows = toks = 0

@@ -8,6 +8,7 @@ NumPy version (runtime/testing/device_tables.py).  The GPU runs the same code (t
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import re
 import shutil
 import subprocess
@@ -16,13 +17,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import test_cuda_codegen
-from test_cuda_codegen import CASES, codegen, small_case, source_of
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_cuda_codegen import ALL, CASES, codegen, small_case, source_of
 
 from epcc import pipeline
 
 from epcc.backends.cuda import meta_program
 from epcc.backends.cuda.abi import dtype
 from epcc.backends.cuda.placement import max_chunks, placement, template
+from epcc.backends.target import CUDA, SUPA
 from epcc.plan.model import chunk_sizes
 from epcc.plan.rdma import rdma_steps
 from epcc.plan.segments import segment_program
@@ -35,7 +39,11 @@ from epcc.runtime.testing.device_tables import Routing, device_tables
 REPO = Path(__file__).resolve().parents[2]
 INCLUDE = REPO / "backends" / "cuda" / "include"
 HEADER = INCLUDE / "epcc" / "table" / "meta.cuh"
-COVERED = [c for c in CASES if c[0] != "ubbv2_ep32"]  # ubbv2_ep32: more paths than one 64-bit word of sets
+# Every shipped plan, with tokens and chunk sizes small enough for the CPU (every rank of the
+# 32-rank plans runs): the emulator's cases and the rest.  ubbv2_ep32 and its port-10 variant have
+# 98 token sets of one home rank (two 64-bit words of memberships).
+COVERED = [*CASES, ("h200x2_2vnode", 40, 3), ("h200x2_2vnode_mixed", 40, 3), ("h200x2_2vnode_relay", 40, 3),
+           ("h200x4_ubb2x2", 24, 2), ("ubbv2_card", 24, 3), ("ubbv2_ep32_port10", 4, 1)]
 # plans with RDMA steps compiled with --rdma proxy (the GPU proxy path): one and two RDMA steps per
 # program, 2 and 4 ranks, a forward after the RDMA step (2vnode on 4 GPUs) and a reorder before it (ubb2x2)
 PROXY = [("h200x2_2vnode", 40, 3), ("h200x4_2vnode", 32, 3), ("h200x2_2vnode_relay", 40, 3),
@@ -98,19 +106,31 @@ def xv2_plan(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def host_kernels(tmp_path_factory):
+    """The kernels compiled for the host at a capacity (meta_program.Capacity: the shared memory
+    sizes a bundle's driver defines; None: the header's defaults), one build per capacity."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
-    out = tmp_path_factory.mktemp("meta") / "libmeta_host.so"
-    r = subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", f"-I{INCLUDE}",
-                        "-o", str(out), str(Path(__file__).parent / "meta" / "meta_host.cpp")],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    lib = ctypes.CDLL(str(out))
-    lib.epcc_meta_run.argtypes = [ctypes.c_void_p] * 14
-    lib.epcc_meta_scratch_words.argtypes = [ctypes.c_void_p]
-    lib.epcc_meta_scratch_words.restype = ctypes.c_longlong
-    return lib
+    root = tmp_path_factory.mktemp("meta")
+    built: dict[tuple, ctypes.CDLL] = {}
+
+    def lib_for(cap: meta_program.Capacity | None = None) -> ctypes.CDLL:
+        key = tuple(sorted(cap.macros().items())) if cap is not None else ()
+        if key not in built:
+            out = root / f"libmeta_host_{len(built)}.so"
+            r = subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared",
+                                f"-I{INCLUDE}", *(f"-D{k}={v}" for k, v in key), "-o", str(out),
+                                str(Path(__file__).parent / "meta" / "meta_host.cpp")], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+            lib = ctypes.CDLL(str(out))
+            lib.epcc_meta_run.argtypes = [ctypes.c_void_p] * 14
+            lib.epcc_meta_scratch_words.argtypes = [ctypes.c_void_p]
+            lib.epcc_meta_scratch_words.restype = ctypes.c_longlong
+            lib.epcc_meta_shared_bytes.restype = ctypes.c_longlong
+            built[key] = lib
+        return built[key]
+
+    return lib_for
 
 
 def _routing(name: str, tokens: int, chunk: int, seed: int):
@@ -127,14 +147,59 @@ def _routing(name: str, tokens: int, chunk: int, seed: int):
     return plan, idx, w.astype(np.float32), counts
 
 
-def _run(lib, plan, m, prog, rank, tokens, idx, w, counts, seqs=None, blobs=None):
-    """The host-compiled kernels' blobs and received rows of `rank` (into `blobs` where given,
+_MANIFESTS: dict[tuple, dict] = {}
+
+
+def _manifest(plan, name: str, tokens: int, chunk: int) -> dict:
+    """The default bundle's manifest of small_case(name, tokens, chunk)'s plan (cached: the
+    32-rank plans take a while)."""
+    key = (name, tokens, chunk)
+    if key not in _MANIFESTS:
+        _MANIFESTS[key] = codegen.generate(plan, source_of(name)).manifest
+    return _MANIFESTS[key]
+
+
+def _check_every_rank(kernels, name, plan, m, tokens, idx, w, counts, key=None) -> None:
+    """Every rank's blobs and received rows from the host-compiled kernels, byte for byte the host
+    layout's (runtime/layout, the oracle) for this routing."""
+    layout = compute_layout(plan, idx, w, counts)
+    prog = segment_program(plan)
+    for rank in range(plan.num_ranks):
+        pls, blobs, bad, rw, ri, rc, ro = _run(kernels, plan, m, prog, rank, tokens, idx, w, counts,
+                                               key=None if key is None else (*key, rank))
+        for p, pl in pls.items():
+            want = build_placed(m, layout, pl).blob
+            diff = np.flatnonzero(want != blobs[p])
+            assert not diff.size, f"{name} rank {rank} {p}: {diff.size} bytes differ, from byte {diff[0]} " \
+                                  f"(sections at {pl.offsets})"
+        assert bad >= tokens  # none
+        n = int(layout.recv_counts[rank].sum())
+        assert rc.tolist() == layout.recv_counts[rank].tolist()
+        assert ro.tolist() == [0, *np.cumsum(layout.recv_counts[rank]).tolist()]
+        assert np.array_equal(ri[:n], layout.entries[("output", rank)][:, 2])
+        assert np.array_equal(rw[:n], layout.output_weights[rank])
+
+
+_PROGRAMS: dict[tuple, tuple] = {}
+
+
+def _run(kernels, plan, m, prog, rank, tokens, idx, w, counts, seqs=None, blobs=None, key=None):
+    """The host-compiled kernels' blobs and received rows of `rank`, built at the capacity its
+    program needs, as the bundle's driver is (into `blobs` where given,
     after restoring their static fields as the GPU does: the template up to the row arrays);
     `seqs` (a dict): each program's RDMA items' sequence numbers on their channels go there too
-    (the GPU proxy path's)."""
+    (the GPU proxy path's); `key`: names the bundle and rank, whose placements and program (the
+    same for every routing) are then kept for the next call."""
     R = plan.num_ranks
-    pls = {p: placement(m, prog, p, rank, tokens) for p in ("dispatch", "combine")}
-    arr = np.ascontiguousarray(meta_program.encode(m, plan.workload.placement, prog, pls, rank, tokens).array)
+    if key is None or key not in _PROGRAMS:
+        pls = {p: placement(m, prog, p, rank, tokens) for p in ("dispatch", "combine")}
+        mp = meta_program.encode(m, plan.workload.placement, prog, pls, rank, tokens)
+        if key is not None:
+            _PROGRAMS[key] = pls, mp
+    else:
+        pls, mp = _PROGRAMS[key]
+    lib = kernels(mp.capacity())
+    arr = np.ascontiguousarray(mp.array)
     scratch = np.zeros(lib.epcc_meta_scratch_words(arr.ctypes.data), dtype=np.int64)
     if blobs is None:
         blobs = {p: template(m, pls[p], R).copy() for p in pls}
@@ -157,26 +222,47 @@ def _run(lib, plan, m, prog, rank, tokens, idx, w, counts, seqs=None, blobs=None
     return pls, blobs, int(bad[0]), rw, ri, rc, ro
 
 
+def test_every_shipped_plan_is_covered():
+    assert sorted({c[0] for c in COVERED}) == ALL
+
+
 @pytest.mark.parametrize("name,tokens,chunk", COVERED)
 @pytest.mark.parametrize("seed", [1, 2])
 def test_host_compiled_kernels_write_the_host_layouts_blobs(host_kernels, name, tokens, chunk, seed):
     plan, idx, w, counts = _routing(name, tokens, chunk, seed)
-    layout = compute_layout(plan, idx, w, counts)
-    m = codegen.generate(plan, source_of(name)).manifest
-    prog = segment_program(plan)
-    for rank in range(plan.num_ranks):
-        pls, blobs, bad, rw, ri, rc, ro = _run(host_kernels, plan, m, prog, rank, tokens, idx, w, counts)
-        for p, pl in pls.items():
-            want = build_placed(m, layout, pl).blob
-            diff = np.flatnonzero(want != blobs[p])
-            assert not diff.size, f"{name} rank {rank} {p}: {diff.size} bytes differ, from byte {diff[0]} " \
-                                  f"(sections at {pl.offsets})"
-        assert bad >= tokens  # none
-        n = int(layout.recv_counts[rank].sum())
-        assert rc.tolist() == layout.recv_counts[rank].tolist()
-        assert ro.tolist() == [0, *np.cumsum(layout.recv_counts[rank]).tolist()]
-        assert np.array_equal(ri[:n], layout.entries[("output", rank)][:, 2])
-        assert np.array_equal(rw[:n], layout.output_weights[rank])
+    _check_every_rank(host_kernels, name, plan, _manifest(plan, name, tokens, chunk), tokens, idx, w, counts,
+                      key=(name, tokens, chunk))
+
+
+def _hidden_routing(plan, tokens: int, rng, zero: int, masked: float, hot: int):
+    """A routing no test fixes: per rank a token count (rank `zero` none), per token top-k distinct
+    experts drawn from `hot` experts favoured 8 : 1 over the rest (0: all alike), a share
+    `masked` of slots -1, weights at random."""
+    wl, R = plan.workload, plan.num_ranks
+    favour = np.ones(wl.experts)
+    favour[rng.permutation(wl.experts)[:hot]] = 8.0
+    keys = rng.random((R, tokens, wl.experts)) ** (1.0 / favour)  # weighted sampling without replacement
+    idx = np.argsort(-keys, axis=2)[:, :, :wl.topk].astype(np.int64)
+    counts = rng.integers(0, tokens + 1, R)
+    counts[zero] = 0
+    for r, n in enumerate(counts):
+        idx[r, n:] = -1
+    idx[rng.random(idx.shape) < masked] = -1
+    w = rng.random(idx.shape).astype(np.float32)
+    return idx, w, counts
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=st.sampled_from(COVERED), seed=st.integers(0, 2**32 - 1), zero=st.integers(0, 63),
+       masked=st.sampled_from([0.0, 0.1, 0.6]), hot=st.sampled_from([0, 3, 40]))
+def test_hidden_routings_every_plan(host_kernels, case, seed, zero, masked, hot):
+    """Property: for any shipped plan and any routing -- uneven token counts, a rank with none,
+    masked slots, skewed or uniform experts -- every rank's device tables are the host layout's."""
+    name, tokens, chunk = case
+    plan = small_case(name, tokens, chunk, seed=1)[0]
+    idx, w, counts = _hidden_routing(plan, tokens, np.random.default_rng(seed), zero % plan.num_ranks, masked, hot)
+    _check_every_rank(host_kernels, name, plan, _manifest(plan, name, tokens, chunk), tokens, idx, w, counts,
+                      key=(name, tokens, chunk))
 
 
 def test_a_bad_routing_row_is_marked_and_ignored(host_kernels):
@@ -258,7 +344,7 @@ def test_the_headers_field_indices_are_the_programs():
         body = re.search(r"enum " + enum + r" \{(.*?)\};", text, re.S).group(1)
         names = [n.strip() for n in body.replace("\n", " ").split(",") if n.strip()]
         assert names == [f"{prefix}_{f}" for f in fields] + [f"{prefix}_COUNT"], enum
-    assert f"kBlock = {meta_program.TOKEN_BLOCK}" in text and f"kMaxSets = {meta_program.MAX_SETS}" in text
+    assert f"kBlock = {meta_program.TOKEN_BLOCK}" in text and f"kMaxSets = {meta_program.SET_WORD} * kSetWords" in text
 
 
 def test_max_chunks_is_the_most_any_shorter_copy_has():
@@ -430,17 +516,70 @@ def test_which_bundles_get_their_tables_from_the_gpu():
     m = codegen.generate(codegen_plan("h200x2_2vnode"), source_of("h200x2_2vnode"),
                          codegen.CudaOptions(rdma="proxy")).manifest
     assert m["metadata"]["lowering"] == "host" and "--proxy-tables device" in m["metadata"]["why"]
-    # beyond one box the routing cannot be gathered over CUDA IPC (docs/cuda.md: across nodes)
+    # beyond one box the tables are the kernels' but the routing cannot be gathered over CUDA IPC
+    # (docs/cuda.md: across CUDA IPC domains)
     m = _proxy_manifest(codegen_plan("dgx_h800_2node"), "dgx_h800_2node")
-    assert m["metadata"] == {"lowering": "host", "why": "the plan's 16 ranks span more than one CUDA IPC "
-                                                         "domain (at most 8), and the metadata kernels gather the "
-                                                         "routing over CUDA IPC peer memory"}
+    assert m["metadata"] == {"lowering": "host", "why": "the metadata kernels hold this plan's tables (20 token sets "
+                                                         "of rank 0, 13824 bytes of shared memory per block), but its "
+                                                         "16 ranks span more than one CUDA IPC domain (at most 8), and "
+                                                         "the routing's exchange across CUDA IPC domains (through the "
+                                                         "GPU proxy path's transport) is not built"}
     # whatever the RDMA option: SM roles standing in for the NIC do not make one box of two either
     plan = codegen_plan("ubbv2_ep16")
     m = codegen.generate(plan, source_of("ubbv2_ep16"), codegen.CudaOptions(rdma="emulate")).manifest
     assert m["metadata"]["lowering"] == "host" and "16 ranks span more than one CUDA IPC" in m["metadata"]["why"]
+    # the default beyond one box: an external proxy, which carries no routing; 98 sets of one home
+    for name in ("ubbv2_ep32", "ubbv2_ep32_port10"):
+        m = codegen.generate(codegen_plan(name), source_of(name)).manifest
+        assert m["metadata"]["lowering"] == "host", name
+        assert m["metadata"]["why"].startswith("the metadata kernels hold this plan's tables (98 token sets"), name
+        assert "external proxy (more ranks than one box), which carries no routing" in m["metadata"]["why"], name
 
 
 def codegen_plan(name: str):
     from test_cuda_codegen import plan_of
     return plan_of(name)
+
+
+def test_the_shared_memory_is_sized_per_plan_and_counted_as_the_compiler_counts(host_kernels):
+    """meta_program.shared_bytes is sizeof(Shared) at every capacity (the host compiler's); a
+    program with more sets, OUT sets, experts or top-k than the build holds is refused, not run;
+    ubbv2_ep32 needs two set words and fits both targets' shared memory."""
+    caps = [None, meta_program.Capacity(2, 32, 256, 8), meta_program.Capacity(3, 5, 16, 4),
+            meta_program.Capacity(1, 1, 1, 1)]
+    for cap in caps:
+        want = meta_program.shared_bytes(cap or meta_program.Capacity(1, 64, 1024, 16))
+        assert host_kernels(cap).epcc_meta_shared_bytes() == want, cap
+    name, tokens, chunk = "ubbv2_ep32", 4, 1
+    plan, idx, w, counts = _routing(name, tokens, chunk, 1)
+    m = codegen.generate(plan, source_of(name)).manifest
+    prog = segment_program(plan)
+    pls = {p: placement(m, prog, p, 0, tokens) for p in ("dispatch", "combine")}
+    mp = meta_program.encode(m, plan.workload.placement, prog, pls, 0, tokens)
+    need = mp.capacity()
+    assert need.set_words == 2 and need.sets > 64
+    for limit in (CUDA.shared_bytes_per_block, SUPA.shared_bytes_per_block):
+        assert meta_program.shared_bytes(need) <= limit
+    one_word = meta_program.Capacity(1, need.out_sets, need.experts, need.topk)
+    arr = np.ascontiguousarray(mp.array)
+    assert host_kernels(one_word).epcc_meta_run(arr.ctypes.data, *[None] * 13) == 1  # refused before any write
+
+
+def test_a_plan_beyond_the_targets_shared_memory_gets_host_tables_saying_why():
+    """The capacity a bundle's kernels are built for is in its manifest and its driver; where it
+    exceeds the target's shared memory per block the manifest says "host" with the numbers."""
+    plan = codegen_plan("h200x4_ubb2x2")
+    m = codegen.generate(plan, source_of("h200x4_ubb2x2")).manifest
+    cap = m["metadata"]["capacity"]
+    assert m["metadata"]["lowering"] == "device"
+    assert cap["set_words"] == 1 and cap["sets"] == 14 and cap["shared_bytes"] <= CUDA.shared_bytes_per_block
+    small = dataclasses.replace(SUPA, shared_bytes_per_block=cap["shared_bytes"] - 8)
+    m = codegen.generate(plan, source_of("h200x4_ubb2x2"), codegen.CudaOptions(rdma="emulate"), target=small).manifest
+    assert m["metadata"]["lowering"] == "host"
+    assert m["metadata"]["why"] == (f"the metadata kernels need {cap['shared_bytes']} bytes of shared memory per block "
+                                    f"for rank 0's 14 token sets (1 x 64-bit words), 4 output sets of one home rank, "
+                                    f"256 experts and top-8; the SUPA target allows {cap['shared_bytes'] - 8}")
+    src = codegen.generate(plan, source_of("h200x4_ubb2x2")).files["epcc_table_meta.cu"]
+    for k, v in meta_program.Capacity(**{f: cap[f] for f in codegen.CAPACITY_FIELDS}).macros().items():
+        assert f"#define {k} {v}\n" in src
+    assert f"sizeof(epcc::meta::Shared) <= {CUDA.shared_bytes_per_block}" in src

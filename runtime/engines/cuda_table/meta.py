@@ -112,6 +112,10 @@ class DeviceMeta:
         self.prog = torch.from_numpy(self.mp.array).to(device)
         self.layout = (ctypes.c_int64 * LAYOUT_WORDS)()
         words = int(lib.epcc_table_meta_scratch_words(self.mp.array.ctypes.data, self.layout))
+        if words < 0:
+            raise EngineError(f"the bundle's metadata kernels do not hold rank {rank}'s program (built for "
+                              f"{manifest['metadata'].get('capacity')}, it needs {self.mp.capacity()}): recompile "
+                              f"the bundle with this epcc")
         self.scratch = torch.zeros(max(words, 1), dtype=torch.int64, device=device)
         self.templates = {p: torch.from_numpy(template(manifest, pl, R)).to(device) for p, pl in self.placements.items()}
         self.blobs = {p: t.clone() for p, t in self.templates.items()}

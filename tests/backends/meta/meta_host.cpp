@@ -11,11 +11,14 @@ using namespace epcc::meta;
 
 extern "C" long long epcc_meta_scratch_words(const long long* prog) { return scratch_words(prog); }
 
+// sizeof(Shared) at this build's capacity (meta_program.py shared_bytes computes the same).
+extern "C" long long epcc_meta_shared_bytes(void) { return static_cast<long long>(sizeof(Shared)); }
+
 extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const int* tokens, const int* topk,
                              const float* weights, unsigned char* blob_d, unsigned char* blob_c, int* bad,
                              float* recv_w, long long* recv_idx, int* recv_count, int* recv_offset,
                              unsigned* seq_d, unsigned* seq_c) {
-  if (prog[H_magic] != kMagic || prog[H_version] != kVersion) return 1;
+  if (!fits(prog)) return 1;
   Args a;
   std::memset(scratch, 0, sizeof(long long) * scratch_words(prog, a.lay));
   *bad = INT_MAX;

@@ -71,18 +71,37 @@ EM_FN int em_popc(unsigned v) { return epcc::popc(v); }
 EM_FN int em_popc(unsigned v) { return __builtin_popcount(v); }
 #endif
 
+// What the blocks' shared memory is sized for: per bundle, defined by the generated driver before
+// it includes this header (meta_program.py Capacity: the plan's most token sets of one home rank
+// in 64-bit words, its most OUT sets of one home rank, its experts and top-k); a build that does
+// not say gets one set word, 64 OUT sets, 1024 experts and top-16 (42.5 KB).
+#ifndef EPCC_META_SET_WORDS
+#define EPCC_META_SET_WORDS 1
+#endif
+#ifndef EPCC_META_OUT_SETS
+#define EPCC_META_OUT_SETS 64
+#endif
+#ifndef EPCC_META_EXPERTS
+#define EPCC_META_EXPERTS 1024
+#endif
+#ifndef EPCC_META_TOPK
+#define EPCC_META_TOPK 16
+#endif
+
 constexpr int kBlock = 128;               // tokens per block (meta_program.py TOKEN_BLOCK)
 constexpr int kScan = 512;                // threads of meta_scan's one block
 constexpr int kRun = 8;                   // counts a scan thread loads before it adds them
 constexpr int kSeg = 16;                  // local experts per segment of the output-row scan
 constexpr int kLayout = 20;               // regions of the scratch (scratch_words)
 constexpr int kWords = kBlock / 32;       // 32-bit words of a per-block token mask
-constexpr int kMaxSets = 64;              // sets per home rank (MAX_SETS)
-constexpr int kMaxTopk = 16;
-constexpr int kMaxExperts = 1024;
+constexpr int kSetWords = EPCC_META_SET_WORDS;  // 64-bit words of a token's set memberships
+constexpr int kMaxSets = 64 * kSetWords;  // sets per home rank (meta_program.py SET_WORD x set_words)
+constexpr int kMaxOutSets = EPCC_META_OUT_SETS;  // OUT sets per home rank
+constexpr int kMaxTopk = EPCC_META_TOPK;
+constexpr int kMaxExperts = EPCC_META_EXPERTS;
 constexpr int kMaxRanks = 64;             // ranks of a plan the kernels cover (the exchange's too)
 constexpr i64 kMagic = 0x4D455043;
-constexpr i64 kVersion = 1;
+constexpr i64 kVersion = 2;
 
 // Field indices of the program's records: meta_program.py's lists, in order
 // (tests/backends/test_meta_kernels.py checks they agree).
@@ -91,11 +110,10 @@ enum Header {
   H_row_bytes, H_rank, H_num_sets, H_num_groups, H_num_copies, H_num_parts, H_num_contrib, H_num_tcopies,
   H_num_roles, H_num_drain, H_num_zero, H_num_work, H_num_prods, H_num_ramp, H_off_sets, H_off_set_index,
   H_off_or, H_off_groups, H_off_group_sets, H_off_copies, H_off_parts, H_off_contrib, H_off_tcopies,
-  H_off_roles, H_off_drain, H_off_zero, H_off_work, H_off_prods, H_off_ramp, H_off_srcbuf, H_num_srcbuf,
-  H_blob_bytes_d, H_blob_bytes_c, H_num_or, H_num_group_sets, H_sets_max, H_items_off_d, H_waits_off_d,
-  H_items_off_c, H_waits_off_c, H_COUNT
+  H_off_roles, H_off_drain, H_off_zero, H_off_work, H_off_prods, H_off_ramp, H_blob_bytes_d, H_blob_bytes_c,
+  H_num_or, H_num_group_sets, H_sets_max, H_items_off_d, H_waits_off_d, H_items_off_c, H_waits_off_c, H_COUNT
 };
-enum Set { S_origin, S_kind, S_parent, S_mask, S_all, S_dst, S_or_begin, S_or_count, S_group, S_bit, S_COUNT };
+enum Set { S_origin, S_kind, S_parent, S_mask, S_all, S_dst, S_or_begin, S_or_count, S_group, S_bit, S_out, S_COUNT };
 enum Group { G_first, G_count, G_COUNT };
 enum Copy {
   C_program, C_tpc, C_head, C_tail, C_first_part, C_num_parts, C_dst, C_ramp_front, C_ramp_front_n, C_ramp_back,
@@ -131,6 +149,8 @@ constexpr i64 kRowBufShift = 40;
 struct Args {
   const i64* prog;       // the metadata program (int64)
   i64* scratch;          // scratch_words(prog) words, zero before meta_count
+  // every rank's routing, gathered: the kernels read it from here only, whatever moved it here and
+  // however many peer-memory domains the ranks span (the driver's exchange fills it)
   const int* tokens;     // [R] tokens of every rank
   const int* topk;       // [R][max_tokens][topk] every rank's routing (-1: an empty slot)
   const float* weights;  // [R][max_tokens][topk]
@@ -184,6 +204,16 @@ EM_HD i64 scratch_words(const i64* p, i64* layout_out = nullptr) {
     total += sizes[i];
   }
   return total;
+}
+
+// Whether the blocks' shared memory holds the program's sets, OUT sets, experts and top-k (the
+// bundle's capacity, EPCC_META_*): the host checks it before the first launch.
+EM_HD bool fits(const i64* p) {
+  if (p[H_magic] != kMagic || p[H_version] != kVersion) return false;
+  if (p[H_sets_max] > kMaxSets || p[H_experts] > kMaxExperts || p[H_topk] > kMaxTopk) return false;
+  for (i64 i = 0; i < p[H_num_sets]; ++i)
+    if (rec(p, H_off_sets, i, S_COUNT)[S_out] >= kMaxOutSets) return false;
+  return true;
 }
 
 EM_FN Scratch scratch_of(const Args& a) {
@@ -275,23 +305,40 @@ EM_FN i64 chunk_of(const Chunking& k, i64 tok) {
 }
 
 // ---------------------------------------------------------------------------------- tokens
+// Sets of one home rank by their `bit`: kSetWords words of 64 bits.
+struct SetBits {
+  unsigned long long w[kSetWords];
+};
+EM_FN void set_clear(SetBits& s) {
+  for (int i = 0; i < kSetWords; ++i) s.w[i] = 0ull;
+}
+EM_FN bool set_has(const SetBits& s, int b) { return ((s.w[b >> 6] >> (b & 63)) & 1ull) != 0; }
+EM_FN void set_add(SetBits& s, int b) { s.w[b >> 6] |= 1ull << (b & 63); }
+EM_FN bool sets_meet(const SetBits& a, const SetBits& b) {
+  unsigned long long any = 0;
+  for (int i = 0; i < kSetWords; ++i) any |= a.w[i] & b.w[i];
+  return any != 0;
+}
+
 // A set of the block's home rank as the token loop needs it (its record, read once per block).
 struct SetInfo {
   unsigned long long mask;     // SEG: the destination ranks it selects
-  unsigned long long or_bits;  // LIVE: the bits of the sets it unites
+  SetBits or_bits;             // LIVE: the bits of the sets it unites
   int kind;                    // SetKind; -1: past the home's last set
   int parent_bit;              // SEG, OUT: the bit of its parent set (-1: none)
   int all;                     // SEG: selects every token of its parent
   int dst;                     // OUT: its destination rank
+  int out;                     // OUT: its place among the home's OUT sets (its row masks)
 };
 
-// One block's tokens of one home rank: which sets each is in and, per set, expert and row masks.
+// One block's tokens of one home rank: which sets each is in and, per set, expert and row masks
+// (meta_program.py shared_bytes: its size).
 struct Shared {
   SetInfo sets[kMaxSets];
-  unsigned long long bits[kBlock];        // per token: its sets (bit = the set's `bit`)
+  SetBits bits[kBlock];                   // per token: its sets (bit = the set's `bit`)
   unsigned set_words[kMaxSets][kWords];   // per set: its tokens in this block
   unsigned exp_words[kMaxExperts][kWords];  // per expert: the tokens that picked it
-  unsigned row_words[kMaxSets][kMaxTopk][kWords];  // OUT sets: tokens with at least m + 1 rows
+  unsigned row_words[kMaxOutSets][kMaxTopk][kWords];  // per OUT set: tokens with at least m + 1 rows
   short experts[kBlock][kMaxTopk];        // per token and slot: the expert (-1: none, bad or repeated)
   unsigned long long dmask[kBlock];
 };
@@ -323,11 +370,11 @@ EM_FN void load_block(const Args& a, int h, int block, Shared& sh) {
   const int K = static_cast<int>(p[H_topk]), E = static_cast<int>(p[H_experts]);
   const int T = a.tokens[h];
   const int nsets = static_cast<int>(p[H_sets_max]);
-  const i64* index = p + p[H_off_set_index] + static_cast<i64>(h) * kMaxSets;
+  const i64* index = p + p[H_off_set_index] + static_cast<i64>(h) * nsets;
   EM_THREADS(t)
     for (int s = t; s < kMaxSets * kWords; s += kBlock) (&sh.set_words[0][0])[s] = 0u;
     for (int s = t; s < E * kWords; s += kBlock) (&sh.exp_words[0][0])[s] = 0u;
-    for (int s = t; s < kMaxSets * kMaxTopk * kWords; s += kBlock) (&sh.row_words[0][0][0])[s] = 0u;
+    for (int s = t; s < kMaxOutSets * kMaxTopk * kWords; s += kBlock) (&sh.row_words[0][0][0])[s] = 0u;
     for (int b = t; b < kMaxSets; b += kBlock) {
       SetInfo& in = sh.sets[b];
       const i64 si = b < nsets ? index[b] : -1;
@@ -339,10 +386,11 @@ EM_FN void load_block(const Args& a, int h, int block, Shared& sh) {
       in.all = static_cast<int>(s[S_all]);
       in.mask = static_cast<unsigned long long>(s[S_mask]);
       in.dst = static_cast<int>(s[S_dst]);
-      in.or_bits = 0;
+      in.out = static_cast<int>(s[S_out]);
+      set_clear(in.or_bits);
       if (in.kind != SET_SEG && in.kind != SET_OUT) {
         const i64* ors = p + p[H_off_or] + s[S_or_begin];
-        for (i64 i = 0; i < s[S_or_count]; ++i) in.or_bits |= 1ull << set_rec(p, ors[i])[S_bit];
+        for (i64 i = 0; i < s[S_or_count]; ++i) set_add(in.or_bits, static_cast<int>(set_rec(p, ors[i])[S_bit]));
       }
     }
   EM_SYNC
@@ -363,25 +411,26 @@ EM_FN void load_block(const Args& a, int h, int block, Shared& sh) {
     }
     if (bad && h == static_cast<int>(p[H_rank])) EM_MIN(a.bad, tok);
     sh.dmask[t] = d;
-    unsigned long long bits = 0;
+    SetBits bits;
+    set_clear(bits);
     for (int b = 0; b < nsets; ++b) {
       const SetInfo& s = sh.sets[b];
       if (s.kind < 0) break;
       bool in;
       if (s.kind == SET_SEG) {
-        const bool base = s.parent_bit < 0 ? tok < T : ((bits >> s.parent_bit) & 1ull) != 0;
+        const bool base = s.parent_bit < 0 ? tok < T : set_has(bits, s.parent_bit);
         in = base && (s.all || (d & s.mask) != 0);
       } else if (s.kind == SET_OUT) {
-        in = ((bits >> s.parent_bit) & 1ull) && ((d >> s.dst) & 1ull);
+        in = set_has(bits, s.parent_bit) && ((d >> s.dst) & 1ull);
         if (in) {
           const int n = rows_on(sh, t, K, p, s.dst);
-          for (int m = 0; m < n; ++m) EM_OR(&sh.row_words[b][m][t / 32], 1u << (t % 32));
+          for (int m = 0; m < n; ++m) EM_OR(&sh.row_words[s.out][m][t / 32], 1u << (t % 32));
         }
       } else {
-        in = (bits & s.or_bits) != 0;
+        in = sets_meet(bits, s.or_bits);
       }
       if (in) {
-        bits |= 1ull << b;
+        set_add(bits, b);
         EM_OR(&sh.set_words[b][t / 32], 1u << (t % 32));
       }
     }
@@ -414,15 +463,17 @@ EM_KERNEL meta_count(Args a
   const int h = EM_BLOCK / TB, block = EM_BLOCK % TB;
   load_block(a, h, block, sh);
   const Scratch x = scratch_of(a);
-  const i64* index = p + p[H_off_set_index] + static_cast<i64>(h) * kMaxSets;
+  const int nsets = static_cast<int>(p[H_sets_max]);
+  const i64* index = p + p[H_off_set_index] + static_cast<i64>(h) * nsets;
   const int E = static_cast<int>(p[H_experts]), K = static_cast<int>(p[H_topk]);
   EM_THREADS(t)
-    for (int b = t; b < kMaxSets; b += kBlock) {
+    for (int b = t; b < nsets; b += kBlock) {
       const i64 si = index[b];
       if (si < 0) continue;
       x.set_cnt[si * TB + block] = count(sh.set_words[b]);
       int rows = 0;
-      for (int m = 0; m < K; ++m) rows += count(sh.row_words[b][m]);
+      if (sh.sets[b].kind == SET_OUT)
+        for (int m = 0; m < K; ++m) rows += count(sh.row_words[sh.sets[b].out][m]);
       x.set_rcnt[si * TB + block] = rows;
     }
     for (int e = t; e < E; e += kBlock) x.ecnt[(static_cast<i64>(h) * TB + block) * E + e] = count(sh.exp_words[e]);
@@ -629,13 +680,13 @@ EM_FN void rows_block(const Args& a, i64 wi, Shared& sh) {
   int64_t* src_rows = reinterpret_cast<int64_t*>(blob + tc[T_src_rows]);
   int64_t* dst_rows = reinterpret_cast<int64_t*>(blob + tc[T_dst_rows]);
   float* weights = tc[T_weighted] ? reinterpret_cast<float*>(blob + tc[T_weights]) : nullptr;
-  const i64 srcbuf = (p + p[H_off_srcbuf] + pr[P_tcopy] * 8)[pr[P_srcbuf]];
+  const i64 srcbuf = pr[P_srcbuf];
   const Chunking ck = chunking(p, copy, x.copy_tok[copy]);
   i64* waits = x.per_tcopy + tc[T_scratch_waits];
   i64* starts = x.per_tcopy + tc[T_scratch_starts];
   const i64 nprod = tc[T_prod_count];
   EM_THREADS(t)
-    if ((sh.bits[t] >> tok_bit) & 1ull) {
+    if (set_has(sh.bits[t], tok_bit)) {
       const i64 tok = part_token(x, p, sh, part, block, t);  // the token within the copy
       const i64 chunk = chunk_of(ck, tok);
       const bool first_of_chunk = chunk_start(ck, chunk) == tok;
@@ -650,7 +701,7 @@ EM_FN void rows_block(const Args& a, i64 wi, Shared& sh) {
         // expert rows: in local-expert order; rows before the token in its block from the row masks
         const i64 s = pr[P_tok_set];
         int rb = 0;
-        for (int m = 0; m < K; ++m) rb += before(sh.row_words[tok_bit][m], t);
+        for (int m = 0; m < K; ++m) rb += before(sh.row_words[sh.sets[tok_bit].out][m], t);
         row = x.part_row_base[part] + x.set_rbase[s * TB + block] + rb;
         const int d = static_cast<int>(pr[P_out_rank]);
         const i64 slot = seg_slot(x, p, sh, kind == PART_D_OUT ? pr[P_src_set] : pr[P_dst_set], block, t);
@@ -698,7 +749,7 @@ EM_FN void rows_block(const Args& a, i64 wi, Shared& sh) {
         for (i64 i = 0; i < pr[P_contrib_count]; ++i, ks += K_COUNT) {
           const i64 q = ks[K_part];
           const int qb = static_cast<int>(set_rec(p, part_rec(p, q)[P_tok_set])[S_bit]);
-          if (!((sh.bits[t] >> qb) & 1ull)) continue;
+          if (!set_has(sh.bits[t], qb)) continue;
           const i64 qtok = part_token(x, p, sh, q, block, t);
           const i64 v = chunk_of(chunking(p, ks[K_copy], x.copy_tok[ks[K_copy]]), qtok) + 1;
           EM_MAX(reinterpret_cast<unsigned long long*>(waits + chunk * nprod + ks[K_slot]),
