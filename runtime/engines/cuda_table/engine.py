@@ -29,8 +29,8 @@ Where do a dispatch's tables come from (the bundle's manifest, "metadata"):
   polled, watch.py) before returning, and a caller of the low-latency mode (a CUDA graph's
   replay too) waits with `Buffer.synchronize()`, the same watched wait, before a host read or
   another blocking CUDA call.
-* "host" (plans beyond the metadata kernels, the GPU proxy path unless compiled with
-  CudaOptions.proxy_device_tables, bundles of an older epcc): the routings and token counts of
+* "host" (plans beyond the metadata kernels, the GPU proxy path compiled with `--proxy-tables
+  host`, bundles of an older epcc): the routings and token counts of
   every rank are exchanged over the group, every rank computes the same layout (runtime/layout)
   and uploads its tables
   (stream-ordered: the launches before still read the previous ones).  Normal mode only.
