@@ -143,12 +143,12 @@ def main(argv: list[str]) -> int:
             return 1
         # the same plan with the RDMA step through the host proxy loop (copy-engine transport), its
         # tables laid out on the host per routing: the path the bench's proxy timings were taken on
-        if not build(epcc, out, f"{name}_proxy", rdma_source(out, name), [],
-                     ("--rdma", "proxy", "--proxy-tables", "host")):
+        if not build(epcc, out, f"{name}_proxy", rdma_source(out, name), ["--proxy-tables", "host"],
+                     ("--rdma", "proxy")):
             return 1
     for name in PROXY_DEVICE_VARIANTS:  # the proxy path with its tables written on the GPU (the default)
-        if not build(epcc, out, f"{name}_proxy_dev", rdma_source(out, name), [],
-                     ("--rdma", "proxy", "--proxy-tables", "device")):
+        if not build(epcc, out, f"{name}_proxy_dev", rdma_source(out, name), ["--proxy-tables", "device"],
+                     ("--rdma", "proxy")):
             return 1
     for name, base in SUPA_VARIANTS.items():
         if base in VARIANTS:
