@@ -223,7 +223,9 @@ class Buffer:
 
         cuda backend only: `expert_alignment` pads each local expert's rows to a multiple (grouped GEMM);
         `sync=False` is the low-latency mode (no host sync, CUDA-graph capturable: recv_x is the whole
-        receive buffer, the counts come as device tensors (counts, offsets), recv_topk_idx is None);
+        receive buffer, the counts come as device tensors (counts, offsets), recv_topk_idx is None; on
+        the GPU proxy path call `synchronize()` before reading them or blocking in another CUDA call:
+        docs/rdma.md);
         `handle` (instead of topk_idx/topk_weights) reuses an earlier dispatch's routing."""
         with self.agree.call("dispatch"):  # a refused keyword reaches the peers as the engine's errors do
             unknown = sorted(set(deepep_layout) - DEEPEP_LAYOUT_ARGS)

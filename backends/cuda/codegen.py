@@ -118,10 +118,9 @@ class CudaOptions:
     copy_unroll: int = 8  # loads in flight per lane, dispatch row copies
     accum_unroll: int = 8  # loads in flight per lane, combine accumulates (4: 5-7 % slower combine on H200)
     # rdma="proxy": the GPU proxy path's channels set up once and its tables written on the GPU
-    # (device_metadata).  Off by default: in its first GPU run (2 x H100, 2026-11-26) the first
-    # dispatch posted no chunk and every wait timed out; with it off the proxy path takes
-    # host-built tables (normal mode), as measured before.
-    proxy_device_tables: bool = False
+    # (device_metadata), both modes; off (`--proxy-tables host`): host-built tables per routing,
+    # normal mode only
+    proxy_device_tables: bool = True
 
 
 @dataclass
@@ -640,8 +639,7 @@ def device_metadata(plan: Plan, manifest: dict, target: Target = CUDA) -> dict:
         return {"lowering": "host", "why": why}
 
     if manifest["options"]["rdma"] == "proxy" and not manifest["options"].get("proxy_device_tables"):
-        return host("the GPU proxy path's channels are set up from host-built tables (its tables from the GPU, "
-                    "`--proxy-tables device`, are not yet validated on GPUs)")
+        return host("the GPU proxy path's tables are laid out on the host per routing (`--proxy-tables host`)")
     no_exchange = None  # why the routing cannot reach every rank's GPU
     if manifest["options"]["rdma"] == "external":
         no_exchange = "its RDMA steps are left to an external proxy (more ranks than one box), which carries no routing"

@@ -40,7 +40,7 @@ def _generator(backend) -> Callable[[Plan, str, object], Generated]:
         try:
             gen = generate_cuda(plan, source=source, target=backend,
                                 options=CudaOptions(rdma=args.rdma,
-                                                    proxy_device_tables=args.proxy_tables == "device"))
+                                                    proxy_device_tables=args.proxy_tables != "host"))
         except CudaCodegenError as e:
             raise TargetError(str(e)) from None
 
@@ -101,10 +101,10 @@ def add_parser(sub) -> None:
                         "loop, which writes them through a transport; an unpack role applies them), emulate (paced "
                         "SM roles over peer memory), external (left to the caller's proxy), auto (emulate up to 8 "
                         "ranks, else external; the default)")
-    c.add_argument("--proxy-tables", choices=["host", "device"], default="host",
-                   help="with --rdma proxy, where the proxy path's tables come from: host (laid out per routing, "
-                        "normal mode; the default) or device (written by the metadata kernels, the proxy set up "
-                        "once; experimental: its first GPU run posted no chunk)")
+    c.add_argument("--proxy-tables", choices=["host", "device"], default=None,
+                   help="with --rdma proxy, where the proxy path's tables come from: device (written by the "
+                        "metadata kernels per dispatch, the proxy set up once; both modes; the default) or host "
+                        "(laid out on the host per routing, the proxy set up anew for each; normal mode only)")
     plan_options(c)
     c.set_defaults(func=cmd_compile)
 
@@ -132,7 +132,7 @@ def cmd_compile(args) -> int:
     choice = resolve_target(c, args.target)
     if args.rdma != "auto" and choice.target not in TARGETS:
         raise user_error(_rdma_without_target(args.rdma))
-    if args.proxy_tables != "host" and args.rdma != "proxy":
+    if args.proxy_tables is not None and args.rdma != "proxy":
         raise user_error(f"--proxy-tables {args.proxy_tables} is for the GPU proxy path: add --rdma proxy")
     if choice.target is not None and c.schedule.workload.layout == "token":
         raise user_error(f"{c.path}: the token-major layout runs on the CPU backend only: the {choice.target} target's "

@@ -35,6 +35,9 @@ def add_parser(sub) -> None:
                    help="how the RDMA steps run, as `epcc compile --target cuda --rdma`: proxy (default: credit "
                         "window, chunks staged and applied by one SM each) or emulate (paced SM roles); matters "
                         "only with the topology's `sm` rates")
+    c.add_argument("--proxy-tables", choices=("device", "host"), default=None,
+                   help="with --rdma proxy, as `epcc compile --proxy-tables`: device (default: the metadata kernels "
+                        "run before the dispatch) or host (the tables laid out on the host: no metadata kernels)")
     kernel_options(c)
     c.set_defaults(func=cmd_simulate)
 
@@ -50,6 +53,10 @@ def simulation(args, options):
     if sms is not None and kernels == "table":
         raise user_error("--sms applies to the direct kernels, not to --kernels table (the plan's `sms` give the "
                          "roles)")
+    rdma = getattr(args, "rdma", "proxy")
+    tables = getattr(args, "proxy_tables", None)
+    if tables is not None and rdma != "proxy":
+        raise user_error(f"--proxy-tables {tables} is for the GPU proxy path: use it with --rdma proxy")
     built = build_plan(args.file, options, args.sources)
     warn(built.compilation)
     if built.schedule.workload.layout == "token":
@@ -63,9 +70,8 @@ def simulation(args, options):
         if direct is None and (kernels == "direct" or sms is not None):
             flag = "--kernels direct" if kernels == "direct" else "--sms"
             raise user_error(f"{flag}: the CUDA target does not lower {args.file} to direct kernels: {why}")
-    rdma = getattr(args, "rdma", "proxy")
     try:
-        metadata = table_metadata(built.plan, rdma) if direct is None else None
+        metadata = table_metadata(built.plan, rdma, tables != "host") if direct is None else None
         res = simulate(built.plan, SimOptions(rdma_proxy=rdma == "proxy", direct=direct, metadata=metadata,
                                               calls=metadata is not None))
     except SimulationError as e:
@@ -73,14 +79,14 @@ def simulation(args, options):
     return built, res
 
 
-def table_metadata(plan: Plan, rdma: str) -> DeviceMetadata | None:
+def table_metadata(plan: Plan, rdma: str, proxy_device_tables: bool = True) -> DeviceMetadata | None:
     """The metadata kernels the CUDA target's table-driven bundle of `plan` runs before each dispatch
-    (its manifest's "metadata", as `epcc compile --target cuda --rdma RDMA` writes it where the plan
-    has RDMA steps, and with the default --rdma where it has none: the option then only says
-    whether the plan leaves one box), or None where it runs none (direct kernels; the host lays
-    the routing out; a plan the backend cannot lower)."""
+    (its manifest's "metadata", as `epcc compile --target cuda --rdma RDMA [--proxy-tables host]`
+    writes it where the plan has RDMA steps, and with the default --rdma where it has none: the
+    option then only says whether the plan leaves one box), or None where it runs none (direct
+    kernels; the host lays the routing out; a plan the backend cannot lower)."""
     try:
-        options = CudaOptions(rdma=rdma if rdma_steps(plan) else "auto")
+        options = CudaOptions(rdma=rdma if rdma_steps(plan) else "auto", proxy_device_tables=proxy_device_tables)
         manifest = generate_cuda(plan, options=options).manifest
     except CudaCodegenError:
         return None

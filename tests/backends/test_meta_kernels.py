@@ -512,10 +512,13 @@ def test_which_bundles_get_their_tables_from_the_gpu():
         m = _proxy_manifest(codegen_plan(name), name)
         assert m["metadata"]["lowering"] == "device", (name, m["metadata"])
         assert "metadata" not in {n["kind"] for n in m["not_lowered"]}, name
-    # by default the proxy path keeps host-built tables (the device path is opt-in until validated on GPUs)
+    # the proxy path's tables come from the GPU by default; `--proxy-tables host` keeps host-built ones
     m = codegen.generate(codegen_plan("h200x2_2vnode"), source_of("h200x2_2vnode"),
                          codegen.CudaOptions(rdma="proxy")).manifest
-    assert m["metadata"]["lowering"] == "host" and "--proxy-tables device" in m["metadata"]["why"]
+    assert m["metadata"]["lowering"] == "device", m["metadata"]
+    m = codegen.generate(codegen_plan("h200x2_2vnode"), source_of("h200x2_2vnode"),
+                         codegen.CudaOptions(rdma="proxy", proxy_device_tables=False)).manifest
+    assert m["metadata"]["lowering"] == "host" and "--proxy-tables host" in m["metadata"]["why"]
     # beyond one box the tables are the kernels' but the routing cannot be gathered over CUDA IPC
     # (docs/cuda.md: across CUDA IPC domains)
     m = _proxy_manifest(codegen_plan("dgx_h800_2node"), "dgx_h800_2node")

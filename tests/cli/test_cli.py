@@ -560,9 +560,10 @@ def test_proxy_tables_choose_where_the_proxy_paths_tables_come_from(capsys, tmp_
     rc, out, err = run(["compile", sched, "--target", "cuda", "--proxy-tables", "device", "-o", str(tmp_path / "a")],
                        capsys)
     assert (rc, err) == (1, "epcc: error: --proxy-tables device is for the GPU proxy path: add --rdma proxy\n")
-    for tables, lowering in (("host", "host"), ("device", "device")):
-        rc, out, err = run(["compile", sched, "--target", "cuda", "--rdma", "proxy", "--proxy-tables", tables,
-                            "-o", str(tmp_path / tables)], capsys)
+    for tables, lowering in (("host", "host"), ("device", "device"), (None, "device")):  # device by default
+        choice = ["--proxy-tables", tables] if tables else []
+        rc, out, err = run(["compile", sched, "--target", "cuda", "--rdma", "proxy", *choice,
+                            "-o", str(tmp_path / str(tables))], capsys)
         assert rc == 0, err
-        m = json.loads((tmp_path / tables / "cuda" / "manifest.json").read_text())
-        assert m["metadata"]["lowering"] == lowering and m["options"]["proxy_device_tables"] == (tables == "device")
+        m = json.loads((tmp_path / str(tables) / "cuda" / "manifest.json").read_text())
+        assert m["metadata"]["lowering"] == lowering and m["options"]["proxy_device_tables"] == (lowering == "device")

@@ -16,7 +16,10 @@ line is replaced and the derived file written next to the bundles.  Every bundle
 `simulate.json` (`epcc simulate --json` of the same file and options), which ep_bench prints
 beside the measured times.  On two GPUs: h200x2_2vnode (one RDMA step per program),
 h200x2_2vnode_relay (two, over one link) and h200x2_2vnode_mixed (two, over links of 50 and
-25 GB/s).
+25 GB/s).  Each also as `NAME_proxy` (`--rdma proxy --proxy-tables host`: the RDMA steps through the
+GPU proxy path, tables laid out on the host per routing, as the bench's proxy timings were taken),
+and h200x2_2vnode_50 and h200x4_2vnode_50 as `NAME_proxy_dev` (the proxy path with its tables
+written on the GPU, `--rdma proxy`'s default: tests/gpu/proxy_worker.py).
 
 SUPA bundles (`--target supa`; test_gpu.py runs them through the SUPA-on-CUDA shim): supa_h200x4
 and supa_h200x2 (the one-hop plan, which the SUPA target lowers to the table-driven kernels),
@@ -107,7 +110,8 @@ SUPA_VARIANTS = {  # name -> the CUDA variant whose source and options it compil
 }
 
 
-# the GPU proxy path with `--proxy-tables device`, on 2 and 4 GPUs (tests/gpu/proxy_worker.py)
+# the GPU proxy path with its tables from the GPU (`--proxy-tables device`, the default), on 2 and 4
+# GPUs (tests/gpu/proxy_worker.py)
 PROXY_DEVICE_VARIANTS = ["h200x2_2vnode_50", "h200x4_2vnode_50"]
 
 
@@ -137,12 +141,14 @@ def main(argv: list[str]) -> int:
     for name in RDMA_VARIANTS:
         if not build(epcc, out, name, rdma_source(out, name), [], rdma="emulate"):
             return 1
-        # the same plan with the RDMA step through the host proxy loop (copy-engine transport)
-        if not build(epcc, out, f"{name}_proxy", rdma_source(out, name), [], ("--rdma", "proxy")):
+        # the same plan with the RDMA step through the host proxy loop (copy-engine transport), its
+        # tables laid out on the host per routing: the path the bench's proxy timings were taken on
+        if not build(epcc, out, f"{name}_proxy", rdma_source(out, name), ["--proxy-tables", "host"],
+                     ("--rdma", "proxy")):
             return 1
-    for name in PROXY_DEVICE_VARIANTS:  # the proxy path with its tables written on the GPU (experimental)
-        if not build(epcc, out, f"{name}_proxy_dev", rdma_source(out, name), [],
-                     ("--rdma", "proxy", "--proxy-tables", "device")):
+    for name in PROXY_DEVICE_VARIANTS:  # the proxy path with its tables written on the GPU (the default)
+        if not build(epcc, out, f"{name}_proxy_dev", rdma_source(out, name), ["--proxy-tables", "device"],
+                     ("--rdma", "proxy")):
             return 1
     for name, base in SUPA_VARIANTS.items():
         if base in VARIANTS:

@@ -248,6 +248,7 @@ def graph_checks(buf: Buffer, case: Case, replays: list, dev, report, label: str
     counts as `case`), each replay checked against the oracle and reported as `label` i."""
     xs, idxs, ws = case.gpu_inputs()
     rx0 = buf.dispatch(xs, idxs, ws, sync=False)[0]  # the whole receive buffer
+    buf.synchronize()  # before the next kernel's first launch (the GPU proxy path: docs/rdma.md)
     cap = (rx0[0] if isinstance(rx0, tuple) else rx0).shape[0]
     row_local = torch.zeros(cap, dtype=torch.int64, device=dev)  # local expert of each received row
     rx, _, rw, (cnt, off), h, _ = buf.dispatch(xs, idxs, ws, sync=False)  # warm-up outside the graph

@@ -9,7 +9,8 @@ The first argument is the proxy's transport (emulated or nvshmem), then the bund
   proxy engines serve every call and no layout is ever computed on the host;
 * fresh routing on every call, the way a MoE layer calls it (uniform, Zipf, masked slots with
   tokens of no expert, all to one rank, none across the RDMA link, none at all), each in normal
-  mode (sync=True) and in low-latency mode (sync=False: no host sync), dispatch and combine
+  mode (sync=True) and in low-latency mode (sync=False: no host sync in the calls; the worker
+  waits with synchronize() before it reads, as docs/rdma.md asks), dispatch and combine
   checked against the oracle (ep_worker.Case: rows bit-exact, counts, weights, combine within the
   bf16 rounding of the partials);
 * ranks with different token counts (T / T-1 / 0 / T/2+1 rotated over the ranks, and T-1-7r),
@@ -80,6 +81,21 @@ def proxy_state_errors(buf: Buffer, engines: list, posted: dict | None = None) -
     return errs
 
 
+def round_trip(buf: Buffer, case: Case, sync: bool) -> list[str]:
+    """Dispatch and combine `case` in one mode, checked against the oracle.  In low-latency mode
+    the host waits with `synchronize()` (watched, an event polled) before it reads anything: a
+    host thread blocked in a CUDA call while the path's kernels run stalls the proxy threads' CUDA
+    calls (docs/rdma.md), which the normal mode's own waits avoid."""
+    x, idx, w = case.gpu_inputs()
+    rx, ridx, rw, counts, h, _ = buf.dispatch(x, idx, w, sync=sync)
+    if not sync:
+        buf.synchronize()
+    errs = case.check_dispatch(rx, rw, counts if sync else counts[0].cpu().tolist(), ridx if sync else None)
+    out = buf.combine(case.y_for(rx, h.rows), h)
+    buf.synchronize()
+    return errs + case.check_combine(out)
+
+
 def run_proxy(path: Path, dev, checks: Checks, transport: str) -> None:
     buf = Buffer(dist.group.WORLD, path, backend="cuda", timeout_s=KERNEL_TIMEOUT_S,
                  config={"rdma_transport": transport})
@@ -95,23 +111,14 @@ def run_proxy(path: Path, dev, checks: Checks, transport: str) -> None:
         for it in range(ITERS):
             for sync in (True, False):
                 case = Case(buf, spec, 1000 * it + 97 * k + (0 if sync else 500), dev)  # fresh routing each call
-                x, idx, w = case.gpu_inputs()
                 posted = {p: st["writes_posted"] for p, st in buf.engine.rdma_stats().items()}
-                rx, ridx, rw, counts, h, _ = buf.dispatch(x, idx, w, sync=sync)
-                errs = case.check_dispatch(rx, rw, counts if sync else counts[0].cpu().tolist(),
-                                           ridx if sync else None)
-                errs += case.check_combine(buf.combine(case.y_for(rx, h.rows), h))
-                buf.synchronize()
+                errs = round_trip(buf, case, sync)
                 errs += proxy_state_errors(buf, engines, posted if spec == "uniform" else None)
                 report(f"{spec} #{it} {'sync' if sync else 'low-latency'}", errs)
     for k, (label, tokens) in enumerate(token_patterns(tmax, R)):
         for sync in (True, False):
             case = Case(buf, "uniform", 3000 + 10 * k + sync, dev, tokens=tokens)
-            x, idx, w = case.gpu_inputs()
-            rx, ridx, rw, counts, h, _ = buf.dispatch(x, idx, w, sync=sync)
-            errs = case.check_dispatch(rx, rw, counts if sync else counts[0].cpu().tolist(), ridx if sync else None)
-            errs += case.check_combine(buf.combine(case.y_for(rx, h.rows), h))
-            buf.synchronize()
+            errs = round_trip(buf, case, sync)
             report(f"tokens {label} {'sync' if sync else 'low-latency'}", errs + proxy_state_errors(buf, engines))
     for label, tokens in (("T", None), *token_patterns(tmax, R)[:1]):
         graph_checks(buf, Case(buf, "uniform", 4000, dev, tokens=tokens),

@@ -315,13 +315,8 @@ def _proxy_worker(gpus: int, bundles: list[str], transport: str, ranks: int | No
 
 
 PROXY_DEVICE_BUNDLES = {2: ["h200x2_2vnode_50_proxy_dev"], 4: ["h200x4_2vnode_50_proxy_dev"]}
-# Known to fail (2 x H100, 2026-11-26: the first dispatch posted no chunk, every wait timed out):
-# strict, so the day it passes this fails and the default can follow (`--proxy-tables`).
-PROXY_DEVICE_BROKEN = pytest.mark.xfail(strict=True, reason="the GPU proxy path with tables written on the GPU "
-                                        "posts no chunk in its first dispatch (opt-in: --proxy-tables device)")
 
 
-@PROXY_DEVICE_BROKEN
 @pytest.mark.parametrize("transport", ["emulated", "nvshmem"])
 @pytest.mark.parametrize("gpus", sorted(PROXY_DEVICE_BUNDLES, reverse=True), ids=lambda n: f"ep{n}")
 def test_proxy_bundles_through_buffer_with_tables_from_the_gpu(gpus, transport):
@@ -332,7 +327,6 @@ def test_proxy_bundles_through_buffer_with_tables_from_the_gpu(gpus, transport):
     _proxy_worker(gpus, PROXY_DEVICE_BUNDLES[gpus], transport)
 
 
-@PROXY_DEVICE_BROKEN
 @pytest.mark.parametrize("transport", ["emulated", "nvshmem"])
 def test_proxy_bundles_through_buffer_ep4_shared_gpus(transport):
     """The 4-rank proxy bundles through proxy_worker.py as 4 ranks on GPUs 0 and 1 where fewer

@@ -100,8 +100,9 @@ def test_it_delays_the_dispatch_only_and_replaces_the_exchange_step():
 def test_zero_without_metadata_kernels():
     # the direct kernels (one-hop plans) have their own metadata (sim/direct.py)
     assert table_metadata(_plan(str(REPO / "schedules" / "h200x4.sched")), "emulate") is None
-    # the GPU proxy path's channels are set up from host-built tables
-    assert table_metadata(_plan(VNODE2), "proxy") is None
+    # the GPU proxy path with host-built tables (`--proxy-tables host`); by default it has them
+    assert table_metadata(_plan(VNODE2), "proxy", proxy_device_tables=False) is None
+    assert table_metadata(_plan(VNODE2), "proxy") is not None
     # beyond one box the host lays the routing out (a plan without RDMA steps, as compiled by default)
     ep16 = _plan(str(REPO / "schedules" / "ubbv2_ep16.sched"))
     assert table_metadata(ep16, "proxy") is None and table_metadata(ep16, "emulate") is None
@@ -123,8 +124,9 @@ def test_the_manifest_entry_is_read_or_refused():
 
 
 def test_epcc_simulate_reports_the_term(capsys, gpu_bundles, tmp_path):
-    # the bundles' simulate.json (tests/gpu/bundles.py): the emulated-RDMA bundle has the metadata
-    # kernels, its proxy twin and the one-hop bundle do not
+    # the bundles' simulate.json (tests/gpu/bundles.py): the emulated-RDMA bundle and the proxy
+    # path's by default have the metadata kernels, the proxy twin with host-built tables and the
+    # one-hop bundle do not
     src = str(gpu_bundles.rdma_source(tmp_path, "h200x2_2vnode_13"))
     code, out, err = run(["simulate", src, "--json", "--rdma", "emulate"], capsys)
     assert code == 0, err
@@ -142,9 +144,13 @@ def test_epcc_simulate_reports_the_term(capsys, gpu_bundles, tmp_path):
     assert d["programs"]["combine"]["launch_ms"] == pytest.approx(sum(combine_calls.values()) / 1e3)
     assert d["model"]["sm"]["metadata"] == {"blocks": {"meta_count": 64, "meta_rows": 256, "meta_items": 6},
                                             "steps": ["dispatch.meta"]}
-    code, out, err = run(["simulate", src, "--json", "--rdma", "proxy"], capsys)
+    code, out, err = run(["simulate", src, "--json", "--rdma", "proxy", "--proxy-tables", "host"], capsys)
     assert code == 0 and json.loads(out)["programs"]["dispatch"]["metadata_us"] == {}
     assert "metadata" not in json.loads(out)["model"]["sm"]
+    code, out, err = run(["simulate", src, "--json", "--rdma", "proxy"], capsys)
+    assert code == 0 and list(json.loads(out)["programs"]["dispatch"]["metadata_us"]) == list(parts)
+    code, out, err = run(["simulate", src, "--rdma", "emulate", "--proxy-tables", "host"], capsys)
+    assert (code, err) == (1, "epcc: error: --proxy-tables host is for the GPU proxy path: use it with --rdma proxy\n")
     code, out, err = run(["simulate", str(gpu_bundles.ep2_source(tmp_path)), "--json"], capsys)
     assert code == 0 and json.loads(out)["programs"]["dispatch"]["metadata_us"] == {}
     code, out, err = run(["simulate", src, "--rdma", "emulate"], capsys)

@@ -13,15 +13,24 @@ Where do a dispatch's tables come from (the bundle's manifest, "metadata"):
 * "device" (the plans the metadata kernels cover: backends/cuda/codegen.py device_metadata): the
   GPU exchanges every rank's routing over peer memory and writes this rank's tables of both
   programs itself (meta.py), stream-ordered: no host sync, no allocation, CUDA-graph capturable.
-  With the GPU proxy path (opt-in, CudaOptions.proxy_device_tables: its first GPU run on
-  2 x H100, 2026-11-26, posted no chunk), its channels, rings and FIFOs are set up once, here, for every
+  With the GPU proxy path, its channels, rings and FIFOs are set up once, here, for every
   routing (gpu_proxy/channels.py from_placement), the metadata kernels number each RDMA chunk on
   its channel, and the proxy threads run for the Buffer's life, following what the kernels push.
   Both modes work: normal (`sync=True`: the per-expert counts read back, bad routing raised) and
   low latency (`sync=False`: the whole receive buffer, counts and offsets as device tensors, a
   bad routing row ignored and reported by `check_routing`).
-* "host" (plans beyond the metadata kernels, the GPU proxy path unless compiled with
-  CudaOptions.proxy_device_tables, bundles of an older epcc): the routings and token counts of
+  On the GPU proxy path the proxy threads issue CUDA calls (the emulated transport's copies,
+  NVSHMEM's puts) while the kernels wait for them, so the host must not block in a CUDA call
+  while a launch of the path is in flight: a read into pageable memory (`.cpu()`, `.item()`)
+  holds the context and the proxy thread waits on it, and a kernel's first (lazily loaded) launch
+  stalls the proxy's copies; either deadlocks until the kernels' timeout (2 x H100, 2026-11-27:
+  the proxy thread asleep on a futex behind a `.cpu()`, its copies issued but never run behind a
+  first launch).  So the normal mode waits for its dispatch and its combine watched (an event
+  polled, watch.py) before returning, and a caller of the low-latency mode (a CUDA graph's
+  replay too) waits with `Buffer.synchronize()`, the same watched wait, before a host read or
+  another blocking CUDA call.
+* "host" (plans beyond the metadata kernels, the GPU proxy path compiled with `--proxy-tables
+  host`, bundles of an older epcc): the routings and token counts of
   every rank are exchanged over the group, every rank computes the same layout (runtime/layout)
   and uploads its tables
   (stream-ordered: the launches before still read the previous ones).  Normal mode only.
@@ -72,8 +81,9 @@ class TableHandle:
     """What combine (and a cached dispatch) needs from a dispatch: its routing and shapes."""
 
     def __init__(self, index: int, layout: Layout | None, tokens: int, rows: int, topk_idx, topk_weights,
-                 aligned_rows: torch.Tensor | None):
+                 aligned_rows: torch.Tensor | None, sync: bool = True):
         self.dispatch_index = index
+        self.sync = sync  # from a normal-mode dispatch (False: low latency, sync=False)
         self.layout = layout  # host metadata only
         self.tokens = tokens
         self.rows = rows  # rows recv_x had (with the alignment padding; the capacity with sync=False)
@@ -424,7 +434,8 @@ class CudaTableEngine:
         m = self.meta
         if not sync:
             rx = self._unpack(self.recv_view)
-            h = TableHandle(self.dispatches, None, T, self.recv_view.shape[0], topk_idx, topk_weights, None)
+            h = TableHandle(self.dispatches, None, T, self.recv_view.shape[0], topk_idx, topk_weights, None,
+                            sync=False)
             return rx, None, m.recv_w, (m.recv_count, m.recv_offset), h, None
         try:
             self._finish(stream)  # on the proxy path watched: a stalled proxy or a peer's alarm ends it
@@ -505,6 +516,8 @@ class CudaTableEngine:
                 if self.meta is not None:
                     self.meta.zero_partials(self.own_combine.data_ptr(), stream)
                     self.ctx.launch_combine_tokens(out.data_ptr() if handle.tokens else 0, handle.tokens, stream)
+                    if self.rdma and handle.sync and not torch.cuda.is_current_stream_capturing():
+                        self._finish(stream)  # normal mode on the proxy path: see the module docstring
                 else:
                     self.ctx.launch_combine(out.data_ptr() if handle.tokens else 0, stream)
                     self._finish(stream)
