@@ -324,6 +324,9 @@ def test_dma_engine_steps_are_the_launchers_copy_lanes(name, tmp_path):
     assert launch.index("fork_lanes(c, program, stream)") < launch.index("info.launch(&a, stream)") < \
         launch.index("run_lanes(c, program, a, stream)")
     assert "return fail(c, EPCC_RC_USAGE, \"%s: %u steps run on the DMA engine" in launcher_text  # use_tables refuses
+    # the gate is loaded when the context is created (a lazy load behind the running kernel deadlocks)
+    create = _function(launcher_text, "int epcc_supa_create(")
+    assert "kPrograms[p].gate(&none, epcc::kNoRole, kNoItem, kNoItem, 0u, nullptr)" in create
     # the device side of the gate: the entry barrier, publication in chunk order, the producers' waits
     dev = b.files[SUPA.device_header]
     gate_fn = _function(dev, "__device__ __forceinline__ void dma_gate(")
