@@ -131,7 +131,7 @@ class RoleSpec:
     line: int
     role: str  # the plan's role (sender, permuter, ...)
     engine: str
-    lowered: str  # sm | dma-on-sm | rdma-on-sm
+    lowered: str  # sm | dma-on-sm | dma-engine (SUPA: no block, the launcher's copy lane) | rdma-on-sm | rdma-pack | rdma-unpack
     block_begin: int
     block_end: int
     plan_sms: tuple[int, int] | None
@@ -171,6 +171,15 @@ class FinishSpec:
 
 
 @dataclass
+class GateSpec:
+    """The DMA lanes' gate kernel (SUPA): one warp that waits for a chunk's producer counters
+    and publishes a chunk the DMA engine copied (templates/program.cu.j2)."""
+    name: str
+    launch_fn: str
+    block: int
+
+
+@dataclass
 class KernelSpec:
     program: str
     name: str
@@ -182,6 +191,12 @@ class KernelSpec:
     roles: list[RoleSpec]
     not_lowered: list[dict]
     finish: FinishSpec | None
+    gate: GateSpec | None = None
+
+    @property
+    def dma_roles(self) -> list[RoleSpec]:
+        """Roles the DMA engine runs (no block of the kernel: the launcher's copy lanes)."""
+        return [r for r in self.roles if r.lowered == "dma-engine"]
 
 
 RDMA_DIR = "rdma"  # the proxy sources of a plan's RDMA steps, inside the bundle's cuda/ (docs/rdma.md)
@@ -365,7 +380,7 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
                     "reason": "metadata exchange: the host computes the layout (runtime/layout) and uploads "
                               "the tables"} for _, r in groups["meta"]]
     lowered: list[tuple[RolePlan, str]] = [(r, "sm") for _, r in groups["kernel"]]
-    lowered += [(r, "dma-on-sm") for _, r in groups["dma"]]
+    lowered += [(r, _dma_lowering(plan, program, target)) for _, r in groups["dma"]]
     for _, r in groups["proxy"]:
         if opts.rdma == "emulate":
             lowered.append((r, "rdma-on-sm"))
@@ -383,7 +398,10 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
     # SM roles keep the plan's SM ranges (one block per SM); the others follow.
     for r, how in lowered:
         step = plan.step(r.step, program)
-        if how == "sm":
+        if how == "dma-engine":  # no block of the kernel: the launcher's copy lane (DMA_ENGINE_WHY)
+            begin = end = -1
+            plan_sms = None
+        elif how == "sm":
             if r.sm_end <= r.sm_begin:
                 raise CudaCodegenError(f"{program} step '{r.step}' has no SMs in the plan")
             begin, end = r.sm_begin, r.sm_end
@@ -409,9 +427,18 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
                               verb=step.verb, link=step.link, link_kind=step.link_kind,
                               src_buffers=list(step.src_buffers), dst_buffer=step.dst_buffer, bytes_per_s=rate,
                               fn=fn))
+    grid = max(rs.block_end for rs in roles)
+    if grid <= 0:
+        raise CudaCodegenError(f"{program}: every step is a DMA-engine copy; the kernel would have no block to "
+                               f"wait for and publish its counters")
+    for rs in roles:
+        if rs.lowered == "dma-engine":  # after the kernel's blocks, in the plan's order (the tables' role order)
+            rs.block_begin = rs.block_end = grid
     roles.sort(key=lambda x: x.block_begin)
     for i, rs in enumerate(roles):
         rs.index = i
+        if rs.lowered == "dma-engine":
+            continue
         if i and rs.block_begin != roles[i - 1].block_end:
             raise CudaCodegenError(f"{program}: roles '{roles[i - 1].step}' and '{rs.step}' do not tile the blocks "
                                    f"([{roles[i - 1].block_begin}, {roles[i - 1].block_end}) then "
@@ -423,8 +450,12 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
         sized = {"rdma-pack": "the plan's pack_sms", "rdma-unpack": "the plan's unpack_sms"}.get(
             rs.lowered, "the plan gives it no SMs")
         where = (f"blocks [{rs.block_begin}, {rs.block_end}) = plan SMs [{rs.plan_sms[0]}, {rs.plan_sms[1]})"
-                 if rs.plan_sms else f"blocks [{rs.block_begin}, {rs.block_end}) ({sized})")
-        how = {"sm": "", "dma-on-sm": "; copy-engine step run by SMs in this version",
+                 if rs.plan_sms else "no block: the launcher's DMA lane" if rs.lowered == "dma-engine"
+                 else f"blocks [{rs.block_begin}, {rs.block_end}) ({sized})")
+        how = {"sm": "", "dma-on-sm": "; copy-engine step run by " + (
+                   "SMs in this version" if target.name == CUDA.name else
+                   "compute units: " + DMA_ON_SM_WHY[target.name]),
+               "dma-engine": "; " + DMA_ENGINE_WHY,
                "rdma-on-sm": "; RDMA emulated by SMs over peer memory" + (
                    f", paced to {rs.bytes_per_s / 1e9:g} GB/s" if rs.bytes_per_s else ""),
                "rdma-pack": "; RDMA sender: packs each chunk into a send slot and pushes it to the host proxy's FIFO",
@@ -433,12 +464,13 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
         moves = f"{', '.join(rs.src_buffers) or '?'} -> {rs.dst_buffer or '?'}"
         rs.comment = [
             f"step '{rs.step}'{title}, {source}:{rs.line}",
-            f"  {rs.role} on {where}, {rs.warps} warps, engine {rs.engine}{how}",
+            f"  {rs.role} on {where}" + ("" if rs.lowered == "dma-engine" else f", {rs.warps} warps")
+            + f", engine {rs.engine}{how}",
             f"  {rs.verb} over link '{rs.link or '?'}' ({rs.link_kind or '?'}): {moves}",
             f"  {_op_words(plan, rs.op, rs.access_bytes, rs.unroll)}",
         ]
         rs.summary = f"{rs.role}, {rs.verb} {moves}" + ("" if rs.lowered == "sm" else f" [{rs.lowered}]")
-    block = target.warp_size * max(rs.warps for rs in roles)
+    block = target.warp_size * max(rs.warps for rs in roles if rs.lowered != "dma-engine")
     if block > target.max_block_threads:
         raise CudaCodegenError(f"{program}: a role of {block // target.warp_size} warps needs {block} threads a block; "
                                f"{target.name} blocks have at most {target.max_block_threads}")
@@ -447,9 +479,33 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
     if program == "combine":
         finish = FinishSpec(f"epcc_{sched}_combine_finish_kernel", f"epcc_{sched}_combine_finish_launch",
                             f"epcc_{sched}_combine_finish_load", FINISH_BLOCK)
+    gate = None
+    if any(rs.lowered == "dma-engine" for rs in roles):
+        gate = GateSpec(f"epcc_{sched}_{program}_dma_gate", f"epcc_{sched}_{program}_dma_gate_launch",
+                        target.warp_size)
     return KernelSpec(program=program, name=name, file=f"{plan.schedule}_{program}{target.source_suffix}",
                       launch_fn=f"epcc_{sched}_{program}_launch", occupancy_fn=f"epcc_{sched}_{program}_occupancy",
-                      grid=roles[-1].block_end, block=block, roles=roles, not_lowered=not_lowered, finish=finish)
+                      grid=grid, block=block, roles=roles, not_lowered=not_lowered, finish=finish, gate=gate)
+
+
+# The DMA engine's copies on SUPA (RoleSpec.lowered "dma-engine"): what the comments and the
+# manifest say of them.
+DMA_ENGINE_WHY = ("copied by the DMA engine: the launcher issues each chunk's row runs as stream-ordered "
+                  "copies (epcc_rt_memcpy_async) on this role's own stream, between gate kernels that wait for "
+                  "the chunk's producer counters and then publish its counter, the same counters the compute-unit "
+                  "roles wait on and bump")
+# Why a target's DMA step stays on the compute units (RoleSpec.lowered "dma-on-sm").
+DMA_ON_SM_WHY = {"supa": "a copy engine copies but does not add, and a combine step accumulates fp32 partials into "
+                         "its destination rows (SDK 1.x's suMemcpyReduceAsync adds, but no source shows it on "
+                         "scattered rows, and no other runtime has it)"}
+
+
+def _dma_lowering(plan: Plan, program: str, target: Target) -> str:
+    """How a DMA step is lowered for `target`: by the DMA engine (the SUPA launcher's copy lanes) where
+    the target has one and the step only copies rows (dispatch), else by blocks of the kernel."""
+    if "dma" in target.copy_engines and program == "dispatch":
+        return "dma-engine"
+    return "dma-on-sm"
 
 
 def _structs() -> list[dict]:
@@ -518,7 +574,7 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         })
     files[launcher_file] = _ENV.get_template("launcher.cu.j2").render(
         **common, sched=sched, num_ranks=plan.num_ranks, programs=progs, table_version=abi.TABLE_VERSION,
-        step_name_bytes=STEP_NAME_BYTES)
+        step_name_bytes=STEP_NAME_BYTES, launch_why=_launch_why(plan), **_twins(plan.num_ranks, _duplicate_pairs(plan, target)))
     sources = [k.file for k in kernels] + [launcher_file]
     static_headers = [target.prelude] + ([] if cuda else [h for h in supa_build.HEADERS if h != target.prelude])
     fmt = CUDA_FORMAT if cuda else SUPA_FORMAT
@@ -546,6 +602,9 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
     }
     if not cuda:
         manifest["machine"] = _machine(target)
+        manifest["duplicate"] = {"pairs": _duplicate_pairs(plan, target), "why": _launch_why(plan),
+                                 "entry_points": [f"{target.abi_prefix}_launch_dispatch_card",
+                                                  f"{target.abi_prefix}_launch_combine_card"]}
     # The direct lowering (direct.py) for one-hop plans in one IPC domain: the runtime uses it
     # when present ("lowering": "direct"); the table-driven kernels above stay the general path.
     if plan.direct is not None and cuda:
@@ -565,6 +624,8 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
             "name": k.name, "kind": "main", "program": k.program, "file": k.file,
             "launch": "cooperative" if target.residency == "cooperative" else "plain",
             "launch_fn": k.launch_fn, "grid": k.grid, "block": k.block, "shared_bytes": 0,
+            **({"dma_lanes": {"roles": [r.index for r in k.dma_roles], "gate": k.gate.name, "how": DMA_ENGINE_WHY}}
+               if k.gate else {}),
             "roles": [{"index": r.index, "step": r.step, "title": r.title, "line": r.line, "role": r.role,
                        "engine": r.engine, "lowered": r.lowered, "blocks": [r.block_begin, r.block_end],
                        "sms": r.blocks, "plan_sms": list(r.plan_sms) if r.plan_sms else None, "warps": r.warps,
@@ -605,6 +666,26 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
     return CudaBundle(files=files, manifest=manifest, kernels=kernels, plan=plan, static=static)
 
 
+def _duplicate_pairs(plan: Plan, target: Target) -> list[list[int]]:
+    """The plan's duplicate-mode pairs [die 0's rank, die 1's rank] (plan.launch) where the target
+    has dies (SUPA), else none."""
+    if target.name == CUDA.name or plan.launch is None:
+        return []
+    return [list(p) for p in plan.launch.duplicate]
+
+
+def _twins(num_ranks: int, pairs: list[list[int]]) -> dict:
+    """Per rank, its twin die in a duplicate pair and which die it is (-1: in no pair)."""
+    twin, die = [-1] * num_ranks, [-1] * num_ranks
+    for d0, d1 in pairs:
+        twin[d0], twin[d1], die[d0], die[d1] = d1, d0, 0, 1
+    return {"dup_twin": twin, "dup_die": die}
+
+
+def _launch_why(plan: Plan) -> str:
+    return plan.launch.why if plan.launch is not None else "the plan predates duplicate-mode launch (recompile it)"
+
+
 def _machine(target: Target) -> dict:
     """What the kernels were generated for (backends/target.py), as a manifest records it."""
     return {"warp_size": target.warp_size, "max_block_threads": target.max_block_threads,
@@ -638,6 +719,10 @@ def device_metadata(plan: Plan, manifest: dict, target: Target = CUDA) -> dict:
     def host(why: str) -> dict:
         return {"lowering": "host", "why": why}
 
+    lanes = [k["program"] for k in manifest["kernels"] if k.get("dma_lanes")]
+    if lanes:
+        return host(f"the DMA engine's copies ({', '.join(lanes)}) are issued by the launcher from the rows of "
+                    f"host-built tables; tables written on the GPU keep their rows there")
     if manifest["options"]["rdma"] == "proxy" and not manifest["options"].get("proxy_device_tables"):
         return host("the GPU proxy path's tables are laid out on the host per routing (`--proxy-tables host`)")
     no_exchange = None  # why the routing cannot reach every rank's GPU

@@ -2,7 +2,8 @@
 
 It walks the blobs exactly as the device code does (backends/cuda/templates/device.cu.j2, `run_role`): every
 block of every role of every rank is a coroutine taking its role's items round-robin
-(`item = block, block + blocks, ...`); before an item it needs every wait satisfied, then it
+(`item = block, block + blocks, ...`; a SUPA DMA-engine role, the launcher's copy lane, is one
+block taking them in order); before an item it needs every wait satisfied, then it
 applies the row operation to the item's rows and, once the copy's earlier chunks are
 published, bumps the copy's counter by one.  Blocks are
 interleaved one item at a time; a full sweep without progress is a deadlock.  At the end every
@@ -138,7 +139,8 @@ def emulate(manifest: dict, layout, program: str, inputs: list[np.ndarray],
             live.append(((c.rank, c.step + " (proxy)", c.flow_index), proxy_run(c)))
     for rank in range(R):
         for i, role in enumerate(kernel["roles"]):
-            n = role["blocks"][1] - role["blocks"][0]
+            # a DMA-engine role (SUPA) has no block: the launcher's lane takes its items in order, as one block
+            n = 1 if role.get("lowered") == "dma-engine" else role["blocks"][1] - role["blocks"][0]
             for blk in range(n):
                 live.append(((rank, role["step"], blk), block_run(rank, i, blk, n)))
     while live:

@@ -39,7 +39,7 @@ from epcc import pipeline
 from epcc.backends.cuda import abi, codegen, direct
 from epcc.backends.rdma import emit as rdma_emit
 from epcc.backends.rdma.sources import STATIC_SOURCES
-from epcc.backends.target import CUDA
+from epcc.backends.target import CUDA, SUPA
 from epcc.cli import main
 from epcc.passes import PassOptions
 from epcc.plan.rdma import rdma_steps
@@ -617,6 +617,16 @@ def test_tables_reproduce_the_oracle_in_the_emulator(name, tokens, chunk):
     assert any(len(c.chunk_starts) > 2 for c in layout.copies), "the case should have multi-chunk copies"
     # rdma="auto": RDMA emulated by SM roles up to 8 ranks; above, the emulator's proxy stand-in
     run_both(plan, layout, idx, w, x, codegen.generate(plan, source_of(name)).manifest)
+
+
+def test_supa_dma_lanes_reproduce_the_oracle_in_the_emulator():
+    """The SUPA target puts ubbv2_ep16's D2D dispatch steps on the DMA engine (one in-order lane per
+    role instead of blocks round-robin): the same tables, run that way, still give the oracle's rows."""
+    plan, layout, idx, w, x = small_case("ubbv2_ep16", 12, 3)
+    m = codegen.generate(plan, source_of("ubbv2_ep16"), target=SUPA).manifest
+    lanes = [r["step"] for k in m["kernels"] for r in k["roles"] if r["lowered"] == "dma-engine"]
+    assert lanes == ["d2d_near", "d2d_far"]
+    run_both(plan, layout, idx, w, x, m)
 
 
 @pytest.mark.parametrize("name,tokens,chunk", [("h200x4_2vnode", 16, 3), ("dgx_h800_2node", 8, 2)])

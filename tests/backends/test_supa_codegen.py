@@ -11,6 +11,9 @@ No Biren machine and no brcc here.  What runs:
 * nvcc through the SUPA-on-CUDA shim (epcc_supa_shim.cuh): every emitted file of every plan,
   in both runtime generations (su* with -DEPCC_SUPA_API_V1, supa* without), built into the
   library with the manifest's shim command (skipped when nvcc is missing);
+* the launcher honours the plan's engine choice and duplicate pairs: a dispatch step the plan puts on
+  the DMA engine is no block of the kernel but a copy lane of the launcher (stream-ordered copies
+  between gate kernels on the same counters), and a duplicate pair has one launch call per card;
 * `epcc compile FILE --target supa -o DIR`: the bundle's supa/ directory and its manifest.
 """
 
@@ -38,7 +41,8 @@ from epcc.runtime.engines.cuda_table import launcher
 
 REPO = Path(__file__).resolve().parents[2]
 #: every shipped Biren schedule and the EP4 plans: all compiled through the shim
-SCHEDULES = ["ubbv2_ep16", "ubbv2_ep32", "ubbv2_ep32_port10", "ocs_ep16", "h200x4", "h200x4_2vnode", "h200x4_ubb2x2"]
+SCHEDULES = ["ubbv2_card", "ubbv2_ep16", "ubbv2_ep32", "ubbv2_ep32_port10", "ocs_ep16", "h200x4", "h200x4_2vnode",
+             "h200x4_ubb2x2"]
 NVCC = build_cache.find_nvcc()
 
 
@@ -248,6 +252,137 @@ def test_shim_library_loads_with_the_supa_prefix_and_fails_cleanly_without_a_gpu
     grids = {k["program"]: k["grid"] for k in m["kernels"] if k["kind"] == "main"}
     assert [lib.lib.epcc_cuda_grid(i) for i in (0, 1, 2)] == [grids["dispatch"], grids["combine"], -1]
     assert lib.lib.epcc_table_meta_area is not None  # the metadata driver is in the same library
+
+
+# --------------------------------------------------------------------------------------------
+# the plan's engine choice and duplicate pairs in the launcher
+
+
+def card_dma_bundle(tmp_path: Path) -> codegen.CudaBundle:
+    """ubbv2_card with its D2D link driven by the DMA engine (as tests/gpu/bundles.py derives it)."""
+    text = (REPO / source_of("ubbv2_card")).read_text(encoding="utf-8")
+    link = text.index("link d2d d2d {")
+    at = text.index("engine spc", link)
+    src = tmp_path / "ubbv2_card_dma.sched"
+    src.write_text(text[:at] + "engine dma" + text[at + len("engine spc"):], encoding="utf-8")
+    plan = pipeline.run(str(src)).passes.get("plan")
+    return codegen.generate(plan, "ubbv2_card_dma.sched", target=SUPA)
+
+
+def _function(text: str, signature: str) -> str:
+    """The body of the C function whose definition starts with `signature` (to its closing brace)."""
+    at = text.index(signature)
+    end = text.index("\n}\n", at)
+    return text[at:end]
+
+
+@pytest.mark.parametrize("name", ["ubbv2_ep16", "card_dma"])
+def test_dma_engine_steps_are_the_launchers_copy_lanes(name, tmp_path):
+    b = card_dma_bundle(tmp_path) if name == "card_dma" else supa_bundle(name)
+    plan = b.plan
+    m = b.manifest
+    sched = codegen.ident(plan.schedule)
+    dma_steps = {r.step for k in plan.kernels if k.kind == "dma" for r in k.roles}
+    assert dma_steps
+    for k in m["kernels"]:
+        if k["kind"] != "main":
+            continue
+        for r in k["roles"]:
+            if r["step"] not in dma_steps:
+                assert r["lowered"] != "dma-engine"
+                continue
+            # dispatch copies rows: the DMA engine; combine adds partials: stays on the compute units
+            want = "dma-engine" if k["program"] == "dispatch" else "dma-on-sm"
+            assert r["lowered"] == want, (k["program"], r)
+            if want == "dma-engine":
+                assert r["blocks"] == [k["grid"], k["grid"]] and r["sms"] == 0
+    disp = next(k for k in m["kernels"] if k["kind"] == "main" and k["program"] == "dispatch")
+    lanes = [r["index"] for r in disp["roles"] if r["lowered"] == "dma-engine"]
+    assert disp["dma_lanes"]["roles"] == lanes and disp["dma_lanes"]["gate"] == f"epcc_{sched}_dispatch_dma_gate"
+    assert m["metadata"]["lowering"] == "host"
+    if name == "card_dma":  # the plan's tables could come from the GPU but for the DMA lanes
+        assert "DMA engine" in m["metadata"]["why"]
+    # the kernel: no block branch for a DMA role, the gate kernel names each lane's step
+    kern = b.files[f"{plan.schedule}_dispatch.su"]
+    main_body = _function(kern, f'extern "C" __global__ void __launch_bounds__({disp["block"]}, 1) {disp["name"]}(')
+    for r in disp["roles"]:
+        assert (r["function"] in main_body) == (r["lowered"] != "dma-engine"), r
+    gate = _function(kern, f"static __device__ const char* epcc_{sched}_dispatch_dma_gate_step(")
+    assert all(f"case {i}u:" in gate for i in lanes)
+    assert f"epcc::dma_gate(a, role, epcc_{sched}_dispatch_dma_gate_step(role), done, next, entry);" in kern
+    # the launcher: the lanes' roles, the copies between gates on each lane's stream, fork and join
+    launcher_text = b.files[f"{plan.schedule}_launcher.su"]
+    assert "constexpr uint32_t kDispatchDmaRoles[] = {" + ", ".join(f"{i}u" for i in lanes) + "};" in launcher_text
+    run = _function(launcher_text, "int run_lanes(")
+    assert run.index("info.gate(&a, lane.role, done, k, k == 0 ? 1u : 0u, lane.stream)") < \
+        run.index("epcc_rt_memcpy_async(") < run.index("info.gate(&a, lane.role, done, kNoItem, 0u, lane.stream)")
+    assert "epcc_rt_stream_wait_event(stream, lane.done)" in run
+    fork = _function(launcher_text, "int fork_lanes(")
+    assert "epcc_rt_stream_create_nonblocking(&lane.stream)" in fork and \
+        "epcc_rt_stream_wait_event(lane.stream, p.fork)" in fork
+    launch = _function(launcher_text, "int launch_main(")
+    assert launch.index("fork_lanes(c, program, stream)") < launch.index("info.launch(&a, stream)") < \
+        launch.index("run_lanes(c, program, a, stream)")
+    assert "return fail(c, EPCC_RC_USAGE, \"%s: %u steps run on the DMA engine" in launcher_text  # use_tables refuses
+    # the gate is loaded when the context is created (a lazy load behind the running kernel deadlocks)
+    create = _function(launcher_text, "int epcc_supa_create(")
+    assert "kPrograms[p].gate(&none, epcc::kNoRole, kNoItem, kNoItem, 0u, nullptr)" in create
+    # the device side of the gate: the entry barrier, publication in chunk order, the producers' waits
+    dev = b.files[SUPA.device_header]
+    gate_fn = _function(dev, "__device__ __forceinline__ void dma_gate(")
+    assert gate_fn.index("barrier_word(a, a.rank)") < gate_fn.index("red_release_sys_add(flag, 1)") < \
+        gate_fn.index("waits[it.wait_begin + j]")
+    assert names.check_sources(emitted_sources(b), static_text(build.API_HEADER), static_text(build.PRELUDE)) == []
+
+
+def test_a_plan_without_dma_steps_has_no_lanes():
+    b = supa_bundle("ubbv2_card")
+    assert all(r["lowered"] == "sm" for k in b.manifest["kernels"] for r in k["roles"])
+    assert not any("dma_lanes" in k for k in b.manifest["kernels"])
+    assert "DmaRoles" not in b.files["ubbv2_card_launcher.su"]
+    assert "dma_gate" not in b.files["ubbv2_card_dispatch.su"]
+
+
+@pytest.mark.parametrize("name", ["ubbv2_card", "ubbv2_ep16", "ubbv2_ep32_port10", "ocs_ep16"])
+def test_duplicate_pairs_are_one_launch_call_per_card(name):
+    b = supa_bundle(name)
+    plan = b.plan
+    pairs = [list(p) for p in plan.launch.duplicate]
+    assert b.manifest["duplicate"]["pairs"] == pairs and b.manifest["duplicate"]["why"] == plan.launch.why
+    twin, die = [-1] * plan.num_ranks, [-1] * plan.num_ranks
+    for d0, d1 in pairs:
+        twin[d0], twin[d1], die[d0], die[d1] = d1, d0, 0, 1
+    text = b.files[f"{plan.schedule}_launcher.su"]
+    assert "constexpr int32_t kTwin[kNumRanks] = {" + ", ".join(map(str, twin)) + "};" in text
+    assert "constexpr int32_t kDie[kNumRanks] = {" + ", ".join(map(str, die)) + "};" in text
+    card = _function(text, "static int launch_card(")
+    # both dies' arguments first, then one call that queues the kernel on both dies
+    assert card.index("launch_main(c0, program, s0, &a0)") < card.index("launch_main(c1, program, s1, &a1)") < \
+        card.index("kPrograms[program].launch_dies(c0->device, s0, &a0, c1->device, s1, &a1)")
+    assert card.count("launch_dies(") == 1 and "info.launch(" not in card
+    assert "launch_card(c0, c1, 0," in _function(text, "int epcc_supa_launch_dispatch_card(")
+    assert "launch_card(c0, c1, 1, s0, s1)" in _function(text, "int epcc_supa_launch_combine_card(")
+    assert "kDie[c0->rank] != 0 || kTwin[c0->rank] != static_cast<int32_t>(c1->rank)" in \
+        _function(text, "static int check_card(")
+    for program in ("dispatch", "combine"):
+        kern = b.files[f"{plan.schedule}_{program}.su"]
+        assert (f"return epcc_rt_launch_dies(epcc_{codegen.ident(plan.schedule)}_{program}_kernel, " in kern)
+    if name == "ubbv2_card":
+        assert pairs == [[0, 1]]
+    if name in ("ubbv2_ep32_port10", "ocs_ep16"):
+        assert pairs == [] and b.manifest["duplicate"]["why"]
+
+
+def test_the_duplicate_launch_is_one_isolated_hook_the_shim_implements():
+    """epcc_rt_launch_dies goes through EPCC_SUPA_LAUNCH_DIES where it is defined (the shim: each die
+    a GPU), else one launch per die through the verified launch; nothing else names the hook."""
+    api = names.blank(static_text(build.API_HEADER))
+    body = _function(api, "static inline epcc_rt_status_t epcc_rt_launch_dies(")
+    assert "#if defined(EPCC_SUPA_LAUNCH_DIES)" in body and body.count("epcc_rt_launch(kernel,") == 2
+    assert api.count("EPCC_SUPA_LAUNCH_DIES") == 2
+    shim = names.blank(static_text(build.SHIM_HEADER))
+    assert "#define EPCC_SUPA_LAUNCH_DIES epcc_shim_launch_dies" in shim
+    assert "suLaunchKernel2DieDup" not in api  # documented only for dies that exchange no data (docs/supa.md)
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,7 +24,10 @@ written on the GPU, `--rdma proxy`'s default: tests/gpu/proxy_worker.py).
 SUPA bundles (`--target supa`; test_gpu.py runs them through the SUPA-on-CUDA shim): supa_h200x4
 and supa_h200x2 (the one-hop plan, which the SUPA target lowers to the table-driven kernels),
 supa_h200x4_2vnode_50, supa_h200x4_ubb2x2_50 and supa_h200x2_2vnode_50 (RDMA emulated over peer
-memory; metadata on the GPU).
+memory; metadata on the GPU); supa_ubbv2_card (schedules/ubbv2_card.sched: one BR166 card, its two
+dies as 2 ranks over D2D, a duplicate-mode pair) and supa_ubbv2_card_dma (the same card with its D2D
+link driven by the DMA engine, `engine dma`: the dispatch's hand-over runs on the launcher's DMA
+lane, the derived schedule written next to the bundles).
 """
 
 from __future__ import annotations
@@ -109,6 +112,32 @@ SUPA_VARIANTS = {  # name -> the CUDA variant whose source and options it compil
     "supa_h200x2_2vnode_50": "h200x2_2vnode_50",
 }
 
+# SUPA bundles of the Biren schedules: name -> (schedule, link, engine that drives it: None keeps the file's)
+SUPA_SCHEDULES = {
+    "supa_ubbv2_card": ("ubbv2_card", "d2d", None),
+    "supa_ubbv2_card_dma": ("ubbv2_card", "d2d", "dma"),
+}
+
+
+def engine_source(out_dir: Path, name: str) -> Path:
+    """The schedule of a SUPA_SCHEDULES bundle, with its link's `engine` line set (a derived file
+    when it differs from the shipped one)."""
+    sched, link, engine = SUPA_SCHEDULES[name]
+    path = ROOT / "schedules" / f"{sched}.sched"
+    if engine is None:
+        return path
+    text = path.read_text(encoding="utf-8")
+    at = text.find(f"link {link} ")
+    eng = text.find("engine ", at)
+    end = text.find("\n", eng)
+    if at < 0 or eng < 0 or text.find("}", at) < eng:
+        raise SystemExit(f"{path}: cannot find the engine line of link '{link}'")
+    text = text[:eng] + f"engine {engine}" + text[end:]
+    out = out_dir / f"{name}.sched"
+    out.write_text(f"# derived from schedules/{sched}.sched by tests/gpu/bundles.py: link '{link}' driven by "
+                   f"engine {engine}\n" + text, encoding="utf-8")
+    return out
+
 
 # the GPU proxy path with its tables from the GPU (`--proxy-tables device`, the default), on 2 and 4
 # GPUs (tests/gpu/proxy_worker.py)
@@ -157,6 +186,9 @@ def main(argv: list[str]) -> int:
         else:
             src, extra = rdma_source(out, base), []
         if not build(epcc, out, name, src, extra, rdma="emulate", target="supa"):
+            return 1
+    for name in SUPA_SCHEDULES:
+        if not build(epcc, out, name, engine_source(out, name), [], rdma="emulate", target="supa"):
             return 1
     return 0
 

@@ -41,7 +41,9 @@ failed a later run's 0.61.)
 
 The SUPA target's kernels (`--target supa` bundles: supa_*) run through `Buffer(backend="supa")`
 with EPCC_SUPA_SHIM=1, built by nvcc through the SUPA-on-CUDA shim: ep_worker.py's checks
-(EPCC_GPU_BACKEND=supa) on 4 ranks (a GPU each, or 2 GPUs time-sliced) and on 2 ranks
+(EPCC_GPU_BACKEND=supa) on 4 ranks (a GPU each where 4 are present, and 4 ranks on 2 GPUs
+time-sliced on any machine) and on 2 ranks, among them one BR166 card (supa_ubbv2_card) and the
+same card with its D2D hand-over on the DMA engine's lane (supa_ubbv2_card_dma)
 (test_supa_shim_ep_worker, test_supa_shim_ep4_shared_gpus).
 """
 
@@ -84,7 +86,7 @@ CASES = {  # GPUs -> bundles (tests/gpu/bundles.py writes them): one-hop (the di
     2: ["h200x2", "h200x2_fp8", "h200x2_t128", "h200x2_2vnode_50", "h200x2_2vnode_50_proxy",
         "h200x2_2vnode_relay_50_proxy", "h200x2_2vnode_mixed_50_proxy"],
 }
-SHARED = (4, 2)  # the EP4 bundles' 4 ranks on 2 GPUs, where fewer than 4 are present
+SHARED = (4, 2)  # the EP4 bundles' 4 ranks on 2 GPUs (the CUDA ones where fewer than 4 are present; the SUPA ones always)
 UNEVEN = {  # GPUs -> bundles whose ranks dispatch different numbers of tokens (uneven_worker.py)
     4: ["h200x4_t128", "h200x4"],
     2: ["h200x2_t128", "h200x2"],
@@ -106,7 +108,7 @@ def _gpus() -> tuple[int, str]:
 
 SUPA_CASES = {  # ranks -> SUPA bundles (tests/gpu/bundles.py SUPA_VARIANTS)
     4: ["supa_h200x4", "supa_h200x4_2vnode_50", "supa_h200x4_ubb2x2_50"],
-    2: ["supa_h200x2", "supa_h200x2_2vnode_50"],
+    2: ["supa_h200x2", "supa_h200x2_2vnode_50", "supa_ubbv2_card", "supa_ubbv2_card_dma"],
 }
 SUPA_ENV = {"EPCC_GPU_BACKEND": "supa", "EPCC_SUPA_SHIM": "1"}
 
@@ -194,11 +196,10 @@ def test_supa_shim_ep_worker(ranks):
 
 
 def test_supa_shim_ep4_shared_gpus():
-    """The 4-rank SUPA bundles as 4 ranks on 2 GPUs, time-sliced, where fewer than 4 GPUs are present."""
+    """The 4-rank SUPA bundles as 4 ranks on 2 GPUs, time-sliced (two processes per GPU, as two dies
+    of a card share one), on any machine of 2 or more GPUs: where 4 are present
+    test_supa_shim_ep_worker[ep4] runs them on a GPU each as well."""
     ranks, gpus = SHARED
-    have, what = _gpus()
-    if have >= ranks:
-        pytest.skip(f"{what}: test_supa_shim_ep_worker[ep4] runs them on a GPU each")
     why = _why_not(gpus, SUPA_CASES[ranks], "supa")
     if why:
         pytest.skip(why)

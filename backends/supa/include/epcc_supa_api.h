@@ -34,6 +34,7 @@ typedef suError_t epcc_rt_status_t;
 typedef suStream_t epcc_rt_stream_t;
 typedef suIpcMemHandle_t epcc_rt_ipc_handle_t;
 typedef suDeviceProp epcc_rt_device_prop_t;
+typedef suEvent_t epcc_rt_event_t;
 #define EPCC_RT_OK suSuccess
 #define EPCC_RT_H2D suMemcpyHostToDevice
 #define EPCC_RT_D2H suMemcpyDeviceToHost
@@ -44,6 +45,7 @@ typedef supaError_t epcc_rt_status_t;
 typedef supaStream_t epcc_rt_stream_t;
 typedef supaIpcMemHandle_t epcc_rt_ipc_handle_t;
 typedef supaDeviceProp epcc_rt_device_prop_t;
+typedef supaEvent_t epcc_rt_event_t;
 #define EPCC_RT_OK supaSuccess
 #define EPCC_RT_H2D supaMemcpyHostToDevice
 #define EPCC_RT_D2H supaMemcpyDeviceToHost
@@ -162,6 +164,58 @@ static inline epcc_rt_status_t epcc_rt_stream_synchronize(epcc_rt_stream_t strea
 #endif
 }
 
+// ------------------------------------------------------------------------------------------ streams, events
+// A stream that never waits for the legacy default stream (the DMA lanes run beside a kernel
+// that may have been launched there, and wait for it through counters, not stream order).
+static inline epcc_rt_status_t epcc_rt_stream_create_nonblocking(epcc_rt_stream_t* stream) {
+#if defined(EPCC_SUPA_API_V1)
+  return suStreamCreateWithFlags(stream, suStreamNonBlocking);
+#else
+  return supaStreamCreateWithFlags(stream, supaStreamNonBlocking);
+#endif
+}
+
+static inline epcc_rt_status_t epcc_rt_stream_destroy(epcc_rt_stream_t stream) {
+#if defined(EPCC_SUPA_API_V1)
+  return suStreamDestroy(stream);
+#else
+  return supaStreamDestroy(stream);
+#endif
+}
+
+static inline epcc_rt_status_t epcc_rt_event_create(epcc_rt_event_t* event) {
+#if defined(EPCC_SUPA_API_V1)
+  return suEventCreate(event);
+#else
+  return supaEventCreate(event);
+#endif
+}
+
+static inline epcc_rt_status_t epcc_rt_event_destroy(epcc_rt_event_t event) {
+#if defined(EPCC_SUPA_API_V1)
+  return suEventDestroy(event);
+#else
+  return supaEventDestroy(event);
+#endif
+}
+
+static inline epcc_rt_status_t epcc_rt_event_record(epcc_rt_event_t event, epcc_rt_stream_t stream) {
+#if defined(EPCC_SUPA_API_V1)
+  return suEventRecord(event, stream);
+#else
+  return supaEventRecord(event, stream);
+#endif
+}
+
+// Work queued on `stream` after this call waits until `event` (as last recorded) has completed.
+static inline epcc_rt_status_t epcc_rt_stream_wait_event(epcc_rt_stream_t stream, epcc_rt_event_t event) {
+#if defined(EPCC_SUPA_API_V1)
+  return suStreamWaitEvent(stream, event);
+#else
+  return supaStreamWaitEvent(stream, event, 0);
+#endif
+}
+
 // ------------------------------------------------------------------------------------------ IPC
 static inline epcc_rt_status_t epcc_rt_ipc_get_handle(epcc_rt_ipc_handle_t* handle, void* ptr) {
 #if defined(EPCC_SUPA_API_V1)
@@ -210,5 +264,33 @@ static inline epcc_rt_status_t epcc_rt_launch(void (*kernel)(P...), dim3 grid, d
     ((argv[i++] = static_cast<void*>(&v)), ...);
   }, values);
   return supaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, block, argv, shared_bytes, stream);
+#endif
+}
+
+// ------------------------------------------------------------------------------------------ duplicate mode
+// epcc_rt_launch_dies(kernel, grid, block, shared_bytes, device0, stream0, arg0, device1, stream1,
+// arg1): one call that launches `kernel` on both dies of a card (a plan's duplicate pair,
+// manifest "duplicate"), die 0 with arg0 on device0 / stream0, die 1 with arg1 on device1 / stream1.
+//
+// No public SUPA runtime launches one kernel on a card's two dies with an argument per die: SDK
+// 1.x's suLaunchKernel2DieDup [G] passes both dies the same arguments (each die finds its data in
+// its own partition of UMA16 memory) and is documented only for dies that exchange no data,
+// which epcc's dies do over D2D; the newer runtime shows no duplicate launch at all.  So this is
+// the one place a per-die duplicate launch plugs in: an SDK that has one defines
+// EPCC_SUPA_LAUNCH_DIES(kernel, grid, block, shared_bytes, device0, stream0, arg0, device1,
+// stream1, arg1) to it (the shim defines it over CUDA: a GPU per die).  Without it the call launches
+// the two dies one after the other through epcc_rt_launch, each die as its own device.
+template <class P, class A>
+static inline epcc_rt_status_t epcc_rt_launch_dies(void (*kernel)(P), dim3 grid, dim3 block, size_t shared_bytes,
+                                                   int device0, epcc_rt_stream_t stream0, const A& arg0, int device1,
+                                                   epcc_rt_stream_t stream1, const A& arg1) {
+#if defined(EPCC_SUPA_LAUNCH_DIES)
+  return EPCC_SUPA_LAUNCH_DIES(kernel, grid, block, shared_bytes, device0, stream0, arg0, device1, stream1, arg1);
+#else
+  epcc_rt_status_t e = epcc_rt_set_device(device0);
+  if (e == EPCC_RT_OK) e = epcc_rt_launch(kernel, grid, block, shared_bytes, stream0, arg0);
+  if (e == EPCC_RT_OK) e = epcc_rt_set_device(device1);
+  if (e == EPCC_RT_OK) e = epcc_rt_launch(kernel, grid, block, shared_bytes, stream1, arg1);
+  return e;
 #endif
 }

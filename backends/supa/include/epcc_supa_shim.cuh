@@ -90,6 +90,17 @@ inline suError_t suMemcpyAsync(void* dst, const void* src, size_t bytes, suStrea
   return cudaMemcpyAsync(dst, src, bytes, kind, stream);
 }
 inline suError_t suStreamSynchronize(suStream_t stream) { return cudaStreamSynchronize(stream); }
+constexpr unsigned int suStreamNonBlocking = cudaStreamNonBlocking;
+inline suError_t suStreamCreateWithFlags(suStream_t* stream, unsigned int flags) {
+  return cudaStreamCreateWithFlags(stream, flags);
+}
+inline suError_t suStreamDestroy(suStream_t stream) { return cudaStreamDestroy(stream); }
+typedef cudaEvent_t suEvent_t;
+inline suError_t suEventCreate(suEvent_t* event) { return cudaEventCreate(event); }
+inline suError_t suEventDestroy(suEvent_t event) { return cudaEventDestroy(event); }
+inline suError_t suEventRecord(suEvent_t event, suStream_t stream = nullptr) { return cudaEventRecord(event, stream); }
+// SDK 1.x: suStreamWaitEvent(stream, event), no flags [G, D].
+inline suError_t suStreamWaitEvent(suStream_t stream, suEvent_t event) { return cudaStreamWaitEvent(stream, event, 0); }
 inline suError_t suIpcGetMemHandle(suIpcMemHandle_t* handle, void* ptr) { return cudaIpcGetMemHandle(handle, ptr); }
 inline suError_t suIpcOpenMemHandle(void** ptr, suIpcMemHandle_t handle, unsigned int flags) {
   return cudaIpcOpenMemHandle(ptr, handle, flags);
@@ -144,6 +155,19 @@ inline supaError_t supaMemcpyAsync(void* dst, const void* src, size_t bytes, sup
   return cudaMemcpyAsync(dst, src, bytes, kind, stream);
 }
 inline supaError_t supaStreamSynchronize(supaStream_t stream) { return cudaStreamSynchronize(stream); }
+// Signatures of CUDA's (UNVERIFIED for supa*: docs/supa.md).
+constexpr unsigned int supaStreamNonBlocking = cudaStreamNonBlocking;
+inline supaError_t supaStreamCreateWithFlags(supaStream_t* stream, unsigned int flags) {
+  return cudaStreamCreateWithFlags(stream, flags);
+}
+inline supaError_t supaStreamDestroy(supaStream_t stream) { return cudaStreamDestroy(stream); }
+typedef cudaEvent_t supaEvent_t;
+inline supaError_t supaEventCreate(supaEvent_t* event) { return cudaEventCreate(event); }
+inline supaError_t supaEventDestroy(supaEvent_t event) { return cudaEventDestroy(event); }
+inline supaError_t supaEventRecord(supaEvent_t event, supaStream_t stream) { return cudaEventRecord(event, stream); }
+inline supaError_t supaStreamWaitEvent(supaStream_t stream, supaEvent_t event, unsigned int flags) {
+  return cudaStreamWaitEvent(stream, event, flags);
+}
 inline supaError_t supaIpcGetMemHandle(supaIpcMemHandle_t* handle, void* ptr) { return cudaIpcGetMemHandle(handle, ptr); }
 inline supaError_t supaIpcOpenMemHandle(void** ptr, supaIpcMemHandle_t handle, unsigned int flags) {
   return cudaIpcOpenMemHandle(ptr, handle, flags);
@@ -154,3 +178,24 @@ inline supaError_t supaLaunchKernel(const void* kernel, dim3 grid, dim3 block, v
                                     supaStream_t stream) {
   return cudaLaunchKernel(kernel, grid, block, args, shared_bytes, stream);
 }
+
+// ---------------------------------------------------------------------------------- duplicate mode
+// epcc_supa_api.h's EPCC_SUPA_LAUNCH_DIES over CUDA, where each die of a card is a GPU: the kernel
+// on device0's stream with arg0, then on device1's with arg1, from one call.
+template <class P, class A>
+inline cudaError_t epcc_shim_launch_dies(void (*kernel)(P), dim3 grid, dim3 block, size_t shared_bytes, int device0,
+                                         cudaStream_t stream0, const A& arg0, int device1, cudaStream_t stream1,
+                                         const A& arg1) {
+  const int devices[2] = {device0, device1};
+  cudaStream_t streams[2] = {stream0, stream1};
+  A args[2] = {arg0, arg1};
+  for (int die = 0; die < 2; ++die) {
+    cudaError_t e = cudaSetDevice(devices[die]);
+    void* argv[1] = {static_cast<void*>(&args[die])};
+    if (e == cudaSuccess) e = cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, block, argv, shared_bytes,
+                                               streams[die]);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+#define EPCC_SUPA_LAUNCH_DIES epcc_shim_launch_dies
