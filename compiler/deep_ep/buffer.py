@@ -37,6 +37,7 @@ num_tokens_per_rdma_rank), the low-latency API, `comm` (mpi4py), get_local_buffe
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -115,6 +116,19 @@ def _event(async_finish: bool, device: torch.device) -> EventOverlap:
     if not isinstance(async_finish, bool):
         raise TypeError(f"async_finish must be a bool, not {type(async_finish).__name__}")
     return EventOverlap(stream_event(device) if async_finish else None)
+
+
+@contextmanager
+def _torch_defaults():
+    """torch's default dtype and device (float32, CPU) while the runtime works: its engines
+    assume them, and DeepEP's tests set bfloat16 and cuda (torch.set_default_dtype/_device)."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        torch.set_default_dtype(dtype)
 
 
 def _pad(t: torch.Tensor, rows: int, fill: float | int = 0) -> torch.Tensor:
@@ -221,8 +235,9 @@ class Buffer:
         """Close every inner Buffer (a collective: every rank calls it); later calls raise."""
         self._live("destroy")
         self._destroyed = True
-        for inner in self._inner.values():
-            inner.close()
+        with _torch_defaults():
+            for inner in self._inner.values():
+                inner.close()
         self._inner.clear()
 
     # ------------------------------------------------------------------ layout
@@ -293,12 +308,14 @@ class Buffer:
         key, inner = self._inner_buffer(shape, config.num_sms)
         payload = x8 if scales is None else (x8, scales)
         if handle is not None and key in h.inner and self.backend == "cuda":
-            out = inner.dispatch(payload, handle=h.inner[key])
+            with _torch_defaults():
+                out = inner.dispatch(payload, handle=h.inner[key])
         else:
             idx = h.topk_idx if h.topk_idx is not None else self._one_expert_per_rank(h, inner.topk)
             w = h.topk_weights if h.topk_weights is not None else torch.ones(idx.shape, dtype=torch.float32,
                                                                              device=device)
-            out = inner.dispatch(payload, idx, w)
+            with _torch_defaults():
+                out = inner.dispatch(payload, idx, w)
         recv_x, recv_idx, recv_w, _, inner_handle, _ = out
         h.inner[key] = inner_handle
         rows = sum(h.recv_counts)
@@ -402,7 +419,8 @@ class Buffer:
         if x.shape[0] < rows:
             raise ValueError(f"combine: x has {x.shape[0]} rows, the handle's dispatch received {rows}")
         _wait(previous_event)
-        combined = inner.combine(x[:rows].contiguous(), handle.inner[key])
+        with _torch_defaults():
+            combined = inner.combine(x[:rows].contiguous(), handle.inner[key])
         combined = self._owned(combined)
         biases = [] if bias is None else list(bias) if isinstance(bias, tuple) else [bias]
         for b in biases:
@@ -477,8 +495,10 @@ class Buffer:
             chosen = self._compiled[-1]
         key = (str(chosen.path), sms)
         if key not in self._inner:
-            self._inner[key] = RuntimeBuffer(self.group, chosen.path, backend=self.backend, timeout_s=self.timeout_s,
-                                             config=launch_config(chosen.path, sms, self.backend))
+            with _torch_defaults():
+                self._inner[key] = RuntimeBuffer(self.group, chosen.path, backend=self.backend,
+                                                 timeout_s=self.timeout_s,
+                                                 config=launch_config(chosen.path, sms, self.backend))
         return key, self._inner[key]
 
 

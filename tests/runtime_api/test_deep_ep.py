@@ -83,6 +83,7 @@ def _worker(rank: int, ranks: int, bundles: str, store: str, result_dir: str) ->
     path = Path(result_dir) / f"rank{rank}.txt"
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks)
+        torch.set_default_dtype(torch.bfloat16)  # as DeepEP's tests do: the module must not depend on the default
         _check_api(rank, ranks, bundles)
         dist.destroy_process_group()
         path.write_text("ok")
@@ -100,9 +101,9 @@ def _check_api(rank: int, ranks: int, bundles: str) -> None:
     topk_idx = all_idx[rank]
     x = torch.ones((T, H), dtype=torch.bfloat16) * rank
     g = torch.Generator().manual_seed(rank)
-    x_rand = torch.randn((T, H), generator=g).to(torch.bfloat16)
+    x_rand = torch.randn((T, H), generator=g, dtype=torch.float32).to(torch.bfloat16)
     w_rank = torch.ones((T, K), dtype=torch.float32) * rank
-    w_rand = torch.randn((T, K), generator=g)
+    w_rand = torch.randn((T, K), generator=g, dtype=torch.float32)
 
     # the layout, from the routing alone
     want_in_rank = torch.zeros((T, ranks), dtype=torch.bool)
@@ -155,8 +156,10 @@ def _check_api(rank: int, ranks: int, bundles: str) -> None:
                             assert bool((recv_x[start:end].float() == s).all())
                         start = end
                     if current_x is x_rand:
-                        want = torch.cat([torch.randn((T, H), generator=torch.Generator().manual_seed(s)).to(
-                            torch.bfloat16)[oracle.src[oracle.src[:, 0] == s][:, 1]] for s in range(ranks)])
+                        first = [torch.randn((T, H), generator=torch.Generator().manual_seed(s), dtype=torch.float32)
+                                 for s in range(ranks)]  # each rank's x_rand
+                        want = torch.cat([first[s].to(torch.bfloat16)[oracle.src[oracle.src[:, 0] == s][:, 1]]
+                                          for s in range(ranks)])
                         assert torch.equal(recv_x, want)
                     if with_topk:
                         assert torch.equal(recv_idx, torch.from_numpy(oracle.topk_idx))
