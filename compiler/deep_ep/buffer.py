@@ -184,6 +184,7 @@ class Buffer:
         self._found: tuple[list[bsel.Candidate], list[str]] | None = None  # the scan, made on first need
         self._compiled: list[bsel.Candidate] = []
         self._inner: dict[tuple[str, int], RuntimeBuffer] = {}
+        self._last: dict[tuple[str, int], Any] = {}  # inner Buffer -> the handle of its last dispatch
         self._destroyed = False
 
     # ------------------------------------------------------------------ DeepEP's static API
@@ -239,6 +240,7 @@ class Buffer:
             for inner in self._inner.values():
                 inner.close()
         self._inner.clear()
+        self._last.clear()
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: EventOverlap | None = None,
@@ -317,7 +319,7 @@ class Buffer:
             with _torch_defaults():
                 out = inner.dispatch(payload, idx, w)
         recv_x, recv_idx, recv_w, _, inner_handle, _ = out
-        h.inner[key] = inner_handle
+        h.inner[key] = self._last[key] = inner_handle
         rows = sum(h.recv_counts)
         got = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).shape[0]
         if got != rows:
@@ -419,9 +421,9 @@ class Buffer:
         if x.shape[0] < rows:
             raise ValueError(f"combine: x has {x.shape[0]} rows, the handle's dispatch received {rows}")
         _wait(previous_event)
+        self._restore(key, handle)
         with _torch_defaults():
             combined = inner.combine(x[:rows].contiguous(), handle.inner[key])
-        combined = self._owned(combined)
         biases = [] if bias is None else list(bias) if isinstance(bias, tuple) else [bias]
         for b in biases:
             _tensor(fn, "bias", b, (torch.bfloat16,), tuple(combined.shape), combined.device)
@@ -435,6 +437,25 @@ class Buffer:
                                  f"received {rows}")
             combined_w = self._sum_home(handle, topk_weights[:rows].contiguous())
         return combined, combined_w, _event(async_finish, combined.device)
+
+    def _restore(self, key: tuple[str, int], h: Handle) -> None:
+        """The cuda engines combine the routing of their last dispatch only (its metadata is on the
+        GPU); DeepEP's combine takes any handle.  Where the inner Buffer has dispatched other
+        routing since `h`'s, a cached dispatch of `h`'s routing (rows of zeros: combine reads the
+        caller's x) puts its metadata back first."""
+        if self.backend != "cuda" or self._last.get(key) is h.inner[key]:
+            return
+        inner = self._inner[key]
+        T = h.is_token_in_rank.shape[0]
+        device = h.rank_prefix_matrix.device
+        zeros = torch.zeros((T, inner.hidden), dtype=torch.uint8 if inner.dtype == "fp8" else torch.bfloat16,
+                            device=device)
+        payload = zeros if inner.dtype != "fp8" else (
+            zeros.view(torch.float8_e4m3fn), torch.ones((T, inner.hidden // FP8_GROUP), dtype=torch.float32,
+                                                        device=device))
+        with _torch_defaults():
+            out = inner.dispatch(payload, handle=h.inner[key])
+        h.inner[key] = self._last[key] = out[4]
 
     def _sum_home(self, h: Handle, w: torch.Tensor) -> torch.Tensor:
         """Each row's values sent back to its home rank and summed per token."""
