@@ -26,33 +26,18 @@ import epcc.deep_ep as deep_ep  # noqa: E402
 from epcc.cli import main as epcc_main  # noqa: E402
 from epcc.deep_ep import bundles as bsel  # noqa: E402
 from epcc.runtime.testing.oracle import token_dispatch_oracle  # noqa: E402
-
-SCHED = """\
-topology t {{
-  levels node 1, gpu {r}
-  rank gpu
-  relation peer = other gpu
-  link nv p2p {{ connects peer  bandwidth 450 GB/s  shared per gpu  latency 3 us }}
-  link hbm local {{ bandwidth 3000 GB/s }}
-}}
-workload {{ tokens {t}  hidden {h}  dtype {dtype}  topk {k}  experts {e} {placement}  weights travel  layout {layout} }}
-dispatch {{
-  defaults chunk 16 tokens depth 2
-  step meta: exchange counts with all
-  step push: send tokens for peer from input to peer.output over nv
-  step keep: permute input into output
-}}
-combine reverse of dispatch
-"""
+from test_buffer import ONE_HOP  # noqa: E402
 
 SHAPE = dict(tokens=40, hidden=256, topk=4, experts=16)
 
 
 def compile_into(root: Path, name: str, *, r: int, t: int, h: int, k: int, e: int, dtype: str = "bf16",
                  placement: str = "blocked", layout: str = "token") -> Path:
+    text = ONE_HOP.format(r=r, t=t, h=h, k=k, e=e, dtype=dtype)
+    text = text.replace(" blocked ", f" {placement} ").replace("weights travel }", f"weights travel  layout {layout} }}")
+    assert f"{placement}  weights travel  layout {layout} }}" in text
     src = root / f"{name}.sched"
-    src.write_text(SCHED.format(r=r, t=t, h=h, k=k, e=e, dtype=dtype, placement=placement, layout=layout),
-                   encoding="utf-8")
+    src.write_text(text, encoding="utf-8")
     out = root / "bundles" / name
     assert epcc_main(["compile", str(src), "--target", "none", "-o", str(out)]) == 0
     return out
