@@ -30,7 +30,8 @@ Differences from DeepEP's intranode `Buffer`: outputs are expert-major (one row 
 local expert), in the documented order: local expert, then source rank, then token), so
 `recv_topk_idx` / `recv_topk_weights` hold the global expert and the weight of each row, and
 `combine` takes expert outputs in that same row order.  `event` is None.  A bundle compiled with
-the workload's `layout token` (cpu backend) returns DeepEP's token-major outputs instead: one row
+the workload's `layout token` (the cpu backend, and the cuda backend where the bundle has direct
+kernels: one-hop plans) returns DeepEP's token-major outputs instead: one row
 per token and destination rank, in (source rank, token) order, `recv_topk_idx` / `recv_topk_weights`
 [rows, topk] with local expert ids (-1 where the expert is elsewhere), and `combine` sums each
 token's rows at its home rank, unweighted, as DeepEP's does.
@@ -155,9 +156,12 @@ class Buffer:
         if self.backend_name == "supa" and supa_shim() and not torch.cuda.is_available():
             raise RuntimeError(f"Buffer(backend='supa') with ${SUPA_SHIM_ENV}=1 runs the SUPA kernels on NVIDIA GPUs "
                                "through the SUPA-on-CUDA shim, and no CUDA device is available")
-        if self.backend_name != "cpu" and self.plan.workload is not None and self.plan.workload.layout == "token":
-            raise BundleError(f"bundle {bundle} dispatches token-major (workload layout token), which only the cpu "
-                              f"backend runs; the {self.backend_name} kernels write expert-major output")
+        if self.backend_name != "cpu" and self.plan.workload is not None and self.plan.workload.layout == "token" \
+                and not (self.backend_name == "cuda" and "direct" in bundle_io.cuda_manifest(loaded.path,
+                                                                                             required=False)):
+            raise BundleError(f"bundle {bundle} dispatches token-major (workload layout token), which the cpu backend "
+                              f"and the cuda backend's direct kernels run; the {self.backend_name} kernels of this "
+                              f"bundle write expert-major output")
         if self.backend_name != "cuda" and config is not None:
             raise ValueError("Buffer: config (SMs, warps) applies to the cuda backend only")
         if self.plan.num_ranks != self.num_ranks:

@@ -582,7 +582,7 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
     manifest["rdma"] = _rdma_sources(plan)
     static = {n: target.include_dir / n for n in static_headers}
     if manifest["lowering"] == "direct":
-        static.update({n: direct.INCLUDE_DIR / n for n in direct.HEADERS})
+        static.update({n: direct.INCLUDE_DIR / n for n in direct.headers_of(plan)})
     else:
         manifest["metadata"] = device_metadata(plan, manifest)
         if manifest["metadata"]["lowering"] == "device":

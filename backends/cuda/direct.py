@@ -59,6 +59,8 @@ SENDER_INTS = 2  # what a sender publishes of its dispatch beside its counts: it
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 HEADERS = tuple(f"epcc/direct/{n}" for n in ("common.cuh", "meta.cuh", "rows.cuh", "dispatch.cuh", "combine.cuh",
                                              "host.cuh"))
+#: the token-major kernels' header, carried (and included by host.cuh) only by token-major bundles
+TOKEN_HEADERS = ("epcc/direct/token.cuh",)
 ENTRY_HEADER = "epcc/direct/host.cuh"  # what the generated source includes after its config
 #: the generated config header: one name in every bundle, like the table-driven kernels' header (a
 #: plan.json may hold any schedule name; the name of an #include must not depend on it)
@@ -71,6 +73,15 @@ PARTS = [
     ("KEEP_STEP", "dispatch.cuh: dispatch_channel's rows on the sender's own rank"),
     ("COMBINE_PUSH_STEP", "combine.cuh: combine_kernel's expert side (combine_partials)"),
     ("COMBINE_KEEP_STEP", "combine.cuh: combine_kernel's home side (combine_sums)"),
+]
+
+#: PARTS of the token-major kernels (token.cuh)
+TOKEN_PARTS = [
+    ("META_STEP", "meta.cuh: meta_count_kernel, meta_finish_kernel (or tok_dispatch_kernel's block 0), meta_publish"),
+    ("PUSH_STEP", "token.cuh: tok_dispatch_kernel's senders (tok_channel): each token once per destination GPU"),
+    ("KEEP_STEP", "token.cuh: tok_channel's row on the sender's own rank"),
+    ("COMBINE_PUSH_STEP", "token.cuh: tok_combine_kernel's expert side (tok_partials): rows to their home's staging"),
+    ("COMBINE_KEEP_STEP", "token.cuh: tok_combine_kernel's home side (tok_sums): unweighted sums"),
 ]
 
 #: the bounded waits (ErrorRecord::where = index + 1): key, the runtime's text, the step whose data it waits for
@@ -109,7 +120,10 @@ def constants(plan: Plan) -> dict:
     kl = min(K, epr)
     ri = _round(2 + kl, 4)
     xb, sb = row_parts(plan)
-    cap = R * T * kl + epr * (ALIGN_MAX - 1)
+    token = token_major(plan)
+    # receive rows: token-major one per (source rank, token), expert-major one per (token, local
+    # expert) and the experts' alignment padding
+    cap = R * T if token else R * T * kl + epr * (ALIGN_MAX - 1)
     offs: list[tuple[str, int]] = []
     cur = 0
 
@@ -126,7 +140,8 @@ def constants(plan: Plan) -> dict:
     meta_counts = _round(R * 8, 256)
     meta_channels = meta_counts + _round(R * E * 4, 256)
     meta_senders = meta_channels + _round(R * MAX_CHANNELS * 2 * 4, 256)
-    meta_stride = _round(meta_senders + R * SENDER_INTS * 4, 4096)
+    # then the tokens per (sender, destination) [R][R] (epcc/direct/common.cuh META_TOKENS)
+    meta_stride = _round(meta_senders + R * SENDER_INTS * 4 + R * R * 4, 4096)
     put("OFF_STATE", 256 + 8 * (epr + 1))
     put("OFF_META", 2 * meta_stride)
     put("OFF_DTAIL", R * MAX_CHANNELS * 8)
@@ -135,16 +150,20 @@ def constants(plan: Plan) -> dict:
     put("OFF_DEDUP", T * R * 4)
     put("OFF_MYCHAN", (MAX_CHANNELS + 1) * R * 4)
     put("OFF_CHUNKS", -(-T // META_CHUNK) * (E + R + 1) * 4)
-    put("OFF_RECORDS", R * T * ri * 4)
-    put("OFF_RECV_W", cap * 4)
+    put("OFF_RECORDS", 0 if token else R * T * ri * 4)  # token-major rows need no records
+    put("OFF_RECV_W", cap * (K if token else 1) * 4)  # token-major: recv_topk_weights [rows][K]
+    if token:
+        put("OFF_RECV_IDX", cap * K * 8)  # recv_topk_idx [rows][K] int64: local expert ids, -1 elsewhere
+        put("OFF_ROW_TOKEN", cap * 4)  # each row's token on its source rank (the combine sends it there)
     put("OFF_RECV_X", cap * xb)
     put("OFF_RECV_S", cap * sb)
     put("OFF_CSTAGE", R * T * H * 2)
     end = _round(cur, 4096)
     offsets = offs + [("META_STRIDE", meta_stride), ("META_FLAGS", meta_flags), ("META_COUNTS", meta_counts),
                       ("META_CHANNELS", meta_channels), ("META_SENDERS", meta_senders), ("OFF_END", end)]
+    layout = {"layout": "token"} if token else {}  # expert-major bundles' constants read as before
     return {
-        "abi": ABI, "num_ranks": R, "experts": E, "experts_per_rank": epr, "topk": K, "max_local": kl,
+        **layout, "abi": ABI, "num_ranks": R, "experts": E, "experts_per_rank": epr, "topk": K, "max_local": kl,
         "hidden": H, "max_tokens": T, "max_channels": MAX_CHANNELS, "record_ints": ri, "x_bytes": xb,
         "scale_bytes": sb, "publish_every": PUBLISH_EVERY, "max_warps": MAX_WARPS,
         "dispatch_threads": DISPATCH_THREADS, "combine_threads": COMBINE_THREADS, "capacity": cap,
@@ -158,7 +177,19 @@ def constants(plan: Plan) -> dict:
     }
 
 
+def token_major(plan: Plan) -> bool:
+    """The plan dispatches token-major (the workload's `layout token`): DeepEP's intranode output."""
+    return getattr(plan.workload, "layout", "expert") == "token"
+
+
+def headers_of(plan: Plan) -> tuple[str, ...]:
+    """The static headers a bundle of `plan` carries, in include order (token.cuh for token-major)."""
+    return HEADERS + (TOKEN_HEADERS if token_major(plan) else ())
+
+
 def describe_steps(plan: Plan) -> list[dict]:
+    if token_major(plan):
+        return describe_token_steps(plan)
     out = []
     for s in plan.steps:
         if s.verb == "exchange":
@@ -172,6 +203,25 @@ def describe_steps(plan: Plan) -> list[dict]:
             low = "combine_kernel: weighted partial per (token, GPU) into the home GPU's staging (first)"
         else:
             low = "combine_kernel: home-side sum of the partials (own partial included; every warp, after its partials)"
+        out.append({"program": s.program, "name": s.name, "line": s.line, "title": s.title, "lowered": low})
+    return out
+
+
+def describe_token_steps(plan: Plan) -> list[dict]:
+    """describe_steps for the token-major kernels (include/epcc/direct/token.cuh)."""
+    out = []
+    for s in plan.steps:
+        if s.verb == "exchange":
+            low = ("meta_count_kernel (+ meta_finish_kernel above one chunk): counts, tokens per destination and "
+                   "dedup ranks on the GPU, exchanged through peer memory (none for a cached handle)")
+        elif s.program == "dispatch" and s.verb == "send":
+            low = "tok_dispatch_kernel: warps store each token once per destination GPU, in (source rank, token) order"
+        elif s.program == "dispatch":
+            low = "tok_dispatch_kernel senders with this rank as destination (its own token-major rows)"
+        elif s.link_kind == "p2p":
+            low = "tok_combine_kernel: each received row copied into its home GPU's staging (first)"
+        else:
+            low = "tok_combine_kernel: home-side unweighted sum of a token's rows (its own read in place)"
         out.append({"program": s.program, "name": s.name, "line": s.line, "title": s.title, "lowered": low})
     return out
 
@@ -247,19 +297,21 @@ def generate(plan: Plan, source: str, env, version: str) -> tuple[dict[str, str]
     steps = describe_steps(plan)
     file = f"{plan.schedule}_direct.cu"
     common = dict(schedule=plan.schedule, source=source, version=version, config_file=CONFIG_FILE)
+    headers = headers_of(plan)
     files = {
         CONFIG_FILE: env.get_template("direct_config.cuh.j2").render(
-            **common, decls=config_decls(c), offsets=c["offsets"],
-            roles=[{"key": k, "cite": cites[k], "part": part} for k, part in PARTS],
+            **common, decls=config_decls(c), offsets=c["offsets"], token_major=token_major(plan),
+            roles=[{"key": k, "cite": cites[k], "part": part}
+                   for k, part in (TOKEN_PARTS if token_major(plan) else PARTS)],
             waits=[{"key": k, "text": text, "cite": cites[part]} for k, text, part in WAITS]),
-        file: env.get_template("direct.cu.j2").render(**common, steps=steps, headers=HEADERS,
+        file: env.get_template("direct.cu.j2").render(**common, steps=steps, headers=headers,
                                                       entry_header=ENTRY_HEADER),
     }
     cfg = default_config(plan)
     entry = {
         "abi": ABI,
         "source": file,
-        "headers": [CONFIG_FILE, *HEADERS],
+        "headers": [CONFIG_FILE, *headers],
         "library": f"lib{plan.schedule}_direct.so",
         "constants": {**{k: v for k, v in c.items() if k != "offsets"}, "offsets_named": dict(c["offsets"])},
         "waits": [text for _, text, _ in WAITS],

@@ -80,6 +80,9 @@ def parse(argv=None):
                          "change); default: $EPCC_RDMA_CHUNK_TOKENS x $EPCC_RDMA_DEPTH where set, else the plan's")
     ap.add_argument("--deepep-sms", default="24", metavar="N[,N...]",
                     help="deepep: the SM counts to run it at (even; deep_ep.Buffer.set_num_sms), one set of rows each")
+    ap.add_argument("--epcc-sms", default="", metavar="N[,N...]",
+                    help="epcc, bundles with direct kernels: run them once per SM count (dispatch and combine "
+                         "blocks; rows epcc@N, epcc_cached@N); default: each bundle's own configuration")
     ap.add_argument("--emulate-max-tokens", "--dry-max-tokens", dest="emulate_max_tokens", type=int, default=1024,
                     help="dry run: run epcc on the CPU only when ranks x tokens is at most this")
     args = ap.parse_args(argv)
@@ -95,10 +98,21 @@ def parse(argv=None):
     try:
         args.rdma_chunks = rdma_chunkings(args.rdma_chunks, os.environ)
         args.deepep_sms = deepep.parse_sms(args.deepep_sms)
+        args.epcc_sms = parse_epcc_sms(args.epcc_sms)
     except ValueError as e:  # bad input: the setting and its value, exit status 1
         print(f"ep_bench: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     return args
+
+
+def parse_epcc_sms(text: str) -> list[int]:
+    """--epcc-sms: positive SM counts, [] when empty; ValueError naming a bad one."""
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        if not item.isdigit() or int(item) < 1:
+            raise ValueError(f"--epcc-sms: {item!r} is not a positive number of SMs")
+        out.append(int(item))
+    return out
 
 
 def rdma_chunkings(text: str | None, env) -> list[tuple[int | None, int | None]]:
@@ -245,9 +259,12 @@ def main(argv=None) -> int:
 
         if "epcc" in args.methods:
             lib_error = libs[bi][1]
-            res = {"error": lib_error} if lib_error else run_child(
-                comm, args, {"method": "epcc", "bundle": bundle, "tokens": T, "rdma_chunking": chunking})
-            add(per_method(comm.all_gather_object(res), "epcc"))
+            direct = "direct" in loaded[1]
+            for sms in (args.epcc_sms if direct and args.epcc_sms else [None]):
+                res = {"error": lib_error} if lib_error else run_child(
+                    comm, args, {"method": "epcc", "bundle": bundle, "tokens": T, "rdma_chunking": chunking,
+                                 "sms": sms})
+                add(per_method(comm.all_gather_object(res), "epcc" + (f"@{sms}" if sms else "")))
         base = [m for m in args.methods if m in BASELINES] if first_of_bundle else []  # once per bundle
         if base:
             res = bench_baselines(comm, timer, args, plan, T, idx, make_data(comm, plan, T, idx, w, args.seed), base)

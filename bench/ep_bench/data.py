@@ -190,6 +190,7 @@ class RankData:
     ref: torch.Tensor  # fp32 [T, hidden]: the combine of this rank's tokens (set 0)
     mag: torch.Tensor  # sum |w y| per value: the tolerance's scale
     want_rows: torch.Tensor  # [n, row_bytes]: x_all at src, what dispatch must deliver (set 0)
+    want_idx: torch.Tensor | None = None  # token-major: int64 [n, k] recv_topk_idx (local ids, -1 elsewhere)
 
 
 def make_data(comm, plan: Plan, T: int, idx: np.ndarray, w: np.ndarray, seed: int) -> RankData:
@@ -202,12 +203,43 @@ def make_data(comm, plan: Plan, T: int, idx: np.ndarray, w: np.ndarray, seed: in
     scale = expert_scale(wl.experts, dev)
     topk = torch.from_numpy(idx[me]).to(dev)
     wt = torch.from_numpy(w[me]).to(dev)
+    if getattr(wl, "layout", "expert") == "token":
+        return token_data(plan, idx, me, x_sets, F_mine, x_all, F_all, scale, topk, wt)
     src = torch.from_numpy(recv_src(idx, wl.experts, wl.placement, me)).to(dev)
     y0 = expert_outputs(F_all, src, scale)
     ref, mag = combine_reference(F_mine, topk, wt, scale)
     return RankData(x_sets=x_sets, F_mine=F_mine, x_all=x_all, F_all=F_all, scale=scale, topk=topk, weights=wt,
                     src=src, y_sets=[y0, (y0.float() * -0.5).to(torch.bfloat16)], ref=ref, mag=mag,
                     want_rows=x_all[src[:, 0], src[:, 1]])
+
+
+def token_data(plan: Plan, idx: np.ndarray, me: int, x_sets, F_mine, x_all, F_all, scale, topk, wt) -> RankData:
+    """make_data for a token-major bundle (the workload's `layout token`, DeepEP's output): the rows
+    this rank receives are (home, token) once each, source-major (dedup_src); their recv_topk_idx
+    the local expert of each slot on this rank, -1 elsewhere.  The expert output of a row on rank d
+    is bf16(F[home, token] x scale[d]) and combine sums a token's rows unweighted, so the
+    reference is the sum over the ranks d holding a row of the token, fp32 in rank order."""
+    wl = plan.workload
+    R, dev = plan.num_ranks, F_mine.device
+    rank_of, local_of = oracle.expert_rank(wl.experts, R, wl.placement)
+    src2 = dedup_src(idx, wl.experts, wl.placement, me)
+    e = idx[src2[:, 0], src2[:, 1]] if len(src2) else np.zeros((0, wl.topk), np.int64)
+    on = (e >= 0) & (rank_of[np.maximum(e, 0)] == me)
+    want_idx = torch.from_numpy(np.where(on, local_of[np.maximum(e, 0)], -1).astype(np.int64)).to(dev)
+    src = torch.from_numpy(np.concatenate([src2, np.full((len(src2), 1), me, np.int64)], axis=1)).to(dev)
+    y0 = (F_all[src[:, 0], src[:, 1]].float() * scale[me]).to(torch.bfloat16)
+    dest = (topk >= 0)[:, :, None] & (torch.from_numpy(rank_of).to(dev)[topk.clamp_min(0)][:, :, None]
+                                       == torch.arange(R, device=dev)[None, None, :])
+    held = dest.any(dim=1)  # [T, R]: rank d holds a row of the token
+    ref = torch.zeros(F_mine.shape, dtype=torch.float32, device=dev)
+    mag = torch.zeros_like(ref)
+    for d in range(R):
+        y = (F_mine.float() * scale[d]).to(torch.bfloat16).float() * held[:, d, None].float()
+        ref += y
+        mag += y.abs()
+    return RankData(x_sets=x_sets, F_mine=F_mine, x_all=x_all, F_all=F_all, scale=scale, topk=topk, weights=wt,
+                    src=src, y_sets=[y0, (y0.float() * -0.5).to(torch.bfloat16)], ref=ref, mag=mag,
+                    want_rows=x_all[src[:, 0], src[:, 1]], want_idx=want_idx)
 
 
 def as_x(rows: torch.Tensor, hidden: int, dtype: str):

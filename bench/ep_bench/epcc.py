@@ -4,12 +4,16 @@ config=...)` (`backend="cpu"` in a dry run), in a child process per rank (child.
 Rows of the report:
 
 * epcc: dispatch with the routing given afresh every iteration, as a MoE layer calls it, then
-  combine of the expert outputs.  Bundles with the direct lowering (one-hop plans):
+  combine of the expert outputs.  With --epcc-sms N the direct kernels run on N SMs each
+  (rows epcc@N, epcc_cached@N).  Token-major bundles (`layout token`) are checked against the
+  token-major oracle (data.token_data).  Bundles with the direct lowering (one-hop plans):
   `dispatch(x, idx, w, sync=False)` (metadata on the GPU, no host sync: what a training step or a
   CUDA graph runs), and likewise table-driven bundles whose tables the GPU writes (the manifest's
   metadata "device", GPU proxy path included).  Other table-driven bundles: `dispatch(x, idx, w)`,
   in which the engine all-gathers the routing, computes the layout on the host, uploads its tables
   and runs the kernels: the time includes that host work.
+* epcc_cached (direct bundles): `dispatch(x, handle=h, sync=False)` of one earlier dispatch, whose
+  metadata the GPU still holds: the dispatch launches no metadata kernel (DeepEP's cached mode).
 * epcc_cached (table-driven bundles): `dispatch(x, handle=h)`, the layout and tables of one earlier
   dispatch reused: the kernels alone (with the engine's copies of x into its input buffer and of
   recv_x out of its output buffer), which is what `epcc simulate` predicts.  The role timeline
@@ -63,13 +67,18 @@ def run(cfg: dict, comm: Comm, timer: Timer) -> dict:
         return out
     data = make_data(comm, plan, T, idx, w, cfg["seed"])
     buf, row = None, "epcc"
+    sms = cfg.get("sms") if direct else None  # --epcc-sms: the direct kernels on that many SMs
+    at = f"@{sms}" if sms else ""
     try:
+        config = {"send_blocks": sms, "recv_blocks": 0, "combine_send_blocks": sms, "combine_reduce_blocks": 0} \
+            if sms else None
         buf = Buffer(dist.group.WORLD, cfg["bundle"], backend="cpu" if dry else "cuda",
                      timeout_s=cfg["kernel_timeout"],
-                     config=None if dry or direct else {"rdma_transport": cfg["rdma_transport"]},
+                     config=config if dry or direct else {"rdma_transport": cfg["rdma_transport"]},
                      rdma_chunk_tokens=chunking[0] if chunking else None, rdma_depth=chunking[1] if chunking else None)
         rows = EpccRows(cfg, comm, timer, buf, plan, manifest, data, idx, direct)
-        for row, fn in [("epcc", rows.fresh)] + ([("epcc_cached", rows.cached)] if table and not dry else []):
+        todo = [("epcc" + at, rows.fresh)] + ([("epcc_cached" + at, rows.cached)] if not dry else [])
+        for row, fn in todo:
             try:
                 out["methods"][row] = fn()
             except CheckFailed as e:  # agreed by every rank (run_iterations): the next row still runs
@@ -139,7 +148,10 @@ class EpccRows:
         def check(outs):
             (rows, experts), comb = outs
             check_rows(rows, d.want_rows, "epcc dispatch")
-            if experts is not None and not torch.equal(experts.cpu(), d.src[:, 2].cpu()):
+            if d.want_idx is not None:  # token-major: every row's top-k (local ids, -1 elsewhere)
+                if experts is None or not torch.equal(experts[: self.n].cpu(), d.want_idx.cpu()):
+                    raise CheckFailed("epcc dispatch: recv_topk_idx differs from the oracle's local experts of its rows")
+            elif experts is not None and not torch.equal(experts.cpu(), d.src[:, 2].cpu()):
                 raise CheckFailed("epcc dispatch: recv_topk_idx differs from the oracle's experts of its rows")
             return check_combine(comb, d.ref, d.mag, self.plan.workload.topk, "epcc combine", self.rounding)
 
@@ -186,6 +198,8 @@ class EpccRows:
             return self.buf.dispatch(self.xs[s], handle=first, sync=sync)
 
         out = self._iterate(dispatch)
+        if self.direct:  # the direct kernels: no metadata kernel for the last metadata's handle
+            return out
         # TIMELINE_ROUNDS more (untimed) rounds with the kernels' per-block stamps: when each role
         # ran, the median over the rounds
         eng = self.buf.engine

@@ -114,6 +114,19 @@ def _rdma_without_target(rdma: str) -> str:
             f"{' or --target '.join(TARGETS)}")
 
 
+def token_major_refusal(target: str, plan: Plan) -> str | None:
+    """Why `target` cannot run `plan` token-major, or None: the CUDA target's direct kernels (one-hop
+    plans, backends/cuda/include/epcc/direct/token.cuh) write DeepEP's token-major rows; its
+    table-driven kernels and the SUPA target write expert-major output only."""
+    if target != "cuda":
+        return (f"the token-major layout runs on the CPU backend and the CUDA target's direct kernels: the {target} "
+                f"target's kernels write expert-major output")
+    if plan.direct is None:
+        return (f"the CUDA target writes token-major output with its direct kernels only, and this plan is not "
+                f"lowered to them ({plan.direct_not_used})")
+    return None
+
+
 def cmd_compile(args) -> int:
     until = args.emit or pipeline.STAGES[-1].name
 
@@ -135,8 +148,10 @@ def cmd_compile(args) -> int:
     if args.proxy_tables != "host" and args.rdma != "proxy":
         raise user_error(f"--proxy-tables {args.proxy_tables} is for the GPU proxy path: add --rdma proxy")
     if choice.target is not None and c.schedule.workload.layout == "token":
-        raise user_error(f"{c.path}: the token-major layout runs on the CPU backend only: the {choice.target} target's "
-                         f"kernels write expert-major output; use --target {NO_TARGET} (or the expert layout)")
+        why = token_major_refusal(choice.target, c.passes.get("plan"))
+        if why:
+            raise user_error(f"{c.path}: {why}; use --target {NO_TARGET} (the CPU backend runs every plan "
+                             f"token-major) or the expert layout")
     out = Path(args.output or Path("build") / c.schedule.name)
     ir_file = out / f"{c.schedule.name}.mlir"
     # the bundle directory is the compiler's: it writes NAME.mlir, plan.json, manifest.json and a

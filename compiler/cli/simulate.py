@@ -54,7 +54,7 @@ def simulation(args, options):
     warn(built.compilation)
     if built.schedule.workload.layout == "token":
         raise user_error(f"{args.file}: cannot simulate the token-major layout: the cost model charges "
-                         f"expert-major output rows")
+                         f"expert-major output rows (the CUDA target's token-major kernels are not modelled)")
     direct = None
     if kernels != "table":  # kernel-formation recorded the CUDA target's choice (plan/direct.py)
         direct, why = built.plan.direct, built.plan.direct_not_used

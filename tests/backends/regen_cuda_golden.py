@@ -28,6 +28,9 @@ GOLDEN = Path(__file__).resolve().parent / "golden_cuda"
 VARIANTS: dict[str, tuple[str, dict]] = {
     "h200x4": ("h200x4", {}),
     "h200x4_fp8": ("h200x4", {"dtype": "fp8"}),  # the direct lowering's fp8 paths (scales, TMA of both)
+    # the token-major direct kernels (DeepEP's output; epcc/direct/token.cuh), bf16 and fp8
+    "h200x4_tok": ("h200x4", {"layout": "token"}),
+    "h200x4_tok_fp8": ("h200x4", {"layout": "token", "dtype": "fp8"}),
 }
 
 

@@ -289,7 +289,9 @@ def test_golden_file_set(variant):
     # the goldens cover the direct lowering: its source, its config and its manifest entry
     assert {f"{schedule}_direct.cu", direct.CONFIG_FILE} <= set(b.files)
     assert b.manifest["lowering"] == "direct" and b.manifest["direct"]["source"] == f"{schedule}_direct.cu"
-    assert b.manifest["direct"]["headers"] == [direct.CONFIG_FILE, *direct.HEADERS]
+    token = regen_cuda_golden.VARIANTS[variant][1].get("layout") == "token"
+    assert b.manifest["direct"]["headers"] == [direct.CONFIG_FILE, *direct.HEADERS,
+                                               *(direct.TOKEN_HEADERS if token else ())]
 
 
 @pytest.mark.parametrize("variant", list(regen_cuda_golden.VARIANTS))
@@ -299,16 +301,24 @@ def test_bundle_carries_the_static_headers_unchanged(variant, tmp_path):
     generated ones (a GPU machine builds the bundle without epcc), and every header the source
     includes is in the bundle."""
     b = golden_bundle(variant)
-    assert sorted(b.static) == sorted([*direct.HEADERS, CUDA.prelude])
+    token = regen_cuda_golden.VARIANTS[variant][1].get("layout") == "token"
+    headers = [*direct.HEADERS, *(direct.TOKEN_HEADERS if token else ())]
+    assert sorted(b.static) == sorted([*headers, CUDA.prelude])
     written = {p.relative_to(tmp_path).as_posix() for p in b.write(tmp_path)}
     assert set(b.manifest["direct"]["headers"]) <= written
     assert CUDA.prelude in b.manifest["build"]["headers"]
-    for name in [*direct.HEADERS, CUDA.prelude]:
+    for name in [*headers, CUDA.prelude]:
         assert (tmp_path / name).read_bytes() == (direct.INCLUDE_DIR / name).read_bytes(), name
     included = re.findall(r'^#include "([^"]+)"', (tmp_path / b.manifest["direct"]["source"]).read_text(), re.M)
-    for name in direct.HEADERS:
-        included += [f"epcc/direct/{h}" for h in re.findall(r'^#include "([^"/]+)"', (tmp_path / name).read_text(), re.M)]
+    for name in headers:
+        text = (tmp_path / name).read_text()
+        if not token:  # what host.cuh includes for token-major bundles only (their config defines the macro)
+            text = re.sub(r"#ifdef EPCC_DIRECT_TOKEN_MAJOR\n(#include [^\n]*\n)+#endif", "", text)
+        included += [f"epcc/direct/{h}" for h in re.findall(r'^#include "([^"/]+)"', text, re.M)]
     assert set(included) == set(b.manifest["direct"]["headers"])
+    # the token-major kernels come with the macro that selects them, and only then
+    config = b.files[direct.CONFIG_FILE]
+    assert ("#define EPCC_DIRECT_TOKEN_MAJOR 1" in config) == token
 
 
 @pytest.mark.parametrize("variant,name", [(v, f) for v in regen_cuda_golden.VARIANTS for f in _golden_files(v)])

@@ -51,15 +51,31 @@ def test_a_bad_layout_flag_is_named(capsys):
     assert rc == 1 and err.startswith("epcc: error: --layout rows: expected expert or token (")
 
 
-def test_gpu_targets_and_the_cost_model_refuse_token_major(tmp_path, capsys):
-    rc, _, err = run(["compile", SMALL, "--layout", "token", "--target", "cuda", "-o", str(tmp_path / "c")], capsys)
+def test_cuda_direct_kernels_take_token_major_other_targets_and_the_cost_model_refuse(tmp_path, capsys):
+    # a one-hop plan: the CUDA target's direct kernels write token-major rows (epcc/direct/token.cuh)
+    out = tmp_path / "c"
+    rc, _, err = run(["compile", SMALL, "--layout", "token", "--target", "cuda", "-o", str(out)], capsys)
+    assert rc == 0, err
+    man = json.loads((out / "cuda" / "manifest.json").read_text())
+    assert man["lowering"] == "direct" and man["direct"]["constants"]["layout"] == "token"
+    assert man["direct"]["headers"][-1] == "epcc/direct/token.cuh"
+    assert "#define EPCC_DIRECT_TOKEN_MAJOR 1" in (out / "cuda" / "epcc_direct_config.cuh").read_text()
+    # a plan the CUDA target lowers to its table-driven kernels: refused, with the reason
+    multi = str(REPO / "schedules" / "h200x4_2vnode.sched")
+    rc, _, err = run(["compile", multi, "--layout", "token", "--target", "cuda", "-o", str(tmp_path / "m")], capsys)
     assert rc == 1 and no_crash(err)
-    assert err.endswith(f"epcc: error: {SMALL}: the token-major layout runs on the CPU backend only: the cuda "
-                        f"target's kernels write expert-major output; use --target none (or the expert layout)\n")
+    assert err.startswith(f"epcc: error: {multi}: the CUDA target writes token-major output with its direct kernels "
+                          f"only, and this plan is not lowered to them (")
+    assert err.endswith("; use --target none (the CPU backend runs every plan token-major) or the expert layout\n")
+    rc, _, err = run(["compile", SMALL, "--layout", "token", "--target", "supa", "-o", str(tmp_path / "s")], capsys)
+    assert rc == 1 and no_crash(err)
+    assert err.endswith(f"epcc: error: {SMALL}: the token-major layout runs on the CPU backend and the CUDA target's "
+                        f"direct kernels: the supa target's kernels write expert-major output; use --target none (the "
+                        f"CPU backend runs every plan token-major) or the expert layout\n")
     rc, _, err = run(["simulate", SMALL, "--layout", "token"], capsys)
     assert rc == 1
     assert err.endswith(f"epcc: error: {SMALL}: cannot simulate the token-major layout: the cost model charges "
-                        f"expert-major output rows\n")
+                        f"expert-major output rows (the CUDA target's token-major kernels are not modelled)\n")
 
 
 def test_a_tampered_layout_in_plan_json_is_named(tmp_path, capsys):

@@ -5,7 +5,9 @@ the GPU machine) into one directory that travels with the tree:
 
 h200x4 (EP4, 4096 tokens, bf16), h200x4_fp8 (--dtype fp8), h200x4_t128 (128 tokens: decode /
 low-latency shape), and the same one-hop schedule on two GPUs (h200x2, h200x2_fp8, h200x2_t128):
-h200x4.sched with `gpu 4` replaced by `gpu 2`, written next to the bundles.
+h200x4.sched with `gpu 4` replaced by `gpu 2`, written next to the bundles.  The same six with
+`--layout token` (h200x4_tok, h200x4_tok_fp8, h200x4_tok_t128, h200x2_tok, ...): DeepEP's
+token-major output, from the direct kernels of epcc/direct/token.cuh.
 
 Emulated-RDMA bundles (the GPU proxy path; bench/ep_bench.py --methods epcc): the two 2-virtual-node plans
 on 4 GPUs, h200x4_2vnode (DeepEP internode style: RDMA once per vnode, then NVLink forward) and
@@ -40,6 +42,14 @@ VARIANTS = {  # name -> (ranks, extra compile options)
     "h200x2": (2, []),
     "h200x2_fp8": (2, ["--dtype", "fp8"]),
     "h200x2_t128": (2, ["--tokens", "128"]),
+    # token-major (DeepEP's intranode output, the direct kernels of epcc/direct/token.cuh): no
+    # simulate.json, since `epcc simulate` refuses the layout (its cost model charges expert-major rows)
+    "h200x2_tok": (2, ["--layout", "token"]),
+    "h200x2_tok_fp8": (2, ["--layout", "token", "--dtype", "fp8"]),
+    "h200x2_tok_t128": (2, ["--layout", "token", "--tokens", "128"]),
+    "h200x4_tok": (4, ["--layout", "token"]),
+    "h200x4_tok_fp8": (4, ["--layout", "token", "--dtype", "fp8"]),
+    "h200x4_tok_t128": (4, ["--layout", "token", "--tokens", "128"]),
 }
 
 
@@ -114,15 +124,20 @@ PROXY_DEVICE_VARIANTS = ["h200x2_2vnode_50", "h200x4_2vnode_50"]
 def build(epcc: Path, out: Path, name: str, src: Path, extra: list[str], compile_extra: tuple[str, ...] = (),
           rdma: str = "proxy", target: str = "cuda") -> bool:
     """Compile `src` into out/name (a `target` bundle) and store its `epcc simulate --json` beside it
-    (`--rdma`: how the bundle runs its RDMA steps, which the simulator's SM terms model)."""
-    for cmd in ([str(epcc), "compile", str(src), "--target", target, "-o", str(out / name), *extra, *compile_extra],
-                [str(epcc), "simulate", str(src), "--json", "--rdma", rdma, *extra]):
+    (`--rdma`: how the bundle runs its RDMA steps, which the simulator's SM terms model), except for
+    a token-major bundle, which `epcc simulate` refuses."""
+    simulated = "token" not in extra
+    cmds = [[str(epcc), "compile", str(src), "--target", target, "-o", str(out / name), *extra, *compile_extra]]
+    if simulated:
+        cmds.append([str(epcc), "simulate", str(src), "--json", "--rdma", rdma, *extra])
+    for cmd in cmds:
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             print(res.stdout + res.stderr, file=sys.stderr)
             return False
-    (out / name / "simulate.json").write_text(res.stdout, encoding="utf-8")
-    print(f"{name}: {out / name} (with simulate.json)")
+    if simulated:
+        (out / name / "simulate.json").write_text(res.stdout, encoding="utf-8")
+    print(f"{name}: {out / name}" + (" (with simulate.json)" if simulated else " (token-major: not simulated)"))
     return True
 
 

@@ -198,6 +198,156 @@ class Case:
                 f"(max {chk.max_ulp} ulp, {chk.beyond_ulp} values beyond {oracle.MAX_ULP} ulp)"]
 
 
+class TokenCase(Case):
+    """A token-major bundle's case (the workload's `layout token`, DeepEP's intranode output): the
+    expected rows, per-row top-k ids and weights and per-expert counts are the oracle's
+    (runtime/layout's compute_layout of the token-major plan, as the cpu backend returns them).
+    The expert outputs of a row on rank d are y = bf16(value(row) * (1 + d / 16)), so the home rank
+    forms the combine reference from its own tokens: ref[t] = sum over the ranks d holding a row of
+    t of y(x[t], d), in rank order, fp32 (the kernels sum the rows in that order)."""
+
+    def __init__(self, buf: Buffer, spec: str, seed: int, dev, tokens: list[int] | None = None):
+        super().__init__(buf, spec, seed, dev, tokens)
+        lay = compute_layout(buf.plan, self.idx, self.w, self.tokens)
+        me = self.me
+        self.src = lay.entries[("output", me)]  # [n, 2] (home, token) in (home, token) order
+        self.want_idx = np.asarray(lay.recv_topk_idx[me], dtype=np.int64).reshape(-1, self.K)
+        self.want_w = np.asarray(lay.recv_topk_weights[me], dtype=np.float32).reshape(-1, self.K)
+        self.counts = [int(c) for c in lay.recv_counts[me]]
+        h = torch.from_numpy(self.src[:, 0].copy()).to(dev)
+        t = torch.from_numpy(self.src[:, 1].copy()).to(dev)
+        self.want_rows = (self.x_all[0][h, t], self.x_all[1][h, t]) if self.dtype == "fp8" else self.x_all[h, t]
+        rank_of, _ = oracle.expert_rank(self.E, self.R, self.placement)
+        self.rank_of = rank_of
+
+    def check_dispatch(self, recv_x, recv_w, counts, recv_idx=None, align: int = 1) -> list[str]:
+        n = len(self.src)
+        errs = []
+        if self.dtype == "fp8":
+            same = torch.equal(recv_x[0][:n].view(torch.uint8), self.want_rows[0].view(torch.uint8)) and \
+                torch.equal(recv_x[1][:n], self.want_rows[1])
+        else:
+            same = torch.equal(recv_x[:n].view(torch.int16), self.want_rows.view(torch.int16))
+        if not same:
+            errs.append(f"rows differ from the oracle's (of {n})")
+        want_counts = [-(-c // align) * align for c in self.counts]
+        if list(counts) != want_counts:
+            errs.append(f"counts {list(counts)[:6]}... != {want_counts[:6]}...")
+        gw = recv_w[:n].cpu().numpy()
+        if gw.shape != self.want_w.shape or not np.array_equal(gw, self.want_w):
+            errs.append(f"recv_topk_weights differ ({gw.shape} vs {self.want_w.shape})")
+        if recv_idx is not None:
+            gi = recv_idx[:n].cpu().numpy()
+            if gi.shape != self.want_idx.shape or not np.array_equal(gi, self.want_idx):
+                errs.append(f"recv_topk_idx differs ({gi.shape} vs {self.want_idx.shape})")
+        return errs
+
+    def y_for(self, recv_x, rows: int) -> torch.Tensor:
+        n = len(self.src)
+        y = torch.zeros((rows, self.H), dtype=torch.bfloat16, device=self.dev)
+        if n:
+            rx = (recv_x[0][:n], recv_x[1][:n]) if self.dtype == "fp8" else recv_x[:n]
+            y[:n] = self.expert_outputs(rx, torch.full((n,), self.me, device=self.dev))
+        return y
+
+    def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
+        me, n = self.me, self.tokens[self.me]
+        x = (self.x_all[0][me][:n], self.x_all[1][me][:n]) if self.dtype == "fp8" else self.x_all[me][:n]
+        v = self.values(x)
+        idx = self.idx[me][:n]
+        ref = torch.zeros_like(v)
+        mag = torch.zeros_like(v)
+        for d in range(self.R):
+            on = torch.from_numpy(((idx >= 0) & (self.rank_of[np.maximum(idx, 0)] == d)).any(1)).to(self.dev)
+            y = (v * (1.0 + d / 16.0)).to(torch.bfloat16).float()
+            term = torch.where(on[:, None], y, torch.zeros_like(y))
+            ref += term
+            mag += term.abs()
+        return ref, mag
+
+
+def run_token_bundle(path: Path, buf: Buffer, dev, checks: Checks) -> None:
+    """A token-major bundle's checks against the oracle: every routing (masked -1 slots included)
+    in normal and low-latency mode, uneven token counts (one rank none), cached handles (the last
+    metadata's: no metadata kernel; an older one's: recomputed), expert alignment (counts rounded
+    up), a CUDA graph of dispatch + combine replayed on new inputs, bad input."""
+    name = path.name
+
+    def report(what: str, errs: list[str]) -> None:
+        checks.report(buf, name, what, errs)
+
+    case = None
+    for spec in (*ROUTINGS, "masked"):
+        for it in range(ITERS):
+            seed = 1000 * it + zlib.crc32(spec.encode()) % 997
+            case = TokenCase(buf, spec, seed, dev)
+            x, idx, w = case.gpu_inputs()
+            for sync in (True, False):
+                rx, ridx, rw, counts, h, _ = buf.dispatch(x, idx, w, sync=sync)
+                errs = case.check_dispatch(rx, rw, counts if sync else counts[0].cpu().tolist(), ridx)
+                if not sync and int(counts[1][-1]) != len(case.src):
+                    errs.append(f"source offsets end at {int(counts[1][-1])}, want {len(case.src)} rows")
+                errs += case.check_combine(buf.combine(case.y_for(rx, h.rows), h))
+                buf.synchronize()
+                report(f"{spec} #{it} {'sync' if sync else 'low-latency'}", errs)
+    for label, tokens in uneven_tokens(buf.num_ranks, buf.plan.workload.tokens):
+        tc = TokenCase(buf, "masked", 31, dev, tokens)
+        x, idx, w = tc.gpu_inputs()
+        for sync in (True, False):
+            rx, ridx, rw, counts, h, _ = buf.dispatch(x, idx, w, sync=sync)
+            errs = tc.check_dispatch(rx, rw, counts if sync else counts[0].cpu().tolist(), ridx)
+            errs += tc.check_combine(buf.combine(tc.y_for(rx, h.rows), h))
+            buf.synchronize()
+            report(f"tokens {label} {'sync' if sync else 'low-latency'}", errs)
+    # cached handles: the last metadata's (none computed), twice; then an older one's after a
+    # dispatch with other routing (its metadata computed again from the handle's routing)
+    c1, c2 = TokenCase(buf, "uniform", 7, dev), TokenCase(buf, "zipf:1.2", 8, dev)
+    x1, idx1, w1 = c1.gpu_inputs()
+    h1 = buf.dispatch(x1, idx1, w1)[4]
+    for rep in range(2):
+        for sync in (True, False):
+            rx, ridx, rw, counts, h, _ = buf.dispatch(x1, handle=h1, sync=sync)
+            errs = c1.check_dispatch(rx, rw, counts if sync else counts[0].cpu().tolist(), ridx)
+            errs += c1.check_combine(buf.combine(c1.y_for(rx, h.rows), h))
+            buf.synchronize()
+            report(f"cached handle #{rep} {'sync' if sync else 'low-latency'} (no metadata)", errs)
+    x2, idx2, w2 = c2.gpu_inputs()
+    buf.dispatch(x2, idx2, w2)
+    rx, ridx, rw, counts, h, _ = buf.dispatch(x1, handle=h1)
+    errs = c1.check_dispatch(rx, rw, counts, ridx)
+    errs += c1.check_combine(buf.combine(c1.y_for(rx, h.rows), h))
+    report("older cached handle (metadata again)", errs)
+    rx, ridx, rw, counts, h, _ = buf.dispatch(x1, idx1, w1, expert_alignment=64)
+    errs = c1.check_dispatch(rx, rw, counts, ridx, align=64)
+    errs += c1.check_combine(buf.combine(c1.y_for(rx, h.rows), h))
+    report("expert_alignment=64 (counts rounded up)", errs)
+    # CUDA graph: dispatch (low latency) + expert outputs + combine, captured once, replayed
+    rx0, _, _, _, h0, _ = buf.dispatch(x1, idx1, w1, sync=False)
+    buf.synchronize()
+    g = torch.cuda.CUDAGraph()
+    holder = torch.full((h0.rows,), buf.rank, device=dev)
+    with torch.cuda.graph(g):
+        rx, ridx, rw, (cnt, off), h, _ = buf.dispatch(x1, idx1, w1, sync=False)
+        out = buf.combine(c1.expert_outputs(rx, holder), h)
+    for rep, spec in enumerate(("zipf:1.2", "masked", "no-remote")):
+        cr = TokenCase(buf, spec, 200 + rep, dev)
+        nx, nidx, nw = cr.gpu_inputs()
+        if cr.dtype == "fp8":
+            x1[0].copy_(nx[0]); x1[1].copy_(nx[1])
+        else:
+            x1.copy_(nx)
+        idx1.copy_(nidx); w1.copy_(nw)
+        g.replay()
+        buf.synchronize()
+        errs = cr.check_dispatch(rx, rw, cnt.cpu().tolist(), ridx)
+        errs += cr.check_combine(out)
+        report(f"cuda graph replay {rep} ({spec})", errs)
+    bad_input(buf, *c1.gpu_inputs(), report)
+    buf.synchronize()
+    dist.barrier()
+    buf.close()
+
+
 class Checks:
     """The verdicts: a check fails when it fails on any rank (agreed by an all_reduce), each one
     logged on rank 0, every rank's own errors printed; counts the checks run and failed."""
@@ -278,6 +428,9 @@ def graph_checks(buf: Buffer, case: Case, replays: list, dev, report, label: str
 def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
     buf = Buffer(dist.group.WORLD, path, backend=BACKEND, timeout_s=20.0)
     name = path.name
+    if getattr(buf.engine, "token_major", False):
+        run_token_bundle(path, buf, dev, checks)
+        return
     # the direct kernels (a one-hop plan) also run the low-latency mode, CUDA graphs and other
     # launch configurations; the table-driven kernels take their layout from the host
     direct = hasattr(buf.engine, "c")

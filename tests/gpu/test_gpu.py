@@ -8,8 +8,8 @@ directory to the GPU machine, run pytest there:
 
 $EPCC_GPU_BUNDLES overrides the bundle directory (default .gpu/bundles at the repository root);
 $EPCC_GPU_TIMEOUT the seconds one torchrun may take (default 1200).  The EP4 case needs 4 GPUs
-(h200x4, h200x4_fp8, h200x4_t128); the EP2 case runs on GPUs 0 and 1 (h200x2, h200x2_fp8,
-h200x2_t128).  With 2 or 3 GPUs the EP4 bundles run instead as 4 ranks on GPUs 0 and 1, two
+(h200x4, h200x4_fp8, h200x4_t128 and their token-major twins h200x4_tok...); the EP2 case runs on
+GPUs 0 and 1 (h200x2, h200x2_fp8, h200x2_t128, h200x2_tok...).  With 2 or 3 GPUs the EP4 bundles run instead as 4 ranks on GPUs 0 and 1, two
 per GPU, time-sliced (test_ep_worker_ep4_shared_gpus; ep_worker.py: the same checks, no timing).  Each must exit 0 and
 print "ALL OK"; on failure the test shows the output tail.  test_uneven_tokens_per_rank runs
 uneven_worker.py on the 128-token and the 4096-token bundles of the same size: ranks that
@@ -79,10 +79,10 @@ HOW = ("to run: `.venv/bin/python tests/gpu/bundles.py .gpu/bundles` on a CPU ma
        "to the GPU machine (or set EPCC_GPU_BUNDLES), run `python -m pytest tests/gpu/test_gpu.py` there")
 CASES = {  # GPUs -> bundles (tests/gpu/bundles.py writes them): one-hop (the direct kernels), then
     # multi-hop plans (the table-driven kernels; `_proxy`: RDMA steps through the GPU proxy path)
-    4: ["h200x4", "h200x4_fp8", "h200x4_t128", "h200x4_2vnode_50", "h200x4_ubb2x2_50", "h200x4_2vnode_50_proxy",
-        "h200x4_ubb2x2_50_proxy"],
-    2: ["h200x2", "h200x2_fp8", "h200x2_t128", "h200x2_2vnode_50", "h200x2_2vnode_50_proxy",
-        "h200x2_2vnode_relay_50_proxy", "h200x2_2vnode_mixed_50_proxy"],
+    4: ["h200x4", "h200x4_fp8", "h200x4_t128", "h200x4_tok", "h200x4_tok_fp8", "h200x4_tok_t128", "h200x4_2vnode_50",
+        "h200x4_ubb2x2_50", "h200x4_2vnode_50_proxy", "h200x4_ubb2x2_50_proxy"],
+    2: ["h200x2", "h200x2_fp8", "h200x2_t128", "h200x2_tok", "h200x2_tok_fp8", "h200x2_tok_t128", "h200x2_2vnode_50",
+        "h200x2_2vnode_50_proxy", "h200x2_2vnode_relay_50_proxy", "h200x2_2vnode_mixed_50_proxy"],
 }
 SHARED = (4, 2)  # the EP4 bundles' 4 ranks on 2 GPUs, where fewer than 4 are present
 UNEVEN = {  # GPUs -> bundles whose ranks dispatch different numbers of tokens (uneven_worker.py)

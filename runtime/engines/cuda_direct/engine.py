@@ -17,7 +17,18 @@ the same order (they are collectives).  Two modes:
   trimmed to the rows received.
 * `dispatch(..., sync=False)` (low latency, CUDA-graph capturable): no host sync and no
   allocation; recv_x is the whole receive buffer [capacity, hidden] and the counts/offsets are
-  device tensors.  Bad routing cannot be raised without a sync: such entries are ignored by the
+  device tensors.
+* `dispatch(x, handle=h)` (cached): the routing of an earlier dispatch.  When h's routing is the
+  one whose metadata the GPU holds (no dispatch with other routing since, the same tokens and
+  alignment) the dispatch launches no metadata kernel (Args.cached); otherwise the metadata is
+  computed again from h's routing.
+
+Token-major bundles (the workload's `layout token`: DeepEP's intranode output, epcc/direct/token.cuh)
+return one row per (source rank, token) in that order, recv_topk_idx / recv_topk_weights [rows,
+topk] (local expert ids, -1 and weight 0 where the expert is on another rank), the tokens per local
+expert rounded up to `expert_alignment` (DeepEP's num_recv_tokens_per_expert_list; with sync=False
+the device tensors (counts, first row of each source rank then the total)); combine sums each
+token's rows at its home rank, unweighted.  Bad routing cannot be raised without a sync: such entries are ignored by the
   kernels and reported by the next `check_routing()`.
 
 recv_x (and the fp8 scales, and recv weights) are views into the peer region: valid until the
@@ -67,6 +78,8 @@ class CudaHandle:
     rows: int  # rows recv_x had (trimmed total, or the capacity with sync=False)
     topk_idx: torch.Tensor | None = None  # the routing, for a cached-handle dispatch
     topk_weights: torch.Tensor | None = None
+    meta_index: int = 0  # the dispatch whose metadata (on the GPU) this routing's is
+    alignment: int = 1
 
 
 class CudaDirectEngine:
@@ -128,7 +141,17 @@ class CudaDirectEngine:
                            self.region_view("OFF_RECV_S", cap * c["scale_bytes"], torch.float32, (cap, H // 128)))
         else:
             self.recv_x = self.region_view("OFF_RECV_X", cap * c["x_bytes"], torch.bfloat16, (cap, H))
-        self.recv_w = self.region_view("OFF_RECV_W", cap * 4, torch.float32, (cap,))
+        # token-major (DeepEP's layout): one row per (source rank, token), each row's top-k ids and weights
+        self.token_major = c.get("layout") == "token"
+        if self.token_major:
+            K = c["topk"]
+            self.recv_w = self.region_view("OFF_RECV_W", cap * K * 4, torch.float32, (cap, K))
+            self.recv_idx = self.region_view("OFF_RECV_IDX", cap * K * 8, torch.int64, (cap, K))
+            self.src_offset = self.state_view("src_offset", self.R + 1)
+        else:
+            self.recv_w = self.region_view("OFF_RECV_W", cap * 4, torch.float32, (cap,))
+        self.meta_index = 0  # the dispatch whose metadata the GPU holds (a cached handle of it skips the metadata)
+        self.captured = False  # a dispatch was captured in a CUDA graph: metadata is never skipped again
         self.recv_count = self.state_view("recv_count", epr)
         self.recv_offset = self.state_view("recv_offset", epr + 1)
         self.bad_token = self.state_view("bad_token", 1)
@@ -158,6 +181,7 @@ class CudaDirectEngine:
         a.C, a.NSB, a.NR, a.W = cfg.channels(kw.get("T")), cfg.send_blocks, cfg.recv_blocks, cfg.warps
         a.NS, a.ND = cfg.combine_send_blocks, cfg.combine_reduce_blocks
         a.align = 1
+        a.cached = 0
         for k, v in kw.items():
             setattr(a, k, v)
         return a
@@ -221,7 +245,7 @@ class CudaDirectEngine:
     def _dispatch_args(self, x, topk_idx, topk_weights, expert_alignment: int, handle):
         """The argument checks, before anything touches the GPU; the launch arguments."""
         c = self.c
-        if handle is not None:  # cached: the handle's routing (the metadata kernel reruns on it, ~3 us)
+        if handle is not None:  # cached: the handle's routing (its metadata reused when it is the last computed)
             if not isinstance(handle, CudaHandle) or handle.topk_idx is None:
                 raise TypeError("dispatch: handle must be a handle an earlier dispatch of this Buffer returned")
             if topk_idx is not None:
@@ -253,10 +277,19 @@ class CudaDirectEngine:
                 or not 1 <= expert_alignment <= c["align_max"]:
             raise ValueError(f"dispatch: expert_alignment must be an integer in [1, {c['align_max']}], "
                              f"got {expert_alignment!r}")
+        # a handle of the last metadata's dispatch, same tokens and alignment: its metadata is on the
+        # GPU still (every rank holds the same handles: the calls are collective), none is computed
+        # CUDA graphs: a replayed fresh dispatch changes the metadata on the GPU behind this count, and
+        # a captured cached one would reuse whatever metadata its replay meets: none is skipped in or
+        # after a capture
+        if torch.cuda.is_current_stream_capturing():
+            self.captured = True
+        cached = handle is not None and handle.meta_index == self.meta_index and handle.tokens == T \
+            and handle.alignment == expert_alignment and not self.captured
         a = self.args(T=T, x=xp, scales=sp, topk_idx=topk_idx.data_ptr(),
                       idx_int32=int(topk_idx.dtype == torch.int32),
                       topk_w=topk_weights.data_ptr() if topk_weights is not None else 0,
-                      has_weights=int(topk_weights is not None), align=expert_alignment)
+                      has_weights=int(topk_weights is not None), align=expert_alignment, cached=int(cached))
         return a, topk_idx, topk_weights, T, fp8
 
     def _dispatch(self, a, topk_idx, topk_weights, T: int, fp8: bool, sync: bool):
@@ -266,13 +299,21 @@ class CudaDirectEngine:
             self.agree.heed()
         self.lib.dispatch(a, stream)
         self.dispatches += 1
+        if not a.cached:
+            self.meta_index = self.dispatches
         cap, epr = c["capacity"], c["experts_per_rank"]
         rx, rw, counts, offsets = self.recv_x, self.recv_w, self.recv_count, self.recv_offset
+
+        def handle(rows: int) -> CudaHandle:
+            return CudaHandle(self.dispatches, T, rows, topk_idx, topk_weights, self.meta_index, int(a.align))
+
         if not sync:
-            return rx, None, rw, (counts, offsets), CudaHandle(self.dispatches, T, cap, topk_idx, topk_weights), None
+            if self.token_major:  # every row's top-k too: the kernels write them
+                return rx, self.recv_idx, rw, (counts, self.src_offset), handle(cap), None
+            return rx, None, rw, (counts, offsets), handle(cap), None
         try:
             host_counts = counts.cpu().tolist()
-            host_offsets = offsets.cpu().tolist()
+            host_offsets = (self.src_offset if self.token_major else offsets).cpu().tolist()
             bad = int(self.bad_token.cpu()[0])
         except RuntimeError:  # the context is gone: a kernel trapped
             self.raise_if_failed()
@@ -284,17 +325,19 @@ class CudaDirectEngine:
                              f"same expert twice: {topk_idx[bad].tolist()} (those entries were not dispatched)")
         # every rank's kernels finished (the bad entries ignored): a refusal leaves the Buffer usable
         self.agree.verdicts("the dispatch's read-back", err)
-        total = host_offsets[epr]
+        total = host_offsets[self.R if self.token_major else epr]
         if fp8:
             rx = (rx[0][:total], rx[1][:total])
         else:
             rx = rx[:total]
+        if self.token_major:  # counts: tokens per local expert, rounded up to the alignment (DeepEP's list)
+            return rx, self.recv_idx[:total], rw[:total], host_counts, handle(total), None
         me = self.rank
         experts = [(me * epr + l) if c["placement"] == "blocked" else (l * self.R + me) for l in range(epr)]
         idx = torch.full((total,), -1, dtype=torch.int64)
         for l in range(epr):
             idx[host_offsets[l]: host_offsets[l] + host_counts[l]] = experts[l]
-        return rx, idx.to(self.device, non_blocking=True), rw[:total], host_counts, CudaHandle(self.dispatches, T, total, topk_idx, topk_weights), None
+        return rx, idx.to(self.device, non_blocking=True), rw[:total], host_counts, handle(total), None
 
     # ------------------------------------------------------------------ combine
     def combine(self, y: torch.Tensor, handle: CudaHandle, topk_weights: torch.Tensor | None = None,

@@ -65,7 +65,7 @@ def args_struct(num_ranks: int) -> type[ctypes.Structure]:
         _fields_ = [("base", u * num_ranks), ("me", i), ("T", i), ("C", i), ("NR", i), ("W", i), ("align", i),
                     ("timeout_ns", u), ("err", u), ("x", u), ("scales", u), ("topk_idx", u), ("topk_w", u),
                     ("idx_int32", i), ("has_weights", i), ("y", u), ("out", u), ("NS", i), ("ND", i),
-                    ("timeline", u), ("NSB", i)]
+                    ("timeline", u), ("NSB", i), ("cached", i)]
 
     return Args
 
@@ -145,7 +145,7 @@ class DirectLibrary:
         lay = (ctypes.c_int * 8)()
         L.epcc_direct_state_layout(lay)
         self.state_offsets = {"disp_epoch": lay[0], "comb_epoch": lay[1], "bad_token": lay[2],
-                              "recv_count": lay[3], "recv_offset": lay[4], "last_T": lay[6]}
+                              "recv_count": lay[3], "recv_offset": lay[4], "last_T": lay[6], "src_offset": lay[7]}
         self.region_bytes = int(L.epcc_direct_region_bytes())
         if self.region_bytes != self.const["region_bytes"]:
             raise DirectRuntimeError(f"{self.path}: region of {self.region_bytes} bytes, manifest "

@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(CTHREADS, 1) combine_kernel(const Args a) {
   State* st = state(a);
   const unsigned long long ce = st->comb_epoch + 1;
   if (threadIdx.x == 0) stamp(a, 1, 0);
-  if ((int)blockIdx.x < (int)a.NS) combine_partials(a, ce, (int)(st->disp_epoch & 1));
+  if ((int)blockIdx.x < (int)a.NS) combine_partials(a, ce, (int)st->meta_parity);
   combine_sums(a);
   if (lane == 0) stamp(a, 1, 1 + warp);
   __syncthreads();

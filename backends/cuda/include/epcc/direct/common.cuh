@@ -32,6 +32,9 @@ struct State {                       // OFF_STATE, this rank only
   int bad_token;                     // first token whose top-k names an expert out of range or twice, else -1
   int recv_count[EPR];               // rows received per local expert (unpadded)
   int recv_offset[EPR + 1];          // first row of each local expert, then the total (padded)
+  unsigned int meta_parity;          // the meta area (0 or 1) of the last metadata computed: a cached
+                                     // dispatch and the combine read it, the next metadata the other
+  int src_offset[R + 1];             // token-major: first row of each source rank, then the total
 };
 
 static_assert(sizeof(State) <= OFF_META - OFF_STATE, "State overlaps the meta area");
@@ -52,6 +55,7 @@ struct Args {                        // mirrors cuda_direct/library.py's ctypes 
   long long NS, ND;                  // combine: partial blocks, home-only blocks (both sum partials)
   unsigned long long timeline;       // 0, or [2][TL_BLOCKS][TL_WORDS] u64 %globaltimer stamps (see stamp)
   long long NSB;                     // dispatch sender blocks
+  long long cached;                  // 1: the routing of the last metadata again (a cached handle): no metadata
 };
 
 __device__ __forceinline__ int rank_of(int e) { return BLOCKED ? e / EPR : e % R; }
@@ -128,6 +132,20 @@ __device__ __forceinline__ int* meta_chan(const Args& a, int r, int p) {
 }
 __device__ __forceinline__ int* meta_sender(const Args& a, int r, int p) {
   return reinterpret_cast<int*>(region(a, r) + OFF_META + p * META_STRIDE + META_SENDERS);
+}
+// tokens per (sender, destination) [R][R], after the senders' shapes in the same meta area: every
+// sender publishes its row to every rank (a token-major sender places its rows on a destination
+// after those of the ranks before it there)
+constexpr unsigned long long META_TOKENS = META_SENDERS + R * SENDER_INTS * 4;
+static_assert(META_TOKENS + R * R * 4 <= META_STRIDE, "the meta area holds the tokens per (sender, destination)");
+__device__ __forceinline__ int* meta_tokens(const Args& a, int r, int p) {
+  return reinterpret_cast<int*>(region(a, r) + OFF_META + p * META_STRIDE + META_TOKENS);
+}
+// The meta area the next metadata writes (the one the last metadata did not), and the one a
+// dispatch reads: the last one's for a cached dispatch, else the next.
+__device__ __forceinline__ int fresh_parity(const Args& a) { return (int)(state(a)->meta_parity ^ 1u); }
+__device__ __forceinline__ int dispatch_parity(const Args& a) {
+  return a.cached ? (int)state(a)->meta_parity : fresh_parity(a);
 }
 constexpr int SENDER_CHANNELS = 0, SENDER_ALIGN = 1;  // the ints of a sender's shape
 static_assert(SENDER_INTS == 2, "a sender's shape: its channels, its expert alignment");

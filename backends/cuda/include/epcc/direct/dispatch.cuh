@@ -221,9 +221,11 @@ __global__ void __launch_bounds__(DTHREADS, 1) dispatch_kernel(const Args a) {
   const int me = (int)a.me, warp = threadIdx.x >> 5;
   State* st = state(a);
   const unsigned long long e = st->disp_epoch + 1;
-  const int p = (int)(e & 1);
-  if (meta_in_dispatch(a) && blockIdx.x == 0 && threadIdx.x < MTHREADS) meta_count(a, smem.meta, 0, true);
-  if (threadIdx.x < R) wait_geq(a, meta_flag(a, me, p, threadIdx.x), e, WHERE_META, (int)threadIdx.x, 0);
+  const int p = dispatch_parity(a);
+  if (!a.cached) {  // a cached dispatch finds the metadata of its routing in place (parity p)
+    if (meta_in_dispatch(a) && blockIdx.x == 0 && threadIdx.x < MTHREADS) meta_count(a, smem.meta, 0, true);
+    if (threadIdx.x < R) wait_geq(a, meta_flag(a, me, p, threadIdx.x), e, WHERE_META, (int)threadIdx.x, 0);
+  }
   __syncthreads();
   if (threadIdx.x == 0) stamp(a, 0, 0);
   const int SBK = (int)a.NSB;  // sender blocks
@@ -244,6 +246,7 @@ __global__ void __launch_bounds__(DTHREADS, 1) dispatch_kernel(const Args a) {
       st->last_T = (int)a.T;
       st->last_C = (int)a.C;
       st->last_align = (int)a.align;
+      st->meta_parity = (unsigned)p;
       __threadfence();
       st->disp_epoch = e;
     }

@@ -30,6 +30,11 @@
 // copies); the combine's loads go through per-warp shared-memory rings by cp.async, so that the
 // rows in flight hold no registers (reduce_rows).
 // Epochs live in device memory (CUDA-graph capturable): a kernel's last block advances them.
+// A cached dispatch (Args::cached: the routing of the last metadata again) launches no metadata
+// kernel and reads the meta area the last metadata wrote (State::meta_parity).
+// Token-major bundles (the config defines EPCC_DIRECT_TOKEN_MAJOR) run tok_dispatch_kernel and
+// tok_combine_kernel (token.cuh) in place of dispatch_kernel and combine_kernel, after the same
+// metadata kernels.
 //
 // A static source of the epcc CUDA backend, copied unchanged into every bundle with direct kernels.
 #pragma once
@@ -38,8 +43,20 @@
 #include "meta.cuh"
 #include "dispatch.cuh"
 #include "combine.cuh"
+#ifdef EPCC_DIRECT_TOKEN_MAJOR
+#include "token.cuh"
+#endif
 
 namespace {
+
+// The kernels this bundle's layout runs: token-major (token.cuh) or expert-major.
+#ifdef EPCC_DIRECT_TOKEN_MAJOR
+const void* const DISPATCH_KERNEL = reinterpret_cast<const void*>(tok_dispatch_kernel);
+const void* const COMBINE_KERNEL = reinterpret_cast<const void*>(tok_combine_kernel);
+#else
+const void* const DISPATCH_KERNEL = reinterpret_cast<const void*>(dispatch_kernel);
+const void* const COMBINE_KERNEL = reinterpret_cast<const void*>(combine_kernel);
+#endif
 
 thread_local char g_error[512];
 
@@ -81,7 +98,7 @@ int epcc_direct_state_layout(int* out8) {  // byte offsets of State fields the h
   out8[4] = (int)offsetof(State, recv_offset);
   out8[5] = (int)sizeof(ErrorRecord);
   out8[6] = (int)offsetof(State, last_T);
-  out8[7] = 0;
+  out8[7] = (int)offsetof(State, src_offset);
   return 0;
 }
 
@@ -147,8 +164,7 @@ int epcc_direct_init(int warps) {
 // Once per process and device, on that device, before the first launch: the combine kernel's rings
 // take more shared memory than a kernel gets without asking.
 int epcc_direct_prepare(void) {
-  cudaError_t err = cudaFuncSetAttribute(reinterpret_cast<const void*>(combine_kernel),
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, COMBINE_SMEM);
+  cudaError_t err = cudaFuncSetAttribute(COMBINE_KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, COMBINE_SMEM);
   return err == cudaSuccess ? 0 : set_error(err, "cudaFuncSetAttribute(combine_kernel, max dynamic shared memory)");
 }
 
@@ -168,7 +184,11 @@ int epcc_direct_dispatch(const void* args, unsigned long long stream) {
     return 2;
   }
   cudaError_t err;
-  if (!meta_in_dispatch(*a)) {
+  if (a->cached != 0 && a->cached != 1) {
+    snprintf(g_error, sizeof g_error, "bad arguments: cached is %lld (0 or 1)", a->cached);
+    return 2;
+  }
+  if (!a->cached && !meta_in_dispatch(*a)) {  // a cached dispatch reuses the last metadata
     const int chunks = a->T > 0 ? (int)((a->T + MC - 1) / MC) : 1;
     err = launch(reinterpret_cast<const void*>(meta_count_kernel), chunks, MTHREADS, 0, false, *a, s);
     if (err != cudaSuccess) return set_error(err, "launch meta_count_kernel");
@@ -177,7 +197,7 @@ int epcc_direct_dispatch(const void* args, unsigned long long stream) {
       if (err != cudaSuccess) return set_error(err, "launch meta_finish_kernel");
     }
   }
-  err = launch(reinterpret_cast<const void*>(dispatch_kernel), (int)(a->NSB + a->NR), (int)a->W * 32, 0, true, *a, s);
+  err = launch(DISPATCH_KERNEL, (int)(a->NSB + a->NR), (int)a->W * 32, 0, true, *a, s);
   if (err != cudaSuccess) return set_error(err, "launch dispatch_kernel");
   return 0;
 }
@@ -189,8 +209,7 @@ int epcc_direct_combine(const void* args, unsigned long long stream) {
     snprintf(g_error, sizeof g_error, "bad launch configuration: %lld partial and %lld home-only blocks", a->NS, a->ND);
     return 2;
   }
-  cudaError_t err = launch(reinterpret_cast<const void*>(combine_kernel), (int)(a->NS + a->ND), CTHREADS, COMBINE_SMEM,
-                           true, *a, s);
+  cudaError_t err = launch(COMBINE_KERNEL, (int)(a->NS + a->ND), CTHREADS, COMBINE_SMEM, true, *a, s);
   return err == cudaSuccess ? 0 : set_error(err, "launch combine_kernel");
 }
 

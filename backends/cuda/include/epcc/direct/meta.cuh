@@ -25,8 +25,9 @@ namespace {
 // meta_finish_kernel (block b = chunk b, when there are several): adds the counts of earlier
 //   chunks (token order across the whole batch), writes each channel's first dedup index; the
 //   last block to finish publishes.
-// meta_publish: the per-expert counts and the channel ranges to every peer, then this rank's
-//   flag there (release, system scope).
+// meta_publish: the per-expert counts, the tokens per destination and the channel ranges to every
+//   peer, then this rank's flag there (release, system scope), into the meta area the last
+//   metadata did not use (fresh_parity: a cached dispatch may still read that one).
 // =============================================================================================
 constexpr int MW = MTHREADS / 32;               // warps per metadata block
 static_assert(MC == 32 * MW, "a metadata warp holds 32 tokens, one per lane");
@@ -76,6 +77,7 @@ __device__ void meta_publish(const Args& a, const int* tot, int bad, int p, unsi
     shape[SENDER_CHANNELS] = C;
     shape[SENDER_ALIGN] = (int)a.align;
   }
+  for (int i = tid; i < R * R; i += MTHREADS) meta_tokens(a, i / R, p)[me * R + i % R] = tot[E + i % R];
   if (tid == 0) st->bad_token = bad;
   __threadfence_system();
   meta_sync();
@@ -153,7 +155,7 @@ __device__ void meta_count(const Args& a, MetaShared& sm, int b, bool single) {
   if (threadIdx.x == 0) cc[E + R] = first_bad;
   if (single) {
     const unsigned long long e = state(a)->disp_epoch + 1;
-    meta_publish(a, s_tot, first_bad, (int)(e & 1), e);
+    meta_publish(a, s_tot, first_bad, fresh_parity(a), e);
   }
 }
 
@@ -215,7 +217,7 @@ __global__ void __launch_bounds__(MTHREADS) meta_finish_kernel(const Args a) {
     s_bad = bad;
   }
   __syncthreads();
-  meta_publish(a, base, s_bad, (int)(e & 1), e);
+  meta_publish(a, base, s_bad, fresh_parity(a), e);
 }
 
 }  // namespace

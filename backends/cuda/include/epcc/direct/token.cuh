@@ -1,0 +1,307 @@
+// epcc/direct/token.cuh: the token-major kernels (the workload's `layout token`, DeepEP's
+// intranode output): dispatch stores each token once per destination GPU, into rows ordered by
+// (source rank, token), with each row's top-k as DeepEP returns it (local expert ids, -1 where the
+// expert is on another rank; the weight there, 0 elsewhere); combine is its adjoint, each token's
+// rows summed unweighted at its home rank.
+//
+// Row layout on rank d: the rows of source s are [src_offset[s], src_offset[s + 1]), one per token
+// of s with an expert on d, in token order; token t of s is row src_offset[s] + its dedup rank
+// among the tokens of s for d (the metadata's dedup index).  A sender places its rows on d after
+// the rows of the ranks before it there, from the tokens per (sender, destination) every sender
+// publishes with its metadata (META_TOKENS).
+//
+// tok_dispatch_kernel (cooperative): the warps of blocks [0, NSB) take channels (slot_of, then in
+//   order); per token a warp loads the row once and stores it into every destination's row (its own
+//   GPU's included), with the row's top-k ids and weights and its token (what the combine needs);
+//   per destination lane d publishes the channel's rows at the channel's end (a release at system
+//   scope).  Then every warp waits for the peers' channels (bounded) so that the kernel ends when
+//   every row of this rank has landed.  No replication: a token-major row is written once.
+// tok_combine_kernel (cooperative): the warps of blocks [0, NS) copy each received row of a peer's
+//   token into that peer's staging row (this rank, token) and publish the (channel, source) queue's
+//   progress every CB rows; then every warp sums its channels' tokens: lane d waits for rank d's
+//   row, the warp adds the rows (this rank's own read in place from the expert outputs) in rank
+//   order in fp32 and writes bf16.
+//
+// A static source of the epcc CUDA backend, copied only into token-major bundles (their config
+// defines EPCC_DIRECT_TOKEN_MAJOR; host.cuh includes this header then).
+#pragma once
+
+#include "common.cuh"
+#include "meta.cuh"
+#include "rows.cuh"
+#include "combine.cuh"
+
+namespace {
+
+__device__ __forceinline__ int local_of(int e) { return BLOCKED ? e % EPR : e / R; }
+
+struct TokShared {
+  int dst_row[R];  // first row of this rank's tokens on each destination
+};
+
+// The first row of this rank's tokens on every destination; block 0 also records where each
+// source's rows start on this rank (State::src_offset) and the tokens per local expert, rounded up
+// to the expert alignment (DeepEP's num_recv_tokens_per_expert_list).
+__device__ void tok_offsets(const Args& a, TokShared& sh, int p) {
+  const int me = (int)a.me;
+  const int* nt = meta_tokens(a, me, p);  // [sender][destination]
+  if (threadIdx.x < R) {
+    int off = 0;
+    for (int s = 0; s < me; ++s) off += ld_volatile(nt + s * R + threadIdx.x);
+    sh.dst_row[threadIdx.x] = off;
+  }
+  if (blockIdx.x == 0) {
+    State* st = state(a);
+    if (threadIdx.x == 0) {
+      int acc = 0;
+      for (int s = 0; s < R; ++s) {
+        st->src_offset[s] = acc;
+        acc += ld_volatile(nt + s * R + me);
+      }
+      st->src_offset[R] = acc;
+    }
+    const int* cnt = meta_cnt(a, me, p);
+    const int align = (int)a.align;
+    for (int l = threadIdx.x; l < EPR; l += blockDim.x) {
+      const int ex = expert_at(me, l);
+      int tot = 0;
+#pragma unroll
+      for (int s = 0; s < R; ++s) tot += ld_volatile(cnt + s * E + ex);
+      st->recv_count[l] = (tot + align - 1) / align * align;
+    }
+  }
+  __syncthreads();
+}
+
+// One channel of this rank's tokens (the config's PUSH_STEP and KEEP_STEP).  Lane j < K holds top-k
+// slot j (expert, weight), lane d < R the token's dedup rank for destination d (-1: no expert there).
+__device__ void tok_channel(const Args& a, const TokShared& sh, int c, unsigned long long e) {
+  const int me = (int)a.me, T = (int)a.T, C = (int)a.C, lane = threadIdx.x & 31;
+  const int Tc = tokens_per_channel(T, C);
+  const int t0 = c * Tc, t1 = min(T, t0 + Tc);
+  const int* dedup = reinterpret_cast<const int*>(region(a, me) + OFF_DEDUP);
+  const int row0_l = lane < R ? sh.dst_row[lane] : 0;
+  int count = 0;  // lane d < R: rows written to rank d
+  // the next token's inputs are loaded before this token's row moves
+  int raw[K], di_lane = -1;
+  float w_in = 1.f;
+  auto fetch = [&](int t) {
+    if (t < t1 && lane < K) {
+#pragma unroll
+      for (int j = 0; j < K; ++j) raw[j] = load_idx(a, t, j);
+      w_in = a.has_weights ? reinterpret_cast<const float*>(a.topk_w)[(long long)t * K + lane] : 1.f;
+    }
+    if (t < t1 && lane < R) di_lane = dedup[t * R + lane];
+  };
+  fetch(t0);
+  for (int t = t0; t < t1; ++t) {
+    int ex = -1, dj = -1;
+    const float w = w_in;
+    if (lane < K) {
+      clean_experts(raw);
+#pragma unroll
+      for (int j = 0; j < K; ++j)
+        if (j == lane) ex = raw[j];
+      if (ex >= 0) dj = rank_of(ex);
+    }
+    const int row_l = di_lane >= 0 ? row0_l + di_lane : -1;  // lane d: the token's row on rank d
+    const unsigned dests = __ballot_sync(~0u, lane < R && row_l >= 0);
+    uint4* xdst[R];
+    uint4* sdst[R];
+    int nd = 0;
+#pragma unroll
+    for (int d = 0; d < R; ++d) {
+      if (!((dests >> d) & 1u)) continue;
+      const int row = __shfl_sync(~0u, row_l, d);
+      char* base = region(a, d);
+      if (lane < K) {
+        const bool here = dj == d;
+        reinterpret_cast<long long*>(base + OFF_RECV_IDX)[(long long)row * K + lane] = here ? local_of(ex) : -1;
+        reinterpret_cast<float*>(base + OFF_RECV_W)[(long long)row * K + lane] = here ? w : 0.f;
+      }
+      if (lane == 0) reinterpret_cast<int*>(base + OFF_ROW_TOKEN)[row] = t;
+      put_at(xdst, nd, reinterpret_cast<uint4*>(base + OFF_RECV_X + (long long)row * XB));
+      put_at(sdst, nd, reinterpret_cast<uint4*>(base + OFF_RECV_S + (long long)row * SB));
+      ++nd;
+    }
+    if (lane < R && row_l >= 0) ++count;
+    fetch(t + 1);
+    if (t + 1 >= t1) di_lane = -1;
+    copy_row<XV, R, true>(reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(a.x) + (long long)t * XB), xdst,
+                          nd, lane);
+    if (FP8)
+      copy_row<SV, R, true>(reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(a.scales) + (long long)t * SB),
+                            sdst, nd, lane);
+  }
+  __syncwarp();
+  if (lane < R && lane != me && count > 0) st_release_sys(dtail(a, lane, me, c), (e << 32) | (unsigned long long)count);
+}
+
+// Every warp, after sending: wait until every peer's channel has landed here (its tail at the
+// channel's row count), queue j = c x (R - 1) + the peer's index among the peers, as the
+// replication's queues in dispatch.cuh; a queue beyond its source's channels, or of no rows, is
+// skipped without a wait.
+__device__ void tok_wait_peers(const Args& a, unsigned long long e, int p) {
+  const int me = (int)a.me, lane = threadIdx.x & 31;
+  const int slots = (int)gridDim.x * (int)(blockDim.x >> 5);
+  const int* chan = meta_chan(a, me, p);
+  constexpr int PEERS = R > 1 ? R - 1 : 1;
+  const int chans_l = sender_channels(a, p, lane);
+  const int Q = (R - 1) * __reduce_max_sync(~0u, lane == me ? 0 : chans_l);
+  for (int j = slots - 1 - slot_of((int)blockIdx.x, (int)gridDim.x, threadIdx.x >> 5); j < Q;
+       j = take(&state(a)->recv_next, slots, lane)) {
+    const int c = j / PEERS, s = j % PEERS < me ? j % PEERS : j % PEERS + 1;
+    if (c >= __shfl_sync(~0u, chans_l, s)) continue;
+    const int count = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
+    if (count > 0 && lane == 0)
+      wait_geq(a, dtail(a, me, s, c), (e << 32) | (unsigned long long)count, WHERE_RECV_TAIL, s, c);
+    __syncwarp();
+  }
+}
+
+__global__ void __launch_bounds__(DTHREADS, 1) tok_dispatch_kernel(const Args a) {
+  __shared__ union {  // the metadata's masks (block 0, one chunk) are done before the offsets start
+    MetaShared meta;
+    TokShared tok;
+  } smem;
+  const int me = (int)a.me, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  State* st = state(a);
+  const unsigned long long e = st->disp_epoch + 1;
+  const int p = dispatch_parity(a);
+  if (!a.cached) {  // a cached dispatch finds the metadata of its routing in place (parity p)
+    if (meta_in_dispatch(a) && blockIdx.x == 0 && threadIdx.x < MTHREADS) meta_count(a, smem.meta, 0, true);
+    if (threadIdx.x < R) wait_geq(a, meta_flag(a, me, p, threadIdx.x), e, WHERE_META, (int)threadIdx.x, 0);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) stamp(a, 0, 0);
+  const int NB = (int)a.NSB;
+  if ((int)blockIdx.x < NB) {
+    tok_offsets(a, smem.tok, p);
+    const int slots = NB * (int)(blockDim.x >> 5);
+    for (int c = slot_of((int)blockIdx.x, NB, warp); c < (int)a.C; c = take(&st->send_next, slots, lane))
+      tok_channel(a, smem.tok, c, e);
+  }
+  tok_wait_peers(a, e, p);
+  if (lane == 0) stamp(a, 0, 1 + warp);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned prev = atomicAdd(&st->disp_done, 1u);
+    if (prev == gridDim.x - 1) {
+      st->disp_done = 0;
+      st->send_next = 0;
+      st->recv_next = 0;
+      st->last_T = (int)a.T;
+      st->last_C = (int)a.C;
+      st->last_align = (int)a.align;
+      st->meta_parity = (unsigned)p;
+      __threadfence();
+      st->disp_epoch = e;
+    }
+  }
+}
+
+// ---- combine ---------------------------------------------------------------------------------
+// The expert side of one warp (blocks [0, NS)): each peer's rows, queue (channel, source) by queue,
+// copied into the source's staging row (this rank, token).  This rank's own rows stay in place:
+// the home side reads them from the expert outputs.
+__device__ void tok_partials(const Args& a, unsigned long long ce, int p) {
+  const int me = (int)a.me, NS = (int)a.NS, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  State* st = state(a);
+  const uint4* y = reinterpret_cast<const uint4*>(a.y);
+  const int* chan = meta_chan(a, me, p);
+  const int* row_token = reinterpret_cast<const int*>(region(a, me) + OFF_ROW_TOKEN);
+  const int slots = NS * (CTHREADS / 32);
+  const int chans_l = sender_channels(a, p, lane);
+  const int Q = R * __reduce_max_sync(~0u, lane == me ? 0 : chans_l);
+  for (int q = slot_of((int)blockIdx.x, NS, warp); q < Q; q = take(&st->part_next, slots, lane)) {
+    const int c = q / R, s = q % R;
+    if (s == me || c >= __shfl_sync(~0u, chans_l, s)) continue;
+    const int start = ld_volatile(chan + (s * CMAX + c) * 2), count = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
+    const int row0 = ld_volatile(&st->src_offset[s]) + start;
+    uint4* stage_s = reinterpret_cast<uint4*>(region(a, s) + OFF_CSTAGE) + (long long)me * TMAX * HV;
+    for (int r0 = 0; r0 < count; r0 += 32) {
+      const int tok_l = r0 + lane < count ? row_token[row0 + r0 + lane] : 0;  // lane i: row r0 + i's token
+      const int n = min(32, count - r0);
+      for (int i = 0; i < n; ++i) {
+        const int t = __shfl_sync(~0u, tok_l, i);
+        uint4* dst[1] = {stage_s + (long long)t * HV};
+        copy_row<HV, 1, true>(y + (long long)(row0 + r0 + i) * HV, dst, 1, lane);
+        const int r = r0 + i;
+        if ((r + 1) % CB == 0 || r + 1 == count) {
+          __syncwarp();
+          if (lane == 0) st_release_sys(ctail(a, s, me, c), (ce << 32) | (unsigned long long)(r + 1));
+        }
+      }
+    }
+  }
+}
+
+// The home side of one warp (every block, after its copies): the sums of its channels' tokens.
+__device__ void tok_sums(const Args& a) {
+  const int me = (int)a.me, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  State* st = state(a);
+  const unsigned long long ce = st->comb_epoch + 1;
+  const int T = st->last_T, C = st->last_C;
+  const char* my = region(a, me);
+  const int* dedup = reinterpret_cast<const int*>(my + OFF_DEDUP);
+  const int* mych = reinterpret_cast<const int*>(my + OFF_MYCHAN);
+  const uint4* stage = reinterpret_cast<const uint4*>(my + OFF_CSTAGE);
+  const uint4* own = reinterpret_cast<const uint4*>(a.y) + (long long)st->src_offset[me] * HV;
+  uint4* out = reinterpret_cast<uint4*>(a.out);
+  const int Tc = tokens_per_channel(T, C);
+  const int slots = (int)gridDim.x * (CTHREADS / 32);
+  for (int c = slots - 1 - slot_of((int)blockIdx.x, (int)gridDim.x, warp); c < C; c = take(&st->home_next, slots, lane)) {
+    const int t0 = c * Tc, t1 = min(T, t0 + Tc);
+    const int base_l = lane < R ? mych[c * R + lane] : 0;
+    for (int t = t0; t < t1; ++t) {
+      const int di = lane < R ? dedup[t * R + lane] : -1;
+      if (di >= 0 && lane != me)
+        wait_geq(a, ctail(a, me, lane, c), (ce << 32) | (unsigned long long)(di - base_l + 1), WHERE_COMBINE_TAIL,
+                 lane, c);
+      const unsigned m = __ballot_sync(~0u, di >= 0);
+      const int di_me = __shfl_sync(~0u, di, me);
+      const uint4* src[R];
+      float w[R];
+      int n = 0;
+#pragma unroll
+      for (int d = 0; d < R; ++d) {
+        src[d] = stage;
+        w[d] = 1.f;
+      }
+#pragma unroll
+      for (int d = 0; d < R; ++d)
+        if (m & (1u << d))
+          put_at(src, n++, d == me ? own + (long long)di_me * HV : stage + ((long long)d * TMAX + t) * HV);
+      if (n == 0) {
+        for (int v = lane; v < HV; v += 32) out[(long long)t * HV + v] = make_uint4(0, 0, 0, 0);
+      } else {
+        reduce_home(n, src, w, out + (long long)t * HV, lane, warp_ring());
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(CTHREADS, 1) tok_combine_kernel(const Args a) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  State* st = state(a);
+  const unsigned long long ce = st->comb_epoch + 1;
+  if (threadIdx.x == 0) stamp(a, 1, 0);
+  if ((int)blockIdx.x < (int)a.NS) tok_partials(a, ce, (int)st->meta_parity);
+  tok_sums(a);
+  if (lane == 0) stamp(a, 1, 1 + warp);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned prev = atomicAdd(&st->comb_done, 1u);
+    if (prev == gridDim.x - 1) {
+      st->comb_done = 0;
+      st->part_next = 0;
+      st->home_next = 0;
+      __threadfence();
+      st->comb_epoch = ce;
+    }
+  }
+}
+
+}  // namespace
