@@ -266,7 +266,9 @@ class Buffer:
         dest = torch.where(valid, idx // (num_experts // R), R)  # R: a column for the -1 entries
         hits = torch.zeros((idx.shape[0], R + 1), dtype=torch.bool, device=idx.device)
         hits.scatter_(1, dest, True)
-        per_expert = torch.bincount(idx[valid], minlength=num_experts).to(torch.int32)
+        # -1 entries counted in a last bin and dropped: no boolean indexing, which would sync with the host
+        per_expert = torch.bincount(torch.where(valid, idx, num_experts).flatten(),
+                                    minlength=num_experts + 1)[:num_experts].to(torch.int32)
         return hits[:, :R].contiguous(), per_expert
 
     # ------------------------------------------------------------------ dispatch

@@ -220,6 +220,10 @@ def _check_api(rank: int, ranks: int, bundles: str) -> None:
                        (dict(x=x, handle=handle8, config=dict(num_sms=24)), "Config")):
         with pytest.raises((TypeError, ValueError), match=words):
             buffer.dispatch(**bad)
+    with pytest.raises(ValueError, match=r"must lie in \[-1, 15\]"):
+        buffer.get_dispatch_layout(topk_idx + E, E)
+    with pytest.raises(ValueError, match="not a multiple"):
+        buffer.get_dispatch_layout(topk_idx, E + 1)
     buffer.destroy()
     with pytest.raises(RuntimeError, match="destroyed"):
         buffer.dispatch(x, handle=handle8)
