@@ -79,6 +79,8 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "rt.testing": (("epcc.runtime.testing",), ("base", "plan", "analysis.io", "backends.static", "rt.base",
                                                "rt.layout", "rt.engines"), "inputs, the oracle, NumPy executors"),
     "rt.tools": (("epcc.runtime.tune",), ("base", "plan", "rt.base", "rt.buffer", "rt.testing"), "epcc tune's worker"),
+    "deep_ep": (("epcc.deep_ep",), ("base", "plan", "rt.base", "rt.engines", "rt.buffer"),
+                "DeepEP's intranode Python API over token-major bundles (the compiler only as a subprocess)"),
     # on top
     "viz": (("epcc.viz",), CORE + ("palette", "sim", "sim.build"), "epcc viz"),
     "cli": (("epcc.cli",), CORE + ("palette", "sim", "sim.build", "viz", "backends") + RUNTIME, "the epcc command"),

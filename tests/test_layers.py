@@ -61,7 +61,7 @@ def test_the_gpu_side_loads_without_the_compilers_dependencies():
     """A GPU machine has no MLIR, lark, jinja2 (nor llvmlite, graphviz): what it runs must not load them."""
     gpu_side = ["epcc.runtime.buffer", "epcc.runtime.engines.cuda_direct.engine", "epcc.runtime.engines.cuda_table.launcher",
                 "epcc.runtime.engines.gpu_proxy.engine", "epcc.runtime.engines.gpu_proxy.build", "epcc.runtime.tune",
-                "epcc.runtime.testing.emulate", "epcc.plan.bundle", "epcc.sim.simulate", "epcc.sim.report"]
+                "epcc.runtime.testing.emulate", "epcc.plan.bundle", "epcc.deep_ep", "epcc.sim.simulate", "epcc.sim.report"]
     code = ("import importlib, sys\n"
             f"for m in {gpu_side!r}: importlib.import_module(m)\n"
             "print(sorted({n.split('.')[0] for n in sys.modules} & {'mlir', 'lark', 'jinja2', 'llvmlite', 'graphviz'}))")
