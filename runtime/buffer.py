@@ -227,8 +227,10 @@ class Buffer:
 
         cuda backend only: `expert_alignment` pads each local expert's rows to a multiple (grouped GEMM);
         `sync=False` is the low-latency mode (no host sync, CUDA-graph capturable: recv_x is the whole
-        receive buffer, the counts come as device tensors (counts, offsets), recv_topk_idx is None);
-        `handle` (instead of topk_idx/topk_weights) reuses an earlier dispatch's routing."""
+        receive buffer, the counts come as device tensors (counts, offsets), recv_topk_idx is None;
+        token-major bundles: recv_topk_idx is the whole [capacity, topk] buffer and the offsets are
+        each source rank's first row, then the total); `handle` (instead of topk_idx/topk_weights)
+        reuses an earlier dispatch's routing (without a metadata kernel when it is the last one's)."""
         with self.agree.call("dispatch"):  # a refused keyword reaches the peers as the engine's errors do
             unknown = sorted(set(deepep_layout) - DEEPEP_LAYOUT_ARGS)
             if unknown:

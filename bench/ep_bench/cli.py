@@ -267,7 +267,8 @@ def main(argv=None) -> int:
                 add(per_method(comm.all_gather_object(res), "epcc" + (f"@{sms}" if sms else "")))
         base = [m for m in args.methods if m in BASELINES] if first_of_bundle else []  # once per bundle
         if base:
-            res = bench_baselines(comm, timer, args, plan, T, idx, make_data(comm, plan, T, idx, w, args.seed), base)
+            data = make_data(comm, plan, T, idx, w, args.seed, token_major=False)  # the baselines' own layout
+            res = bench_baselines(comm, timer, args, plan, T, idx, data, base)
             add({m: comm.all_gather_object(res[m]) for m in base})
             if not args.dry_run:
                 torch.cuda.empty_cache()

@@ -193,8 +193,11 @@ class RankData:
     want_idx: torch.Tensor | None = None  # token-major: int64 [n, k] recv_topk_idx (local ids, -1 elsewhere)
 
 
-def make_data(comm, plan: Plan, T: int, idx: np.ndarray, w: np.ndarray, seed: int) -> RankData:
-    """Every method's inputs and references on this rank (collective: all-gathers the rows)."""
+def make_data(comm, plan: Plan, T: int, idx: np.ndarray, w: np.ndarray, seed: int,
+              token_major: bool | None = None) -> RankData:
+    """Every method's inputs and references on this rank (collective: all-gathers the rows); the
+    expected outputs token-major where `token_major` (None: as the plan's layout, epcc's bundle),
+    else expert-major (what the baselines and DeepEP's rows are checked against)."""
     wl, me, dev = plan.workload, comm.rank, comm.dev
     x_sets = [gen_rows(T, wl.hidden, wl.dtype, seed, me, s, dev) for s in (0, 1)]
     F_mine = gen_features(x_sets[0], wl.hidden, wl.dtype, seed, me, dev)
@@ -203,7 +206,7 @@ def make_data(comm, plan: Plan, T: int, idx: np.ndarray, w: np.ndarray, seed: in
     scale = expert_scale(wl.experts, dev)
     topk = torch.from_numpy(idx[me]).to(dev)
     wt = torch.from_numpy(w[me]).to(dev)
-    if getattr(wl, "layout", "expert") == "token":
+    if token_major if token_major is not None else getattr(wl, "layout", "expert") == "token":
         return token_data(plan, idx, me, x_sets, F_mine, x_all, F_all, scale, topk, wt)
     src = torch.from_numpy(recv_src(idx, wl.experts, wl.placement, me)).to(dev)
     y0 = expert_outputs(F_all, src, scale)

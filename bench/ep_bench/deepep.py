@@ -150,7 +150,7 @@ def run(cfg: dict, comm: Comm, timer: Timer) -> dict:
     plan, _ = load_bundle(cfg["bundle"])
     wl, R, T, me = plan.workload, plan.num_ranks, cfg["tokens"], comm.rank
     idx, w = bench_routing(plan, T, cfg["seed"])
-    data = make_data(comm, plan, T, idx, w, cfg["seed"])
+    data = make_data(comm, plan, T, idx, w, cfg["seed"], token_major=False)
     epr = wl.experts // R
     want_tokens = dedup_src(idx, wl.experts, wl.placement, me)
     want_counts = np.bincount(oracle.recv_order(idx, wl.experts, wl.placement)[me][0][:, 2] % epr, minlength=epr)

@@ -355,9 +355,12 @@ def odd_plan():
 
 # The direct lowering (direct.py, include/epcc/direct/): every shipped one-hop schedule, plus
 # h200x4 with the options the GPU tests compile (tests/gpu/bundles.py): fp8 dispatch, 128 tokens.
-DIRECT = ["h200x4", "nvl8_hybrid", "h200x4@fp8", "h200x4@t128"]
+# The token-major kernels (epcc/direct/token.cuh) with the same three: tok, tokfp8, tokt128.
+DIRECT = ["h200x4", "nvl8_hybrid", "h200x4@fp8", "h200x4@t128", "h200x4@tok", "h200x4@tokfp8", "h200x4@tokt128"]
 ALONE = "h200x4@fp8"  # the config each static header of the direct kernels is compiled alone with
-_DIRECT_OPTIONS = {"fp8": {"dtype": "fp8"}, "t128": {"tokens": 128}}
+ALONE_TOKEN = "h200x4@tokfp8"  # ... and token.cuh, which only token-major bundles carry
+_DIRECT_OPTIONS = {"fp8": {"dtype": "fp8"}, "t128": {"tokens": 128}, "tok": {"layout": "token"},
+                   "tokfp8": {"layout": "token", "dtype": "fp8"}, "tokt128": {"layout": "token", "tokens": 128}}
 
 
 def direct_plan(name: str):
@@ -393,8 +396,8 @@ def built(tmp_path_factory):
         b = codegen.generate(direct_plan(name), source_of(name.split("@")[0]))
         b.write(d)
         jobs.append((name, "direct", d, b.manifest))
-        if name == ALONE:
-            for h in direct.HEADERS:  # each static header by itself, after the plan's config only
+        if name in (ALONE, ALONE_TOKEN):
+            for h in (direct.HEADERS if name == ALONE else direct.TOKEN_HEADERS):  # alone, after the config only
                 tu = f"alone_{Path(h).stem}.cu"
                 (d / tu).write_text(f'#include "{direct.CONFIG_FILE}"\n#include "{h}"\n')
                 jobs.append((name, f"alone:{h}", d, [*NVCC_FLAGS, "--Werror", "all-warnings", tu, "-o", tu[:-3] + ".o"]))
@@ -483,6 +486,10 @@ def test_direct_source_compiles_for_sm90a_without_spills(built, name, record_pro
     report = ptxas_report(r.stdout)
     kernels = {k: v for k, v in report.items() if k.endswith("_kernelENS_4ArgsE")}  # anonymous-namespace kernels
     assert any("dispatch_kernel" in k for k in kernels) and any("combine_kernel" in k for k in kernels), report
+    # token-major bundles build the token-major kernels (their config's macro), the others do not
+    token = "@tok" in name
+    assert any("tok_dispatch_kernel" in k for k in kernels) == token, report
+    assert any("tok_combine_kernel" in k for k in kernels) == token, report
     assert "ptxas info" in r.stdout and "bytes spill stores" in r.stdout
     for k, v in report.items():  # kernels and the non-inlined device functions (the timeout report)
         record_property(k, v)
@@ -491,11 +498,11 @@ def test_direct_source_compiles_for_sm90a_without_spills(built, name, record_pro
         assert 0 < v["registers"] <= 255, (name, k, v)
 
 
-@pytest.mark.parametrize("header", direct.HEADERS)
+@pytest.mark.parametrize("header", [*direct.HEADERS, *direct.TOKEN_HEADERS])
 def test_each_direct_header_compiles_alone_after_a_config(built, header):
     """A static header includes what it uses: after one plan's config and nothing else it compiles
     for sm_90a without a warning."""
-    r = built["results"][(ALONE, f"alone:{header}")]
+    r = built["results"][(ALONE_TOKEN if header in direct.TOKEN_HEADERS else ALONE, f"alone:{header}")]
     assert r.returncode == 0, f"{header} alone:\n{r.stdout}{r.stderr}"
 
 
@@ -506,7 +513,7 @@ def test_a_direct_header_without_a_config_says_which_to_include(built, tmp_path)
     assert "include the plan's epcc_direct_config.cuh (written by epcc compile --target cuda) first" in r.stderr
 
 
-@pytest.mark.parametrize("name", ["h200x4", "h200x4@fp8"])
+@pytest.mark.parametrize("name", ["h200x4", "h200x4@fp8", "h200x4@tok"])
 def test_direct_library_loads_and_matches_its_manifest(built, name):
     """ctypes view of the library (direct_library.DirectLibrary): ABI, the Args layout and the
     peer region size agree with the manifest; host-side argument errors come back as messages."""
@@ -546,10 +553,15 @@ def test_direct_library_loads_and_matches_its_manifest(built, name):
     with pytest.raises(direct_library.DirectRuntimeError, match=rf"^dispatch: bad arguments: {c['max_tokens'] + 1} "
                                                                 r"tokens \(at most \d+\), expert alignment 1 "):
         lib.dispatch(args, 0)
+    args.T, args.cached = 1, 2  # a cached dispatch is 0 or 1: anything else is refused before a launch
+    with pytest.raises(direct_library.DirectRuntimeError, match=r"^dispatch: bad arguments: cached is 2 \(0 or 1\)$"):
+        lib.dispatch(args, 0)
     args.NS = 0
     with pytest.raises(direct_library.DirectRuntimeError,
                        match=r"^combine: bad launch configuration: 0 partial and 1 home-only blocks$"):
         lib.combine(args, 0)
+    # the host reads the token-major rows' source offsets from State (library.py state_offsets)
+    assert lib.state_offsets["src_offset"] > lib.state_offsets["recv_offset"]
 
 
 def test_launcher_library_loads_and_fails_cleanly_without_a_gpu(built):

@@ -31,7 +31,8 @@ from epcc.runtime.engines.cuda_direct.library import timeline_summary
 REPO = Path(__file__).resolve().parents[2]
 ALL = sorted(p.stem for p in (REPO / "schedules").glob("*.sched"))
 ONE_HOP = ["h200x4", "nvl8_hybrid"]
-VARIANTS = {"bf16": {}, "fp8": {"dtype": "fp8"}, "t128": {"tokens": 128}}
+VARIANTS = {"bf16": {}, "fp8": {"dtype": "fp8"}, "t128": {"tokens": 128}, "tok": {"layout": "token"},
+            "tokfp8": {"layout": "token", "dtype": "fp8"}, "tokt128": {"layout": "token", "tokens": 128}}
 
 _PLANS: dict = {}
 
@@ -159,6 +160,40 @@ def test_region_offsets_are_increasing_aligned_and_hold_the_capacity(name, varia
         assert (c["dtype"], c["x_bytes"], c["scale_bytes"]) == ("bf16", 2 * H, 0)
     assert c["x_bytes"] % 16 == 0 and c["scale_bytes"] % 16 == 0  # rows move as 16-byte vectors
     assert c["record_ints"] <= 32  # a warp reads a record with one load per lane
+
+
+@pytest.mark.parametrize("variant", ["tok", "tokfp8", "tokt128"])
+def test_token_major_region_holds_one_row_per_source_token_and_its_topk(variant):
+    """The token-major kernels (epcc/direct/token.cuh): R x T rows (one per (source rank, token)), each
+    with K weights (fp32) and K local expert ids (int64) and its token (int32); no records; the same
+    staging; the tokens per (sender, destination) [R][R] fit in a meta area after the senders'
+    shapes (common.cuh META_TOKENS); the expert-major constants carry no layout key."""
+    plan = plan_of("h200x4", variant)
+    c = direct.constants(plan)
+    wl = plan.workload
+    R, K, T, H = plan.num_ranks, wl.topk, wl.tokens, wl.hidden
+    assert c["layout"] == "token" and "layout" not in direct.constants(plan_of("h200x4", "bf16"))
+    assert c["capacity"] == R * T
+    named = dict(c["offsets"])
+    offs = [(n, v) for n, v in c["offsets"] if n.startswith("OFF_") and n != "OFF_END"]
+    assert [v for _, v in offs] == sorted(v for _, v in offs)
+    extent = {n: (offs[i + 1][1] if i + 1 < len(offs) else named["OFF_END"]) - v for i, (n, v) in enumerate(offs)}
+    assert extent["OFF_RECORDS"] == 0
+    assert extent["OFF_RECV_W"] >= R * T * K * 4
+    assert extent["OFF_RECV_IDX"] >= R * T * K * 8
+    assert extent["OFF_ROW_TOKEN"] >= R * T * 4
+    assert extent["OFF_RECV_X"] >= R * T * c["x_bytes"]
+    assert extent["OFF_CSTAGE"] >= R * T * H * 2
+    assert named["META_SENDERS"] + R * direct.SENDER_INTS * 4 + R * R * 4 <= named["META_STRIDE"]
+    assert direct.headers_of(plan) == (*direct.HEADERS, "epcc/direct/token.cuh")
+    assert direct.headers_of(plan_of("h200x4", "bf16")) == direct.HEADERS
+
+
+def test_token_major_steps_name_the_token_kernels():
+    steps = direct.describe_steps(plan_of("h200x4", "tok"))
+    lowered = " ".join(s["lowered"] for s in steps)
+    assert "tok_dispatch_kernel" in lowered and "tok_combine_kernel" in lowered
+    assert "replicate" not in lowered  # a token-major row is written once
 
 
 def test_default_config_passes_its_own_check():

@@ -438,3 +438,41 @@ def test_rechunked_proxy_tables_move_every_row_as_the_oracle_says(tmp_path):
         ref, mag = data.combine_reference(F[r], torch.from_numpy(idx[r]), torch.from_numpy(w[r]), scale)
         res = torch.from_numpy(oracle.f32_to_bf16(comb[("result", r)]).view(np.int16)).view(torch.bfloat16)
         data.check_combine(res, ref, mag, wl.topk, "combine", partial_rounding(manifest))
+
+
+def test_epcc_sms_setting():
+    cli = importlib.import_module("ep_bench.cli")
+    assert cli.parse_epcc_sms("24, 48") == [24, 48] and cli.parse_epcc_sms("") == []
+    for bad in ("0", "x", "-3"):
+        with pytest.raises(ValueError, match=f"--epcc-sms: '{bad}' is not a positive number of SMs"):
+            cli.parse_epcc_sms(bad)
+
+
+def test_token_major_data_is_the_token_major_oracles():
+    """token_data: the rows a rank receives (home, token), their recv_topk_idx and the combine
+    reference are runtime/layout's token-major layout's (the oracle the cpu backend runs)."""
+    from epcc import pipeline
+    from epcc.passes import PassOptions
+    plan = pipeline.run(str(Path(__file__).resolve().parents[2] / "schedules" / "h200x4.sched"),
+                        options=PassOptions(layout="token", tokens=16)).passes.get("plan")
+    wl, R, T = plan.workload, plan.num_ranks, 16
+    idx = inputs.make_topk("uniform", R, T, wl.topk, wl.experts, wl.placement, seed=3).topk_idx.copy()
+    idx[np.random.default_rng(3).random(idx.shape) < 0.3] = -1
+    idx[1, 5] = -1  # a token with no expert at all
+    lay = compute_layout(plan, idx, None)
+    g = torch.Generator().manual_seed(0)
+    F_all = torch.randn((R, T, wl.hidden), generator=g).to(torch.bfloat16)
+    x_all = torch.randint(0, 255, (R, T, 8), generator=g, dtype=torch.uint8)
+    scale = data.expert_scale(wl.experts, torch.device("cpu"))
+    for me in range(R):
+        topk = torch.from_numpy(idx[me])
+        d = data.token_data(plan, idx, me, [x_all[me]], F_all[me], x_all, F_all, scale, topk, torch.ones(topk.shape))
+        assert np.array_equal(d.src[:, :2].numpy(), lay.entries[("output", me)])
+        assert np.array_equal(d.want_idx.numpy(), lay.recv_topk_idx[me])
+        want = torch.zeros((T, wl.hidden))
+        for r in range(R):  # every rank holding a row of the token (the layout's) adds bf16(F x scale[r])
+            got = lay.entries[("output", r)]
+            held = torch.zeros(T)
+            held[got[got[:, 0] == me][:, 1]] = 1.0
+            want += (F_all[me].float() * scale[r]).to(torch.bfloat16).float() * held[:, None]
+        assert torch.equal(d.ref, want)

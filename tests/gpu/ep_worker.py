@@ -131,19 +131,24 @@ class Case:
     def expert_outputs(self, recv_x, local_of_row: torch.Tensor) -> torch.Tensor:
         return (self.values(recv_x) * (1.0 + local_of_row.float()[:, None] / 16.0)).to(torch.bfloat16)
 
-    def check_dispatch(self, recv_x, recv_w, counts, recv_idx=None) -> list[str]:
+    def rows_errors(self, recv_x) -> list[str]:
+        """The first len(src) received rows against the expected ones, bit for bit."""
         n = len(self.src)
-        errs = []
         if self.dtype == "fp8":
             same = torch.equal(recv_x[0][:n].view(torch.uint8), self.want_rows[0].view(torch.uint8)) and \
                 torch.equal(recv_x[1][:n], self.want_rows[1])
         else:
             same = torch.equal(recv_x[:n].view(torch.int16), self.want_rows.view(torch.int16))
-        if not same:
-            a = (recv_x[0][:n].view(torch.uint8) if self.dtype == "fp8" else recv_x[:n].view(torch.int16))
-            b = (self.want_rows[0].view(torch.uint8) if self.dtype == "fp8" else self.want_rows.view(torch.int16))
-            bad = torch.nonzero((a != b).any(1)).flatten()[:4].tolist() if a.shape == b.shape else "shape"
-            errs.append(f"rows differ (first {bad}) of {n}")
+        if same:
+            return []
+        a = (recv_x[0][:n].view(torch.uint8) if self.dtype == "fp8" else recv_x[:n].view(torch.int16))
+        b = (self.want_rows[0].view(torch.uint8) if self.dtype == "fp8" else self.want_rows.view(torch.int16))
+        bad = torch.nonzero((a != b).any(1)).flatten()[:4].tolist() if a.shape == b.shape else "shape"
+        return [f"rows differ (first {bad}) of {n}"]
+
+    def check_dispatch(self, recv_x, recv_w, counts, recv_idx=None) -> list[str]:
+        n = len(self.src)
+        errs = self.rows_errors(recv_x)
         if list(counts) != self.counts:
             errs.append(f"counts {list(counts)[:6]}... != {self.counts[:6]}...")
         gw = recv_w[:n].cpu().numpy()
@@ -222,14 +227,7 @@ class TokenCase(Case):
 
     def check_dispatch(self, recv_x, recv_w, counts, recv_idx=None, align: int = 1) -> list[str]:
         n = len(self.src)
-        errs = []
-        if self.dtype == "fp8":
-            same = torch.equal(recv_x[0][:n].view(torch.uint8), self.want_rows[0].view(torch.uint8)) and \
-                torch.equal(recv_x[1][:n], self.want_rows[1])
-        else:
-            same = torch.equal(recv_x[:n].view(torch.int16), self.want_rows.view(torch.int16))
-        if not same:
-            errs.append(f"rows differ from the oracle's (of {n})")
+        errs = self.rows_errors(recv_x)
         want_counts = [-(-c // align) * align for c in self.counts]
         if list(counts) != want_counts:
             errs.append(f"counts {list(counts)[:6]}... != {want_counts[:6]}...")

@@ -167,6 +167,9 @@ __device__ void combine_partials(const Args& a, unsigned long long ce, int p) {
 // The home side of one warp (every block, after its partials): the sums of its channels' tokens.
 // Reads the epoch and the batch from State again rather than keeping them live through the
 // partials' loop (one register more there spills; they do not change during the kernel).
+// OWN_IN_PLACE (the token-major kernels, token.cuh): this rank's own row of a token is not staged
+// but read in place from the expert outputs (a.y, row src_offset[me] + the token's dedup rank here).
+template <bool OWN_IN_PLACE>
 __device__ void combine_sums(const Args& a) {
   const int me = (int)a.me, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   State* st = state(a);
@@ -176,6 +179,7 @@ __device__ void combine_sums(const Args& a) {
   const int* dedup = reinterpret_cast<const int*>(my + OFF_DEDUP);
   const int* mych = reinterpret_cast<const int*>(my + OFF_MYCHAN);
   const uint4* stage = reinterpret_cast<const uint4*>(my + OFF_CSTAGE);
+  const uint4* own = OWN_IN_PLACE ? reinterpret_cast<const uint4*>(a.y) + (long long)st->src_offset[me] * HV : stage;
   uint4* out = reinterpret_cast<uint4*>(a.out);
   const int Tc = tokens_per_channel(T, C);
   const int slots = (int)gridDim.x * (CTHREADS / 32);
@@ -184,10 +188,11 @@ __device__ void combine_sums(const Args& a) {
     const int base_l = lane < R ? mych[c * R + lane] : 0;
     for (int t = t0; t < t1; ++t) {
       const int di = lane < R ? dedup[t * R + lane] : -1;
-      if (di >= 0)
+      if (di >= 0 && !(OWN_IN_PLACE && lane == me))
         wait_geq(a, ctail(a, me, lane, c), (ce << 32) | (unsigned long long)(di - base_l + 1), WHERE_COMBINE_TAIL,
                  lane, c);
       const unsigned m = __ballot_sync(~0u, di >= 0);
+      const int di_me = __shfl_sync(~0u, di, me);
       const uint4* src[R];
       float w[R];
       int n = 0;
@@ -198,7 +203,8 @@ __device__ void combine_sums(const Args& a) {
       }
 #pragma unroll
       for (int d = 0; d < R; ++d)
-        if (m & (1u << d)) put_at(src, n++, stage + ((long long)d * TMAX + t) * HV);
+        if (m & (1u << d))
+          put_at(src, n++, OWN_IN_PLACE && d == me ? own + (long long)di_me * HV : stage + ((long long)d * TMAX + t) * HV);
       if (n == 0) {
         for (int v = lane; v < HV; v += 32) out[(long long)t * HV + v] = make_uint4(0, 0, 0, 0);
       } else {
@@ -208,14 +214,9 @@ __device__ void combine_sums(const Args& a) {
   }
 }
 
-__global__ void __launch_bounds__(CTHREADS, 1) combine_kernel(const Args a) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  State* st = state(a);
-  const unsigned long long ce = st->comb_epoch + 1;
-  if (threadIdx.x == 0) stamp(a, 1, 0);
-  if ((int)blockIdx.x < (int)a.NS) combine_partials(a, ce, (int)st->meta_parity);
-  combine_sums(a);
-  if (lane == 0) stamp(a, 1, 1 + warp);
+// The end of a combine kernel, every block: the last block to finish resets the work counters
+// and advances the combine epoch.
+__device__ __forceinline__ void combine_end(State* st, unsigned long long ce) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -228,6 +229,17 @@ __global__ void __launch_bounds__(CTHREADS, 1) combine_kernel(const Args a) {
       st->comb_epoch = ce;
     }
   }
+}
+
+__global__ void __launch_bounds__(CTHREADS, 1) combine_kernel(const Args a) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  State* st = state(a);
+  const unsigned long long ce = st->comb_epoch + 1;
+  if (threadIdx.x == 0) stamp(a, 1, 0);
+  if ((int)blockIdx.x < (int)a.NS) combine_partials(a, ce, (int)st->meta_parity);
+  combine_sums<false>(a);
+  if (lane == 0) stamp(a, 1, 1 + warp);
+  combine_end(st, ce);
 }
 
 }  // namespace

@@ -212,29 +212,21 @@ __device__ void dispatch_replicate(const Args& a, unsigned long long e, int p) {
   }
 }
 
-__global__ void __launch_bounds__(DTHREADS, 1) dispatch_kernel(const Args a) {
-  __shared__ union {  // the metadata's masks (block 0, one chunk) are done before the offsets start
-    MetaShared meta;
-    DispatchShared disp;
-  } smem;
-  DispatchShared& sh = smem.disp;
-  const int me = (int)a.me, warp = threadIdx.x >> 5;
-  State* st = state(a);
-  const unsigned long long e = st->disp_epoch + 1;
-  const int p = dispatch_parity(a);
-  if (!a.cached) {  // a cached dispatch finds the metadata of its routing in place (parity p)
-    if (meta_in_dispatch(a) && blockIdx.x == 0 && threadIdx.x < MTHREADS) meta_count(a, smem.meta, 0, true);
-    if (threadIdx.x < R) wait_geq(a, meta_flag(a, me, p, threadIdx.x), e, WHERE_META, (int)threadIdx.x, 0);
+// The start of a dispatch kernel, every block: the metadata (block 0 counts it where the batch is
+// one chunk, meta_in_dispatch) and the wait for every sender's flag, unless the dispatch is cached
+// (the metadata of its routing is in place, parity p).
+__device__ __forceinline__ void dispatch_begin(const Args& a, MetaShared& meta, unsigned long long e, int p) {
+  if (!a.cached) {
+    if (meta_in_dispatch(a) && blockIdx.x == 0 && threadIdx.x < MTHREADS) meta_count(a, meta, 0, true);
+    if (threadIdx.x < R) wait_geq(a, meta_flag(a, (int)a.me, p, threadIdx.x), e, WHERE_META, (int)threadIdx.x, 0);
   }
   __syncthreads();
   if (threadIdx.x == 0) stamp(a, 0, 0);
-  const int SBK = (int)a.NSB;  // sender blocks
-  if ((int)blockIdx.x < SBK) {
-    dispatch_offsets(a, sh, p);
-    dispatch_send(a, sh, e);
-  }
-  dispatch_replicate(a, e, p);
-  if ((threadIdx.x & 31) == 0) stamp(a, 0, 1 + warp);
+}
+
+// The end of a dispatch kernel, every block: the last block to finish resets the work counters,
+// records the batch (the combine reads it) and the meta area used, and advances the epoch.
+__device__ __forceinline__ void dispatch_end(const Args& a, State* st, unsigned long long e, int p) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -251,6 +243,27 @@ __global__ void __launch_bounds__(DTHREADS, 1) dispatch_kernel(const Args a) {
       st->disp_epoch = e;
     }
   }
+}
+
+__global__ void __launch_bounds__(DTHREADS, 1) dispatch_kernel(const Args a) {
+  __shared__ union {  // the metadata's masks (block 0, one chunk) are done before the offsets start
+    MetaShared meta;
+    DispatchShared disp;
+  } smem;
+  DispatchShared& sh = smem.disp;
+  const int warp = threadIdx.x >> 5;
+  State* st = state(a);
+  const unsigned long long e = st->disp_epoch + 1;
+  const int p = dispatch_parity(a);
+  dispatch_begin(a, smem.meta, e, p);
+  const int SBK = (int)a.NSB;  // sender blocks
+  if ((int)blockIdx.x < SBK) {
+    dispatch_offsets(a, sh, p);
+    dispatch_send(a, sh, e);
+  }
+  dispatch_replicate(a, e, p);
+  if ((threadIdx.x & 31) == 0) stamp(a, 0, 1 + warp);
+  dispatch_end(a, st, e, p);
 }
 
 }  // namespace

@@ -18,9 +18,9 @@
 //   every row of this rank has landed.  No replication: a token-major row is written once.
 // tok_combine_kernel (cooperative): the warps of blocks [0, NS) copy each received row of a peer's
 //   token into that peer's staging row (this rank, token) and publish the (channel, source) queue's
-//   progress every CB rows; then every warp sums its channels' tokens: lane d waits for rank d's
-//   row, the warp adds the rows (this rank's own read in place from the expert outputs) in rank
-//   order in fp32 and writes bf16.
+//   progress every CB rows; then every warp sums its channels' tokens (combine.cuh's
+//   combine_sums<true>): lane d waits for rank d's row, the warp adds the rows (this rank's own read
+//   in place from the expert outputs) in rank order in fp32 and writes bf16.
 //
 // A static source of the epcc CUDA backend, copied only into token-major bundles (their config
 // defines EPCC_DIRECT_TOKEN_MAJOR; host.cuh includes this header then).
@@ -29,6 +29,7 @@
 #include "common.cuh"
 #include "meta.cuh"
 #include "rows.cuh"
+#include "dispatch.cuh"
 #include "combine.cuh"
 
 namespace {
@@ -164,16 +165,11 @@ __global__ void __launch_bounds__(DTHREADS, 1) tok_dispatch_kernel(const Args a)
     MetaShared meta;
     TokShared tok;
   } smem;
-  const int me = (int)a.me, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   State* st = state(a);
   const unsigned long long e = st->disp_epoch + 1;
   const int p = dispatch_parity(a);
-  if (!a.cached) {  // a cached dispatch finds the metadata of its routing in place (parity p)
-    if (meta_in_dispatch(a) && blockIdx.x == 0 && threadIdx.x < MTHREADS) meta_count(a, smem.meta, 0, true);
-    if (threadIdx.x < R) wait_geq(a, meta_flag(a, me, p, threadIdx.x), e, WHERE_META, (int)threadIdx.x, 0);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) stamp(a, 0, 0);
+  dispatch_begin(a, smem.meta, e, p);
   const int NB = (int)a.NSB;
   if ((int)blockIdx.x < NB) {
     tok_offsets(a, smem.tok, p);
@@ -183,22 +179,7 @@ __global__ void __launch_bounds__(DTHREADS, 1) tok_dispatch_kernel(const Args a)
   }
   tok_wait_peers(a, e, p);
   if (lane == 0) stamp(a, 0, 1 + warp);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const unsigned prev = atomicAdd(&st->disp_done, 1u);
-    if (prev == gridDim.x - 1) {
-      st->disp_done = 0;
-      st->send_next = 0;
-      st->recv_next = 0;
-      st->last_T = (int)a.T;
-      st->last_C = (int)a.C;
-      st->last_align = (int)a.align;
-      st->meta_parity = (unsigned)p;
-      __threadfence();
-      st->disp_epoch = e;
-    }
-  }
+  dispatch_end(a, st, e, p);
 }
 
 // ---- combine ---------------------------------------------------------------------------------
@@ -237,71 +218,15 @@ __device__ void tok_partials(const Args& a, unsigned long long ce, int p) {
   }
 }
 
-// The home side of one warp (every block, after its copies): the sums of its channels' tokens.
-__device__ void tok_sums(const Args& a) {
-  const int me = (int)a.me, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  State* st = state(a);
-  const unsigned long long ce = st->comb_epoch + 1;
-  const int T = st->last_T, C = st->last_C;
-  const char* my = region(a, me);
-  const int* dedup = reinterpret_cast<const int*>(my + OFF_DEDUP);
-  const int* mych = reinterpret_cast<const int*>(my + OFF_MYCHAN);
-  const uint4* stage = reinterpret_cast<const uint4*>(my + OFF_CSTAGE);
-  const uint4* own = reinterpret_cast<const uint4*>(a.y) + (long long)st->src_offset[me] * HV;
-  uint4* out = reinterpret_cast<uint4*>(a.out);
-  const int Tc = tokens_per_channel(T, C);
-  const int slots = (int)gridDim.x * (CTHREADS / 32);
-  for (int c = slots - 1 - slot_of((int)blockIdx.x, (int)gridDim.x, warp); c < C; c = take(&st->home_next, slots, lane)) {
-    const int t0 = c * Tc, t1 = min(T, t0 + Tc);
-    const int base_l = lane < R ? mych[c * R + lane] : 0;
-    for (int t = t0; t < t1; ++t) {
-      const int di = lane < R ? dedup[t * R + lane] : -1;
-      if (di >= 0 && lane != me)
-        wait_geq(a, ctail(a, me, lane, c), (ce << 32) | (unsigned long long)(di - base_l + 1), WHERE_COMBINE_TAIL,
-                 lane, c);
-      const unsigned m = __ballot_sync(~0u, di >= 0);
-      const int di_me = __shfl_sync(~0u, di, me);
-      const uint4* src[R];
-      float w[R];
-      int n = 0;
-#pragma unroll
-      for (int d = 0; d < R; ++d) {
-        src[d] = stage;
-        w[d] = 1.f;
-      }
-#pragma unroll
-      for (int d = 0; d < R; ++d)
-        if (m & (1u << d))
-          put_at(src, n++, d == me ? own + (long long)di_me * HV : stage + ((long long)d * TMAX + t) * HV);
-      if (n == 0) {
-        for (int v = lane; v < HV; v += 32) out[(long long)t * HV + v] = make_uint4(0, 0, 0, 0);
-      } else {
-        reduce_home(n, src, w, out + (long long)t * HV, lane, warp_ring());
-      }
-    }
-  }
-}
-
 __global__ void __launch_bounds__(CTHREADS, 1) tok_combine_kernel(const Args a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   State* st = state(a);
   const unsigned long long ce = st->comb_epoch + 1;
   if (threadIdx.x == 0) stamp(a, 1, 0);
   if ((int)blockIdx.x < (int)a.NS) tok_partials(a, ce, (int)st->meta_parity);
-  tok_sums(a);
+  combine_sums<true>(a);  // this rank's own rows read in place from the expert outputs
   if (lane == 0) stamp(a, 1, 1 + warp);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const unsigned prev = atomicAdd(&st->comb_done, 1u);
-    if (prev == gridDim.x - 1) {
-      st->comb_done = 0;
-      st->part_next = 0;
-      st->home_next = 0;
-      __threadfence();
-      st->comb_epoch = ce;
-    }
-  }
+  combine_end(st, ce);
 }
 
 }  // namespace
