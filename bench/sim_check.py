@@ -82,13 +82,17 @@ class CheckError(Exception):
 
 def bundle_source(name: str, out_dir: Path) -> tuple[Path, list[str]]:
     """(the .sched file, the `epcc simulate` options) tests/gpu/bundles.py compiles bundle `name` with."""
-    base, proxy = (name[: -len("_proxy")], True) if name.endswith("_proxy") else (name, False)
-    if base in bundles.VARIANTS:
+    # NAME_proxy: the GPU proxy path with host-built tables; NAME_proxy_dev: with tables from the GPU
+    tables = next((t for suffix, t in (("_proxy_dev", "device"), ("_proxy", "host")) if name.endswith(suffix)), None)
+    base = name[: name.rindex("_proxy")] if tables else name
+    if base in bundles.VARIANTS and tables is None:
         ranks, extra = bundles.VARIANTS[base]
         src = bundles.H200X4 if ranks == 4 else bundles.ep2_source(out_dir)
         return src, [*extra, "--rdma", "proxy"]
-    if base in bundles.RDMA_VARIANTS:
-        return bundles.rdma_source(out_dir, base), ["--rdma", "proxy" if proxy else "emulate"]
+    if base in bundles.RDMA_VARIANTS and (tables != "device" or base in bundles.PROXY_DEVICE_VARIANTS):
+        if tables is None:
+            return bundles.rdma_source(out_dir, base), ["--rdma", "emulate"]
+        return bundles.rdma_source(out_dir, base), ["--rdma", "proxy", "--proxy-tables", tables]
     raise CheckError(f"bundle '{name}': not one tests/gpu/bundles.py builds")
 
 

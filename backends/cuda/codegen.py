@@ -11,8 +11,9 @@ manifest are decided from one walk of the plan, and the manifest must say what t
 * DMA roles (plan kind `dma`: copy-engine / D2D steps) are lowered as extra roles of the same
   kernel, `dma_blocks` blocks each, appended after the SM roles: SM copies standing in for the
   copy engine.  The targets of such steps are peers of the same node, mapped through CUDA IPC,
-  so an SM can do the copy; a copy-engine lowering (cudaMemcpyAsync batches triggered by the
-  counters) is not written yet.
+  so an SM can do the copy.  (The SUPA target issues a dispatch step the plan puts on the DMA
+  engine as a copy lane of its launcher instead: `dma-engine`, backends/supa; this target keeps
+  the SM roles.)
 * Proxy roles (plan kind `proxy`: RDMA steps) with `rdma="emulate"` are lowered the same way,
   `proxy_blocks` blocks each, paced to the link's bandwidth from the plan: valid when every rank
   is in one CUDA IPC domain (h200x4_2vnode: two virtual nodes on one box).  With

@@ -179,3 +179,18 @@ def test_no_calls_without_a_local_link():
                 resources={"link:x:0>1": 1e9})
     assert local_rate(plan) == 0.0
     assert call_terms(plan, GAP_S) == {}
+
+
+def test_bundle_source_gives_each_bundle_the_options_it_was_compiled_with(sim_check, tmp_path):
+    """The proxy bundles are simulated with the tables they run on (tests/gpu/bundles.py: `_proxy`
+    with host-built tables, `_proxy_dev` with tables from the GPU), the token-major ones not at all."""
+    src, opts = sim_check.bundle_source("h200x2_2vnode_50_proxy", tmp_path)
+    assert opts == ["--rdma", "proxy", "--proxy-tables", "host"] and src.exists()
+    assert sim_check.bundle_source("h200x2_2vnode_50_proxy_dev", tmp_path)[1] == ["--rdma", "proxy",
+                                                                                  "--proxy-tables", "device"]
+    assert sim_check.bundle_source("h200x2_2vnode_50", tmp_path)[1] == ["--rdma", "emulate"]
+    assert sim_check.bundle_source("h200x2_fp8", tmp_path)[1] == ["--dtype", "fp8", "--rdma", "proxy"]
+    assert not sim_check.modelled("h200x2_tok", tmp_path) and sim_check.modelled("h200x2", tmp_path)
+    for name in ("h200x2_2vnode_13_proxy_dev", "h200x2_fp8_proxy", "nope"):  # bundles.py builds none of them
+        with pytest.raises(sim_check.CheckError, match="not one tests/gpu/bundles.py builds"):
+            sim_check.bundle_source(name, tmp_path)

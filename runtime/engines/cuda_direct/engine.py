@@ -10,14 +10,15 @@ rank 0 builds first while the others wait (up to BUILD_S beyond the timeout), th
 the cached file.
 
 Calls are stream-ordered on the current torch stream and every rank must make the same calls in
-the same order (they are collectives).  Two modes:
+the same order (they are collectives).  Three ways to call dispatch:
 
 * `dispatch(..., sync=True)` (normal): after the kernels, the per-expert counts are read back
   (one host sync, as DeepEP's normal mode), routing errors are raised, and recv_x is returned
   trimmed to the rows received.
 * `dispatch(..., sync=False)` (low latency, CUDA-graph capturable): no host sync and no
   allocation; recv_x is the whole receive buffer [capacity, hidden] and the counts/offsets are
-  device tensors.
+  device tensors.  Bad routing cannot be raised without a sync: such entries are ignored by the
+  kernels and reported by the next `check_routing()`.
 * `dispatch(x, handle=h)` (cached): the routing of an earlier dispatch.  When h's routing is the
   one whose metadata the GPU holds (no dispatch with other routing since, the same tokens and
   alignment) the dispatch launches no metadata kernel (Args.cached); otherwise the metadata is
@@ -28,8 +29,7 @@ return one row per (source rank, token) in that order, recv_topk_idx / recv_topk
 topk] (local expert ids, -1 and weight 0 where the expert is on another rank), the tokens per local
 expert rounded up to `expert_alignment` (DeepEP's num_recv_tokens_per_expert_list; with sync=False
 the device tensors (counts, first row of each source rank then the total)); combine sums each
-token's rows at its home rank, unweighted.  Bad routing cannot be raised without a sync: such entries are ignored by the
-  kernels and reported by the next `check_routing()`.
+token's rows at its home rank, unweighted.
 
 recv_x (and the fp8 scales, and recv weights) are views into the peer region: valid until the
 next dispatch on this Buffer, like DeepEP's low-latency buffers.  Copy them to keep them.
