@@ -758,7 +758,10 @@ def device_metadata(plan: Plan, manifest: dict, target: Target = CUDA) -> dict:
                               ("meta_items", g["items"])):
                 blocks[kernel] = max(blocks[kernel], n)
             need = mp.capacity()
-            cap = need if cap is None or need.sets > cap.sets else cap
+            # each field the most any rank needs; home/sets: the rank with the most sets (the error's)
+            cap = need if cap is None else replace(
+                need if need.sets > cap.sets else cap,
+                **{f: max(getattr(need, f), getattr(cap, f)) for f in ("set_words", "out_sets", "experts", "topk")})
         check_shared(cap, target.shared_bytes_per_block, target.language)
     except (SegmentProgramError, PlacementError) as e:
         return host(str(e))
