@@ -219,18 +219,20 @@ class Buffer:
         _int("Buffer.get_combine_config", "num_ranks", num_ranks, 1)
         return Config(Buffer.num_sms)
 
+    # DeepEP's low-latency calls need a Buffer made with low_latency_mode=True, which __init__
+    # refuses (epcc.deep_ep has no such mode); as in DeepEP, a Buffer without it refuses them.
     @staticmethod
     def get_low_latency_rdma_size_hint(*_: Any) -> int:
-        raise NotImplementedError(_NO_LOW_LATENCY)
+        raise ValueError(_no_low_latency("Buffer.get_low_latency_rdma_size_hint"))
 
     def clean_low_latency_buffer(self, *_: Any) -> None:
-        raise NotImplementedError(_NO_LOW_LATENCY)
+        raise ValueError(_no_low_latency("Buffer.clean_low_latency_buffer"))
 
     def low_latency_dispatch(self, *_: Any, **__: Any):
-        raise NotImplementedError(_NO_LOW_LATENCY)
+        raise ValueError(_no_low_latency("Buffer.low_latency_dispatch"))
 
     def low_latency_combine(self, *_: Any, **__: Any):
-        raise NotImplementedError(_NO_LOW_LATENCY)
+        raise ValueError(_no_low_latency("Buffer.low_latency_combine"))
 
     def destroy(self) -> None:
         """Close every inner Buffer (a collective: every rank calls it); later calls raise."""
@@ -525,5 +527,7 @@ class Buffer:
         return key, self._inner[key]
 
 
-_NO_LOW_LATENCY = ("epcc.deep_ep implements DeepEP's intranode normal mode only; for a low-latency (CUDA-graph "
-                   "capturable, no host sync) dispatch use epcc.runtime.Buffer's dispatch(..., sync=False)")
+def _no_low_latency(fn: str) -> str:
+    return (f"{fn}: DeepEP's low-latency mode, which epcc.deep_ep does not have (it runs DeepEP's intranode "
+            f"normal mode); for a low-latency (CUDA-graph capturable, no host sync) dispatch use "
+            f"epcc.runtime.Buffer's dispatch(..., sync=False)")

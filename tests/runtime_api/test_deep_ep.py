@@ -310,8 +310,18 @@ def test_configuration_and_refusals():
     with pytest.raises(TypeError, match="num_sms"):
         deep_ep.Config("24")
     assert deep_ep.Buffer.is_sm90_compiled()
-    with pytest.raises(NotImplementedError, match="intranode normal mode"):
-        deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 2, 256)
+    tail = ("DeepEP's low-latency mode, which epcc.deep_ep does not have (it runs DeepEP's intranode normal "
+            "mode); for a low-latency (CUDA-graph capturable, no host sync) dispatch use epcc.runtime.Buffer's "
+            "dispatch(..., sync=False)")
+    buf = object.__new__(deep_ep.Buffer)  # the refusals do not depend on the group
+    for name, call in (("get_low_latency_rdma_size_hint", lambda: deep_ep.Buffer.get_low_latency_rdma_size_hint(
+                            128, 7168, 2, 256)),
+                       ("clean_low_latency_buffer", lambda: buf.clean_low_latency_buffer(128, 7168, 256)),
+                       ("low_latency_dispatch", lambda: buf.low_latency_dispatch(None, None, 128, 256)),
+                       ("low_latency_combine", lambda: buf.low_latency_combine(None, None, None, None))):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == f"Buffer.{name}: {tail}"
     with pytest.raises(ValueError, match="takes no event|no event"):
         deep_ep.EventOverlap().current_stream_wait()
     with deep_ep.EventOverlap(deep_ep.Buffer.capture()) as ev:  # a finished event on the CPU
