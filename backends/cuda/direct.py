@@ -187,42 +187,36 @@ def headers_of(plan: Plan) -> tuple[str, ...]:
     return HEADERS + (TOKEN_HEADERS if token_major(plan) else ())
 
 
+#: what each kind of step lowers to, per output layout (describe_steps)
+_LOWERED = {
+    "expert": {
+        "exchange": (f"meta_count_kernel (+ meta_finish_kernel above one chunk; up to {META_CHUNK} tokens "
+                     "dispatch_kernel's block 0): counts and ranks on the GPU, exchanged through peer memory"),
+        "send": "dispatch_kernel: warps send (one row store per destination GPU), then replicate received rows",
+        "local": "dispatch_kernel senders with this rank as destination (local permute)",
+        "p2p": "combine_kernel: weighted partial per (token, GPU) into the home GPU's staging (first)",
+        "home": "combine_kernel: home-side sum of the partials (own partial included; every warp, after its partials)",
+    },
+    "token": {  # include/epcc/direct/token.cuh
+        "exchange": ("meta_count_kernel (+ meta_finish_kernel above one chunk): counts, tokens per destination and "
+                     "dedup ranks on the GPU, exchanged through peer memory (none for a cached handle)"),
+        "send": "tok_dispatch_kernel: warps store each token once per destination GPU, in (source rank, token) order",
+        "local": "tok_dispatch_kernel senders with this rank as destination (its own token-major rows)",
+        "p2p": "tok_combine_kernel: each received row copied into its home GPU's staging (first)",
+        "home": "tok_combine_kernel: home-side unweighted sum of a token's rows (its own read in place)",
+    },
+}
+
+
 def describe_steps(plan: Plan) -> list[dict]:
-    if token_major(plan):
-        return describe_token_steps(plan)
+    """Each step of the plan with what the direct kernels of its layout lower it to."""
+    lowered = _LOWERED["token" if token_major(plan) else "expert"]
     out = []
     for s in plan.steps:
-        if s.verb == "exchange":
-            low = (f"meta_count_kernel (+ meta_finish_kernel above one chunk; up to {META_CHUNK} tokens dispatch_kernel's "
-                   "block 0): counts and ranks on the GPU, exchanged through peer memory")
-        elif s.program == "dispatch" and s.verb == "send":
-            low = "dispatch_kernel: warps send (one row store per destination GPU), then replicate received rows"
-        elif s.program == "dispatch":
-            low = "dispatch_kernel senders with this rank as destination (local permute)"
-        elif s.link_kind == "p2p":
-            low = "combine_kernel: weighted partial per (token, GPU) into the home GPU's staging (first)"
-        else:
-            low = "combine_kernel: home-side sum of the partials (own partial included; every warp, after its partials)"
-        out.append({"program": s.program, "name": s.name, "line": s.line, "title": s.title, "lowered": low})
-    return out
-
-
-def describe_token_steps(plan: Plan) -> list[dict]:
-    """describe_steps for the token-major kernels (include/epcc/direct/token.cuh)."""
-    out = []
-    for s in plan.steps:
-        if s.verb == "exchange":
-            low = ("meta_count_kernel (+ meta_finish_kernel above one chunk): counts, tokens per destination and "
-                   "dedup ranks on the GPU, exchanged through peer memory (none for a cached handle)")
-        elif s.program == "dispatch" and s.verb == "send":
-            low = "tok_dispatch_kernel: warps store each token once per destination GPU, in (source rank, token) order"
-        elif s.program == "dispatch":
-            low = "tok_dispatch_kernel senders with this rank as destination (its own token-major rows)"
-        elif s.link_kind == "p2p":
-            low = "tok_combine_kernel: each received row copied into its home GPU's staging (first)"
-        else:
-            low = "tok_combine_kernel: home-side unweighted sum of a token's rows (its own read in place)"
-        out.append({"program": s.program, "name": s.name, "line": s.line, "title": s.title, "lowered": low})
+        kind = ("exchange" if s.verb == "exchange"
+                else ("send" if s.verb == "send" else "local") if s.program == "dispatch"
+                else "p2p" if s.link_kind == "p2p" else "home")
+        out.append({"program": s.program, "name": s.name, "line": s.line, "title": s.title, "lowered": lowered[kind]})
     return out
 
 
