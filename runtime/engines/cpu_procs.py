@@ -206,6 +206,24 @@ def check_transport(name: str) -> str:
     return res[1]
 
 
+def _libfabric_ready(lib_path) -> None:
+    """Initialise libfabric's providers once, here, before the ranks are forked: each rank then
+    finds them ready instead of loading and probing every provider itself (the verbs provider
+    scans /proc/kallsyms at that point), work that grows with the rank count and, 32 ranks on two
+    cores, was most of the kernel time of a run.  fi_getinfo without hints does it and opens
+    nothing (no fabric, no thread); its answer is freed at once."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(lib_path))  # the proxy library: libfabric is among its dependencies
+    info = ctypes.c_void_p()
+    lib.fi_getinfo.argtypes = [ctypes.c_uint32, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint64,
+                               ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+    if lib.fi_getinfo((1 << 16) | 9, None, None, 0, None, ctypes.byref(info)) == 0 and info.value:
+        lib.fi_freeinfo.argtypes = [ctypes.c_void_p]
+        lib.fi_freeinfo(info)
+    # a failure here is the ranks' to report (their own fi_getinfo names the provider and the cause)
+
+
 class ProcessBackend:
     """run_dispatch / run_combine (the `epcc run` backend protocol) as one process per rank."""
 
@@ -230,6 +248,8 @@ class ProcessBackend:
         has_rdma = any(s.program == program for s in rdma_steps(plan))
         lib_path = build_proxy(plan, self.transport[0]) if has_rdma else None
         R = layout.num_ranks
+        if lib_path is not None and self.transport[0] == "libfabric":
+            _libfabric_ready(lib_path)
         ctx = mp.get_context("fork")
         with tempfile.TemporaryDirectory(prefix="epcc-rdv-") as d:
             init_file = os.path.join(d, "rendezvous")
@@ -267,10 +287,14 @@ class ProcessBackend:
                         results[r] = ("error", "crash", f"rank {r}: the process died (exit code {procs[r].exitcode})")
                         if first_error_at is None:
                             first_error_at = time.monotonic()
-            for p in procs:
+            for p in procs:  # every rank has reported (or the run gave up): none has more to do
                 if p.is_alive():
                     p.terminate()
-                p.join(5)
+            stop_by = time.monotonic() + 5
+            for p in procs:
+                p.join(max(0.0, stop_by - time.monotonic()))
+                if p.is_alive():
+                    p.kill()
         errors = {r: v for r, v in sorted(results.items()) if v[0] != "ok"}
         if errors:
             # The ranks that met their peers agree on one message (agree.py: the root cause); a
