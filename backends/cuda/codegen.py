@@ -21,9 +21,11 @@ manifest are decided from one walk of the plan, and the manifest must say what t
   proxy must post them and bump their counters; the SM roles still wait on
   those counters.  The default, `auto`, emulates for plans of at most 8 ranks (one HGX box)
   and leaves RDMA to the proxy above that (dgx_h800_2node, ocs_ep16, ubbv2_ep32).
-* Metadata exchanges (`exchange` steps, the `<program>_meta` kernels) are not lowered: in this
-  version the host computes the layout (runtime/layout) from the all-gathered routing and
-  uploads the tables, which is what the metadata step provides.
+* Metadata exchanges (`exchange` steps) are lowered to the metadata kernels
+  (templates/table_meta.cu.j2, device_metadata): every rank's routing is all-gathered (over CUDA
+  IPC inside one box, by the process group's all-gather across boxes) and each rank writes its
+  tables on its GPU per dispatch; where they do not cover the plan the host computes the layout
+  (runtime/layout) and uploads the tables, and the manifest says why.
 * Combine ends with a small conversion kernel (`..._combine_finish_kernel`): the home partials
   (`result`, fp32) to bf16, launched on the same stream after the main kernel.
 
@@ -51,7 +53,6 @@ import jinja2
 
 from epcc import __version__ as EPCC_VERSION
 from epcc.plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
-from epcc.plan.direct import MAX_IPC_RANKS
 from epcc.plan.rdma import rdma_steps
 from epcc.plan.segments import SegmentProgramError, segment_program
 from epcc.plan.schema import CUDA_FORMAT, SUPA_FORMAT
@@ -102,6 +103,7 @@ PROXY_MAX_BLOCKS = 16
 # (2 x H200, 2026-11-23, chunk 128 tokens depth 4, median of 20; docs/rdma.md).
 ROLE_WARPS = 8
 ONE_IPC_DOMAIN_RANKS = 8  # an HGX box: the most GPUs that can map each other's memory over NVLink
+METADATA_EXCHANGES = ("auto", "ipc", "collective")  # CudaOptions.metadata_exchange
 
 
 @dataclass
@@ -122,6 +124,11 @@ class CudaOptions:
     # (device_metadata), both modes; off (`--proxy-tables host`): host-built tables per routing,
     # normal mode only
     proxy_device_tables: bool = True
+    # how the metadata kernels' routing reaches every rank (device_metadata): ipc (each rank writes
+    # its slot into every peer's gather area over CUDA IPC, then a flag), collective (the process
+    # group's all-gather, in place, between the own slot's write and the table kernels), auto: ipc
+    # when the plan has at most ONE_IPC_DOMAIN_RANKS ranks, else collective
+    metadata_exchange: str = "auto"
 
 
 @dataclass
@@ -533,6 +540,15 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
                                f"'external' with --target {target.name}")
     if opts.rdma == "auto":
         opts = replace(opts, rdma="emulate" if plan.num_ranks <= ONE_IPC_DOMAIN_RANKS else "external")
+    if opts.metadata_exchange not in METADATA_EXCHANGES:
+        raise CudaCodegenError(f"metadata exchange must be one of {', '.join(METADATA_EXCHANGES)}, "
+                               f"not {opts.metadata_exchange!r}")
+    if opts.metadata_exchange == "auto":
+        opts = replace(opts, metadata_exchange="ipc" if plan.num_ranks <= ONE_IPC_DOMAIN_RANKS else "collective")
+    if opts.metadata_exchange == "ipc" and plan.num_ranks > ONE_IPC_DOMAIN_RANKS:
+        raise CudaCodegenError(f"metadata exchange 'ipc' maps every rank's gather area over CUDA IPC, but the "
+                               f"plan's {plan.num_ranks} ranks span more than one CUDA IPC domain (at most "
+                               f"{ONE_IPC_DOMAIN_RANKS}): use 'collective' or 'auto'")
     if plan.workload is None:
         raise CudaCodegenError("the plan has no workload (compiled by an older epcc?): recompile it")
     if not plan.kernels:
@@ -706,17 +722,18 @@ CAPACITY_FIELDS = ("set_words", "out_sets", "experts", "topk", "home", "sets")
 
 def device_metadata(plan: Plan, manifest: dict, target: Target = CUDA) -> dict:
     """How the table-driven kernels get their tables: "device" (the metadata kernels,
-    include/epcc/table/meta.cuh: every rank's routing all-gathered over peer memory, each rank's
-    tables written on its GPU per dispatch) where they cover the plan and the routing can reach
-    every rank, else "host" (the runtime lays the routing out on the host: runtime/layout) with the
-    reason: the kernels compute the tables of every rank from a gathered routing whatever the
-    number of ranks (up to 64), but the gather crosses CUDA IPC domains only through a transport,
-    which is not built (docs/cuda.md, "Across CUDA IPC domains").  The GPU proxy path
-    (rdma="proxy") is covered too: its channels and rings are sized once from the placement (every
-    channel any routing can use, its largest chunk) and the metadata kernels number each RDMA chunk
-    on its channel (meta.cuh Args.seq) for the pack and unpack roles.  `capacity`: what the kernels'
-    shared memory is sized for (meta_program.Capacity, the most any rank's program needs), within
-    the target's shared memory per block (else "host", with the numbers)."""
+    include/epcc/table/meta.cuh: every rank's routing all-gathered, each rank's tables written on its
+    GPU per dispatch) where they cover the plan, else "host" (the runtime lays the routing out on the
+    host: runtime/layout) with the reason.  The routing reaches every rank by the options'
+    `metadata_exchange` (exchange_entry): over CUDA IPC inside one box, or by the process group's
+    all-gather where the ranks span several boxes (or where the option asks for it); the kernels
+    compute every rank's tables from the gathered routing whatever moved it (up to 64 ranks).  The
+    GPU proxy path (rdma="proxy") is covered too: its channels and rings are sized once from the
+    placement (every channel any routing can use, its largest chunk) and the metadata kernels number
+    each RDMA chunk on its channel (meta.cuh Args.seq) for the pack and unpack roles; an external
+    proxy (rdma="external") needs nothing of the routing.  `capacity`: what the kernels' shared
+    memory is sized for (meta_program.Capacity, the most any rank's program needs), within the
+    target's shared memory per block (else "host", with the numbers)."""
     def host(why: str) -> dict:
         return {"lowering": "host", "why": why}
 
@@ -726,25 +743,6 @@ def device_metadata(plan: Plan, manifest: dict, target: Target = CUDA) -> dict:
                     f"host-built tables; tables written on the GPU keep their rows there")
     if manifest["options"]["rdma"] == "proxy" and not manifest["options"].get("proxy_device_tables"):
         return host("the GPU proxy path's tables are laid out on the host per routing (`--proxy-tables host`)")
-    no_exchange = None  # why the routing cannot reach every rank's GPU
-    if manifest["options"]["rdma"] == "external":
-        no_exchange = "its RDMA steps are left to an external proxy (more ranks than one box), which carries no routing"
-    elif plan.num_ranks > MAX_IPC_RANKS:
-        no_exchange = f"its {plan.num_ranks} ranks span more than one CUDA IPC domain (at most {MAX_IPC_RANKS})"
-    if no_exchange:
-        # the tables are the same computation whatever moves the routing (one rank's program says
-        # whether the kernels hold them: the sets are every home's)
-        try:
-            prog = segment_program(plan)
-            pls = {p: placement(manifest, prog, p, 0, plan.workload.tokens) for p in abi.PROGRAMS
-                   if any(k["program"] == p and k["kind"] == "main" for k in manifest["kernels"])}
-            cap = encode(manifest, plan.workload.placement, prog, pls, 0, plan.workload.tokens).capacity()
-            check_shared(cap, target.shared_bytes_per_block, target.language)
-        except (SegmentProgramError, PlacementError) as e:
-            return host(str(e))
-        return host(f"the metadata kernels hold this plan's tables ({cap.sets} token sets of rank {cap.home}, "
-                    f"{shared_bytes(cap)} bytes of shared memory per block), but {no_exchange}, and the routing's "
-                    f"exchange across CUDA IPC domains (through the GPU proxy path's transport) is not built")
     blocks = {"meta_count": 0, "meta_rows": 0, "meta_items": 0}
     cap: Capacity | None = None
     try:
@@ -767,10 +765,37 @@ def device_metadata(plan: Plan, manifest: dict, target: Target = CUDA) -> dict:
         return host(str(e))
     # blocks: what each kernel launches per dispatch, the most of any rank (meta_rows: the rows
     # and the received rows); `epcc simulate` charges the kernels' waves by them (sim/meta.py)
-    return {"lowering": "device", "exchange": "all-gather of every rank's top-k over peer memory (CUDA IPC)",
-            "kernels": ["gather_copy", "gather_signal_wait", "meta_count", "meta_scan", "meta_rows", "meta_items",
+    exchange = exchange_entry(plan, manifest["options"]["metadata_exchange"])
+    signal = ["gather_signal_wait"] if exchange["exchange"] == "ipc" else []
+    return {"lowering": "device", **exchange,
+            "kernels": ["gather_copy", *signal, "meta_count", "meta_scan", "meta_rows", "meta_items",
                         "zero_partials"], "blocks": blocks,
             "capacity": {**{f: getattr(cap, f) for f in CAPACITY_FIELDS}, "shared_bytes": shared_bytes(cap)}}
+
+
+def exchange_bytes(plan: Plan) -> int:
+    """What each rank receives of the routing per dispatch, either exchange: every other rank's
+    slot of the gather area, its token count (int32) and `tokens` x `topk` entries of an int32
+    expert and an fp32 weight (padded to the bundle's tokens: the slot's size does not follow
+    the routing, so the exchange needs no count before it)."""
+    wl = plan.workload
+    return (plan.num_ranks - 1) * (4 + wl.tokens * wl.topk * 8)
+
+
+def exchange_entry(plan: Plan, how: str) -> dict:
+    """The manifest's words on the routing's exchange (`how`: "ipc" or "collective", resolved)."""
+    if how == "ipc":
+        text = ("every rank writes its token count, top-k experts (int32) and weights (fp32) into its slot of "
+                "every peer's gather area over CUDA IPC, then raises its flag there (gather_copy); "
+                "gather_signal_wait waits for every peer's flag")
+    else:
+        why = (f"its {plan.num_ranks} ranks span more than one CUDA IPC domain (at most {ONE_IPC_DOMAIN_RANKS})"
+               if plan.num_ranks > ONE_IPC_DOMAIN_RANKS else "asked for (`--metadata-exchange collective`)")
+        text = ("every rank writes its token count, top-k experts (int32) and weights (fp32) into its slot of its "
+                "own gather area (gather_copy); three in-place all-gathers of the Buffer's process group "
+                "(torch.distributed.all_gather_into_tensor, on the dispatch's stream: NCCL over NVLink and the "
+                f"NIC) fill every rank's slot, before the table kernels: {why}")
+    return {"exchange": how, "exchange_how": text, "exchange_bytes_per_rank": exchange_bytes(plan)}
 
 
 def _rdma_sources(plan: Plan) -> list[str]:

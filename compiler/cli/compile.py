@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import pipeline
-from ..backends.cuda.codegen import CudaCodegenError, CudaOptions
+from ..backends.cuda.codegen import METADATA_EXCHANGES, CudaCodegenError, CudaOptions
 from ..backends.cuda.codegen import generate as generate_cuda
 from ..backends.target import TARGETS as BACKEND_TARGETS
 from ..files import SCHED_MAX_BYTES, read_bytes, refuse_overwrite
@@ -40,7 +40,8 @@ def _generator(backend) -> Callable[[Plan, str, object], Generated]:
         try:
             gen = generate_cuda(plan, source=source, target=backend,
                                 options=CudaOptions(rdma=args.rdma,
-                                                    proxy_device_tables=args.proxy_tables != "host"))
+                                                    proxy_device_tables=args.proxy_tables != "host",
+                                                    metadata_exchange=args.metadata_exchange))
         except CudaCodegenError as e:
             raise TargetError(str(e)) from None
 
@@ -105,6 +106,11 @@ def add_parser(sub) -> None:
                    help="with --rdma proxy, where the proxy path's tables come from: device (written by the "
                         "metadata kernels per dispatch, the proxy set up once; both modes; the default) or host "
                         "(laid out on the host per routing, the proxy set up anew for each; normal mode only)")
+    c.add_argument("--metadata-exchange", choices=list(METADATA_EXCHANGES), default="auto",
+                   help="with target cuda or supa, how the metadata kernels' routing reaches every rank: ipc (each "
+                        "rank writes it into every peer's gather area over CUDA IPC: one box), collective (the "
+                        "process group's all-gather, e.g. NCCL over NVLink and the NIC: ranks in several boxes), "
+                        "auto (ipc up to 8 ranks, else collective; the default)")
     plan_options(c)
     c.set_defaults(func=cmd_compile)
 
@@ -145,6 +151,9 @@ def cmd_compile(args) -> int:
     choice = resolve_target(c, args.target)
     if args.rdma != "auto" and choice.target not in TARGETS:
         raise user_error(_rdma_without_target(args.rdma))
+    if args.metadata_exchange != "auto" and choice.target not in TARGETS:
+        raise user_error(f"--metadata-exchange {args.metadata_exchange} chooses how a target's metadata kernels "
+                         f"exchange the routing: add --target {' or --target '.join(TARGETS)}")
     if args.proxy_tables is not None and args.rdma != "proxy":
         raise user_error(f"--proxy-tables {args.proxy_tables} is for the GPU proxy path: add --rdma proxy")
     if choice.target is not None and c.schedule.workload.layout == "token":

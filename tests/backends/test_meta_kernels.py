@@ -497,17 +497,19 @@ def test_the_placements_slots_hold_the_largest_chunk_any_routing_makes():
 
 
 def test_which_bundles_get_their_tables_from_the_gpu():
-    """One-box multi-hop plans, with or without the GPU proxy path: the metadata kernels (no host
-    layout step in the manifest); plans beyond one box: the host, saying why."""
-    for name, want in [("h200x4_2vnode", "device"), ("h200x4_ubb2x2", "device"), ("h200x2_2vnode_relay", "device"),
-                       ("ubbv2_ep16", "host")]:
+    """Multi-hop plans, with or without the GPU proxy path, one box or several: the metadata
+    kernels (no host layout step in the manifest); the routing's exchange over CUDA IPC inside one
+    box, by the process group's all-gather across boxes."""
+    for name, how in [("h200x4_2vnode", "ipc"), ("h200x4_ubb2x2", "ipc"), ("h200x2_2vnode_relay", "ipc"),
+                      ("ubbv2_ep16", "collective")]:
         plan = codegen_plan(name)
         m = codegen.generate(plan, source_of(name)).manifest
-        assert m["metadata"]["lowering"] == want, (name, m["metadata"])
-        kinds = {n["kind"] for n in m["not_lowered"]}
-        assert ("metadata" in kinds) == (want == "host"), name
-        if want == "device":
-            assert "epcc_table_meta.cu" in m["build"]["sources"] and "epcc/table/meta.cuh" in m["build"]["headers"]
+        assert m["metadata"]["lowering"] == "device", (name, m["metadata"])
+        assert m["metadata"]["exchange"] == how and m["options"]["metadata_exchange"] == how, name
+        assert "metadata" not in {n["kind"] for n in m["not_lowered"]}, name
+        assert "epcc_table_meta.cu" in m["build"]["sources"] and "epcc/table/meta.cuh" in m["build"]["headers"]
+        # the signal kernel waits for the peers' flags over CUDA IPC; the all-gather needs none
+        assert ("gather_signal_wait" in m["metadata"]["kernels"]) == (how == "ipc"), name
     for name in ("h200x2_2vnode", "h200x4_2vnode"):
         m = _proxy_manifest(codegen_plan(name), name)
         assert m["metadata"]["lowering"] == "device", (name, m["metadata"])
@@ -519,24 +521,53 @@ def test_which_bundles_get_their_tables_from_the_gpu():
     m = codegen.generate(codegen_plan("h200x2_2vnode"), source_of("h200x2_2vnode"),
                          codegen.CudaOptions(rdma="proxy", proxy_device_tables=False)).manifest
     assert m["metadata"]["lowering"] == "host" and "--proxy-tables host" in m["metadata"]["why"]
-    # beyond one box the tables are the kernels' but the routing cannot be gathered over CUDA IPC
-    # (docs/cuda.md: across CUDA IPC domains)
+    # beyond one box: the same kernels, the routing all-gathered by the process group; the bytes
+    # each rank receives per dispatch: every other rank's count and T x K (int32 expert, fp32 weight)
     m = _proxy_manifest(codegen_plan("dgx_h800_2node"), "dgx_h800_2node")
-    assert m["metadata"] == {"lowering": "host", "why": "the metadata kernels hold this plan's tables (20 token sets "
-                                                         "of rank 0, 13824 bytes of shared memory per block), but its "
-                                                         "16 ranks span more than one CUDA IPC domain (at most 8), and "
-                                                         "the routing's exchange across CUDA IPC domains (through the "
-                                                         "GPU proxy path's transport) is not built"}
-    # whatever the RDMA option: SM roles standing in for the NIC do not make one box of two either
-    plan = codegen_plan("ubbv2_ep16")
-    m = codegen.generate(plan, source_of("ubbv2_ep16"), codegen.CudaOptions(rdma="emulate")).manifest
-    assert m["metadata"]["lowering"] == "host" and "16 ranks span more than one CUDA IPC" in m["metadata"]["why"]
-    # the default beyond one box: an external proxy, which carries no routing; 98 sets of one home
+    wl = codegen_plan("dgx_h800_2node").workload
+    assert {k: m["metadata"][k] for k in ("lowering", "exchange", "exchange_bytes_per_rank")} == {
+        "lowering": "device", "exchange": "collective", "exchange_bytes_per_rank": 15 * (4 + wl.tokens * wl.topk * 8)}
+    assert m["metadata"]["exchange_how"].endswith("before the table kernels: its 16 ranks span more than one CUDA "
+                                                  "IPC domain (at most 8)")
+    assert m["metadata"]["capacity"]["sets"] == 20 and m["metadata"]["capacity"]["shared_bytes"] == 13824
+    # whatever the RDMA option: an external proxy carries no routing, and needs none
+    for rdma in ("emulate", "external"):
+        m = codegen.generate(codegen_plan("ubbv2_ep16"), source_of("ubbv2_ep16"), codegen.CudaOptions(rdma=rdma)).manifest
+        assert (m["metadata"]["lowering"], m["metadata"]["exchange"]) == ("device", "collective"), rdma
+    # the default beyond one box (an external proxy): 98 sets of one home, two set words
     for name in ("ubbv2_ep32", "ubbv2_ep32_port10"):
         m = codegen.generate(codegen_plan(name), source_of(name)).manifest
-        assert m["metadata"]["lowering"] == "host", name
-        assert m["metadata"]["why"].startswith("the metadata kernels hold this plan's tables (98 token sets"), name
-        assert "external proxy (more ranks than one box), which carries no routing" in m["metadata"]["why"], name
+        assert m["options"]["rdma"] == "external", name
+        assert (m["metadata"]["lowering"], m["metadata"]["exchange"]) == ("device", "collective"), name
+        assert (m["metadata"]["capacity"]["sets"], m["metadata"]["capacity"]["set_words"]) == (98, 2), name
+    # a one-box plan may ask for the collective (the path the GPU tests run on 2 GPUs); ipc beyond a box is refused
+    m = codegen.generate(codegen_plan("h200x2_2vnode"), source_of("h200x2_2vnode"),
+                         codegen.CudaOptions(metadata_exchange="collective")).manifest
+    assert (m["metadata"]["exchange"], m["metadata"]["exchange_bytes_per_rank"]) == ("collective", 4 + 4096 * 8 * 8)
+    assert m["metadata"]["exchange_how"].endswith("asked for (`--metadata-exchange collective`)")
+    with pytest.raises(codegen.CudaCodegenError, match=r"metadata exchange 'ipc' maps every rank's gather area over "
+                                                       r"CUDA IPC, but the plan's 16 ranks span more than one CUDA "
+                                                       r"IPC domain \(at most 8\): use 'collective' or 'auto'"):
+        codegen.generate(codegen_plan("ubbv2_ep16"), source_of("ubbv2_ep16"), codegen.CudaOptions(metadata_exchange="ipc"))
+    with pytest.raises(codegen.CudaCodegenError, match="metadata exchange must be one of auto, ipc, collective, not 'nccl'"):
+        codegen.generate(codegen_plan("h200x2_2vnode"), source_of("h200x2_2vnode"),
+                         codegen.CudaOptions(metadata_exchange="nccl"))
+
+
+@pytest.mark.parametrize("rdma", ["auto", "proxy"])
+@pytest.mark.parametrize("name", ALL)
+def test_every_shipped_plan_gets_its_metadata_on_the_gpu(name, rdma):
+    """`epcc compile --target cuda` (default options, and `--rdma proxy`) of every shipped schedule:
+    direct kernels (their own metadata on the GPU: the Buffer runs them, not the table-driven
+    kernels the bundle also carries), or table-driven kernels whose tables the metadata kernels
+    write; no table-driven bundle has the host compute the layout."""
+    m = codegen.generate(codegen_plan(name), source_of(name), codegen.CudaOptions(rdma=rdma)).manifest
+    if m["lowering"] == "direct":
+        assert m["direct"]["library"] and "metadata" not in m, name
+        return
+    assert "metadata" not in {n["kind"] for n in m["not_lowered"]}, name
+    assert m["metadata"]["lowering"] == "device", (name, m["metadata"].get("why"))
+    assert m["metadata"]["exchange"] == ("ipc" if m["num_ranks"] <= 8 else "collective"), name
 
 
 def codegen_plan(name: str):

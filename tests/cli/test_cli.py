@@ -555,6 +555,25 @@ def test_rdma_options_reach_the_supa_target(capsys, tmp_path):
     assert rc == 1 and "--target supa: rdma 'proxy' (the GPU proxy path)" in err
 
 
+def test_metadata_exchange_chooses_how_the_routing_reaches_every_rank(capsys, tmp_path):
+    sched = str(Path(__file__).resolve().parents[2] / "schedules" / "h200x2_2vnode.sched")
+    rc, out, err = run(["compile", sched, "--metadata-exchange", "collective", "-o", str(tmp_path / "none")], capsys)
+    assert (rc, err) == (1, "epcc: error: --metadata-exchange collective chooses how a target's metadata kernels "
+                            "exchange the routing: add --target cuda or --target supa\n")
+    for how, want in (("auto", "ipc"), ("ipc", "ipc"), ("collective", "collective")):
+        rc, out, err = run(["compile", sched, "--target", "cuda", "--metadata-exchange", how,
+                            "-o", str(tmp_path / how)], capsys)
+        assert rc == 0, err
+        m = json.loads((tmp_path / how / "cuda" / "manifest.json").read_text())
+        assert m["metadata"]["exchange"] == want and m["options"]["metadata_exchange"] == want
+    ep16 = str(Path(__file__).resolve().parents[2] / EP16)
+    rc, out, err = run(["compile", ep16, "--target", "cuda", "--metadata-exchange", "ipc", "-o", str(tmp_path / "e")],
+                       capsys)
+    assert rc == 1 and err.endswith("epcc: error: --target cuda: metadata exchange 'ipc' maps every rank's gather "
+                                    "area over CUDA IPC, but the plan's 16 ranks span more than one CUDA IPC domain "
+                                    "(at most 8): use 'collective' or 'auto'\n"), err
+
+
 def test_proxy_tables_choose_where_the_proxy_paths_tables_come_from(capsys, tmp_path):
     sched = str(Path(__file__).resolve().parents[2] / "schedules" / "h200x2_2vnode.sched")
     rc, out, err = run(["compile", sched, "--target", "cuda", "--proxy-tables", "device", "-o", str(tmp_path / "a")],
