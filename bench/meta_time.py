@@ -1,6 +1,7 @@
 """The metadata of a table-driven bundle whose tables the GPU writes, timed alone: the routing
-exchange over peer memory and the metadata kernels that write a rank's tables of both programs
-(runtime/engines/cuda_table/meta.py), per dispatch, as a fresh routing pays them.
+exchange (over peer memory, or the group's all-gather) and the metadata kernels that write a
+rank's tables of both programs (runtime/engines/cuda_table/meta.py), per dispatch, as a fresh
+routing pays them.
 
     torchrun --standalone --nproc-per-node 2 bench/meta_time.py .gpu/bundles/h200x2_2vnode_50 [--iters 200]
 
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     w = make_weights(idx, seed=2)
     topk = torch.from_numpy(idx[rank]).to(dev)
     weights = torch.from_numpy(w[rank]).to(dev)
-    stream = torch.cuda.current_stream(dev).cuda_stream
+    stream = torch.cuda.current_stream(dev)
     times, host = [], []
 
     def once(i: int) -> None:

@@ -410,6 +410,8 @@ def built(tmp_path_factory):
             continue
         for k in b.kernels:
             jobs.append((name, k.file, d, [*NVCC_FLAGS, "-Xptxas", "-v", k.file, "-o", k.file[:-3] + ".o"]))
+        if name in ONE_DOMAIN and b.manifest.get("metadata", {}).get("lowering") == "device":
+            jobs.append((name, codegen.META_SOURCE, d, [*NVCC_FLAGS, codegen.META_SOURCE, "-o", "meta.o"]))
 
     def run(job):
         name, what, d, args = job
@@ -450,6 +452,17 @@ def test_nvcc_compiles_for_sm90a(built, name):
     bad = {f: r.stdout + r.stderr for (n, f), r in built["results"].items()
            if n == name and f != "direct" and r.returncode != 0}
     assert not bad, "\n".join(f"--- {f}\n{out}" for f, out in bad.items())
+
+
+def test_nvcc_compiles_the_metadata_driver(built):
+    """The metadata kernels' driver (templates/table_meta.cu.j2) of a one-box plan (its routing over
+    CUDA IPC) and of a plan beyond one box (the process group's all-gather between its entries)."""
+    got = {n: r for (n, f), r in built["results"].items() if f == codegen.META_SOURCE}
+    assert sorted(got) == ["h200x4_2vnode", "ubbv2_ep16"]
+    for n, r in got.items():
+        assert r.returncode == 0, f"{n}:\n{r.stdout}{r.stderr}"
+    assert (codegen.generate(plan_of("h200x4_2vnode")).manifest["metadata"]["exchange"],
+            codegen.generate(plan_of("ubbv2_ep16")).manifest["metadata"]["exchange"]) == ("ipc", "collective")
 
 
 def ptxas_report(output: str) -> dict[str, dict]:

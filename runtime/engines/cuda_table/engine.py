@@ -11,8 +11,12 @@ put there (runtime/layout/capacity.py), so buffers are mapped on the peers (CUDA
 Where do a dispatch's tables come from (the bundle's manifest, "metadata"):
 
 * "device" (the plans the metadata kernels cover: backends/cuda/codegen.py device_metadata): the
-  GPU exchanges every rank's routing over peer memory and writes this rank's tables of both
-  programs itself (meta.py), stream-ordered: no host sync, no allocation, CUDA-graph capturable.
+  GPU exchanges every rank's routing (over peer memory inside one box; by the group's all-gather,
+  exchange.py, across boxes or where the bundle was compiled `--metadata-exchange collective`)
+  and writes this rank's tables of both programs itself (meta.py), stream-ordered: no host sync,
+  no allocation, CUDA-graph capturable.  The buffers the table-driven kernels move rows between
+  are still mapped over CUDA IPC (below): a bundle runs only where every rank is in one CUDA IPC
+  domain, whatever carries the routing.
   With the GPU proxy path, its channels, rings and FIFOs are set up once, here, for every
   routing (gpu_proxy/channels.py from_placement), the metadata kernels number each RDMA chunk on
   its channel, and the proxy threads run for the Buffer's life, following what the kernels push.
@@ -172,9 +176,10 @@ class CudaTableEngine:
         self.meta = None
         if self.on_device:
             self.meta = DeviceMeta(self.lib.lib, manifest, plan, segment_program(plan), self.rank, self.device,
-                                   timeout_s, error_on_device=self.ERROR_ON_DEVICE)
-            self.area = self.lib.malloc(dev, self.meta.area_bytes)
-            handles["area"] = self.lib.ipc_handle(self.area)
+                                   timeout_s, error_on_device=self.ERROR_ON_DEVICE, group=self.group)
+            if not self.meta.collective:  # the peers write their routing into it over CUDA IPC
+                self.area = self.lib.malloc(dev, self.meta.area_bytes)
+                handles["area"] = self.lib.ipc_handle(self.area)
         everyone = self.agree.gather("the buffers' handles", handles)
 
         def peer(h: bytes, r: int, own: int) -> int:
@@ -196,7 +201,8 @@ class CudaTableEngine:
         self.output_ptr = self.own["dispatch"][names["dispatch"].index("output")]
         self.y_ptr = self.own["combine"][names["combine"].index("output")] if "combine" in self.programs else 0
         if self.meta is not None:
-            self.meta.set_areas([peer(e["area"], r, self.area) for r, e in enumerate(everyone)], self.rank)
+            if not self.meta.collective:
+                self.meta.set_areas([peer(e["area"], r, self.area) for r, e in enumerate(everyone)], self.rank)
             for p in self.programs:
                 self.ctx.use_tables(p, self.meta.blobs[p].data_ptr(), self.meta.headers[p], self.meta.blobs[p].numel())
             self.own_combine = torch.tensor(self.own.get("combine", [0]), dtype=torch.int64, device=self.device)
@@ -424,7 +430,7 @@ class CudaTableEngine:
         if sync:  # a rank held up since the arguments' round hears a peer's failure, not its dead kernels
             self.agree.heed()
         try:
-            self.meta.run(T, topk_idx, topk_weights, stream)
+            self.meta.run(T, topk_idx, topk_weights, torch.cuda.current_stream(self.device))
             if T:
                 self.input_view[:T].copy_(rows)
             self.ctx.launch_dispatch(stream)
@@ -589,7 +595,7 @@ class CudaTableEngine:
             for p in ptrs:
                 self.lib.free(p)
         self.own = {}
-        if self.meta is not None:
+        if self.meta is not None and not self.meta.collective:
             self.lib.free(self.area)
         self.ctx.close()
         self.ctx = None

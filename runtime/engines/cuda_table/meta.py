@@ -1,30 +1,34 @@
 """The metadata of a table-driven plan on the GPU (epcc_table_meta.cu): per dispatch, every
-rank's routing exchanged over peer memory and this rank's table blobs of both programs written by
+rank's routing exchanged (over peer memory inside one box, "ipc"; by the process group's all-gather
+across boxes, "collective": exchange.py) and this rank's table blobs of both programs written by
 the metadata kernels (epcc/table/meta.cuh), stream-ordered, no host round trip (CUDA-graph
 capturable).  The blobs are placed (placement.py) and stay where they are: the launcher is told
 once where they lie (Context.use_tables).
 
 `DeviceMeta` holds what one rank needs: the encoded metadata program (meta_program.py), the
 blobs' templates and the blobs (and, for the GPU proxy path, each RDMA item's sequence number on
-its channel, which the kernels write beside them), the scratch, this rank's gather area (peer memory every rank
-maps, allocated by the caller with the launcher library's malloc), the exchange's epoch, an
-error word the kernels write before they give up, and what a dispatch returns of the received
-rows (their weights, experts, the rows per local expert).
+its channel, which the kernels write beside them), the scratch, this rank's gather area (ipc: peer memory every
+rank maps, allocated by the caller with the launcher library's malloc; collective: its own, a
+tensor), the exchange's epoch, an error word the kernels write before they give up, and what a
+dispatch returns of the received rows (their weights, experts, the rows per local expert).
 """
 
 from __future__ import annotations
 
 import ctypes
 
+import torch
+
 from epcc.plan.segments import SegmentProgram
 from ..base import EngineError
 from epcc.backends.cuda.meta_program import MetaProgram, encode
 from epcc.backends.cuda.placement import Placement, placement, template
 
+from .exchange import all_gather_slots, area_regions
 from .tables import PROGRAMS
 
 MAX_RANKS = 64
-META_ABI = 2  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
+META_ABI = 3  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
 LAYOUT_WORDS = 20  # meta.cuh kLayout: the scratch's regions
 
 
@@ -33,7 +37,7 @@ class _Exchange(ctypes.Structure):
                 ("weights", ctypes.c_uint64), ("epoch", ctypes.c_uint64), ("error", ctypes.c_uint64),
                 ("timeout_ns", ctypes.c_uint64), ("rank", ctypes.c_int), ("num_ranks", ctypes.c_int),
                 ("max_tokens", ctypes.c_int), ("k", ctypes.c_int), ("tokens", ctypes.c_int),
-                ("topk_int32", ctypes.c_int)]
+                ("topk_int32", ctypes.c_int), ("collective", ctypes.c_int)]
 
 
 class _Args(ctypes.Structure):  # epcc::meta::Args
@@ -61,8 +65,8 @@ def bind(lib: ctypes.CDLL) -> None:
     if abi() != META_ABI:
         raise EngineError(f"the bundle's metadata kernels have ABI {abi()}, this runtime needs {META_ABI}: "
                           f"recompile the bundle with this epcc")
-    lib.epcc_table_meta.argtypes = [ctypes.POINTER(_Meta), ctypes.c_uint64]
-    lib.epcc_table_meta.restype = ctypes.c_int
+    for entry in (lib.epcc_table_meta, lib.epcc_table_meta_gather, lib.epcc_table_meta_tables):
+        entry.argtypes, entry.restype = [ctypes.POINTER(_Meta), ctypes.c_uint64], ctypes.c_int
     lib.epcc_table_meta_zero.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]
     lib.epcc_table_meta_zero.restype = ctypes.c_int
     lib.epcc_table_meta_copy_rows.argtypes = [ctypes.c_uint64] * 5
@@ -95,12 +99,12 @@ def program_of(manifest: dict, plan, prog: SegmentProgram, rank: int) -> tuple[M
 
 class DeviceMeta:
     """One rank's metadata on the GPU (see the module docstring).  Device memory comes from torch
-    (on the current device) except the gather area, which the caller allocates and maps on peers."""
+    (on the current device) except, with the exchange over CUDA IPC, the gather area, which the
+    caller allocates and maps on peers (set_areas); with the collective exchange (`group`: the
+    Buffer's process group) the area is this rank's own tensor, made here."""
 
     def __init__(self, lib, manifest: dict, plan, prog: SegmentProgram, rank: int, device, timeout_s: float,
-                 error_on_device: bool = False):
-        import torch  # the engines run under torch on the GPU machine
-
+                 error_on_device: bool = False, group=None):
         self.lib, self.rank, self.device = lib, rank, device
         bind(lib)
         if lib.epcc_table_meta_load() != 0:  # not behind a running kernel
@@ -139,6 +143,16 @@ class DeviceMeta:
         self.timeout_ns = int(timeout_s * 1e9)
         self.areas: list[int] = []
         self.own_area = 0
+        self.collective = manifest["metadata"].get("exchange") == "collective"
+        self.group = group
+        if self.collective:  # no peer maps it: the group's all-gather fills the others' slots
+            if group is None:
+                raise EngineError("the bundle's metadata exchange is the process group's collective: DeviceMeta "
+                                  "needs the group")
+            self.area = torch.zeros(self.area_bytes, dtype=torch.uint8, device=device)
+            self.regions = area_regions(self.area, R, wl.tokens, wl.topk, self.off_tokens, self.off_topk,
+                                        self.off_weights)
+            self.set_areas([self.area.data_ptr() if r == rank else 0 for r in range(R)], rank)
 
     def set_areas(self, areas: list[int], rank: int) -> None:
         """Every rank's gather area as mapped here (this rank's own at `rank`); the launch
@@ -148,17 +162,27 @@ class DeviceMeta:
         self.areas, self.own_area = list(areas), areas[rank]
         self.args = self._args()
 
-    def run(self, tokens: int, topk_idx, topk_weights, stream: int) -> None:
-        """The exchange and the metadata kernels of one dispatch, on `stream` (no host sync)."""
-        import torch  # see __init__
-
+    def run(self, tokens: int, topk_idx, topk_weights, stream) -> None:
+        """The exchange and the metadata kernels of one dispatch, on `stream` (a torch.cuda.Stream),
+        no host sync: over CUDA IPC in one entry; collective: this rank's slot, the group's
+        all-gathers on `stream`, then the metadata kernels."""
         m = self.args
         x = m.exchange
         x.routing = topk_idx.data_ptr() if tokens else 0
         x.weights = topk_weights.data_ptr() if (topk_weights is not None and tokens) else 0
         x.tokens = tokens
         x.topk_int32 = int(topk_idx.dtype == torch.int32)
-        if self.lib.epcc_table_meta(ctypes.byref(m), stream) != 0:
+        s = stream.cuda_stream
+        if not self.collective:
+            self._check(self.lib.epcc_table_meta(ctypes.byref(m), s))
+            return
+        self._check(self.lib.epcc_table_meta_gather(ctypes.byref(m), s))
+        with torch.cuda.stream(stream):
+            all_gather_slots(self.regions, self.rank, self.group)
+        self._check(self.lib.epcc_table_meta_tables(ctypes.byref(m), s))
+
+    def _check(self, rc: int) -> None:
+        if rc != 0:
             raise EngineError(f"metadata kernels: {self.lib.epcc_table_meta_error().decode(errors='replace')}")
 
     def copy_rows(self, dst: int, src: int, row_bytes: int, stream: int) -> None:
@@ -177,6 +201,7 @@ class DeviceMeta:
         x.error = self.error.data_ptr()
         x.timeout_ns = self.timeout_ns
         x.rank, x.num_ranks, x.max_tokens, x.k = self.rank, self.R, self.T, self.K
+        x.collective = int(self.collective)
         a = m.args
         a.prog = self.prog.data_ptr()
         a.scratch = self.scratch.data_ptr()
