@@ -540,15 +540,7 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
                                f"'external' with --target {target.name}")
     if opts.rdma == "auto":
         opts = replace(opts, rdma="emulate" if plan.num_ranks <= ONE_IPC_DOMAIN_RANKS else "external")
-    if opts.metadata_exchange not in METADATA_EXCHANGES:
-        raise CudaCodegenError(f"metadata exchange must be one of {', '.join(METADATA_EXCHANGES)}, "
-                               f"not {opts.metadata_exchange!r}")
-    if opts.metadata_exchange == "auto":
-        opts = replace(opts, metadata_exchange="ipc" if plan.num_ranks <= ONE_IPC_DOMAIN_RANKS else "collective")
-    if opts.metadata_exchange == "ipc" and plan.num_ranks > ONE_IPC_DOMAIN_RANKS:
-        raise CudaCodegenError(f"metadata exchange 'ipc' maps every rank's gather area over CUDA IPC, but the "
-                               f"plan's {plan.num_ranks} ranks span more than one CUDA IPC domain (at most "
-                               f"{ONE_IPC_DOMAIN_RANKS}): use 'collective' or 'auto'")
+    opts = replace(opts, metadata_exchange=metadata_exchange(plan, opts.metadata_exchange))
     if plan.workload is None:
         raise CudaCodegenError("the plan has no workload (compiled by an older epcc?): recompile it")
     if not plan.kernels:
@@ -771,6 +763,20 @@ def device_metadata(plan: Plan, manifest: dict, target: Target = CUDA) -> dict:
             "kernels": ["gather_copy", *signal, "meta_count", "meta_scan", "meta_rows", "meta_items",
                         "zero_partials"], "blocks": blocks,
             "capacity": {**{f: getattr(cap, f) for f in CAPACITY_FIELDS}, "shared_bytes": shared_bytes(cap)}}
+
+
+def metadata_exchange(plan: Plan, how: str) -> str:
+    """CudaOptions.metadata_exchange resolved for `plan` ("ipc" or "collective"); CudaCodegenError
+    where the plan cannot have it."""
+    if how not in METADATA_EXCHANGES:
+        raise CudaCodegenError(f"metadata exchange must be one of {', '.join(METADATA_EXCHANGES)}, not {how!r}")
+    if how == "auto":
+        return "ipc" if plan.num_ranks <= ONE_IPC_DOMAIN_RANKS else "collective"
+    if how == "ipc" and plan.num_ranks > ONE_IPC_DOMAIN_RANKS:
+        raise CudaCodegenError(f"metadata exchange 'ipc' maps every rank's gather area over CUDA IPC, but the "
+                               f"plan's {plan.num_ranks} ranks span more than one CUDA IPC domain (at most "
+                               f"{ONE_IPC_DOMAIN_RANKS}): use 'collective' or 'auto'")
+    return how
 
 
 def exchange_bytes(plan: Plan) -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from ..backends.cuda.codegen import CudaCodegenError, CudaOptions
+from ..backends.cuda.codegen import METADATA_EXCHANGES, CudaCodegenError, CudaOptions
+from ..backends.cuda.codegen import metadata_exchange as check_exchange
 from ..backends.cuda.codegen import generate as generate_cuda
 from ..files import refuse_overwrite
 from ..plan import Plan
@@ -38,6 +39,10 @@ def add_parser(sub) -> None:
     c.add_argument("--proxy-tables", choices=("device", "host"), default=None,
                    help="with --rdma proxy, as `epcc compile --proxy-tables`: device (default: the metadata kernels "
                         "run before the dispatch) or host (the tables laid out on the host: no metadata kernels)")
+    c.add_argument("--metadata-exchange", choices=METADATA_EXCHANGES, default="auto",
+                   help="as `epcc compile --metadata-exchange`: how the metadata kernels' routing reaches every "
+                        "rank, ipc (CUDA IPC, one box) or collective (the process group's all-gather); auto (the "
+                        "default): ipc up to 8 ranks, else collective")
     kernel_options(c)
     c.set_defaults(func=cmd_simulate)
 
@@ -71,7 +76,8 @@ def simulation(args, options):
             flag = "--kernels direct" if kernels == "direct" else "--sms"
             raise user_error(f"{flag}: the CUDA target does not lower {args.file} to direct kernels: {why}")
     try:
-        metadata = table_metadata(built.plan, rdma, tables != "host") if direct is None else None
+        exchange = getattr(args, "metadata_exchange", "auto")
+        metadata = table_metadata(built.plan, rdma, tables != "host", exchange) if direct is None else None
         res = simulate(built.plan, SimOptions(rdma_proxy=rdma == "proxy", direct=direct, metadata=metadata,
                                               calls=metadata is not None))
     except SimulationError as e:
@@ -79,14 +85,21 @@ def simulation(args, options):
     return built, res
 
 
-def table_metadata(plan: Plan, rdma: str, proxy_device_tables: bool = True) -> DeviceMetadata | None:
+def table_metadata(plan: Plan, rdma: str, proxy_device_tables: bool = True,
+                   metadata_exchange: str = "auto") -> DeviceMetadata | None:
     """The metadata kernels the CUDA target's table-driven bundle of `plan` runs before each dispatch
-    (its manifest's "metadata", as `epcc compile --target cuda --rdma RDMA [--proxy-tables host]`
-    writes it where the plan has RDMA steps, and with the default --rdma where it has none: the
-    option then only says whether the plan leaves one box), or None where it runs none (direct
-    kernels; the host lays the routing out; a plan the backend cannot lower)."""
+    (its manifest's "metadata", as `epcc compile --target cuda --rdma RDMA [--proxy-tables host]
+    [--metadata-exchange HOW]` writes it where the plan has RDMA steps, and with the default --rdma
+    where it has none: the option then only says whether the plan leaves one box), or None where it
+    runs none (direct kernels; the host lays the routing out; a plan the backend cannot lower).  A
+    metadata exchange the plan cannot have (ipc beyond one box) is a user error."""
     try:
-        options = CudaOptions(rdma=rdma if rdma_steps(plan) else "auto", proxy_device_tables=proxy_device_tables)
+        check_exchange(plan, metadata_exchange)
+    except CudaCodegenError as e:
+        raise user_error(f"--metadata-exchange {metadata_exchange}: {e}") from None
+    try:
+        options = CudaOptions(rdma=rdma if rdma_steps(plan) else "auto", proxy_device_tables=proxy_device_tables,
+                              metadata_exchange=metadata_exchange)
         manifest = generate_cuda(plan, options=options).manifest
     except CudaCodegenError:
         return None

@@ -25,6 +25,7 @@ class DeviceMetadata:
     rows_blocks: int
     items_blocks: int
     steps: tuple[tuple[str, str], ...] = ()
+    exchange: str = "ipc"  # how the routing reaches every rank: "ipc" or "collective" (the group's all-gather)
 
 
 @dataclass

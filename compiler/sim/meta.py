@@ -9,13 +9,22 @@ kernel launches, from the manifest) turns the term on; the plan's metadata steps
 work the kernels do, then cost nothing of their own.  The combine has no metadata: the dispatch's
 kernels wrote both programs' tables.  Per dispatch, in seconds:
 
-* exchange: `gather_copy` writes the rank's top-k (T x K x 8 bytes: int32 expert, fp32 weight) into
-  every peer's gather area, zeroes a scratch and restores the tables' static fields, GATHER_S plus
-  the bytes over the plan's link between ranks (the fastest `p2p` link, else the fastest other
-  link between ranks: the 2-vnode plans declare only their RDMA-class link, which bounds it from
-  above); a link of per-GPU ports carries the rank's copies to all R - 1 peers, a link of GPU
-  pairs one copy per pair;  `gather_signal_wait` waits for every peer's flag, SIGNAL_S (one round
-  trip; more where the ranks arrive apart, which the model does not know);
+* exchange over CUDA IPC (the manifest's metadata "exchange": "ipc", one box): `gather_copy`
+  writes the rank's top-k (T x K x 8 bytes: int32 expert, fp32 weight) into every peer's gather
+  area, zeroes a scratch and restores the tables' static fields, GATHER_S plus the bytes over the
+  plan's link between ranks (the fastest `p2p` link, else the fastest other link between ranks:
+  the 2-vnode plans declare only their RDMA-class link, which bounds it from above); a link of
+  per-GPU ports carries the rank's copies to all R - 1 peers, a link of GPU pairs one copy per
+  pair;  `gather_signal_wait` waits for every peer's flag, SIGNAL_S (one round trip; more where
+  the ranks arrive apart, which the model does not know);
+* exchange by the process group's all-gather ("collective": ranks in several boxes):
+  `gather_copy` writes the rank's own slot only, GATHER_S; then three ring all-gathers (counts,
+  experts, weights) in which every rank receives the R - 1 other slots (4 + T x K x 8 bytes
+  each): the B - 1 of its own box over the plan's link inside a box (as above), the R - B of the
+  other boxes over the slowest link between boxes (its slowest `rdma` link; a plan without one,
+  its slowest link between ranks), B the ranks of the largest box (`boxes`: the ranks the plan's
+  `p2p` and `d2d` flows join); plus each all-gather's latency in NCCL's own cost model
+  (ring_latency);
 * `meta_count`, one block per (home rank, 128-token block): PASS_S + waves x COUNT_WAVE_S;
 * `meta_scan`, one block whatever the plan: SCAN_S;
 * `meta_rows`, one block per (part, 128-token block) and per (home rank, 128-token block):
@@ -61,6 +70,13 @@ GATHER_S = MEASURED_US["gather_copy"] * 1e-6 - _CAL_BYTES / _CAL_BPS
 SIGNAL_S = MEASURED_US["gather_signal_wait"] * 1e-6
 GAP_S = (MEASURED_WHOLE_US - sum(MEASURED_US.values())) * 1e-6 / len(MEASURED_US)
 
+# NCCL's cost model of a ring all-gather (src/graph/tuning.cc, ncclTopoTuneModel: the latency of
+# R - 1 steps, nodes - 1 of them over the network), in us: (base, per step inside a node, per step
+# between nodes) for the LL protocol (small messages: the counts) and Simple (the top-k, the
+# weights).  Not measured here: the one-box 2-GPU runs of tests/gpu are the first check.
+NCCL_RING_US = {"LL": (3.6, 0.47, 2.7), "Simple": (8.4, 3.4, 9.6)}
+NCCL_LL_NODES_FACTOR = 1.8  # LL's per-step latency inside a node where there are several nodes
+
 
 def from_manifest(metadata: dict | None, where: str = "manifest.json") -> DeviceMetadata | None:
     """The DeviceMetadata of a CUDA manifest's "metadata" entry; None where the bundle has no
@@ -74,7 +90,11 @@ def from_manifest(metadata: dict | None, where: str = "manifest.json") -> Device
         raise SimulationError(f"{where}: the metadata kernels' blocks are not recorded (\"metadata\": {{\"blocks\": "
                               f"{{{', '.join(keys)}}}}}): recompile the bundle")
     steps = tuple((str(s["program"]), str(s["step"])) for s in metadata.get("steps", []))
-    return DeviceMetadata(blocks["meta_count"], blocks["meta_rows"], blocks["meta_items"], steps)
+    exchange = metadata.get("exchange", "ipc")  # a bundle compiled before the choice: over CUDA IPC
+    if exchange not in ("ipc", "collective"):
+        raise SimulationError(f"{where}: the metadata exchange {exchange!r} is none this epcc knows (ipc, "
+                              f"collective): recompile the bundle")
+    return DeviceMetadata(blocks["meta_count"], blocks["meta_rows"], blocks["meta_items"], steps, exchange)
 
 
 def exchange_link(plan: Plan) -> tuple[str | None, float, bool]:
@@ -94,20 +114,88 @@ def exchange_link(plan: Plan) -> tuple[str | None, float, bool]:
     return name, best[1], ports
 
 
+def boxes(plan: Plan) -> list[list[int]]:
+    """The plan's boxes: its ranks grouped by the flows over box-internal links (`p2p`, `d2d`)
+    that join them, largest first (a rank no such flow reaches is a box of its own: the 2-vnode
+    plans' virtual nodes, joined by an RDMA-class link only)."""
+    parent = list(range(plan.num_ranks))
+
+    def root(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    for s in plan.steps:
+        if s.link_kind in ("p2p", "d2d"):
+            for f in s.flows:
+                parent[root(f.src)] = root(f.dst)
+    out: dict[int, list[int]] = {}
+    for r in range(plan.num_ranks):
+        out.setdefault(root(r), []).append(r)
+    return sorted(out.values(), key=lambda b: (-len(b), b[0]))
+
+
+def between_boxes_link(plan: Plan) -> tuple[str | None, float]:
+    """(the link the collective's bytes from other boxes are charged to, its rate in bytes/s): the
+    slowest `rdma` link the plan's steps use, else its slowest link between ranks; (None, 0)
+    where it has none."""
+    kinds = {s.link: s.link_kind for s in plan.steps if s.link and s.link_kind not in (None, "local")}
+    rdma = [n for n, k in kinds.items() if k == "rdma"] or list(kinds)
+    slowest: tuple[float, str] | None = None
+    for name in rdma:
+        caps = [c for r, c in plan.resources.items() if r.startswith(f"link:{name}:")]
+        if caps and (slowest is None or min(caps) < slowest[0]):
+            slowest = (min(caps), name)
+    return (None, 0.0) if slowest is None else (slowest[1], slowest[0])
+
+
+def ring_latency(num_ranks: int, boxes: int, protocol: str) -> float:
+    """Seconds of one ring all-gather's latency over `num_ranks` ranks in `boxes` boxes, as NCCL's
+    tuning model counts it (NCCL_RING_US)."""
+    base, intra, inter = NCCL_RING_US[protocol]
+    if boxes > 1 and protocol == "LL":
+        intra *= NCCL_LL_NODES_FACTOR
+    steps, between = num_ranks - 1, boxes - 1
+    return (base + (steps - between) * intra + between * inter) * 1e-6
+
+
+def collective_terms(plan: Plan) -> tuple[float, float]:
+    """(transfer, latency) seconds of the collective exchange (module docstring)."""
+    wl = plan.workload
+    R = plan.num_ranks
+    if R < 2:
+        return 0.0, 0.0
+    slot = 4 + wl.tokens * wl.topk * 8
+    groups = boxes(plan)
+    in_box = len(groups[0])
+    _, intra_bps, _ = exchange_link(plan)
+    _, inter_bps = between_boxes_link(plan)
+    transfer = ((in_box - 1) * slot / intra_bps if intra_bps > 0 else 0.0) + \
+        ((R - in_box) * slot / inter_bps if inter_bps > 0 else 0.0)
+    latency = ring_latency(R, len(groups), "LL") + 2 * ring_latency(R, len(groups), "Simple")
+    return transfer, latency
+
+
 def metadata_terms(plan: Plan, meta: DeviceMetadata) -> dict[str, float]:
     """Seconds of each part of the metadata before a dispatch (module docstring), in launch order:
-    gather, transfer, signal, count, scan, rows, items, gaps."""
+    gather, transfer, signal (over CUDA IPC) or collective (the group's all-gathers' latency),
+    count, scan, rows, items, gaps."""
     wl = plan.workload
     if wl is None:
         raise SimulationError("the plan has no workload: the metadata kernels' exchange has no size")
-    _, bps, ports = exchange_link(plan)
-    per_peer = wl.tokens * wl.topk * 8
-    moved = per_peer * (plan.num_ranks - 1 if ports else 1) if plan.num_ranks > 1 else 0
-    launches = 5 + (1 if meta.items_blocks else 0)
+    if meta.exchange == "collective":
+        transfer, wait = collective_terms(plan)
+        launches = 4 + (1 if meta.items_blocks else 0)  # the all-gathers' launches are in their latency
+        exchange = {"gather": GATHER_S, "transfer": transfer, "collective": wait}
+    else:
+        _, bps, ports = exchange_link(plan)
+        per_peer = wl.tokens * wl.topk * 8
+        moved = per_peer * (plan.num_ranks - 1 if ports else 1) if plan.num_ranks > 1 else 0
+        launches = 5 + (1 if meta.items_blocks else 0)
+        exchange = {"gather": GATHER_S, "transfer": moved / bps if bps > 0 else 0.0, "signal": SIGNAL_S}
     return {
-        "gather": GATHER_S,
-        "transfer": moved / bps if bps > 0 else 0.0,
-        "signal": SIGNAL_S,
+        **exchange,
         "count": PASS_S + waves(meta.count_blocks) * COUNT_WAVE_S,
         "scan": SCAN_S,
         "rows": PASS_S + waves(meta.rows_blocks) * ROWS_WAVE_S,
@@ -116,4 +204,5 @@ def metadata_terms(plan: Plan, meta: DeviceMetadata) -> dict[str, float]:
     }
 
 
-__all__ = ["from_manifest", "exchange_link", "metadata_terms", "waves"]
+__all__ = ["between_boxes_link", "boxes", "collective_terms", "from_manifest", "exchange_link", "metadata_terms",
+           "ring_latency", "waves"]

@@ -245,7 +245,7 @@ def simulate(plan: Plan, opts: SimOptions | None = None) -> SimResult:
         m = opts.metadata
         model = {**model, "text": model["text"] + "; metadata kernels on the GPU before the dispatch (sim/meta.py)",
                  "metadata": {"blocks": {"meta_count": m.count_blocks, "meta_rows": m.rows_blocks,
-                                         "meta_items": m.items_blocks},
+                                         "meta_items": m.items_blocks}, "exchange": m.exchange,
                               "steps": [f"{p}.{s}" for p, s in m.steps]}}
     calls = call_terms(plan, GAP_S) if opts.calls and opts.direct is None else {}
     plan, launches, metadata = with_sm_model(plan, opts)

@@ -17,7 +17,8 @@ from epcc.passes import PassOptions
 from epcc.sim import SimOptions, SimulationError, simulate
 from epcc.sim.base import DeviceMetadata
 from epcc.sim.build import build_plan
-from epcc.sim.meta import MEASURED_US, MEASURED_WHOLE_US, exchange_link, from_manifest, metadata_terms, waves
+from epcc.sim.meta import (MEASURED_US, MEASURED_WHOLE_US, between_boxes_link, boxes, exchange_link, from_manifest,
+                           metadata_terms, ring_latency, waves)
 
 REPO = Path(__file__).resolve().parents[2]
 VNODE2 = str(REPO / "schedules" / "h200x2_2vnode.sched")
@@ -103,9 +104,44 @@ def test_zero_without_metadata_kernels():
     # the GPU proxy path with host-built tables (`--proxy-tables host`); by default it has them
     assert table_metadata(_plan(VNODE2), "proxy", proxy_device_tables=False) is None
     assert table_metadata(_plan(VNODE2), "proxy") is not None
-    # beyond one box the host lays the routing out (a plan without RDMA steps, as compiled by default)
+    # beyond one box the metadata kernels too, the routing all-gathered by the process group
     ep16 = _plan(str(REPO / "schedules" / "ubbv2_ep16.sched"))
-    assert table_metadata(ep16, "proxy") is None and table_metadata(ep16, "emulate") is None
+    assert table_metadata(ep16, "proxy").exchange == table_metadata(ep16, "emulate").exchange == "collective"
+
+
+def test_the_collective_exchange_is_charged_by_box():
+    """Beyond one box (ubbv2_ep32: 2 nodes of 16 dies, joined by the NIC): every rank receives the
+    31 other slots (count and T x K x 8 bytes), 15 over the link inside a box (the fastest p2p:
+    blink), 16 over the slowest link between boxes (the NIC); three ring all-gathers' latency as
+    NCCL's model counts it; no signal kernel."""
+    plan = _plan(str(REPO / "schedules" / "ubbv2_ep32.sched"))
+    meta = table_metadata(plan, "proxy")
+    assert meta.exchange == "collective"
+    t = metadata_terms(plan, meta)
+    assert list(t) == ["gather", "transfer", "collective", "count", "scan", "rows", "items", "gaps"]
+    wl = plan.workload
+    slot = 4 + wl.tokens * wl.topk * 8
+    assert [b[0] for b in boxes(plan)] == [0, 16] and [len(b) for b in boxes(plan)] == [16, 16]
+    assert (exchange_link(plan)[:2], between_boxes_link(plan)) == (("blink", 20e9), ("nic", 10.4e9))
+    assert t["transfer"] == pytest.approx(15 * slot / 20e9 + 16 * slot / 10.4e9)
+    ll = (3.6 + 30 * 0.47 * 1.8 + 1 * 2.7) * 1e-6
+    simple = (8.4 + 30 * 3.4 + 1 * 9.6) * 1e-6
+    assert ring_latency(32, 2, "LL") == pytest.approx(ll) and ring_latency(32, 2, "Simple") == pytest.approx(simple)
+    assert t["collective"] == pytest.approx(ll + 2 * simple)
+    ipc = metadata_terms(plan, dataclasses.replace(meta, exchange="ipc"))
+    assert t["gaps"] == pytest.approx(ipc["gaps"] * 5 / 6)  # no gather_signal_wait launch
+    # the 2-vnode plan that asks for the collective (the 2-GPU runs of tests/gpu): two virtual nodes
+    # joined by its one link, as the exchange over CUDA IPC is charged
+    two = _plan(VNODE2)
+    t2 = metadata_terms(two, table_metadata(two, "emulate", metadata_exchange="collective"))
+    assert boxes(two) == [[0], [1]]
+    assert t2["transfer"] == pytest.approx((4 + 4096 * 8 * 8) / 50e9)
+    assert t2["collective"] == pytest.approx((3.6 + 2.7 + 2 * (8.4 + 9.6)) * 1e-6)  # one step, between the two
+    # 16 dies of one node (ubbv2_ep16: no RDMA-class link): one box, every slot over blink
+    ep16 = _plan(str(REPO / "schedules" / "ubbv2_ep16.sched"))
+    assert [len(b) for b in boxes(ep16)] == [16] and between_boxes_link(ep16) == ("blink", 20e9)
+    t16 = metadata_terms(ep16, table_metadata(ep16, "proxy"))
+    assert t16["transfer"] == pytest.approx(15 * (4 + ep16.workload.tokens * ep16.workload.topk * 8) / 20e9)
 
 
 def test_the_manifest_entry_is_read_or_refused():
@@ -113,7 +149,10 @@ def test_the_manifest_entry_is_read_or_refused():
     assert from_manifest({"lowering": "host", "why": "x"}) is None
     entry = {"lowering": "device", "blocks": {"meta_count": 64, "meta_rows": 256, "meta_items": 0},
              "steps": [{"program": "dispatch", "step": "meta"}]}
-    assert from_manifest(entry) == DeviceMetadata(64, 256, 0, (("dispatch", "meta"),))
+    assert from_manifest(entry) == DeviceMetadata(64, 256, 0, (("dispatch", "meta"),))  # before the choice: ipc
+    assert from_manifest({**entry, "exchange": "collective"}).exchange == "collective"
+    with pytest.raises(SimulationError, match="the metadata exchange 'nvshmem' is none this epcc knows"):
+        from_manifest({**entry, "exchange": "nvshmem"})
     # no meta_items launch where the plan has no copy: five launches, not six
     plan = _plan(VNODE2)
     t = metadata_terms(plan, from_manifest(entry))
@@ -143,7 +182,7 @@ def test_epcc_simulate_reports_the_term(capsys, gpu_bundles, tmp_path):
     assert d["programs"]["combine"]["metadata_us"] == {}
     assert d["programs"]["combine"]["launch_ms"] == pytest.approx(sum(combine_calls.values()) / 1e3)
     assert d["model"]["sm"]["metadata"] == {"blocks": {"meta_count": 64, "meta_rows": 256, "meta_items": 6},
-                                            "steps": ["dispatch.meta"]}
+                                            "exchange": "ipc", "steps": ["dispatch.meta"]}
     code, out, err = run(["simulate", src, "--json", "--rdma", "proxy", "--proxy-tables", "host"], capsys)
     assert code == 0 and json.loads(out)["programs"]["dispatch"]["metadata_us"] == {}
     assert "metadata" not in json.loads(out)["model"]["sm"]
@@ -151,6 +190,17 @@ def test_epcc_simulate_reports_the_term(capsys, gpu_bundles, tmp_path):
     assert code == 0 and list(json.loads(out)["programs"]["dispatch"]["metadata_us"]) == list(parts)
     code, out, err = run(["simulate", src, "--rdma", "emulate", "--proxy-tables", "host"], capsys)
     assert (code, err) == (1, "epcc: error: --proxy-tables host is for the GPU proxy path: use it with --rdma proxy\n")
+    code, out, err = run(["simulate", src, "--json", "--rdma", "emulate", "--metadata-exchange", "collective"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    assert list(d["programs"]["dispatch"]["metadata_us"]) == ["gather", "transfer", "collective", "count", "scan",
+                                                              "rows", "items", "gaps"]
+    assert d["model"]["sm"]["metadata"]["exchange"] == "collective"
+    ep16 = str(REPO / "schedules" / "ubbv2_ep16.sched")
+    code, out, err = run(["simulate", ep16, "--metadata-exchange", "ipc"], capsys)
+    assert (code, out) == (1, "") and err == ("epcc: error: --metadata-exchange ipc: metadata exchange 'ipc' maps every "
+                                              "rank's gather area over CUDA IPC, but the plan's 16 ranks span more than "
+                                              "one CUDA IPC domain (at most 8): use 'collective' or 'auto'\n")
     code, out, err = run(["simulate", str(gpu_bundles.ep2_source(tmp_path)), "--json"], capsys)
     assert code == 0 and json.loads(out)["programs"]["dispatch"]["metadata_us"] == {}
     code, out, err = run(["simulate", src, "--rdma", "emulate"], capsys)
