@@ -21,7 +21,9 @@ h200x2_2vnode_relay (two, over one link) and h200x2_2vnode_mixed (two, over link
 25 GB/s).  Each also as `NAME_proxy` (`--rdma proxy --proxy-tables host`: the RDMA steps through the
 GPU proxy path, tables laid out on the host per routing, as the bench's proxy timings were taken),
 and h200x2_2vnode_50 and h200x4_2vnode_50 as `NAME_proxy_dev` (the proxy path with its tables
-written on the GPU, `--rdma proxy`'s default: tests/gpu/proxy_worker.py).
+written on the GPU, `--rdma proxy`'s default: tests/gpu/proxy_worker.py).  h200x2_2vnode_50 also as
+`h200x2_2vnode_50_collective` (`--metadata-exchange collective`: the metadata kernels' routing
+all-gathered by the process group, the exchange of plans beyond one box, on one box of 2 GPUs).
 
 SUPA bundles (`--target supa`; test_gpu.py runs them through the SUPA-on-CUDA shim): supa_h200x4
 and supa_h200x2 (the one-hop plan, which the SUPA target lowers to the table-driven kernels),
@@ -152,6 +154,9 @@ def engine_source(out_dir: Path, name: str) -> Path:
 # the GPU proxy path with its tables from the GPU (`--proxy-tables device`, the default), on 2 and 4
 # GPUs (tests/gpu/proxy_worker.py)
 PROXY_DEVICE_VARIANTS = ["h200x2_2vnode_50", "h200x4_2vnode_50"]
+# the metadata kernels' routing through the process group's all-gather, as across boxes, on one box
+# (`--metadata-exchange collective`; test_gpu.py test_collective_metadata_exchange)
+COLLECTIVE_VARIANTS = ["h200x2_2vnode_50"]
 
 
 def build(epcc: Path, out: Path, name: str, src: Path, extra: list[str], compile_extra: tuple[str, ...] = (),
@@ -193,6 +198,10 @@ def main(argv: list[str]) -> int:
     for name in PROXY_DEVICE_VARIANTS:  # the proxy path with its tables written on the GPU (the default)
         if not build(epcc, out, f"{name}_proxy_dev", rdma_source(out, name), ["--proxy-tables", "device"],
                      ("--rdma", "proxy")):
+            return 1
+    for name in COLLECTIVE_VARIANTS:
+        if not build(epcc, out, f"{name}_collective", rdma_source(out, name), ["--metadata-exchange", "collective"],
+                     rdma="emulate"):
             return 1
     for name, base in SUPA_VARIANTS.items():
         if base in VARIANTS:

@@ -86,6 +86,9 @@ CASES = {  # GPUs -> bundles (tests/gpu/bundles.py writes them): one-hop (the di
     2: ["h200x2", "h200x2_fp8", "h200x2_t128", "h200x2_tok", "h200x2_tok_fp8", "h200x2_tok_t128", "h200x2_2vnode_50",
         "h200x2_2vnode_50_proxy", "h200x2_2vnode_relay_50_proxy", "h200x2_2vnode_mixed_50_proxy"],
 }
+# the metadata kernels' routing all-gathered by the process group (`--metadata-exchange collective`,
+# the exchange of plans beyond one box) on one box of 2 GPUs (tests/gpu/bundles.py COLLECTIVE_VARIANTS)
+COLLECTIVE = ["h200x2_2vnode_50_collective"]
 SHARED = (4, 2)  # the EP4 bundles' 4 ranks on 2 GPUs (the CUDA ones where fewer than 4 are present; the SUPA ones always)
 UNEVEN = {  # GPUs -> bundles whose ranks dispatch different numbers of tokens (uneven_worker.py)
     4: ["h200x4_t128", "h200x4"],
@@ -165,6 +168,23 @@ def test_ep_worker_all_ok(gpus):
     assert r.returncode == 0 and "ALL OK" in r.stdout, \
         f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
     # the worker's summary (shown by `pytest -rA`): what ran where
+    print("\n".join(line for line in r.stdout.splitlines() if "GPU checks" in line or line.startswith("bundle")))
+
+
+def test_collective_metadata_exchange():
+    """A 2-rank plan whose metadata kernels get every rank's routing from the process group's
+    all-gather (NCCL) instead of CUDA IPC, through Buffer against the oracle (ep_worker.py): fresh
+    routings on every call, uneven token counts with a rank of none, the low-latency mode and a
+    CUDA graph of it (the all-gathers captured), and the GPU's tables byte for byte the host's."""
+    why = _why_not(2, COLLECTIVE)
+    if why:
+        pytest.skip(why)
+    for b in COLLECTIVE:  # the bundle runs the collective, not the exchange over CUDA IPC
+        m = json.loads((BUNDLES / b / "cuda" / "manifest.json").read_text(encoding="utf-8"))
+        assert (m["metadata"]["lowering"], m["metadata"]["exchange"]) == ("device", "collective"), b
+    cmd, r = _torchrun(2, WORKER, [str(BUNDLES / b) for b in COLLECTIVE])
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "ALL OK" in r.stdout, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
     print("\n".join(line for line in r.stdout.splitlines() if "GPU checks" in line or line.startswith("bundle")))
 
 
