@@ -47,7 +47,7 @@ import torch.distributed as dist
 from ..plan import bundle as bundle_io
 from ..runtime.buffer import Buffer as RuntimeBuffer
 from ..runtime.engines.agree import Agreement
-from ..runtime.engines.tensors import FP8_GROUP
+from ..runtime.engines.tensors import FP8_GROUP, check_dtype_shape
 from . import bundles as bsel
 from .utils import Config, EventOverlap, stream_event
 
@@ -93,11 +93,7 @@ def _int(fn: str, name: str, v, least: int = 0) -> int:
 def _tensor(fn: str, name: str, t, dtypes: tuple, shape: tuple, device: torch.device | None = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, not {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{fn}: {name} must be {' or '.join(str(d) for d in dtypes)}, not {t.dtype}")
-    if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{fn}: {name} must have shape {want}, got {list(t.shape)}")
+    check_dtype_shape(fn, name, t, shape, dtypes)
     if device is not None and t.device != device:
         raise ValueError(f"{fn}: {name} is on {t.device}, x on {device}")
     return t
