@@ -143,6 +143,11 @@ class PlanStep:
     def total_bytes(self) -> float:
         return sum(f.bytes for f in self.flows)
 
+    def effective_engine(self, link: Any, default: str = "sm") -> str:
+        """The engine the step runs on: engine-selection's choice, else its link's engine (`link`:
+        the topology's link it goes over, None for a step without one), else `default`."""
+        return self.engine or (link.engine if link is not None else default)
+
     def max_rank_bytes(self) -> float:
         per: dict[int, float] = {}
         for f in self.flows:
