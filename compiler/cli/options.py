@@ -37,6 +37,11 @@ def kernel_options(c: argparse.ArgumentParser, only: str = "") -> None:
     c.add_argument("--sms", metavar="N",
                    help=only + "with the direct kernels: SMs per program (default: the push step's `sms`, as the "
                         "CUDA target's default configuration)")
+    c.add_argument("--dealing", choices=("round-robin", "free"), default=None,
+                   help=only + "with the table-driven kernels: how each role's chunks go to its blocks, round-robin "
+                        "(what the kernels do, the default: block b takes items b, b + N, ... and publishes each "
+                        "in order before its next) or free (each item to the block free first, which does not wait "
+                        "to publish: a kernel change, to see what it would gain)")
 
 
 def positive(text, flag: str, expected: str, too_small: str, most: int | None = None) -> int | None:

@@ -17,6 +17,8 @@ from ..sim.build import build_plan
 from ..sim.gantt import write_svg
 from ..sim.meta import from_manifest
 from ..sim.report import table, to_dict
+from ..runtime.layout import LayoutError, compute_layout
+from ..runtime.testing.inputs import make_topk
 from .common import EXIT_OK, inputs_of, say, say_lines, user_error, warn
 from .options import kernel_options, pass_options, plan_options, positive
 
@@ -75,14 +77,38 @@ def simulation(args, options):
         if direct is None and (kernels == "direct" or sms is not None):
             flag = "--kernels direct" if kernels == "direct" else "--sms"
             raise user_error(f"{flag}: the CUDA target does not lower {args.file} to direct kernels: {why}")
+    dealing = getattr(args, "dealing", None)
+    if dealing is not None and direct is not None:
+        raise user_error(f"--dealing {dealing}: the table-driven kernels' blocks; {args.file} runs as direct kernels "
+                         f"(use --kernels table)")
+    layout = block_layout(built.plan, options.routing) if direct is None and built.plan.sm_rates else None
     try:
         exchange = getattr(args, "metadata_exchange", "auto")
         metadata = table_metadata(built.plan, rdma, tables != "host", exchange) if direct is None else None
         res = simulate(built.plan, SimOptions(rdma_proxy=rdma == "proxy", direct=direct, metadata=metadata,
-                                              calls=metadata is not None))
+                                              calls=metadata is not None, layout=layout,
+                                              dealing=dealing or "round-robin"))
     except SimulationError as e:
         raise user_error(f"{args.file}: cannot simulate the plan: {e}") from None
     return built, res
+
+
+def block_layout(plan: Plan, routing: str | None):
+    """The layout the per-block model deals each role's chunks from (sim/blocks.py): `plan` laid out
+    for one routing drawn from `routing` (uniform, zipf:S: sampled with seed 0, as ep_bench draws
+    its routing; FILE.npy: the file's), or None, with a warning, where the plan cannot be laid out
+    (the fluid model alone then)."""
+    wl = plan.workload
+    if wl is None:
+        return None
+    try:
+        topk = make_topk(routing or "uniform", plan.num_ranks, wl.tokens, wl.topk, wl.experts, wl.placement,
+                         seed=0).topk_idx
+        return compute_layout(plan, topk)
+    except (LayoutError, ValueError) as e:
+        say(f"warning: the roles' blocks are not modelled (no layout of the plan: {e}); the fluid model alone",
+            err=True)
+        return None
 
 
 def table_metadata(plan: Plan, rdma: str, proxy_device_tables: bool = True,

@@ -46,7 +46,8 @@ import torch.distributed as dist
 
 from ..plan import bundle as bundle_io
 from ..runtime.buffer import Buffer as RuntimeBuffer
-from ..runtime.engines.tensors import FP8_GROUP
+from ..runtime.engines.agree import Agreement
+from ..runtime.engines.tensors import FP8_GROUP, check_dtype_shape
 from . import bundles as bsel
 from .utils import Config, EventOverlap, stream_event
 
@@ -92,11 +93,7 @@ def _int(fn: str, name: str, v, least: int = 0) -> int:
 def _tensor(fn: str, name: str, t, dtypes: tuple, shape: tuple, device: torch.device | None = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, not {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{fn}: {name} must be {' or '.join(str(d) for d in dtypes)}, not {t.dtype}")
-    if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{fn}: {name} must have shape {want}, got {list(t.shape)}")
+    check_dtype_shape(fn, name, t, shape, dtypes)
     if device is not None and t.device != device:
         raise ValueError(f"{fn}: {name} is on {t.device}, x on {device}")
     return t
@@ -183,6 +180,9 @@ class Buffer:
         self.bundle_dirs = bsel.bundle_dirs(bundles)
         self._found: tuple[list[bsel.Candidate], list[str]] | None = None  # the scan, made on first need
         self._compiled: list[bsel.Candidate] = []
+        # the rounds of a compile (rank 0 compiles, the others wait for it), made with the Buffer:
+        # every rank makes its agreements in the same order
+        self._agree = Agreement.for_group(self.group, timeout_s) if self.compile_missing else None
         self._inner: dict[tuple[str, int], RuntimeBuffer] = {}
         self._last: dict[tuple[str, int], Any] = {}  # inner Buffer -> the handle of its last dispatch
         self._destroyed = False
@@ -515,9 +515,7 @@ class Buffer:
         except bsel.NoBundle:
             if not self.compile_missing:
                 raise
-            path = bsel.compile_for(shape, sms or Buffer.num_sms, self.backend)
-            self._compiled.append(bsel.candidate(path))
-            chosen = self._compiled[-1]
+            chosen = self._compile(shape, sms or Buffer.num_sms)
         key = (str(chosen.path), sms)
         if key not in self._inner:
             with _torch_defaults():
@@ -525,6 +523,24 @@ class Buffer:
                                                  timeout_s=self.timeout_s,
                                                  config=launch_config(chosen.path, sms, self.backend))
         return key, self._inner[key]
+
+    def _compile(self, shape: bsel.Shape, sms: int) -> bsel.Candidate:
+        """The bundle for `shape`, compiled once for the group: rank 0 compiles while the others
+        wait for it at a round (up to bsel.COMPILE_S and the Buffer's timeout), then every rank
+        loads it.  Where the compile (or a rank's load) fails, every rank raises the same
+        GroupError, with the compiler's message, as soon as it is known."""
+        agree = self._agree
+        assert agree is not None  # made in __init__ with compile_missing
+        with agree.call("the compile of a missing bundle", numbered=False):
+            path = str(bsel.compile_for(shape, sms, self.backend)) if self.rank == 0 else None
+            path = agree.gather("rank 0's compile", path, timeout_s=bsel.COMPILE_S + self.timeout_s)[0]
+            try:
+                got, error = bsel.candidate(Path(path)), None
+            except (bsel.BundleError, OSError) as e:
+                got, error = None, e
+            agree.verdicts("the compiled bundle's load", error)
+        self._compiled.append(got)
+        return got
 
 
 def _no_low_latency(fn: str) -> str:

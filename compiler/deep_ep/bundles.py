@@ -10,10 +10,11 @@ the same gathered shape, so every rank takes the same bundle.
 
 Bundle directories come from Buffer's `bundles` argument or from $EPCC_DEEP_EP_BUNDLES (paths
 separated by os.pathsep); each is a bundle (`epcc compile -o DIR`) or holds bundles one level
-down.  Where none serves and the compiler can run here (MLIR importable), Buffer may compile one
-(opt-in: `compile_missing=True` or $EPCC_DEEP_EP_COMPILE=1): a one-hop NVLink schedule for the
-shape, written by `one_hop_schedule`, compiled by `epcc compile` in a subprocess into a
-temporary directory of this process.
+down.  Where none serves, Buffer may compile one (opt-in: `compile_missing=True` or
+$EPCC_DEEP_EP_COMPILE=1): a one-hop NVLink schedule for the shape, written by `one_hop_schedule`,
+compiled by `epcc compile` in a subprocess (`compile_for`, bounded by COMPILE_S) into a temporary
+directory.  Rank 0 of the group compiles, where the compiler can run (MLIR importable), and the
+other ranks load what it wrote (intranode: they share its node); buffer.py makes that one compile.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from ..plan.bundle import BundleError
 
 BUNDLES_ENV = "EPCC_DEEP_EP_BUNDLES"
 COMPILE_ENV = "EPCC_DEEP_EP_COMPILE"
+#: The longest a compile of a missing bundle may take (the other ranks wait this long for it, and then
+#: the Buffer's timeout).
+COMPILE_S = 600.0
 
 
 class NoBundle(BundleError):
@@ -191,8 +195,9 @@ combine reverse of dispatch
 """
 
 
-def compile_for(shape: Shape, sms: int, backend: str) -> Path:
-    """A bundle for `shape` compiled now into a temporary directory (`epcc compile` in a subprocess)."""
+def compile_for(shape: Shape, sms: int, backend: str, timeout_s: float = COMPILE_S) -> Path:
+    """A bundle for `shape` compiled now into a temporary directory (`epcc compile` in a subprocess,
+    given up after `timeout_s`); NoBundle with the compiler's message where it fails."""
     if not can_compile():
         raise NoBundle("epcc.deep_ep: cannot compile a bundle here: the compiler's MLIR bindings are not importable "
                        "(compile bundles where they are and pass their directory)")
@@ -202,7 +207,11 @@ def compile_for(shape: Shape, sms: int, backend: str) -> Path:
     out = work / "bundle"
     cmd = [sys.executable, "-m", "epcc.cli", "compile", str(src), "--target", "cuda" if backend == "cuda" else "none",
            "-o", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise NoBundle(f"epcc.deep_ep: compiling a bundle for {shape.describe()} did not finish within "
+                       f"{timeout_s:g} s") from None
     if res.returncode != 0:
         raise NoBundle(f"epcc.deep_ep: compiling a bundle for {shape.describe()} failed:\n{res.stdout}{res.stderr}")
     return out

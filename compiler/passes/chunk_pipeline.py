@@ -245,7 +245,7 @@ class ChunkPipeline(Pass):
     def _ramp(plan: Plan, ps: PlanStep, given: model.Step | None, bpt: int, link: model.LinkInfo | None) -> None:
         """ramp_head / ramp_tail of a chunked SM role (module docstring), and its chunk count;
         `given` is the file's step (a reverse step's: the dispatch step it returns)."""
-        engine = ps.engine or (link.engine if link is not None else "sm")
+        engine = ps.effective_engine(link)
         if ps.link_kind == "rdma" or engine not in THREAD_ENGINES or not ps.chunk_bytes:
             return
         tokens = int(ps.chunk_bytes // bpt)

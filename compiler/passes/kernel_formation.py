@@ -62,11 +62,6 @@ META_SMS = 2  # counting and exchanging counts is latency-bound: a couple of SMs
 PROXY_MAX_SMS = 16  # blocks of a GPU proxy path's pack or unpack role at most (at least: rates.PROXY_MIN_SMS)
 
 
-def step_engine(ps: PlanStep, links) -> str:
-    """The engine a step runs on: engine-selection's choice, else its link's."""
-    return ps.engine or (links[ps.link].engine if ps.link in links else "sm")
-
-
 def card_dies(topo: model.Topology) -> tuple[list[int] | None, str]:
     """(each rank's other die on its card, or None, and then why not): the ranks are the dies of
     two-die cards when the architecture has two dies per card and the innermost level, the rank's,
@@ -159,7 +154,7 @@ class KernelFormation(Pass):
             times = step_times(ctx, program)
             groups: dict[str, list[PlanStep]] = {"meta": [], "kernel": [], "proxy": [], "dma": []}
             for s in steps:
-                engine = step_engine(s, links)
+                engine = s.effective_engine(links.get(s.link))
                 if s.verb == "exchange":
                     groups["meta"].append(s)
                 elif s.link_kind == "rdma" or engine in ("nic", "proxy"):
@@ -181,7 +176,7 @@ class KernelFormation(Pass):
                     sms = {}
                 at = 0
                 for s in members:
-                    engine = step_engine(s, links)
+                    engine = s.effective_engine(links.get(s.link))
                     ds_verb = sched.dispatch.step(s.reverse_of).verb if s.reverse_of else None
                     n_sm = sms.get(s.name, 0)
                     pack, unpack = proxy_sms(plan, s) if kind == "proxy" else (0, 0)

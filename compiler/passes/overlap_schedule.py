@@ -104,8 +104,7 @@ class OverlapSchedule(Pass):
             for s in steps:
                 if s.name not in ops:
                     continue
-                engine = s.engine or (links[s.link].engine if s.link in links else
-                                      ("host" if s.verb == "exchange" else "sm"))
+                engine = s.effective_engine(links.get(s.link), "host" if s.verb == "exchange" else "sm")
                 query.annotate(ops[s.name], "order", {
                     "priority": s.priority,
                     "est_start_us": round(starts[s.name] * 1e6, 3),

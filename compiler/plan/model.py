@@ -67,6 +67,16 @@ def chunk_sizes(tokens: int, tokens_per_chunk: int | None, head: int = 0, tail: 
     return front + [tokens_per_chunk] * whole + ([rest] if rest else []) + back
 
 
+def item_order(chunks_per_copy: list[int]) -> list[tuple[int, int]]:
+    """The order a table-driven role processes its (copy, chunk) items in: chunk-major, interleaving
+    the copies by progress (`(c + 0.5) / n`), so every destination sees its first chunks early and
+    the consumers downstream start pipelining at once.  Blocks take items round-robin (the host's
+    tables, the metadata kernels' meta_items and the simulator's per-block model, sim/blocks.py)."""
+    items = [(ci, c) for ci, n in enumerate(chunks_per_copy) for c in range(n)]
+    items.sort(key=lambda it: ((it[1] + 0.5) / chunks_per_copy[it[0]], it[0]))
+    return items
+
+
 @dataclass
 class Flow:
     """Bytes one executing rank moves from `src` to `dst` in one step."""
@@ -142,6 +152,11 @@ class PlanStep:
     @property
     def total_bytes(self) -> float:
         return sum(f.bytes for f in self.flows)
+
+    def effective_engine(self, link: Any, default: str = "sm") -> str:
+        """The engine the step runs on: engine-selection's choice, else its link's engine (`link`:
+        the topology's link it goes over, None for a step without one), else `default`."""
+        return self.engine or (link.engine if link is not None else default)
 
     def max_rank_bytes(self) -> float:
         per: dict[int, float] = {}

@@ -15,6 +15,10 @@ rank and program among all its steps, and start each program after its kernel la
 target lowers the plan to direct kernels.  Where the table-driven kernels' tables are written on
 the GPU per dispatch, `SimOptions.metadata` starts the dispatch after those metadata kernels
 (sim/meta.py); `epcc simulate` sets it from the CUDA target's manifest.
+With `SimOptions.layout` (a layout of the plan, which `epcc simulate` builds), the table-driven
+roles' chunks are also dealt to their blocks as the kernels deal them, each block a serial
+timeline at the per-SM rate, and each role's flows held until its blocks publish their last chunk
+(sim/blocks.py; `SimOptions.dealing`).
 
 Rates.  Between two events every rate is constant; at every event the rates of all moving flows
 are recomputed by progressive filling: all unfrozen flows rise together, a resource that fills up

@@ -4,6 +4,7 @@ and the tolerance of its arithmetic."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..plan import DirectKernels
 
@@ -49,6 +50,12 @@ class SimOptions:
     # buffer; the expert outputs in, the partials cleared, the result converted), in each program's
     # time.  `epcc simulate` sets it with `metadata` (the bundles whose Buffer runs them).
     calls: bool = False
+    # The table-driven kernels' blocks (sim/blocks.py): a layout of the plan (runtime/layout's
+    # Layout, or anything with its `copies`) whose chunks the roles' blocks take one by one, dealt
+    # as `dealing` says (round-robin: as the kernels deal them; free: to the block free first);
+    # None: the fluid model alone.  `epcc simulate` lays out one routing drawn for the plan.
+    layout: Any = None
+    dealing: str = "round-robin"
 
 
 @dataclass

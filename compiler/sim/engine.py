@@ -25,8 +25,13 @@ from .gates import Gates
 
 class _Engine:
     def __init__(self, steps: list[PlanStep], resources: dict[str, float], opts: SimOptions,
-                 known_elsewhere: set[str] = frozenset(), start_s: float = 0.0):
+                 known_elsewhere: set[str] = frozenset(), start_s: float = 0.0,
+                 holds: dict[tuple[int, int], float] | None = None, trace_flows: bool = False):
+        """`holds`: (step index, flow index in the step) -> the time before which that flow is not
+        done (its last byte moved, it waits; sim/blocks.py: the role's blocks publish its last chunk
+        then).  `trace_flows`: keep every flow's moved bytes per event (flow_crossing)."""
         self.steps = steps
+        self.trace_flows = trace_flows
         self.opts = opts
         self.start_s = float(start_s)  # the program's first steps become ready then (kernel launches)
         ns = len(steps)
@@ -50,11 +55,17 @@ class _Engine:
         # Flows.  Zero-byte flows over resources move nothing and are dropped; flows without
         # resources are latency-only (a metadata exchange without a link).
         fl: list[tuple[int, Flow]] = []
+        self.flow_at: dict[tuple[int, int], int] = {}  # (step index, flow index in the step) -> flow
         for si, s in enumerate(steps):
-            for f in s.flows:
+            for fi, f in enumerate(s.flows):
                 if f.bytes > 0 or not f.resources:
+                    self.flow_at[(si, fi)] = len(fl)
                     fl.append((si, f))
         self.nf = len(fl)
+        self.f_hold = np.full(self.nf, -INF)
+        for key, t in (holds or {}).items():
+            if key in self.flow_at:
+                self.f_hold[self.flow_at[key]] = t
         self.f_step = np.array([si for si, _ in fl], dtype=np.int64)
         self.f_bytes = np.array([f.bytes if f.resources else 0.0 for _, f in fl], dtype=float)
         self.f_src = np.array([f.src for _, f in fl], dtype=np.int64)
@@ -185,6 +196,8 @@ class _Engine:
         lead_end = np.zeros(nf)  # a flow moves no byte before (its step ready + Flow.lead_s)
         res_bytes = np.zeros(self.nr)
         res_active = np.zeros(self.nr)
+        f_done = np.full(nf, np.nan)
+        trace_f: list[np.ndarray] = []
         flows_of = [np.flatnonzero(self.f_step == i) for i in range(ns)]
         trace_t: list[float] = []
         trace_m: list[np.ndarray] = []
@@ -211,10 +224,11 @@ class _Engine:
                         nores = fs[self.f_nores[fs] | (self.f_bytes[fs] <= 0)]
                         if nores.size:
                             f_state[nores] = 2
-                            tail_end[nores] = now + self.f_lat[nores]
+                            tail_end[nores] = np.maximum(now + self.f_lat[nores], self.f_hold[nores])
                             start_t[i] = now
-                            done_now = nores[self.f_lat[nores] <= 0]
+                            done_now = nores[tail_end[nores] <= now]
                             f_state[done_now] = 3
+                            f_done[done_now] = now
                         if (f_state[fs] == 3).all():
                             step_state[i] = 2
                             end_t[i] = now
@@ -319,9 +333,10 @@ class _Engine:
             if fin.any():
                 moved[fin] = self.f_bytes[fin]
                 f_state[fin] = 2
-                tail_end[fin] = t + self.f_lat[fin]
+                tail_end[fin] = np.maximum(t + self.f_lat[fin], self.f_hold[fin])
             tdone = (f_state == 2) & (tail_end <= t + REL * max(t, 1e-9))
             f_state[tdone] = 3
+            f_done[tdone] = t
             # Steps done.
             changed = False
             for i in range(ns):
@@ -335,6 +350,8 @@ class _Engine:
                 start_ready_steps(t)
             trace_t.append(t)
             trace_m.append(np.bincount(self.f_step, weights=moved, minlength=ns) if nf else np.zeros(ns))
+            if self.trace_flows:
+                trace_f.append(moved.copy())
 
         for i in range(ns):
             if np.isnan(start_t[i]):
@@ -342,9 +359,29 @@ class _Engine:
         self.ready_t, self.start_t, self.end_t = ready_t, start_t, end_t
         self.res_bytes, self.res_active = res_bytes, res_active
         self.events = events
+        f_done[np.isnan(f_done)] = self.start_s  # flows done when their step became ready (nothing to move)
+        self.f_done = f_done
+        self.trace_f = np.vstack([np.zeros(nf)] + trace_f) if trace_f else None
         self.trace_t = np.array([self.start_s] + trace_t)
         self.trace_m = np.vstack([np.zeros(ns)] + trace_m) if trace_m else np.zeros((1, ns))
         return self
+
+    def flow_crossing(self, f: int, frac: float) -> float:
+        """When flow f had moved `frac` of its bytes (its end, latency and hold included, at 1;
+        the program's start at 0).  Needs trace_flows."""
+        if frac >= 1.0 - REL:
+            return float(self.f_done[f])
+        if frac <= 0.0 or self.f_bytes[f] <= 0:
+            return self.start_s
+        m = self.trace_f[:, f] / self.f_bytes[f]
+        j = int(np.searchsorted(m, frac - REL))
+        if j >= len(m):
+            return float(self.f_done[f])
+        if j == 0:
+            return float(self.trace_t[0])
+        m0, m1 = m[j - 1], m[j]
+        t0, t1 = self.trace_t[j - 1], self.trace_t[j]
+        return float(t0 + (t1 - t0) * ((frac - m0) / (m1 - m0) if m1 > m0 else 1.0))
 
     def chunk_times(self, i: int) -> list[float]:
         """Times at which step i's moved bytes cross k/num_chunks (k = 1..n-1)."""

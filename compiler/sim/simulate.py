@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ..plan import Plan, PlanStep
 from .direct import describe, with_direct_pool
 from .base import DeviceMetadata, ResourceStat, SimOptions, StepTiming
+from .blocks import block_roles, schedule_roles
 from .engine import _Engine, program_steps, step_alone
 from .calls import call_terms
 from .meta import GAP_S, metadata_terms
@@ -158,8 +159,20 @@ def link_class_of(resource: str, steps_using: list[PlanStep]) -> tuple[str, str 
 
 def simulate_program(plan: Plan, program: str, steps: list[PlanStep], opts: SimOptions,
                      other_names: set[str], launch_s: float = 0.0,
-                     metadata: dict[str, float] | None = None, calls: dict[str, float] | None = None) -> ProgramResult:
-    eng = _Engine(steps, plan.resources, opts, other_names, start_s=launch_s).run()
+                     metadata: dict[str, float] | None = None, calls: dict[str, float] | None = None,
+                     roles: dict[tuple[str, str], tuple[int, float]] | None = None) -> ProgramResult:
+    """One program's simulation; with `roles` (sim/blocks.py block_roles) and opts.layout, its
+    roles' blocks timed over each fluid run and the flows held until their blocks publish their
+    last chunk, run again until the holds stay (at most once per step)."""
+    timed = bool(roles) and opts.layout is not None and any((s.program, s.name) in roles for s in steps)
+    eng = _Engine(steps, plan.resources, opts, other_names, start_s=launch_s, trace_flows=timed).run()
+    holds: dict[tuple[int, int], float] = {}
+    for _ in range(len(steps) if timed else 0):
+        new, _ = schedule_roles(steps, eng, opts.layout.copies, roles, opts.dealing)
+        if new.keys() == holds.keys() and all(abs(new[k] - holds[k]) <= 1e-12 for k in new):
+            break
+        holds = new
+        eng = _Engine(steps, plan.resources, opts, other_names, start_s=launch_s, holds=holds, trace_flows=True).run()
     timings: list[StepTiming] = []
     for i, s in enumerate(steps):
         timings.append(StepTiming(
@@ -248,6 +261,10 @@ def simulate(plan: Plan, opts: SimOptions | None = None) -> SimResult:
                                          "meta_items": m.items_blocks}, "exchange": m.exchange,
                               "steps": [f"{p}.{s}" for p, s in m.steps]}}
     calls = call_terms(plan, GAP_S) if opts.calls and opts.direct is None else {}
+    roles = block_roles(plan, opts.rdma_proxy) if opts.direct is None and opts.layout is not None else {}
+    if roles:
+        model = {**model, "text": model["text"] + f"; each role's chunks dealt {opts.dealing} to its blocks "
+                                                  f"(sim/blocks.py)", "dealing": opts.dealing}
     plan, launches, metadata = with_sm_model(plan, opts)
     for p, parts in calls.items():  # the copies run in stream order with the kernels: before or after, time added
         launches[p] = launches.get(p, 0.0) + sum(parts.values())
@@ -257,7 +274,7 @@ def simulate(plan: Plan, opts: SimOptions | None = None) -> SimResult:
     for p in order:
         others = {s.name for q, ss in progs.items() if q != p for s in ss}
         res.programs[p] = simulate_program(plan, p, progs[p], opts, others, launches.get(p, 0.0), metadata.get(p),
-                                           calls.get(p))
+                                           calls.get(p), roles)
     return res
 
 

@@ -103,7 +103,7 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
         work = work_of(s, rates)
         n = sms.get((s.program, s.name), 0)
         step_chunk = _role_chunk(s, expand)
-        per_byte = _sm_bytes_per_flow_byte(s, expand)
+        per_byte = sm_bytes_per_flow_byte(s, expand)
         atomics = _atomics(plan, s, rdma_proxy)
         post_s = plan.post_s.get(s.link or "", 0.0)
         channels = Counter(f.src for f in s.flows if f.resources and f.bytes > 0)  # per sending rank
@@ -183,7 +183,7 @@ def _role_chunk(s: PlanStep, expand: float) -> float:
     return (s.chunk_bytes or 0.0) * (expand if s.rows and _touches_output(s) else 1.0)
 
 
-def _sm_bytes_per_flow_byte(s: PlanStep, expand: float) -> float:
+def sm_bytes_per_flow_byte(s: PlanStep, expand: float) -> float:
     """Bytes an SM moves per byte of the step's flows: a send or pull into or out of `output`
     whose flows count one copy per token still writes (dispatch) or reads (combine) every expert
     row of it in the role kernels, `expand` rows; everything else moves what the flows count."""
@@ -222,7 +222,7 @@ def _little_lags(plan: Plan, steps: list[PlanStep], resources: dict[str, float],
             out.append(s)
             continue
         chunk = _role_chunk(s, expand)
-        per_byte = _sm_bytes_per_flow_byte(s, expand)
+        per_byte = sm_bytes_per_flow_byte(s, expand)
         lag = 0.0
         t = floor((s.program, s.name))
         for f in s.flows:
@@ -233,4 +233,4 @@ def _little_lags(plan: Plan, steps: list[PlanStep], resources: dict[str, float],
     return dataclasses.replace(plan, steps=out, resources=resources)
 
 
-__all__ = ["first_chunk", "with_sm_terms"]
+__all__ = ["first_chunk", "sm_bytes_per_flow_byte", "with_sm_terms"]

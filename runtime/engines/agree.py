@@ -333,17 +333,17 @@ class Agreement:
         answers a wait when the keys are set; other stores (a FileStore's wait sleeps in whole
         seconds) are polled."""
         try:
-            if self.store.check(keys):
-                return True
-            if self._served:
+            if self._served:  # no check first: a wait for keys already set returns at once (one trip, not two)
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
+                if left <= 0:  # no time to wait (a failed rank's grace of 0): what is there already
+                    return bool(self.store.check(keys))
                 try:
                     self.store.wait(keys, timedelta(seconds=left))
                     return True
                 except Exception:  # noqa: BLE001 - a timeout, or a store gone: the check below tells
                     return bool(self.store.check(keys))
+            if self.store.check(keys):
+                return True
             pause = 0.0001
             while True:
                 now = time.monotonic()

@@ -21,6 +21,7 @@ within the timeout and a few seconds, each reporting the same message naming tha
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import multiprocessing as mp
 import os
@@ -212,8 +213,6 @@ def _libfabric_ready(lib_path) -> None:
     scans /proc/kallsyms at that point), work that grows with the rank count and, 32 ranks on two
     cores, was most of the kernel time of a run.  fi_getinfo without hints does it and opens
     nothing (no fabric, no thread); its answer is freed at once."""
-    import ctypes
-
     lib = ctypes.CDLL(str(lib_path))  # the proxy library: libfabric is among its dependencies
     info = ctypes.c_void_p()
     lib.fi_getinfo.argtypes = [ctypes.c_uint32, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint64,

@@ -35,13 +35,18 @@ def check_tensor(fn: str, arg: str, t, shape: tuple, dtypes: tuple, device: torc
         raise ValueError(f"{fn}: {arg} is on {t.device}; the cpu backend needs CPU tensors")
     if device is not None and t.device != device:
         raise ValueError(f"{fn}: {arg} is on {t.device}; this Buffer runs on {device}")
+    check_dtype_shape(fn, arg, t, shape, dtypes)
+    if device is not None and not t.is_contiguous():
+        raise ValueError(f"{fn}: {arg} must be contiguous")
+
+
+def check_dtype_shape(fn: str, arg: str, t: torch.Tensor, shape: tuple, dtypes: tuple) -> None:
+    """A tensor's dtype one of `dtypes` (TypeError) and its shape `shape`, None: any size (ValueError)."""
     if t.dtype not in dtypes:
         raise TypeError(f"{fn}: {arg} must be {' or '.join(str(d) for d in dtypes)}, not {t.dtype}")
     if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise ValueError(f"{fn}: {arg} must have shape {want}, got {list(t.shape)}")
-    if device is not None and not t.is_contiguous():
-        raise ValueError(f"{fn}: {arg} must be contiguous")
 
 
 def check_topk_idx(fn: str, topk_idx, topk: int, experts: int, backend: str, tokens: int | None = None) -> np.ndarray:

@@ -9,9 +9,11 @@ own test against the module is tests/gpu (it needs CUDA).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -300,6 +302,80 @@ def test_a_missing_bundle_is_compiled_on_request(tmp_path):
     got = bsel.candidate(out)
     assert not got.misses(shape, "cpu") and got.topk == 2 and got.layout == "token"
     assert "sms 8" in (out.parent / "deep_ep.sched").read_text(encoding="utf-8")
+
+
+def _compile_worker(rank: int, ranks: int, tokens: int, bundles: str, store: str, result_dir: str) -> None:
+    """A dispatch no bundle in `bundles` serves, with compile_missing: what this rank compiled,
+    what it got or raised, and when."""
+    path = Path(result_dir) / f"rank{rank}.json"
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=ranks)
+        compiles = []
+        real = bsel.compile_for
+
+        def counted(*args, **kwargs):
+            compiles.append(args[0])
+            return real(*args, **kwargs)
+
+        bsel.compile_for = counted
+        T, H, K, E = tokens, SHAPE["hidden"], SHAPE["topk"], SHAPE["experts"]
+        buffer = deep_ep.Buffer(dist.new_group(list(range(ranks))), 0, bundles=bundles, backend="cpu",
+                                compile_missing=True, timeout_s=30.0)
+        topk_idx = _routing(rank, ranks, T, K, E) if T else torch.zeros((0, K), dtype=torch.int64)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+        x = torch.ones((T, H), dtype=torch.bfloat16) * rank
+        out: dict = {}
+        try:
+            recv_x, _, _, _, handle, _ = buffer.dispatch(
+                x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=topk_idx, topk_weights=torch.ones((T, K), dtype=torch.float32))
+            want = torch.cat([torch.full((c, H), s, dtype=torch.bfloat16) for s, c in enumerate(handle.recv_counts)])
+            out.update(bundle=next(iter(handle.inner))[0], rows_ok=bool(torch.equal(recv_x, want)))
+        except Exception as e:  # noqa: BLE001 - the test compares what every rank raised
+            out.update(error=str(e), type=type(e).__name__, at=time.time())
+        out["compiles"] = len(compiles)
+        buffer.destroy()
+        dist.destroy_process_group()
+        path.write_text(json.dumps(out))
+    except BaseException:
+        path.write_text(json.dumps({"crash": traceback.format_exc()}))
+
+
+def _spawn_compile(tmp_path: Path, ranks: int, tokens: int) -> list[dict]:
+    (tmp_path / "none").mkdir()
+    results = tmp_path / "results"
+    results.mkdir()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_compile_worker, args=(ranks, tokens, str(tmp_path / "none"), str(tmp_path / "store"), str(results)),
+             nprocs=ranks, join=True)
+    got = [json.loads((results / f"rank{r}.json").read_text()) for r in range(ranks)]
+    for r, g in enumerate(got):
+        assert "crash" not in g, f"rank {r}:\n{g['crash']}"
+    return got
+
+
+@pytest.mark.skipif(not bsel.can_compile(), reason="compiling needs the MLIR bindings")
+def test_a_missing_bundle_is_compiled_once_for_the_group(tmp_path):
+    """compile_missing over 2 ranks: rank 0 compiles, rank 1 loads what it wrote, and both dispatch."""
+    got = _spawn_compile(tmp_path, 2, SHAPE["tokens"])
+    assert [g["compiles"] for g in got] == [1, 0], got
+    assert "error" not in got[0] and "error" not in got[1], got
+    assert got[0]["bundle"] == got[1]["bundle"] and all(g["rows_ok"] for g in got), got
+
+
+@pytest.mark.skipif(not bsel.can_compile(), reason="compiling needs the MLIR bindings")
+def test_a_failed_compile_fails_every_rank_at_once_with_its_message(tmp_path):
+    """No rank has a token: the compiler refuses the schedule (tokens per rank must be at least 1).
+    Rank 0's compile fails; rank 1, which waits for it, raises the same error within seconds, not
+    at its timeout (the compile's bound and the Buffer's, 630 s)."""
+    got = _spawn_compile(tmp_path, 2, 0)
+    assert [g["compiles"] for g in got] == [1, 0], got
+    assert got[0]["type"] == got[1]["type"] == "GroupValueError", got
+    assert got[0]["error"] == got[1]["error"], got
+    assert got[0]["error"].startswith("the compile of a missing bundle failed on rank 0: epcc.deep_ep: compiling a "
+                                      "bundle for 2 ranks"), got[0]["error"]
+    assert "error: tokens per rank must be at least 1" in got[0]["error"], got[0]["error"]
+    assert abs(got[0]["at"] - got[1]["at"]) < 10, got
 
 
 def test_configuration_and_refusals():

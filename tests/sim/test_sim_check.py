@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from epcc.costmodel.rates import FP32_ADD_PER_FLOW_BYTE, GATHER_ROWS, RED_BPS, red_bytes_per_flow_byte
 from epcc.plan import Flow, Plan, PlanStep
+from epcc.runtime.layout import compute_layout
 from epcc.sim import SimOptions, simulate
+from epcc.sim.blocks import block_roles, schedule_roles
 from epcc.sim.build import build_plan
 from epcc.sim.calls import COPY_EFFICIENCY, call_bytes, call_terms, local_rate, staged_tokens
 from epcc.sim.meta import GAP_S
@@ -23,16 +27,21 @@ from epcc.sim.sm_terms import with_sm_terms
 REPO = Path(__file__).resolve().parents[2]
 RAW = sorted((REPO / "results" / "raw").glob("*.json"))
 
+T128 = ("direct kernels at 128 tokens, 2 x H100: measured 0.037 ms, where 2 x H200 measured 0.033 (2026-11-23, "
+        "test_direct_measured: the model's 0.033); the role timeline (send from the metadata flags to the last warp) "
+        "is 19-23 us against the model's 13 us, the time before it 14-17 us against its 20 (launch, metadata pass, "
+        "exchange): the split is off on both GPUs and the H200 figures predate the H100 kernels, so neither the GPU "
+        "kind nor a code change can be named as the cause")
+
 # (report, bundle, program) -> why the model misses it by more than 10 % (the test fails once it does not)
 KNOWN_MISSES = {
-    ("2026-11-26_2xH100_ep_bench.json", "h200x2_t128", "dispatch"):
-        "direct kernels at 128 tokens: launch-bound, the direct model's fixed costs (test_direct_measured: 15 %)",
-    ("2026-11-26_2xH100_ep_bench_76c2fc7.json", "h200x2_t128", "dispatch"):
-        "direct kernels at 128 tokens: launch-bound, the direct model's fixed costs (test_direct_measured: 15 %)",
+    ("2026-11-26_2xH100_ep_bench.json", "h200x2_t128", "dispatch"): T128,
+    ("2026-11-26_2xH100_ep_bench_76c2fc7.json", "h200x2_t128", "dispatch"): T128,
     ("2026-11-26_4xH100_ep_bench_b.json", "h200x4_fp8", "dispatch"):
-        "direct kernels, fp8 on H100: the kernel ends 10 % after the model (rates fitted on H200)",
-    ("2026-11-26_4xH100_ep_bench_b.json", "h200x4_ubb2x2_50", "dispatch"):
-        "the final permute ends 0.36 ms after far_twin where the model has 0.09 ms (role timeline)",
+        "direct kernels, fp8, 4 x H100: NVLink-bound in the model (82.4 MB per rank at 279 GB/s); the kernel moved "
+        "it at 244 GB/s (timeline end 0.338 ms), where the bf16 kernel of the same run moved 160 MB at 263 and NCCL's "
+        "all_to_all 279 (fp8) and 293 GB/s (bf16): a cost that does not scale with the bytes, ~35-50 us, that two "
+        "records cannot tell from an NVLink rate",
 }
 
 
@@ -80,12 +89,73 @@ def test_multi_hop_combines_within_ten_percent(records):
 
 
 def test_kernels_match_the_role_timelines_where_the_call_misses_before(records):
-    """Why the combines missed: their kernels were predicted (within 2 % of the timeline's end), the
-    call around them was not."""
+    """Why the combines missed: their kernels were predicted (within 4 % of the timeline's end), the
+    call around them was not.  (Within 2 % with the fluid model alone; the per-block model, sim/blocks.py,
+    moves h200x2_2vnode_50's to +3 % on 2 x H200: its keep and keep_far roles, simulated 15 % late
+    already, publish their chunks in order with the varying rows of a routing, and the rdma pull
+    takes their last chunks 28 us later.)"""
     for r in records:
         if r.bundle in ("h200x4_2vnode_50", "h200x2_2vnode_50") and r.program == "combine" and r.kernel_ms \
                 and not r.superseded:
-            assert abs(r.kernel_error) < 0.02, (r.report, r.bundle, r.kernel_error)
+            assert abs(r.kernel_error) < 0.04, (r.report, r.bundle, r.kernel_error)
+
+
+class _MeasuredProducers:
+    """A fluid run's stand-in for sim/blocks.py schedule_roles (what it reads: flow_at,
+    flow_crossing, ready_t, end_t, start_s) from the measured role timelines `roles` (rank -> step
+    -> (start, end), s): every flow of a step moves at an even pace from its rank's role start to
+    its end (a step without a role, the metadata exchange, at 0); the role `timed` starts at its
+    earliest measured start and has no bound but its blocks (its own timeline is what the blocks
+    must reproduce)."""
+
+    def __init__(self, steps, roles, timed: str):
+        self.start_s = 0.0
+        self.flow_at, self.span = {}, []
+        self.ready_t = [min(r[timed][0] for r in roles.values()) if s.name == timed else 0.0 for s in steps]
+        self.end_t = [0.0] * len(steps)
+        for si, s in enumerate(steps):
+            for fi, f in enumerate(s.flows):
+                self.flow_at[(si, fi)] = len(self.span)
+                self.span.append((0.0, 0.0) if s.name == timed else roles[f.rank].get(s.name, (0.0, 0.0)))
+
+    def flow_crossing(self, f: int, frac: float) -> float:
+        start, end = self.span[f]
+        return start + (end - start) * frac
+
+
+def test_ubb2x2_final_ends_as_its_items_do(gpu_bundles, tmp_path):
+    """The miss of h200x4_ubb2x2_50's dispatch the per-block model removed (-18 % with the fluid
+    model alone), from the data: with the producers' role timelines of 4 x H100 (2026-11-26, the
+    cached row's stamped rounds), the final permute's chunks dealt as the kernels deal them
+    (sim/blocks.py, round-robin) end within 5 % of the measured role end on every rank, dealt to
+    whichever block is free 0.2 ms sooner; in the whole simulation, the role ends 0.3 ms after
+    far_twin (measured: 0.35) where the fluid model alone ends it within 0.15 ms."""
+    report = json.loads((REPO / "results" / "raw" / "2026-11-26_4xH100_ep_bench_b.json").read_text(encoding="utf-8"))
+    bundle = next(b for b in report["bundles"] if b["name"] == "h200x4_ubb2x2_50")
+    roles = {r: {role["step"]: (role["start_ms"] * 1e-3, role["end_ms"] * 1e-3)
+                 for role in pr["timeline"]["dispatch"]["roles"]}
+             for r, pr in enumerate(bundle["methods"]["epcc_cached"]["per_rank"])}
+    plan = build_plan(str(gpu_bundles.rdma_source(tmp_path, "h200x4_ubb2x2_50"))).plan
+    wl = plan.workload
+    rng = np.random.default_rng(0)  # uniform top-k
+    topk = np.argsort(rng.random((plan.num_ranks, wl.tokens, wl.experts)), axis=2)[:, :, :wl.topk]
+    layout = compute_layout(plan, topk)
+    steps = plan.program_steps("dispatch")
+    final = {k: v for k, v in block_roles(plan, rdma_proxy=False).items() if k == ("dispatch", "final")}
+    assert final[("dispatch", "final")][0] == 24
+    replay = _MeasuredProducers(steps, roles, "final")
+    _, dealt = schedule_roles(steps, replay, layout.copies, final, "round-robin")
+    _, free = schedule_roles(steps, replay, layout.copies, final, "free")
+    for rank in range(plan.num_ranks):
+        measured = roles[rank]["final"][1]
+        assert abs(dealt[("final", rank)].end / measured - 1) < 0.05, (rank, dealt[("final", rank)].end, measured)
+        assert free[("final", rank)].end < measured - 0.2e-3
+        assert measured - roles[rank]["far_twin"][1] > 0.3e-3
+    for opts, lo, hi in ((SimOptions(rdma_proxy=False, calls=True), 0.0, 0.15),
+                         (SimOptions(rdma_proxy=False, calls=True, layout=layout), 0.3, 0.45)):
+        res = simulate(plan, opts)
+        tail = res.step("final", "dispatch").end_s - res.step("far_twin", "dispatch").end_s
+        assert lo < tail * 1e3 < hi, (opts.layout is not None, tail)
 
 
 def test_superseded_records_are_in_the_reports(sim_check):

@@ -12,8 +12,9 @@ import numpy as np
 from epcc.backends.cuda.abi import (NO_FLAG, PROGRAMS, ROW_BUF_SHIFT, TABLE_MAGIC, TABLE_VERSION, dtype,
                                     step_crc)
 from epcc.backends.cuda.placement import Placement, record_writer
+from epcc.plan.model import item_order
 
-from .tables import TableError, Tables, combine_rows, item_order
+from .tables import TableError, Tables, combine_rows
 
 
 @dataclass

@@ -39,6 +39,7 @@ import numpy as np
 
 from epcc.backends.cuda.abi import (ALIGN, NO_FLAG, PROGRAMS, ROW_BUF_SHIFT, TABLE_MAGIC, TABLE_VERSION, dtype,
                                     step_crc)
+from epcc.plan.model import item_order
 
 from ...bf16 import BF16_ROUNDOFF
 
@@ -73,15 +74,6 @@ class Tables:
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def item_order(chunks_per_copy: list[int]) -> list[tuple[int, int]]:
-    """The order a role processes its (copy, chunk) items in: chunk-major, interleaving the
-    copies by progress (`(c + 0.5) / n`), so every destination sees its first chunks early and
-    the consumers downstream start pipelining at once.  Blocks take items round-robin."""
-    items = [(ci, c) for ci, n in enumerate(chunks_per_copy) for c in range(n)]
-    items.sort(key=lambda it: ((it[1] + 0.5) / chunks_per_copy[it[0]], it[0]))
-    return items
 
 
 def _source_ids(c, role: dict, n: int, buf_id) -> np.ndarray:

@@ -190,4 +190,38 @@ __device__ __forceinline__ bool load_experts(const Args& a, int t, int (&ex)[K])
 }
 __device__ __forceinline__ int tokens_per_channel(int T, int C) { return T > 0 ? (T + C - 1) / C : 1; }
 
+// ---- a sender warp's tokens (dispatch.cuh's dispatch_channel, token.cuh's tok_channel) ----------
+// The tokens [x, y) of this rank's channel c.
+__device__ __forceinline__ int2 channel_tokens(const Args& a, int c) {
+  const int T = (int)a.T, Tc = tokens_per_channel(T, (int)a.C);
+  return make_int2(c * Tc, min(T, c * Tc + Tc));
+}
+// What a sender warp reads of a token before its row moves (loaded one token ahead, so that no
+// load latency stands between two rows): lanes j < K its K top-k entries as given and the weight
+// of entry j, lane d < R its dedup rank for destination d (-1: no expert there).
+struct TokenIn {
+  int raw[K];
+  float w = 1.f;
+  int dedup = -1;
+};
+// Token t's inputs into `in` where t is before the channel's end t1 (else `in` is kept).
+__device__ __forceinline__ void load_token(const Args& a, const int* dedup, int t, int t1, int lane, TokenIn& in) {
+  if (t < t1 && lane < K) {
+#pragma unroll
+    for (int j = 0; j < K; ++j) in.raw[j] = load_idx(a, t, j);
+    in.w = a.has_weights ? reinterpret_cast<const float*>(a.topk_w)[(long long)t * K + lane] : 1.f;
+  }
+  if (t < t1 && lane < R) in.dedup = dedup[t * R + lane];
+}
+// Lane j < K: top-k entry j of a token's entries `raw`, cleaned in place first (clean_experts:
+// -1 where empty or refused).
+__device__ __forceinline__ int lane_expert(int (&raw)[K], int lane) {
+  clean_experts(raw);
+  int ex = -1;
+#pragma unroll
+  for (int j = 0; j < K; ++j)
+    if (j == lane) ex = raw[j];
+  return ex;
+}
+
 }  // namespace

@@ -76,41 +76,33 @@ __device__ void dispatch_offsets(const Args& a, DispatchShared& sh, int p) {
 // publishes the records of destination d (a release at system scope after the warp's barrier:
 // rows, weights and records before the count) every PUB tokens and at the end.
 __device__ void dispatch_channel(const Args& a, const DispatchShared& sh, int c, unsigned long long e) {
-  const int me = (int)a.me, T = (int)a.T, C = (int)a.C, lane = threadIdx.x & 31;
-  const int Tc = tokens_per_channel(T, C);
-  const int t0 = c * Tc, t1 = min(T, t0 + Tc);
+  const int me = (int)a.me, lane = threadIdx.x & 31;
+  const int2 span = channel_tokens(a, c);
+  const int t0 = span.x, t1 = span.y;
   const char* my = region(a, me);
   const int* rank_tj = reinterpret_cast<const int*>(my + OFF_RANK_TJ);
   const int* dedup = reinterpret_cast<const int*>(my + OFF_DEDUP);
   const unsigned lt = (1u << lane) - 1;
   int count = 0, published = 0;      // lane d < R: records written to / published at rank d
-  // the next token's inputs are loaded before this token's row moves (no load latency per token)
-  int raw[K], rtj = 0, di_lane = -1;
-  float w_in = 1.f;
+  // the next token's inputs (and lane j's row rank among expert j's rows) before this token's row moves
+  TokenIn in;
+  int rtj = 0;
   auto fetch = [&](int t) {
-    if (t < t1 && lane < K) {
-#pragma unroll
-      for (int j = 0; j < K; ++j) raw[j] = load_idx(a, t, j);
-      rtj = rank_tj[t * K + lane];
-      w_in = a.has_weights ? reinterpret_cast<const float*>(a.topk_w)[(long long)t * K + lane] : 1.f;
-    }
-    if (t < t1 && lane < R) di_lane = dedup[t * R + lane];
+    load_token(a, dedup, t, t1, lane, in);
+    if (t < t1 && lane < K) rtj = rank_tj[t * K + lane];
   };
   fetch(t0);
   for (int t = t0; t < t1; ++t) {
     int ex = -1, slot = -1, dj = -1;
-    const float w = w_in;
+    const float w = in.w;
     if (lane < K) {
-      clean_experts(raw);
-#pragma unroll
-      for (int j = 0; j < K; ++j)
-        if (j == lane) ex = raw[j];
+      ex = lane_expert(in.raw, lane);
       if (ex >= 0) {
         slot = sh.off[ex] + rtj;
         dj = rank_of(ex);
       }
     }
-    const int di_tok = di_lane;
+    const int di_tok = in.dedup;
     uint4* xdst[K];                  // at most K rows in all: own rows plus one per peer
     uint4* sdst[K];
     int nd = 0;
@@ -153,33 +145,21 @@ __device__ void dispatch_channel(const Args& a, const DispatchShared& sh, int c,
 }
 
 __device__ void dispatch_send(const Args& a, const DispatchShared& sh, unsigned long long e) {
-  const int lane = threadIdx.x & 31, NB = (int)a.NSB, slots = NB * (int)(blockDim.x >> 5);
-  for (int c = slot_of((int)blockIdx.x, NB, threadIdx.x >> 5); c < (int)a.C; c = take(&state(a)->send_next, slots, lane))
-    dispatch_channel(a, sh, c, e);
+  for_send_channels(a, (int)a.NSB, [&](int c) { dispatch_channel(a, sh, c, e); });
 }
 
-// Replication: the queues j = c x (R - 1) + the source's index among the peers (channel-major, the
-// order the peers' senders fill them), c up to the most channels a peer has: a queue beyond its
-// source's channels (a peer with fewer tokens has fewer) is skipped without a wait.  Every warp of
-// the kernel replicates: a sender block's warps once no channel is left to send, a replicator
-// block's (NR, usually 0) from the start, so no SM idles while another still has rows to write (one
-// SM writes ~46 GB/s: a fixed sender/receiver split leaves one side waiting on the other).  Warp
-// slot k, counted from the last slot (slot_of: spread over the SMs, and away from the first
-// senders), takes queue k first, then the counter hands out the rest.  Per queue the warp copies
-// each record's first row into its other rows as the source's tail advances (bounded wait).  This
-// rank's own channels have no queue: their senders wrote every row.
+// Replication: the peers' channels queue by queue (for_peer_channels: a queue beyond its source's
+// channels is skipped without a wait).  Every warp of the kernel replicates: a sender block's warps
+// once no channel is left to send, a replicator block's (NR, usually 0) from the start, so no SM
+// idles while another still has rows to write (one SM writes ~46 GB/s: a fixed sender/receiver
+// split leaves one side waiting on the other).  Per queue the warp copies each record's first row
+// into its other rows as the source's tail advances (bounded wait).  This rank's own channels have
+// no queue: their senders wrote every row.
 __device__ void dispatch_replicate(const Args& a, unsigned long long e, int p) {
   const int me = (int)a.me, lane = threadIdx.x & 31;
-  const int slots = (int)gridDim.x * (int)(blockDim.x >> 5);
   char* my = region(a, me);
   const int* chan = meta_chan(a, me, p);
-  constexpr int PEERS = R > 1 ? R - 1 : 1;
-  const int chans_l = sender_channels(a, p, lane);  // lane s: source s's channels
-  const int Q = (R - 1) * __reduce_max_sync(~0u, lane == me ? 0 : chans_l);
-  for (int j = slots - 1 - slot_of((int)blockIdx.x, (int)gridDim.x, threadIdx.x >> 5); j < Q;
-       j = take(&state(a)->recv_next, slots, lane)) {
-    const int c = j / PEERS, s = j % PEERS < me ? j % PEERS : j % PEERS + 1;
-    if (c >= __shfl_sync(~0u, chans_l, s)) continue;
+  for_peer_channels(a, p, [&](int s, int c) {
     const int start = ld_volatile(chan + (s * CMAX + c) * 2), count = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
     for (int done = 0; done < count;) {
       const unsigned long long v =
@@ -209,7 +189,7 @@ __device__ void dispatch_replicate(const Args& a, unsigned long long e, int p) {
       }
       done = avail;
     }
-  }
+  });
 }
 
 // The start of a dispatch kernel, every block: the metadata (block 0 counts it where the batch is

@@ -1,5 +1,6 @@
-// epcc/direct/rows.cuh: how warps share work (slot_of, take) and move rows (copy_row): the
-// dispatch's senders and replicators and the combine's two sides use both.
+// epcc/direct/rows.cuh: how warps share work (slot_of, take; the dispatch kernels' channels,
+// for_send_channels and for_peer_channels) and move rows (copy_row): the dispatch's senders and
+// replicators and the combine's two sides use both.
 //
 // A static source of the epcc CUDA backend, copied unchanged into every bundle with direct kernels.
 #pragma once
@@ -19,6 +20,35 @@ __device__ __forceinline__ int take(unsigned int* counter, int slots, int lane) 
   int v = 0;
   if (lane == 0) v = (int)atomicAdd(counter, 1u);
   return slots + __shfl_sync(~0u, v, 0);
+}
+
+// This rank's channels over the sender warps of blocks [0, NB) (slot_of, then in order from
+// State::send_next): send(c) for each.
+template <typename F>
+__device__ __forceinline__ void for_send_channels(const Args& a, int NB, F&& send) {
+  const int lane = threadIdx.x & 31, slots = NB * (int)(blockDim.x >> 5);
+  for (int c = slot_of((int)blockIdx.x, NB, threadIdx.x >> 5); c < (int)a.C; c = take(&state(a)->send_next, slots, lane))
+    send(c);
+}
+
+// The peers' channels that land on this rank (dispatch of parity p), over every warp of the kernel:
+// queue j = c x (R - 1) + the source's index among the peers (channel-major, the order the peers'
+// senders fill them), c up to the most channels a peer has.  Warp slot k, counted from the last
+// slot (slot_of: spread over the SMs, and away from the first senders), takes queue k first, then
+// the counter State::recv_next hands out the rest.  visit(s, c) for source s's channel c; a queue
+// beyond its source's channels (a peer with fewer tokens has fewer) is skipped.
+template <typename F>
+__device__ __forceinline__ void for_peer_channels(const Args& a, int p, F&& visit) {
+  const int me = (int)a.me, lane = threadIdx.x & 31;
+  const int slots = (int)gridDim.x * (int)(blockDim.x >> 5);
+  constexpr int PEERS = R > 1 ? R - 1 : 1;
+  const int chans_l = sender_channels(a, p, lane);  // lane s: source s's channels
+  const int Q = (R - 1) * __reduce_max_sync(~0u, lane == me ? 0 : chans_l);
+  for (int j = slots - 1 - slot_of((int)blockIdx.x, (int)gridDim.x, threadIdx.x >> 5); j < Q;
+       j = take(&state(a)->recv_next, slots, lane)) {
+    const int c = j / PEERS, s = j % PEERS < me ? j % PEERS : j % PEERS + 1;
+    if (c < __shfl_sync(~0u, chans_l, s)) visit(s, c);
+  }
 }
 
 // ---- warp-level row copies ------------------------------------------------------------------

@@ -77,35 +77,22 @@ __device__ void tok_offsets(const Args& a, TokShared& sh, int p) {
 // One channel of this rank's tokens (the config's PUSH_STEP and KEEP_STEP).  Lane j < K holds top-k
 // slot j (expert, weight), lane d < R the token's dedup rank for destination d (-1: no expert there).
 __device__ void tok_channel(const Args& a, const TokShared& sh, int c, unsigned long long e) {
-  const int me = (int)a.me, T = (int)a.T, C = (int)a.C, lane = threadIdx.x & 31;
-  const int Tc = tokens_per_channel(T, C);
-  const int t0 = c * Tc, t1 = min(T, t0 + Tc);
+  const int me = (int)a.me, lane = threadIdx.x & 31;
+  const int2 span = channel_tokens(a, c);
+  const int t0 = span.x, t1 = span.y;
   const int* dedup = reinterpret_cast<const int*>(region(a, me) + OFF_DEDUP);
   const int row0_l = lane < R ? sh.dst_row[lane] : 0;
   int count = 0;  // lane d < R: rows written to rank d
-  // the next token's inputs are loaded before this token's row moves
-  int raw[K], di_lane = -1;
-  float w_in = 1.f;
-  auto fetch = [&](int t) {
-    if (t < t1 && lane < K) {
-#pragma unroll
-      for (int j = 0; j < K; ++j) raw[j] = load_idx(a, t, j);
-      w_in = a.has_weights ? reinterpret_cast<const float*>(a.topk_w)[(long long)t * K + lane] : 1.f;
-    }
-    if (t < t1 && lane < R) di_lane = dedup[t * R + lane];
-  };
-  fetch(t0);
+  TokenIn in;  // the next token's inputs, loaded before this token's row moves
+  load_token(a, dedup, t0, t1, lane, in);
   for (int t = t0; t < t1; ++t) {
     int ex = -1, dj = -1;
-    const float w = w_in;
+    const float w = in.w;
     if (lane < K) {
-      clean_experts(raw);
-#pragma unroll
-      for (int j = 0; j < K; ++j)
-        if (j == lane) ex = raw[j];
+      ex = lane_expert(in.raw, lane);
       if (ex >= 0) dj = rank_of(ex);
     }
-    const int row_l = di_lane >= 0 ? row0_l + di_lane : -1;  // lane d: the token's row on rank d
+    const int row_l = in.dedup >= 0 ? row0_l + in.dedup : -1;  // lane d: the token's row on rank d
     const unsigned dests = __ballot_sync(~0u, lane < R && row_l >= 0);
     uint4* xdst[R];
     uint4* sdst[R];
@@ -126,8 +113,8 @@ __device__ void tok_channel(const Args& a, const TokShared& sh, int c, unsigned 
       ++nd;
     }
     if (lane < R && row_l >= 0) ++count;
-    fetch(t + 1);
-    if (t + 1 >= t1) di_lane = -1;
+    load_token(a, dedup, t + 1, t1, lane, in);
+    if (t + 1 >= t1) in.dedup = -1;
     copy_row<XV, R, true>(reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(a.x) + (long long)t * XB), xdst,
                           nd, lane);
     if (FP8)
@@ -139,25 +126,17 @@ __device__ void tok_channel(const Args& a, const TokShared& sh, int c, unsigned 
 }
 
 // Every warp, after sending: wait until every peer's channel has landed here (its tail at the
-// channel's row count), queue j = c x (R - 1) + the peer's index among the peers, as the
-// replication's queues in dispatch.cuh; a queue beyond its source's channels, or of no rows, is
-// skipped without a wait.
+// channel's row count), queue by queue as dispatch.cuh's replication (for_peer_channels); a queue
+// beyond its source's channels, or of no rows, is skipped without a wait.
 __device__ void tok_wait_peers(const Args& a, unsigned long long e, int p) {
   const int me = (int)a.me, lane = threadIdx.x & 31;
-  const int slots = (int)gridDim.x * (int)(blockDim.x >> 5);
   const int* chan = meta_chan(a, me, p);
-  constexpr int PEERS = R > 1 ? R - 1 : 1;
-  const int chans_l = sender_channels(a, p, lane);
-  const int Q = (R - 1) * __reduce_max_sync(~0u, lane == me ? 0 : chans_l);
-  for (int j = slots - 1 - slot_of((int)blockIdx.x, (int)gridDim.x, threadIdx.x >> 5); j < Q;
-       j = take(&state(a)->recv_next, slots, lane)) {
-    const int c = j / PEERS, s = j % PEERS < me ? j % PEERS : j % PEERS + 1;
-    if (c >= __shfl_sync(~0u, chans_l, s)) continue;
+  for_peer_channels(a, p, [&](int s, int c) {
     const int count = ld_volatile(chan + (s * CMAX + c) * 2 + 1);
     if (count > 0 && lane == 0)
       wait_geq(a, dtail(a, me, s, c), (e << 32) | (unsigned long long)count, WHERE_RECV_TAIL, s, c);
     __syncwarp();
-  }
+  });
 }
 
 __global__ void __launch_bounds__(DTHREADS, 1) tok_dispatch_kernel(const Args a) {
@@ -170,12 +149,9 @@ __global__ void __launch_bounds__(DTHREADS, 1) tok_dispatch_kernel(const Args a)
   const unsigned long long e = st->disp_epoch + 1;
   const int p = dispatch_parity(a);
   dispatch_begin(a, smem.meta, e, p);
-  const int NB = (int)a.NSB;
-  if ((int)blockIdx.x < NB) {
+  if ((int)blockIdx.x < (int)a.NSB) {
     tok_offsets(a, smem.tok, p);
-    const int slots = NB * (int)(blockDim.x >> 5);
-    for (int c = slot_of((int)blockIdx.x, NB, warp); c < (int)a.C; c = take(&st->send_next, slots, lane))
-      tok_channel(a, smem.tok, c, e);
+    for_send_channels(a, (int)a.NSB, [&](int c) { tok_channel(a, smem.tok, c, e); });
   }
   tok_wait_peers(a, e, p);
   if (lane == 0) stamp(a, 0, 1 + warp);
