@@ -41,8 +41,9 @@ Design
   counter on its rank is final: the rank's buffers are complete when the kernel is).  Counters
   live in two banks used by alternate launches, cleared by their owner before it signals the
   barrier.
-* Not lowered in this version: the metadata exchange (the host computes the layout) and the copy
-  engine (DMA steps run as SM roles).  RDMA steps run as paced SM roles over peer memory
+* Not lowered in this version: the copy engine (DMA steps run as SM roles).  The metadata
+  exchange runs in the metadata kernels (epcc_table_meta), or on the host where the manifest's
+  `metadata` says why.  RDMA steps run as paced SM roles over peer memory
   (rdma="emulate"), through pack and unpack roles and the host proxy loop (rdma="proxy",
   runtime/engines/gpu_proxy), or are left to the caller's proxy (rdma="external").
 """

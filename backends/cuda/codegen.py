@@ -385,8 +385,9 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
                 raise CudaCodegenError(f"{program} kernel '{kp.name}' has kind '{kp.kind}', which the CUDA "
                                        f"backend does not know")
     not_lowered = [{"program": program, "step": r.step, "kind": "metadata",
-                    "reason": "metadata exchange: the host computes the layout (runtime/layout) and uploads "
-                              "the tables"} for _, r in groups["meta"]]
+                    "reason": "metadata exchange: the tables are written before this kernel runs, where the "
+                              "manifest's 'metadata' says (on the GPU by the metadata kernels, or by the host "
+                              "from runtime/layout)"} for _, r in groups["meta"]]
     lowered: list[tuple[RolePlan, str]] = [(r, "sm") for _, r in groups["kernel"]]
     lowered += [(r, _dma_lowering(plan, program, target)) for _, r in groups["dma"]]
     for _, r in groups["proxy"]:
@@ -652,25 +653,26 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
     static = {n: target.include_dir / n for n in static_headers}
     if manifest["lowering"] == "direct":
         static.update({n: direct.INCLUDE_DIR / n for n in direct.headers_of(plan)})
-    else:
-        manifest["metadata"] = device_metadata(plan, manifest, target)
-        if manifest["metadata"]["lowering"] == "device":
-            meta_source = f"{META_STEM}{target.source_suffix}"
-            cap = manifest["metadata"]["capacity"]
-            capacity = dict(cap, macros=Capacity(**{f: cap[f] for f in CAPACITY_FIELDS}).macros())
-            files[meta_source] = _ENV.get_template("table_meta.cu.j2").render(**common, file=meta_source,
-                                                                               capacity=capacity)
-            static[META_HEADER] = direct.INCLUDE_DIR / META_HEADER
-            build = manifest["build"]
-            build["sources"].append(meta_source)
-            build["headers"].append(META_HEADER)
-            if cuda:
-                build["command"].append(meta_source)
-            else:
-                manifest["build"] = supa_build.build_section(library, build["sources"], build["headers"])
-            manifest["metadata"]["steps"] = [{"program": n["program"], "step": n["step"]}
-                                             for n in manifest["not_lowered"] if n["kind"] == "metadata"]
-            manifest["not_lowered"] = [n for n in manifest["not_lowered"] if n["kind"] != "metadata"]
+    # the table-driven kernels' metadata, also where the direct kernels run (they compute their own
+    # on the GPU): the bundle's general path gets its tables on the GPU too
+    manifest["metadata"] = device_metadata(plan, manifest, target)
+    if manifest["metadata"]["lowering"] == "device":
+        meta_source = f"{META_STEM}{target.source_suffix}"
+        cap = manifest["metadata"]["capacity"]
+        capacity = dict(cap, macros=Capacity(**{f: cap[f] for f in CAPACITY_FIELDS}).macros())
+        files[meta_source] = _ENV.get_template("table_meta.cu.j2").render(**common, file=meta_source,
+                                                                           capacity=capacity)
+        static[META_HEADER] = direct.INCLUDE_DIR / META_HEADER
+        build = manifest["build"]
+        build["sources"].append(meta_source)
+        build["headers"].append(META_HEADER)
+        if cuda:
+            build["command"].append(meta_source)
+        else:
+            manifest["build"] = supa_build.build_section(library, build["sources"], build["headers"])
+        manifest["metadata"]["steps"] = [{"program": n["program"], "step": n["step"]}
+                                         for n in manifest["not_lowered"] if n["kind"] == "metadata"]
+        manifest["not_lowered"] = [n for n in manifest["not_lowered"] if n["kind"] != "metadata"]
     files["manifest.json"] = json.dumps(manifest, indent=1) + "\n"
     return CudaBundle(files=files, manifest=manifest, kernels=kernels, plan=plan, static=static)
 

@@ -303,7 +303,8 @@ def test_bundle_carries_the_static_headers_unchanged(variant, tmp_path):
     b = golden_bundle(variant)
     token = regen_cuda_golden.VARIANTS[variant][1].get("layout") == "token"
     headers = [*direct.HEADERS, *(direct.TOKEN_HEADERS if token else ())]
-    assert sorted(b.static) == sorted([*headers, CUDA.prelude])
+    # the table-driven kernels' metadata header too: the bundle's general path has its tables on the GPU
+    assert sorted(b.static) == sorted([*headers, CUDA.prelude, codegen.META_HEADER])
     written = {p.relative_to(tmp_path).as_posix() for p in b.write(tmp_path)}
     assert set(b.manifest["direct"]["headers"]) <= written
     assert CUDA.prelude in b.manifest["build"]["headers"]
@@ -456,9 +457,10 @@ def test_nvcc_compiles_for_sm90a(built, name):
 
 def test_nvcc_compiles_the_metadata_driver(built):
     """The metadata kernels' driver (templates/table_meta.cu.j2) of a one-box plan (its routing over
-    CUDA IPC) and of a plan beyond one box (the process group's all-gather between its entries)."""
+    CUDA IPC; also the table-driven path of nvl8_hybrid's direct bundle) and of a plan beyond one
+    box (the process group's all-gather between its entries)."""
     got = {n: r for (n, f), r in built["results"].items() if f == codegen.META_SOURCE}
-    assert sorted(got) == ["h200x4_2vnode", "ubbv2_ep16"]
+    assert sorted(got) == ["h200x4_2vnode", "nvl8_hybrid", "ubbv2_ep16"]
     for n, r in got.items():
         assert r.returncode == 0, f"{n}:\n{r.stdout}{r.stderr}"
     assert (codegen.generate(plan_of("h200x4_2vnode")).manifest["metadata"]["exchange"],
@@ -801,7 +803,8 @@ def test_cli_compile_target_cuda(tmp_path, capsys, monkeypatch):
     for f in files:  # the same text as the golden: paths in comments are as given on the command line
         assert (cuda / f).read_text() == (GOLDEN / "h200x4" / f).read_text(), f
     assert sorted(p.relative_to(cuda).as_posix() for p in cuda.rglob("*") if p.is_file() and p.parent != cuda) \
-        == sorted([*direct.HEADERS, CUDA.prelude])  # and the static headers (direct kernels, prelude), nothing else
+        == sorted([*direct.HEADERS, CUDA.prelude, codegen.META_HEADER])  # and the static headers (direct
+    # kernels, prelude, the metadata kernels of the table-driven path), nothing else
     assert (tmp_path / "b" / "plan.json").is_file()
     with pytest.raises(SystemExit) as e:
         main(["compile", source_of("h200x4"), "--target", "rocm", "-o", str(tmp_path / "c")])

@@ -5,7 +5,7 @@
 // every block resident at once: roles wait on each other's counters).  Blocks by role:
 //   [0, 24) push: sender, send input -> output
 //   [24, 25) keep: permuter, permute input -> output
-// Not in this kernel: step 'meta' (metadata exchange: the host computes the layout (runtime/layout) and uploads the tables).
+// Not in this kernel: step 'meta' (metadata exchange: the tables are written before this kernel runs, where the manifest's 'metadata' says (on the GPU by the metadata kernels, or by the host from runtime/layout)).
 // Every launch: entry barrier (clear this rank's counters, meet every rank), the roles, then
 // block 0 drains (waits until every counter on this rank is final).  With a timeline enabled,
 // each block stamps the prelude's timer at those points (epcc::kTimelineWords).
