@@ -20,6 +20,7 @@ import pytest
 
 from epcc import __version__
 from epcc.cli import main
+from epcc.cli.simulate import block_layout, table_metadata
 from epcc.sema.check import check_file
 from epcc.sim import SimOptions, simulate
 from epcc.sim.build import build_plan
@@ -313,7 +314,15 @@ def _critical_nodes(dot: str) -> set[str]:
 def _simulated(rel: str, sms=None, table=False):
     plan = build_plan(rel).plan
     kernels = None if table or plan.direct is None else plan.direct if sms is None else plan.direct.with_sms(sms)
-    return plan, kernels, describe(plan, kernels), simulate(plan, SimOptions(direct=kernels))
+    if kernels is None:  # the table-driven kernels as `epcc simulate` runs them: their metadata kernels
+        # (the bundle's table path has its tables on the GPU), the Buffer's calls, and the roles'
+        # blocks dealt from a drawn routing
+        metadata = table_metadata(plan, "proxy")
+        opts = SimOptions(rdma_proxy=True, metadata=metadata, calls=metadata is not None,
+                          layout=block_layout(plan, None))
+    else:
+        opts = SimOptions(direct=kernels)
+    return plan, kernels, describe(plan, kernels), simulate(plan, opts)
 
 
 @pytest.mark.parametrize("argv", [[], ["--kernels", "auto"], ["--kernels", "direct"]])
@@ -347,9 +356,8 @@ def test_viz_scheduled_table_model_is_the_table_driven_drawing(tmp_path, capsys)
     dot = _scheduled_dot([H200X4, "--kernels", "table"], tmp_path, capsys)
     plan, _kernels, model, res = _simulated(H200X4, table=True)
     assert model["model"] == "roles"
-    # unchanged: what viz drew before it knew of the direct kernels (the default SimOptions)
-    built = build_plan(H200X4)
-    assert dot == build_scheduled_graph(built, simulate(built.plan)).source
+    # what the table-driven kernels run, as for a plan without direct kernels (_simulated)
+    assert dot == build_scheduled_graph(build_plan(H200X4), res).source
     assert "SM model" not in dot and "direct kernel" not in dot and "not chunked" not in dot
     roles = {(k.program, r.step): (k.name, r) for k in plan.kernels for r in k.roles}
     for program, pres in res.programs.items():
