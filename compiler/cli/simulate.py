@@ -116,8 +116,9 @@ def table_metadata(plan: Plan, rdma: str, proxy_device_tables: bool = True,
     """The metadata kernels the CUDA target's table-driven bundle of `plan` runs before each dispatch
     (its manifest's "metadata", as `epcc compile --target cuda --rdma RDMA [--proxy-tables host]
     [--metadata-exchange HOW]` writes it where the plan has RDMA steps, and with the default --rdma
-    where it has none: the option then only says whether the plan leaves one box), or None where it
-    runs none (direct kernels; the host lays the routing out; a plan the backend cannot lower).  A
+    where it has none: the option then only says whether the plan leaves one box; a plan with direct
+    kernels: its table-driven path's), or None where it runs none (the host lays the routing out; a
+    plan the backend cannot lower).  A
     metadata exchange the plan cannot have (ipc beyond one box) is a user error."""
     try:
         check_exchange(plan, metadata_exchange)

@@ -99,8 +99,9 @@ def test_it_delays_the_dispatch_only_and_replaces_the_exchange_step():
 
 
 def test_zero_without_metadata_kernels():
-    # the direct kernels (one-hop plans) have their own metadata (sim/direct.py)
-    assert table_metadata(_plan(str(REPO / "schedules" / "h200x4.sched")), "emulate") is None
+    # a one-hop plan: its direct kernels have their own metadata (sim/direct.py), and the bundle's
+    # table-driven path (`--kernels table`) has the metadata kernels, over CUDA IPC
+    assert table_metadata(_plan(str(REPO / "schedules" / "h200x4.sched")), "emulate").exchange == "ipc"
     # the GPU proxy path with host-built tables (`--proxy-tables host`); by default it has them
     assert table_metadata(_plan(VNODE2), "proxy", proxy_device_tables=False) is None
     assert table_metadata(_plan(VNODE2), "proxy") is not None
