@@ -23,6 +23,9 @@ MAX_DEPTH = 1 << 16  # chunks in flight on one step
 MAX_SMS = 4096
 MAX_RAMP = 8  # halvings: a chunk of 256 tokens ramps from 1
 MAX_SIZE = 1 << 40  # tokens or bytes in a chunk or capacity
+# Characters of a schedule's name: it names the bundle's files (NAME.mlir, libepcc_NAME_supa.so, ...),
+# and a file name may have at most 255 bytes on the common file systems.
+MAX_SCHEDULE_NAME = 200
 # Rows a layout of a plan (runtime/layout) may hold, by the upper bound plan/invariants.py's
 # layout_rows gives: beyond it the layout's index arrays alone would outgrow a machine's memory.
 MAX_LAYOUT_ROWS = 1 << 32

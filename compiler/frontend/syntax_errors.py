@@ -8,6 +8,8 @@ the common slips (a decimal where a whole number belongs, an unterminated string
 
 from __future__ import annotations
 
+import re
+
 from lark import Token
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
@@ -68,7 +70,8 @@ def syntax_error(e: UnexpectedInput, text: str, path: str) -> Diagnostic:
         line, col = _end_position(text)
         return Diagnostic("error", f"unexpected end of file; expected {_one_of(_expected_words(set(e.expected)))}",
                           Span.point(path, line, col))
-    if isinstance(e, UnexpectedToken) and str(e.token) == "." and e.token.start_pos is not None:
+    if isinstance(e, UnexpectedToken) and e.token.start_pos is not None and (
+            str(e.token) == "." or (e.token.type == "NAME" and str(e.token)[0] in "eE")):
         dec = _decimal_at(text, e.token.start_pos, e.token.line, e.token.column, path)
         if dec is not None:
             return dec
@@ -108,15 +111,28 @@ def syntax_error(e: UnexpectedInput, text: str, path: str) -> Diagnostic:
     return Diagnostic("error", f"syntax error: {e}", Span.point(path, getattr(e, "line", 1), getattr(e, "column", 1)))
 
 
+_EXPONENT = re.compile(r"[eE][+-]?[0-9]+")
+
+
 def _decimal_at(text: str, pos: int, line: int, col: int, path: str) -> Diagnostic | None:
-    """`topk 2.5`: a decimal point inside a number where the grammar wants a whole number."""
-    if not (0 < pos < len(text) - 1 and text[pos] == "." and text[pos - 1].isdigit() and text[pos + 1].isdigit()):
+    """`topk 2.5`, `tokens 1e3`: a decimal point or an exponent inside a number (at `pos`) where
+    the grammar wants a whole number."""
+    if not (0 < pos < len(text) - 1 and text[pos - 1].isdigit()):
         return None
-    start, end = pos, pos + 1
+    if text[pos] == "." and text[pos + 1].isdigit():
+        end = pos + 1
+        while end < len(text) and text[end].isdigit():
+            end += 1
+        m = _EXPONENT.match(text, end)
+        end = m.end() if m else end
+    else:
+        m = _EXPONENT.match(text, pos)
+        if m is None:
+            return None
+        end = m.end()
+    start = pos
     while start > 0 and text[start - 1].isdigit():
         start -= 1
-    while end < len(text) and text[end].isdigit():
-        end += 1
     c0 = col - (pos - start)
     return Diagnostic("error", f"'{text[start:end]}' is not a whole number; a whole number is expected here",
                       Span(path, line, c0, line, c0 + end - start))

@@ -4,7 +4,8 @@ DeepEP's users size buffers blind (`num_nvl_bytes`, worst case, opaque).  Here e
 with its formula, printed by `epcc compile --emit buffer-allocation` and kept in the plan:
 
 * a staging buffer whose readers follow its writers chunk by chunk is a ring:
-  sum over the ranks that write it of depth x chunk (the writer's);
+  sum over the ranks that write it of depth x chunk (the writer's), unless that is no smaller
+  than the worst case below (chunks bigger than all the writers send): then the worst case;
 * otherwise it must hold everything that can land in it: every token stream that lands there
   carries at most `tokens` tokens of one home, so the worst case is
   streams x tokens x bytes/token; the expected fill (under the routing) is shown beside it;
@@ -80,7 +81,7 @@ class BufferAllocation(Pass):
             r_max = max(range(n), key=lambda r: (streams[r], expected[r]))
             worst = streams[r_max] * wl.tokens * bpt
             pipelined = all(all(w.name in steps[rd.name].pipelined_deps for w in writers) for rd in readers)
-            if pipelined and readers:
+            if pipelined and readers and max(ring) < worst:
                 size = max(ring)
                 rr = max(range(n), key=lambda r: ring[r])
                 parts = defaultdict(int)

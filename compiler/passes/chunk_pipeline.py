@@ -94,6 +94,15 @@ def writers_per_rank(sched: model.Schedule, program: str, buffer: str) -> int:
     return max((len(w) for w in writers), default=1) or 1
 
 
+def flow_bound_bytes(st: model.Step, program: str, wl: model.Workload, bpt: int) -> float | None:
+    """The most bytes one rank can move to one other in dispatch step `st` when it reads only the
+    ranks' own tokens (`input`): each token once (`dedup rank`) or once per expert (`dedup none`).
+    None where a source is a staging buffer, or in combine: no bound as simple."""
+    if program != "dispatch" or not st.sources or any(s.buffer.name != "input" for s in st.sources):
+        return None
+    return float(wl.tokens * bpt * (wl.topk if st.dedup == "none" else 1))
+
+
 def choose_chunk(st: model.Step | None, ps: PlanStep, bpt: int, link: model.LinkInfo | None) -> tuple[float, int | None]:
     """(chunk bytes, chunk tokens or None)."""
     if st is not None and st.chunk_tokens:
@@ -220,12 +229,17 @@ class ChunkPipeline(Pass):
             if dest is not None and dest.role == "staging" and (dest.capacity_tokens or dest.capacity_bytes):
                 cap = dest.capacity_bytes or dest.capacity_tokens * bpt
                 writers = writers_per_rank(sched, ps.program, dest.name)
-                fit = int(cap // (chunk_bytes * writers))
+                # a writer never has more in flight than its whole flow, where that is less than a chunk
+                whole = flow_bound_bytes(st, ps.program, wl, bpt)
+                per_writer = min(chunk_bytes, whole or chunk_bytes)
+                fit = int(cap // (per_writer * writers))
                 if fit < 1:
+                    need = (_chunk_text(chunk_bytes, chunk_tokens) if per_writer == chunk_bytes else
+                            f"{int(per_writer // bpt)} tokens ({_mb(per_writer)}: all one rank sends, less than a chunk)")
                     ctx.diags.error(dest.span,
                                     f"buffer '{dest.name}' ({_cap_text(dest)}) cannot hold one chunk from each of "
-                                    f"the {writers} rank(s) that write it: that needs {writers} x "
-                                    f"{_chunk_text(chunk_bytes, chunk_tokens)} = {_mb(writers * chunk_bytes)}",
+                                    f"the {writers} rank(s) that write it: that needs {writers} x {need} = "
+                                    f"{_mb(writers * per_writer)}",
                                     Note(f"step '{ps.name}' writes it in chunks of {_chunk_text(chunk_bytes, chunk_tokens)}",
                                          st.span))
                     continue

@@ -8,6 +8,7 @@ from __future__ import annotations
 from ..diagnostics import CompileError, DiagnosticBag, Note, SourceMap, Span
 from ..frontend import ast
 from ..frontend.parser import parse_file
+from ..limits import MAX_SCHEDULE_NAME
 from . import model
 from .program import resolve_program
 from .topology import resolve_topology
@@ -54,6 +55,11 @@ def analyze(f: ast.File) -> tuple[model.Schedule, list]:
             rp = resolve_program(p, topo, wl, diags)
             if rp is not None:
                 progs[kind] = rp
+    named = f.schedule[0].name if f.schedule else f.topologies[0].name if f.topologies else None
+    if named is not None and len(named.text) > MAX_SCHEDULE_NAME:
+        notes = () if f.schedule else (Note("without a 'schedule NAME' line, the topology's name is the schedule's"),)
+        diags.error(named.span, f"a schedule name of {len(named.text)} characters: at most {MAX_SCHEDULE_NAME} "
+                    f"(it names the bundle's files, NAME.mlir and the generated sources)", *notes)
     diags.raise_if_errors()
     name = f.schedule[0].name.text if f.schedule else topo.name
     title = f.schedule[0].title if f.schedule else None

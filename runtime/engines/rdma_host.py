@@ -120,7 +120,9 @@ def channels(plan, layout: Layout, program: str):
     steps = {s.step: s for s in rdma_steps(plan) if s.program == program}
     roles: dict[tuple[str, int], list[Copy]] = {}
     for c in layout.program_copies(program):
-        if c.step in steps:
+        # a copy with no rows (no token of this routing takes that pair) has no chunk: no channel
+        # carries it, and a role or channel for it would wait for chunks that never come
+        if c.step in steps and len(c.chunk_starts) > 1:
             roles.setdefault((c.step, c.src), []).append(c)
     chans: dict[tuple[int, int, int], _Chan] = {}
     seq: dict[tuple[int, int], int] = {}
@@ -128,7 +130,7 @@ def channels(plan, layout: Layout, program: str):
         s = steps[step]
         wrb = _wire_row_bytes(layout, program, s.op)
         nch = [len(c.chunk_starts) - 1 for c in copies]
-        for r in range(max(nch, default=0)):
+        for r in range(max(nch)):
             for c, n in zip(copies, nch):
                 if r >= n:
                     continue

@@ -26,6 +26,14 @@ def device_view(ptr: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...
     return t.view(dtype).view(shape)
 
 
+def check_token_count(tokens: int, max_tokens: int) -> None:
+    """A rank dispatches at most the bundle's tokens per rank (workload `tokens`): what its
+    buffers and the schedule's capacities were planned for."""
+    if tokens > max_tokens:
+        raise ValueError(f"dispatch: x has {tokens} tokens, but the bundle was compiled for at most "
+                         f"{max_tokens} per rank (workload `tokens`)")
+
+
 def check_tensor(fn: str, arg: str, t, shape: tuple, dtypes: tuple, device: torch.device | None = None) -> None:
     """A tensor, on the engine's device (None: the cpu engine's rule), of one of `dtypes`, of
     `shape` (None: any size); on a device, contiguous."""

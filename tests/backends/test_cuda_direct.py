@@ -300,6 +300,22 @@ def test_cli_fp8_needs_hidden_divisible_by_128(tmp_path, capsys):
     assert "Traceback" not in err and not (tmp_path / "b").exists()
 
 
+def test_cli_one_rank_falls_back_to_tables_and_says_why(tmp_path, capsys):
+    # One rank has no pair to push between: no send step, which the direct kernels are built
+    # around (the compile stopped with an internal error when match() let it through).
+    src = tmp_path / "one.sched"
+    src.write_text("topology one { levels node 1, gpu 1  rank gpu  link hbm local { bandwidth 1000 GB/s } }\n"
+                   "workload { tokens 16 per rank  hidden 64  dtype bf16  topk 2  experts 4 }\n"
+                   "dispatch { step keep: permute input into output }\n"
+                   "combine reverse of dispatch\n", encoding="utf-8")
+    rc = main(["compile", str(src), "--target", "cuda", "-o", str(tmp_path / "b")])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    m = json.loads((tmp_path / "b" / "cuda" / "manifest.json").read_text())
+    assert m["lowering"] == "tables" and "direct" not in m
+    assert m["direct_not_used"].startswith("one rank: no step sends")
+
+
 def test_cli_fp8_hidden_the_direct_copies_cannot_take_falls_back_to_tables(tmp_path, capsys):
     # 7296 = 57 x 128: fp8 scales work, but the direct kernels' 16-byte bulk copies of the scale
     # rows do not; the bundle keeps the table-driven kernels and says why.

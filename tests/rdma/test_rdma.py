@@ -357,6 +357,17 @@ def test_libfabric_tcp_run_matches_the_oracle(sched, extra):
 
 
 @needs_tcp
+@pytest.mark.parametrize("routing", ["no-remote", "empty"])
+def test_libfabric_tcp_runs_routings_that_leave_rdma_pairs_empty(routing):
+    # no-remote: no token crosses the RDMA link, every RDMA copy is empty; empty: only some
+    # are.  An empty copy has no chunk, so no channel: a rank must not build a role for it.
+    r = _run("schedules/h200x4_2vnode.sched", "--transport", "libfabric-tcp", "--tokens", "8", "--hidden", "128",
+             "--routing", routing, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "dispatch OK (bit-exact); combine OK" in r.stdout
+
+
+@needs_tcp
 def test_libfabric_tcp_credits_with_small_chunks_and_depth():
     env = {**os.environ, "EPCC_RDMA_CHUNK_TOKENS": "3", "EPCC_RDMA_DEPTH": "2"}
     r = subprocess.run([*EPCC, "run", "schedules/h200x4_2vnode.sched", "--transport", "libfabric-tcp", "--tokens", "64",

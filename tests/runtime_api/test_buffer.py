@@ -57,7 +57,8 @@ def compile_bundle(tmp_path: Path, text: str) -> Path:
 
 def _inputs(rank: int, ranks: int, tokens: int, hidden: int, topk: int, experts: int, seed: int):
     g = np.random.default_rng(seed * 1000 + rank)
-    idx = np.stack([g.choice(experts, size=topk, replace=False) for _ in range(tokens)]).astype(np.int64)
+    idx = np.array([g.choice(experts, size=topk, replace=False) for _ in range(tokens)],
+                   dtype=np.int64).reshape(tokens, topk)
     idx[g.random(idx.shape) < 0.05] = -1  # some empty slots
     w = g.random((tokens, topk)).astype(np.float32)
     x = torch.from_numpy(g.standard_normal((tokens, hidden)).astype(np.float32)).to(torch.bfloat16)
@@ -71,15 +72,22 @@ def _worker(rank: int, ranks: int, bundle: str, store: str, result_dir: str, sha
         t, h, k, e = shape["tokens"], shape["hidden"], shape["topk"], shape["experts"]
         buf = Buffer(None, bundle)
         kept = None
+        rank_tokens = shape.get("rank_tokens", [t] * ranks)
         for seed in (1, 2):  # twice: the second call reuses the peer buffers
-            ins = [_inputs(r, ranks, t, h, k, e, seed) for r in range(ranks)]
+            ins = [_inputs(r, ranks, rank_tokens[r], h, k, e, seed) for r in range(ranks)]
             x, idx, w = ins[rank]
             recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(x, idx, w)
             if kept is None:
                 kept = (recv_x, recv_x.clone())
-            rows = np.stack([i[0].view(torch.uint8).numpy() for i in ins])
-            idx_all = np.stack([i[1].numpy() for i in ins])
-            w_all = np.stack([i[2].numpy() for i in ins])
+            # the oracle's inputs: every rank's tokens, the shorter ones padded with tokens of no expert
+            tmax = max(rank_tokens)
+            rows = np.zeros((ranks, tmax, 2 * h), dtype=np.uint8)
+            idx_all = np.full((ranks, tmax, k), -1, dtype=np.int64)
+            w_all = np.zeros((ranks, tmax, k), dtype=np.float32)
+            for r, (xr, ir, wr) in enumerate(ins):
+                n = rank_tokens[r]
+                if n:  # (torch cannot view an empty tensor's stride-0 rows as bytes)
+                    rows[r, :n], idx_all[r, :n], w_all[r, :n] = xr.view(torch.uint8).numpy(), ir.numpy(), wr.numpy()
             token_major = shape.get("layout") == "token"
             if token_major:
                 want = token_dispatch_oracle(idx_all, e, "blocked", rows, w_all)[rank]
@@ -99,7 +107,9 @@ def _worker(rank: int, ranks: int, bundle: str, store: str, result_dir: str, sha
                 ref, mag = token_combine_oracle(idx_all, e, "blocked", ys, h, return_abs=True)
             else:
                 ref, mag = combine_oracle(idx_all, e, "blocked", w_all, ys, h, return_abs=True)
-            check = compare_combine(got.float().numpy(), ref[rank], mag[rank], k)
+            assert got.shape == (rank_tokens[rank], h), f"combine returned {list(got.shape)}"
+            n = rank_tokens[rank]
+            check = compare_combine(got.float().numpy(), ref[rank][:n], mag[rank][:n], k)
             assert check.ok, f"combine differs: {check}"
         # recv_x is the caller's: the second call reused the peer segment it was received in
         assert torch.equal(kept[0], kept[1]), "the first dispatch's recv_x changed under a later call"
@@ -139,6 +149,14 @@ def test_token_major_dispatch_combine_match_oracle(tmp_path, ranks):
     _spawn(tmp_path, ranks, compile_bundle(tmp_path, text), shape)
 
 
+def test_ranks_dispatch_their_own_numbers_of_tokens(tmp_path):
+    """3 ranks (no shipped topology has 3), one dispatching no token, one 5, one the bundle's 48."""
+    shape = dict(tokens=48, hidden=256, topk=4, experts=12, rank_tokens=[0, 5, 48])
+    bundle = compile_bundle(tmp_path, ONE_HOP.format(r=3, t=shape["tokens"], h=shape["hidden"], dtype="bf16",
+                                                     k=shape["topk"], e=shape["experts"]))
+    _spawn(tmp_path, 3, bundle, shape)
+
+
 def test_two_hop_schedule_through_staging(tmp_path):
     """h200x4_2vnode's plan (RDMA-class hop to the same-index GPU, NVLink forward), scaled down."""
     text = (ROOT / "schedules" / "h200x4_2vnode.sched").read_text()
@@ -162,6 +180,8 @@ def _arg_worker(rank: int, bundle: str, store: str, result_dir: str) -> None:
             (lambda: buf.dispatch(x, idx[:, :2]), "dispatch: topk_idx must have shape [8, 4], got [8, 2]"),
             (lambda: buf.dispatch(x, idx.float()), "dispatch: topk_idx must be int64 or int32, not torch.float32"),
             (lambda: buf.dispatch(x, idx + 100), "dispatch: topk_idx values must lie in [-1, 7] (-1: no expert)"),
+            (lambda: buf.dispatch(torch.zeros(9, 256, dtype=torch.bfloat16), torch.zeros(9, 4, dtype=torch.int64)),
+             "dispatch: x has 9 tokens, but the bundle was compiled for at most 8 per rank (workload `tokens`)"),
             (lambda: buf.get_dispatch_layout(idx, 16),
              "get_dispatch_layout: num_experts is 16, but the bundle was compiled for 8 experts"),
             (lambda: buf.combine(x, None), "combine: handle must be the handle dispatch returned, not NoneType"),

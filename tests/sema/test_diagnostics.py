@@ -178,6 +178,9 @@ REGRESSIONS: dict[str, tuple[str, Callable[[int, str], None]]] = {
         "'topk 2.5' is reported as \"unexpected '.'; expected one of 'dtype', ...\" at the '.': the contextual "
         "lexer splits 2.5 into 2 and '.', so the message never mentions the number the user wrote",
         _rejected_at_line("regress_decimal_where_integer_expected", 19, "2.5")),
+    "regress_exponent_where_integer_expected": (
+        "'topk 1e1' was reported as \"unexpected name 'e1'\": the lexer split 1e1 into 1 and a name",
+        _rejected_at_line("regress_exponent_where_integer_expected", 19, "1e1")),
 }
 
 

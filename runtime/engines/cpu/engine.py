@@ -26,7 +26,7 @@ from ....plan.bundle import Bundle
 from ...layout import Layout, compute_layout
 from ...shm import PeerMemory
 from ..agree import Agreement
-from ..tensors import FP8_GROUP, WEIGHTS_DIFFER, check_tensor, check_topk_idx
+from ..tensors import FP8_GROUP, WEIGHTS_DIFFER, check_tensor, check_token_count, check_topk_idx
 from .threads import execute
 
 
@@ -71,6 +71,7 @@ class CpuEngine:
         if expert_alignment != 1:
             raise ValueError("dispatch: expert_alignment needs the cuda backend")
         rows, tokens = self._pack_x(x)
+        check_token_count(tokens, self.plan.workload.tokens)
         idx = check_topk_idx("dispatch", topk_idx, self.topk, self.experts, "cpu", tokens)
         w = self._check_weights("dispatch", topk_weights, idx.shape)
         idx_all, w_all = self._gather_routing(idx, w)
@@ -149,19 +150,21 @@ class CpuEngine:
 
     def _gather_routing(self, idx: np.ndarray, w: np.ndarray):
         """Every rank's top-k indices and weights: the first round of a dispatch, after every rank
-        checked its arguments (a rank that refused one posts that instead: every rank raises)."""
+        checked its arguments (a rank that refused one posts that instead: every rank raises).
+        Ranks may dispatch different numbers of tokens: the shorter ones are padded with tokens
+        of no expert (-1, weight 0), which no step moves and combine's result leaves out."""
         mine = (struct.pack("<q", idx.shape[0]) + np.ascontiguousarray(idx, dtype="<i8").tobytes()
                 + np.ascontiguousarray(w, dtype="<f4").tobytes())
         parts = self.agree.exchange("the routing exchange", mine)
         counts = [struct.unpack_from("<q", p)[0] for p in parts]
-        if len(set(counts)) != 1:
-            raise self.agree.everyone(ValueError(f"dispatch: every rank must dispatch the same number of tokens; "
-                                                 f"ranks have {counts} (pad with -1 in topk_idx)"))
-        n = counts[0] * self.topk
-        idx_all = np.stack([np.frombuffer(p, dtype="<i8", count=n, offset=8) for p in parts])
-        w_all = np.stack([np.frombuffer(p, dtype="<f4", count=n, offset=8 + 8 * n) for p in parts])
-        shape = (self.num_ranks, counts[0], self.topk)
-        return idx_all.reshape(shape).astype(np.int64), w_all.reshape(shape).astype(np.float32)
+        shape = (self.num_ranks, max(counts), self.topk)
+        idx_all = np.full(shape, -1, dtype=np.int64)
+        w_all = np.zeros(shape, dtype=np.float32)
+        for r, (p, t) in enumerate(zip(parts, counts)):
+            n = t * self.topk
+            idx_all[r, :t] = np.frombuffer(p, dtype="<i8", count=n, offset=8).reshape(t, self.topk)
+            w_all[r, :t] = np.frombuffer(p, dtype="<f4", count=n, offset=8 + 8 * n).reshape(t, self.topk)
+        return idx_all, w_all
 
     def _prepare(self, program: str, layout: Layout, fill) -> "_Memory":
         """Peer buffers sized for this layout, this rank's counters and partials zeroed and its

@@ -61,7 +61,7 @@ from ....plan.bundle import Bundle, cuda_manifest
 from ....plan.direct import DirectConfig, DirectError
 from ..agree import Agreement
 from ..base import GroupError, KernelTimeout
-from ..tensors import WEIGHTS_DIFFER, check_tensor, device_view
+from ..tensors import WEIGHTS_DIFFER, check_tensor, check_token_count, device_view
 from .library import DirectLibrary, build, timeline_summary
 
 #: How much longer than the timeout the other ranks wait for rank 0 to build the kernels (nvcc;
@@ -267,9 +267,7 @@ class CudaDirectEngine:
                 raise TypeError("dispatch: this bundle dispatches bf16: pass x as one [tokens, hidden] bfloat16 tensor")
             check_tensor("dispatch", "x", x, (None, H), (torch.bfloat16,), self.device)
             T, xp, sp = x.shape[0], x.data_ptr(), 0
-        if T > c["max_tokens"]:
-            raise ValueError(f"dispatch: x has {T} tokens, but the bundle was compiled for at most "
-                             f"{c['max_tokens']} per rank (workload `tokens`)")
+        check_token_count(T, c["max_tokens"])
         check_tensor("dispatch", "topk_idx", topk_idx, (T, K), (torch.int64, torch.int32), self.device)
         if topk_weights is not None:
             check_tensor("dispatch", "topk_weights", topk_weights, (T, K), (torch.float32,), self.device)
