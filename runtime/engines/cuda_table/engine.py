@@ -72,7 +72,7 @@ from ..gpu_proxy.build import build_gpu
 from ..gpu_proxy.channels import TRANSPORTS, from_placement, from_tables
 from ..gpu_proxy.engine import GpuRdma
 from ..gpu_proxy.watch import STALL_FRACTION, ProxyFailed, ProxyWatch, wait_watched
-from ..tensors import FP8_GROUP, WEIGHTS_DIFFER, check_tensor, device_view
+from ..tensors import FP8_GROUP, WEIGHTS_DIFFER, check_tensor, check_token_count, device_view
 from .launcher import CudaError, Library, build_library, role_timeline
 from .meta import DeviceMeta, routing_error
 from .tables import PROGRAMS, build_tables
@@ -389,9 +389,7 @@ class CudaTableEngine:
         if topk_idx is None:
             raise TypeError("dispatch: topk_idx is required (or a handle from an earlier dispatch)")
         rows, T = self._rows(x)
-        if T > self.max_tokens:
-            raise ValueError(f"dispatch: x has {T} tokens, but the bundle was compiled for at most "
-                             f"{self.max_tokens} per rank (workload `tokens`)")
+        check_token_count(T, self.max_tokens)
         check_tensor("dispatch", "topk_idx", topk_idx, (T, self.topk), (torch.int64, torch.int32), self.device)
         if topk_weights is not None:
             check_tensor("dispatch", "topk_weights", topk_weights, (T, self.topk), (torch.float32,), self.device)
