@@ -245,7 +245,7 @@ def test_cuda_sources_of_a_hostile_plan_compile(hostile_plan, tmp_path):
         elif name.endswith(".cu"):  # the schedule's name names the files: here they get names of our own
             sources.append(f"f{i}.cu")
             (tmp_path / sources[-1]).write_text(text, encoding="ascii")
-    assert len(sources) == 4  # dispatch, combine, launcher, direct
+    assert len(sources) == 5  # dispatch, combine, launcher, the metadata kernels (table path), direct
     for name, path in bundle.static.items():  # the direct kernels' static headers, then their config
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(path.read_bytes())
