@@ -37,6 +37,7 @@
 set -u -o pipefail
 
 PHASES="tests|tests-proxy|bench|tuned|tokens|multihop"
+DEEPEP_PID=
 usage() { echo "usage: bench/acceptance.sh GPUS BUNDLES OUT $PHASES" >&2; exit 2; }
 die() { echo "bench/acceptance.sh: $*" >&2; exit 1; }
 [ $# -eq 4 ] || usage
@@ -92,6 +93,8 @@ if [ -n "$DRY" ]; then
 else
   mkdir -p "$OUT" || exit 1
   WORK=$(mktemp -d -t epcc_acceptance.XXXXXX) || exit 1
+  # at the end: a DeepEP build still running stops, the temporary folder goes
+  trap '[ -z "$DEEPEP_PID" ] || kill "$DEEPEP_PID" 2>/dev/null; rm -rf "$WORK"' EXIT
 fi
 # The GPU machine has no package index: without an installed epcc, install this checkout (no
 # dependencies; the runtime needs none beyond torch) into a folder of its own for `-m epcc...`.
@@ -112,7 +115,6 @@ case "$PHASE" in tuned) BENCH_S=240 ;; multihop) BENCH_S=270 ;; esac
 
 # DeepEP v1.2.1, intranode only (docs/benchmarking.md, "DeepEP beside epcc"): deepep_start builds it
 # in the background from $DEEPEP_SRC, deepep_wait puts it on PYTHONPATH or says why not.
-DEEPEP_PID=
 deepep_start() {
   local src=${DEEPEP_SRC:-} dst="$WORK/deepep" jobs
   if [ -z "$src" ]; then echo "DeepEP: DEEPEP_SRC not set: ep_bench runs without DeepEP"; return 0; fi
@@ -140,6 +142,7 @@ deepep_wait() {
   [ -n "$DEEPEP_PID" ] || return 0
   local rc=0
   wait "$DEEPEP_PID" || rc=$?
+  DEEPEP_PID=
   if [ $rc -eq 0 ] && PYTHONPATH="$dir:$PYTHONPATH" python3 -c "import deep_ep" >> "$OUT/deepep_build.log" 2>&1; then
     export PYTHONPATH="$dir:$PYTHONPATH"
     echo "DeepEP: built ($dir), timed beside epcc"
@@ -151,6 +154,7 @@ deepep_wait() {
 
 # simcheck REPORT: `epcc simulate` against the report's epcc rows, where the compiler imports here
 simcheck() {
+  if [ -z "$DRY" ] && [ ! -f "$1" ]; then echo "sim_check: no report $1"; return 0; fi
   if [ -z "$DRY" ] && ! python3 -c "import epcc.cli.simulate" 2>/dev/null; then
     echo "sim_check: the compiler (lark, MLIR) does not import here; on the CPU machine:" \
       ".venv/bin/python bench/sim_check.py OUT/${1#"$OUT"/}"
@@ -166,7 +170,11 @@ bench() {
   while [ "$1" != "--" ]; do args+=("$1"); shift; done; shift
   logged "$OUT/$name.log" timeout -k 20 "$BENCH_S" "${BENCH[@]}" "${args[@]}" --out "$OUT/$name" --bundles "$@" || rc=$?
   table "$OUT/$name.log"
-  [ $rc -eq 124 ] && echo "ep_bench: stopped after $BENCH_S s (timeout): the table above is what it finished"
+  if [ $rc -eq 124 ]; then
+    echo "ep_bench: stopped after $BENCH_S s (timeout): the table above is what it finished"
+  elif [ $rc -ne 0 ]; then
+    echo "ep_bench: exit $rc (OUT/$name.log):"; tail -5 "$OUT/$name.log"
+  fi
   return $rc
 }
 
@@ -223,6 +231,7 @@ tuned)
   logged "$OUT/tune_t128.log" "${TUNE[@]}" "$T/h200x${G}_t128" --sms "${TUNE_SMS_DECODE:-16,24,32,48,64,96}" \
     --warps 8,16 || { tail -20 "$OUT/tune_t128.log"; exit 1; }
   [ -n "$DRY" ] || grep -h '^best\|^wrote' "$OUT/tune.log" "$OUT/tune_t128.log"
+  for s in "" _t128; do x cp "$T/h200x$G$s/cuda/tuned.json" "$OUT/tuned_h200x$G$s.json"; done  # tune's picks, kept
   deepep_wait
   bench tuned -- "$T/h200x$G" "$T/h200x${G}_fp8" "$T/h200x${G}_t128" || exit $?
   if [ -n "$DRY" ] || [ ! -f "$OUT/default/ep_bench.json" ]; then
