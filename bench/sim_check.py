@@ -85,10 +85,9 @@ def bundle_source(name: str, out_dir: Path) -> tuple[Path, list[str]]:
     # NAME_proxy: the GPU proxy path with host-built tables; NAME_proxy_dev: with tables from the GPU
     tables = next((t for suffix, t in (("_proxy_dev", "device"), ("_proxy", "host")) if name.endswith(suffix)), None)
     base = name[: name.rindex("_proxy")] if tables else name
-    if base in bundles.VARIANTS and tables is None:
-        ranks, extra = bundles.VARIANTS[base]
-        src = bundles.H200X4 if ranks == 4 else bundles.ep2_source(out_dir)
-        return src, [*extra, "--rdma", "proxy"]
+    if (base in bundles.VARIANTS or base in bundles.SCHEDULE_VARIANTS) and tables is None:
+        extra = bundles.VARIANTS[base][1] if base in bundles.VARIANTS else []
+        return bundles.variant_source(out_dir, base), [*extra, "--rdma", "proxy"]
     if base in bundles.RDMA_VARIANTS and (tables != "device" or base in bundles.PROXY_DEVICE_VARIANTS):
         if tables is None:
             return bundles.rdma_source(out_dir, base), ["--rdma", "emulate"]

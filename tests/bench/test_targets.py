@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -178,18 +177,3 @@ def test_a_bundle_with_a_malformed_workload_counts_as_no_shape(targets, tmp_path
     assert capsys.readouterr().err.strip() == (
         f"bench/targets.py: {path}: no bundle of the fp8 shape(s) (4096 tokens bf16 and fp8, 128 tokens); "
         "it has h200x4, ?, h200x4_t128")
-
-
-@pytest.mark.parametrize("args, code, message", [
-    (["3", "B", "OUT", "bench"], 2, "bench/acceptance.sh: GPUS must be 2 or 4, got '3'"),
-    (["2", "B", "OUT"], 2, "usage: bench/acceptance.sh GPUS BUNDLES OUT tests|bench|tuned"),
-    (["2", "{tmp}/none", "OUT", "bench"], 1,
-     "bench/acceptance.sh: no bundle {tmp}/none/h200x2 (run tests/gpu/bundles.py {tmp}/none on a CPU machine)"),
-])
-def test_acceptance_script_refuses_bad_arguments(tmp_path, args, code, message):
-    args = [a.format(tmp=tmp_path) for a in args]
-    r = subprocess.run(["bash", str(ROOT / "bench" / "acceptance.sh"), *args], capture_output=True, text=True,
-                       cwd=tmp_path)
-    assert r.returncode == code
-    assert r.stderr.strip() == message.format(tmp=tmp_path)
-    assert not (tmp_path / "OUT").exists()  # nothing made before the arguments are checked

@@ -32,6 +32,15 @@ memory; metadata on the GPU); supa_ubbv2_card (schedules/ubbv2_card.sched: one B
 dies as 2 ranks over D2D, a duplicate-mode pair) and supa_ubbv2_card_dma (the same card with its D2D
 link driven by the DMA engine, `engine dma`: the dispatch's hand-over runs on the launcher's DMA
 lane, the derived schedule written next to the bundles).
+
+Eight GPUs (one box of 8 through NVSwitch), from the shipped schedules whose shape carries over to
+8 ranks: h200x8, h200x8_fp8, h200x8_t128 and h200x8_tok* (h200x4.sched with `gpu 8`, as for two);
+nvl8_hybrid (schedules/nvl8_hybrid.sched as shipped: the Hybrid-EP-style one-hop fp8 plan of 8
+GPUs, the direct kernels); h200x8_2vnode_50 (h200x4_2vnode.sched as 2 vnodes x 4 GPUs, DeepEP
+internode's shape: `levels vnode 2, gpu 4`) and h200x8_ubb4x2_50 (h200x4_ubb2x2.sched as 4 vnodes
+of 2 twins: `levels node 4, die 2`), each also `_proxy`, and h200x8_2vnode_50_proxy_dev.  The
+derived schedules are written next to the bundles.  (schedules/dgx_h800_2node.sched and the ubbv2
+plans have 16 or more ranks: not one box of 8.)
 """
 
 from __future__ import annotations
@@ -58,6 +67,25 @@ VARIANTS = {  # name -> (ranks, extra compile options)
     "h200x4_tok": (4, ["--layout", "token"]),
     "h200x4_tok_fp8": (4, ["--layout", "token", "--dtype", "fp8"]),
     "h200x4_tok_t128": (4, ["--layout", "token", "--tokens", "128"]),
+    # one box of 8 GPUs: h200x4.sched with `gpu 8`
+    "h200x8": (8, []),
+    "h200x8_fp8": (8, ["--dtype", "fp8"]),
+    "h200x8_t128": (8, ["--tokens", "128"]),
+    "h200x8_tok": (8, ["--layout", "token"]),
+    "h200x8_tok_fp8": (8, ["--layout", "token", "--dtype", "fp8"]),
+    "h200x8_tok_t128": (8, ["--layout", "token", "--tokens", "128"]),
+}
+
+# shipped schedules compiled as they are: bundle name -> schedule
+SCHEDULE_VARIANTS = {
+    "nvl8_hybrid": "nvl8_hybrid",  # 8 GPUs, Hybrid-EP-style one-hop, fp8 (the direct kernels)
+}
+
+# multi-hop schedules of another size, from a shipped one: name -> (shipped schedule, its levels
+# line, the derived levels line)
+DERIVED_SCHEDULES = {
+    "h200x8_2vnode": ("h200x4_2vnode", "levels vnode 2, gpu 2", "levels vnode 2, gpu 4"),
+    "h200x8_ubb4x2": ("h200x4_ubb2x2", "levels node 2, die 2", "levels node 4, die 2"),
 }
 
 
@@ -81,15 +109,32 @@ RDMA_VARIANTS = {  # name -> (schedule, RDMA link name, GB/s)
     # the same relay with its two steps on links of different speeds (`there` over rdma at 50 GB/s,
     # `relay` over rdma_slow at 25): the emulated transport paces each step on its own link
     "h200x2_2vnode_mixed_50": ("h200x2_2vnode_mixed", "rdma", 50),
+    # one box of 8 GPUs as 2 vnodes x 4 (DeepEP internode's shape) and as 4 vnodes of 2 twins
+    "h200x8_2vnode_50": ("h200x8_2vnode", "rdma", 50),
+    "h200x8_ubb4x2_50": ("h200x8_ubb4x2", "nic", 50),
 }
+
+
+def schedule_text(sched: str) -> tuple[Path, str, str]:
+    """(the shipped file, the text of schedule `sched`, the header a file derived from it starts
+    with): a shipped schedule, or a DERIVED_SCHEDULES one made from its shipped file."""
+    if sched not in DERIVED_SCHEDULES:
+        path = ROOT / "schedules" / f"{sched}.sched"
+        return path, path.read_text(encoding="utf-8"), f"# derived from schedules/{sched}.sched by tests/gpu/bundles.py"
+    base, levels, derived = DERIVED_SCHEDULES[sched]
+    path = ROOT / "schedules" / f"{base}.sched"
+    text = path.read_text(encoding="utf-8")
+    if levels not in text or f'schedule {base} "' not in text:
+        raise SystemExit(f"{path}: cannot derive {sched} (levels line or name changed)")
+    text = text.replace(levels, derived).replace(f'schedule {base} "', f'schedule {sched} "')
+    return path, text, f"# derived from schedules/{base}.sched by tests/gpu/bundles.py: {derived}"
 
 
 def rdma_source(out_dir: Path, name: str) -> Path:
     """The schedule of an RDMA variant, with its RDMA link's bandwidth set (a derived file when it
     differs from the shipped one)."""
     sched, link, gbps = RDMA_VARIANTS[name]
-    path = ROOT / "schedules" / f"{sched}.sched"
-    text = path.read_text(encoding="utf-8")
+    path, text, header = schedule_text(sched)
     head = f"link {link} rdma {{"
     at = text.find(head)
     bw = text.find("bandwidth ", at)
@@ -97,23 +142,39 @@ def rdma_source(out_dir: Path, name: str) -> Path:
     if at < 0 or bw < 0 or text.find("}", at) < bw:
         raise SystemExit(f"{path}: cannot find the bandwidth line of link '{link}'")
     line = text[bw:end].split("#")[0].strip()
-    if line == f"bandwidth {gbps} GB/s":
+    if line == f"bandwidth {gbps} GB/s" and sched not in DERIVED_SCHEDULES:
         return path
     text = text[:bw] + f"bandwidth {gbps} GB/s" + text[end:]
     out = out_dir / f"{name}.sched"
-    out.write_text(f"# derived from schedules/{sched}.sched by tests/gpu/bundles.py: link '{link}' at {gbps} GB/s\n"
-                   + text, encoding="utf-8")
+    out.write_text(f"{header}: link '{link}' at {gbps} GB/s\n" + text, encoding="utf-8")
     return out
 
 
-def ep2_source(out_dir: Path) -> Path:
+def sized_source(out_dir: Path, ranks: int) -> Path:
+    """The one-hop schedule on `ranks` GPUs: schedules/h200x4.sched itself for 4, else a file
+    derived with `gpu N`, written into out_dir."""
+    if ranks == 4:
+        return H200X4
     text = H200X4.read_text(encoding="utf-8")
     if "levels node 1, gpu 4" not in text or 'schedule h200x4 "' not in text:
-        raise SystemExit(f"{H200X4}: cannot derive the EP2 schedule (levels line or name changed)")
-    text = text.replace("levels node 1, gpu 4", "levels node 1, gpu 2").replace('schedule h200x4 "', 'schedule h200x2 "')
-    path = out_dir / "h200x2.sched"
-    path.write_text("# derived from schedules/h200x4.sched by tests/gpu/bundles.py: two GPUs\n" + text, encoding="utf-8")
+        raise SystemExit(f"{H200X4}: cannot derive the EP{ranks} schedule (levels line or name changed)")
+    text = (text.replace("levels node 1, gpu 4", f"levels node 1, gpu {ranks}")
+            .replace('schedule h200x4 "', f'schedule h200x{ranks} "'))
+    path = out_dir / f"h200x{ranks}.sched"
+    path.write_text(f"# derived from schedules/h200x4.sched by tests/gpu/bundles.py: {ranks} GPUs\n" + text,
+                    encoding="utf-8")
     return path
+
+
+def ep2_source(out_dir: Path) -> Path:
+    return sized_source(out_dir, 2)
+
+
+def variant_source(out_dir: Path, name: str) -> Path:
+    """The schedule of a VARIANTS or SCHEDULE_VARIANTS bundle."""
+    if name in SCHEDULE_VARIANTS:
+        return ROOT / "schedules" / f"{SCHEDULE_VARIANTS[name]}.sched"
+    return sized_source(out_dir, VARIANTS[name][0])
 
 
 SUPA_VARIANTS = {  # name -> the CUDA variant whose source and options it compiles with --target supa
@@ -151,9 +212,9 @@ def engine_source(out_dir: Path, name: str) -> Path:
     return out
 
 
-# the GPU proxy path with its tables from the GPU (`--proxy-tables device`, the default), on 2 and 4
-# GPUs (tests/gpu/proxy_worker.py)
-PROXY_DEVICE_VARIANTS = ["h200x2_2vnode_50", "h200x4_2vnode_50"]
+# the GPU proxy path with its tables from the GPU (`--proxy-tables device`, the default), on 2, 4
+# and 8 GPUs (tests/gpu/proxy_worker.py)
+PROXY_DEVICE_VARIANTS = ["h200x2_2vnode_50", "h200x4_2vnode_50", "h200x8_2vnode_50"]
 # the metadata kernels' routing through the process group's all-gather, as across boxes, on one box
 # (`--metadata-exchange collective`; test_gpu.py test_collective_metadata_exchange)
 COLLECTIVE_VARIANTS = ["h200x2_2vnode_50"]
@@ -182,10 +243,12 @@ def build(epcc: Path, out: Path, name: str, src: Path, extra: list[str], compile
 def main(argv: list[str]) -> int:
     out = Path(argv[0] if argv else ".gpu/bundles")
     out.mkdir(parents=True, exist_ok=True)
-    ep2 = ep2_source(out)
     epcc = Path(sys.executable).parent / "epcc"
-    for name, (ranks, extra) in VARIANTS.items():
-        if not build(epcc, out, name, H200X4 if ranks == 4 else ep2, extra):
+    for name, (_, extra) in VARIANTS.items():
+        if not build(epcc, out, name, variant_source(out, name), extra):
+            return 1
+    for name in SCHEDULE_VARIANTS:
+        if not build(epcc, out, name, variant_source(out, name), []):
             return 1
     for name in RDMA_VARIANTS:
         if not build(epcc, out, name, rdma_source(out, name), [], rdma="emulate"):
@@ -205,8 +268,7 @@ def main(argv: list[str]) -> int:
             return 1
     for name, base in SUPA_VARIANTS.items():
         if base in VARIANTS:
-            ranks, extra = VARIANTS[base]
-            src = H200X4 if ranks == 4 else ep2
+            src, extra = variant_source(out, base), VARIANTS[base][1]
         else:
             src, extra = rdma_source(out, base), []
         if not build(epcc, out, name, src, extra, rdma="emulate", target="supa"):

@@ -7,7 +7,9 @@ directory to the GPU machine, run pytest there:
     python -m pytest -q tests/gpu/test_gpu.py                    # GPU machine (>= 2 GPUs, nvcc, torch)
 
 $EPCC_GPU_BUNDLES overrides the bundle directory (default .gpu/bundles at the repository root);
-$EPCC_GPU_TIMEOUT the seconds one torchrun may take (default 1200).  The EP4 case needs 4 GPUs
+$EPCC_GPU_TIMEOUT the seconds one torchrun may take (default 1200).  The EP8 cases need 8 GPUs
+(h200x8*, nvl8_hybrid, the 8-GPU vnode plans h200x8_2vnode_50 and h200x8_ubb4x2_50 and their
+proxy bundles; uneven token counts; the proxy path); the EP4 case needs 4 GPUs
 (h200x4, h200x4_fp8, h200x4_t128 and their token-major twins h200x4_tok...); the EP2 case runs on
 GPUs 0 and 1 (h200x2, h200x2_fp8, h200x2_t128, h200x2_tok...).  With 2 or 3 GPUs the EP4 bundles run instead as 4 ranks on GPUs 0 and 1, two
 per GPU, time-sliced (test_ep_worker_ep4_shared_gpus; ep_worker.py: the same checks, no timing).  Each must exit 0 and
@@ -67,6 +69,7 @@ WORKER = Path(__file__).resolve().parent / "ep_worker.py"
 UNEVEN_WORKER = Path(__file__).resolve().parent / "uneven_worker.py"
 BENCH = ROOT / "bench" / "ep_bench.py"
 PROXY_BUNDLES = {  # GPUs -> the proxy-path bundles run on that many GPUs (tests/gpu/bundles.py writes them)
+    8: ["h200x8_2vnode_50_proxy", "h200x8_ubb4x2_50_proxy"],
     4: ["h200x4_2vnode_50_proxy", "h200x4_ubb2x2_50_proxy"],
     2: ["h200x2_2vnode_50_proxy", "h200x2_2vnode_relay_50_proxy", "h200x2_2vnode_mixed_50_proxy"],
 }
@@ -81,6 +84,8 @@ HOW = ("to run: `.venv/bin/python tests/gpu/bundles.py .gpu/bundles` on a CPU ma
        "to the GPU machine (or set EPCC_GPU_BUNDLES), run `python -m pytest tests/gpu/test_gpu.py` there")
 CASES = {  # GPUs -> bundles (tests/gpu/bundles.py writes them): one-hop (the direct kernels), then
     # multi-hop plans (the table-driven kernels; `_proxy`: RDMA steps through the GPU proxy path)
+    8: ["h200x8", "h200x8_fp8", "h200x8_t128", "h200x8_tok", "h200x8_tok_fp8", "h200x8_tok_t128", "nvl8_hybrid",
+        "h200x8_2vnode_50", "h200x8_ubb4x2_50", "h200x8_2vnode_50_proxy", "h200x8_ubb4x2_50_proxy"],
     4: ["h200x4", "h200x4_fp8", "h200x4_t128", "h200x4_tok", "h200x4_tok_fp8", "h200x4_tok_t128", "h200x4_2vnode_50",
         "h200x4_ubb2x2_50", "h200x4_2vnode_50_proxy", "h200x4_ubb2x2_50_proxy"],
     2: ["h200x2", "h200x2_fp8", "h200x2_t128", "h200x2_tok", "h200x2_tok_fp8", "h200x2_tok_t128", "h200x2_2vnode_50",
@@ -91,6 +96,7 @@ CASES = {  # GPUs -> bundles (tests/gpu/bundles.py writes them): one-hop (the di
 COLLECTIVE = ["h200x2_2vnode_50_collective"]
 SHARED = (4, 2)  # the EP4 bundles' 4 ranks on 2 GPUs (the CUDA ones where fewer than 4 are present; the SUPA ones always)
 UNEVEN = {  # GPUs -> bundles whose ranks dispatch different numbers of tokens (uneven_worker.py)
+    8: ["h200x8_t128", "h200x8"],
     4: ["h200x4_t128", "h200x4"],
     2: ["h200x2_t128", "h200x2"],
 }
@@ -335,7 +341,8 @@ def _proxy_worker(gpus: int, bundles: list[str], transport: str, ranks: int | No
     return r.stdout
 
 
-PROXY_DEVICE_BUNDLES = {2: ["h200x2_2vnode_50_proxy_dev"], 4: ["h200x4_2vnode_50_proxy_dev"]}
+PROXY_DEVICE_BUNDLES = {2: ["h200x2_2vnode_50_proxy_dev"], 4: ["h200x4_2vnode_50_proxy_dev"],
+                        8: ["h200x8_2vnode_50_proxy_dev"]}
 
 
 @pytest.mark.parametrize("transport", ["emulated", "nvshmem"])
