@@ -152,6 +152,11 @@ class DeviceMeta:
             self.area = torch.zeros(self.area_bytes, dtype=torch.uint8, device=device)
             self.regions = area_regions(self.area, R, wl.tokens, wl.topk, self.off_tokens, self.off_topk,
                                         self.off_weights)
+            # one exchange of the zeroed area now (every rank makes its Buffer at the same time): the
+            # group's communicator is set up here, not by a first dispatch inside a CUDA-graph capture
+            all_gather_slots(self.regions, rank, group)
+            if self.area.is_cuda:
+                torch.cuda.synchronize(device)
             self.set_areas([self.area.data_ptr() if r == rank else 0 for r in range(R)], rank)
 
     def set_areas(self, areas: list[int], rank: int) -> None:
