@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import pipeline
-from ..backends.cuda.codegen import METADATA_EXCHANGES, CudaCodegenError, CudaOptions
+from ..backends.cuda.codegen import METADATA_EXCHANGES, CudaCodegenError, CudaOptions, metadata_exchange
 from ..backends.cuda.codegen import generate as generate_cuda
 from ..backends.target import TARGETS as BACKEND_TARGETS
 from ..files import SCHED_MAX_BYTES, read_bytes, refuse_overwrite
@@ -169,6 +169,11 @@ def cmd_compile(args) -> int:
                      dirs=[out])
     src = read_bytes(args.file, "a .sched file", SCHED_MAX_BYTES)
     plan = c.passes.get("plan")
+    if choice.target is not None:  # an option the plan cannot have is the command's error: nothing written
+        try:
+            metadata_exchange(plan, args.metadata_exchange)
+        except CudaCodegenError as e:
+            raise user_error(f"--metadata-exchange {args.metadata_exchange}: {e}") from None
     # The device code is generated before anything is written; a plan the target cannot lower
     # still gets its bundle, and the error follows it.
     generated, target_error = None, None

@@ -577,9 +577,10 @@ def test_metadata_exchange_chooses_how_the_routing_reaches_every_rank(capsys, tm
     ep16 = str(Path(__file__).resolve().parents[2] / EP16)
     rc, out, err = run(["compile", ep16, "--target", "cuda", "--metadata-exchange", "ipc", "-o", str(tmp_path / "e")],
                        capsys)
-    assert rc == 1 and err.endswith("epcc: error: --target cuda: metadata exchange 'ipc' maps every rank's gather "
-                                    "area over CUDA IPC, but the plan's 16 ranks span more than one CUDA IPC domain "
-                                    "(at most 8): use 'collective' or 'auto'\n"), err
+    assert rc == 1 and err.endswith("epcc: error: --metadata-exchange ipc: metadata exchange 'ipc' maps every rank's "
+                                    "gather area over CUDA IPC, but the plan's 16 ranks span more than one CUDA IPC "
+                                    "domain (at most 8): use 'collective' or 'auto'\n"), err
+    assert not (tmp_path / "e").exists()  # an option the plan cannot have: refused before anything is written
 
 
 def test_proxy_tables_choose_where_the_proxy_paths_tables_come_from(capsys, tmp_path):
