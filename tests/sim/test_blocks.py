@@ -13,23 +13,13 @@ import pytest
 
 from epcc.cli import main
 from epcc.plan import Flow, PlanStep
+from epcc.runtime.layout.types import Copy
 from epcc.sim import SimOptions
 from epcc.sim.blocks import schedule_roles
 from epcc.sim.engine import _Engine, simulate_steps
 
 REPO = Path(__file__).resolve().parents[2]
 UBB = str(REPO / "schedules" / "h200x4_ubb2x2.sched")
-
-
-@dataclass
-class _Copy:  # what sim/blocks.py reads of a layout's copy
-    program: str
-    step: str
-    rank: int
-    flow_index: int
-    flag_id: int
-    chunk_starts: np.ndarray
-    waits: list = field(default_factory=list)
 
 
 @dataclass
@@ -55,11 +45,18 @@ def _steps() -> list[PlanStep]:
     return [producer, role]
 
 
-def _copies() -> list[_Copy]:
+
+def _copy(step: str, flag_id: int, chunk_starts: np.ndarray, waits=None) -> Copy:
+    """A dispatch copy of rank 0's flow 0 with the chunks and waits given (the rows are not read)."""
+    rows = np.zeros(int(chunk_starts[-1]), dtype=np.int64)
+    return Copy("dispatch", step, 0, 0, 0, 0, 0, [], rows, "out", rows, chunk_starts=chunk_starts,
+                waits=waits or [], flag_id=flag_id)
+
+
+def _copies() -> list[Copy]:
     """The role's one copy: 4 chunks of one row each (1 byte of its flow's 4, 1 s on one block);
     chunk 0 waits for the producer's only chunk (published at 10 s), the others for nothing."""
-    return [_Copy("dispatch", "p", 0, 0, 0, np.array([0, 4])),
-            _Copy("dispatch", "r", 0, 0, 1, np.arange(5), [[(0, 1)], [], [], []])]
+    return [_copy("p", 0, np.array([0, 4])), _copy("r", 1, np.arange(5), [[(0, 1)], [], [], []])]
 
 
 def test_round_robin_blocks_wait_for_the_chunks_dealt_to_them_and_publish_in_order():
