@@ -52,28 +52,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 H200X4 = ROOT / "schedules" / "h200x4.sched"
 
+# Per box size, the same six variants of h200x4.sched (its `gpu` level set to the size): bf16,
+# fp8, 128 tokens, and the same token-major (DeepEP's intranode output, the direct kernels of
+# epcc/direct/token.cuh; no simulate.json, since `epcc simulate` refuses that layout: its cost model
+# charges expert-major rows)
+SUFFIXES = {"": [], "_fp8": ["--dtype", "fp8"], "_t128": ["--tokens", "128"]}
 VARIANTS = {  # name -> (ranks, extra compile options)
-    "h200x4": (4, []),
-    "h200x4_fp8": (4, ["--dtype", "fp8"]),
-    "h200x4_t128": (4, ["--tokens", "128"]),
-    "h200x2": (2, []),
-    "h200x2_fp8": (2, ["--dtype", "fp8"]),
-    "h200x2_t128": (2, ["--tokens", "128"]),
-    # token-major (DeepEP's intranode output, the direct kernels of epcc/direct/token.cuh): no
-    # simulate.json, since `epcc simulate` refuses the layout (its cost model charges expert-major rows)
-    "h200x2_tok": (2, ["--layout", "token"]),
-    "h200x2_tok_fp8": (2, ["--layout", "token", "--dtype", "fp8"]),
-    "h200x2_tok_t128": (2, ["--layout", "token", "--tokens", "128"]),
-    "h200x4_tok": (4, ["--layout", "token"]),
-    "h200x4_tok_fp8": (4, ["--layout", "token", "--dtype", "fp8"]),
-    "h200x4_tok_t128": (4, ["--layout", "token", "--tokens", "128"]),
-    # one box of 8 GPUs: h200x4.sched with `gpu 8`
-    "h200x8": (8, []),
-    "h200x8_fp8": (8, ["--dtype", "fp8"]),
-    "h200x8_t128": (8, ["--tokens", "128"]),
-    "h200x8_tok": (8, ["--layout", "token"]),
-    "h200x8_tok_fp8": (8, ["--layout", "token", "--dtype", "fp8"]),
-    "h200x8_tok_t128": (8, ["--layout", "token", "--tokens", "128"]),
+    f"h200x{g}{tok}{suffix}": (g, [*(["--layout", "token"] if tok else []), *opts])
+    for g in (4, 2, 8) for tok in ("", "_tok") for suffix, opts in SUFFIXES.items()
 }
 
 # shipped schedules compiled as they are: bundle name -> schedule
