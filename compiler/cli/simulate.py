@@ -81,16 +81,24 @@ def simulation(args, options):
     if dealing is not None and direct is not None:
         raise user_error(f"--dealing {dealing}: the table-driven kernels' blocks; {args.file} runs as direct kernels "
                          f"(use --kernels table)")
-    layout = block_layout(built.plan, options.routing) if direct is None and built.plan.sm_rates else None
     try:
         exchange = getattr(args, "metadata_exchange", "auto")
-        metadata = table_metadata(built.plan, rdma, tables != "host", exchange) if direct is None else None
-        res = simulate(built.plan, SimOptions(rdma_proxy=rdma == "proxy", direct=direct, metadata=metadata,
-                                              calls=metadata is not None, layout=layout,
-                                              dealing=dealing or "round-robin"))
+        res = simulate(built.plan, sim_options(built.plan, direct, rdma, tables, exchange, options.routing, dealing))
     except SimulationError as e:
         raise user_error(f"{args.file}: cannot simulate the plan: {e}") from None
     return built, res
+
+
+def sim_options(plan: Plan, direct, rdma: str = "proxy", proxy_tables: str | None = None,
+                metadata_exchange: str = "auto", routing: str | None = None,
+                dealing: str | None = None) -> SimOptions:
+    """What `epcc simulate` runs the model with: the direct kernels' (`direct`: plan.direct or a
+    variant of it), else the table-driven kernels' -- their metadata kernels and the Buffer's
+    calls where the bundle has them, the roles' blocks dealt from a routing drawn from `routing`."""
+    layout = block_layout(plan, routing) if direct is None and plan.sm_rates else None
+    metadata = table_metadata(plan, rdma, proxy_tables != "host", metadata_exchange) if direct is None else None
+    return SimOptions(rdma_proxy=rdma == "proxy", direct=direct, metadata=metadata, calls=metadata is not None,
+                      layout=layout, dealing=dealing or "round-robin")
 
 
 def block_layout(plan: Plan, routing: str | None):

@@ -20,7 +20,7 @@ import pytest
 
 from epcc import __version__
 from epcc.cli import main
-from epcc.cli.simulate import block_layout, table_metadata
+from epcc.cli.simulate import sim_options
 from epcc.sema.check import check_file
 from epcc.sim import SimOptions, simulate
 from epcc.sim.build import build_plan
@@ -314,14 +314,9 @@ def _critical_nodes(dot: str) -> set[str]:
 def _simulated(rel: str, sms=None, table=False):
     plan = build_plan(rel).plan
     kernels = None if table or plan.direct is None else plan.direct if sms is None else plan.direct.with_sms(sms)
-    if kernels is None:  # the table-driven kernels as `epcc simulate` runs them: their metadata kernels
-        # (the bundle's table path has its tables on the GPU), the Buffer's calls, and the roles'
-        # blocks dealt from a drawn routing
-        metadata = table_metadata(plan, "proxy")
-        opts = SimOptions(rdma_proxy=True, metadata=metadata, calls=metadata is not None,
-                          layout=block_layout(plan, None))
-    else:
-        opts = SimOptions(direct=kernels)
+    # the table-driven kernels as `epcc simulate` runs them (their metadata kernels, the Buffer's
+    # calls, the roles' blocks); the direct kernels' model alone
+    opts = sim_options(plan, None) if kernels is None else SimOptions(direct=kernels)
     return plan, kernels, describe(plan, kernels), simulate(plan, opts)
 
 
