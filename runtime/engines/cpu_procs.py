@@ -22,6 +22,7 @@ within the timeout and a few seconds, each reporting the same message naming tha
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import multiprocessing as mp
 import os
@@ -207,12 +208,14 @@ def check_transport(name: str) -> str:
     return res[1]
 
 
+@functools.cache
 def _libfabric_ready(lib_path) -> None:
     """Initialise libfabric's providers once, here, before the ranks are forked: each rank then
-    finds them ready instead of loading and probing every provider itself (the verbs provider
-    scans /proc/kallsyms at that point), work that grows with the rank count and, 32 ranks on two
+    finds them ready instead of loading and probing every provider itself (libfabric 1.20 reads
+    /proc/kallsyms twice while it does), work that grows with the rank count and, 32 ranks on two
     cores, was most of the kernel time of a run.  fi_getinfo without hints does it and opens
-    nothing (no fabric, no thread); its answer is freed at once."""
+    nothing (no fabric, no thread); its answer is freed at once.  Once per process: a run's two
+    programs and later runs find the providers ready."""
     lib = ctypes.CDLL(str(lib_path))  # the proxy library: libfabric is among its dependencies
     info = ctypes.c_void_p()
     lib.fi_getinfo.argtypes = [ctypes.c_uint32, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint64,
