@@ -15,7 +15,10 @@
 #                                                     #   then ep_bench (epcc rows) -> OUT/multihop
 #
 # GPUS is 2, 4 or 8; BUNDLES the directory tests/gpu/bundles.py wrote on a CPU machine; OUT where
-# the logs and reports go (the device call's $OUT).  The bench phases (bench, tuned, tokens) time
+# the logs and reports go (the device call's $OUT).
+# Each phase first compiles every library its bundles need at once (python -m epcc.runtime.prebuild,
+# all cores; OUT/prebuild.log): 40 libraries in 28 s on a fresh 4 x H100 machine (2026-11-27),
+# instead of one at a time inside the bounds of the runs that first use them.  The bench phases (bench, tuned, tokens) time
 # epcc beside bare NCCL all_to_all, torch+NCCL and, where DEEPEP_SRC names a folder holding
 # DeepEP-1.2.1.tar.gz and deepep-intranode-build.patch, DeepEP: built in the background at the
 # phase's start under a temporary folder (log: OUT/deepep_build.log) and put on PYTHONPATH;
@@ -32,6 +35,13 @@
 # h200x8_ubb4x2_50 (8), each with its _proxy twin in ep_bench.  The tests phases select the cases
 # of G ranks (`pytest -k`; with 2, also the 4-rank bundles time-sliced on 2 GPUs where only 2 are
 # present) and fail where a case was skipped for a missing bundle or too few GPUs.
+#
+# Settings (environment): ITERS / WARMUP ep_bench's timed and warm-up iterations (40 / 5);
+# BENCH_BOUND_S / PYTEST_BOUND_S the bound of one ep_bench run / of a tests phase's pytest, s;
+# BENCH_SMS the SM counts the bench phase runs epcc's direct bundles and DeepEP at (e.g. 24,64;
+# default: the bundles' own configuration and DeepEP at 24); DEEPEP_DIR a folder DeepEP is built in
+# and kept (a later phase or call on the same machine finds it built there and skips the build;
+# default: the phase's temporary folder).
 #
 # DRY=1 prints the commands instead of running them (no GPU needed; nothing is written).
 set -u -o pipefail
@@ -105,18 +115,24 @@ fi
 # NVLink multicast stays off on the shared hosts (ep_bench and the tests force it too).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 TORCHRUN=(torchrun --standalone --nproc-per-node "$G")
-BENCH=("${TORCHRUN[@]}" bench/ep_bench.py --iters 40 --warmup 5 --kernel-timeout 6 --child-timeout 150)
+BENCH=("${TORCHRUN[@]}" bench/ep_bench.py --iters "${ITERS:-40}" --warmup "${WARMUP:-5}" --kernel-timeout 6
+       --child-timeout 150)
 # The bounds (s), which add up to less than 10 minutes per phase: DeepEP's build (bench, tokens:
 # before ep_bench; tuned: beside the tuning), one ep_bench run (each of its child runs also bounded
 # by --child-timeout), a tuning, a worker run of one vnode plan (multihop), sim_check, targets.py,
 # the pytest run of a tests phase and one torchrun in it; `timeout -k 20` kills 20 s after asking.
-DEEPEP_BUILD_S=150 BENCH_S=330 TUNE_S=120 WORKER_S=90 CHECK_S=60 TARGETS_S=30 PYTEST_S=560 TORCHRUN_S=400
-case "$PHASE" in tuned) BENCH_S=240 ;; multihop) BENCH_S=270 ;; esac
+PREBUILD_S=80 DEEPEP_BUILD_S=150 BENCH_S=330 TUNE_S=100 WORKER_S=70 CHECK_S=60 TARGETS_S=30 PYTEST_S=450 TORCHRUN_S=400
+case "$PHASE" in tuned) BENCH_S=200 ;; multihop) BENCH_S=200 ;; esac
+# a caller fitting several phases into one call sets tighter bounds for ep_bench and pytest
+BENCH_S=${BENCH_BOUND_S:-$BENCH_S} PYTEST_S=${PYTEST_BOUND_S:-$PYTEST_S}
 
 # DeepEP v1.2.1, intranode only (docs/benchmarking.md, "DeepEP beside epcc"): deepep_start builds it
 # in the background from $DEEPEP_SRC, deepep_wait puts it on PYTHONPATH or says why not.
 deepep_start() {
-  local src=${DEEPEP_SRC:-} dst="$WORK/deepep" jobs
+  local src=${DEEPEP_SRC:-} dst=${DEEPEP_DIR:-"$WORK/deepep"} jobs
+  if [ -z "$DRY" ] && compgen -G "$dst/DeepEP-1.2.1/deep_ep_cpp*.so" > /dev/null; then
+    echo "DeepEP: already built in $dst"; DEEPEP_PID=; return 0
+  fi
   if [ -z "$src" ]; then echo "DeepEP: DEEPEP_SRC not set: ep_bench runs without DeepEP"; return 0; fi
   if [ -z "$DRY" ]; then
     if [ ! -f "$src/DeepEP-1.2.1.tar.gz" ] || [ ! -f "$src/deepep-intranode-build.patch" ]; then
@@ -125,7 +141,7 @@ deepep_start() {
     src=$(cd "$src" && pwd)
   fi
   jobs=$(nproc 2>/dev/null || echo 8)
-  local build="mkdir -p '$dst' && tar xzf '$src/DeepEP-1.2.1.tar.gz' -C '$dst' && cd '$dst/DeepEP-1.2.1' \
+  local build="rm -rf '$dst/DeepEP-1.2.1' && mkdir -p '$dst' && tar xzf '$src/DeepEP-1.2.1.tar.gz' -C '$dst' && cd '$dst/DeepEP-1.2.1' \
 && patch -p1 < '$src/deepep-intranode-build.patch' && MAX_JOBS=$jobs python3 setup.py build \
 && cp build/lib.*/deep_ep_cpp*.so ."
   if [ -n "$DRY" ]; then
@@ -136,12 +152,12 @@ deepep_start() {
   DEEPEP_PID=$!
 }
 deepep_wait() {
-  local dir="$WORK/deepep/DeepEP-1.2.1"
+  local dir=${DEEPEP_DIR:-"$WORK/deepep"}/DeepEP-1.2.1
   [ -n "${DEEPEP_SRC:-}" ] || return 0
   if [ -n "$DRY" ]; then echo "+ wait  # DeepEP's build; then PYTHONPATH=$dir:\$PYTHONPATH"; return 0; fi
-  [ -n "$DEEPEP_PID" ] || return 0
   local rc=0
-  wait "$DEEPEP_PID" || rc=$?
+  if [ -n "$DEEPEP_PID" ]; then wait "$DEEPEP_PID" || rc=$?
+  elif ! compgen -G "$dir/deep_ep_cpp*.so" > /dev/null; then return 0; fi
   DEEPEP_PID=
   if [ $rc -eq 0 ] && PYTHONPATH="$dir:$PYTHONPATH" python3 -c "import deep_ep" >> "$OUT/deepep_build.log" 2>&1; then
     export PYTHONPATH="$dir:$PYTHONPATH"
@@ -210,18 +226,35 @@ multihop_checks() {
   return $rc
 }
 
+# prebuild: every library the phase's bundles need, compiled at once (all cores) before anything is
+# timed or bounded.  A Buffer builds its bundle's libraries on first use, one after another, inside
+# the bound of its run: on a fresh machine that nvcc time, not the kernels, filled a tests phase's
+# bound.  The bench phases run it while DeepEP builds.
+prebuild() {
+  local pre=()
+  case "$PHASE" in
+    tests|tests-proxy) pre=("$B"/*/) ;;
+    *) for n in "${NEED[@]}"; do pre+=("$B/$n"); done ;;
+  esac
+  logged "$OUT/prebuild.log" timeout -k 10 "$PREBUILD_S" python3 -m epcc.runtime.prebuild -j "$(nproc 2>/dev/null || echo 8)" \
+    --transports emulated,nvshmem "${pre[@]}" || echo "prebuild: not every library built (OUT/prebuild.log); the runs build what is missing"
+  [ -n "$DRY" ] || tail -1 "$OUT/prebuild.log"
+}
+
 rc=0
 case "$PHASE" in
-tests) pytests "not proxy and not supa" || rc=$? ;;
-tests-proxy) pytests "(proxy or supa)" || rc=$? ;;
+tests) prebuild; pytests "not proxy and not supa" || rc=$? ;;
+tests-proxy) prebuild; pytests "(proxy or supa)" || rc=$? ;;
 bench)
   deepep_start
+  prebuild
   deepep_wait
-  bench default -- "$B/h200x$G" "$B/h200x${G}_fp8" "$B/h200x${G}_t128" || rc=$?
+  bench default ${BENCH_SMS:+--epcc-sms "$BENCH_SMS" --deepep-sms "$BENCH_SMS"} -- "$B/h200x$G" "$B/h200x${G}_fp8" "$B/h200x${G}_t128" || rc=$?
   simcheck "$OUT/default/ep_bench.json" ;;
 tuned)
   T="$WORK/tuned"
   deepep_start
+  prebuild
   x mkdir -p "$T"
   for s in "" _fp8 _t128; do x cp -r "$B/h200x$G$s" "$T/h200x$G$s"; done
   TUNE=(timeout -k 20 "$TUNE_S" "${TORCHRUN[@]}" -m epcc.runtime.tune --iters 10)
@@ -241,11 +274,13 @@ tuned)
   fi || rc=$? ;;
 tokens)
   deepep_start
+  prebuild
   deepep_wait
   bench tokens --epcc-sms "${TOKEN_SMS:-24,48}" --deepep-sms "${TOKEN_SMS:-24,48}" -- \
     "$B/h200x${G}_tok" "$B/h200x${G}_tok_fp8" "$B/h200x${G}_tok_t128" || rc=$?
   simcheck "$OUT/tokens/ep_bench.json" ;;
 multihop)
+  prebuild
   multihop_checks || rc=1
   MH=()
   for m in "${MULTIHOP[@]}"; do MH+=("$B/$m" "$B/${m}_proxy"); done

@@ -59,6 +59,10 @@ def named_bundles(cmd: list[str], b: Path) -> list[str]:
     return [Path(w).name for w in cmd if w.startswith(f"{b}/")]
 
 
+def prebuilds(cmd: list[str]) -> bool:
+    return "epcc.runtime.prebuild" in cmd
+
+
 def ep_bench(cmds: list[list[str]]) -> list[str]:
     (cmd,) = [c for c in cmds if "bench/ep_bench.py" in c]
     return cmd
@@ -93,8 +97,14 @@ def worst_case(cmds: list[list[str]]) -> int:
 def test_dry_run_names_the_right_bundles_within_ten_minutes(fake_bundles, tmp_path, gpus, phase):
     cmds = dry(gpus, fake_bundles, phase, tmp_path / "OUT", DEEPEP_SRC=str(tmp_path / "baselines"))
     assert worst_case(cmds) <= LIMIT_S - 20, cmds  # and the install, the start
-    run = [c for c in cmds if c[0] == "timeout"]
+    run = [c for c in cmds if c[0] == "timeout" and not prebuilds(c)]
     assert run, cmds
+    # every library built at once first, for the bundles the phase runs (tests: every bundle)
+    (pre,) = [i for i, c in enumerate(cmds) if prebuilds(c)]
+    assert pre < min(i for i, c in enumerate(cmds) if "torchrun" in c or "pytest" in c), cmds
+    names = named_bundles(cmds[pre], fake_bundles)
+    used = {n for c in cmds if not prebuilds(c) for n in named_bundles(c, fake_bundles)}
+    assert set(names) == (written() if phase.startswith("tests") else used), (names, used)
     for c in run:  # every bundle a command names is one tests/gpu/bundles.py writes, of this many ranks
         for n in named_bundles(c, fake_bundles):
             assert n in written(), (n, c)
@@ -131,14 +141,14 @@ def test_dry_run_names_the_right_bundles_within_ten_minutes(fake_bundles, tmp_pa
         workers = [c for c in run if "tests/gpu/ep_worker.py" in c]
         assert [named_bundles(c, fake_bundles) for c in workers] == [[m] for m in MULTIHOP[g]]
         for c in workers:  # one bounded run per plan, fresh routings
-            assert c[:4] == ["timeout", "-k", "20", "90"] and "EPCC_GPU_ROUTINGS=uniform,zipf:1.2,all-to-one" in c
+            assert c[:4] == ["timeout", "-k", "20", "70"] and "EPCC_GPU_ROUTINGS=uniform,zipf:1.2,all-to-one" in c
         cmd = ep_bench(cmds)
         assert cmd[cmd.index("--methods") + 1] == "epcc"
         assert named_bundles(cmd, fake_bundles) == [x for m in MULTIHOP[g] for x in (m, f"{m}_proxy")]
         assert "bench/sim_check.py" in cmds[-1]
     else:
         (cmd,) = run
-        assert cmd[:4] == ["timeout", "-k", "20", "560"] and f"EPCC_GPU_BUNDLES={fake_bundles}" in cmd
+        assert cmd[:4] == ["timeout", "-k", "20", "450"] and f"EPCC_GPU_BUNDLES={fake_bundles}" in cmd
         assert cmd[cmd.index("-k", 4) - 1] == "tests/gpu/test_gpu.py"
 
 
@@ -156,7 +166,7 @@ def test_tests_phases_select_every_case_of_that_many_ranks_once(fake_bundles, tm
     bundle; the proxy and SUPA-shim cases in tests-proxy."""
     sel = {}
     for phase in ("tests", "tests-proxy"):
-        (cmd,) = [c for c in dry(gpus, fake_bundles, phase, tmp_path / "OUT") if c[0] == "timeout"]
+        (cmd,) = [c for c in dry(gpus, fake_bundles, phase, tmp_path / "OUT") if c[0] == "timeout" and not prebuilds(c)]
         sel[phase] = _collect(cmd[cmd.index("-k", 4) + 1])
     every = _collect("")
     if gpus == 2:  # everything a 2-GPU machine runs: all but the ep4 and ep8 cases on a GPU each
