@@ -50,8 +50,8 @@ def add_parser(sub) -> None:
 
 
 def simulation(args, options):
-    """(the built plan, its simulation) under the SM model of the kernels that `--kernels` and `--sms`
-    pick (`epcc simulate` and `epcc viz --scheduled`): auto (default) is what the CUDA target runs, the
+    """(the built plan, its simulation) under the SM model of the kernels that `--kernels`, `--sms` and
+    `--cached` pick (`epcc simulate` and `epcc viz --scheduled`): auto (default) is what the CUDA target runs, the
     direct kernels where it lowers the plan to them (Plan.direct, plan/direct.py), else the
     table-driven kernels' SM roles.  Bad values and direct options on a plan without direct kernels
     are user errors (exit 1); the options are checked before the plan is built."""
@@ -60,6 +60,10 @@ def simulation(args, options):
     if sms is not None and kernels == "table":
         raise user_error("--sms applies to the direct kernels, not to --kernels table (the plan's `sms` give the "
                          "roles)")
+    cached = bool(getattr(args, "cached", False))
+    if cached and kernels == "table":
+        raise user_error("--cached applies to the direct kernels, not to --kernels table (a cached handle of the "
+                         "table-driven kernels runs the same kernels)")
     rdma = getattr(args, "rdma", "proxy")
     tables = getattr(args, "proxy_tables", None)
     if tables is not None and rdma != "proxy":
@@ -74,8 +78,10 @@ def simulation(args, options):
         direct, why = built.plan.direct, built.plan.direct_not_used
         if direct is not None and sms is not None:
             direct = direct.with_sms(sms)
-        if direct is None and (kernels == "direct" or sms is not None):
-            flag = "--kernels direct" if kernels == "direct" else "--sms"
+        if direct is not None and cached:
+            direct = direct.cached()
+        if direct is None and (kernels == "direct" or sms is not None or cached):
+            flag = "--kernels direct" if kernels == "direct" else "--sms" if sms is not None else "--cached"
             raise user_error(f"{flag}: the CUDA target does not lower {args.file} to direct kernels: {why}")
     dealing = getattr(args, "dealing", None)
     if dealing is not None and direct is not None:
