@@ -4,7 +4,8 @@ options tests/gpu/bundles.py compiled it with, and the measured time (median ove
 iterations of the maximum over ranks) is printed beside the prediction with the error; where
 the report carries the kernels' role timeline, the kernel's end beside the simulated kernel too.
 Rows `epcc@N` / `epcc_cached@N` (ep_bench --epcc-sms N: the direct kernels on N SMs, every block
-sending first and reducing first) are simulated with `--sms N`.  The dispatch of a bundle with
+sending first and reducing first) are simulated with `--sms N`, the direct kernels' cached rows
+with `--cached` (no metadata).  The dispatch of a bundle with
 host-built tables is compared by its kernel alone (KERNEL_ONLY says why); the token-major bundles
 are not compared (`epcc simulate` refuses them: `modelled`).
 
@@ -130,15 +131,18 @@ def host_tables(name: str, out_dir: Path) -> bool:
     return any(a == "--proxy-tables" and b == "host" for a, b in zip(opts, opts[1:]))
 
 
-def simulate_bundle(name: str, tokens: int | None, out_dir: Path, sms: int | None = None) -> dict:
+def simulate_bundle(name: str, tokens: int | None, out_dir: Path, sms: int | None = None, cached: bool = False) -> dict:
     """`epcc simulate --json` of bundle `name` (at `tokens` per rank where given; its direct kernels
-    on `sms` SMs where given, as ep_bench --epcc-sms runs them)."""
+    on `sms` SMs where given, as ep_bench --epcc-sms runs them; their cached-handle dispatch with
+    `cached`)."""
     src, opts = bundle_source(name, out_dir)
     argv = ["simulate", str(src), "--json", *opts]
     if tokens is not None and "--tokens" not in opts:
         argv += ["--tokens", str(tokens)]
     if sms is not None:
         argv += ["--sms", str(sms)]
+    if cached:
+        argv += ["--cached"]
     args = epcc_parser().parse_args(argv)
     args.sources = SourceMap()
     try:
@@ -190,16 +194,24 @@ def _records(report: str, device: str, b: dict, rows: list, sms: int | None, out
     """The records of bundle `b`'s epcc `rows` of one SM count."""
     name, wl = b["name"], b.get("workload") or {}
     tokens = wl.get("tokens")
-    key = (name, tokens, sms)
-    if key not in cache:
-        cache[key] = simulate_bundle(name, tokens, out_dir, sms)
-    sim = cache[key]
-    sim_steps = {p: {s["name"]: s["end_ms"] for s in sim["steps"] if s["program"] == p} for p in PROGRAMS}
+
+    def simulated(cached: bool) -> dict:
+        key = (name, tokens, sms, cached)
+        if key not in cache:
+            cache[key] = simulate_bundle(name, tokens, out_dir, sms, cached)
+        return cache[key]
+
+    fresh = simulated(False)
+    # a cached handle of the direct kernels: the dispatch without metadata (epcc simulate --cached); of
+    # the table-driven ones: the same kernels (the GPU's tables written again, or the host's kept)
+    direct = fresh["model"]["sm"].get("model") == "direct"
     # the timeline: the direct kernels stamp the fresh row, the table-driven ones the cached row
     stamped = next((m["per_rank"] for _, m in rows if any(r.get("timeline") for r in m.get("per_rank", []))), [])
     host = host_tables(name, out_dir)
     out = []
     for row, m in rows:
+        sim = simulated(True) if direct and row.startswith("epcc_cached") else fresh
+        sim_steps = {p: {s["name"]: s["end_ms"] for s in sim["steps"] if s["program"] == p} for p in PROGRAMS}
         for p in PROGRAMS:
             if p not in m["summary"] or p not in sim["programs"]:
                 continue
