@@ -3,6 +3,11 @@
 options tests/gpu/bundles.py compiled it with, and the measured time (median over the timed
 iterations of the maximum over ranks) is printed beside the prediction with the error; where
 the report carries the kernels' role timeline, the kernel's end beside the simulated kernel too.
+Rows `epcc@N` / `epcc_cached@N` (ep_bench --epcc-sms N: the direct kernels on N SMs, every block
+sending first and reducing first) are simulated with `--sms N`, the direct kernels' cached rows
+with `--cached` (no metadata).  The dispatch of a bundle with
+host-built tables is compared by its kernel alone (KERNEL_ONLY says why); the token-major bundles
+are not compared (`epcc simulate` refuses them: `modelled`).
 
     .venv/bin/python bench/sim_check.py                        # every report in results/raw/
     .venv/bin/python bench/sim_check.py REPORT.json --steps    # and each role's end, measured vs simulated
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -33,8 +39,21 @@ from epcc.diagnostics import CompileError, SourceMap  # noqa: E402
 from epcc.sim.report import to_dict  # noqa: E402
 
 PROGRAMS = ("dispatch", "combine")
-ROWS = ("epcc", "epcc_cached")  # ep_bench's epcc rows: fresh routing, cached handle
+# ep_bench's epcc rows: fresh routing (epcc), cached handle (epcc_cached); `@N` with --epcc-sms N
+ROW = re.compile(r"(epcc|epcc_cached)(?:@([1-9][0-9]*))?")
 TOLERANCE = 0.10
+
+# program -> why its records of bundles with host-built tables (`--proxy-tables host`) compare the
+# kernel's end in the role timeline with the simulated kernel, not the timed call with the prediction
+KERNEL_ONLY = {
+    "dispatch": "host-built tables: the Buffer's normal mode, whose timed dispatch holds host work the model does "
+                "not have: the fresh row lays out every rank's routing on the host (the report's host_ms: 77 and "
+                "153 ms of layout and tables on one rank, of 156 and 181 timed), the cached row (the layout and "
+                "tables of one earlier dispatch, not uploaded again) waits for the kernels on the host, then builds "
+                "the outputs' expert ids and weights from the host's layout and copies them up; 4 x H100, "
+                "2026-11-27: the cached call 2.28 ms against its kernel's end 1.42 (h200x4_2vnode_50_proxy; 2.68 "
+                "against 1.78, h200x4_ubb2x2_50_proxy), where the GPU-table twins spend 0.17 ms beside the kernel",
+}
 
 # (report file name, bundle) -> why its epcc rows do not time the code as it is now
 SUPERSEDED = {
@@ -64,9 +83,13 @@ class Record:
     sim_kernel_ms: float | None = None  # the simulated kernel: the program's makespan less its launch
     superseded: str | None = None
     steps: dict = field(default_factory=dict)  # step -> [measured end, simulated end] (ms, from the kernel's start)
+    kernel_only: str | None = None  # why `error` is the kernel's (KERNEL_ONLY), not the call's
 
     @property
     def error(self) -> float:
+        """The error compared: the call's, or the kernel's where `kernel_only`."""
+        if self.kernel_only:
+            return self.kernel_error
         return self.predicted_ms / self.measured_ms - 1.0
 
     @property
@@ -102,18 +125,32 @@ def modelled(name: str, out_dir: Path) -> bool:
     return not any(a == "--layout" and b == "token" for a, b in zip(opts, opts[1:]))
 
 
-def simulate_bundle(name: str, tokens: int | None, out_dir: Path) -> dict:
-    """`epcc simulate --json` of bundle `name` (at `tokens` per rank where given)."""
+def host_tables(name: str, out_dir: Path) -> bool:
+    """Whether bundle `name` runs with host-built tables (the Buffer's normal mode: KERNEL_ONLY)."""
+    opts = bundle_source(name, out_dir)[1]
+    return any(a == "--proxy-tables" and b == "host" for a, b in zip(opts, opts[1:]))
+
+
+def simulate_bundle(name: str, tokens: int | None, out_dir: Path, sms: int | None = None, cached: bool = False) -> dict:
+    """`epcc simulate --json` of bundle `name` (at `tokens` per rank where given; its direct kernels
+    on `sms` SMs where given, as ep_bench --epcc-sms runs them; their cached-handle dispatch with
+    `cached`)."""
     src, opts = bundle_source(name, out_dir)
     argv = ["simulate", str(src), "--json", *opts]
     if tokens is not None and "--tokens" not in opts:
         argv += ["--tokens", str(tokens)]
+    if sms is not None:
+        argv += ["--sms", str(sms)]
+    if cached:
+        argv += ["--cached"]
     args = epcc_parser().parse_args(argv)
     args.sources = SourceMap()
     try:
         built, res = simulation(args, pass_options(args))
     except CompileError as e:
         raise CheckError(f"bundle '{name}': {src.name} does not compile: {e}") from None
+    except SystemExit:  # the CLI's refusal (said on stderr): `--sms` on a bundle without direct kernels
+        raise CheckError(f"bundle '{name}': epcc simulate {' '.join(argv[2:])} refused") from None
     return to_dict(res, built.passes_run, tokens)
 
 
@@ -140,31 +177,55 @@ def records_of(path: Path, out_dir: Path, cache: dict) -> list[Record]:
     out = []
     for b in bundle_list:
         name, wl = b.get("name"), b.get("workload") or {}
-        rows = [(r, b["methods"][r]) for r in ROWS if isinstance(b.get("methods", {}).get(r), dict)]
-        rows = [(r, m) for r, m in rows if "summary" in m]
-        if not rows:
-            continue
-        if not modelled(name, out_dir):
+        groups: dict[int | None, list] = {}  # SMs (--epcc-sms; None: the bundle's own) -> [(row, result)]
+        for row, m in (b.get("methods") or {}).items():
+            hit = ROW.fullmatch(row)
+            if hit and isinstance(m, dict) and "summary" in m:
+                groups.setdefault(int(hit.group(2)) if hit.group(2) else None, []).append((row, m))
+        if not groups or not modelled(name, out_dir):
             continue
         tokens = wl.get("tokens")
-        key = (name, tokens)
+        for sms, rows in groups.items():
+            out += _records(path.name, str(report.get("device", "?")), b, rows, sms, out_dir, cache)
+    return out
+
+
+def _records(report: str, device: str, b: dict, rows: list, sms: int | None, out_dir: Path, cache: dict) -> list:
+    """The records of bundle `b`'s epcc `rows` of one SM count."""
+    name, wl = b["name"], b.get("workload") or {}
+    tokens = wl.get("tokens")
+
+    def simulated(cached: bool) -> dict:
+        key = (name, tokens, sms, cached)
         if key not in cache:
-            cache[key] = simulate_bundle(name, tokens, out_dir)
-        sim = cache[key]
+            cache[key] = simulate_bundle(name, tokens, out_dir, sms, cached)
+        return cache[key]
+
+    fresh = simulated(False)
+    # a cached handle of the direct kernels: the dispatch without metadata (epcc simulate --cached); of
+    # the table-driven ones: the same kernels (the GPU's tables written again, or the host's kept)
+    direct = fresh["model"]["sm"].get("model") == "direct"
+    # the timeline: the direct kernels stamp the fresh row, the table-driven ones the cached row
+    stamped = next((m["per_rank"] for _, m in rows if any(r.get("timeline") for r in m.get("per_rank", []))), [])
+    host = host_tables(name, out_dir)
+    out = []
+    for row, m in rows:
+        sim = simulated(True) if direct and row.startswith("epcc_cached") else fresh
         sim_steps = {p: {s["name"]: s["end_ms"] for s in sim["steps"] if s["program"] == p} for p in PROGRAMS}
-        # the timeline: the direct kernels stamp the fresh row, the table-driven ones the cached row
-        stamped = next((m["per_rank"] for _, m in rows if any(r.get("timeline") for r in m.get("per_rank", []))), [])
-        for row, m in rows:
-            for p in PROGRAMS:
-                if p not in m["summary"] or p not in sim["programs"]:
-                    continue
-                prog = sim["programs"][p]
-                launch = prog.get("launch_ms", 0.0)  # kernel launches, metadata, the call's copies
-                kernel, roles = _timeline(stamped, p)
-                steps = {s: [roles[s], sim_steps[p][s] - launch] for s in roles if s in sim_steps[p]}
-                out.append(Record(path.name, str(report.get("device", "?")), name, row, p, str(wl.get("dtype", "?")),
-                                  int(tokens or 0), float(m["summary"][p]["median_ms"]), prog["total_ms"],
-                                  kernel, prog["total_ms"] - launch, SUPERSEDED.get((path.name, name)), steps))
+        for p in PROGRAMS:
+            if p not in m["summary"] or p not in sim["programs"]:
+                continue
+            prog = sim["programs"][p]
+            launch = prog.get("launch_ms", 0.0)  # kernel launches, metadata, the call's copies
+            kernel, roles = _timeline(stamped, p)
+            why = KERNEL_ONLY.get(p) if host else None
+            if why and kernel is None:
+                raise CheckError(f"{report}: bundle '{name}' {row}: its {p} is compared by the kernel (host-built "
+                                 f"tables), but the report has no role timeline")
+            steps = {s: [roles[s], sim_steps[p][s] - launch] for s in roles if s in sim_steps[p]}
+            out.append(Record(report, device, name, row, p, str(wl.get("dtype", "?")), int(tokens or 0),
+                              float(m["summary"][p]["median_ms"]), prog["total_ms"], kernel, prog["total_ms"] - launch,
+                              SUPERSEDED.get((report, name)), steps, why))
     return out
 
 
@@ -184,16 +245,20 @@ def table(records: list[Record], tolerance: float, steps: bool) -> list[str]:
     lines = [head, "-" * len(head)]
     for r in records:
         flag = " OLD" if r.superseded else (" MISS" if abs(r.error) > tolerance else "")
+        flag += " KERNEL" if r.kernel_only else ""
         k = f"{r.kernel_ms:7.3f} {r.sim_kernel_ms:7.3f} {_pct(r.kernel_error):>6}" if r.kernel_ms else ""
         lines.append(f"{r.report:38} {r.bundle:18} {r.row:11} {r.program:8} {r.dtype:5} {r.tokens:6d} "
                      f"{r.measured_ms:9.3f} {r.predicted_ms:9.3f} {_pct(r.error):>6}  {k}{flag}")
-        if steps and r.row == "epcc" and r.steps:
+        if steps and r.row.split("@")[0] == "epcc" and r.steps:
             for s, (meas, sim) in r.steps.items():
                 lines.append(f"{'':40}{s:24} role end {meas:7.3f}  simulated {sim:7.3f}  {_pct(sim / meas - 1):>6}")
     current = [r for r in records if not r.superseded]
     miss = [r for r in current if abs(r.error) > tolerance]
     lines.append(f"{len(current)} current records, {len(miss)} beyond {tolerance * 100:.0f} %; "
                  f"{len(records) - len(current)} superseded (OLD: {', '.join(sorted(set(SUPERSEDED.values())))})")
+    for p, why in KERNEL_ONLY.items():
+        if any(r.kernel_only and r.program == p for r in records):
+            lines.append(f"KERNEL ({p}): the error is the kernel's: {why}")
     return lines
 
 

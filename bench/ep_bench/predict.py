@@ -35,11 +35,12 @@ def rdma_chunking_of(plan: Plan) -> dict:
 def predict(plan: Plan, T: int, manifest: dict | None = None) -> dict | None:
     """`epcc simulate --rdma proxy` of a re-chunked plan, run here: the simulator reads only the
     plan (no MLIR), so the GPU machine can run it; with the metadata kernels where the bundle's
-    CUDA manifest has them.  None where it cannot (said on stderr)."""
+    CUDA manifest has them, and the Buffer call's copies where it is a table-driven bundle (tables
+    from the GPU or the host, as `epcc simulate`).  None where it cannot (said on stderr)."""
     try:
         meta = from_manifest((manifest or {}).get("metadata"))
-        return prediction(to_dict(simulate(plan, SimOptions(rdma_proxy=True, metadata=meta, calls=meta is not None)),
-                                  tokens=T))
+        table = bool(manifest) and "direct" not in manifest
+        return prediction(to_dict(simulate(plan, SimOptions(rdma_proxy=True, metadata=meta, calls=table)), tokens=T))
     except Exception as e:  # noqa: BLE001
         sys.stderr.write(f"ep_bench: cannot simulate the re-chunked plan: {type(e).__name__}: {e}\n")
         return None

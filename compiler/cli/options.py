@@ -24,7 +24,7 @@ def plan_options(c: argparse.ArgumentParser) -> None:
 
 
 def kernel_options(c: argparse.ArgumentParser, only: str = "") -> None:
-    """--kernels and --sms: which kernels' SM model the simulation applies (resolved by
+    """--kernels, --sms, --cached and --dealing: which kernels' SM model the simulation applies (resolved by
     simulate.simulation).  `only` prefixes the help of a command that simulates only with another
     option; there the default is None (not given, which means auto) so that giving them without it
     is an error."""
@@ -37,6 +37,9 @@ def kernel_options(c: argparse.ArgumentParser, only: str = "") -> None:
     c.add_argument("--sms", metavar="N",
                    help=only + "with the direct kernels: SMs per program (default: the push step's `sms`, as the "
                         "CUDA target's default configuration)")
+    c.add_argument("--cached", action="store_true", default=None if only else False,
+                   help=only + "with the direct kernels: the dispatch of a cached handle (the routing of the last "
+                        "dispatch again: no metadata kernel, no metadata pass)")
     c.add_argument("--dealing", choices=("round-robin", "free"), default=None,
                    help=only + "with the table-driven kernels: how each role's chunks go to its blocks, round-robin "
                         "(what the kernels do, the default: block b takes items b, b + N, ... and publishes each "

@@ -50,8 +50,8 @@ def add_parser(sub) -> None:
 
 
 def simulation(args, options):
-    """(the built plan, its simulation) under the SM model of the kernels that `--kernels` and `--sms`
-    pick (`epcc simulate` and `epcc viz --scheduled`): auto (default) is what the CUDA target runs, the
+    """(the built plan, its simulation) under the SM model of the kernels that `--kernels`, `--sms` and
+    `--cached` pick (`epcc simulate` and `epcc viz --scheduled`): auto (default) is what the CUDA target runs, the
     direct kernels where it lowers the plan to them (Plan.direct, plan/direct.py), else the
     table-driven kernels' SM roles.  Bad values and direct options on a plan without direct kernels
     are user errors (exit 1); the options are checked before the plan is built."""
@@ -60,6 +60,10 @@ def simulation(args, options):
     if sms is not None and kernels == "table":
         raise user_error("--sms applies to the direct kernels, not to --kernels table (the plan's `sms` give the "
                          "roles)")
+    cached = bool(getattr(args, "cached", False))
+    if cached and kernels == "table":
+        raise user_error("--cached applies to the direct kernels, not to --kernels table (a cached handle of the "
+                         "table-driven kernels runs the same kernels)")
     rdma = getattr(args, "rdma", "proxy")
     tables = getattr(args, "proxy_tables", None)
     if tables is not None and rdma != "proxy":
@@ -74,8 +78,10 @@ def simulation(args, options):
         direct, why = built.plan.direct, built.plan.direct_not_used
         if direct is not None and sms is not None:
             direct = direct.with_sms(sms)
-        if direct is None and (kernels == "direct" or sms is not None):
-            flag = "--kernels direct" if kernels == "direct" else "--sms"
+        if direct is not None and cached:
+            direct = direct.cached()
+        if direct is None and (kernels == "direct" or sms is not None or cached):
+            flag = "--kernels direct" if kernels == "direct" else "--sms" if sms is not None else "--cached"
             raise user_error(f"{flag}: the CUDA target does not lower {args.file} to direct kernels: {why}")
     dealing = getattr(args, "dealing", None)
     if dealing is not None and direct is not None:
@@ -93,11 +99,15 @@ def sim_options(plan: Plan, direct, rdma: str = "proxy", proxy_tables: str | Non
                 metadata_exchange: str = "auto", routing: str | None = None,
                 dealing: str | None = None) -> SimOptions:
     """What `epcc simulate` runs the model with: the direct kernels' (`direct`: plan.direct or a
-    variant of it), else the table-driven kernels' -- their metadata kernels and the Buffer's
-    calls where the bundle has them, the roles' blocks dealt from a routing drawn from `routing`."""
+    variant of it), else the table-driven kernels' -- their metadata kernels where the bundle has
+    them, the Buffer's calls where the CUDA target lowers the plan (host-built tables too), the
+    roles' blocks dealt from a routing drawn from `routing`."""
     layout = block_layout(plan, routing) if direct is None and plan.sm_rates else None
-    metadata = table_metadata(plan, rdma, proxy_tables != "host", metadata_exchange) if direct is None else None
-    return SimOptions(rdma_proxy=rdma == "proxy", direct=direct, metadata=metadata, calls=metadata is not None,
+    manifest = table_manifest(plan, rdma, proxy_tables != "host", metadata_exchange) if direct is None else None
+    metadata = from_manifest(manifest.get("metadata")) if manifest is not None else None
+    # the Buffer's copies run around the table-driven kernels whether the GPU or the host writes their
+    # tables (runtime/engines/cuda_table: the combine's clearing, rows and conversion in both)
+    return SimOptions(rdma_proxy=rdma == "proxy", direct=direct, metadata=metadata, calls=manifest is not None,
                       layout=layout, dealing=dealing or "round-robin")
 
 
@@ -128,6 +138,15 @@ def table_metadata(plan: Plan, rdma: str, proxy_device_tables: bool = True,
     kernels: its table-driven path's), or None where it runs none (the host lays the routing out; a
     plan the backend cannot lower).  A
     metadata exchange the plan cannot have (ipc beyond one box) is a user error."""
+    manifest = table_manifest(plan, rdma, proxy_device_tables, metadata_exchange)
+    return from_manifest(manifest.get("metadata")) if manifest is not None else None
+
+
+def table_manifest(plan: Plan, rdma: str, proxy_device_tables: bool = True,
+                   metadata_exchange: str = "auto") -> dict | None:
+    """The CUDA manifest of `plan`'s table-driven bundle, as table_metadata compiles it, or None
+    where the backend cannot lower the plan.  A metadata exchange the plan cannot have is a user
+    error."""
     try:
         check_exchange(plan, metadata_exchange)
     except CudaCodegenError as e:
@@ -135,10 +154,9 @@ def table_metadata(plan: Plan, rdma: str, proxy_device_tables: bool = True,
     try:
         options = CudaOptions(rdma=rdma if rdma_steps(plan) else "auto", proxy_device_tables=proxy_device_tables,
                               metadata_exchange=metadata_exchange)
-        manifest = generate_cuda(plan, options=options).manifest
+        return generate_cuda(plan, options=options).manifest
     except CudaCodegenError:
         return None
-    return from_manifest(manifest.get("metadata"))
 
 
 def cmd_simulate(args) -> int:

@@ -32,7 +32,8 @@ def cmd_viz(args) -> int:
         path = render_scheduled(built, res, args.output)
         say(f"{args.file}: scheduled DAG written to {path}")
         return EXIT_OK
-    given = [f for f, v in (("--kernels", args.kernels), ("--sms", args.sms), ("--dealing", args.dealing))
+    given = [f for f, v in (("--kernels", args.kernels), ("--sms", args.sms), ("--cached", args.cached),
+                            ("--dealing", args.dealing))
              if v is not None]
     if given:
         raise user_error(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with "

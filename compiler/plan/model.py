@@ -269,6 +269,13 @@ class DirectKernels:
         reducing first (combine): the default configuration's split."""
         return replace(self, sms={p: sms for p in self.sms})
 
+    def cached(self) -> "DirectKernels":
+        """The same kernels for a cached-handle dispatch (`Buffer.dispatch(x, handle=h)` of the last
+        metadata's routing, DeepEP's cached mode): the dispatch launches no metadata kernel and its
+        kernel counts none (host.cuh epcc_direct_dispatch, Args::cached): one launch, no metadata pass."""
+        return replace(self, launches={p: 1 if p == "dispatch" else n for p, n in self.launches.items()},
+                       meta_passes={p: 0 for p in self.meta_passes})
+
 
 @dataclass
 class LaunchPlan:

@@ -48,7 +48,7 @@ class SimOptions:
     metadata: DeviceMetadata | None = None
     # The Buffer call's copies around the table-driven kernels (sim/calls.py: x into the input
     # buffer; the expert outputs in, the partials cleared, the result converted), in each program's
-    # time.  `epcc simulate` sets it with `metadata` (the bundles whose Buffer runs them).
+    # time.  `epcc simulate` sets it for every table-driven CUDA bundle (device- or host-built tables).
     calls: bool = False
     # The table-driven kernels' blocks (sim/blocks.py): a layout of the plan (runtime/layout's
     # Layout, or anything with its `copies`) whose chunks the roles' blocks take one by one, dealt

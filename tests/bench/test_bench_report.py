@@ -227,6 +227,11 @@ def test_a_rechunked_plan_is_predicted_as_if_compiled_so(ep_bench, tmp_path):
         assert meta[p]["calls_us"] and not got[p]["calls_us"]
     assert meta["combine"]["total_ms"] == pytest.approx(got["combine"]["total_ms"]
                                                         + sum(meta["combine"]["calls_us"].values()) / 1e3)
+    # host-built tables (`--proxy-tables host`): no metadata kernels, the same copies
+    host = ep_bench.predict.predict(rechunked, T=4096, manifest={"metadata": {"lowering": "host", "why": "x"}})
+    assert host["dispatch"]["metadata_us"] == {}
+    for p in ("dispatch", "combine"):
+        assert host[p]["calls_us"] == pytest.approx(meta[p]["calls_us"])
 
 
 def test_rechunked_proxy_bundle_runs_through_buffer(tmp_path):

@@ -415,6 +415,7 @@ VIZ_ONLY_SCHEDULED = "only with --scheduled: the DAG without it is not simulated
     (["--kernels", "direct"], f"--kernels applies {VIZ_ONLY_SCHEDULED}"),
     (["--kernels", "auto"], f"--kernels applies {VIZ_ONLY_SCHEDULED}"),
     (["--sms", "8"], f"--sms applies {VIZ_ONLY_SCHEDULED}"),
+    (["--cached"], f"--cached applies {VIZ_ONLY_SCHEDULED}"),
     (["--kernels", "table", "--sms", "8"], f"--kernels and --sms apply {VIZ_ONLY_SCHEDULED}"),
 ])
 def test_viz_kernel_options_need_scheduled(argv, msg, tmp_path, capsys):
@@ -434,6 +435,8 @@ def test_viz_kernel_options_need_scheduled(argv, msg, tmp_path, capsys):
                                     "16 ranks do not fit one CUDA IPC domain (at most 8)"),
     (EP16, ["--sms", "64"], f"--sms: the CUDA target does not lower {EP16} to direct kernels: 16 ranks do not fit "
                             "one CUDA IPC domain (at most 8)"),
+    (EP16, ["--cached"], f"--cached: the CUDA target does not lower {EP16} to direct kernels: 16 ranks do not "
+                         "fit one CUDA IPC domain (at most 8)"),
 ])
 def test_kernel_option_errors_are_the_same_in_simulate_and_viz(command, rel, argv, msg, tmp_path, capsys):
     out_file = tmp_path / "scheduled.dot"

@@ -107,7 +107,29 @@ def test_more_sms_make_a_pool_bound_program_faster(capsys, rated):
     assert totals[1] == pytest.approx(totals[0] / 2, rel=0.02)
 
 
-@pytest.mark.parametrize("argv, flag", [(["--kernels", "direct"], "--kernels direct"), (["--sms", "64"], "--sms")])
+def test_a_cached_dispatch_runs_no_metadata(capsys):
+    """--cached: the dispatch of a cached handle launches no metadata kernel and counts none in its
+    kernel (h200x4.sched's `sm` line: launch 9 us, meta 8 us; 4096 tokens: two passes, 128: one);
+    the combine is the same.  Measured, 4 x H100, 2026-11-27 (ep_bench --epcc-sms 24,64): the cached
+    row 29-30 us under the fresh one at 4096 tokens, 13-14 us at 128."""
+    got = {}
+    for tokens in ("4096", "128"):
+        for argv in ([], ["--cached"], ["--sms", "64", "--cached"]):
+            code, out, err = run(["simulate", str(H200X4), "--json", "--tokens", tokens, *argv], capsys)
+            assert code == 0, err
+            d = json.loads(out)
+            got[tokens, tuple(argv)] = d
+            assert d["model"]["sm"]["launches"]["dispatch"] == (1 if argv else 3 if tokens == "4096" else 1)
+        fresh, cached = got[tokens, ()]["programs"], got[tokens, ("--cached",)]["programs"]
+        passes = 2 if tokens == "4096" else 1
+        assert fresh["dispatch"]["launch_ms"] - cached["dispatch"]["launch_ms"] == pytest.approx(passes * 0.008)
+        assert fresh["dispatch"]["total_ms"] - cached["dispatch"]["total_ms"] == pytest.approx(passes * 0.008)
+        assert cached["combine"] == fresh["combine"]
+        assert got[tokens, ("--sms", "64", "--cached")]["model"]["sm"]["sms"] == {"dispatch": 64, "combine": 64}
+
+
+@pytest.mark.parametrize("argv, flag", [(["--kernels", "direct"], "--kernels direct"), (["--sms", "64"], "--sms"),
+                                        (["--cached"], "--cached")])
 def test_direct_options_on_a_plan_without_direct_kernels_exit_1(capsys, argv, flag):
     code, out, err = run(["simulate", str(EP16)] + argv, capsys)
     assert code == 1 and out == ""
@@ -120,6 +142,9 @@ def test_direct_options_on_a_plan_without_direct_kernels_exit_1(capsys, argv, fl
     (["--sms", "many"], "--sms many: expected a whole number of SMs"),
     (["--sms", "8", "--kernels", "table"],
      "--sms applies to the direct kernels, not to --kernels table (the plan's `sms` give the roles)"),
+    (["--cached", "--kernels", "table"],
+     "--cached applies to the direct kernels, not to --kernels table (a cached handle of the table-driven kernels "
+     "runs the same kernels)"),
 ])
 def test_bad_sms_exit_1(capsys, argv, msg):
     code, out, err = run(["simulate", str(H200X4)] + argv, capsys)

@@ -187,6 +187,11 @@ def test_epcc_simulate_reports_the_term(capsys, gpu_bundles, tmp_path):
     code, out, err = run(["simulate", src, "--json", "--rdma", "proxy", "--proxy-tables", "host"], capsys)
     assert code == 0 and json.loads(out)["programs"]["dispatch"]["metadata_us"] == {}
     assert "metadata" not in json.loads(out)["model"]["sm"]
+    # host-built tables: no metadata kernels, but the Buffer's copies around the kernels all the same
+    host = json.loads(out)["programs"]
+    assert list(host["dispatch"]["calls_us"]) == ["input", "gaps"]
+    assert host["combine"]["calls_us"] == pytest.approx(combine_calls)
+    assert host["combine"]["launch_ms"] == pytest.approx(sum(combine_calls.values()) / 1e3)
     code, out, err = run(["simulate", src, "--json", "--rdma", "proxy"], capsys)
     assert code == 0 and list(json.loads(out)["programs"]["dispatch"]["metadata_us"]) == list(parts)
     code, out, err = run(["simulate", src, "--rdma", "emulate", "--proxy-tables", "host"], capsys)
