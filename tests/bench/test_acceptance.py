@@ -176,7 +176,10 @@ def test_tests_phases_select_every_case_of_that_many_ranks_once(fake_bundles, tm
     assert want and sel["tests"] | sel["tests-proxy"] == want
     assert not sel["tests"] & sel["tests-proxy"]
     assert all("proxy" in t or "supa" in t for t in sel["tests-proxy"])
-    assert {t for t in sel["tests"] if "ep_worker_all_ok" in t} == {f"test_ep_worker_all_ok[ep{gpus}]"}
+    # a case per bundle: the proxy-path bundles' cases go with the proxy phase
+    worker = {b: f"test_ep_worker_all_ok[ep{gpus}-{b}]" for b in test_gpu.CASES[gpus]}
+    assert {t for t in sel["tests"] if "ep_worker_all_ok" in t} == {t for b, t in worker.items() if "proxy" not in b}
+    assert {t for t in sel["tests-proxy"] if "ep_worker_all_ok" in t} == {t for b, t in worker.items() if "proxy" in b}
     assert "test_collective_metadata_exchange" in sel["tests"]
     assert f"test_gpu_proxy_path[ep{gpus}-emulated]" in sel["tests-proxy"]
 
