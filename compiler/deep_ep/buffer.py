@@ -20,7 +20,9 @@ How each call runs:
   made on first use and kept per (bundle, SMs), moves the rows.  Without topk_idx (DeepEP routes
   by is_token_in_rank alone) each token is routed to one expert of each rank it goes to: the rows
   are the same.  A cached dispatch (handle=...) reuses the routing and the counts of the handle,
-  and the inner Buffer's own cached path where it has one for that bundle.
+  and the inner Buffer's own cached path where it has one for that bundle; on the direct kernels
+  it makes no host round at all, as DeepEP's cached dispatch: the inner Buffer's low-latency mode,
+  its outputs cut to the rows the handle's counts give.
 * combine: the inner Buffer's combine (token-major: each token's rows summed at its home rank,
   unweighted, as DeepEP's), plus bias; combined_topk_weights are the given weights summed the same
   way, through one torch.distributed all_to_all_single of the [rows, topk] float32 weights.
@@ -36,6 +38,7 @@ num_tokens_per_rdma_rank), the low-latency API, `comm` (mpi4py), get_local_buffe
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,6 +50,7 @@ import torch.distributed as dist
 from ..plan import bundle as bundle_io
 from ..runtime.buffer import Buffer as RuntimeBuffer
 from ..runtime.engines.agree import Agreement
+from ..runtime.engines.cuda_direct.engine import CudaHandle
 from ..runtime.engines.tensors import FP8_GROUP, check_dtype_shape
 from . import bundles as bsel
 from .utils import Config, EventOverlap, stream_event
@@ -313,7 +317,9 @@ class Buffer:
                            None if h.topk_idx is None else h.topk_idx.shape[1], h.experts, h.max_tokens)
         key, inner = self._inner_buffer(shape, config.num_sms)
         payload = x8 if scales is None else (x8, scales)
-        if handle is not None and key in h.inner and self.backend == "cuda":
+        if handle is not None and isinstance(h.inner.get(key), CudaHandle):
+            out = self._cached_rows(inner, payload, h.inner[key], sum(h.recv_counts))
+        elif handle is not None and key in h.inner and self.backend == "cuda":
             with _torch_defaults():
                 out = inner.dispatch(payload, handle=h.inner[key])
         else:
@@ -384,6 +390,17 @@ class Buffer:
                       topk_idx=topk_idx, topk_weights=topk_weights, send_counts=sent[self.rank].tolist(),
                       recv_counts=sent[:, self.rank].tolist(), max_tokens=int(table[:, 0].max()), experts=experts,
                       inner={})
+
+    @staticmethod
+    def _cached_rows(inner: RuntimeBuffer, payload, prev: CudaHandle, rows: int) -> tuple:
+        """A cached dispatch on the direct kernels with no host round, as DeepEP's cached dispatch
+        has none: the handle's counts already say how many rows arrive (`rows`, the first of the
+        token-major receive buffer, source rank by source rank), so the inner Buffer runs its
+        low-latency mode (no read-back, no rounds among the ranks) and its outputs are cut to those
+        rows, the handle with them (combine checks its input against the handle's rows)."""
+        with _torch_defaults():
+            out = inner.dispatch(payload, handle=prev, sync=False)
+        return first_rows(out, rows)
 
     def _one_expert_per_rank(self, h: Handle, topk: int) -> torch.Tensor:
         """A top-k routing that sends each token to the ranks is_token_in_rank names (to each rank's
@@ -457,8 +474,11 @@ class Buffer:
         payload = zeros if inner.dtype != "fp8" else (
             zeros.view(torch.float8_e4m3fn), torch.ones((T, inner.hidden // FP8_GROUP), dtype=torch.float32,
                                                         device=device))
-        with _torch_defaults():
-            out = inner.dispatch(payload, handle=h.inner[key])
+        if isinstance(h.inner[key], CudaHandle):
+            out = self._cached_rows(inner, payload, h.inner[key], sum(h.recv_counts))
+        else:
+            with _torch_defaults():
+                out = inner.dispatch(payload, handle=h.inner[key])
         h.inner[key] = self._last[key] = out[4]
 
     def _sum_home(self, h: Handle, w: torch.Tensor) -> torch.Tensor:
@@ -541,6 +561,16 @@ class Buffer:
             agree.verdicts("the compiled bundle's load", error)
         self._compiled.append(got)
         return got
+
+
+def first_rows(out: tuple, rows: int) -> tuple:
+    """A low-latency token-major dispatch's outputs (recv_x or (x_fp8, scales), recv_topk_idx,
+    recv_topk_weights, counts, handle, event), each of the whole receive buffer, cut to its first
+    `rows` rows, and the handle to them."""
+    recv_x, recv_idx, recv_w, counts, h, event = out
+    recv_x = tuple(t[:rows] for t in recv_x) if isinstance(recv_x, tuple) else recv_x[:rows]
+    return (recv_x, None if recv_idx is None else recv_idx[:rows], None if recv_w is None else recv_w[:rows],
+            counts, dataclasses.replace(h, rows=rows), event)
 
 
 def _no_low_latency(fn: str) -> str:

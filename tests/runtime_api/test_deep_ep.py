@@ -27,6 +27,8 @@ import torch.multiprocessing as mp  # noqa: E402
 import epcc.deep_ep as deep_ep  # noqa: E402
 from epcc.cli import main as epcc_main  # noqa: E402
 from epcc.deep_ep import bundles as bsel  # noqa: E402
+from epcc.deep_ep.buffer import first_rows  # noqa: E402
+from epcc.runtime.engines.cuda_direct.engine import CudaHandle  # noqa: E402
 from epcc.runtime.testing.oracle import token_dispatch_oracle  # noqa: E402
 from test_buffer import ONE_HOP  # noqa: E402
 
@@ -414,3 +416,20 @@ def test_import_deep_ep_through_the_documented_shim(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_a_cached_dispatch_without_a_host_round_keeps_the_handles_rows():
+    """The cuda backend's cached dispatch runs the inner Buffer's low-latency mode (whole receive
+    buffers, a handle of the capacity) and cuts everything to the rows the handle's counts give:
+    bf16 and fp8 rows, top-k ids and weights, and the handle that combine checks its input by."""
+    cap, rows, hidden = 10, 6, 256
+    x = torch.arange(cap * hidden, dtype=torch.float32).view(cap, hidden).to(torch.bfloat16)
+    idx, w = torch.arange(cap * 2).view(cap, 2), torch.rand(cap, 2)
+    h = CudaHandle(dispatch_index=3, tokens=7, rows=cap, meta_index=2)
+    rx, ridx, rw, counts, got, ev = first_rows((x, idx, w, "counts", h, None), rows)
+    assert torch.equal(rx, x[:rows]) and torch.equal(ridx, idx[:rows]) and torch.equal(rw, w[:rows])
+    assert got == CudaHandle(dispatch_index=3, tokens=7, rows=rows, meta_index=2) and h.rows == cap
+    assert counts == "counts" and ev is None
+    x8, sc = torch.zeros(cap, hidden, dtype=torch.uint8), torch.rand(cap, hidden // 128)
+    (q, s), ridx, rw, _, got, _ = first_rows(((x8, sc), None, None, None, h, None), 0)
+    assert q.shape == (0, hidden) and s.shape == (0, hidden // 128) and ridx is None and rw is None and got.rows == 0
