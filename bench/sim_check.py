@@ -5,9 +5,9 @@ iterations of the maximum over ranks) is printed beside the prediction with the 
 the report carries the kernels' role timeline, the kernel's end beside the simulated kernel too.
 Rows `epcc@N` / `epcc_cached@N` (ep_bench --epcc-sms N: the direct kernels on N SMs, every block
 sending first and reducing first) are simulated with `--sms N`, the direct kernels' cached rows
-with `--cached` (no metadata).  The dispatch of a bundle with
-host-built tables is compared by its kernel alone (KERNEL_ONLY says why); the token-major bundles
-are not compared (`epcc simulate` refuses them: `modelled`).
+with `--cached` (no metadata); the token-major bundles (`--layout token`) as the token-major direct
+kernels (compiler/sim/token_major.py), with the same options.  The dispatch of a bundle with
+host-built tables is compared by its kernel alone (KERNEL_ONLY says why).
 
     .venv/bin/python bench/sim_check.py                        # every report in results/raw/
     .venv/bin/python bench/sim_check.py REPORT.json --steps    # and each role's end, measured vs simulated
@@ -118,13 +118,6 @@ def bundle_source(name: str, out_dir: Path) -> tuple[Path, list[str]]:
     raise CheckError(f"bundle '{name}': not one tests/gpu/bundles.py builds")
 
 
-def modelled(name: str, out_dir: Path) -> bool:
-    """Whether `epcc simulate` models bundle `name`: not the token-major (`--layout token`) ones,
-    whose kernels the cost model does not charge (it refuses them), so their rows are not checked."""
-    opts = bundle_source(name, out_dir)[1]
-    return not any(a == "--layout" and b == "token" for a, b in zip(opts, opts[1:]))
-
-
 def host_tables(name: str, out_dir: Path) -> bool:
     """Whether bundle `name` runs with host-built tables (the Buffer's normal mode: KERNEL_ONLY)."""
     opts = bundle_source(name, out_dir)[1]
@@ -176,15 +169,13 @@ def records_of(path: Path, out_dir: Path, cache: dict) -> list[Record]:
         raise CheckError(f"{path}: not an ep_bench report: {e}") from None
     out = []
     for b in bundle_list:
-        name, wl = b.get("name"), b.get("workload") or {}
         groups: dict[int | None, list] = {}  # SMs (--epcc-sms; None: the bundle's own) -> [(row, result)]
         for row, m in (b.get("methods") or {}).items():
             hit = ROW.fullmatch(row)
             if hit and isinstance(m, dict) and "summary" in m:
                 groups.setdefault(int(hit.group(2)) if hit.group(2) else None, []).append((row, m))
-        if not groups or not modelled(name, out_dir):
+        if not groups:
             continue
-        tokens = wl.get("tokens")
         for sms, rows in groups.items():
             out += _records(path.name, str(report.get("device", "?")), b, rows, sms, out_dir, cache)
     return out

@@ -19,6 +19,7 @@ from ..sim.meta import from_manifest
 from ..sim.report import table, to_dict
 from ..runtime.layout import LayoutError, compute_layout
 from ..runtime.testing.inputs import make_topk
+from .compile import token_major_refusal
 from .common import EXIT_OK, inputs_of, say, say_lines, user_error, warn
 from .options import kernel_options, pass_options, plan_options, positive
 
@@ -53,8 +54,11 @@ def simulation(args, options):
     """(the built plan, its simulation) under the SM model of the kernels that `--kernels`, `--sms` and
     `--cached` pick (`epcc simulate` and `epcc viz --scheduled`): auto (default) is what the CUDA target runs, the
     direct kernels where it lowers the plan to them (Plan.direct, plan/direct.py), else the
-    table-driven kernels' SM roles.  Bad values and direct options on a plan without direct kernels
-    are user errors (exit 1); the options are checked before the plan is built."""
+    table-driven kernels' SM roles.  A token-major plan (`--layout token`) runs as the token-major
+    direct kernels (sim/token_major.py); one the CUDA target does not lower to them, or with
+    `--kernels table`, has no token-major kernels to simulate.  Bad values and direct options on a
+    plan without direct kernels are user errors (exit 1); the options are checked before the plan
+    is built."""
     kernels = args.kernels or "auto"
     sms = positive(args.sms, "--sms", "a whole number of SMs", "SMs must be at least 1")
     if sms is not None and kernels == "table":
@@ -70,9 +74,11 @@ def simulation(args, options):
         raise user_error(f"--proxy-tables {tables} is for the GPU proxy path: use it with --rdma proxy")
     built = build_plan(args.file, options, args.sources)
     warn(built.compilation)
-    if built.schedule.workload.layout == "token":
-        raise user_error(f"{args.file}: cannot simulate the token-major layout: the cost model charges "
-                         f"expert-major output rows (the CUDA target's token-major kernels are not modelled)")
+    if built.schedule.workload.layout == "token":  # what `epcc compile --target cuda --layout token` runs
+        why = ("--kernels table: the table-driven kernels write expert-major output" if kernels == "table"
+               else token_major_refusal("cuda", built.plan))
+        if why:
+            raise user_error(f"{args.file}: cannot simulate the token-major layout: {why}")
     direct = None
     if kernels != "table":  # kernel-formation recorded the CUDA target's choice (plan/direct.py)
         direct, why = built.plan.direct, built.plan.direct_not_used

@@ -25,6 +25,21 @@ GATHER_ROWS = 4  # expert rows of one token a combine warp adds in registers bef
 # and the peer's intra and fwd 425 MB in 1.00 ms: 400 GB/s, where 72 SMs at the per-SM rate
 # alone would add 3x faster.  Not binding at 2 ranks (8 + 8 SMs: 190 GB/s).
 RED_BPS = 400e9
+# What a peer link carries when the GPU at its far end does nothing while the rows land (the token-major
+# dispatch, sim/token_major.py), against what the shipped schedules declare as the link's rate.  NVLink4
+# (NV18, 450 GB/s per GPU per direction), two measurements of one link:
+# * every SM of a GPU storing 16-byte vectors into its peers, nothing read there: 341 GB/s per GPU
+#   (bench/sm_probe.cu, 4 x H200, 2026-11-22, results/2026-11-22_4xH200.md "What limits them");
+# * the direct kernels' traffic where the receiving GPU loads the rows as they land (the expert-major
+#   combine: 2 GPUs, ~58 MB each way in 0.216-0.223 ms from 48 SMs on, ~270 GB/s; 4 GPUs 268 / 249 GB/s
+#   per GPU) and NCCL's all_to_all: what the schedules declare, `efficiency 62 %` = 279 GB/s
+#   (schedules/h200x4.sched, end of file).
+# The gain is their ratio, applied to the link's declared rate (the plan keeps no raw bandwidth); on
+# other links it is an extrapolation.  Checked, not fitted: the token-major dispatch kernels moved 330 GB/s
+# (2 x H100, 58.5 MB per rank in 0.176-0.179 ms) and 333-338 GB/s (4 x H100, 159.9 MB in 0.473-0.481 ms)
+# of remote rows per rank on 24 SMs, 2026-11-27 (results/raw/2026-11-27_*_ep_bench_token.json timelines).
+PEER_STORES_BPS, DECLARED_NVLINK_BPS = 341e9, 279e9
+STORE_ONLY_GAIN = PEER_STORES_BPS / DECLARED_NVLINK_BPS
 
 
 def work_of(step: PlanStep, rates: dict | None = None) -> str:

@@ -52,6 +52,10 @@ with_direct_pool(plan, kernels), from the topology's `sm` line (per SM: `copy` b
   4096.
 
 Expected rows and GPUs per token are those of uniform routing, as in sim/sm_terms.py.
+
+A token-major plan (the workload's `layout token`) runs the token-major kernels, in the same pool,
+with the same launches and metadata: one row per (token, GPU), no replication; its flows' bytes,
+SM work, memory writes, link rate and drain are sim/token_major.py's.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ import dataclasses
 
 from ..costmodel.uniform import ranks_per_token, rows_per_token
 from ..plan import DirectKernels, Flow, Plan, PlanStep
+from . import token_major as tok
 
 
 def sm_seconds(program: str, src: int, dst: int, e: float, h: float,
@@ -96,26 +101,36 @@ def with_direct_pool(plan: Plan, kernels: DirectKernels) -> tuple[Plan, dict[str
     do, the seconds of kernel launches before each program's first step)."""
     rates = dict(plan.sm_rates)
     e, h = rows_per_token(plan), ranks_per_token(plan)
+    token = tok.is_token_major(plan)
     resources = dict(plan.resources)
     steps: list[PlanStep] = []
-    drains = {p: drain_s(plan, p, kernels, e, h) for p in {s.program for s in plan.steps}}
+    drains = {p: tok.drain_s(plan, p, kernels, h) if token else drain_s(plan, p, kernels, e, h)
+              for p in {s.program for s in plan.steps}}
     for s in plan.steps:
         n = kernels.sms.get(s.program, 0)
-        per_byte = 1.0 / e if s.rows else 1.0  # tokens (partials) per byte of the flow
+        # tokens (partials) per byte of the flow; a token-major flow counts rows of its own (one per token)
+        per_byte = 1.0 if token else 1.0 / e if s.rows else 1.0
+        link = tok.link_weight(s.program) if token else 1.0
         flows: list[Flow] = []
         for f in s.flows:
             if not f.resources or f.bytes <= 0:
                 flows.append(f)
                 continue
-            charge: dict[str, float] = {r: 1.0 for r in dict.fromkeys(f.resources) if not r.startswith("hbm:")}
+            if token:
+                f = dataclasses.replace(f, bytes=tok.row_bytes(plan, s, f.bytes, e))
+            charge: dict[str, float] = {r: link if r.startswith("link:") else 1.0
+                                        for r in dict.fromkeys(f.resources) if not r.startswith("hbm:")}
             if n and "copy" in rates:
-                for rank, sec in sm_seconds(s.program, f.src, f.dst, e, h, rates):
+                secs = tok.sm_seconds(s.program, f.src, f.dst, h, rates) if token else \
+                    sm_seconds(s.program, f.src, f.dst, e, h, rates)
+                for rank, sec in secs:
                     pool = f"sm:{s.program}:{rank}"
                     resources[pool] = n * rates["copy"]
                     charge[pool] = charge.get(pool, 0.0) + per_byte * sec * rates["copy"]
             hbm = f"hbm:{f.dst}"
             if hbm in plan.resources:
-                charge[hbm] = per_byte * (1.0 + 1.0 / h if s.program == "combine" else e)
+                charge[hbm] = tok.hbm_bytes(s.program, f.src == f.dst, h) if token else \
+                    per_byte * (1.0 + 1.0 / h if s.program == "combine" else e)
             flows.append(dataclasses.replace(f, resources=tuple(charge), weights=tuple(charge.values()),
                                              tail_s=f.tail_s + (drains[s.program] if f.src != f.dst else 0.0)))
         steps.append(dataclasses.replace(s, flows=flows, chunk_bytes=None, num_chunks=1, depth=1,
@@ -134,7 +149,8 @@ def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
         progs = [p for p in ("dispatch", "combine") if p in kernels.sms] + \
             sorted(p for p in kernels.sms if p not in ("dispatch", "combine"))
         e, h = rows_per_token(plan), ranks_per_token(plan)
-        drains = {p: drain_s(plan, p, kernels, e, h) for p in progs}
+        token = tok.is_token_major(plan)
+        drains = {p: tok.drain_s(plan, p, kernels, h) if token else drain_s(plan, p, kernels, e, h) for p in progs}
 
         def costs(p: str) -> str:  # a program's launches, metadata passes and drain, in words
             n, m = kernels.launches.get(p, 0), kernels.meta_passes.get(p, 0)
@@ -145,13 +161,19 @@ def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
 
         per_program = {p: costs(p) for p in progs}
         per = "; ".join(f"{p} {kernels.sms[p]} SMs, {per_program[p]}" for p in progs)
+        kind = "token-major direct kernels" if token else "direct kernels"
         if "copy" in plan.sm_rates:
             times = f"launch {plan.sm_launch_s * 1e6:g} us" + (f", meta {plan.sm_meta_s * 1e6:g} us" if plan.sm_meta_s else "")
-            text = (f"direct kernels: one pool of SMs per rank and program, shared by its steps ({per}; "
+            text = (f"{kind}: one pool of SMs per rank and program, shared by its steps ({per}; "
                     f"sm {rate_text}; {times})")
         else:
-            text = f"direct kernels ({per}), no SM pool: the topology gives no `sm` copy rate"
-        return {"model": "direct", "text": text, "sms": dict(kernels.sms), "launches": dict(kernels.launches),
+            text = f"{kind} ({per}), no SM pool: the topology gives no `sm` copy rate"
+        if token:
+            text += (f"; one row per token and GPU ({tok.token_row_bytes(plan, 'dispatch')} B in dispatch), no "
+                     f"replication, the dispatch's peer links at {tok.STORE_ONLY_GAIN:.2f} x their rate "
+                     f"(sim/token_major.py)")
+        return {"model": "direct", "layout": "token" if token else "expert", "text": text, "sms": dict(kernels.sms),
+                "launches": dict(kernels.launches),
                 "meta_passes": dict(kernels.meta_passes), "drain_us": {p: d * 1e6 for p, d in drains.items()},
                 "per_program": per_program,
                 "rates_gbps": rates, "launch_us": plan.sm_launch_s * 1e6, "meta_us": plan.sm_meta_s * 1e6}

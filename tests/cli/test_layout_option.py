@@ -51,7 +51,7 @@ def test_a_bad_layout_flag_is_named(capsys):
     assert rc == 1 and err.startswith("epcc: error: --layout rows: expected expert or token (")
 
 
-def test_cuda_direct_kernels_take_token_major_other_targets_and_the_cost_model_refuse(tmp_path, capsys):
+def test_cuda_direct_kernels_take_token_major_other_targets_refuse_the_cost_model_follows(tmp_path, capsys):
     # a one-hop plan: the CUDA target's direct kernels write token-major rows (epcc/direct/token.cuh)
     out = tmp_path / "c"
     rc, _, err = run(["compile", SMALL, "--layout", "token", "--target", "cuda", "-o", str(out)], capsys)
@@ -72,10 +72,14 @@ def test_cuda_direct_kernels_take_token_major_other_targets_and_the_cost_model_r
     assert err.endswith(f"epcc: error: {SMALL}: the token-major layout runs on the CPU backend and the CUDA target's "
                         f"direct kernels: the supa target's kernels write expert-major output; use --target none (the "
                         f"CPU backend runs every plan token-major) or the expert layout\n")
-    rc, _, err = run(["simulate", SMALL, "--layout", "token"], capsys)
-    assert rc == 1
-    assert err.endswith(f"epcc: error: {SMALL}: cannot simulate the token-major layout: the cost model charges "
-                        f"expert-major output rows (the CUDA target's token-major kernels are not modelled)\n")
+    # the cost model follows: the token-major direct kernels where the CUDA target runs them, else refused
+    rc, out, err = run(["simulate", SMALL, "--layout", "token", "--json"], capsys)
+    assert rc == 0, err
+    assert json.loads(out)["model"]["sm"]["layout"] == "token"
+    rc, _, err = run(["simulate", multi, "--layout", "token"], capsys)
+    assert rc == 1 and no_crash(err)
+    assert err.startswith(f"epcc: error: {multi}: cannot simulate the token-major layout: the CUDA target writes "
+                          f"token-major output with its direct kernels only, and this plan is not lowered to them (")
 
 
 def test_a_tampered_layout_in_plan_json_is_named(tmp_path, capsys):

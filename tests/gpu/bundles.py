@@ -54,8 +54,7 @@ H200X4 = ROOT / "schedules" / "h200x4.sched"
 
 # Per box size, the same six variants of h200x4.sched (its `gpu` level set to the size): bf16,
 # fp8, 128 tokens, and the same token-major (DeepEP's intranode output, the direct kernels of
-# epcc/direct/token.cuh; no simulate.json, since `epcc simulate` refuses that layout: its cost model
-# charges expert-major rows)
+# epcc/direct/token.cuh, which `epcc simulate --layout token` models: compiler/sim/token_major.py)
 SUFFIXES = {"": [], "_fp8": ["--dtype", "fp8"], "_t128": ["--tokens", "128"]}
 VARIANTS = {  # name -> (ranks, extra compile options)
     f"h200x{g}{tok}{suffix}": (g, [*(["--layout", "token"] if tok else []), *opts])
@@ -209,20 +208,16 @@ COLLECTIVE_VARIANTS = ["h200x2_2vnode_50"]
 def build(epcc: Path, out: Path, name: str, src: Path, extra: list[str], compile_extra: tuple[str, ...] = (),
           rdma: str = "proxy", target: str = "cuda") -> bool:
     """Compile `src` into out/name (a `target` bundle) and store its `epcc simulate --json` beside it
-    (`--rdma`: how the bundle runs its RDMA steps, which the simulator's SM terms model), except for
-    a token-major bundle, which `epcc simulate` refuses."""
-    simulated = "token" not in extra
-    cmds = [[str(epcc), "compile", str(src), "--target", target, "-o", str(out / name), *extra, *compile_extra]]
-    if simulated:
-        cmds.append([str(epcc), "simulate", str(src), "--json", "--rdma", rdma, *extra])
+    (`--rdma`: how the bundle runs its RDMA steps, which the simulator's SM terms model)."""
+    cmds = [[str(epcc), "compile", str(src), "--target", target, "-o", str(out / name), *extra, *compile_extra],
+            [str(epcc), "simulate", str(src), "--json", "--rdma", rdma, *extra]]
     for cmd in cmds:
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             print(res.stdout + res.stderr, file=sys.stderr)
             return False
-    if simulated:
-        (out / name / "simulate.json").write_text(res.stdout, encoding="utf-8")
-    print(f"{name}: {out / name}" + (" (with simulate.json)" if simulated else " (token-major: not simulated)"))
+    (out / name / "simulate.json").write_text(res.stdout, encoding="utf-8")
+    print(f"{name}: {out / name} (with simulate.json)")
     return True
 
 

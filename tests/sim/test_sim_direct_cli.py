@@ -162,3 +162,63 @@ def test_the_bundles_simulate_json_uses_the_model_their_kernels_run(capsys, tmp_
                          capsys)
     assert code == 0, err
     assert json.loads(out)["model"]["sm"]["model"] == "roles"
+
+
+def _sim(capsys, *argv: str) -> dict:
+    code, out, err = run(["simulate", str(H200X4), "--json", *argv], capsys)
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("argv", [[], ["--dtype", "fp8"], ["--tokens", "128"], ["--sms", "64", "--cached"]])
+def test_token_major_is_simulated_with_a_smaller_dispatch(capsys, argv):
+    """`--layout token` runs as the token-major direct kernels (sim/token_major.py): the same pool,
+    launches and metadata as the expert-major ones, one row per token and GPU instead of one per
+    expert (the permute's rows / e), no replication, the dispatch's peer links at the store rate:
+    a smaller dispatch than the expert-major one at the same shape."""
+    expert, token = _sim(capsys, *argv), _sim(capsys, "--layout", "token", *argv)
+    assert expert["model"]["sm"]["layout"] == "expert" and token["model"]["sm"]["layout"] == "token"
+    assert "token-major direct kernels" in token["model"]["sm"]["text"]
+    for key in ("sms", "launches", "meta_passes"):
+        assert token["model"]["sm"][key] == expert["model"]["sm"][key]
+    assert token["programs"]["dispatch"]["launch_ms"] == expert["programs"]["dispatch"]["launch_ms"]
+    assert token["programs"]["dispatch"]["total_ms"] < expert["programs"]["dispatch"]["total_ms"]
+    assert token["model"]["sm"]["drain_us"]["dispatch"] == 0  # no second phase: a row is done when it lands
+
+    def step_bytes(d: dict, program: str, name: str) -> float:
+        return next(s["bytes"] for s in d["steps"] if s["program"] == program and s["name"] == name)
+    # a send counts its tokens in both layouts; a token-major row adds the top-k ids (int64), weights (fp32)
+    # and its token (int32) to the payload, where an expert-major one carries 8 bytes per top-k slot
+    assert step_bytes(token, "dispatch", "push") == pytest.approx(step_bytes(expert, "dispatch", "push") * (
+        1 + (8 * 12 + 4 - 8 * 8) / (14400 if "fp8" not in argv else 7456)))
+    # the own GPU's rows: one per token, not one per local expert (2.21 expected of the 8 on 4 GPUs)
+    assert step_bytes(token, "dispatch", "keep") < step_bytes(expert, "dispatch", "keep") / 2
+    assert step_bytes(token, "combine", "push") == pytest.approx(step_bytes(expert, "combine", "push"))
+
+
+def test_token_major_dispatch_is_bound_by_the_link_at_the_store_rate(capsys):
+    """4 GPUs, 4096 tokens: the token-major dispatch moves its remote rows at 341 / 279 x the declared
+    NVLink rate (costmodel/rates.py STORE_ONLY_GAIN), whatever the SMs; the combine at the declared rate."""
+    from_24, from_96 = (_sim(capsys, "--layout", "token", "--cached", "--sms", n) for n in ("24", "96"))
+    for d in (from_24, from_96):
+        assert d["programs"]["dispatch"]["bottleneck"]["link_class"] == "nvlink"
+    assert from_96["programs"]["dispatch"]["total_ms"] == pytest.approx(from_24["programs"]["dispatch"]["total_ms"],
+                                                                        rel=0.01)
+    sent = next(s for s in from_24["steps"] if s["program"] == "dispatch" and s["name"] == "push")
+    # a rank's port carries its sends to the 3 peers: bytes of the busiest rank / (279 GB/s x 341 / 279)
+    kernel = from_24["programs"]["dispatch"]["total_ms"] - from_24["programs"]["dispatch"]["launch_ms"]
+    assert kernel == pytest.approx(sent["max_rank_bytes"] / 341e9 * 1e3, rel=0.03)
+
+
+def test_token_major_needs_the_direct_kernels(capsys):
+    """No token-major kernels to simulate: the table-driven ones (--kernels table) and a plan the CUDA
+    target does not lower to direct kernels write expert-major output (as `epcc compile` says)."""
+    code, out, err = run(["simulate", str(H200X4), "--layout", "token", "--kernels", "table"], capsys)
+    assert code == 1 and out == ""
+    assert err == (f"epcc: error: {H200X4}: cannot simulate the token-major layout: --kernels table: the table-driven "
+                   f"kernels write expert-major output\n")
+    code, out, err = run(["simulate", str(EP16), "--layout", "token"], capsys)
+    assert code == 1 and out == ""
+    assert err == (f"epcc: error: {EP16}: cannot simulate the token-major layout: the CUDA target writes token-major "
+                   f"output with its direct kernels only, and this plan is not lowered to them (16 ranks do not fit "
+                   f"one CUDA IPC domain (at most 8))\n")
