@@ -32,7 +32,8 @@
 # bundle; the 128-token one over TUNE_SMS_DECODE, 16,24,32,48,64,96, at 8 and 16 warps); tokens
 # h200xG_tok, _tok_fp8, _tok_t128 at TOKEN_SMS (24,48) epcc and DeepEP SMs; multihop
 # h200x2_2vnode_50 (2), h200x4_2vnode_50 and h200x4_ubb2x2_50 (4), h200x8_2vnode_50 and
-# h200x8_ubb4x2_50 (8), each with its _proxy twin in ep_bench.  The tests phases select the cases
+# h200x8_ubb4x2_50 (8), each with its proxy-path twins in ep_bench (_proxy_dev: tables
+# written on the GPU, the default; _proxy: laid out on the host).  The tests phases select the cases
 # of G ranks (`pytest -k`; with 2, also the 4-rank bundles time-sliced on 2 GPUs where only 2 are
 # present) and fail where a case was skipped for a missing bundle or too few GPUs.
 #
@@ -66,7 +67,7 @@ case "$PHASE" in
   tests|tests-proxy) NEED=("h200x$G") ;;
   bench|tuned) NEED=("h200x$G" "h200x${G}_fp8" "h200x${G}_t128") ;;
   tokens) NEED=("h200x${G}_tok" "h200x${G}_tok_fp8" "h200x${G}_tok_t128") ;;
-  multihop) NEED=(); for m in "${MULTIHOP[@]}"; do NEED+=("$m" "${m}_proxy"); done ;;
+  multihop) NEED=(); for m in "${MULTIHOP[@]}"; do NEED+=("$m" "${m}_proxy_dev" "${m}_proxy"); done ;;
 esac
 for n in "${NEED[@]}"; do
   [ -f "$B/$n/cuda/manifest.json" ] || die "no bundle $B/$n (run tests/gpu/bundles.py $B on a CPU machine)"
@@ -283,7 +284,7 @@ multihop)
   prebuild
   multihop_checks || rc=1
   MH=()
-  for m in "${MULTIHOP[@]}"; do MH+=("$B/$m" "$B/${m}_proxy"); done
+  for m in "${MULTIHOP[@]}"; do MH+=("$B/$m" "$B/${m}_proxy_dev" "$B/${m}_proxy"); done
   bench multihop --methods epcc -- "${MH[@]}" || rc=$?
   simcheck "$OUT/multihop/ep_bench.json" ;;
 esac

@@ -144,7 +144,7 @@ def test_dry_run_names_the_right_bundles_within_ten_minutes(fake_bundles, tmp_pa
             assert c[:4] == ["timeout", "-k", "20", "70"] and "EPCC_GPU_ROUTINGS=uniform,zipf:1.2,all-to-one" in c
         cmd = ep_bench(cmds)
         assert cmd[cmd.index("--methods") + 1] == "epcc"
-        assert named_bundles(cmd, fake_bundles) == [x for m in MULTIHOP[g] for x in (m, f"{m}_proxy")]
+        assert named_bundles(cmd, fake_bundles) == [x for m in MULTIHOP[g] for x in (m, f"{m}_proxy_dev", f"{m}_proxy")]
         assert "bench/sim_check.py" in cmds[-1]
     else:
         (cmd,) = run

@@ -199,7 +199,7 @@ def engine_source(out_dir: Path, name: str) -> Path:
 
 # the GPU proxy path with its tables from the GPU (`--proxy-tables device`, the default), on 2, 4
 # and 8 GPUs (tests/gpu/proxy_worker.py)
-PROXY_DEVICE_VARIANTS = ["h200x2_2vnode_50", "h200x4_2vnode_50", "h200x8_2vnode_50"]
+PROXY_DEVICE_VARIANTS = ["h200x2_2vnode_50", "h200x4_2vnode_50", "h200x4_ubb2x2_50", "h200x8_2vnode_50", "h200x8_ubb4x2_50"]
 # the metadata kernels' routing through the process group's all-gather, as across boxes, on one box
 # (`--metadata-exchange collective`; test_gpu.py test_collective_metadata_exchange)
 COLLECTIVE_VARIANTS = ["h200x2_2vnode_50"]
