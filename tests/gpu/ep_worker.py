@@ -100,7 +100,7 @@ class Case:
             self.x_all = (q.view(torch.float8_e4m3fn), sc)
         else:
             self.x_all = torch.randn((R, T, H), generator=g, device=dev).to(torch.bfloat16)
-        src, j = oracle.recv_order(self.idx, self.E, self.placement)[self.me]
+        src, j = oracle.rank_recv_order(self.idx, self.E, self.placement, self.me)
         self.src = src
         self.rows_w = self.w[src[:, 0], src[:, 1], j].astype(np.float32) if len(src) else np.zeros(0, np.float32)
         epr = self.E // self.R
