@@ -2,6 +2,8 @@
 
 * inputs.py: seeded routings, routing weights, payload rows and expert outputs;
 * oracle.py: what dispatch and combine must produce (plain NumPy, no plan), and the comparison;
+* compare_torch.py: the oracle's combine comparison on torch tensors where they are (the GPU
+  checks), the same verdict;
 * reference.py: a NumPy executor of a layout, copy by copy (`epcc run --backend reference`);
 * check.py: a run against the oracle, in words (the first differing rank, token and expert; the
   combine's error summary) and the memory such a run holds (`epcc run`);

@@ -48,17 +48,31 @@ def recv_order(topk_idx: np.ndarray, experts: int, placement: str) -> list[tuple
     """Per destination rank: (src [n, 3] (home, token, expert), slot j of the expert in the
     token's top-k [n]) in the documented order (local expert, home rank, token)."""
     topk = check_topk(topk_idx, experts)
-    R = topk.shape[0]
-    rank_of, local_of = expert_rank(experts, R, placement)
-    dest = np.where(topk >= 0, rank_of[np.maximum(topk, 0)], -1)
-    out = []
-    for d in range(R):
-        h, t, j = np.nonzero(dest == d)
-        e = topk[h, t, j]
-        order = np.lexsort((t, h, local_of[e]))
-        out.append((np.stack([h[order], t[order], e[order]], axis=1).astype(np.int64).reshape(-1, 3),
-                    j[order].astype(np.int64)))
-    return out
+    rank_of, local_of = expert_rank(experts, topk.shape[0], placement)
+    return [_rank_order(topk, rank_of, local_of, d) for d in range(topk.shape[0])]
+
+
+def rank_recv_order(topk_idx: np.ndarray, experts: int, placement: str, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """recv_order(...)[rank] alone: what one rank receives, without ordering every other rank's
+    rows (a GPU check's rank needs only its own)."""
+    topk = check_topk(topk_idx, experts)
+    if not 0 <= rank < topk.shape[0]:
+        raise ValueError(f"rank: expected 0..{topk.shape[0] - 1}, got {rank}")
+    rank_of, local_of = expert_rank(experts, topk.shape[0], placement)
+    return _rank_order(topk, rank_of, local_of, rank)
+
+
+def _rank_order(topk: np.ndarray, rank_of: np.ndarray, local_of: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """(src, j) of destination d (recv_order).  np.nonzero lists the slots in (home, token, slot)
+    order and a token names an expert at most once (check_topk), so a stable sort by local expert
+    alone gives the (local expert, home, token) order; its keys in the narrowest integer type
+    (uint8 for up to 256 local experts) sort in linear time."""
+    h, t, j = np.nonzero((topk >= 0) & (rank_of[np.maximum(topk, 0)] == d))
+    e = topk[h, t, j]
+    keys = local_of[e].astype(np.min_scalar_type(int(local_of.max()) if local_of.size else 0))
+    order = np.argsort(keys, kind="stable")
+    return (np.stack([h[order], t[order], e[order]], axis=1).astype(np.int64).reshape(-1, 3),
+            j[order].astype(np.int64))
 
 
 def _payload(x_rows, R: int, T: int) -> np.ndarray:

@@ -121,3 +121,20 @@ def test_proxy_worker_refuses_what_is_not_the_proxy_path_from_the_gpus_tables(mo
     idle, engines = _proxy_buf(posted=4)
     assert P.proxy_state_errors(idle, engines, {"dispatch": 4, "combine": 3}) == [
         "dispatch: the proxy posted no chunk (4 writes, 4 before)"]
+
+
+def test_a_case_kept_for_later_is_the_case_drawn_anew():
+    """host_case keeps a Case's host side for the next bundle: a second Case gets the same arrays
+    as one drawn after the cache is emptied, whatever the first Case did to its own."""
+    cpu = torch.device("cpu")
+    first = W.Case(buf(2, "bf16"), "masked", 9, cpu, tokens=[16, 3, 0, 11])
+    for a in (first.idx, first.w, first.src, first.rows_w, first.local):
+        a[...] = 0
+    first.counts[0] = -1
+    again = W.Case(buf(2, "bf16"), "masked", 9, cpu, tokens=[16, 3, 0, 11])
+    W.host_case.cache_clear()
+    fresh = W.Case(buf(2, "bf16"), "masked", 9, cpu, tokens=[16, 3, 0, 11])
+    for name in ("idx", "w", "src", "rows_w", "local"):
+        assert np.array_equal(getattr(again, name), getattr(fresh, name)), name
+    assert again.counts == fresh.counts and sum(fresh.counts) == len(fresh.src) > 0
+    assert torch.equal(again.want_rows, fresh.want_rows)
