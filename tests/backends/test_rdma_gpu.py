@@ -8,6 +8,8 @@ import ctypes
 import importlib.util
 import shutil
 import subprocess
+import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -318,3 +320,38 @@ def test_a_link_without_bandwidth_asks_for_the_spec():
     with pytest.raises(channels.RdmaGpuError) as e:
         channels.emulated_spec("combine", [channels.Link("rdma", 50e9, 5e-6), channels.Link("nic2", 0.0, 5e-6)], 0)
     assert str(e.value) == "combine: the RDMA link 'nic2' has no bandwidth in the plan; give the transport spec"
+
+
+def _proxy_with_thread(target, timeout_s: float) -> gpu_engine.GpuRdma:
+    """A GpuRdma with nothing allocated and `target` as its proxy thread (close's part alone)."""
+    g = gpu_engine.GpuRdma.__new__(gpu_engine.GpuRdma)
+    g.stop, g.rank, g.program, g.timeout_s = [0], 1, "dispatch", timeout_s
+    g.device_ptrs, g.sym_ptrs, g.engine, g.tp = [], [], None, None
+    g.state = lambda: "dispatch proxy: status None"
+    g.thread = threading.Thread(target=target, args=(g,), daemon=True)
+    g.thread.start()
+    return g
+
+
+def test_close_stops_a_proxy_that_heeds_its_stop_word():
+    def loop(g):
+        while not g.stop[0]:
+            time.sleep(0.001)
+    g = _proxy_with_thread(loop, timeout_s=5.0)
+    g.close()
+    assert g.thread is None
+
+
+def test_close_reports_a_proxy_thread_that_does_not_stop_instead_of_waiting_for_ever(monkeypatch):
+    monkeypatch.setattr(gpu_engine, "STOP_GRACE_S", 0.05)
+    release = threading.Event()
+    g = _proxy_with_thread(lambda g: release.wait(), timeout_s=0.05)
+    t0 = time.monotonic()
+    with pytest.raises(channels.RdmaGpuError) as e:
+        g.close()
+    assert time.monotonic() - t0 < 2.0
+    assert str(e.value) == ("rank 1: dispatch: the GPU proxy thread did not stop within 0.1 s of its stop word "
+                            "(dispatch proxy: status None); its memory stays allocated")
+    assert g.thread is not None and g.thread.is_alive()  # left as it was: nothing it may touch is freed
+    release.set()
+    g.thread.join(5)

@@ -67,6 +67,8 @@ def nvshmem_bootstrap(lib, rank: int, nranks: int, device: int, exchange) -> Non
         raise RdmaGpuError(f"rank {rank}: {err.value.decode(errors='replace')}")
 
 
+#: How long close() waits for the proxy thread beyond the timeout of its transport calls.
+STOP_GRACE_S = 5.0
 
 
 class GpuRdma:
@@ -87,6 +89,7 @@ class GpuRdma:
         self.sym_ptrs: list[int] = []  # symmetric (NVSHMEM) allocations, freed collectively by close()
         self.thread: threading.Thread | None = None
         self.status: int | None = None
+        self.timeout_s = float(timeout_s)
         steps = {s.step: s for s in rdma_steps(plan) if s.program == program}
         if not steps:
             raise RdmaGpuError(f"{program}: the plan has no RDMA step")
@@ -315,10 +318,18 @@ class GpuRdma:
                 f"transport {self.tp.stats() if self.tp else '-'}")
 
     def close(self) -> None:
-        """Stop the proxy (every launch using it must have completed), release everything."""
+        """Stop the proxy (every launch using it must have completed), release everything.  The
+        proxy loop polls its stop word between transport calls, each bounded by the timeout; a
+        thread still running after that bound and STOP_GRACE_S is reported (RdmaGpuError with the
+        proxy's state) instead of waited for without end, and what it may still touch (engine,
+        transport, rings) is left allocated: a leak, not a crash."""
         if self.thread is not None:
             self.stop[0] = 1
-            self.thread.join()
+            self.thread.join(self.timeout_s + STOP_GRACE_S)
+            if self.thread.is_alive():
+                raise RdmaGpuError(f"rank {self.rank}: {self.program}: the GPU proxy thread did not stop within "
+                                   f"{self.timeout_s + STOP_GRACE_S:g} s of its stop word ({self.state()}); its "
+                                   f"memory stays allocated")
             self.thread = None
         if getattr(self, "engine", None) is not None:
             self.lib.epcc_rdma_engine_fini(self.engine.ctypes.data)
