@@ -31,7 +31,7 @@ TRANSPORTS = ("emulated", "nvshmem")
 
 def tasks(bundle: Path, transports: tuple[str, ...]) -> list[tuple[str, str, str]]:
     """(kind, source folder, transport) of every library `bundle`'s engines build; ValueError
-    naming the bundle when it has neither a cuda/ nor a supa/ manifest."""
+    saying why when it has neither a cuda/ nor a supa/ manifest or its manifest is not one."""
     out = []
     cuda, supa = bundle / "cuda", bundle / "supa"
     if (cuda / MANIFEST_FILE).is_file():
@@ -45,7 +45,7 @@ def tasks(bundle: Path, transports: tuple[str, ...]) -> list[tuple[str, str, str
     if (supa / MANIFEST_FILE).is_file():
         out.append(("supa-shim", str(supa), ""))
     if not out:
-        raise ValueError(f"{bundle}: no cuda/{MANIFEST_FILE} or supa/{MANIFEST_FILE} (not a bundle of "
+        raise ValueError(f"no cuda/{MANIFEST_FILE} or supa/{MANIFEST_FILE} (not a bundle of "
                          f"`epcc compile --target cuda|supa`)")
     return out
 
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     for b in args.bundles:
         try:
             todo += [(b, t) for t in tasks(b, transports)]
-        except (ValueError, OSError) as e:  # json errors are ValueErrors
-            print(f"prebuild: error: {e}", file=sys.stderr)
+        except (ValueError, OSError) as e:  # a manifest that is no JSON object: a ValueError
+            print(f"prebuild: error: {b}: {e}", file=sys.stderr)
             return 1
     failed = 0
     t0 = time.monotonic()

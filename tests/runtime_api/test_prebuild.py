@@ -50,7 +50,7 @@ def test_a_manifest_that_is_not_json_is_named(tmp_path, capsys):
     (b / "cuda").mkdir(parents=True)
     (b / "cuda" / "manifest.json").write_text("{not json", encoding="utf-8")
     assert main([str(b)]) == 1
-    assert "prebuild: error:" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith(f"prebuild: error: {b}: ")
 
 
 @pytest.mark.parametrize("argv, needle", [
