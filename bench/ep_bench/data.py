@@ -142,7 +142,7 @@ def check_combine(got_bf16: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor, 
 def recv_src(idx: np.ndarray, experts: int, placement: str, rank: int) -> np.ndarray:
     """(home, token, expert) [n, 3] of the rows `rank` receives, in the oracle's order (local
     expert, home, token): the expert-major output of dispatch."""
-    return oracle.recv_order(idx, experts, placement)[rank][0]
+    return oracle.rank_recv_order(idx, experts, placement, rank)[0]
 
 
 def dedup_src(idx: np.ndarray, experts: int, placement: str, rank: int) -> np.ndarray:
