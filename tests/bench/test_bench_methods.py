@@ -22,7 +22,7 @@ from epcc.runtime.bf16 import BF16_ROUNDOFF  # noqa: E402
 from epcc.runtime.engines.base import KernelTimeout  # noqa: E402
 from epcc.runtime.engines.cuda_table.tables import partial_rounding  # noqa: E402
 from epcc.runtime.layout import compute_layout  # noqa: E402
-from epcc.runtime.testing import inputs, oracle  # noqa: E402
+from epcc.runtime.testing import compare_torch, inputs, oracle  # noqa: E402
 from epcc.runtime.testing.emulate import emulate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -262,6 +262,32 @@ def test_deepep_partials_combine_to_the_reference():
     with pytest.raises(data.CheckFailed):
         data.check_combine((total[0] * 1.01).to(torch.bfloat16), ds[0].ref, ds[0].mag, K, "deepep combine",
                            BF16_ROUNDOFF)
+
+
+def test_combine_check_names_the_first_bad_value_past_a_chunk_and_agrees_with_compare_torch():
+    """check_combine's chunks: a value off in the second chunk is reported at its own token and
+    channel; the host's NumPy comparison and the device's (compare_torch, run here on CPU tensors)
+    give the same CombineCheck, of [n, hidden] indices, on every chunk; a result of another shape
+    is a failed check, not an error."""
+    g = torch.Generator().manual_seed(3)
+    n, hid = data.CHECK_CHUNK + 40, 96
+    ref = torch.randn(n, hid, generator=g)
+    mag = ref.abs() * 2
+    got = ref.to(torch.bfloat16)
+    assert data.check_combine(got, ref, mag, K, "c") == {"max_ulp": 0, "max_rel": pytest.approx(
+        float(((got.double() - ref.double()).abs() / ref.double().abs()).max()))}
+    bad = got.clone()
+    bad[data.CHECK_CHUNK + 5, 17] = 4 * ref[data.CHECK_CHUNK + 5, 17] + 1
+    with pytest.raises(data.CheckFailed) as e:
+        data.check_combine(bad, ref, mag, K, "c")
+    assert str(e.value).startswith(f"c: token {data.CHECK_CHUNK + 5} channel 17: got ")
+    lo = data.CHECK_CHUNK
+    host = data.combine_check(bad[lo:], ref[lo:], mag[lo:], K, BF16_ROUNDOFF)
+    assert host == compare_torch.compare_combine(bad[lo:], ref[lo:], mag[lo:], K, partial_rounding=BF16_ROUNDOFF)
+    assert host.first_bad == (5, 17) and not host.ok
+    with pytest.raises(data.CheckFailed) as e:
+        data.check_combine(got[:-1], ref, mag, K, "c")
+    assert str(e.value) == f"c: shape [{n - 1}, {hid}], expected [{n}, {hid}]"
 
 
 def test_deepep_settings_and_skips():
