@@ -25,6 +25,9 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from ..plan.bundle import MANIFEST_FILE, read_manifest, supa_manifest
+from .engines.cuda_direct.library import build as build_direct
+from .engines.cuda_table.launcher import build_library, build_shim_library
+from .engines.gpu_proxy.build import build_gpu
 
 TRANSPORTS = ("emulated", "nvshmem")
 
@@ -54,16 +57,12 @@ def build_one(kind: str, src: str, transport: str) -> float:
     """Build one library (in a worker process); its seconds."""
     t0 = time.monotonic()
     if kind == "table":
-        from .engines.cuda_table.launcher import build_library
         build_library(src)
     elif kind == "direct":
-        from .engines.cuda_direct.library import build
-        build(src, read_manifest(Path(src) / MANIFEST_FILE))
+        build_direct(src, read_manifest(Path(src) / MANIFEST_FILE))
     elif kind == "proxy":
-        from .engines.gpu_proxy.build import build_gpu
         build_gpu(src, transport)
     else:
-        from .engines.cuda_table.launcher import build_shim_library
         build_shim_library(src, supa_manifest(Path(src).parent))
     return time.monotonic() - t0
 

@@ -78,7 +78,9 @@ LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
                   "the Buffer facade"),
     "rt.testing": (("epcc.runtime.testing",), ("base", "plan", "analysis.io", "backends.static", "rt.base",
                                                "rt.layout", "rt.engines"), "inputs, the oracle, NumPy executors"),
-    "rt.tools": (("epcc.runtime.tune",), ("base", "plan", "rt.base", "rt.buffer", "rt.testing"), "epcc tune's worker"),
+    "rt.tools": (("epcc.runtime.tune", "epcc.runtime.prebuild"), ("base", "plan", "rt.base", "rt.engines",
+                                                                  "rt.buffer", "rt.testing"),
+                 "epcc tune's worker, the libraries' prebuild"),
     "deep_ep": (("epcc.deep_ep",), ("base", "plan", "rt.base", "rt.engines", "rt.buffer"),
                 "DeepEP's intranode Python API over token-major bundles (the compiler only as a subprocess)"),
     # on top
