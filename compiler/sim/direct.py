@@ -42,7 +42,12 @@ with_direct_pool(plan, kernels), from the topology's `sm` line (per SM: `copy` b
 * A program's first steps become ready after one `launch` (a later launch queues behind the
   running kernel: folding the two metadata kernels into the dispatch kernel, three launches to
   one, changed no measured time on 2 x H200, 2026-11-23) and, for a dispatch, its metadata passes x `meta`
-  (one pass counts a chunk of tokens; above one chunk a second pass finishes the chunks' ranks).
+  (one pass counts a chunk of tokens; above one chunk a second pass finishes the chunks' ranks)
+  plus META_PEER_S per peer rank (meta_s).  The pass that publishes (meta_publish in
+  backends/cuda/include/epcc/direct/meta.cuh) stores its counts, channel ranges and shape into
+  every peer's meta area, fences at system scope and raises one release flag per peer, from one
+  thread, one after the other; every dispatch block then waits for all R senders' flags.  A cached
+  dispatch (no metadata passes) does none of it.
 * The last wave is not hidden (`drain`): a warp's second-phase work on a record (replicating it;
   summing its partial) waits for its first phase (the send; the reduction on the expert's GPU),
   which the fluid pools overlap perfectly.  At the end of a program one wave of first-phase work
@@ -65,6 +70,16 @@ import dataclasses
 from ..costmodel.uniform import ranks_per_token, rows_per_token
 from ..plan import DirectKernels, Flow, Plan, PlanStep
 from . import token_major as tok
+
+# A fresh dispatch's metadata per peer rank beyond the `meta` passes, seconds (the module docstring).
+# Fit to the fresh-minus-cached dispatch of the ep_bench reports (rows epcc and epcc_cached, the same
+# kernel but for the metadata; results/raw/2026-11-27_*), 128 tokens, one pass inside the dispatch
+# kernel: 9.6 us on 2 x H100 (h200x2_tok_t128), 14.4 / 13.5 us on 4 x H100 (h200x4_t128 at 24 / 64
+# SMs) and 14.1 (h200x4_tok_t128): 8 us (`meta`) + 2.0 x (R - 1) in least squares, 10 and 14 us.  The
+# 4096-token pairs (two passes) rise as much with the peers: 23.9 us on 2 x H100 (h200x2_tok,
+# h200x2_tok_fp8), 29.2 on 4 x H100 (h200x4, h200x4_fp8 at 24 and 64 SMs; h200x4_tok, h200x4_tok_fp8):
+# 2.6 us per peer; their two passes take ~21 us where the model charges 2 x 8.
+META_PEER_S = 2.0e-6
 
 
 def sm_seconds(program: str, src: int, dst: int, e: float, h: float,
@@ -135,9 +150,18 @@ def with_direct_pool(plan: Plan, kernels: DirectKernels) -> tuple[Plan, dict[str
                                              tail_s=f.tail_s + (drains[s.program] if f.src != f.dst else 0.0)))
         steps.append(dataclasses.replace(s, flows=flows, chunk_bytes=None, num_chunks=1, depth=1,
                                          completion_lag=0.0))
-    starts = {p: min(1, kernels.launches.get(p, 0)) * plan.sm_launch_s + kernels.meta_passes.get(p, 0) * plan.sm_meta_s
+    starts = {p: min(1, kernels.launches.get(p, 0)) * plan.sm_launch_s + meta_s(plan, kernels.meta_passes.get(p, 0))
               for p in {s.program for s in plan.steps}}
     return dataclasses.replace(plan, steps=steps, resources=resources), starts
+
+
+def meta_s(plan: Plan, passes: int) -> float:
+    """Seconds of a program's metadata before its rows move: `passes` x the `sm` line's `meta` and,
+    where there is a pass, META_PEER_S per peer rank (the module docstring); none without the
+    `meta` time (a topology that does not charge the metadata)."""
+    if not passes or not plan.sm_meta_s:
+        return 0.0
+    return passes * plan.sm_meta_s + max(0, plan.num_ranks - 1) * META_PEER_S
 
 
 def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
@@ -163,7 +187,8 @@ def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
         per = "; ".join(f"{p} {kernels.sms[p]} SMs, {per_program[p]}" for p in progs)
         kind = "token-major direct kernels" if token else "direct kernels"
         if "copy" in plan.sm_rates:
-            times = f"launch {plan.sm_launch_s * 1e6:g} us" + (f", meta {plan.sm_meta_s * 1e6:g} us" if plan.sm_meta_s else "")
+            times = f"launch {plan.sm_launch_s * 1e6:g} us" + \
+                (f", meta {plan.sm_meta_s * 1e6:g} us + {META_PEER_S * 1e6:g} us per peer rank" if plan.sm_meta_s else "")
             text = (f"{kind}: one pool of SMs per rank and program, shared by its steps ({per}; "
                     f"sm {rate_text}; {times})")
         else:
@@ -184,4 +209,4 @@ def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
     return {"model": "links", "text": "links only: the topology gives no `sm` rates", "rates_gbps": rates}
 
 
-__all__ = ["describe", "drain_s", "sm_seconds", "with_direct_pool"]
+__all__ = ["META_PEER_S", "describe", "drain_s", "meta_s", "sm_seconds", "with_direct_pool"]
