@@ -43,7 +43,8 @@ def tasks(bundle: Path, transports: tuple[str, ...]) -> list[tuple[str, str, str
             out.append(("table", str(cuda), ""))
         if manifest.get("direct"):
             out.append(("direct", str(cuda), ""))
-        if manifest.get("options", {}).get("rdma") == "proxy":
+        options = manifest.get("options")
+        if isinstance(options, dict) and options.get("rdma") == "proxy":
             out += [("proxy", str(cuda / "rdma"), t) for t in transports]
     if (supa / MANIFEST_FILE).is_file():
         out.append(("supa-shim", str(supa), ""))

@@ -36,6 +36,8 @@ def test_each_kind_of_bundle_gets_the_libraries_its_engines_build(tmp_path):
         ("table", str(proxy / "cuda"), ""), ("proxy", str(proxy / "cuda" / "rdma"), "emulated"),
         ("proxy", str(proxy / "cuda" / "rdma"), "nvshmem")]
     assert tasks(supa, ("emulated",)) == [("supa-shim", str(supa / "supa"), "")]
+    odd = bundle(tmp_path, "odd", cuda={"build": {"library": "x.so"}, "options": 5})  # not the compiler's
+    assert tasks(odd, ("emulated",)) == [("table", str(odd / "cuda"), "")]
 
 
 def test_a_folder_that_is_no_bundle_is_named(tmp_path, capsys):
