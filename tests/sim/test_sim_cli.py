@@ -59,7 +59,10 @@ def test_tokens_and_routing_change_the_plan(capsys, tmp_path):
     _, out, _ = run(["simulate", H200, "--json", "--tokens", "2048"], capsys)
     half = json.loads(out)
     assert half["tokens"] == 2048
-    assert half["total_ms"] == pytest.approx(base["total_ms"] / 2, rel=0.05)
+    # the bytes halve; the time a little less than halves: launches and the metadata's fixed
+    # part (2 us per peer rank's flags, the passes) do not shrink with the tokens
+    assert half["link_busy_ms"]["nvlink"] == pytest.approx(base["link_busy_ms"]["nvlink"] / 2, rel=0.02)
+    assert base["total_ms"] / 2 < half["total_ms"] < base["total_ms"] / 2 * 1.10
     _, out, _ = run(["simulate", H200, "--json", "--routing", "zipf:1.2"], capsys)
     assert json.loads(out)["routing"].startswith("zipf:1.2")
     pop = tmp_path / "pop.npy"
