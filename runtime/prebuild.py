@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     transports = tuple(t.strip() for t in args.transports.split(",") if t.strip())
     bad = [t for t in transports if t not in TRANSPORTS]
     if bad or not transports:
-        print(f"prebuild: error: --transports: {bad or 'none'} (choose from {', '.join(TRANSPORTS)})", file=sys.stderr)
+        what = (f"unknown transport{'s' if len(bad) > 1 else ''} {', '.join(repr(t) for t in bad)}" if bad
+                else "no transport given")
+        print(f"prebuild: error: --transports: {what} (choose from {', '.join(TRANSPORTS)})", file=sys.stderr)
         return 1
     if args.jobs < 1:
         print(f"prebuild: error: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)

@@ -149,9 +149,9 @@ class EpccRows:
             (rows, experts), comb = outs
             check_rows(rows, d.want_rows, "epcc dispatch")
             if d.want_idx is not None:  # token-major: every row's top-k (local ids, -1 elsewhere)
-                if experts is None or not torch.equal(experts[: self.n], d.want_idx):
+                if experts is None or not torch.equal(experts[: self.n].to(d.want_idx.device), d.want_idx):
                     raise CheckFailed("epcc dispatch: recv_topk_idx differs from the oracle's local experts of its rows")
-            elif experts is not None and not torch.equal(experts, d.src[:, 2]):
+            elif experts is not None and not torch.equal(experts.to(d.src.device), d.src[:, 2]):
                 raise CheckFailed("epcc dispatch: recv_topk_idx differs from the oracle's experts of its rows")
             return check_combine(comb, d.ref, d.mag, self.plan.workload.topk, "epcc combine", self.rounding)
 

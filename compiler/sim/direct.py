@@ -119,8 +119,7 @@ def with_direct_pool(plan: Plan, kernels: DirectKernels) -> tuple[Plan, dict[str
     token = tok.is_token_major(plan)
     resources = dict(plan.resources)
     steps: list[PlanStep] = []
-    drains = {p: tok.drain_s(plan, p, kernels, h) if token else drain_s(plan, p, kernels, e, h)
-              for p in {s.program for s in plan.steps}}
+    drains = {p: program_drain_s(plan, p, kernels) for p in {s.program for s in plan.steps}}
     for s in plan.steps:
         n = kernels.sms.get(s.program, 0)
         # tokens (partials) per byte of the flow; a token-major flow counts rows of its own (one per token)
@@ -155,6 +154,15 @@ def with_direct_pool(plan: Plan, kernels: DirectKernels) -> tuple[Plan, dict[str
     return dataclasses.replace(plan, steps=steps, resources=resources), starts
 
 
+def program_drain_s(plan: Plan, program: str, kernels: DirectKernels) -> float:
+    """The drain of `program`'s last wave: the token-major kernels' (sim/token_major.py) or the
+    expert-major ones' (drain_s)."""
+    h = ranks_per_token(plan)
+    if tok.is_token_major(plan):
+        return tok.drain_s(plan, program, kernels, h)
+    return drain_s(plan, program, kernels, rows_per_token(plan), h)
+
+
 def meta_s(plan: Plan, passes: int) -> float:
     """Seconds of a program's metadata before its rows move: `passes` x the `sm` line's `meta` and,
     where there is a pass, META_PEER_S per peer rank (the module docstring); none without the
@@ -172,9 +180,8 @@ def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
     if kernels is not None:
         progs = [p for p in ("dispatch", "combine") if p in kernels.sms] + \
             sorted(p for p in kernels.sms if p not in ("dispatch", "combine"))
-        e, h = rows_per_token(plan), ranks_per_token(plan)
         token = tok.is_token_major(plan)
-        drains = {p: tok.drain_s(plan, p, kernels, h) if token else drain_s(plan, p, kernels, e, h) for p in progs}
+        drains = {p: program_drain_s(plan, p, kernels) for p in progs}
 
         def costs(p: str) -> str:  # a program's launches, metadata passes and drain, in words
             n, m = kernels.launches.get(p, 0), kernels.meta_passes.get(p, 0)
@@ -209,4 +216,4 @@ def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
     return {"model": "links", "text": "links only: the topology gives no `sm` rates", "rates_gbps": rates}
 
 
-__all__ = ["META_PEER_S", "describe", "drain_s", "meta_s", "sm_seconds", "with_direct_pool"]
+__all__ = ["META_PEER_S", "describe", "drain_s", "meta_s", "program_drain_s", "sm_seconds", "with_direct_pool"]
