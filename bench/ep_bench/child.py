@@ -92,7 +92,7 @@ def run_child(comm: Comm, args, cfg: dict) -> dict:
            "warmup": args.warmup, "iters": args.iters, "kernel_timeout": args.kernel_timeout,
            "dry_run": args.dry_run, "shared": comm.shared, "flush": not args.no_flush,
            "emulate_max_tokens": args.emulate_max_tokens, "rdma_transport": args.rdma_transport,
-           "deepep_sms": args.deepep_sms}
+           "deepep_sms": args.deepep_sms, "graph": args.epcc_graph}
     ctx = mp.get_context("spawn")
     rd, wr = ctx.Pipe(duplex=False)
     p = ctx.Process(target=child_main, args=(cfg, wr), daemon=True)

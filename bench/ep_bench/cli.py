@@ -83,6 +83,10 @@ def parse(argv=None):
     ap.add_argument("--epcc-sms", default="", metavar="N[,N...]",
                     help="epcc, bundles with direct kernels: run them once per SM count (dispatch and combine "
                          "blocks; rows epcc@N, epcc_cached@N); default: each bundle's own configuration")
+    ap.add_argument("--epcc-graph", action="store_true",
+                    help="epcc, bundles with the low-latency mode (sync=False: direct kernels, tables from the GPU): "
+                         "also time dispatch and combine as CUDA graph replays, each captured once per input set "
+                         "(rows epcc_graph, epcc_graph@N): the host's launch work taken out")
     ap.add_argument("--emulate-max-tokens", "--dry-max-tokens", dest="emulate_max_tokens", type=int, default=1024,
                     help="dry run: run epcc on the CPU only when ranks x tokens is at most this")
     args = ap.parse_args(argv)

@@ -12,6 +12,9 @@ Rows of the report:
   metadata "device", GPU proxy path included).  Other table-driven bundles: `dispatch(x, idx, w)`,
   in which the engine all-gathers the routing, computes the layout on the host, uploads its tables
   and runs the kernels: the time includes that host work.
+* epcc_graph (--epcc-graph; bundles with the low-latency mode): the fresh row's dispatch and its
+  combine, each captured once per input set as a CUDA graph and replayed (the routing's metadata
+  recomputed by every replay): the GPU's time without the host's launch work.
 * epcc_cached (direct bundles): `dispatch(x, handle=h, sync=False)` of one earlier dispatch, whose
   metadata the GPU still holds: the dispatch launches no metadata kernel (DeepEP's cached mode).
 * epcc_cached (table-driven bundles): `dispatch(x, handle=h)`, the layout and tables of one earlier
@@ -78,6 +81,8 @@ def run(cfg: dict, comm: Comm, timer: Timer) -> dict:
                      rdma_chunk_tokens=chunking[0] if chunking else None, rdma_depth=chunking[1] if chunking else None)
         rows = EpccRows(cfg, comm, timer, buf, plan, manifest, data, idx, direct)
         todo = [("epcc" + at, rows.fresh)] + ([("epcc_cached" + at, rows.cached)] if not dry else [])
+        if cfg.get("graph") and rows.lowlat and not dry:
+            todo.append(("epcc_graph" + at, rows.graph))
         for row, fn in todo:
             try:
                 out["methods"][row] = fn()
@@ -134,15 +139,17 @@ class EpccRows:
         self.buf.synchronize()
         return (rx[0] if isinstance(rx, tuple) else rx).shape[0]
 
-    def _iterate(self, dispatch) -> dict:
-        """Warm-up, check, timed iterations of `dispatch(set)` and the combine of its handle."""
+    def _iterate(self, dispatch, combine=None) -> dict:
+        """Warm-up, check, timed iterations of `dispatch(set)` and of `combine(set, handle)` (default:
+        the Buffer's combine of the set's expert outputs with the dispatch's handle)."""
         d, timer, buf = self.d, self.timer, self.buf
+        combine = combine or (lambda s, h: buf.combine(self.ys[s], h))
 
         def step(s, phase):
             td, res = timer.time(lambda: dispatch(s), after=buf.synchronize)
             self.last = res[4]
             got = (as_rows(res[0], self.n), res[1]) if phase == "check" else None
-            tc, comb = timer.time(lambda: buf.combine(self.ys[s], self.last), after=buf.synchronize)
+            tc, comb = timer.time(lambda: combine(s, self.last), after=buf.synchronize)
             return td, tc, (got, comb if phase == "check" else None)
 
         def check(outs):
@@ -213,6 +220,32 @@ class EpccRows:
         out["rdma"] = eng.rdma_summary()  # the GPU proxy path: which transport, what rings
         out["rdma_stats"] = eng.rdma_stats()  # and what its proxy thread cost
         return out
+
+    def graph(self) -> dict:
+        """Dispatch (low latency, the routing given as for the fresh row) and combine, each captured
+        once per input set as a CUDA graph and replayed: the GPU's time without the host's launch
+        work (what a CUDA-graph-captured MoE layer pays).  The captured outputs are the replays'."""
+        buf, graphs = self.buf, {}
+        for s in (0, 1):
+            self._fresh(s)  # warm-up outside the capture (first launches, lazily built state)
+            buf.synchronize()
+            gd, gc = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gd):
+                res = self._fresh(s)
+            with torch.cuda.graph(gc):
+                out = buf.combine(self.ys[s], res[4])
+            graphs[s] = (gd, gc, res, out)
+        buf.synchronize()
+
+        def dispatch(s: int):
+            graphs[s][0].replay()
+            return graphs[s][2]
+
+        def combine(s: int, _handle):
+            graphs[s][1].replay()
+            return graphs[s][3]
+
+        return self._iterate(dispatch, combine)
 
     def _round(self, dispatch, s: int) -> None:
         """One untimed dispatch and combine (a stamped round)."""

@@ -62,7 +62,7 @@ def wire_for(method: str, tr: dict, rb: int, topk: int, measured: dict | None) -
     """The remote bytes per rank a method moves (docs/benchmarking.md, "wire"): epcc's as its
     result counted them (`measured`); a DeepEP row (name@SMs) counts its variant's."""
     base = method.split("@")[0]
-    if base in ("epcc", "epcc_cached"):
+    if base in ("epcc", "epcc_cached", "epcc_graph"):
         return measured
     dedup = {"dispatch": tr["dispatch"]["remote_dedup"], "combine": tr["combine"]["remote_dedup"]}
     if base == "torch_megatron":  # payload + 2k x 4 B of top-k ids and weights per token; rows back

@@ -18,6 +18,8 @@ import pytest
 
 from epcc.runtime.build_cache import find_nvcc
 
+from test_gpu import first_two_gpus
+
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLES = Path(os.environ.get("EPCC_GPU_BUNDLES") or ROOT / ".gpu" / "bundles")
 NEEDED = ["h200x2_tok", "h200x2_tok_fp8"]  # tests/gpu/bundles.py VARIANTS (token-major)
@@ -50,7 +52,7 @@ def test_deepeps_intranode_test_passes_against_epcc_deep_ep(tmp_path):
         pytest.skip(why)
     (tmp_path / "deep_ep.py").write_text("from epcc.deep_ep import *\n", encoding="utf-8")
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               CUDA_VISIBLE_DEVICES="0,1", EPCC_DEEP_EP_BUNDLES=str(BUNDLES),
+               CUDA_VISIBLE_DEVICES=first_two_gpus(), EPCC_DEEP_EP_BUNDLES=str(BUNDLES),
                PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
     tests = Path(os.environ["EPCC_DEEPEP_TESTS"])
     r = subprocess.run([sys.executable, "test_intranode.py", "--num-processes", "2"], cwd=tests, env=env,

@@ -141,6 +141,13 @@ def _why_not(gpus: int, bundles: list[str], target: str = "cuda") -> str | None:
     return None
 
 
+def first_two_gpus() -> str:
+    """CUDA_VISIBLE_DEVICES for a 2-GPU case: the first two GPUs this process sees (the first two
+    entries of its own CUDA_VISIBLE_DEVICES where set, so two runs can take disjoint pairs)."""
+    seen = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return ",".join(seen[:2]) if len(seen) >= 2 else "0,1"
+
+
 def _torchrun_path() -> str | None:
     beside = Path(sys.executable).parent / "torchrun"
     return str(beside) if beside.is_file() else shutil.which("torchrun")
@@ -148,13 +155,13 @@ def _torchrun_path() -> str | None:
 
 def _torchrun(gpus: int, script: Path, args: list[str], env: dict[str, str] | None = None, ranks: int | None = None,
               timeout: float | None = None):
-    """Run `script` as `ranks` processes (default one per GPU) on `gpus` GPUs (the first two for 2)
+    """Run `script` as `ranks` processes (default one per GPU) on `gpus` GPUs (the first two visible for 2)
     under torchrun, NVLink multicast off; (command, result), or the test fails after `timeout`
     (default $EPCC_GPU_TIMEOUT) s with the output so far."""
     full = dict(os.environ)
     full.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", **(env or {}))
     if gpus == 2:
-        full["CUDA_VISIBLE_DEVICES"] = "0,1"
+        full["CUDA_VISIBLE_DEVICES"] = first_two_gpus()
     cmd = [_torchrun_path(), "--standalone", "--nproc-per-node", str(ranks or gpus), str(script), *args]
     timeout = timeout or float(os.environ.get("EPCC_GPU_TIMEOUT", "1200"))
     try:

@@ -35,7 +35,7 @@ from epcc.plan.bundle import load
 from epcc.runtime.engines import agree
 from epcc.runtime.engines.gpu_proxy.watch import STALL_FRACTION
 
-from test_gpu import BUNDLES, ROOT, _why_not
+from test_gpu import BUNDLES, ROOT, _why_not, first_two_gpus
 
 WORKER = Path(__file__).resolve().parent / "fail_worker.py"
 ENGINES = {  # engine -> (bundle, the engine class Buffer picks, the first round of a dispatch)
@@ -68,7 +68,7 @@ def _run(engine: str, case: str, tmp_path: Path) -> list[dict | None]:
     procs = []
     for r in range(2):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="0,1", NCCL_NVLS_ENABLE="0",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES=first_two_gpus(), NCCL_NVLS_ENABLE="0",
                    TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(BUNDLES / bundle), case, str(out),
                                        str(TIMEOUT_S), str(LATE_S)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
