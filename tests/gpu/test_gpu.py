@@ -26,7 +26,9 @@ uneven token counts, CUDA graphs, over each transport.  Across CUDA IPC domains:
 h200x2_2vnode_50_proxy_collective (the proxy path, tables from the GPU, the routing all-gathered
 by NCCL) runs through proxy_worker.py over NVSHMEM with EPCC_CUDA_IPC_DOMAIN=box{rank}, every rank
 a box of its own, and must open no CUDA IPC mapping at all
-(test_a_proxy_collective_bundle_runs_with_every_rank_in_its_own_ipc_domain).
+(test_a_proxy_collective_bundle_runs_with_every_rank_in_its_own_ipc_domain); so placed, the same
+bundle over the emulated transport, an RDMA step emulated by peer copies and the direct kernels
+are refused on every rank when the Buffer is made (test_what_cannot_cross_ipc_domains_is_refused_on_every_rank).
 
 The GPU proxy path runs through bench/ep_bench.py --strict on the 2-vnode plan of two
 GPUs (h200x2_2vnode_50_proxy; h200x2_2vnode_relay_50_proxy: two RDMA steps per program, so two
@@ -381,6 +383,25 @@ def test_a_proxy_collective_bundle_runs_with_every_rank_in_its_own_ipc_domain():
                 ("proxy", "device", "collective"), b
     out = _proxy_worker(2, ACROSS_BOXES, "nvshmem", env={"EPCC_CUDA_IPC_DOMAIN": "box{rank}"})
     assert "CUDA IPC: 0 mappings opened on all ranks, 2 domain(s)" in out, out[-6000:]
+
+
+@pytest.mark.parametrize("worker, args, refusal", [
+    (PROXY_WORKER, ["emulated", "h200x2_2vnode_50_proxy_collective"], "'emulated' transport"),
+    (WORKER, ["h200x2_2vnode_50_collective"], "over peer memory, but they are in different CUDA IPC domains"),
+    (WORKER, ["h200x2"], "the direct kernels (a one-hop plan) map every peer's memory"),
+], ids=["emulated-transport", "rdma-step-as-peer-copies", "direct-kernels"])
+def test_what_cannot_cross_ipc_domains_is_refused_on_every_rank(worker, args, refusal):
+    """Each rank its own CUDA IPC domain: a bundle that would map a peer across domains is refused
+    when the Buffer is made, on every rank, with the reason (not a failed cudaIpcOpenMemHandle)."""
+    bundles = [a for a in args if a not in ("emulated", "nvshmem")]
+    why = _why_not(2, bundles)
+    if why:
+        pytest.skip(why)
+    cmd, r = _torchrun(2, worker, [a if a in ("emulated", "nvshmem") else str(BUNDLES / a) for a in args],
+                       env={"EPCC_CUDA_IPC_DOMAIN": "box{rank}"}, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and out.count(refusal) >= 2, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
+    assert "cudaIpcOpenMemHandle" not in out, out[-12000:]
 
 
 @pytest.mark.parametrize("transport", ["emulated", "nvshmem"])
