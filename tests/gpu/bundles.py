@@ -23,7 +23,9 @@ GPU proxy path, tables laid out on the host per routing, as the bench's proxy ti
 and h200x2_2vnode_50 and h200x4_2vnode_50 as `NAME_proxy_dev` (the proxy path with its tables
 written on the GPU, `--rdma proxy`'s default: tests/gpu/proxy_worker.py).  h200x2_2vnode_50 also as
 `h200x2_2vnode_50_collective` (`--metadata-exchange collective`: the metadata kernels' routing
-all-gathered by the process group, the exchange of plans beyond one box, on one box of 2 GPUs).
+all-gathered by the process group, the exchange of plans beyond one box, on one box of 2 GPUs),
+and as `h200x2_2vnode_50_proxy_collective` (`--rdma proxy --proxy-tables device
+--metadata-exchange collective`: what runs across CUDA IPC domains, each rank a box of its own).
 
 SUPA bundles (`--target supa`; test_gpu.py runs them through the SUPA-on-CUDA shim): supa_h200x4
 and supa_h200x2 (the one-hop plan, which the SUPA target lowers to the table-driven kernels),
@@ -203,6 +205,10 @@ PROXY_DEVICE_VARIANTS = ["h200x2_2vnode_50", "h200x4_2vnode_50", "h200x4_ubb2x2_
 # the metadata kernels' routing through the process group's all-gather, as across boxes, on one box
 # (`--metadata-exchange collective`; test_gpu.py test_collective_metadata_exchange)
 COLLECTIVE_VARIANTS = ["h200x2_2vnode_50"]
+# what runs across CUDA IPC domains (boxes): the RDMA steps on the GPU proxy path with its tables
+# from the GPU and the routing all-gathered by the process group (`--rdma proxy --proxy-tables device
+# --metadata-exchange collective`); test_gpu.py runs it with every rank in its own IPC domain
+PROXY_COLLECTIVE_VARIANTS = ["h200x2_2vnode_50"]
 
 
 def build(epcc: Path, out: Path, name: str, src: Path, extra: list[str], compile_extra: tuple[str, ...] = (),
@@ -246,6 +252,10 @@ def main(argv: list[str]) -> int:
     for name in COLLECTIVE_VARIANTS:
         if not build(epcc, out, f"{name}_collective", rdma_source(out, name), ["--metadata-exchange", "collective"],
                      rdma="emulate"):
+            return 1
+    for name in PROXY_COLLECTIVE_VARIANTS:
+        if not build(epcc, out, f"{name}_proxy_collective", rdma_source(out, name),
+                     ["--proxy-tables", "device", "--metadata-exchange", "collective"], ("--rdma", "proxy")):
             return 1
     for name, base in SUPA_VARIANTS.items():
         if base in VARIANTS:

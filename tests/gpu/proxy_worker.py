@@ -18,7 +18,11 @@ The first argument is the proxy's transport (emulated or nvshmem), then the bund
 * a CUDA graph of dispatch (low latency) + combine captured once and replayed on fresh routings,
   with even and with uneven token counts;
 * the chunks went through the proxy: every program's transport posted writes during a uniform
-  round, and no proxy reports a failure.
+  round, and no proxy reports a failure;
+* the CUDA IPC mappings (runtime/engines/ipc_domain.py): no rank maps a peer of another domain
+  (EPCC_CUDA_IPC_DOMAIN, e.g. `box{rank}`: every rank a box of its own), and the line reports how
+  many mappings all ranks opened (test_gpu.py expects none for a proxy bundle whose every rank is
+  its own box).
 
 Kernel waits give up after EPCC_GPU_KERNEL_TIMEOUT seconds (default 30: ranks time-sliced on a
 shared GPU are slow, a correct round still takes milliseconds): a chunk nobody posts fails with the
@@ -32,6 +36,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from ep_worker import Case, Checks, graph_checks, main
@@ -60,6 +65,21 @@ def setup_errors(buf: Buffer) -> list[str]:
     if not eng.proxy or not eng.rdma:
         errs.append("the bundle does not run the GPU proxy path (compile it with --rdma proxy)")
     return errs
+
+
+def ipc_check(buf: Buffer, checks: Checks) -> tuple[str, list[str]]:
+    """The CUDA IPC mappings the Buffer opened (runtime/engines/ipc_domain.py): the line to report
+    (mappings summed over every rank, and how many domains the ranks are in) and what is wrong on
+    this rank (a peer of another domain mapped, or a mapping with no peer to map)."""
+    eng = buf.engine
+    mine = eng.domains[eng.rank]
+    errs = [f"maps rank {r}, of CUDA IPC domain '{eng.domains[r]}', from '{mine}'"
+            for r in sorted(eng.ipc_peers) if eng.domains[r] != mine]
+    if not eng.ipc_peers and eng.opened:
+        errs.append(f"{len(eng.opened)} CUDA IPC mapping(s) opened with no peer to map")
+    total = torch.tensor([len(eng.opened)], device=checks.dev)
+    dist.all_reduce(total)
+    return f"CUDA IPC: {int(total.item())} mappings opened on all ranks, {len(set(eng.domains))} domain(s)", errs
 
 
 def proxy_state_errors(buf: Buffer, engines: list, posted: dict | None = None) -> list[str]:
@@ -105,6 +125,7 @@ def run_proxy(path: Path, dev, checks: Checks, transport: str) -> None:
         checks.report(buf, name, what, errs)
 
     report("tables from the GPU, proxy path set up once", setup_errors(buf))
+    report(*ipc_check(buf, checks))
     engines = list(buf.engine.rdma)
     R, tmax = buf.num_ranks, buf.plan.workload.tokens
     for k, spec in enumerate(ROUTINGS):

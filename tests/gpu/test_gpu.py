@@ -22,7 +22,13 @@ deadlock fails fast (`python -m pytest -q tests/gpu/test_gpu.py -k uneven` on 2 
 (test_gpu_proxy_path_ep4_shared_gpus: every result checked, no timing).  The same proxy bundles
 run through `Buffer` with their tables written on the GPU (proxy_worker.py,
 test_proxy_bundles_through_buffer_*): normal and low-latency mode, fresh routing on every call,
-uneven token counts, CUDA graphs, over each transport.
+uneven token counts, CUDA graphs, over each transport.  Across CUDA IPC domains:
+h200x2_2vnode_50_proxy_collective (the proxy path, tables from the GPU, the routing all-gathered
+by NCCL) runs through proxy_worker.py over NVSHMEM with EPCC_CUDA_IPC_DOMAIN=box{rank}, every rank
+a box of its own, and must open no CUDA IPC mapping at all
+(test_a_proxy_collective_bundle_runs_with_every_rank_in_its_own_ipc_domain); so placed, the same
+bundle over the emulated transport, an RDMA step emulated by peer copies and the direct kernels
+are refused on every rank when the Buffer is made (test_what_cannot_cross_ipc_domains_is_refused_on_every_rank).
 
 The GPU proxy path runs through bench/ep_bench.py --strict on the 2-vnode plan of two
 GPUs (h200x2_2vnode_50_proxy; h200x2_2vnode_relay_50_proxy: two RDMA steps per program, so two
@@ -335,7 +341,8 @@ def _nvshmem_missing(transport: str) -> str | None:
     return None
 
 
-def _proxy_worker(gpus: int, bundles: list[str], transport: str, ranks: int | None = None) -> str:
+def _proxy_worker(gpus: int, bundles: list[str], transport: str, ranks: int | None = None,
+                  env: dict[str, str] | None = None) -> str:
     """proxy_worker.py over `transport` on `bundles` (skipped where the case or NVSHMEM is missing):
     it must exit 0 with ALL OK; its stdout."""
     why = _why_not(gpus, bundles) or _nvshmem_missing(transport)
@@ -345,7 +352,8 @@ def _proxy_worker(gpus: int, bundles: list[str], transport: str, ranks: int | No
             if json.loads((BUNDLES / b / "cuda" / "manifest.json").read_text())["metadata"]["lowering"] != "device"]
     assert not host, f"{', '.join(host)}: compiled without --proxy-tables device (tests/gpu/bundles.py)"
     cmd, r = _torchrun(gpus, PROXY_WORKER, [transport, *[str(BUNDLES / b) for b in bundles]], ranks=ranks,
-                       env={"NVSHMEM_REMOTE_TRANSPORT": os.environ.get("NVSHMEM_REMOTE_TRANSPORT", "none")})
+                       env={"NVSHMEM_REMOTE_TRANSPORT": os.environ.get("NVSHMEM_REMOTE_TRANSPORT", "none"),
+                            **(env or {})})
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "ALL OK" in r.stdout, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
     print("\n".join(line for line in r.stdout.splitlines() if "GPU checks" in line or "time-sliced" in line))
@@ -364,6 +372,43 @@ def test_proxy_bundles_through_buffer_with_tables_from_the_gpu(gpus, transport):
     low-latency mode, uneven token counts with a rank of none, CUDA graph replays, all against the
     oracle, over each transport."""
     _proxy_worker(gpus, PROXY_DEVICE_BUNDLES[gpus], transport)
+
+
+# what runs across CUDA IPC domains (boxes): the proxy path (tables from the GPU) with the routing
+# all-gathered by the process group (tests/gpu/bundles.py PROXY_COLLECTIVE_VARIANTS)
+ACROSS_BOXES = ["h200x2_2vnode_50_proxy_collective"]
+
+
+def test_a_proxy_collective_bundle_runs_with_every_rank_in_its_own_ipc_domain():
+    """Two ranks, each its own CUDA IPC domain (EPCC_CUDA_IPC_DOMAIN=box{rank}: two boxes on one
+    machine), the RDMA step over NVSHMEM, the routing over NCCL: proxy_worker.py's checks all
+    pass and no rank opened a CUDA IPC mapping (the plan's two vnodes share no NVLink step)."""
+    for b in ACROSS_BOXES:
+        if (BUNDLES / b / "cuda" / "manifest.json").is_file():
+            m = json.loads((BUNDLES / b / "cuda" / "manifest.json").read_text(encoding="utf-8"))
+            assert (m["options"]["rdma"], m["metadata"]["lowering"], m["metadata"]["exchange"]) == \
+                ("proxy", "device", "collective"), b
+    out = _proxy_worker(2, ACROSS_BOXES, "nvshmem", env={"EPCC_CUDA_IPC_DOMAIN": "box{rank}"})
+    assert "CUDA IPC: 0 mappings opened on all ranks, 2 domain(s)" in out, out[-6000:]
+
+
+@pytest.mark.parametrize("worker, args, refusal", [
+    (PROXY_WORKER, ["emulated", "h200x2_2vnode_50_proxy_collective"], "'emulated' transport"),
+    (WORKER, ["h200x2_2vnode_50_collective"], "over peer memory, but they are in different CUDA IPC domains"),
+    (WORKER, ["h200x2"], "the direct kernels (a one-hop plan) map every peer's memory"),
+], ids=["emulated-transport", "rdma-step-as-peer-copies", "direct-kernels"])
+def test_what_cannot_cross_ipc_domains_is_refused_on_every_rank(worker, args, refusal):
+    """Each rank its own CUDA IPC domain: a bundle that would map a peer across domains is refused
+    when the Buffer is made, on every rank, with the reason (not a failed cudaIpcOpenMemHandle)."""
+    bundles = [a for a in args if a not in ("emulated", "nvshmem")]
+    why = _why_not(2, bundles)
+    if why:
+        pytest.skip(why)
+    cmd, r = _torchrun(2, worker, [a if a in ("emulated", "nvshmem") else str(BUNDLES / a) for a in args],
+                       env={"EPCC_CUDA_IPC_DOMAIN": "box{rank}"}, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and out.count(refusal) >= 2, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
+    assert "cudaIpcOpenMemHandle" not in out, out[-12000:]
 
 
 @pytest.mark.parametrize("transport", ["emulated", "nvshmem"])

@@ -123,6 +123,23 @@ def test_proxy_worker_refuses_what_is_not_the_proxy_path_from_the_gpus_tables(mo
         "dispatch: the proxy posted no chunk (4 writes, 4 before)"]
 
 
+def test_proxy_worker_reports_the_ipc_mappings_and_refuses_one_across_domains(monkeypatch):
+    """ipc_check: the mappings summed over the ranks (all_reduce: one rank here) and the number of
+    domains in its line; a mapped peer of another domain, or a mapping with no peer, is an error."""
+    monkeypatch.setattr(P.dist, "all_reduce", lambda t: None)
+    checks = types.SimpleNamespace(dev=torch.device("cpu"))
+
+    def buf(domains, peers, opened):
+        return types.SimpleNamespace(engine=types.SimpleNamespace(rank=0, domains=domains, ipc_peers=frozenset(peers),
+                                                                  opened=list(range(opened))))
+
+    assert P.ipc_check(buf(["box0", "box1"], (), 0), checks) == (
+        "CUDA IPC: 0 mappings opened on all ranks, 2 domain(s)", [])
+    assert P.ipc_check(buf(["h", "h"], (1,), 7), checks) == ("CUDA IPC: 7 mappings opened on all ranks, 1 domain(s)", [])
+    assert P.ipc_check(buf(["box0", "box1"], (1,), 7), checks)[1] == ["maps rank 1, of CUDA IPC domain 'box1', from 'box0'"]
+    assert P.ipc_check(buf(["box0", "box1"], (), 2), checks)[1] == ["2 CUDA IPC mapping(s) opened with no peer to map"]
+
+
 def test_a_case_kept_for_later_is_the_case_drawn_anew():
     """host_case keeps a Case's host side for the next bundle: a second Case gets the same arrays
     as one drawn after the cache is emptied, whatever the first Case did to its own."""

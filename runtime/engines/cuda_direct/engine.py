@@ -4,7 +4,9 @@ Engine protocol, runtime/engines/base.py).
 One process per GPU (torchrun), `torch.cuda.set_device(local_rank)` before the Buffer is made.
 At construction every rank allocates one peer region (the size the manifest gives: meta areas,
 tails, records, the expert-major receive buffer, the combine staging), exchanges CUDA IPC
-handles (a round of the Buffer's agreement, below) and maps its peers' regions.  The library is
+handles (a round of the Buffer's agreement, below) and maps its peers' regions: the direct
+kernels run inside one CUDA IPC domain (one host), and ranks that span several
+(runtime/engines/ipc_domain.py) are refused before anything is built, with the rule and the fix.  The library is
 built with nvcc on first use and cached by content hash (library.py, runtime/build_cache.py);
 rank 0 builds first while the others wait (up to BUILD_S beyond the timeout), then everyone loads
 the cached file.
@@ -61,6 +63,7 @@ from ....plan.bundle import Bundle, cuda_manifest
 from ....plan.direct import DirectConfig, DirectError
 from ..agree import Agreement
 from ..base import GroupError, KernelTimeout
+from ..ipc_domain import local_domain, one_domain
 from ..tensors import WEIGHTS_DIFFER, check_tensor, check_token_count, device_view
 from .library import DirectLibrary, build, timeline_summary
 
@@ -114,6 +117,9 @@ class CudaDirectEngine:
         self.config.check()
         self.c = c
         self.plan = plan
+        # every rank maps every peer's region: one CUDA IPC domain, refused before the build otherwise
+        one_domain(self.agree.gather("the ranks' CUDA IPC domains", local_domain(self.rank)),
+                   f"{bundle.path}: the direct kernels (a one-hop plan)")
         # build: rank 0 first (the others find it in the cache); a rank that fails posts why in
         # the round the others wait in (agree.py), so every rank raises it, none hangs
         build_wait = timeout_s + BUILD_S

@@ -25,6 +25,8 @@ torch.distributed.all_gather_object; bench/ep_bench.py does exactly this)
     handles = exchange(lib.ipc_handle(ctx.flag_area))
     ctx.set_flag_areas([ctx.flag_area if r == rank else lib.ipc_open(dev, h)
                         for r, h in enumerate(handles)])
+    # (across CUDA IPC domains: 0 for every rank outside ipc_domain.ipc_peers(plan, manifest,
+    #  transport, domains, rank), here and in the buffer pointers below; the engine does so)
 
     # 2. per layout (each routing): buffers of every program, then the tables.  Buffer ids are
     #    the positions in manifest["buffers"][program] (dispatch: input 0, output 1, staging

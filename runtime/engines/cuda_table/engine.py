@@ -8,15 +8,26 @@ loads the launcher library, creates its context and flag area, and allocates eve
 both programs once, at the most rows any routing of at most the bundle's `tokens` per rank can
 put there (runtime/layout/capacity.py), so buffers are mapped on the peers (CUDA IPC) once.
 
+Which peers (ipc_domain.py): every rank names its CUDA IPC domain (its host, or
+EPCC_CUDA_IPC_DOMAIN) in a round of the agreement before anything is built.  All in one domain:
+every peer's flag area and buffers are mapped, as always.  Across domains: only the ranks this
+rank's kernels reach over peer memory, or that reach it (plan/peers.py; the GPU proxy path's RDMA
+steps excluded); the others are null in the kernels' pointer tables and the entry barrier meets
+the mapped ranks only.  Refused when the Buffer is made, on every rank, with the ranks, the step
+and the fix: a step over peer memory between domains (an RDMA step emulated by peer copies:
+compile with `--rdma proxy`), the metadata exchange over CUDA IPC (`--metadata-exchange
+collective`), the proxy's `emulated` transport (it maps every rank: use `nvshmem`).  `opened`
+holds the mappings made, `ipc_peers` the ranks mapped, `domains` every rank's domain.
+
 Where do a dispatch's tables come from (the bundle's manifest, "metadata"):
 
 * "device" (the plans the metadata kernels cover: backends/cuda/codegen.py device_metadata): the
   GPU exchanges every rank's routing (over peer memory inside one box; by the group's all-gather,
   exchange.py, across boxes or where the bundle was compiled `--metadata-exchange collective`)
   and writes this rank's tables of both programs itself (meta.py), stream-ordered: no host sync,
-  no allocation, CUDA-graph capturable.  The buffers the table-driven kernels move rows between
-  are still mapped over CUDA IPC (below): a bundle runs only where every rank is in one CUDA IPC
-  domain, whatever carries the routing.
+  no allocation, CUDA-graph capturable.  Across CUDA IPC domains the exchange must be the
+  group's (above): its all-gather, on every rank's dispatch stream, is also what orders the
+  launches of ranks that share no memory (and so no entry barrier).
   With the GPU proxy path, its channels, rings and FIFOs are set up once, here, for every
   routing (gpu_proxy/channels.py from_placement), the metadata kernels number each RDMA chunk on
   its channel, and the proxy threads run for the Buffer's life, following what the kernels push.
@@ -72,6 +83,7 @@ from ..gpu_proxy.build import build_gpu
 from ..gpu_proxy.channels import TRANSPORTS, from_placement, from_tables
 from ..gpu_proxy.engine import GpuRdma
 from ..gpu_proxy.watch import STALL_FRACTION, ProxyFailed, ProxyWatch, wait_watched
+from ..ipc_domain import ipc_peers, local_domain
 from ..tensors import FP8_GROUP, WEIGHTS_DIFFER, check_tensor, check_token_count, device_view
 from .launcher import CudaError, Library, build_library, role_timeline
 from .meta import DeviceMeta, routing_error
@@ -125,7 +137,8 @@ class CudaTableEngine:
         self.rdma: list[GpuRdma] = []
         self._done = None  # the event the proxy path's watched wait polls
         self.own: dict[str, list[int]] = {}
-        self.opened: list[int] = []
+        self.opened: list[int] = []  # every CUDA IPC mapping this rank opened (closed by close())
+        self.ipc_peers: frozenset[int] = frozenset()  # the ranks whose memory it maps (ipc_domain.py)
         with self.agree.call("making the Buffer", numbered=False):
             self._make(bundle, timeout_s, config)
 
@@ -147,6 +160,9 @@ class CudaTableEngine:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"Buffer: config rdma_transport must be one of {', '.join(TRANSPORTS)}, "
                              f"not {self.transport!r}")
+        # which peers to map over CUDA IPC (ipc_domain.py), decided before anything is built
+        self.domains = self.agree.gather("the ranks' CUDA IPC domains", local_domain(self.rank))
+        self.ipc_peers = ipc_peers(plan, manifest, self.transport, self.domains, self.rank)
         self.timeout_s = timeout_s
         self.dispatches = 0
         self.layout: Layout | None = None  # host metadata: the layout whose tables are uploaded
@@ -185,6 +201,8 @@ class CudaTableEngine:
         def peer(h: bytes, r: int, own: int) -> int:
             if r == self.rank:
                 return own
+            if r not in self.ipc_peers:  # another domain, and no copy of this rank's kernels reaches it
+                return 0
             p = self.lib.ipc_open(dev, h)
             self.opened.append(p)
             return p

@@ -10,8 +10,10 @@ RdmaChan descriptors, handed to the launcher with `Context.set_rdma`) and runs t
 they share is decided from the rank's uploaded tables (channels.py).
 
 Transports: `emulated` (the copy engine, paced to the plan's RDMA links: RDMA-bound schedules on
-one host) and `nvshmem` (put with signal over whatever NVSHMEM reaches: NVLink on one host,
-IBRC/IBGDA on a cluster).  Links: every link class the program's RDMA steps use is one link of the
+one host; it maps every rank's landing slots, signal and credit words over CUDA IPC, so every rank
+must be in one CUDA IPC domain: the table engine refuses it otherwise, ipc_domain.py) and `nvshmem`
+(put with signal over whatever NVSHMEM reaches: NVLink on one host, IBRC/IBGDA on a cluster; no
+CUDA IPC of epcc's memory, so its ranks may span domains).  Links: every link class the program's RDMA steps use is one link of the
 transport (step_links, in step order), and each channel posts its chunks and credits on its
 step's link.  The emulated transport gets one BANDWIDTH,LATENCY per link in its spec
 (emulated_spec: "50/25,5/5,DEVICE,signal" for steps over a 50 and a 25 GB/s link) and paces each

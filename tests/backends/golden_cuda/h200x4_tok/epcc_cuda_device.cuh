@@ -229,7 +229,8 @@ __host__ __device__ inline const char* rdma_wait_name(int32_t flag_id) {
 struct KernelArgs {
   const uint8_t* tables;        // this program's table blob (device memory)
   const uint64_t* buffers;      // [num_buffers * num_ranks]: buffer b of rank r at [b * num_ranks + r]
-  const uint64_t* flag_areas;   // [num_ranks]: every rank's flag area, as mapped in this process
+  const uint64_t* flag_areas;   // [num_ranks]: each rank's flag area as mapped in this process; 0 for a rank
+                                // whose memory this rank's copies never touch (another CUDA IPC domain)
   ErrorRecord* error;           // the error record (host-mapped, so it survives the trap)
   uint32_t* error_claim;        // device word: the first reporter takes it
   uint64_t epoch;               // launches of this program before this one (entry barrier): set by the
@@ -245,6 +246,7 @@ struct KernelArgs {
   uint32_t bank;                // word offset, within the region, of this launch's counters
   uint32_t program;             // 0 dispatch, 1 combine
   uint32_t bank_words;          // counters per bank: this launch's bank is 1 + (epoch % 2) * bank_words
+  uint32_t barrier_ranks;       // flag areas mapped (non-null): the entry barrier's arrivals per launch
 };
 
 __device__ __forceinline__ const TableHeader& header(const KernelArgs& a) {
@@ -330,7 +332,11 @@ __device__ __forceinline__ void wait_ge(const KernelArgs& a, const uint64_t* fla
 // rank's counters (last used two launches ago: every rank has finished that launch, since all
 // passed the previous launch's barrier) and then tells every rank it is here; every block waits
 // until all ranks are, so no counter is bumped before its owner has cleared it and no staging
-// row is overwritten while a peer still works on the previous launch.
+// row is overwritten while a peer still works on the previous launch.  "Every rank" is every
+// rank whose flag area is mapped: all of them inside one CUDA IPC domain; across domains the
+// ranks this rank's copies touch or that touch it (plan/peers.py: a symmetric relation, so each
+// rank waits for as many arrivals as it makes), the group's collective metadata exchange or
+// the host's round ordering the launches of ranks that share no memory.
 __device__ __forceinline__ void entry_barrier(const KernelArgs& a, const char* what) {
   const TableHeader& h = header(a);
   if (EPCC_BID == 0) {
@@ -343,11 +349,13 @@ __device__ __forceinline__ void entry_barrier(const KernelArgs& a, const char* w
     __syncthreads();
     if (EPCC_TID == 0) {
       __threadfence_system();
-      for (uint32_t r = 0; r < a.num_ranks; ++r) red_release_sys_add(barrier_word(a, r), 1);
+      for (uint32_t r = 0; r < a.num_ranks; ++r) {
+        if (a.flag_areas[r] != 0) red_release_sys_add(barrier_word(a, r), 1);
+      }
     }
   }
   if (EPCC_TID == 0) {
-    wait_ge(a, barrier_word(a, a.rank), (a.epoch + 1) * a.num_ranks, what, -1, -1, -1, static_cast<int32_t>(a.rank));
+    wait_ge(a, barrier_word(a, a.rank), (a.epoch + 1) * a.barrier_ranks, what, -1, -1, -1, static_cast<int32_t>(a.rank));
   }
   __syncthreads();
 }

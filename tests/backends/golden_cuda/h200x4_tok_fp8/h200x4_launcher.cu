@@ -92,6 +92,7 @@ struct Context {
   int num_sms = 0;
   uint64_t* flags = nullptr;         // this rank's flag area: kNumPrograms regions
   uint64_t* flag_areas_dev = nullptr;
+  uint32_t barrier_ranks = 0;        // flag areas mapped (non-null): the entry barrier's arrivals
   bool flags_ok = false;
   epcc::ErrorRecord* error_host = nullptr;  // host-mapped
   epcc::ErrorRecord* error_dev = nullptr;
@@ -190,6 +191,7 @@ int launch_main(Context* c, int program, cudaStream_t stream) {
   a.rdma_seq = p.rdma_seq;
   a.rank = c->rank;
   a.num_ranks = kNumRanks;
+  a.barrier_ranks = c->barrier_ranks;
   a.region = static_cast<uint32_t>(program) * c->flag_capacity;
   a.bank = 1 + static_cast<uint32_t>(p.epoch % 2) * bank_words(c);
   a.program = static_cast<uint32_t>(program);
@@ -343,18 +345,20 @@ uint32_t epcc_cuda_flag_capacity(void* ctx) {
   return ctx != nullptr ? static_cast<Context*>(ctx)->flag_capacity : 0;
 }
 
-// Every rank's flag area as mapped in this process, [num_ranks] (this rank's: epcc_cuda_flag_area).
+// Every rank's flag area as mapped in this process, [num_ranks] (this rank's: epcc_cuda_flag_area);
+// 0 for a rank this rank's copies never touch and that never touches it (another CUDA IPC domain:
+// the entry barrier meets only the ranks whose area is mapped, and the caller maps them in pairs).
 int epcc_cuda_set_flag_areas(void* ctx, const uint64_t* areas) {
   Context* c = static_cast<Context*>(ctx);
   if (c == nullptr || areas == nullptr) return fail(c, EPCC_RC_USAGE, "epcc_cuda_set_flag_areas: NULL argument");
   if (areas[c->rank] != reinterpret_cast<uint64_t>(c->flags)) {
     return fail(c, EPCC_RC_USAGE, "flag area of rank %u must be this context's (epcc_cuda_flag_area)", c->rank);
   }
-  for (uint32_t r = 0; r < kNumRanks; ++r) {
-    if (areas[r] == 0) return fail(c, EPCC_RC_USAGE, "flag area of rank %u is NULL", r);
-  }
+  uint32_t mapped = 0;
+  for (uint32_t r = 0; r < kNumRanks; ++r) mapped += areas[r] != 0 ? 1u : 0u;
   EPCC_TRY(c, cudaSetDevice(c->device));
   EPCC_TRY(c, cudaMemcpy(c->flag_areas_dev, areas, sizeof(uint64_t) * kNumRanks, cudaMemcpyHostToDevice));
+  c->barrier_ranks = mapped;
   c->flags_ok = true;
   return EPCC_RC_OK;
 }

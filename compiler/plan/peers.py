@@ -1,0 +1,53 @@
+"""Which peers each rank's table-driven kernels reach over peer memory (NVLink: CUDA IPC
+mappings), decided from the plan alone: what a rank must map, and so what must share its CUDA
+IPC domain.
+
+A copy of a step's flow runs on the flow's executing rank (`Flow.rank`) and reads the flow's
+`src` rank's buffers and writes the `dst` rank's buffer, bumps its counter in the `dst` rank's
+flag area, and waits for the counters of the copies that wrote its source rows, which live where
+those rows are (the `src` rank).  So an executing rank touches `src` and `dst`, and both touch it
+back in the sense that matters for the kernels' entry barrier: every launch begins with a barrier
+in which each rank bumps the barrier word of each rank whose flag area it has mapped and waits
+for as many arrivals as it has mapped areas, so the relation must be symmetric (a rank must
+count, and be counted by, everyone that reads or writes its memory).
+
+RDMA steps lowered to the GPU proxy path (`--rdma proxy`), or left to a proxy outside the
+kernels, are the proxy's business: their pack role reads the sender's own buffers and waits on
+its own counters, the proxy carries the chunk to the receiver's landing slots (its transport's
+memory, not the kernels' buffers), the unpack role writes the receiver's own buffers and bumps
+its own counter.  Without the proxy path the kernels emulate those steps by peer copies, which
+count like any other flow.  Metadata exchanges (`verb exchange`) move no rows.
+"""
+
+from __future__ import annotations
+
+from .model import Plan
+
+
+def step_peers(plan: Plan, proxied: set[tuple[str, str]]) -> dict[tuple[int, int], tuple[str, str]]:
+    """Every pair of distinct ranks {a, b} (a < b) some copy connects over peer memory, with the
+    first (program, step) that does; `proxied`: the (program, step) pairs whose rows the kernels
+    do not move over peer memory (the GPU proxy path's, in a bundle compiled `--rdma proxy`, or
+    RDMA steps left to a proxy outside the kernels; empty where every step is a peer copy)."""
+    out: dict[tuple[int, int], tuple[str, str]] = {}
+    for s in plan.steps:
+        if s.verb == "exchange" or (s.program, s.name) in proxied:
+            continue
+        for f in s.flows:
+            for other in (f.src, f.dst):
+                if other != f.rank:
+                    out.setdefault((min(f.rank, other), max(f.rank, other)), (s.program, s.name))
+    return out
+
+
+def peer_sets(plan: Plan, proxied: set[tuple[str, str]]) -> list[frozenset[int]]:
+    """Per rank, the other ranks whose buffers or flag areas its kernels read or write over peer
+    memory, or that read or write its own (symmetric; the rank itself is not in its set)."""
+    sets: list[set[int]] = [set() for _ in range(plan.num_ranks)]
+    for a, b in step_peers(plan, proxied):
+        sets[a].add(b)
+        sets[b].add(a)
+    return [frozenset(s) for s in sets]
+
+
+__all__ = ["peer_sets", "step_peers"]
