@@ -57,15 +57,17 @@ def load_prediction(bundle: str | Path) -> dict | None:
 
 def prediction(d: dict) -> dict:
     """What the report keeps of `epcc simulate --json`: per program the total (with overlap), the
-    serial sum, the bottleneck link class, each step's start and end, the table-driven kernels'
-    metadata on the GPU before the first step and the Buffer call's copies beside the kernels (us per
-    part; empty where none, or in a simulate.json from before the term); the tokens and the direct kernels' SMs it assumed."""
+    serial sum, the bottleneck link class, each step's start and end, what precedes the kernel
+    (launch_ms: launches, metadata, the call's copies), the table-driven kernels' metadata on the GPU
+    before the first step and the Buffer call's copies beside the kernels (us per part; empty where
+    none, or in a simulate.json from before the term); the tokens and the direct kernels' SMs it assumed."""
     steps = {p: {s["name"]: [s["start_ms"], s["end_ms"]] for s in d.get("steps", []) if s.get("program") == p}
              for p in ("dispatch", "combine")}
     sms = ((d.get("model") or {}).get("sm") or {}).get("sms")  # the direct kernels' SMs it assumed
     return {"tokens": d.get("tokens"), "sms": sms if isinstance(sms, dict) else None,
             **{p: {"total_ms": d["programs"][p]["total_ms"], "serial_ms": d["programs"][p]["serial_ms"],
                    "bottleneck": d["programs"][p]["bottleneck"]["link_class"], "steps": steps[p],
+                   "launch_ms": d["programs"][p].get("launch_ms", 0.0),
                    "metadata_us": d["programs"][p].get("metadata_us") or {},
                    "calls_us": d["programs"][p].get("calls_us") or {}}
                for p in ("dispatch", "combine")}}

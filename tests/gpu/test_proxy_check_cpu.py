@@ -8,10 +8,20 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_gpu as G  # noqa: E402
 
 MIXED = "h200x2_2vnode_mixed_50_proxy"
+PLAIN = "h200x2_2vnode_50_proxy"
+
+
+@pytest.fixture(autouse=True)
+def no_bundles(tmp_path, monkeypatch):
+    """The check reads each bundle's manifest where the bundle directory has it: none here, unless a
+    test writes one (not the GPU machine's bundles a checkout may hold)."""
+    monkeypatch.setattr(G, "BUNDLES", tmp_path / "bundles")
 
 
 def _report(tmp_path: Path, dispatch_ms: float, combine_ms: float, there_end_ms: float | None,
@@ -80,3 +90,25 @@ def test_the_cached_handle_row_is_the_one_compared(tmp_path):
     b["methods"]["epcc_cached"] = {"error": "WRONG: x"}  # no cached result: the fresh row is compared
     path.write_text(json.dumps(rep))
     assert G.sim_mismatches(path)[0] == f"{MIXED}: dispatch measured 9.000 ms, simulated 2.755 ms (+227 %)"
+
+
+def test_a_host_table_bundles_dispatch_is_compared_by_its_kernel(tmp_path):
+    """With tables laid out on the host (`--proxy-tables host`) the normal-mode call also builds the
+    outputs' expert ids and weights on the host: its dispatch is compared by the kernel's end (the
+    role timeline) against the simulation less what precedes the kernel; its combine as before."""
+    (G.BUNDLES / PLAIN / "cuda").mkdir(parents=True)
+    (G.BUNDLES / PLAIN / "cuda" / "manifest.json").write_text(json.dumps({"options": {"proxy_device_tables": False}}))
+    path = _report(tmp_path, 9.0, 3.663, 1.565, 2.713, name=PLAIN)  # the call 9 ms, the kernel's end 2.8
+    rep = json.loads(path.read_text())
+    rep["bundles"][0]["simulate"]["dispatch"]["launch_ms"] = 0.1
+    path.write_text(json.dumps(rep))
+    assert G.sim_mismatches(path) == []
+    rep["bundles"][0]["methods"]["epcc"]["per_rank"][0]["timeline"]["dispatch"]["end_ms"] = 3.5
+    path.write_text(json.dumps(rep))
+    assert G.sim_mismatches(path) == [f"{PLAIN}: dispatch kernel end 3.500 ms, simulated 2.655 ms (+32 %)"]
+    del rep["bundles"][0]["methods"]["epcc"]["per_rank"][0]["timeline"]
+    path.write_text(json.dumps(rep))
+    assert G.sim_mismatches(path) == [
+        f"{PLAIN}: dispatch is compared by its kernel (host-built tables), but no role timeline"]
+    (G.BUNDLES / PLAIN / "cuda" / "manifest.json").write_text(json.dumps({"options": {"proxy_device_tables": True}}))
+    assert G.sim_mismatches(path) == [f"{PLAIN}: dispatch measured 9.000 ms, simulated 2.755 ms (+227 %)"]

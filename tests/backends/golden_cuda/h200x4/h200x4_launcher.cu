@@ -93,6 +93,7 @@ struct Context {
   uint64_t* flags = nullptr;         // this rank's flag area: kNumPrograms regions
   uint64_t* flag_areas_dev = nullptr;
   uint32_t barrier_ranks = 0;        // flag areas mapped (non-null): the entry barrier's arrivals
+  std::vector<uint8_t> rank_mapped;  // [num_ranks]: 1 where that rank's flag area (and memory) is mapped here
   bool flags_ok = false;
   epcc::ErrorRecord* error_host = nullptr;  // host-mapped
   epcc::ErrorRecord* error_dev = nullptr;
@@ -166,6 +167,9 @@ int launch_main(Context* c, int program, cudaStream_t stream) {
     return fail(c, EPCC_RC_KERNEL, "an earlier launch failed: %s", format_error(*c->error_host).c_str());
   }
   for (const uint64_t u : p.used) {
+    // tables the GPU writes may name any buffer of any rank; those of a rank not mapped here
+    // (another CUDA IPC domain) are never reached, which the plan's peer sets guarantee
+    if (p.tables_external && !c->rank_mapped[u % kNumRanks]) continue;
     if (u >= p.buffers.size() || p.buffers[u] == 0) {
       return fail(c, EPCC_RC_USAGE, "%s: the tables use buffer %llu of rank %llu, whose pointer is NULL", info.name,
                   static_cast<unsigned long long>(u / kNumRanks), static_cast<unsigned long long>(u % kNumRanks));
@@ -355,7 +359,11 @@ int epcc_cuda_set_flag_areas(void* ctx, const uint64_t* areas) {
     return fail(c, EPCC_RC_USAGE, "flag area of rank %u must be this context's (epcc_cuda_flag_area)", c->rank);
   }
   uint32_t mapped = 0;
-  for (uint32_t r = 0; r < kNumRanks; ++r) mapped += areas[r] != 0 ? 1u : 0u;
+  c->rank_mapped.assign(kNumRanks, 0);
+  for (uint32_t r = 0; r < kNumRanks; ++r) {
+    c->rank_mapped[r] = areas[r] != 0 ? 1 : 0;
+    mapped += c->rank_mapped[r];
+  }
   EPCC_TRY(c, cudaSetDevice(c->device));
   EPCC_TRY(c, cudaMemcpy(c->flag_areas_dev, areas, sizeof(uint64_t) * kNumRanks, cudaMemcpyHostToDevice));
   c->barrier_ranks = mapped;
