@@ -7,10 +7,12 @@
 // arrays) are in place and the scratch is zero:
 //   meta_count  grid (home rank x token block): each token's sets, per block the tokens of each
 //               set (and the expert rows of each OUT set) and of each expert;
-//   meta_scan   one block of kScan threads: prefix sums -- set offsets in their buffers, output
-//               rows per expert, each part's first token and row in its copy, each copy's tokens,
-//               rows and chunks -- and the descriptors' counts (RoleDesc, CopyDesc, DrainDesc,
-//               ZeroDesc, header);
+//   meta_scan   grid (scan_blocks: kSeries series each) of kScan threads: every block sums its
+//               series over the token blocks (each set's tokens and rows, each home rank's rows
+//               of each expert; kLanes threads a series); the last block done then alone: the
+//               other prefix sums -- set offsets in their buffers, output rows per expert, each
+//               part's first token and row in its copy, each copy's tokens, rows and chunks --
+//               and the descriptors' counts (RoleDesc, CopyDesc, DrainDesc, ZeroDesc, header);
 //   meta_rows   grid (part x token block over the parts of this rank's copies, then home rank x
 //               token block): each row's source handle, destination slot and weight, each
 //               chunk's first row, each chunk's waits (a running maximum per producer); then the
@@ -54,6 +56,9 @@ typedef long long i64;
 #define EM_OR(p, v) atomicOr((p), (v))
 #define EM_MAX(p, v) atomicMax((p), (v))
 #define EM_MIN(p, v) atomicMin((p), (v))
+#define EM_GRID static_cast<int>(EPCC_GDIM)
+#define EM_FENCE() __threadfence()
+#define EM_TICKET(p) static_cast<i64>(atomicAdd(reinterpret_cast<unsigned long long*>(p), 1ull))
 EM_FN int em_popc(unsigned v) { return epcc::popc(v); }
 #else
 #define EM_FN static inline
@@ -68,6 +73,9 @@ EM_FN int em_popc(unsigned v) { return epcc::popc(v); }
 #define EM_OR(p, v) (*(p) |= (v))
 #define EM_MAX(p, v) (*(p) = *(p) > (v) ? *(p) : (v))
 #define EM_MIN(p, v) (*(p) = *(p) < (v) ? *(p) : (v))
+#define EM_GRID em_grid
+#define EM_FENCE() ((void)0)
+#define EM_TICKET(p) ((*(p))++)
 EM_FN int em_popc(unsigned v) { return __builtin_popcount(v); }
 #endif
 
@@ -89,10 +97,12 @@ EM_FN int em_popc(unsigned v) { return __builtin_popcount(v); }
 #endif
 
 constexpr int kBlock = 128;               // tokens per block (meta_program.py TOKEN_BLOCK)
-constexpr int kScan = 512;                // threads of meta_scan's one block
+constexpr int kScan = 512;                // threads of a meta_scan block
+constexpr int kLanes = 32;                // threads of one series' sum in meta_scan (a warp)
+constexpr int kSeries = kScan / kLanes;   // series a meta_scan block sums at a time
 constexpr int kRun = 8;                   // counts a scan thread loads before it adds them
 constexpr int kSeg = 16;                  // local experts per segment of the output-row scan
-constexpr int kLayout = 20;               // regions of the scratch (scratch_words)
+constexpr int kLayout = 21;               // regions of the scratch (scratch_words)
 constexpr int kWords = kBlock / 32;       // 32-bit words of a per-block token mask
 constexpr int kSetWords = EPCC_META_SET_WORDS;  // 64-bit words of a token's set memberships
 constexpr int kMaxSets = 64 * kSetWords;  // sets per home rank (meta_program.py SET_WORD x set_words)
@@ -184,6 +194,7 @@ struct Scratch {
   i64 *part_tok, *part_rows, *part_tok_base, *part_row_base;
   i64 *copy_tok, *copy_rows, *copy_chunks;
   i64* per_tcopy;               // the per-copy regions (waits, chunk starts)
+  i64* scan_done;               // [1]: meta_scan's blocks done with their series (the last goes on)
 };
 
 EM_HD i64 scratch_words(const i64* p, i64* layout_out = nullptr) {
@@ -197,7 +208,7 @@ EM_HD i64 scratch_words(const i64* p, i64* layout_out = nullptr) {
     if (end > tc) tc = end;
   }
   const i64 sizes[kLayout] = {S * TB, S * TB, S * TB, S * TB, S, S, S, R * TB * E, R * TB * E, E, R * E,
-                              parts, parts, parts, parts, copies, copies, copies, tc, E};
+                              parts, parts, parts, parts, copies, copies, copies, tc, E, 1};
   i64 total = 0;
   for (int i = 0; i < kLayout; ++i) {
     if (layout_out) layout_out[i] = total;
@@ -227,6 +238,7 @@ EM_FN Scratch scratch_of(const Args& a) {
   x.copy_tok = s + at[15]; x.copy_rows = s + at[16]; x.copy_chunks = s + at[17];
   x.per_tcopy = s + at[18];
   x.e_total = s + at[19];
+  x.scan_done = s + at[20];
   return x;
 }
 
@@ -480,11 +492,10 @@ EM_KERNEL meta_count(Args a
   EM_SYNC
 }
 
-// An exclusive prefix sum over n counts at src[0], src[stride], ...: dst[i] the sum before i,
-// the total returned.  The counts are loaded kRun at a time before they are added (one memory
-// latency per run, not per count).
-EM_FN i64 prefix_run(const i64* src, i64* dst, i64 n, i64 stride) {
-  i64 sum = 0;
+// An exclusive prefix sum over n counts at src[0], src[stride], ...: dst[i] `sum` plus the
+// counts before i, that plus all of them returned.  The counts are loaded kRun at a time before
+// they are added (one memory latency per run, not per count).
+EM_FN i64 prefix_run(const i64* src, i64* dst, i64 n, i64 stride, i64 sum = 0) {
   for (i64 b0 = 0; b0 < n; b0 += kRun) {
     i64 v[kRun];
     for (int j = 0; j < kRun; ++j) v[j] = b0 + j < n ? src[(b0 + j) * stride] : 0;
@@ -492,6 +503,17 @@ EM_FN i64 prefix_run(const i64* src, i64* dst, i64 n, i64 stride) {
       dst[(b0 + j) * stride] = sum;
       sum += v[j];
     }
+  }
+  return sum;
+}
+
+// The sum of n counts at src[0], src[stride], ..., loaded kRun at a time.
+EM_FN i64 run_sum(const i64* src, i64 n, i64 stride) {
+  i64 sum = 0;
+  for (i64 b0 = 0; b0 < n; b0 += kRun) {
+    i64 v[kRun];
+    for (int j = 0; j < kRun; ++j) v[j] = b0 + j < n ? src[(b0 + j) * stride] : 0;
+    for (int j = 0; j < kRun; ++j) sum += v[j];
   }
   return sum;
 }
@@ -511,35 +533,96 @@ EM_FN i64 prefix_gather(const i64* idx, const i64* src, i64* dst, i64 n) {
   return sum;
 }
 
-// One block of kScan threads.
+// The series meta_scan sums over the token blocks, numbered: 2s and 2s + 1 set s's tokens and
+// rows, 2S + h E + e home rank h's rows of expert e -- where its counts are (one per block, `stride`
+// apart), its sums before each block go, and its total.
+struct Series {
+  const i64* cnt;
+  i64* base;
+  i64* total;
+  i64 stride;
+};
+EM_FN Series series(const Scratch& x, i64 u, i64 S, i64 TB, i64 E) {
+  Series r;
+  if (u < 2 * S) {
+    const i64 s = u >> 1;
+    r.cnt = ((u & 1) ? x.set_rcnt : x.set_cnt) + s * TB;
+    r.base = ((u & 1) ? x.set_rbase : x.set_base) + s * TB;
+    r.total = ((u & 1) ? x.set_rtotal : x.set_total) + s;
+    r.stride = 1;
+  } else {
+    const i64 he = u - 2 * S, h = he / E, e = he % E;
+    r.cnt = x.ecnt + h * TB * E + e;
+    r.base = x.ebase + h * TB * E + e;
+    r.total = x.home_before + h * E + e;  // for now
+    r.stride = E;
+  }
+  return r;
+}
+
+// meta_scan's blocks: one per kSeries series (meta_program.py grids()["scan"] computes the same).
+EM_HD i64 scan_blocks(const i64* p) {
+  const i64 n = 2 * p[H_num_sets] + p[H_num_ranks] * p[H_experts];
+  return n > kSeries ? (n + kSeries - 1) / kSeries : 1;
+}
+
+// Blocks of kScan threads (scan_blocks; any number gives the same tables).  Every block first sums
+// kSeries series at a time over the token blocks, kLanes threads per series: each lane sums its
+// run of ceil(TB / kLanes) blocks, then adds the runs of the lanes before it to walk its own (two
+// memory latencies per series, not one per run of kRun blocks of one thread).  The last block done
+// with its series (a counter, no block waits for another) goes on alone with what needs every
+// series' totals: the other prefix sums and the descriptors' counts.
 EM_KERNEL_SCAN meta_scan(Args a
 #ifdef EPCC_META_HOST
-                         , int em_block
+                         , int em_block, int em_grid
 #endif
 ) {
-#ifdef EPCC_META_HOST
-  (void)em_block;
-#endif
   const i64* p = a.prog;
   const Scratch x = scratch_of(a);
   const i64 TB = p[H_token_blocks], R = p[H_num_ranks], E = p[H_experts], EPR = p[H_epr];
   const i64 S = p[H_num_sets];
   const i64 nseg = (EPR + kSeg - 1) / kSeg;  // segments of a rank's local experts
+  const i64 NS = 2 * S + R * E, L = (TB + kLanes - 1) / kLanes;  // the series; a lane's run of blocks
   EM_SHARED i64 seg_sum[kMaxExperts / kSeg + kMaxRanks];
-  EM_THREADS_SCAN(t)
-    // every set's tokens and rows before each block (two sums per set), every (home, expert)'s
-    // rows before each block
-    for (i64 i = t; i < 2 * S + R * E; i += kScan) {
-      if (i < 2 * S) {
-        const i64 s = i >> 1;
-        if (i & 1) x.set_rtotal[s] = prefix_run(x.set_rcnt + s * TB, x.set_rbase + s * TB, TB, 1);
-        else x.set_total[s] = prefix_run(x.set_cnt + s * TB, x.set_base + s * TB, TB, 1);
-      } else {
-        const i64 he = i - 2 * S, h = he / E, e = he % E;
-        x.home_before[h * E + e] = prefix_run(x.ecnt + h * TB * E + e, x.ebase + h * TB * E + e, TB, E);  // for now
+  EM_SHARED i64 lane_sum[kScan];
+  EM_SHARED int last;
+  for (i64 u0 = static_cast<i64>(EM_BLOCK) * kSeries; u0 < NS; u0 += static_cast<i64>(EM_GRID) * kSeries) {
+    EM_THREADS_SCAN(t)
+      const i64 u = u0 + t / kLanes, b0 = (t % kLanes) * L;
+      i64 sum = 0;
+      if (u < NS && b0 < TB) {
+        const Series r = series(x, u, S, TB, E);
+        sum = run_sum(r.cnt + b0 * r.stride, TB - b0 < L ? TB - b0 : L, r.stride);
       }
+      lane_sum[t] = sum;
+    EM_SYNC
+    EM_THREADS_SCAN(t)
+      const i64 u = u0 + t / kLanes;
+      const int lane = t % kLanes;
+      const i64 b0 = lane * L;
+      if (u < NS) {
+        const i64* runs = lane_sum + (t - lane);
+        i64 before = 0, total = 0;
+        for (int i = 0; i < kLanes; ++i) {
+          const i64 v = runs[i];
+          before += i < lane ? v : 0;
+          total += v;
+        }
+        const Series r = series(x, u, S, TB, E);
+        if (b0 < TB) prefix_run(r.cnt + b0 * r.stride, r.base + b0 * r.stride, TB - b0 < L ? TB - b0 : L, r.stride, before);
+        if (lane == 0) *r.total = total;
+      }
+    EM_SYNC
+  }
+  // the blocks' sums published (fence, then the counter), the last block's reads after them
+  EM_THREADS_SCAN(t)
+    if (t == 0) {
+      EM_FENCE();
+      last = EM_TICKET(x.scan_done) == EM_GRID - 1;
+      EM_FENCE();
     }
   EM_SYNC
+  if (!last) return;
   EM_THREADS_SCAN(t)
     for (i64 g = t; g < p[H_num_groups]; g += kScan) {
       const i64* gr = rec(p, H_off_groups, g, G_COUNT);
