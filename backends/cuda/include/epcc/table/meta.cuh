@@ -400,9 +400,16 @@ EM_FN void load_block(const Args& a, int h, int block, Shared& sh) {
       in.dst = static_cast<int>(s[S_dst]);
       in.out = static_cast<int>(s[S_out]);
       set_clear(in.or_bits);
-      if (in.kind != SET_SEG && in.kind != SET_OUT) {
+      if (in.kind != SET_SEG && in.kind != SET_OUT) {  // the sets' indices, then their bits, kRun at a time
         const i64* ors = p + p[H_off_or] + s[S_or_begin];
-        for (i64 i = 0; i < s[S_or_count]; ++i) set_add(in.or_bits, static_cast<int>(set_rec(p, ors[i])[S_bit]));
+        const i64 n = s[S_or_count];
+        for (i64 i0 = 0; i0 < n; i0 += kRun) {
+          i64 at[kRun];
+          for (int j = 0; j < kRun; ++j) at[j] = i0 + j < n ? ors[i0 + j] : -1;
+          for (int j = 0; j < kRun; ++j) at[j] = at[j] >= 0 ? set_rec(p, at[j])[S_bit] : -1;
+          for (int j = 0; j < kRun; ++j)
+            if (at[j] >= 0) set_add(in.or_bits, static_cast<int>(at[j]));
+        }
       }
     }
   EM_SYNC
@@ -739,12 +746,25 @@ EM_FN i64 part_token(const Scratch& x, const i64* p, const Shared& sh, i64 part,
   return x.part_tok_base[part] + x.set_base[s * p[H_token_blocks] + block] + before(sh.set_words[b], t);
 }
 
-EM_FN i64 seg_slot(const Scratch& x, const i64* p, const Shared& sh, i64 s, int block, int t) {
-  const int b = static_cast<int>(set_rec(p, s)[S_bit]);
-  return x.set_off[s] + x.set_base[s * p[H_token_blocks] + block] + before(sh.set_words[b], t);
+// Where a set's slots of this block start in their buffer (its offset plus its tokens of the
+// blocks before), and its bit: a token's slot is that plus its rank among the set's tokens here.
+struct SlotBase {
+  i64 at;
+  int bit;
+};
+EM_FN SlotBase slot_base(const Scratch& x, const i64* p, i64 s, int block) {
+  SlotBase b{0, -1};
+  if (s < 0) return b;
+  b.bit = static_cast<int>(set_rec(p, s)[S_bit]);
+  b.at = x.set_off[s] + x.set_base[s * p[H_token_blocks] + block];
+  return b;
 }
+EM_FN i64 slot_of(const SlotBase& b, const Shared& sh, int t) { return b.at + before(sh.set_words[b.bit], t); }
 
-// Work item `wi` (a part of this rank's copies x a token block): its rows.
+// Work item `wi` (a part of this rank's copies x a token block): its rows.  What is the same for
+// every token of the item (where the part's tokens, rows and slots of this block start, the
+// producer's chunks) is loaded once, before the tokens' loop, and each token loads its expert
+// rows before it stores any row: the loads of a thread go out together, not one store apart.
 EM_FN void rows_block(const Args& a, i64 wi, Shared& sh) {
   const i64* p = a.prog;
   const i64* w = rec(p, H_off_work, wi, W_COUNT);
@@ -758,7 +778,8 @@ EM_FN void rows_block(const Args& a, i64 wi, Shared& sh) {
   const i64 copy = pr[P_copy];
   const int kind = static_cast<int>(pr[P_kind]);
   const int K = static_cast<int>(p[H_topk]), TB = static_cast<int>(p[H_token_blocks]);
-  const int tok_bit = static_cast<int>(set_rec(p, pr[P_tok_set])[S_bit]);
+  const i64 tok_set = pr[P_tok_set];
+  const int tok_bit = static_cast<int>(set_rec(p, tok_set)[S_bit]);
   uint8_t* blob = a.blob[tc[T_program]];
   int64_t* src_rows = reinterpret_cast<int64_t*>(blob + tc[T_src_rows]);
   int64_t* dst_rows = reinterpret_cast<int64_t*>(blob + tc[T_dst_rows]);
@@ -768,26 +789,40 @@ EM_FN void rows_block(const Args& a, i64 wi, Shared& sh) {
   i64* waits = x.per_tcopy + tc[T_scratch_waits];
   i64* starts = x.per_tcopy + tc[T_scratch_starts];
   const i64 nprod = tc[T_prod_count];
+  const bool stage = kind == PART_D_STAGE || kind == PART_C_STAGE;
+  const i64 tok0 = x.part_tok_base[part];
+  const i64 tok_at = tok0 + x.set_base[tok_set * TB + block];  // the part's first token of this block
+  const i64 row_at = x.part_row_base[part] + (stage ? 0 : x.set_rbase[tok_set * TB + block]);
+  // the slots a row reads or writes: staging, both; into `output`, the source's (dispatch) or the
+  // destination's (combine); a dispatch's waits, the source's
+  const SlotBase src = slot_base(x, p, kind == PART_C_OUT ? -1 : pr[P_src_set], block);
+  const SlotBase dst = slot_base(x, p, kind == PART_D_OUT ? -1 : pr[P_dst_set], block);
+  const int out_words = stage ? 0 : sh.sets[tok_bit].out;
+  const bool prod_waits = (kind == PART_D_STAGE || kind == PART_D_OUT) && pr[P_producer] >= 0 && pr[P_prod_slot] >= 0;
+  i64 ptok_at = 0;  // the producer's token of this block's first slot of the source set
+  Chunking pck = ck;
+  if (prod_waits) {
+    const i64 prod = pr[P_producer];
+    ptok_at = x.part_tok_base[copy_rec(p, prod)[C_first_part] + pr[P_prod_part]] + (src.at - x.set_off[pr[P_src_set]]);
+    pck = chunking(p, prod, x.copy_tok[prod]);
+  }
   EM_THREADS(t)
     if (set_has(sh.bits[t], tok_bit)) {
-      const i64 tok = part_token(x, p, sh, part, block, t);  // the token within the copy
+      const i64 tok = tok_at + before(sh.set_words[tok_bit], t);  // the token within the copy
       const i64 chunk = chunk_of(ck, tok);
       const bool first_of_chunk = chunk_start(ck, chunk) == tok;
       i64 row = 0;  // its first row in the copy
-      if (kind == PART_D_STAGE || kind == PART_C_STAGE) {
-        row = x.part_row_base[part] + (tok - x.part_tok_base[part]);
-        const i64 src = seg_slot(x, p, sh, pr[P_src_set], block, t);
-        const i64 dst = seg_slot(x, p, sh, pr[P_dst_set], block, t);
-        src_rows[row] = (srcbuf << kRowBufShift) | src;
-        dst_rows[row] = dst;
+      if (stage) {
+        row = row_at + (tok - tok0);
+        src_rows[row] = (srcbuf << kRowBufShift) | slot_of(src, sh, t);
+        dst_rows[row] = slot_of(dst, sh, t);
       } else {
         // expert rows: in local-expert order; rows before the token in its block from the row masks
-        const i64 s = pr[P_tok_set];
         int rb = 0;
-        for (int m = 0; m < K; ++m) rb += before(sh.row_words[sh.sets[tok_bit].out][m], t);
-        row = x.part_row_base[part] + x.set_rbase[s * TB + block] + rb;
+        for (int m = 0; m < K; ++m) rb += before(sh.row_words[out_words][m], t);
+        row = row_at + rb;
         const int d = static_cast<int>(pr[P_out_rank]);
-        const i64 slot = seg_slot(x, p, sh, kind == PART_D_OUT ? pr[P_src_set] : pr[P_dst_set], block, t);
+        const i64 slot = slot_of(kind == PART_D_OUT ? src : dst, sh, t);
         int order[kMaxTopk];
         int n = 0;
         for (int j = 0; j < K; ++j) {
@@ -800,33 +835,33 @@ EM_FN void rows_block(const Args& a, i64 wi, Shared& sh) {
           }
           order[at] = j;
         }
+        i64 out[kMaxTopk];
+        float wt[kMaxTopk];
         for (int i = 0; i < n; ++i) {
           const int j = order[i];
-          const i64 out = output_row(x, sh, p, h, block, t, sh.experts[t][j]);
+          out[i] = output_row(x, sh, p, h, block, t, sh.experts[t][j]);
+          wt[i] = kind == PART_C_OUT && weights
+                      ? a.weights[(static_cast<i64>(h) * p[H_max_tokens] + block * kBlock + t) * K + j]
+                      : 0.f;
+        }
+        for (int i = 0; i < n; ++i) {
           if (kind == PART_D_OUT) {
             src_rows[row + i] = (srcbuf << kRowBufShift) | slot;
-            dst_rows[row + i] = out;
+            dst_rows[row + i] = out[i];
           } else {
-            src_rows[row + i] = (srcbuf << kRowBufShift) | out;
+            src_rows[row + i] = (srcbuf << kRowBufShift) | out[i];
             dst_rows[row + i] = slot;
-            if (weights) {
-              weights[row + i] =
-                  a.weights[(static_cast<i64>(h) * p[H_max_tokens] + block * kBlock + t) * K + j];
-            }
+            if (weights) weights[row + i] = wt[i];
           }
         }
       }
       if (first_of_chunk) starts[chunk] = row;
       // waits: per producer, its chunk holding this token
-      if (kind == PART_D_STAGE || kind == PART_D_OUT) {
-        if (pr[P_producer] >= 0 && pr[P_prod_slot] >= 0) {
-          const i64 prod = pr[P_producer];
-          const i64 ptok = x.part_tok_base[copy_rec(p, prod)[C_first_part] + pr[P_prod_part]] +
-                           (seg_slot(x, p, sh, pr[P_src_set], block, t) - x.set_off[pr[P_src_set]]);
-          const i64 v = chunk_of(chunking(p, prod, x.copy_tok[prod]), ptok) + 1;
-          EM_MAX(reinterpret_cast<unsigned long long*>(waits + chunk * nprod + pr[P_prod_slot]),
-                 static_cast<unsigned long long>(v));
-        }
+      if (prod_waits) {
+        const i64 ptok = ptok_at + before(sh.set_words[src.bit], t);
+        const i64 v = chunk_of(pck, ptok) + 1;
+        EM_MAX(reinterpret_cast<unsigned long long*>(waits + chunk * nprod + pr[P_prod_slot]),
+               static_cast<unsigned long long>(v));
       } else if (kind == PART_C_STAGE) {
         const i64* ks = p + p[H_off_contrib] + pr[P_contrib_begin] * K_COUNT;
         for (i64 i = 0; i < pr[P_contrib_count]; ++i, ks += K_COUNT) {
@@ -852,12 +887,18 @@ EM_FN void recv_block(const Args& a, int hb, Shared& sh) {
   const Scratch x = scratch_of(a);
   const int K = static_cast<int>(p[H_topk]), me = static_cast<int>(p[H_rank]);
   EM_THREADS(t)
+    i64 row[kMaxTopk];  // loaded before any store (see rows_block)
+    float wt[kMaxTopk];
     for (int j = 0; j < K; ++j) {
       const int e = sh.experts[t][j];
-      if (e < 0 || rank_of_expert(p, e) != me) continue;
-      const i64 row = output_row(x, sh, p, h, block, t, e);
-      a.recv_w[row] = a.weights[(static_cast<i64>(h) * p[H_max_tokens] + block * kBlock + t) * K + j];
-      a.recv_idx[row] = e;
+      const bool mine = e >= 0 && rank_of_expert(p, e) == me;
+      row[j] = mine ? output_row(x, sh, p, h, block, t, e) : -1;
+      wt[j] = mine ? a.weights[(static_cast<i64>(h) * p[H_max_tokens] + block * kBlock + t) * K + j] : 0.f;
+    }
+    for (int j = 0; j < K; ++j) {
+      if (row[j] < 0) continue;
+      a.recv_w[row[j]] = wt[j];
+      a.recv_idx[row[j]] = sh.experts[t][j];
     }
     if (hb == 0 && t == 0) {
       const int epr = static_cast<int>(p[H_epr]);
