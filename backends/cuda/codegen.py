@@ -737,7 +737,7 @@ def device_metadata(plan: Plan, manifest: dict, target: Target = CUDA) -> dict:
                     f"host-built tables; tables written on the GPU keep their rows there")
     if manifest["options"]["rdma"] == "proxy" and not manifest["options"].get("proxy_device_tables"):
         return host("the GPU proxy path's tables are laid out on the host per routing (`--proxy-tables host`)")
-    blocks = {"meta_count": 0, "meta_rows": 0, "meta_items": 0}
+    blocks = {"meta_count": 0, "meta_scan": 0, "meta_rows": 0, "meta_items": 0}
     cap: Capacity | None = None
     try:
         prog = segment_program(plan)
@@ -746,8 +746,8 @@ def device_metadata(plan: Plan, manifest: dict, target: Target = CUDA) -> dict:
                    if any(k["program"] == p and k["kind"] == "main" for k in manifest["kernels"])}
             mp = encode(manifest, plan.workload.placement, prog, pls, rank, plan.workload.tokens)
             g = mp.grids()
-            for kernel, n in (("meta_count", g["count"]), ("meta_rows", g["rows"] + g["count"]),
-                              ("meta_items", g["items"])):
+            for kernel, n in (("meta_count", g["count"]), ("meta_scan", g["scan"]),
+                              ("meta_rows", g["rows"] + g["count"]), ("meta_items", g["items"])):
                 blocks[kernel] = max(blocks[kernel], n)
             need = mp.capacity()
             # each field the most any rank needs; home/sets: the rank with the most sets (the error's)

@@ -46,6 +46,7 @@ from .placement import Placement, PlacementError
 MAGIC = 0x4D455043  # "CPEM"
 VERSION = 2
 TOKEN_BLOCK = 128  # tokens per block of the kernels: 4 x 32-bit membership words
+SCAN_SERIES = 16  # series a meta_scan block sums (meta.cuh kSeries: kScan / kLanes threads)
 SET_WORD = 64  # a token's set memberships: words of 64 bits, as many as the plan's most sets per home rank
 MAX_RANKS = 64  # a rank mask fits one 64-bit word
 MAX_RAMP = 64  # chunk sizes of one ramp end, at most
@@ -146,10 +147,14 @@ class MetaProgram:
 
     def grids(self) -> dict[str, int]:
         """Blocks of the metadata kernels' launches (epcc_table_meta.cu's grid_count, grid_rows,
-        grid_items): `count`, one per (home rank, token block); `rows`, one per (part, token block),
-        meta_rows launching count more for the received rows; `items`, one per copy of this rank."""
+        grid_items, grid_scan): `count`, one per (home rank, token block); `rows`, one per (part,
+        token block), meta_rows launching count more for the received rows; `items`, one per copy of
+        this rank; `scan`, one per SCAN_SERIES of the sums over token blocks (two per token set, one per
+        (home rank, expert): meta.cuh scan_blocks)."""
         h = {f: int(self.array[i]) for i, f in enumerate(HEADER)}
-        return {"count": h["num_ranks"] * h["token_blocks"], "rows": h["num_work"], "items": h["num_tcopies"]}
+        series = 2 * h["num_sets"] + h["num_ranks"] * h["experts"]
+        return {"count": h["num_ranks"] * h["token_blocks"], "rows": h["num_work"], "items": h["num_tcopies"],
+                "scan": max(1, -(-series // SCAN_SERIES))}
 
 
 def _put(rows: list[list[int]], fields: list[str], rec: dict) -> int:

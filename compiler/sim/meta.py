@@ -26,7 +26,10 @@ kernels wrote both programs' tables.  Per dispatch, in seconds:
   `p2p` and `d2d` flows join); plus each all-gather's latency in NCCL's own cost model
   (ring_latency);
 * `meta_count`, one block per (home rank, 128-token block): PASS_S + waves x COUNT_WAVE_S;
-* `meta_scan`, one block whatever the plan: SCAN_S;
+* `meta_scan`, SCAN_S whatever the plan: its time when it ran as one block (the measurement
+  below); its blocks now (the manifest's, one per 16 of its sums, a wave for every plan shipped)
+  each do two memory latencies' work, then the last one done the same tail as before, so the
+  measured one-block time bounds it from above until it is measured again;
 * `meta_rows`, one block per (part, 128-token block) and per (home rank, 128-token block):
   PASS_S + waves x ROWS_WAVE_S;
 * `meta_items`, one block per copy (at most a wave): PASS_S, where it launches;

@@ -28,8 +28,8 @@ from .exchange import all_gather_slots, area_regions
 from .tables import PROGRAMS
 
 MAX_RANKS = 64
-META_ABI = 3  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
-LAYOUT_WORDS = 20  # meta.cuh kLayout: the scratch's regions
+META_ABI = 4  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
+LAYOUT_WORDS = 21  # meta.cuh kLayout: the scratch's regions
 
 
 class _Exchange(ctypes.Structure):
@@ -51,7 +51,8 @@ class _Args(ctypes.Structure):  # epcc::meta::Args
 class _Meta(ctypes.Structure):  # EpccTableMeta
     _fields_ = [("exchange", _Exchange), ("args", _Args), ("templ", ctypes.c_uint64 * 2),
                 ("templ_bytes", ctypes.c_uint64 * 2), ("scratch_words", ctypes.c_int64), ("grid_count", ctypes.c_int),
-                ("grid_rows", ctypes.c_int), ("grid_items", ctypes.c_int), ("grid_copy", ctypes.c_int)]
+                ("grid_rows", ctypes.c_int), ("grid_items", ctypes.c_int), ("grid_copy", ctypes.c_int),
+                ("grid_scan", ctypes.c_int)]
 
 
 def bind(lib: ctypes.CDLL) -> None:
@@ -226,7 +227,7 @@ class DeviceMeta:
         a.lay[:] = list(self.layout)
         m.scratch_words = self.scratch.numel()
         g = self.mp.grids()
-        m.grid_count, m.grid_rows, m.grid_items = g["count"], g["rows"], g["items"]
+        m.grid_count, m.grid_rows, m.grid_items, m.grid_scan = g["count"], g["rows"], g["items"], g["scan"]
         m.grid_copy = max(1, min(264, -(-self.R * self.T * self.K // 256)))
         return m
 

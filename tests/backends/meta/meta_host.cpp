@@ -11,6 +11,13 @@ using namespace epcc::meta;
 
 extern "C" long long epcc_meta_scratch_words(const long long* prog) { return scratch_words(prog); }
 
+// meta_scan's blocks (meta_program.py grids()["scan"] must say the same).
+extern "C" long long epcc_meta_scan_blocks(const long long* prog) { return scan_blocks(prog); }
+
+// The blocks the next runs give meta_scan (0: scan_blocks'), to check any grid writes the same.
+static int g_scan_grid = 0;
+extern "C" void epcc_meta_set_scan_grid(int blocks) { g_scan_grid = blocks; }
+
 // sizeof(Shared) at this build's capacity (meta_program.py shared_bytes computes the same).
 extern "C" long long epcc_meta_shared_bytes(void) { return static_cast<long long>(sizeof(Shared)); }
 
@@ -38,7 +45,8 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
   a.seq[1] = seq_c;
   const int blocks = static_cast<int>(prog[H_num_ranks] * prog[H_token_blocks]);
   for (int b = 0; b < blocks; ++b) meta_count(a, b);
-  meta_scan(a, 0);
+  const int scan = g_scan_grid > 0 ? g_scan_grid : static_cast<int>(scan_blocks(prog));  // the last one finishes
+  for (int b = 0; b < scan; ++b) meta_scan(a, b, scan);
   for (int b = 0; b < prog[H_num_work] + blocks; ++b) meta_rows(a, b);  // then the received rows
   for (int b = 0; b < prog[H_num_tcopies]; ++b) meta_items(a, b);
   return 0;

@@ -47,7 +47,7 @@ using epcc::meta::kScan;
 
 // The layout of EpccTableMeta and Args that runtime/engines/cuda_table/meta.py writes with ctypes:
 // changed whenever they change, checked by the runtime at load (epcc_table_meta_abi).
-constexpr int kMetaAbi = 3;
+constexpr int kMetaAbi = 4;
 
 struct Exchange {
   uint64_t areas[kMaxRanks];  // every rank's gather area, as mapped here
@@ -85,7 +85,7 @@ struct EpccTableMeta {
   const uint8_t* templ[2];      // the blobs' static bytes (device)
   uint64_t templ_bytes[2];      // how many: the blob up to its row arrays (the rows are all written)
   int64_t scratch_words;
-  int grid_count, grid_rows, grid_items, grid_copy;
+  int grid_count, grid_rows, grid_items, grid_copy, grid_scan;
 };
 }
 
@@ -206,7 +206,7 @@ int gather(const EpccTableMeta* m, uint64_t stream) {
 int tables(const EpccTableMeta* m, uint64_t stream) {
   namespace k = epcc::meta;
   if (launch(k::meta_count, "meta_count", dim3(m->grid_count), dim3(kBlock), stream, m->args) ||
-      launch(k::meta_scan, "meta_scan", dim3(1), dim3(kScan), stream, m->args) ||
+      launch(k::meta_scan, "meta_scan", dim3(m->grid_scan), dim3(kScan), stream, m->args) ||
       launch(k::meta_rows, "meta_rows", dim3(m->grid_rows + m->grid_count), dim3(kBlock), stream,
              m->args))  // rows, received rows
     return 1;

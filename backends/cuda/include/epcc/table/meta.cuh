@@ -7,10 +7,12 @@
 // arrays) are in place and the scratch is zero:
 //   meta_count  grid (home rank x token block): each token's sets, per block the tokens of each
 //               set (and the expert rows of each OUT set) and of each expert;
-//   meta_scan   one block of kScan threads: prefix sums -- set offsets in their buffers, output
-//               rows per expert, each part's first token and row in its copy, each copy's tokens,
-//               rows and chunks -- and the descriptors' counts (RoleDesc, CopyDesc, DrainDesc,
-//               ZeroDesc, header);
+//   meta_scan   grid (scan_blocks: kSeries series each) of kScan threads: every block sums its
+//               series over the token blocks (each set's tokens and rows, each home rank's rows
+//               of each expert; kLanes threads a series); the last block done then alone: the
+//               other prefix sums -- set offsets in their buffers, output rows per expert, each
+//               part's first token and row in its copy, each copy's tokens, rows and chunks --
+//               and the descriptors' counts (RoleDesc, CopyDesc, DrainDesc, ZeroDesc, header);
 //   meta_rows   grid (part x token block over the parts of this rank's copies, then home rank x
 //               token block): each row's source handle, destination slot and weight, each
 //               chunk's first row, each chunk's waits (a running maximum per producer); then the
@@ -54,6 +56,9 @@ typedef long long i64;
 #define EM_OR(p, v) atomicOr((p), (v))
 #define EM_MAX(p, v) atomicMax((p), (v))
 #define EM_MIN(p, v) atomicMin((p), (v))
+#define EM_GRID static_cast<int>(EPCC_GDIM)
+#define EM_FENCE() __threadfence()
+#define EM_TICKET(p) static_cast<i64>(atomicAdd(reinterpret_cast<unsigned long long*>(p), 1ull))
 EM_FN int em_popc(unsigned v) { return epcc::popc(v); }
 #else
 #define EM_FN static inline
@@ -68,6 +73,9 @@ EM_FN int em_popc(unsigned v) { return epcc::popc(v); }
 #define EM_OR(p, v) (*(p) |= (v))
 #define EM_MAX(p, v) (*(p) = *(p) > (v) ? *(p) : (v))
 #define EM_MIN(p, v) (*(p) = *(p) < (v) ? *(p) : (v))
+#define EM_GRID em_grid
+#define EM_FENCE() ((void)0)
+#define EM_TICKET(p) ((*(p))++)
 EM_FN int em_popc(unsigned v) { return __builtin_popcount(v); }
 #endif
 
@@ -89,10 +97,12 @@ EM_FN int em_popc(unsigned v) { return __builtin_popcount(v); }
 #endif
 
 constexpr int kBlock = 128;               // tokens per block (meta_program.py TOKEN_BLOCK)
-constexpr int kScan = 512;                // threads of meta_scan's one block
+constexpr int kScan = 512;                // threads of a meta_scan block
+constexpr int kLanes = 32;                // threads of one series' sum in meta_scan (a warp)
+constexpr int kSeries = kScan / kLanes;   // series a meta_scan block sums at a time
 constexpr int kRun = 8;                   // counts a scan thread loads before it adds them
 constexpr int kSeg = 16;                  // local experts per segment of the output-row scan
-constexpr int kLayout = 20;               // regions of the scratch (scratch_words)
+constexpr int kLayout = 21;               // regions of the scratch (scratch_words)
 constexpr int kWords = kBlock / 32;       // 32-bit words of a per-block token mask
 constexpr int kSetWords = EPCC_META_SET_WORDS;  // 64-bit words of a token's set memberships
 constexpr int kMaxSets = 64 * kSetWords;  // sets per home rank (meta_program.py SET_WORD x set_words)
@@ -184,6 +194,7 @@ struct Scratch {
   i64 *part_tok, *part_rows, *part_tok_base, *part_row_base;
   i64 *copy_tok, *copy_rows, *copy_chunks;
   i64* per_tcopy;               // the per-copy regions (waits, chunk starts)
+  i64* scan_done;               // [1]: meta_scan's blocks done with their series (the last goes on)
 };
 
 EM_HD i64 scratch_words(const i64* p, i64* layout_out = nullptr) {
@@ -197,7 +208,7 @@ EM_HD i64 scratch_words(const i64* p, i64* layout_out = nullptr) {
     if (end > tc) tc = end;
   }
   const i64 sizes[kLayout] = {S * TB, S * TB, S * TB, S * TB, S, S, S, R * TB * E, R * TB * E, E, R * E,
-                              parts, parts, parts, parts, copies, copies, copies, tc, E};
+                              parts, parts, parts, parts, copies, copies, copies, tc, E, 1};
   i64 total = 0;
   for (int i = 0; i < kLayout; ++i) {
     if (layout_out) layout_out[i] = total;
@@ -227,6 +238,7 @@ EM_FN Scratch scratch_of(const Args& a) {
   x.copy_tok = s + at[15]; x.copy_rows = s + at[16]; x.copy_chunks = s + at[17];
   x.per_tcopy = s + at[18];
   x.e_total = s + at[19];
+  x.scan_done = s + at[20];
   return x;
 }
 
@@ -388,9 +400,16 @@ EM_FN void load_block(const Args& a, int h, int block, Shared& sh) {
       in.dst = static_cast<int>(s[S_dst]);
       in.out = static_cast<int>(s[S_out]);
       set_clear(in.or_bits);
-      if (in.kind != SET_SEG && in.kind != SET_OUT) {
+      if (in.kind != SET_SEG && in.kind != SET_OUT) {  // the sets' indices, then their bits, kRun at a time
         const i64* ors = p + p[H_off_or] + s[S_or_begin];
-        for (i64 i = 0; i < s[S_or_count]; ++i) set_add(in.or_bits, static_cast<int>(set_rec(p, ors[i])[S_bit]));
+        const i64 n = s[S_or_count];
+        for (i64 i0 = 0; i0 < n; i0 += kRun) {
+          i64 at[kRun];
+          for (int j = 0; j < kRun; ++j) at[j] = i0 + j < n ? ors[i0 + j] : -1;
+          for (int j = 0; j < kRun; ++j) at[j] = at[j] >= 0 ? set_rec(p, at[j])[S_bit] : -1;
+          for (int j = 0; j < kRun; ++j)
+            if (at[j] >= 0) set_add(in.or_bits, static_cast<int>(at[j]));
+        }
       }
     }
   EM_SYNC
@@ -480,11 +499,10 @@ EM_KERNEL meta_count(Args a
   EM_SYNC
 }
 
-// An exclusive prefix sum over n counts at src[0], src[stride], ...: dst[i] the sum before i,
-// the total returned.  The counts are loaded kRun at a time before they are added (one memory
-// latency per run, not per count).
-EM_FN i64 prefix_run(const i64* src, i64* dst, i64 n, i64 stride) {
-  i64 sum = 0;
+// An exclusive prefix sum over n counts at src[0], src[stride], ...: dst[i] `sum` plus the
+// counts before i, that plus all of them returned.  The counts are loaded kRun at a time before
+// they are added (one memory latency per run, not per count).
+EM_FN i64 prefix_run(const i64* src, i64* dst, i64 n, i64 stride, i64 sum = 0) {
   for (i64 b0 = 0; b0 < n; b0 += kRun) {
     i64 v[kRun];
     for (int j = 0; j < kRun; ++j) v[j] = b0 + j < n ? src[(b0 + j) * stride] : 0;
@@ -492,6 +510,17 @@ EM_FN i64 prefix_run(const i64* src, i64* dst, i64 n, i64 stride) {
       dst[(b0 + j) * stride] = sum;
       sum += v[j];
     }
+  }
+  return sum;
+}
+
+// The sum of n counts at src[0], src[stride], ..., loaded kRun at a time.
+EM_FN i64 run_sum(const i64* src, i64 n, i64 stride) {
+  i64 sum = 0;
+  for (i64 b0 = 0; b0 < n; b0 += kRun) {
+    i64 v[kRun];
+    for (int j = 0; j < kRun; ++j) v[j] = b0 + j < n ? src[(b0 + j) * stride] : 0;
+    for (int j = 0; j < kRun; ++j) sum += v[j];
   }
   return sum;
 }
@@ -511,35 +540,96 @@ EM_FN i64 prefix_gather(const i64* idx, const i64* src, i64* dst, i64 n) {
   return sum;
 }
 
-// One block of kScan threads.
+// The series meta_scan sums over the token blocks, numbered: 2s and 2s + 1 set s's tokens and
+// rows, 2S + h E + e home rank h's rows of expert e -- where its counts are (one per block, `stride`
+// apart), its sums before each block go, and its total.
+struct Series {
+  const i64* cnt;
+  i64* base;
+  i64* total;
+  i64 stride;
+};
+EM_FN Series series(const Scratch& x, i64 u, i64 S, i64 TB, i64 E) {
+  Series r;
+  if (u < 2 * S) {
+    const i64 s = u >> 1;
+    r.cnt = ((u & 1) ? x.set_rcnt : x.set_cnt) + s * TB;
+    r.base = ((u & 1) ? x.set_rbase : x.set_base) + s * TB;
+    r.total = ((u & 1) ? x.set_rtotal : x.set_total) + s;
+    r.stride = 1;
+  } else {
+    const i64 he = u - 2 * S, h = he / E, e = he % E;
+    r.cnt = x.ecnt + h * TB * E + e;
+    r.base = x.ebase + h * TB * E + e;
+    r.total = x.home_before + h * E + e;  // for now
+    r.stride = E;
+  }
+  return r;
+}
+
+// meta_scan's blocks: one per kSeries series (meta_program.py grids()["scan"] computes the same).
+EM_HD i64 scan_blocks(const i64* p) {
+  const i64 n = 2 * p[H_num_sets] + p[H_num_ranks] * p[H_experts];
+  return n > kSeries ? (n + kSeries - 1) / kSeries : 1;
+}
+
+// Blocks of kScan threads (scan_blocks; any number gives the same tables).  Every block first sums
+// kSeries series at a time over the token blocks, kLanes threads per series: each lane sums its
+// run of ceil(TB / kLanes) blocks, then adds the runs of the lanes before it to walk its own (two
+// memory latencies per series, not one per run of kRun blocks of one thread).  The last block done
+// with its series (a counter, no block waits for another) goes on alone with what needs every
+// series' totals: the other prefix sums and the descriptors' counts.
 EM_KERNEL_SCAN meta_scan(Args a
 #ifdef EPCC_META_HOST
-                         , int em_block
+                         , int em_block, int em_grid
 #endif
 ) {
-#ifdef EPCC_META_HOST
-  (void)em_block;
-#endif
   const i64* p = a.prog;
   const Scratch x = scratch_of(a);
   const i64 TB = p[H_token_blocks], R = p[H_num_ranks], E = p[H_experts], EPR = p[H_epr];
   const i64 S = p[H_num_sets];
   const i64 nseg = (EPR + kSeg - 1) / kSeg;  // segments of a rank's local experts
+  const i64 NS = 2 * S + R * E, L = (TB + kLanes - 1) / kLanes;  // the series; a lane's run of blocks
   EM_SHARED i64 seg_sum[kMaxExperts / kSeg + kMaxRanks];
-  EM_THREADS_SCAN(t)
-    // every set's tokens and rows before each block (two sums per set), every (home, expert)'s
-    // rows before each block
-    for (i64 i = t; i < 2 * S + R * E; i += kScan) {
-      if (i < 2 * S) {
-        const i64 s = i >> 1;
-        if (i & 1) x.set_rtotal[s] = prefix_run(x.set_rcnt + s * TB, x.set_rbase + s * TB, TB, 1);
-        else x.set_total[s] = prefix_run(x.set_cnt + s * TB, x.set_base + s * TB, TB, 1);
-      } else {
-        const i64 he = i - 2 * S, h = he / E, e = he % E;
-        x.home_before[h * E + e] = prefix_run(x.ecnt + h * TB * E + e, x.ebase + h * TB * E + e, TB, E);  // for now
+  EM_SHARED i64 lane_sum[kScan];
+  EM_SHARED int last;
+  for (i64 u0 = static_cast<i64>(EM_BLOCK) * kSeries; u0 < NS; u0 += static_cast<i64>(EM_GRID) * kSeries) {
+    EM_THREADS_SCAN(t)
+      const i64 u = u0 + t / kLanes, b0 = (t % kLanes) * L;
+      i64 sum = 0;
+      if (u < NS && b0 < TB) {
+        const Series r = series(x, u, S, TB, E);
+        sum = run_sum(r.cnt + b0 * r.stride, TB - b0 < L ? TB - b0 : L, r.stride);
       }
+      lane_sum[t] = sum;
+    EM_SYNC
+    EM_THREADS_SCAN(t)
+      const i64 u = u0 + t / kLanes;
+      const int lane = t % kLanes;
+      const i64 b0 = lane * L;
+      if (u < NS) {
+        const i64* runs = lane_sum + (t - lane);
+        i64 before = 0, total = 0;
+        for (int i = 0; i < kLanes; ++i) {
+          const i64 v = runs[i];
+          before += i < lane ? v : 0;
+          total += v;
+        }
+        const Series r = series(x, u, S, TB, E);
+        if (b0 < TB) prefix_run(r.cnt + b0 * r.stride, r.base + b0 * r.stride, TB - b0 < L ? TB - b0 : L, r.stride, before);
+        if (lane == 0) *r.total = total;
+      }
+    EM_SYNC
+  }
+  // the blocks' sums published (fence, then the counter), the last block's reads after them
+  EM_THREADS_SCAN(t)
+    if (t == 0) {
+      EM_FENCE();
+      last = EM_TICKET(x.scan_done) == EM_GRID - 1;
+      EM_FENCE();
     }
   EM_SYNC
+  if (!last) return;
   EM_THREADS_SCAN(t)
     for (i64 g = t; g < p[H_num_groups]; g += kScan) {
       const i64* gr = rec(p, H_off_groups, g, G_COUNT);
@@ -656,12 +746,25 @@ EM_FN i64 part_token(const Scratch& x, const i64* p, const Shared& sh, i64 part,
   return x.part_tok_base[part] + x.set_base[s * p[H_token_blocks] + block] + before(sh.set_words[b], t);
 }
 
-EM_FN i64 seg_slot(const Scratch& x, const i64* p, const Shared& sh, i64 s, int block, int t) {
-  const int b = static_cast<int>(set_rec(p, s)[S_bit]);
-  return x.set_off[s] + x.set_base[s * p[H_token_blocks] + block] + before(sh.set_words[b], t);
+// Where a set's slots of this block start in their buffer (its offset plus its tokens of the
+// blocks before), and its bit: a token's slot is that plus its rank among the set's tokens here.
+struct SlotBase {
+  i64 at;
+  int bit;
+};
+EM_FN SlotBase slot_base(const Scratch& x, const i64* p, i64 s, int block) {
+  SlotBase b{0, -1};
+  if (s < 0) return b;
+  b.bit = static_cast<int>(set_rec(p, s)[S_bit]);
+  b.at = x.set_off[s] + x.set_base[s * p[H_token_blocks] + block];
+  return b;
 }
+EM_FN i64 slot_of(const SlotBase& b, const Shared& sh, int t) { return b.at + before(sh.set_words[b.bit], t); }
 
-// Work item `wi` (a part of this rank's copies x a token block): its rows.
+// Work item `wi` (a part of this rank's copies x a token block): its rows.  What is the same for
+// every token of the item (where the part's tokens, rows and slots of this block start, the
+// producer's chunks) is loaded once, before the tokens' loop, and each token loads its expert
+// rows before it stores any row: the loads of a thread go out together, not one store apart.
 EM_FN void rows_block(const Args& a, i64 wi, Shared& sh) {
   const i64* p = a.prog;
   const i64* w = rec(p, H_off_work, wi, W_COUNT);
@@ -675,7 +778,8 @@ EM_FN void rows_block(const Args& a, i64 wi, Shared& sh) {
   const i64 copy = pr[P_copy];
   const int kind = static_cast<int>(pr[P_kind]);
   const int K = static_cast<int>(p[H_topk]), TB = static_cast<int>(p[H_token_blocks]);
-  const int tok_bit = static_cast<int>(set_rec(p, pr[P_tok_set])[S_bit]);
+  const i64 tok_set = pr[P_tok_set];
+  const int tok_bit = static_cast<int>(set_rec(p, tok_set)[S_bit]);
   uint8_t* blob = a.blob[tc[T_program]];
   int64_t* src_rows = reinterpret_cast<int64_t*>(blob + tc[T_src_rows]);
   int64_t* dst_rows = reinterpret_cast<int64_t*>(blob + tc[T_dst_rows]);
@@ -685,26 +789,40 @@ EM_FN void rows_block(const Args& a, i64 wi, Shared& sh) {
   i64* waits = x.per_tcopy + tc[T_scratch_waits];
   i64* starts = x.per_tcopy + tc[T_scratch_starts];
   const i64 nprod = tc[T_prod_count];
+  const bool stage = kind == PART_D_STAGE || kind == PART_C_STAGE;
+  const i64 tok0 = x.part_tok_base[part];
+  const i64 tok_at = tok0 + x.set_base[tok_set * TB + block];  // the part's first token of this block
+  const i64 row_at = x.part_row_base[part] + (stage ? 0 : x.set_rbase[tok_set * TB + block]);
+  // the slots a row reads or writes: staging, both; into `output`, the source's (dispatch) or the
+  // destination's (combine); a dispatch's waits, the source's
+  const SlotBase src = slot_base(x, p, kind == PART_C_OUT ? -1 : pr[P_src_set], block);
+  const SlotBase dst = slot_base(x, p, kind == PART_D_OUT ? -1 : pr[P_dst_set], block);
+  const int out_words = stage ? 0 : sh.sets[tok_bit].out;
+  const bool prod_waits = (kind == PART_D_STAGE || kind == PART_D_OUT) && pr[P_producer] >= 0 && pr[P_prod_slot] >= 0;
+  i64 ptok_at = 0;  // the producer's token of this block's first slot of the source set
+  Chunking pck = ck;
+  if (prod_waits) {
+    const i64 prod = pr[P_producer];
+    ptok_at = x.part_tok_base[copy_rec(p, prod)[C_first_part] + pr[P_prod_part]] + (src.at - x.set_off[pr[P_src_set]]);
+    pck = chunking(p, prod, x.copy_tok[prod]);
+  }
   EM_THREADS(t)
     if (set_has(sh.bits[t], tok_bit)) {
-      const i64 tok = part_token(x, p, sh, part, block, t);  // the token within the copy
+      const i64 tok = tok_at + before(sh.set_words[tok_bit], t);  // the token within the copy
       const i64 chunk = chunk_of(ck, tok);
       const bool first_of_chunk = chunk_start(ck, chunk) == tok;
       i64 row = 0;  // its first row in the copy
-      if (kind == PART_D_STAGE || kind == PART_C_STAGE) {
-        row = x.part_row_base[part] + (tok - x.part_tok_base[part]);
-        const i64 src = seg_slot(x, p, sh, pr[P_src_set], block, t);
-        const i64 dst = seg_slot(x, p, sh, pr[P_dst_set], block, t);
-        src_rows[row] = (srcbuf << kRowBufShift) | src;
-        dst_rows[row] = dst;
+      if (stage) {
+        row = row_at + (tok - tok0);
+        src_rows[row] = (srcbuf << kRowBufShift) | slot_of(src, sh, t);
+        dst_rows[row] = slot_of(dst, sh, t);
       } else {
         // expert rows: in local-expert order; rows before the token in its block from the row masks
-        const i64 s = pr[P_tok_set];
         int rb = 0;
-        for (int m = 0; m < K; ++m) rb += before(sh.row_words[sh.sets[tok_bit].out][m], t);
-        row = x.part_row_base[part] + x.set_rbase[s * TB + block] + rb;
+        for (int m = 0; m < K; ++m) rb += before(sh.row_words[out_words][m], t);
+        row = row_at + rb;
         const int d = static_cast<int>(pr[P_out_rank]);
-        const i64 slot = seg_slot(x, p, sh, kind == PART_D_OUT ? pr[P_src_set] : pr[P_dst_set], block, t);
+        const i64 slot = slot_of(kind == PART_D_OUT ? src : dst, sh, t);
         int order[kMaxTopk];
         int n = 0;
         for (int j = 0; j < K; ++j) {
@@ -717,33 +835,33 @@ EM_FN void rows_block(const Args& a, i64 wi, Shared& sh) {
           }
           order[at] = j;
         }
+        i64 out[kMaxTopk];
+        float wt[kMaxTopk];
         for (int i = 0; i < n; ++i) {
           const int j = order[i];
-          const i64 out = output_row(x, sh, p, h, block, t, sh.experts[t][j]);
+          out[i] = output_row(x, sh, p, h, block, t, sh.experts[t][j]);
+          wt[i] = kind == PART_C_OUT && weights
+                      ? a.weights[(static_cast<i64>(h) * p[H_max_tokens] + block * kBlock + t) * K + j]
+                      : 0.f;
+        }
+        for (int i = 0; i < n; ++i) {
           if (kind == PART_D_OUT) {
             src_rows[row + i] = (srcbuf << kRowBufShift) | slot;
-            dst_rows[row + i] = out;
+            dst_rows[row + i] = out[i];
           } else {
-            src_rows[row + i] = (srcbuf << kRowBufShift) | out;
+            src_rows[row + i] = (srcbuf << kRowBufShift) | out[i];
             dst_rows[row + i] = slot;
-            if (weights) {
-              weights[row + i] =
-                  a.weights[(static_cast<i64>(h) * p[H_max_tokens] + block * kBlock + t) * K + j];
-            }
+            if (weights) weights[row + i] = wt[i];
           }
         }
       }
       if (first_of_chunk) starts[chunk] = row;
       // waits: per producer, its chunk holding this token
-      if (kind == PART_D_STAGE || kind == PART_D_OUT) {
-        if (pr[P_producer] >= 0 && pr[P_prod_slot] >= 0) {
-          const i64 prod = pr[P_producer];
-          const i64 ptok = x.part_tok_base[copy_rec(p, prod)[C_first_part] + pr[P_prod_part]] +
-                           (seg_slot(x, p, sh, pr[P_src_set], block, t) - x.set_off[pr[P_src_set]]);
-          const i64 v = chunk_of(chunking(p, prod, x.copy_tok[prod]), ptok) + 1;
-          EM_MAX(reinterpret_cast<unsigned long long*>(waits + chunk * nprod + pr[P_prod_slot]),
-                 static_cast<unsigned long long>(v));
-        }
+      if (prod_waits) {
+        const i64 ptok = ptok_at + before(sh.set_words[src.bit], t);
+        const i64 v = chunk_of(pck, ptok) + 1;
+        EM_MAX(reinterpret_cast<unsigned long long*>(waits + chunk * nprod + pr[P_prod_slot]),
+               static_cast<unsigned long long>(v));
       } else if (kind == PART_C_STAGE) {
         const i64* ks = p + p[H_off_contrib] + pr[P_contrib_begin] * K_COUNT;
         for (i64 i = 0; i < pr[P_contrib_count]; ++i, ks += K_COUNT) {
@@ -769,12 +887,18 @@ EM_FN void recv_block(const Args& a, int hb, Shared& sh) {
   const Scratch x = scratch_of(a);
   const int K = static_cast<int>(p[H_topk]), me = static_cast<int>(p[H_rank]);
   EM_THREADS(t)
+    i64 row[kMaxTopk];  // loaded before any store (see rows_block)
+    float wt[kMaxTopk];
     for (int j = 0; j < K; ++j) {
       const int e = sh.experts[t][j];
-      if (e < 0 || rank_of_expert(p, e) != me) continue;
-      const i64 row = output_row(x, sh, p, h, block, t, e);
-      a.recv_w[row] = a.weights[(static_cast<i64>(h) * p[H_max_tokens] + block * kBlock + t) * K + j];
-      a.recv_idx[row] = e;
+      const bool mine = e >= 0 && rank_of_expert(p, e) == me;
+      row[j] = mine ? output_row(x, sh, p, h, block, t, e) : -1;
+      wt[j] = mine ? a.weights[(static_cast<i64>(h) * p[H_max_tokens] + block * kBlock + t) * K + j] : 0.f;
+    }
+    for (int j = 0; j < K; ++j) {
+      if (row[j] < 0) continue;
+      a.recv_w[row[j]] = wt[j];
+      a.recv_idx[row[j]] = sh.experts[t][j];
     }
     if (hb == 0 && t == 0) {
       const int epr = static_cast<int>(p[H_epr]);
