@@ -187,8 +187,9 @@ class LinkInfo:
 # steps, rows gathered per token); adding one partial per token into another (unweighted combine
 # steps, the apply of a combine RDMA step: an atomic scatter-add, bench/sm_probe.cu `red`).
 SM_WORK = ("copy", "read", "reduce", "add")
-# The `sm` line's times: what a kernel launch costs before its first row moves, and what one pass
-# of the dispatch's metadata (counting a chunk of tokens, or finishing the chunks) takes.
+# The `sm` line's times: what a kernel launch costs before its first row moves, and what the first
+# pass of the dispatch's metadata (counting a chunk of tokens and publishing it) takes; a second,
+# finishing pass and the peers' flags are compiler/sim/direct.py's terms.
 SM_LAUNCH = "launch"
 SM_META = "meta"
 SM_TIMES = {SM_LAUNCH: "kernel launch", SM_META: "metadata pass"}
@@ -210,7 +211,7 @@ class Topology:
     sm_rates: Mapping[str, float] = field(default_factory=dict)
     # the `sm` line's `launch 9 us`: seconds per kernel launch (0: not given)
     sm_launch: float = 0.0
-    # the `sm` line's `meta 6 us`: seconds per metadata pass of a dispatch (0: not given)
+    # the `sm` line's `meta 6 us`: seconds of a dispatch's first metadata pass (0: not given)
     sm_meta: float = 0.0
     # `vendor biren arch br166` (epcc.vendors): whose machine it is; nvidia hopper when not given
     vendor: str = DEFAULT_VENDOR

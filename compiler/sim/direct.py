@@ -41,13 +41,15 @@ with_direct_pool(plan, kernels), from the topology's `sm` line (per SM: `copy` b
   latency once; chunk size and count are dropped.
 * A program's first steps become ready after one `launch` (a later launch queues behind the
   running kernel: folding the two metadata kernels into the dispatch kernel, three launches to
-  one, changed no measured time on 2 x H200, 2026-11-23) and, for a dispatch, its metadata passes x `meta`
+  one, changed no measured time on 2 x H200, 2026-11-23) and, for a dispatch, its metadata passes
   (one pass counts a chunk of tokens; above one chunk a second pass finishes the chunks' ranks)
-  plus META_PEER_S per peer rank (meta_s).  The pass that publishes (meta_publish in
+  as meta_s charges them: the `sm` line's `meta` for the first pass, META_FINISH_S for a second,
+  and META_PEER_S per peer rank.  The pass that publishes (meta_publish in
   backends/cuda/include/epcc/direct/meta.cuh) stores its counts, channel ranges and shape into
-  every peer's meta area, fences at system scope and raises one release flag per peer, from one
-  thread, one after the other; every dispatch block then waits for all R senders' flags.  A cached
-  dispatch (no metadata passes) does none of it.
+  every peer's meta area; after one barrier, thread d releases peer d's flag (the peers' flags in
+  parallel, since 2026-11-27; before, one thread raised them one after another, each release a
+  system fence, ~2 us per peer); every dispatch block then waits for all R senders' flags.  A
+  cached dispatch (no metadata passes) does none of it.
 * The last wave is not hidden (`drain`): a warp's second-phase work on a record (replicating it;
   summing its partial) waits for its first phase (the send; the reduction on the expert's GPU),
   which the fluid pools overlap perfectly.  At the end of a program one wave of first-phase work
@@ -71,15 +73,21 @@ from ..costmodel.uniform import ranks_per_token, rows_per_token
 from ..plan import DirectKernels, Flow, Plan, PlanStep
 from . import token_major as tok
 
-# A fresh dispatch's metadata per peer rank beyond the `meta` passes, seconds (the module docstring).
-# Fit to the fresh-minus-cached dispatch of the ep_bench reports (rows epcc and epcc_cached, the same
-# kernel but for the metadata; results/raw/2026-11-27_*), 128 tokens, one pass inside the dispatch
-# kernel: 9.6 us on 2 x H100 (h200x2_tok_t128), 14.4 / 13.5 us on 4 x H100 (h200x4_t128 at 24 / 64
-# SMs) and 14.1 (h200x4_tok_t128): 8 us (`meta`) + 2.0 x (R - 1) in least squares, 10 and 14 us.  The
-# 4096-token pairs (two passes) rise as much with the peers: 23.9 us on 2 x H100 (h200x2_tok,
-# h200x2_tok_fp8), 29.2 on 4 x H100 (h200x4, h200x4_fp8 at 24 and 64 SMs; h200x4_tok, h200x4_tok_fp8):
-# 2.6 us per peer; their two passes take ~21 us where the model charges 2 x 8.
-META_PEER_S = 2.0e-6
+# A fresh dispatch's metadata beyond the `sm` line's `meta` (the first pass), seconds (the module
+# docstring), fit to the fresh-minus-cached dispatch of the ep_bench reports run after the flags went
+# parallel (rows epcc and epcc_cached, the same kernel but for the metadata; 24 SMs, 2026-11-27,
+# results/raw/*_decode.json).  128 tokens, one pass inside the dispatch kernel: 6.0 / 6.3 us on
+# 2 x H100 (token- / expert-major), 6.9 / 6.8 on 4 x H100: `meta` 5.8 us + 0.35 x (R - 1) in least
+# squares, ~flat in the peers (a stamped probe, 2 x H100, token-major, 24 blocks: block 0 counts in
+# 3.3 us, publishing ends 2.1 us later; 5.5 us before).  Before the change the gap rose 2 us per peer
+# (9.6 us on 2 x H100, 13.5-14.4 on 4 x H100).
+META_PEER_S = 0.35e-6
+# The second pass of a dispatch above one chunk of tokens (meta_count_kernel over the chunks, then
+# meta_finish_kernel: CUPTI 6.0 and 11.7 us on 2 x H200, 2026-11-23, bench/kernel_times.py), beyond
+# the first pass's `meta`: the 4096-token gaps of the same runs, 19.6 / 22.1 us on 2 x H100 (token- /
+# expert-major), less 5.8 + 0.35: 14.7 us.  The 4096-token runs before the change measured 22-25 us
+# on 2 x H100 and 28-30 on 4 x H100 (2026-11-27: the flags then ~2.5 us per peer).
+META_FINISH_S = 14.7e-6
 
 
 def sm_seconds(program: str, src: int, dst: int, e: float, h: float,
@@ -164,12 +172,13 @@ def program_drain_s(plan: Plan, program: str, kernels: DirectKernels) -> float:
 
 
 def meta_s(plan: Plan, passes: int) -> float:
-    """Seconds of a program's metadata before its rows move: `passes` x the `sm` line's `meta` and,
-    where there is a pass, META_PEER_S per peer rank (the module docstring); none without the
-    `meta` time (a topology that does not charge the metadata)."""
+    """Seconds of a program's metadata before its rows move: the `sm` line's `meta` for the first
+    pass, META_FINISH_S for each later one, and, where there is a pass, META_PEER_S per peer rank
+    (the module docstring); none without the `meta` time (a topology that does not charge the
+    metadata)."""
     if not passes or not plan.sm_meta_s:
         return 0.0
-    return passes * plan.sm_meta_s + max(0, plan.num_ranks - 1) * META_PEER_S
+    return plan.sm_meta_s + (passes - 1) * META_FINISH_S + max(0, plan.num_ranks - 1) * META_PEER_S
 
 
 def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
@@ -195,7 +204,8 @@ def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
         kind = "token-major direct kernels" if token else "direct kernels"
         if "copy" in plan.sm_rates:
             times = f"launch {plan.sm_launch_s * 1e6:g} us" + \
-                (f", meta {plan.sm_meta_s * 1e6:g} us + {META_PEER_S * 1e6:g} us per peer rank" if plan.sm_meta_s else "")
+                (f", meta {plan.sm_meta_s * 1e6:g} us (a second pass {META_FINISH_S * 1e6:g} us) + {META_PEER_S * 1e6:g} us "
+                 f"per peer rank" if plan.sm_meta_s else "")
             text = (f"{kind}: one pool of SMs per rank and program, shared by its steps ({per}; "
                     f"sm {rate_text}; {times})")
         else:
@@ -216,4 +226,4 @@ def describe(plan: Plan, kernels: DirectKernels | None) -> dict:
     return {"model": "links", "text": "links only: the topology gives no `sm` rates", "rates_gbps": rates}
 
 
-__all__ = ["META_PEER_S", "describe", "drain_s", "meta_s", "program_drain_s", "sm_seconds", "with_direct_pool"]
+__all__ = ["META_FINISH_S", "META_PEER_S", "describe", "drain_s", "meta_s", "program_drain_s", "sm_seconds", "with_direct_pool"]

@@ -13,7 +13,7 @@ from epcc.costmodel.uniform import hit_probability, ranks_per_token, rows_per_to
 from epcc.plan import DirectKernels
 from epcc.sim import SimOptions, simulate
 from epcc.sim.build import build_plan
-from epcc.sim.direct import META_PEER_S, drain_s, meta_s, with_direct_pool
+from epcc.sim.direct import META_FINISH_S, META_PEER_S, drain_s, meta_s, with_direct_pool
 
 REPO = Path(__file__).resolve().parents[2]
 H200X4 = REPO / "schedules" / "h200x4.sched"
@@ -101,10 +101,11 @@ def test_a_program_bound_by_its_pool_takes_its_work_over_its_sms(ep2):
     work = charges(aug, "sm:dispatch:0", "dispatch") / (32 * RATES["copy"])
     d = res.programs["dispatch"]
     assert d.resources["sm:dispatch:0"].work_s == pytest.approx(work)
-    # one exposed launch of 3, two metadata passes and the one peer's publishing, the 3 us metadata
+    # one exposed launch of 3, two metadata passes (`meta`, then the finishing pass) and the one peer's
+    # publishing, the 3 us metadata
     # exchange, the pool busy throughout, then the last flow's latency (keep, over the 1 us local
     # link: the biggest flow ends last at equal rates; the sends, drain and all, end before it)
-    assert d.makespan_s == pytest.approx(LAUNCH + 2 * META + META_PEER_S + 3e-6 + work + 1e-6, rel=1e-6)
+    assert d.makespan_s == pytest.approx(LAUNCH + META + META_FINISH_S + META_PEER_S + 3e-6 + work + 1e-6, rel=1e-6)
     assert d.step("push").end_s < d.step("keep").end_s
     assert d.bottleneck.link_class == "sm"
 
@@ -138,7 +139,8 @@ def test_one_launch_and_the_metadata_passes_hold_back_a_programs_first_steps(lau
     plan = with_rates(build_plan(str(H200X4)).plan)
     res = simulate(plan, SimOptions(direct=kernels(dispatch_launches=launches, passes=passes)))
     d, c = res.programs["dispatch"], res.programs["combine"]
-    before = min(1, launches) * LAUNCH + (passes * META + 3 * META_PEER_S if passes else 0.0)  # 4 ranks: 3 peers
+    before = min(1, launches) * LAUNCH + (META + (passes - 1) * META_FINISH_S + 3 * META_PEER_S if passes else 0.0)
+    # (4 ranks: 3 peers)
     assert d.step("meta").ready_s == pytest.approx(before) and d.launch_s == pytest.approx(before)
     assert min(s.ready_s for s in c.steps) == pytest.approx(LAUNCH) and c.launch_s == pytest.approx(LAUNCH)
     assert d.serial_s == pytest.approx(before + sum(s.alone_s for s in d.steps))
@@ -146,12 +148,14 @@ def test_one_launch_and_the_metadata_passes_hold_back_a_programs_first_steps(lau
 
 
 def test_the_metadata_publishes_to_every_peer_rank(ep2):
-    # a pass or two, then META_PEER_S per peer: 1 of 2 ranks, 3 of 4; nothing without a pass (a
+    # `meta` for a pass, META_FINISH_S for a second, then META_PEER_S per peer: 1 of 2 ranks, 3 of 4;
+    # nothing without a pass (a
     # cached dispatch) or without the `sm` line's `meta` (a topology that does not charge metadata)
     two, four = (with_rates(build_plan(str(path)).plan) for path in (ep2, H200X4))
     assert meta_s(two, 1) == pytest.approx(META + META_PEER_S)
     assert meta_s(four, 1) == pytest.approx(META + 3 * META_PEER_S)
     assert meta_s(four, 2) - meta_s(two, 2) == pytest.approx(2 * META_PEER_S)
+    assert meta_s(four, 2) - meta_s(four, 1) == pytest.approx(META_FINISH_S)
     assert meta_s(four, 0) == 0.0 and meta_s(with_rates(four, meta=0.0), 2) == 0.0
 
 
@@ -188,7 +192,7 @@ def test_the_model_applied_is_described():
     assert direct["text"] == (
         "direct kernels: one pool of SMs per rank and program, shared by its steps (dispatch 24 SMs, 3 launches, "
         f"2 metadata passes, drain {dd:.1f} us; combine 24 SMs, 1 launch, drain {dc:.1f} us; sm copy 50 GB/s, "
-        "read 200 GB/s, reduce 80 GB/s; launch 5 us, meta 4 us + 2 us per peer rank)")
+        "read 200 GB/s, reduce 80 GB/s; launch 5 us, meta 4 us (a second pass 14.7 us) + 0.35 us per peer rank)")
     assert direct["meta_passes"] == {"dispatch": 2} and direct["meta_us"] == pytest.approx(4.0)
     assert direct["drain_us"] == pytest.approx({"dispatch": dd, "combine": dc})
     assert simulate(with_rates(plan)).sm_model["model"] == "roles"

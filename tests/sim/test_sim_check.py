@@ -41,6 +41,27 @@ TOK_T128_2 = ("token-major combine at 128 tokens, 2 x H100 (2026-11-27): 0.0234 
               "128-token combine is predicted exactly (0.026), and the H100 runs of that twin are slower by as much "
               "(h200x2_t128, 2026-11-26: 0.028 against 0.025, -9 %; h200x4_t128 2026-11-27: -7 / -8 %)")
 
+H100_128_2 = ("128 tokens on 2 x H100 (2026-11-27 decode run, 24 SMs): the rates are fit on 2 x H200, where the "
+              "expert-major 128-token dispatch and combine are predicted within 7 % (test_direct_measured), and the 2 x "
+              "H100 kernels run slower: the cached dispatch 28.5 us against 25.1 (the fresh one 34.8 against 31.3, the "
+              "metadata gap 6.3 us as modelled), the combine 28 us against 25 (-9 % on 2026-11-26 too); the 4 x H100 "
+              "twin of the same day is within 3 % (h200x4_t128: cached dispatch 37.0 / 37.1 us)")
+
+COMBINE_96_2 = ("expert-major combine at 96 SMs, 2 x H100 (2026-11-27): 0.281 / 0.279 ms (bf16 / fp8) against the "
+                "model's NVLink bound 0.232 (58 MB of partials per rank at 450 GB/s x 62 % = 279 GB/s: not 450; at 24 "
+                "SMs the model is within 6 %).  The link is not what it misses: the token-major combine of the same "
+                "run moves the same bytes (one bf16 row per token and GPU) in 0.220 ms from 48 to 96 SMs, 4 % under "
+                "the model, and a link at the SM store rate of bench/sm_probe.cu (366 GB/s per GPU at 96-132 "
+                "blocks, 342 at 24) would put it at ~0.17.  The expert-major combine loads e ~ 4 expert rows per "
+                "partial (470 MB per rank): 1.7 TB/s of HBM3 loads on H100 (3.35 TB/s), where the same kernel on "
+                "2 x H200 (4.8 TB/s) ends at 0.216 ms (test_direct_measured): the model charges no loads to HBM "
+                "and has one HBM for both GPUs")
+
+KNEE_2 = ("token-major, 2 x H100 (2026-11-27 SM sweep), 12 and 16 SMs: the fluid model takes the larger of the "
+          "SMs' time and NVLink's (the knee at ~14 SMs); measured, the SMs slow as the link fills: the combine's SM-ms "
+          "(time x SMs) 3.3 at 8 SMs, 3.9 at 12, 4.4 at 16, 5.9 at 24, so 12 and 16 SMs run 13-18 % over the "
+          "max (0.322 / 0.278 ms against 0.280 / 0.229), the dispatch at 12 SMs 12 %; 4-8 and 24-96 SMs within 9 %")
+
 # (report, bundle, row, program) -> why the model misses it by more than 10 % (the test fails once it does not)
 KNOWN_MISSES = {
     ("2026-11-26_4xH100_ep_bench_b.json", "h200x4_fp8", "epcc", "dispatch"):
@@ -56,6 +77,15 @@ KNOWN_MISSES = {
        "(+18 %): the role timeline ends near_twin and far_twin at 1.31 and 1.42 ms, simulated at 2.21, and the model's proxy kernel is 0.17 ms longer than its "
        "emulated-RDMA twin's (2.971) where the GPU ran both in 2.66 ms; the call's copies beside it are as measured "
        "(0.73 ms)" for row in ("epcc", "epcc_cached")},
+    **{("2026-11-27_2xH100_ep_bench_decode.json", "h200x2_tok_t128", row, "combine"): TOK_T128_2
+       for row in ("epcc@24", "epcc_cached@24")},
+    **{("2026-11-27_2xH100_ep_bench_decode.json", "h200x2_t128", row, p): H100_128_2
+       for row, p in (("epcc@24", "dispatch"), ("epcc_cached@24", "dispatch"), ("epcc@24", "combine"))},
+    **{("2026-11-27_2xH100_ep_bench_targets.json", b, row, "combine"): COMBINE_96_2
+       for b in ("h200x2", "h200x2_fp8") for row in ("epcc@96", "epcc_cached@96")},
+    **{("2026-11-27_2xH100_ep_bench_tok_sms.json", b, f"{row}@{n}", p): KNEE_2
+       for b in ("h200x2_tok", "h200x2_tok_fp8") for row in ("epcc", "epcc_cached") for n, p in
+       ((12, "dispatch"), (12, "combine"), (16, "combine"))},
 }
 
 
@@ -175,10 +205,12 @@ def test_ubb2x2_final_ends_as_its_items_do(gpu_bundles, tmp_path):
 
 def test_fresh_minus_cached_dispatch_is_the_metadata_with_its_peers(records):
     """The direct kernels' metadata (sim/direct.py meta_s): a fresh dispatch less its cached twin (the same
-    kernel but for the metadata) is `meta` per pass plus META_PEER_S per peer rank.  At 128 tokens (one
-    pass, inside the dispatch kernel) the model gives every measured pair within 1 us: 10 us on 2 x H100,
-    14 on 4 x H100; at 4096 tokens (two passes) it stays under the measured pairs (24 and 29 us against
-    18 and 22), which rise with the peers as the 128-token ones do."""
+    kernel but for the metadata) is `meta` for the first pass, META_FINISH_S for a second and META_PEER_S
+    per peer rank.  The runs after the peers' flags went parallel (the 2026-11-27 decode reports): at
+    128 tokens (one pass, inside the dispatch kernel) every pair within 1 us of the model, 6.0-6.3 us on
+    2 x H100 and 6.8-6.9 on 4 x H100, ~flat in the peers (0.35 us per peer); at 4096 (two passes) within
+    2 us (19.6 / 22.1 against 21.2).  The 4096-token runs before it (128-token ones: SUPERSEDED) stay
+    above the model (22-25 us on 2 x H100, 28-30 on 4 x H100: the flags then one after another)."""
     cur = {(r.report, r.bundle, r.row): r for r in records if r.program == "dispatch" and not r.superseded}
     gaps: dict[tuple[int, int], list[float]] = {}
     for (report, bundle, row), fresh in cur.items():
@@ -188,21 +220,27 @@ def test_fresh_minus_cached_dispatch_is_the_metadata_with_its_peers(records):
         ranks = 2 if "h200x2" in bundle else 4
         measured = (fresh.measured_ms - cached.measured_ms) * 1e3
         model = (fresh.predicted_ms - cached.predicted_ms) * 1e3
-        gaps.setdefault((fresh.tokens, ranks), []).append(measured)
+        after = report.endswith("_decode.json")  # run after meta_publish raised the flags in parallel
         if fresh.tokens == 128:
+            assert after, (report, bundle, row)  # the earlier fresh 128-token rows are SUPERSEDED
             assert abs(model - measured) < 1.0, (report, bundle, row, model, measured)
+            gaps.setdefault((fresh.tokens, ranks), []).append(measured)
+        elif after:
+            assert abs(model - measured) < 2.0, (report, bundle, row, model, measured)
         else:
             assert model < measured, (report, bundle, row, model, measured)
-    assert set(gaps) == {(128, 2), (128, 4), (4096, 2), (4096, 4)}
+    assert set(gaps) == {(128, 2), (128, 4)}
     mean = {k: sum(v) / len(v) for k, v in gaps.items()}
-    for tokens in (128, 4096):  # 2 to 3 us per peer, measured; the model's META_PEER_S is 2
-        assert 2.0 <= (mean[tokens, 4] - mean[tokens, 2]) / 2 <= 3.0, mean
+    assert 0.0 <= (mean[128, 4] - mean[128, 2]) / 2 <= 0.5, mean  # ~flat: 0.35 us per peer, measured and modelled
 
 
-def test_superseded_records_are_in_the_reports(sim_check):
+def test_superseded_records_are_in_the_reports(sim_check, records):
+    """Every SUPERSEDED key names a report here, and a one-record key a record of it."""
     names = {p.name for p in RAW}
-    for (report, _), _why in sim_check.SUPERSEDED.items():
-        assert report in names
+    seen = {(r.report, r.bundle, r.row, r.program) for r in records}
+    for key in sim_check.SUPERSEDED:
+        assert key[0] in names, key
+        assert len(key) == 2 or key in seen, key
 
 
 def test_cli_exit_status(sim_check, tmp_path, capsys):

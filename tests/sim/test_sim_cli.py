@@ -60,7 +60,7 @@ def test_tokens_and_routing_change_the_plan(capsys, tmp_path):
     half = json.loads(out)
     assert half["tokens"] == 2048
     # the bytes halve; the time a little less than halves: launches and the metadata's fixed
-    # part (2 us per peer rank's flags, the passes) do not shrink with the tokens
+    # part (the passes, the peers' flags) do not shrink with the tokens
     assert half["link_busy_ms"]["nvlink"] == pytest.approx(base["link_busy_ms"]["nvlink"] / 2, rel=0.02)
     assert base["total_ms"] / 2 < half["total_ms"] < base["total_ms"] / 2 * 1.10
     _, out, _ = run(["simulate", H200, "--json", "--routing", "zipf:1.2"], capsys)
