@@ -63,9 +63,11 @@ def local_domain(rank: int, environ=None) -> str:
         out.append(literal)
         if field is None:
             continue
-        if field not in PLACEHOLDERS or spec or conv:
+        if field not in PLACEHOLDERS:
             raise EngineError(f"{ENV}={text!r}: unknown placeholder {{{field}}} (one of "
                               f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)})")
+        if spec or conv:
+            raise EngineError(f"{ENV}={text!r}: a placeholder takes no conversion or format (write {{{field}}})")
         if field == "host":
             values["host"] = values["host"] or host_domain()
         if values[field] is None:

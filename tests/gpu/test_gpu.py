@@ -45,8 +45,8 @@ rounds and once 0.61, and 0.55-0.58 as medians of 5 (2026-11-23: one proxy threa
 steps' chunks, ~80 % busy while both run, so the host's scheduling moves the fast step by
 ~10 %); both steps on one queue, or both paced at one link's speed, give 0.9 or more
 (h200x2_2vnode_relay, one link: 0.93).  (A bound of 0.6, set from two rounds at 0.49-0.50,
-failed a later run's 0.61; on 2 x H100, 2026-11-27, one run passed 0.7 and a later one measured
-0.71: the bound is 0.8, still below what one queue gives.)
+failed a later run's 0.61.  On 2 x H100, 2026-11-27, one run passed and a later one measured 0.71
+against 0.52 simulated: the proxy thread's scheduling, not yet understood, and still a failure.)
 
 The SUPA target's kernels (`--target supa` bundles: supa_*) run through `Buffer(backend="supa")`
 with EPCC_SUPA_SHIM=1, built by nvcc through the SUPA-on-CUDA shim: ep_worker.py's checks
@@ -85,7 +85,7 @@ SIM_CHECKED = {"h200x2_2vnode_50_proxy", "h200x2_2vnode_relay_50_proxy", "h200x2
 # the mixed plan (links of 50 and 25 GB/s): (program, the step over the fast link, the step over the
 # slow one); the fast one's landing role must end on rank 0 by FAST_BY of the slow one's end
 FAST_STEP = {"h200x2_2vnode_mixed_50_proxy": ("dispatch", "there", "relay")}
-FAST_BY = 0.8
+FAST_BY = 0.7
 BUNDLES = Path(os.environ.get("EPCC_GPU_BUNDLES") or ROOT / ".gpu" / "bundles")
 HOW = ("to run: `.venv/bin/python tests/gpu/bundles.py .gpu/bundles` on a CPU machine with MLIR, carry .gpu "
        "to the GPU machine (or set EPCC_GPU_BUNDLES), run `python -m pytest tests/gpu/test_gpu.py` there")

@@ -57,7 +57,7 @@ def test_every_number_off_the_simulation_is_named(tmp_path):
     assert got == [f"{MIXED}: dispatch measured 3.300 ms, simulated 2.755 ms (+20 %)",
                    f"{MIXED}: combine measured 3.000 ms, simulated 3.668 ms (-18 %)",
                    f"{MIXED}: dispatch 'there' (fast link) landed by 2.383 ms on rank 0, 0.93 of 'relay' (slow "
-                   f"link, 2.566 ms); at most 0.8 (simulated 1.308 / 2.559 ms = 0.51)"]
+                   f"link, 2.566 ms); at most 0.7 (simulated 1.308 / 2.559 ms = 0.51)"]
 
 
 def test_a_missing_timeline_is_a_miss_not_a_pass(tmp_path):
