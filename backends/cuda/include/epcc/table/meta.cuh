@@ -296,14 +296,42 @@ EM_FN i64 num_chunks(const Chunking& k) {
   return k.front_n + k.whole + (k.rest ? 1 : 0) + k.back_n;
 }
 
+// The sum of n counts at src[0], src[stride], ..., loaded kRun at a time.
+EM_FN i64 run_sum(const i64* src, i64 n, i64 stride) {
+  i64 sum = 0;
+  for (i64 b0 = 0; b0 < n; b0 += kRun) {
+    i64 v[kRun];
+    for (int j = 0; j < kRun; ++j) v[j] = b0 + j < n ? src[(b0 + j) * stride] : 0;
+    for (int j = 0; j < kRun; ++j) sum += v[j];
+  }
+  return sum;
+}
+
+// A ramp's sizes are loaded kRun at a time before they are used (run_sum, ramp_find: one memory
+// latency per run, not per size: a copy's tail ramp has up to 14).
+
+// The first i < n whose ramp chunk holds token `tok`, the ramp starting at token t (-1: none).
+EM_FN i64 ramp_find(const i64* r, i64 n, i64 t, i64 tok) {
+  for (i64 i0 = 0; i0 < n; i0 += kRun) {
+    i64 v[kRun];
+    EM_UNROLL
+    for (int j = 0; j < kRun; ++j) v[j] = i0 + j < n ? r[i0 + j] : 0;
+    i64 found = -1;
+    EM_UNROLL
+    for (int j = 0; j < kRun; ++j) {
+      t += v[j];  // 0 past n
+      if (found < 0 && i0 + j < n && tok < t) found = i0 + j;
+    }
+    if (found >= 0) return found;
+  }
+  return -1;
+}
+
 // The first token of chunk c (c == num_chunks: n).
 EM_FN i64 chunk_start(const Chunking& k, i64 c) {
   if (k.tpc <= 0) return c <= 0 ? 0 : k.n;
   i64 t = 0;
-  if (c < k.front_n) {
-    for (i64 i = 0; i < c; ++i) t += k.front[i];
-    return t;
-  }
+  if (c < k.front_n) return run_sum(k.front, c, 1);
   t = k.front_sum;
   c -= k.front_n;
   const i64 mid = k.whole + (k.rest ? 1 : 0);
@@ -311,29 +339,21 @@ EM_FN i64 chunk_start(const Chunking& k, i64 c) {
   if (c < mid || (c == mid && k.rest)) return t + k.whole * k.tpc + (c > k.whole ? k.rest : 0);
   t += k.whole * k.tpc + k.rest;
   c -= mid;
-  for (i64 i = 0; i < c && i < k.back_n; ++i) t += k.back[i];
-  return t;
+  return t + run_sum(k.back, c < k.back_n ? c : k.back_n, 1);
 }
 
 // The chunk holding token `tok` (0 <= tok < n).
 EM_FN i64 chunk_of(const Chunking& k, i64 tok) {
   if (k.tpc <= 0) return 0;
   if (tok < k.front_sum) {
-    i64 t = 0;
-    for (i64 i = 0; i < k.front_n; ++i) {
-      t += k.front[i];
-      if (tok < t) return i;
-    }
+    const i64 i = ramp_find(k.front, k.front_n, 0, tok);
+    if (i >= 0) return i;
   }
   const i64 mid_end = k.front_sum + k.whole * k.tpc + k.rest;
   if (tok < mid_end) return k.front_n + (tok - k.front_sum) / k.tpc;
-  i64 t = mid_end;
   const i64 first_back = k.front_n + k.whole + (k.rest ? 1 : 0);
-  for (i64 i = 0; i < k.back_n; ++i) {
-    t += k.back[i];
-    if (tok < t) return first_back + i;
-  }
-  return first_back + k.back_n - 1;
+  const i64 i = ramp_find(k.back, k.back_n, mid_end, tok);
+  return first_back + (i >= 0 ? i : k.back_n - 1);
 }
 
 // ---------------------------------------------------------------------------------- tokens
@@ -612,17 +632,6 @@ EM_FN i64 prefix_run(const i64* src, i64* dst, i64 n, i64 stride, i64 sum = 0) {
       dst[(b0 + j) * stride] = sum;
       sum += v[j];
     }
-  }
-  return sum;
-}
-
-// The sum of n counts at src[0], src[stride], ..., loaded kRun at a time.
-EM_FN i64 run_sum(const i64* src, i64 n, i64 stride) {
-  i64 sum = 0;
-  for (i64 b0 = 0; b0 < n; b0 += kRun) {
-    i64 v[kRun];
-    for (int j = 0; j < kRun; ++j) v[j] = b0 + j < n ? src[(b0 + j) * stride] : 0;
-    for (int j = 0; j < kRun; ++j) sum += v[j];
   }
   return sum;
 }
