@@ -900,8 +900,8 @@ EM_FN void rows_block(const Args& a, i64 wi) {
   const int strided = static_cast<int>(p[H_strided]), R = static_cast<int>(p[H_num_ranks]);
   const int epr = static_cast<int>(p[H_epr]);
   const i64 tok_set = pr[P_tok_set];
-  const i64* tok_rec_s = set_rec(p, tok_set);
-  const int tok_bit = static_cast<int>(tok_rec_s[S_bit]);
+  const i64* tok_set_rec = set_rec(p, tok_set);
+  const int tok_bit = static_cast<int>(tok_set_rec[S_bit]);
   const i64* tok_mask = x.set_mask + (tok_set * TB + block) * 2;
   uint8_t* blob = a.blob[tc[T_program]];
   int64_t* src_rows = reinterpret_cast<int64_t*>(blob + tc[T_src_rows]);
