@@ -226,6 +226,11 @@ __host__ __device__ inline const char* rdma_wait_name(int32_t flag_id) {
                                     : "rdma consumed count (earlier chunk)";
 }
 
+// What a GPU proxy path wait that timed out most often means, appended to its message.
+#define EPCC_PROXY_STALL_HINT                                                                            \
+  "; a proxy thread did not serve it: a copy into pageable memory on the default stream (.cpu(), .item()) " \
+  "while a launch runs holds every other thread's CUDA calls (docs/rdma.md)"
+
 struct KernelArgs {
   const uint8_t* tables;        // this program's table blob (device memory)
   const uint64_t* buffers;      // [num_buffers * num_ranks]: buffer b of rank r at [b * num_ranks + r]
@@ -308,7 +313,7 @@ static __device__ __noinline__ void fail(const KernelArgs& a, int32_t code, cons
   if (code == kErrTimeout && flag_id <= kWaitCredit) {
     const char* what = rdma_wait_name(flag_id);
     printf("epcc: wait timed out after %.3f s: rank %d step '%s' chunk %d: %s, peer rank %d (value 0x%llx, waiting "
-           "for >= 0x%llx)\n", static_cast<double>(a.timeout_ns) * 1e-9, static_cast<int>(a.rank), step,
+           "for >= 0x%llx)" EPCC_PROXY_STALL_HINT "\n", static_cast<double>(a.timeout_ns) * 1e-9, static_cast<int>(a.rank), step,
            static_cast<int>(chunk), what, static_cast<int>(flag_rank), static_cast<unsigned long long>(value),
            static_cast<unsigned long long>(expected));
   } else if (code == kErrTimeout) {

@@ -132,14 +132,14 @@ int check_program(Context* c, int program) {
 }
 
 std::string format_error(const epcc::ErrorRecord& e) {
-  char buf[512];
+  char buf[768];
   char step[sizeof e.step + 1] = {0};
   std::memcpy(step, e.step, sizeof e.step);
   if (e.code == epcc::kErrTimeout && e.flag_id <= epcc::kWaitCredit) {
     const char* what = epcc::rdma_wait_name(e.flag_id);
     std::snprintf(buf, sizeof buf,
                   "epcc: wait timed out after %.3f s: rank %d step '%s' chunk %d: %s, peer rank %d (value 0x%llx, "
-                  "waiting for >= 0x%llx)", static_cast<double>(e.timeout_ns) * 1e-9, e.rank, step, e.chunk, what,
+                  "waiting for >= 0x%llx)" EPCC_PROXY_STALL_HINT, static_cast<double>(e.timeout_ns) * 1e-9, e.rank, step, e.chunk, what,
                   e.flag_rank, static_cast<unsigned long long>(e.value), static_cast<unsigned long long>(e.expected));
   } else if (e.code == epcc::kErrTimeout) {
     std::snprintf(buf, sizeof buf,
