@@ -17,7 +17,7 @@ from epcc.passes import PassOptions
 from epcc.sim import SimOptions, SimulationError, simulate
 from epcc.sim.base import DeviceMetadata
 from epcc.sim.build import build_plan
-from epcc.sim.meta import (H100_MEASURED_US, H100_WHOLE_US, MEASURED_US, MEASURED_WHOLE_US, PROFILED_SIGNAL_US,
+from epcc.sim.meta import (GAP_S, H100_MEASURED_US, H100_WHOLE_US, MEASURED_US, MEASURED_WHOLE_US, PROFILED_SIGNAL_US,
                            between_boxes_link, boxes, exchange_link, from_manifest, metadata_terms, ring_latency, waves)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -185,7 +185,8 @@ def test_epcc_simulate_reports_the_term(capsys, gpu_bundles, tmp_path):
     assert list(calls) == ["input", "gaps"]
     assert d["programs"]["dispatch"]["launch_ms"] == pytest.approx((sum(parts.values()) + sum(calls.values())) / 1e3)
     combine_calls = d["programs"]["combine"]["calls_us"]
-    assert list(combine_calls) == ["rows", "zero", "convert", "gaps"]
+    # the plan's combine reads the caller's expert outputs in place (manifest combine_input): no rows copied
+    assert list(combine_calls) == ["zero", "convert", "gaps"]
     assert d["programs"]["combine"]["metadata_us"] == {}
     assert d["programs"]["combine"]["launch_ms"] == pytest.approx(sum(combine_calls.values()) / 1e3)
     assert d["model"]["sm"]["metadata"] == {"blocks": {"meta_count": 64, "meta_rows": 256, "meta_items": 6},
@@ -220,3 +221,5 @@ def test_epcc_simulate_reports_the_term(capsys, gpu_bundles, tmp_path):
     line = next(x for x in out.splitlines() if x.startswith("dispatch metadata kernels on the GPU:"))
     assert f"{sum(parts.values()):.1f} us before the first step (gather " in line
     assert "metadata kernels on the GPU before the dispatch (sim/meta.py)" in out
+    line = next(x for x in out.splitlines() if x.startswith("combine Buffer call's copies beside the kernels:"))
+    assert line.endswith(f"gaps {2 * GAP_S * 1e6:.1f} us; the expert outputs read where the caller has them, not copied)")
