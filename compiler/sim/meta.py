@@ -56,7 +56,7 @@ from .base import DeviceMetadata, SimulationError
 # experts; meta_count 64 blocks, meta_rows 256), after meta_rows read the per-token records meta_count
 # writes (no second pass over the routing): mean device us per dispatch of each kernel (rank 0, a profile
 # of 20 dispatches), and the median of the events around the six launches (the most of the two ranks, 200
-# dispatches).  The same command on main before that change, same machine, same day: meta_rows 33.4,
+# dispatches).  The same command on the code before that change, same machine, same day: meta_rows 33.4,
 # meta_scan 16.4, meta_count 11.9, gather_copy 13.4 (it zeroed more scratch), meta_items 3.3; 136.2 us.
 MEASURED_US = {"gather_copy": 7.9, "meta_count": 13.0, "meta_scan": 16.5, "meta_rows": 21.5, "meta_items": 3.4}
 MEASURED_WHOLE_US = 108.2
