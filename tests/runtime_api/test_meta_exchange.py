@@ -3,10 +3,19 @@ exchange.py): the process group's in-place all-gather of each rank-major region 
 Driven here with gloo and CPU tensors, one process per rank (the collective is the group's: NCCL
 on the GPU machine runs the same calls): after every rank wrote only its own slot, every rank's
 three regions hold every rank's slot, with uneven token counts, a rank with none, and the bytes
-outside the regions (the flags, the padding) untouched."""
+outside the regions (the flags, the padding) untouched.
+
+A rank that does not come to an exchange: its peers give up at the Buffer's timeout, not torch's,
+and every rank names it, the bundle and the step (gloo: the exchange's own group's timeout; the
+GPU's watch of the marks around each exchange, with a watched wait and the agreement, as the
+engine drives them)."""
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from epcc.runtime.engines.cuda_table.exchange import all_gather_slots, area_regions
+from epcc.runtime.engines import agree
+from epcc.runtime.engines.base import GroupError
+from epcc.runtime.engines.cuda_table.exchange import (Exchange, ExchangeTimeout, ExchangeWatch, all_gather_slots,
+                                                      area_regions)
+from epcc.runtime.engines.gpu_proxy.watch import Watches, WatchFailed, wait_watched
 
 T, K, E = 24, 4, 32
 GARBAGE = 0x5A  # what the other ranks' slots and the bytes outside the regions start as
@@ -102,3 +115,164 @@ def test_the_regions_are_views_of_the_area():
     assert area[off_topk:off_weights].numpy().view(np.int32)[(2 * T + 1) * K + 3] == -7
     assert area[off_weights:].numpy().view(np.float32)[T * K] == 0.5
     assert area[off_tokens:off_topk].numpy().view(np.int32)[2] == 9
+
+
+# ---------------------------------------------------------------- a rank that does not come
+
+BOUND_S = 1.0  # the Buffer's timeout in these tests
+SLACK_S = 1.5  # beyond a bound: process start-up, gloo's and the store's polling
+BUNDLE = "h200x2_2vnode_50_collective"
+LOST = (f"no answer within {agree.GRACE_S:g} s of its peers' failure (it did not come to the metadata exchange of "
+        f"bundle '{BUNDLE}', the process group's all-gather of every rank's routing: it skipped the dispatch, "
+        f"stalled, or its process died)")
+
+
+def _skipper(rank: int, num_ranks: int, members: list[int], store: str, results: str) -> None:
+    """One rank of a group (`members` of the world) whose group rank 1 skips the second exchange
+    (the first: the Buffer's own, every rank); what each raised, and when, as JSON."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=num_ranks)
+    out: dict = {}
+    try:
+        group = dist.group.WORLD if len(members) == num_ranks else dist.new_group(members)  # every rank makes it
+        if rank not in members:
+            out["status"] = "not a member"
+            return
+        me = dist.get_rank(group)
+        a = agree.Agreement.for_group(group, BOUND_S)
+        x = Exchange(group, BOUND_S, BUNDLE, torch.device("cpu"))
+        size, off_tokens, off_topk, off_weights = area_offsets(len(members))
+        regions = area_regions(torch.zeros(size, dtype=torch.uint8), len(members), T, K, off_tokens, off_topk,
+                               off_weights)
+        regions[0][me] = me + 1
+        x.all_gather(regions)
+        out["first"] = regions[0].tolist()
+        t0 = time.monotonic()
+        try:
+            with a.call("dispatch"):
+                if me == 1:  # skips the exchange: late for everything after it
+                    time.sleep(BOUND_S + agree.GRACE_S + SLACK_S)
+                    t0 = time.monotonic()
+                    a.barrier("the dispatch's arguments")
+                else:
+                    try:
+                        x.all_gather(regions)
+                    except ExchangeTimeout as e:
+                        out["exchange"] = {"elapsed": time.monotonic() - t0, "message": str(e)}
+                        x.abort()
+                        raise
+            out["failed"] = {"ok": True}
+        except GroupError as e:
+            out["failed"] = {"elapsed": time.monotonic() - t0, "type": type(e).__name__, "message": str(e),
+                             "rank": e.rank, "failures": {str(r): m for r, m in e.failures.items()}}
+        out["status"] = "ok"
+    except BaseException:  # noqa: BLE001 - reported to the test
+        out["status"] = traceback.format_exc()
+    finally:
+        Path(results, f"rank{rank}.json").write_text(json.dumps(out), encoding="utf-8")
+        time.sleep(agree.GRACE_S + SLACK_S)  # the store (a file) outlives every rank's last round
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("num_ranks, members", [(2, [0, 1]), (3, [0, 2])], ids=["world", "subgroup"])
+def test_a_rank_that_skips_the_exchange_is_named_within_the_bound(tmp_path, num_ranks, members):
+    """Group rank 1 does not come to an exchange: its peer's gloo all-gather (in the exchange's own
+    group, torch's timeout the Buffer's) ends at the bound, and the agreement names rank 1, the
+    bundle and the step on both ranks; never torch's 30-minute gloo timeout.  With a subgroup, the
+    rank outside it takes no part in making the exchange's group."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_skipper, args=(r, num_ranks, members, str(tmp_path / "store"), str(tmp_path)))
+             for r in range(num_ranks)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 120
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, f"ranks {hung} still waiting after 120 s"
+    res = {r: json.loads((tmp_path / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(num_ranks)}
+    assert all(res[r]["status"] == "ok" for r in members), res
+    first, second = (res[r] for r in members)
+    assert first["first"] == second["first"] == [1, 2]  # the Buffer's own exchange, every rank there
+    ex = first["exchange"]
+    assert BOUND_S <= ex["elapsed"] < BOUND_S + SLACK_S, ex
+    assert ex["message"].startswith(f"the metadata exchange of bundle '{BUNDLE}' (the process group's all-gather of "
+                                    f"every rank's routing) did not complete ("), ex
+    assert ex["message"].endswith(") on rank 0: a rank of the group did not come to it (it skipped the dispatch, "
+                                  "stalled, or its process died)"), ex
+    for got in (first["failed"], second["failed"]):
+        assert (got["type"], got["message"], got["rank"]) == ("GroupTimeout", f"dispatch #1 failed on rank 1: {LOST}",
+                                                             1), got
+    assert first["failed"]["failures"] == {"0": ex["message"], "1": LOST}, first["failed"]
+    assert BOUND_S + agree.GRACE_S <= first["failed"]["elapsed"] < BOUND_S + agree.GRACE_S + SLACK_S, first
+    assert second["failed"]["elapsed"] < SLACK_S, second  # the late rank hears the verdict at once
+
+
+def test_the_watch_names_an_exchange_that_entered_and_did_not_leave_in_the_bound():
+    """On the GPU the stream bumps [entered, left] around every exchange; the watch counts the
+    bound from its first look at an exchange in flight, and anew when the marks move."""
+    marks = np.zeros(2, dtype=np.int64)
+    w = ExchangeWatch(marks, 2.5, BUNDLE, 3)
+    w.check(0.0)  # none in flight
+    marks[0] = 1
+    w.check(10.0)  # entered: counted from here
+    w.check(12.4)
+    marks[:] = (2, 1)  # the next one: it moved, counted anew
+    w.check(12.4)
+    w.check(14.8)
+    marks[1] = 2  # left
+    w.check(20.0)
+    marks[0] = 3
+    w.check(30.0)
+    with pytest.raises(ExchangeTimeout) as e:
+        w.check(32.5)
+    assert str(e.value) == (f"the metadata exchange of bundle '{BUNDLE}' (the process group's all-gather of every "
+                            f"rank's routing) did not complete within 2.5 s on rank 3: a rank of the group did not "
+                            f"come to it (it skipped the dispatch, stalled, or its process died)")
+    assert isinstance(e.value, WatchFailed) and f"({e.value.lost_why})" in LOST
+
+
+def test_a_watched_wait_aborts_the_exchange_and_names_the_rank_that_did_not_come():
+    """The GPU's path on the CPU: rank 0 waits for a launch behind an exchange that entered and
+    never left (rank 1 never came); its watched wait gives up at the bound, aborts the exchange
+    (on_fail) and posts; rank 1, late, hears the same error at its next round."""
+    store = dist.HashStore()
+    marks = np.array([2, 1], dtype=np.int64)
+    aborted: list[float] = []
+    out: dict = {}
+
+    def rank0() -> None:
+        a = agree.Agreement(store, 0, 2, BOUND_S)
+        t0 = time.monotonic()
+        try:
+            with a.call("dispatch"):
+                wait_watched(lambda: False, Watches([ExchangeWatch(marks, BOUND_S, BUNDLE, 0)]), a,
+                             on_fail=lambda: aborted.append(time.monotonic() - t0))
+        except GroupError as e:
+            out[0] = (e, time.monotonic() - t0)
+
+    def rank1() -> None:
+        a = agree.Agreement(store, 1, 2, BOUND_S)
+        time.sleep(BOUND_S + agree.GRACE_S + SLACK_S)
+        t0 = time.monotonic()
+        try:
+            with a.call("dispatch"):
+                a.barrier("the dispatch's arguments")
+        except GroupError as e:
+            out[1] = (e, time.monotonic() - t0)
+
+    threads = [threading.Thread(target=f) for f in (rank0, rank1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(out) == [0, 1], out
+    for r in (0, 1):
+        e, _ = out[r]
+        assert (type(e).__name__, str(e), e.rank, e.rebuild) == ("GroupTimeout", f"dispatch #1 failed on rank 1: {LOST}",
+                                                                 1, True), (r, str(e))
+    assert len(aborted) == 1 and BOUND_S <= aborted[0] < BOUND_S + SLACK_S, aborted
+    assert BOUND_S + agree.GRACE_S <= out[0][1] < BOUND_S + agree.GRACE_S + SLACK_S, out[0]
+    assert out[1][1] < SLACK_S, out[1]
