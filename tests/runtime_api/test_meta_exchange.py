@@ -26,8 +26,8 @@ import torch.multiprocessing as mp
 
 from epcc.runtime.engines import agree
 from epcc.runtime.engines.base import GroupError
-from epcc.runtime.engines.cuda_table.exchange import (Exchange, ExchangeTimeout, ExchangeWatch, all_gather_slots,
-                                                      area_regions)
+from epcc.runtime.engines.cuda_table.exchange import (READ_S, Exchange, ExchangeTimeout, ExchangeWatch,
+                                                      all_gather_slots, area_regions)
 from epcc.runtime.engines.gpu_proxy.watch import Watches, WatchFailed, wait_watched
 
 T, K, E = 24, 4, 32
@@ -210,24 +210,68 @@ def test_a_rank_that_skips_the_exchange_is_named_within_the_bound(tmp_path, num_
     assert second["failed"]["elapsed"] < SLACK_S, second  # the late rank hears the verdict at once
 
 
+def _one_after_another(rank: int, num_ranks: int, store: str, results: str) -> None:
+    """Three Buffers' exchanges in turn: the first closed, the second aborted after rank 1 skipped
+    it, the third must meet its own peers (not a retired group's rendezvous in the store)."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=num_ranks)
+    seen = []
+    try:
+        for i in range(3):
+            x = Exchange(dist.group.WORLD, BOUND_S, BUNDLE, torch.device("cpu"))
+            slots = torch.zeros(num_ranks, 2, dtype=torch.int32)
+            slots[rank] = 10 * i + rank
+            x.all_gather([slots])
+            seen.append(slots[:, 0].tolist())
+            if i == 1:
+                try:
+                    if rank == 0:
+                        x.all_gather([slots])  # rank 1 does not come
+                except ExchangeTimeout:
+                    seen.append("timed out")
+                x.abort()
+            else:
+                x.close()
+            dist.barrier()  # the test's own: every rank at the next Buffer
+        Path(results, f"rank{rank}.json").write_text(json.dumps(seen), encoding="utf-8")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_exchange_made_after_others_were_closed_or_aborted_meets_its_own_peers(tmp_path):
+    mp.spawn(_one_after_another, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(2)]
+    assert got[0] == [[0, 1], [10, 11], "timed out", [20, 21]], got
+    assert got[1] == [[0, 1], [10, 11], [20, 21]], got
+
+
 def test_the_watch_names_an_exchange_that_entered_and_did_not_leave_in_the_bound():
-    """On the GPU the stream bumps [entered, left] around every exchange; the watch counts the
-    bound from its first look at an exchange in flight, and anew when the marks move."""
-    marks = np.zeros(2, dtype=np.int64)
-    w = ExchangeWatch(marks, 2.5, BUNDLE, 3)
-    w.check(0.0)  # none in flight
-    marks[0] = 1
-    w.check(10.0)  # entered: counted from here
-    w.check(12.4)
-    marks[:] = (2, 1)  # the next one: it moved, counted anew
-    w.check(12.4)
-    w.check(14.8)
-    marks[1] = 2  # left
-    w.check(20.0)
-    marks[0] = 3
-    w.check(30.0)
+    """On the GPU the stream bumps [entered, left] around every exchange; a wait's watch reads
+    them every READ_S (not at its first look: a healthy launch is done by then) and counts the
+    bound from the first read that saw one in flight, anew when they move."""
+    marks: list = [None]
+    reads: list[float] = []
+
+    def read():
+        reads.append(now)
+        return marks[0]
+
+    w = ExchangeWatch(read, 2.5, BUNDLE, 3)
+    for now, m in [(10.0, (1, 0)), (10.0 + READ_S / 2, (1, 0))]:
+        marks[0] = m
+        w.check(now)
+    assert reads == []  # not before READ_S
+    steps = [(10.01, None), (10.02, (1, 1)),  # none landed yet, then none in flight
+             (11.0, (2, 1)), (13.49, (2, 1)),  # in flight since 11.0: not yet 2.5 s
+             (13.5, (3, 2)), (15.99, (3, 2)),  # it moved: counted anew from 13.5
+             (16.0, (3, 3)), (20.0, (4, 3))]  # it left; the next one entered, seen at 20.0
+    for now, m in steps:
+        marks[0] = m
+        w.check(now)
+        w.check(now + READ_S / 2)  # between two reads: no read
+    assert reads == [t for t, _ in steps]
+    now = 22.5
     with pytest.raises(ExchangeTimeout) as e:
-        w.check(32.5)
+        w.check(now)
     assert str(e.value) == (f"the metadata exchange of bundle '{BUNDLE}' (the process group's all-gather of every "
                             f"rank's routing) did not complete within 2.5 s on rank 3: a rank of the group did not "
                             f"come to it (it skipped the dispatch, stalled, or its process died)")
@@ -239,7 +283,6 @@ def test_a_watched_wait_aborts_the_exchange_and_names_the_rank_that_did_not_come
     never left (rank 1 never came); its watched wait gives up at the bound, aborts the exchange
     (on_fail) and posts; rank 1, late, hears the same error at its next round."""
     store = dist.HashStore()
-    marks = np.array([2, 1], dtype=np.int64)
     aborted: list[float] = []
     out: dict = {}
 
@@ -248,7 +291,7 @@ def test_a_watched_wait_aborts_the_exchange_and_names_the_rank_that_did_not_come
         t0 = time.monotonic()
         try:
             with a.call("dispatch"):
-                wait_watched(lambda: False, Watches([ExchangeWatch(marks, BOUND_S, BUNDLE, 0)]), a,
+                wait_watched(lambda: False, Watches([ExchangeWatch(lambda: (2, 1), BOUND_S, BUNDLE, 0)]), a,
                              on_fail=lambda: aborted.append(time.monotonic() - t0))
         except GroupError as e:
             out[0] = (e, time.monotonic() - t0)
@@ -271,8 +314,8 @@ def test_a_watched_wait_aborts_the_exchange_and_names_the_rank_that_did_not_come
     assert sorted(out) == [0, 1], out
     for r in (0, 1):
         e, _ = out[r]
-        assert (type(e).__name__, str(e), e.rank, e.rebuild) == ("GroupTimeout", f"dispatch #1 failed on rank 1: {LOST}",
-                                                                 1, True), (r, str(e))
+        want = ("GroupTimeout", f"dispatch #1 failed on rank 1: {LOST}", 1, True)
+        assert (type(e).__name__, str(e), e.rank, e.rebuild) == want, (r, str(e))
     assert len(aborted) == 1 and BOUND_S <= aborted[0] < BOUND_S + SLACK_S, aborted
     assert BOUND_S + agree.GRACE_S <= out[0][1] < BOUND_S + agree.GRACE_S + SLACK_S, out[0]
     assert out[1][1] < SLACK_S, out[1]

@@ -354,7 +354,7 @@ class CudaTableEngine:
         if self.rdma:
             watches.append(ProxyWatch(self.rdma, self.timeout_s * STALL_FRACTION))
         if self.meta is not None and self.meta.exchange is not None:
-            watches.append(self.meta.exchange.watch)
+            watches.append(self.meta.exchange.watch())
         return watches
 
     def _finish(self, stream: int) -> None:

@@ -17,12 +17,14 @@ the Buffer's timeout and reported by epcc, as every other wait of epcc's is (doc
   of the Buffer's group (`exchange_group`): a stuck exchange can be aborted without touching the
   caller's group, and no collective of the caller's pairs with one of epcc's.
 * On the GPU, the stream bumps `entered` before the all-gathers and `left` after them (two
-  one-element adds on a device view of pinned host memory: launched, and captured in a CUDA
-  graph, with the collectives).  The host's watched wait for a launch (gpu_proxy/watch.py
-  wait_watched: the normal mode's, Buffer.synchronize(), close) looks at them (ExchangeWatch): an
-  exchange that entered and has not left for the Buffer's timeout raises ExchangeTimeout; the
-  engine aborts this group (the NCCL kernels return; the rest of the stream runs on, and the
-  kernels' own bounded waits give up) and the agreement names the rank that does not answer.
+  one-element adds in device memory: launched, and captured in a CUDA graph, with the
+  collectives; no kernel writes host memory).  The host's watched wait for a launch
+  (gpu_proxy/watch.py wait_watched: the normal mode's, Buffer.synchronize(), close) reads them
+  (DeviceMarks: a copy on a stream of its own, which runs while the dispatch's stream waits in
+  the exchange) and watches them (ExchangeWatch): an exchange that entered and has not left for
+  the Buffer's timeout raises ExchangeTimeout; the engine aborts this group (the NCCL kernels
+  return; the rest of the stream runs on, and the kernels' own bounded waits give up) and the
+  agreement names the rank that does not answer.
 * torch's own timeout of the group (its NCCL watchdog, which tears the process down by default)
   is a backstop past epcc's (`backstop_s`), for a process that blocks in CUDA while no epcc wait
   watches (a host read after a low-latency dispatch without Buffer.synchronize()).
@@ -33,18 +35,19 @@ the Buffer's timeout and reported by epcc, as every other wait of epcc's is (doc
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d  # aborting one group has no public name
 
 from ..base import EngineError
 from ..gpu_proxy.watch import WatchFailed
-from ..tensors import device_view
 
 #: The description torch gives the exchange's group in its logs.
 GROUP_DESC = "epcc metadata exchange"
+#: How often a wait reads the marks (each read a copy of 16 bytes), the first time included: a
+#: healthy launch is done before.
+READ_S = 0.01
 
 
 def backstop_s(timeout_s: float) -> float:
@@ -98,19 +101,54 @@ def exchange_group(group, timeout_s: float):
                           group_desc=GROUP_DESC)
 
 
-class ExchangeWatch:
-    """The host's look at the exchanges on the GPU: `marks` [entered, left] (pinned host memory the
-    stream bumps around every exchange, read as it changes).  `check` raises ExchangeTimeout when
-    an exchange has entered and not left for `timeout_s` of this watch's looks (counted from the
-    first look that saw it so: the host starts looking when it waits)."""
+class DeviceMarks:
+    """[entered, left] on the GPU (bumped on the dispatch's stream around every exchange) and the
+    host's latest copy of them, made on a stream of its own: it lands while the dispatch's stream
+    waits in an exchange."""
 
-    def __init__(self, marks: np.ndarray, timeout_s: float, bundle: str, rank: int):
-        self.marks, self.timeout_s, self.bundle, self.rank = marks, float(timeout_s), bundle, rank
+    def __init__(self, device: torch.device):
+        self.dev = torch.zeros(2, dtype=torch.int64, device=device)
+        self.entered, self.left = self.dev[0:1], self.dev[1:2]
+        self.host = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+        self.stream = torch.cuda.Stream(device)
+        self.copied = torch.cuda.Event()
+        self.pending = False
+        self.seen: tuple[int, int] | None = None
+
+    def read(self) -> tuple[int, int] | None:
+        """The marks as the last copy that landed saw them (None: none landed yet); the next copy
+        starts."""
+        if self.pending:
+            if not self.copied.query():
+                return self.seen
+            self.seen = (int(self.host[0]), int(self.host[1]))
+        with torch.cuda.stream(self.stream):
+            self.host.copy_(self.dev, non_blocking=True)
+            self.copied.record(self.stream)
+        self.pending = True
+        return self.seen
+
+
+class ExchangeWatch:
+    """One wait's look at the exchanges on the GPU (`read`: the latest [entered, left], None when
+    none yet; every READ_S, the first READ_S after the wait's first look).  `check` raises
+    ExchangeTimeout when an exchange has entered and not left for `timeout_s`, counted from the
+    first read that saw it so: the bound runs from when the host waits, as a kernel's runs from
+    when it waits."""
+
+    def __init__(self, read: Callable[[], tuple[int, int] | None], timeout_s: float, bundle: str, rank: int):
+        self.read, self.timeout_s, self.bundle, self.rank = read, float(timeout_s), bundle, rank
+        self._next: float | None = None  # the next read
         self._since: tuple[tuple[int, int], float] | None = None  # (marks in flight, first seen)
 
     def check(self, now: float) -> None:
-        seen = (int(self.marks[0]), int(self.marks[1]))
-        if seen[0] == seen[1]:
+        if self._next is None:  # the wait's first look
+            self._next = now + READ_S
+        if now < self._next:
+            return
+        self._next = now + READ_S
+        seen = self.read()
+        if seen is None or seen[0] == seen[1]:
             self._since = None
         elif self._since is None or self._since[0] != seen:
             self._since = (seen, now)
@@ -120,20 +158,22 @@ class ExchangeWatch:
 
 class Exchange:
     """One Buffer's metadata exchange: its process group (made here, by every rank of `group`),
-    the all-gathers of a gather area's regions, and on the GPU the marks around them and their
-    watch (`watch`; None on the CPU).  `bundle` names the bundle in messages."""
+    the all-gathers of a gather area's regions, and on the GPU the marks around them (`marks`,
+    None on the CPU) and a watch of them for each wait (`watch`).  `bundle` names the bundle in
+    messages."""
 
     def __init__(self, group, timeout_s: float, bundle: str, device: torch.device):
         self.rank = dist.get_rank(group)
         self.bundle, self.timeout_s = bundle, float(timeout_s)
         self.on_device = device.type != "cpu"
         self.group = exchange_group(group, backstop_s(timeout_s) if self.on_device else timeout_s)
-        self.watch: ExchangeWatch | None = None
-        if self.on_device:
-            self.marks = torch.zeros(2, dtype=torch.int64, pin_memory=True)
-            marks = device_view(self.marks.data_ptr(), 16, torch.int64, (2,), device)
-            self._entered, self._left = marks[0:1], marks[1:2]
-            self.watch = ExchangeWatch(self.marks.numpy(), timeout_s, bundle, self.rank)
+        self.marks = DeviceMarks(device) if self.on_device else None
+
+    def watch(self) -> ExchangeWatch:
+        """A watch of the marks for one wait (the GPU's)."""
+        if self.marks is None:
+            raise EngineError("the metadata exchange on the CPU blocks the host: it has no marks to watch")
+        return ExchangeWatch(self.marks.read, self.timeout_s, self.bundle, self.rank)
 
     def all_gather(self, regions: list[torch.Tensor]) -> None:
         """Every rank's slot of each region, in place (this rank's slot its input), on the current
@@ -142,28 +182,32 @@ class Exchange:
         if self.group is None:  # never the caller's default group in its place
             raise EngineError(f"the metadata exchange of bundle '{self.bundle}' was aborted by an earlier failure: "
                               f"make a new Buffer")
-        if self.on_device:
-            self._entered.add_(1)
+        if self.marks is not None:
+            self.marks.entered.add_(1)
             all_gather_slots(regions, self.rank, self.group)
-            self._left.add_(1)
+            self.marks.left.add_(1)
             return
         try:
             all_gather_slots(regions, self.rank, self.group)
         except RuntimeError as e:  # gloo's timeout, or a peer's closed connection (DistBackendError is one)
             raise ExchangeTimeout(self.bundle, self.rank, f"did not complete ({e})") from e
 
+    # Neither ends the group's registration with torch: a group made without every rank of the
+    # world is named by its ranks and the number of groups registered, so a group of the same
+    # ranks made after one was unregistered would take its name, and its rendezvous would read
+    # the old group's keys in the store.
     def abort(self) -> None:
         """End the group now, on this rank alone (a stuck NCCL all-gather returns); once."""
         group, self.group = self.group, None
         if group is not None:
-            c10d._abort_process_group(group)
+            group.abort()
 
     def close(self) -> None:
-        """Destroy the group (every rank's exchanges done: Buffer.close's barriers)."""
+        """Shut the group down (every rank's exchanges done: Buffer.close's barriers); once."""
         group, self.group = self.group, None
         if group is not None:
-            dist.destroy_process_group(group)
+            group.shutdown()
 
 
-__all__ = ["Exchange", "ExchangeTimeout", "ExchangeWatch", "all_gather_slots", "area_regions", "backstop_s",
-           "exchange_group"]
+__all__ = ["DeviceMarks", "Exchange", "ExchangeTimeout", "ExchangeWatch", "all_gather_slots", "area_regions",
+           "backstop_s", "exchange_group"]
