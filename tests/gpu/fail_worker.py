@@ -17,7 +17,11 @@ CASE (what rank 1 does in dispatch #2; CASES below):
 * stall-mid / killed-mid: it passes the call's first round, then stalls (LATE_S) / is killed
   where it would start its GPU work (`launch_hook`), so its peer's kernels wait for it and give up;
 * proxy-fails / proxy-stalls (GPU proxy path): its dispatch proxy stops at once / takes nothing
-  (`proxy_hook`) while the kernels need it.
+  (`proxy_hook`) while the kernels need it;
+* skip-ll (a bundle whose metadata exchange is the process group's collective): dispatch #2 is
+  a low-latency one (sync=False, then Buffer.synchronize()) and rank 1 skips it, so no host round
+  meets it and its peer waits in the group's all-gather; rank 1 comes back LATE_S later with a
+  normal-mode dispatch.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ import torch.distributed as dist
 from epcc.runtime.buffer import Buffer, GroupError
 from epcc.runtime.engines.gpu_proxy.engine import GpuRdma
 
-CASES = ("refuse-host", "refuse-device", "stall", "killed", "stall-mid", "killed-mid", "proxy-fails", "proxy-stalls")
+CASES = ("refuse-host", "refuse-device", "stall", "killed", "stall-mid", "killed-mid", "proxy-fails", "proxy-stalls",
+         "skip-ll")
 #: Cases where rank 1's process is gone when the others finish.
 KILLED = ("killed", "killed-mid")
 
@@ -143,6 +148,16 @@ def main(bundle: str, case: str, out_dir: str, timeout_s: float, late_s: float) 
             bad = idx[:, : K - 1].contiguous() if rank == 1 else idx
             res["failed"] = _seen(_call(buf, lambda: buf.dispatch(x, bad, w)))
             res["again"] = _call(buf, round_trip)["ok"]
+        elif case == "skip-ll":
+            def low_latency():
+                buf.dispatch(x, idx, w, sync=False)
+                buf.synchronize()  # where a low-latency caller learns what became of its launches
+
+            if rank == 1:  # skips the low-latency dispatch: its next call is a normal one, late
+                time.sleep(late_s)
+                res["failed"] = _seen(_call(buf, lambda: buf.dispatch(x, idx, w)))
+            else:
+                res["failed"] = _seen(_call(buf, low_latency))
         else:
             if rank == 1:
                 if case == "stall":

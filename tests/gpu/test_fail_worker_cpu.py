@@ -103,5 +103,6 @@ def test_the_failing_proxy_is_started_then_aborted(monkeypatch):
 
 
 def test_an_unknown_case_is_named():
-    with pytest.raises(SystemExit, match="fail_worker: case must be one of refuse-host, .*proxy-stalls, not 'nope'"):
+    with pytest.raises(SystemExit,
+                       match="fail_worker: case must be one of refuse-host, .*proxy-stalls, skip-ll, not 'nope'"):
         F.main("b", "nope", ".", 5.0, 10.0)
