@@ -71,10 +71,38 @@ FRESH_128_BEFORE = [("2026-11-26_2xH100_ep_bench.json", "h200x2_t128", "epcc"),
                     ("2026-11-27_4xH100_ep_bench.json", "h200x4_t128", "epcc@64"),
                     ("2026-11-27_4xH100_ep_bench_token.json", "h200x4_tok_t128", "epcc")]
 
+# the combines timed before the table-driven combine read the caller's expert outputs in place (manifest
+# combine_input caller_rows, 2026-11-27): of plans that allow it, where the Buffer had copied y into its
+# input buffer first and the model no longer charges that copy; 2 x H200 the same day, one device call:
+# 0.29 ms less per combine (h200x2_2vnode_50: 1.898 -> 1.603 ms, its kernel's end 1.482 -> 1.477)
+COPIED_ROWS = ("the combine before it read the caller's expert outputs in place (the Buffer copied them into its input "
+               "buffer first: 4096 x 8 bf16 rows, ~0.3 ms; since: no copy where the manifest's combine_input allows it)")
+COMBINES_BEFORE_CALLER_ROWS = [
+    ("2026-11-26_2xH200_ep_bench_multihop.json", "h200x2_2vnode_50", "epcc"),
+    ("2026-11-26_2xH200_ep_bench_multihop.json", "h200x2_2vnode_50", "epcc_cached"),
+    ("2026-11-26_2xH200_ep_bench_multihop.json", "h200x2_2vnode_13", "epcc"),
+    ("2026-11-26_2xH200_ep_bench_multihop.json", "h200x2_2vnode_13", "epcc_cached"),
+    ("2026-11-26_4xH100_ep_bench_b.json", "h200x4_ubb2x2_50", "epcc"),
+    ("2026-11-26_4xH100_ep_bench_b.json", "h200x4_ubb2x2_50", "epcc_cached"),
+    ("2026-11-27_2xH100_ep_bench_multihop.json", "h200x2_2vnode_50", "epcc"),
+    ("2026-11-27_2xH100_ep_bench_multihop.json", "h200x2_2vnode_50", "epcc_cached"),
+    ("2026-11-27_2xH100_ep_bench_multihop.json", "h200x2_2vnode_13", "epcc"),
+    ("2026-11-27_2xH100_ep_bench_multihop.json", "h200x2_2vnode_13", "epcc_cached"),
+    ("2026-11-27_2xH100_ep_bench_multihop.json", "h200x2_2vnode_50_proxy_dev", "epcc"),
+    ("2026-11-27_2xH100_ep_bench_multihop.json", "h200x2_2vnode_50_proxy_dev", "epcc_cached"),
+    ("2026-11-27_4xH100_ep_bench_multihop.json", "h200x4_ubb2x2_50", "epcc"),
+    ("2026-11-27_4xH100_ep_bench_multihop.json", "h200x4_ubb2x2_50", "epcc_cached"),
+    ("2026-11-27_4xH100_ep_bench_multihop.json", "h200x4_ubb2x2_50_proxy", "epcc"),
+    ("2026-11-27_4xH100_ep_bench_multihop.json", "h200x4_ubb2x2_50_proxy", "epcc_cached"),
+]
+# the dispatches of those runs stay records: the metadata's refit after meta_rows read meta_count's
+# records (sim/meta.py, 2026-11-27) moved their predictions by 7-9 us, under 1 % of the call
+
 # (report file name, bundle) -> why its epcc rows do not time the code as it is now; (report, bundle,
 # row, program) -> why that one record does not
 SUPERSEDED = {
     **{(*key, "dispatch"): SERIAL_FLAGS for key in FRESH_128_BEFORE},
+    **{(*key, "combine"): COPIED_ROWS for key in COMBINES_BEFORE_CALLER_ROWS},
     ("2026-11-26_2xH100_ep_bench_76c2fc7.json", "h200x2_2vnode_50"):
         "the bench before the one-way-layers restructure: the host layout and the inputs outside the timing",
     ("2026-11-26_2xH100_ep_bench.json", "h200x2_2vnode_50"):

@@ -53,6 +53,7 @@ import jinja2
 
 from epcc import __version__ as EPCC_VERSION
 from epcc.plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
+from epcc.plan.peers import foreign_reads
 from epcc.plan.rdma import rdma_steps
 from epcc.plan.segments import SegmentProgramError, segment_program
 from epcc.plan.schema import CUDA_FORMAT, SUPA_FORMAT
@@ -568,6 +569,7 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         files[k.file] = _ENV.get_template("program.cu.j2").render(**common, k=k)
     buffers = {p: _buffers(plan, p) for p in abi.PROGRAMS}
     by_program = {k.program: k for k in kernels}
+    caller = combine_input(plan, by_program.get("combine"), [n for k in kernels for n in k.not_lowered])
     library = f"libepcc_{plan.schedule}.so" if cuda else f"libepcc_{plan.schedule}_{target.name}.so"
     progs = []
     for i, p in enumerate(abi.PROGRAMS):
@@ -575,6 +577,8 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         progs.append({
             "index": i, "name": p, "kernel": k, "buffers": buffers[p],
             "result_buffer": next((j for j, b in enumerate(buffers[p]) if b["name"] == "result"), -1),
+            "caller_buffer": next((j for j, b in enumerate(buffers[p]) if b["name"] == caller["buffer"]), -1)
+            if p == "combine" and caller["caller_rows"] else -1,
             "step_crcs": [abi.step_crc(r.step) for r in k.roles] if k else [],
             "row_bytes_multiple": (max([r.access_bytes for r in k.roles if r.op in ("copy", "pack_copy")] or [1])
                                    if k else 1),
@@ -609,6 +613,7 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
                   "barrier_word": 0, "flag_word": "1 + (epoch % 2) * ((flag_capacity - 1) // 2) + flag_id"},
         "kernels": [],
         "not_lowered": [n for k in kernels for n in k.not_lowered],
+        "combine_input": caller,
     }
     if not cuda:
         manifest["machine"] = _machine(target)
@@ -712,6 +717,34 @@ META_HEADER = "epcc/table/meta.cuh"  # static (cuda/include/), target-neutral th
 
 
 CAPACITY_FIELDS = ("set_words", "out_sets", "experts", "topk", "home", "sets")
+
+
+COMBINE_INPUT = "output"  # the combine's input buffer: the expert rows, as the caller hands them to combine
+
+
+def combine_input(plan: Plan, kernel, not_lowered: list[dict]) -> dict:
+    """Whether the combine kernel may read this rank's expert rows where the caller has them (its
+    `y`, a launch argument: KernelArgs.caller_rows) instead of from a copy in the combine's input
+    buffer: where no copy reads that buffer of another rank than the one it runs on, none writes
+    it (plan/peers.py foreign_reads; the GPU proxy path's pack role reads its own rank's), and no
+    step the kernels leave to a proxy outside them reads it (that proxy reads the buffer itself).
+    `kernel`: the combine's main kernel (None: no combine kernel); `not_lowered`: the kernels'."""
+    def entry(ok: bool, why: str) -> dict:
+        return {"buffer": COMBINE_INPUT, "caller_rows": ok, "why": why}
+
+    if kernel is None:
+        return entry(False, "the plan has no combine kernel")
+    proxied = {("combine", r.step) for r in kernel.roles if r.lowered in ("rdma-pack", "rdma-unpack")}
+    outside = [n["step"] for n in not_lowered if n["program"] == "combine" and n.get("kind") == "rdma"
+               and COMBINE_INPUT in next((s.src_buffers for s in plan.steps
+                                          if s.program == "combine" and s.name == n["step"]), ())]
+    if outside:
+        return entry(False, f"combine step '{outside[0]}' is left to a proxy outside the kernels, which reads "
+                            f"{COMBINE_INPUT} itself")
+    why = foreign_reads(plan, "combine", COMBINE_INPUT, proxied)
+    if why is not None:
+        return entry(False, why)
+    return entry(True, f"every combine copy reads {COMBINE_INPUT} on its own rank")
 
 
 def device_metadata(plan: Plan, manifest: dict, target: Target = CUDA) -> dict:

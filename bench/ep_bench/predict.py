@@ -10,6 +10,7 @@ from pathlib import Path
 
 from epcc.plan import Plan
 from epcc.plan.rdma import rdma_bytes_per_token, with_overrides
+from epcc.sim.calls import reads_caller_rows
 from epcc.sim.meta import from_manifest
 from epcc.sim.report import to_dict
 from epcc.sim.simulate import SimOptions, simulate
@@ -36,11 +37,13 @@ def predict(plan: Plan, T: int, manifest: dict | None = None) -> dict | None:
     """`epcc simulate --rdma proxy` of a re-chunked plan, run here: the simulator reads only the
     plan (no MLIR), so the GPU machine can run it; with the metadata kernels where the bundle's
     CUDA manifest has them, and the Buffer call's copies where it is a table-driven bundle (tables
-    from the GPU or the host, as `epcc simulate`).  None where it cannot (said on stderr)."""
+    from the GPU or the host; the expert outputs not copied where the manifest's combine_input lets
+    the combine read them in place, as `epcc simulate`).  None where it cannot (said on stderr)."""
     try:
         meta = from_manifest((manifest or {}).get("metadata"))
         table = bool(manifest) and "direct" not in manifest
-        return prediction(to_dict(simulate(plan, SimOptions(rdma_proxy=True, metadata=meta, calls=table)), tokens=T))
+        opts = SimOptions(rdma_proxy=True, metadata=meta, calls=table, caller_rows=reads_caller_rows(manifest))
+        return prediction(to_dict(simulate(plan, opts), tokens=T))
     except Exception as e:  # noqa: BLE001
         sys.stderr.write(f"ep_bench: cannot simulate the re-chunked plan: {type(e).__name__}: {e}\n")
         return None

@@ -14,6 +14,7 @@ from ..plan.rdma import rdma_steps
 from ..sim import SimOptions, SimulationError, simulate
 from ..sim.base import DeviceMetadata
 from ..sim.build import build_plan
+from ..sim.calls import reads_caller_rows
 from ..sim.gantt import write_svg
 from ..sim.meta import from_manifest
 from ..sim.report import table, to_dict
@@ -112,9 +113,10 @@ def sim_options(plan: Plan, direct, rdma: str = "proxy", proxy_tables: str | Non
     manifest = table_manifest(plan, rdma, proxy_tables != "host", metadata_exchange) if direct is None else None
     metadata = from_manifest(manifest.get("metadata")) if manifest is not None else None
     # the Buffer's copies run around the table-driven kernels whether the GPU or the host writes their
-    # tables (runtime/engines/cuda_table: the combine's clearing, rows and conversion in both)
+    # tables (runtime/engines/cuda_table: the combine's clearing, rows and conversion in both; the rows
+    # not where the combine reads the caller's in place)
     return SimOptions(rdma_proxy=rdma == "proxy", direct=direct, metadata=metadata, calls=manifest is not None,
-                      layout=layout, dealing=dealing or "round-robin")
+                      caller_rows=reads_caller_rows(manifest), layout=layout, dealing=dealing or "round-robin")
 
 
 def block_layout(plan: Plan, routing: str | None):

@@ -79,8 +79,11 @@ _FIELDS = {
     "direct": DIRECT,
     "direct_not_used": Nullable(Str()),
     "rdma": List(RelPath, 0, MAX_LIST),
+    # whether the combine kernel may read this rank's expert rows where the caller has them
+    # (absent in bundles of an older epcc: the runtime copies them into `buffer`)
+    "combine_input": Obj({"buffer": Str(), "caller_rows": Bool(), "why": Str()}),
 }
-_OPTIONAL = frozenset({"direct", "direct_not_used"})
+_OPTIONAL = frozenset({"direct", "direct_not_used", "combine_input"})
 SCHEMA = Obj(_FIELDS, optional=_OPTIONAL)
 
 _STEPS = List(_COMMAND, 1, MAX_LIST)
@@ -124,6 +127,9 @@ def _check_references(d: dict) -> None:
             if b["name"] in seen:
                 raise SchemaError(f"buffers.{p}[{j}].name: {b['name']!r} listed twice")
             seen.add(b["name"])
+    ci = d.get("combine_input")
+    if ci is not None and ci["caller_rows"] and ci["buffer"] not in names["combine"]:
+        raise SchemaError(f"combine_input.buffer: no combine buffer named {ci['buffer']!r}")
     mains = set()
     for i, k in enumerate(d["kernels"]):
         at = f"kernels[{i}]"

@@ -50,4 +50,26 @@ def peer_sets(plan: Plan, proxied: set[tuple[str, str]]) -> list[frozenset[int]]
     return [frozenset(s) for s in sets]
 
 
-__all__ = ["peer_sets", "step_peers"]
+def foreign_reads(plan: Plan, program: str, buffer: str, proxied: set[tuple[str, str]]) -> str | None:
+    """Why a copy of `program` may touch `buffer` of a rank other than the copy's executing rank
+    (the first step that does, and how), or None where every copy that reads it runs on the rank
+    whose buffer it is and no step writes it.  Then a rank's kernels read only their own
+    `buffer`, and a launch may read it from memory the caller gives in its place (the combine's
+    expert rows, read where the caller has them: backends/cuda/codegen.py `combine_input`).
+    A copy reads its flow's `src` rank's buffers and runs on the flow's `rank`; a step in
+    `proxied` (the GPU proxy path's) is read by its pack role on the `src` rank itself."""
+    for s in plan.steps:
+        if s.program != program or s.verb == "exchange":
+            continue
+        if s.dst_buffer == buffer:
+            return f"{program} step '{s.name}' (line {s.line}) writes {buffer}"
+        if buffer not in s.src_buffers or (s.program, s.name) in proxied:
+            continue
+        for f in s.flows:
+            if f.src != f.rank:
+                return (f"{program} step '{s.name}' (line {s.line}) reads {buffer} of rank {f.src} on rank {f.rank} "
+                        f"(over {s.link_kind or 'a link'})")
+    return None
+
+
+__all__ = ["foreign_reads", "peer_sets", "step_peers"]

@@ -50,6 +50,10 @@ class SimOptions:
     # buffer; the expert outputs in, the partials cleared, the result converted), in each program's
     # time.  `epcc simulate` sets it for every table-driven CUDA bundle (device- or host-built tables).
     calls: bool = False
+    # With `calls`: the combine kernel reads the caller's expert outputs where they are (the CUDA
+    # manifest's combine_input caller_rows), so the call does not copy them in (sim/calls.py).
+    # `epcc simulate` sets it from the manifest.
+    caller_rows: bool = False
     # The table-driven kernels' blocks (sim/blocks.py): a layout of the plan (runtime/layout's
     # Layout, or anything with its `copies`) whose chunks the roles' blocks take one by one, dealt
     # as `dealing` says (round-robin: as the kernels deal them; free: to the block free first);

@@ -11,6 +11,13 @@ copies on the same stream, each a grid-wide copy bound by the GPU's memory (read
   hidden x (4 + 2) bytes);
 * a launch gap (sim/meta.py GAP_S) per launch: one in dispatch, three in combine.
 
+Where the bundle's combine kernel reads the caller's expert outputs in place (the CUDA manifest's
+`combine_input` with `caller_rows`: no combine copy reads them on another rank, backends/cuda/codegen.py
+combine_input), the Buffer hands it their address and copies nothing: no `rows`, one launch fewer
+(`caller_rows`).  Measured, 2 x H200, 2026-11-27, one device call (4096 tokens, the cached row's
+timeline): the combine's call less its kernel's end 0.416 ms before that change and 0.127 after
+(h200x2_2vnode_50), 0.422 and 0.121 (_13); the model's rows are 0.36 ms of its 0.52 (0.16 left).
+
 They run at COPY_EFFICIENCY x the topology's local (`hbm`) link bandwidth, in bytes read plus
 bytes written.  Fitted on the measurements below: the timed call less the kernel's end in the role
 timeline, less the metadata (sim/meta.py), over these bytes.  `SimOptions.calls` turns the term on
@@ -31,7 +38,7 @@ from ..plan import Plan
 # 1.35 GB: 3.2 TB/s) on H200; the dispatch's copy of x 0.03-0.04 ms (117 MB) on H100.  One rate for both
 # (the model does not know the GPU): 2.6 TB/s, 0.87 of the schedules' 3000 GB/s `hbm` link.
 COPY_EFFICIENCY = 0.87
-LAUNCHES = {"dispatch": 1, "combine": 3}
+LAUNCHES = {"dispatch": 1, "combine": 3}  # with the copy of the expert outputs (one launch of its own)
 LOCAL = ("input", "output")
 
 
@@ -55,28 +62,37 @@ def staged_tokens(plan: Plan) -> float:
     return max(per.values(), default=0.0)
 
 
-def call_bytes(plan: Plan) -> dict[str, dict[str, float]]:
-    """Per program, the bytes (read + written) of each copy a Buffer call runs beside the kernel."""
+def reads_caller_rows(manifest: dict | None) -> bool:
+    """Whether a table-driven bundle's combine kernel reads the caller's expert outputs in place:
+    its CUDA manifest's `combine_input` says `caller_rows` (absent in a bundle of an older epcc:
+    the Buffer copies them)."""
+    return bool(((manifest or {}).get("combine_input") or {}).get("caller_rows"))
+
+
+def call_bytes(plan: Plan, caller_rows: bool = False) -> dict[str, dict[str, float]]:
+    """Per program, the bytes (read + written) of each copy a Buffer call runs beside the kernel;
+    `caller_rows`: the combine kernel reads the caller's expert outputs in place (no `rows`)."""
     wl = plan.workload
     if wl is None:
         return {}
     T, H = wl.tokens, wl.hidden
     out = {"dispatch": {"input": 2.0 * T * plan.bytes_per_token}}
     if any(s.program == "combine" for s in plan.steps):
-        out["combine"] = {"rows": 2.0 * T * wl.topk * 2 * H,
-                          "zero": 4.0 * H * (T + staged_tokens(plan)),
-                          "convert": 6.0 * T * H}
+        rows = {} if caller_rows else {"rows": 2.0 * T * wl.topk * 2 * H}
+        out["combine"] = {**rows, "zero": 4.0 * H * (T + staged_tokens(plan)), "convert": 6.0 * T * H}
     return out
 
 
-def call_terms(plan: Plan, gap_s: float) -> dict[str, dict[str, float]]:
+def call_terms(plan: Plan, gap_s: float, caller_rows: bool = False) -> dict[str, dict[str, float]]:
     """Seconds of each part of the call's stream work beside the kernels, per program (module
-    docstring); {} where the topology gives no local link to price them."""
+    docstring); {} where the topology gives no local link to price them.  `caller_rows`: the
+    combine reads the caller's expert outputs in place (no `rows`, and no launch of its copy)."""
     rate = COPY_EFFICIENCY * local_rate(plan)
     if rate <= 0:
         return {}
-    return {p: {**{k: b / rate for k, b in parts.items()}, "gaps": LAUNCHES[p] * gap_s}
-            for p, parts in call_bytes(plan).items()}
+    launches = {**LAUNCHES, "combine": LAUNCHES["combine"] - 1} if caller_rows else LAUNCHES
+    return {p: {**{k: b / rate for k, b in parts.items()}, "gaps": launches[p] * gap_s}
+            for p, parts in call_bytes(plan, caller_rows).items()}
 
 
-__all__ = ["COPY_EFFICIENCY", "call_bytes", "call_terms", "local_rate", "staged_tokens"]
+__all__ = ["COPY_EFFICIENCY", "call_bytes", "call_terms", "local_rate", "reads_caller_rows", "staged_tokens"]

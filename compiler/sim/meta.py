@@ -15,8 +15,9 @@ kernels wrote both programs' tables.  Per dispatch, in seconds:
   plan's link between ranks (the fastest `p2p` link, else the fastest other link between ranks:
   the 2-vnode plans declare only their RDMA-class link, which bounds it from above); a link of
   per-GPU ports carries the rank's copies to all R - 1 peers, a link of GPU pairs one copy per
-  pair;  `gather_signal_wait` waits for every peer's flag, SIGNAL_S (one round trip; more where
-  the ranks arrive apart, which the model does not know);
+  pair;  `gather_signal_wait` waits for every peer's flag, SIGNAL_S (a round trip and the two
+  ranks' arrival apart as the calibration's timed dispatches had it; the model does not know
+  how far apart other ranks arrive);
 * exchange by the process group's all-gather ("collective": ranks in several boxes):
   `gather_copy` writes the rank's own slot only, GATHER_S; then three ring all-gathers (counts,
   experts, weights) in which every rank receives the R - 1 other slots (4 + T x K x 8 bytes
@@ -35,9 +36,11 @@ kernels wrote both programs' tables.  Per dispatch, in seconds:
 * `meta_items`, one block per copy (at most a wave): PASS_S, where it launches;
 * launch gaps: GAP_S between kernels, one per launch.
 
-waves = ceil(blocks / META_SMS).  The constants are calibrated on one measurement (below): a pass's
-floor is the smallest kernel's time (meta_items), each wave of count and rows the rest of theirs,
-and the gaps what the events around all six launches hold beyond the kernels.
+waves = ceil(blocks / META_SMS).  The constants are calibrated on one measurement (below, 2 x H200):
+a pass's floor is the smallest kernel's time (meta_items), each wave of count and rows the rest of
+theirs; the gaps are the earlier calibration's (2 x H100), whose profile timed the flag wait apart,
+and the signal what the events around all six launches hold beyond the kernels and the gaps.  The
+model does not know the GPU: one set of constants for H100 and H200 (132 SMs both).
 """
 
 from __future__ import annotations
@@ -48,14 +51,26 @@ from ..plan import Plan
 from .base import DeviceMetadata, SimulationError
 
 
-# Measured 2026-11-26 on 2 x H100 (132 SMs, NVLink 450 GB/s per direction), `torchrun --nproc-per-node 2
-# bench/meta_time.py BUNDLE --profile` for h200x2_2vnode_50 (2 ranks x 4096 tokens, top-8 of 256 experts;
-# meta_count 64 blocks, meta_rows 256): mean device us per dispatch of each kernel, and the events around the
-# six launches (the most of the two ranks).
-MEASURED_US = {"gather_copy": 8.3, "gather_signal_wait": 8.5, "meta_count": 12.4, "meta_scan": 20.1,
-               "meta_rows": 32.2, "meta_items": 3.7}
-MEASURED_WHOLE_US = 100.0
-META_SMS = 132  # the calibration GPU's SMs (H100 SXM; H200 has as many)
+# Measured 2026-11-27 on 2 x H200 (132 SMs, NVLink 450 GB/s per direction), `torchrun --nproc-per-node 2
+# bench/meta_time.py BUNDLE --iters 200 --profile` for h200x2_2vnode_50 (2 ranks x 4096 tokens, top-8 of 256
+# experts; meta_count 64 blocks, meta_rows 256), after meta_rows read the per-token records meta_count
+# writes (no second pass over the routing): mean device us per dispatch of each kernel (rank 0, a profile
+# of 20 dispatches), and the median of the events around the six launches (the most of the two ranks, 200
+# dispatches).  The same command on the code before that change, same machine, same day: meta_rows 33.4,
+# meta_scan 16.4, meta_count 11.9, gather_copy 13.4 (it zeroed more scratch), meta_items 3.3; 136.2 us.
+MEASURED_US = {"gather_copy": 7.9, "meta_count": 13.0, "meta_scan": 16.5, "meta_rows": 21.5, "meta_items": 3.4}
+MEASURED_WHOLE_US = 108.2
+# The profile's flag wait (gather_signal_wait: 56.0 us after, 122.5 before) holds the peer's lateness
+# under the profiler, more than the events leave it: not used.  SIGNAL_S is what the events leave.
+PROFILED_SIGNAL_US = 56.0
+# The earlier calibration (2 x H100, 2026-11-26, before the per-token records; the same command): its
+# profile timed the flag wait apart (8.5 us), so the events' 100.0 us less its six kernels is the six
+# launch gaps alone, which the H200 events do not separate from the wait.
+H100_MEASURED_US = {"gather_copy": 8.3, "gather_signal_wait": 8.5, "meta_count": 12.4, "meta_scan": 20.1,
+                    "meta_rows": 32.2, "meta_items": 3.7}
+H100_WHOLE_US = 100.0
+LAUNCHES = 6  # gather_copy, gather_signal_wait, meta_count, meta_scan, meta_rows, meta_items
+META_SMS = 132  # the calibration GPU's SMs (H200 SXM; H100 SXM has as many)
 _CAL_BYTES, _CAL_BPS = 4096 * 8 * 8, 450e9  # the gather's bytes to the one peer, over NVLink
 _CAL_COUNT_BLOCKS, _CAL_ROWS_BLOCKS = 64, 256
 
@@ -70,8 +85,9 @@ COUNT_WAVE_S = (MEASURED_US["meta_count"] * 1e-6 - PASS_S) / waves(_CAL_COUNT_BL
 ROWS_WAVE_S = (MEASURED_US["meta_rows"] * 1e-6 - PASS_S) / waves(_CAL_ROWS_BLOCKS)
 SCAN_S = MEASURED_US["meta_scan"] * 1e-6
 GATHER_S = MEASURED_US["gather_copy"] * 1e-6 - _CAL_BYTES / _CAL_BPS
-SIGNAL_S = MEASURED_US["gather_signal_wait"] * 1e-6
-GAP_S = (MEASURED_WHOLE_US - sum(MEASURED_US.values())) * 1e-6 / len(MEASURED_US)
+GAP_S = (H100_WHOLE_US - sum(H100_MEASURED_US.values())) * 1e-6 / LAUNCHES
+# the flag wait: one round trip and the ranks' arrival apart, as the timed dispatches had it
+SIGNAL_S = (MEASURED_WHOLE_US - sum(MEASURED_US.values())) * 1e-6 - LAUNCHES * GAP_S
 
 # NCCL's cost model of a ring all-gather (src/graph/tuning.cc, ncclTopoTuneModel: the latency of
 # R - 1 steps, nodes - 1 of them over the network), in us: (base, per step inside a node, per step
@@ -189,13 +205,13 @@ def metadata_terms(plan: Plan, meta: DeviceMetadata) -> dict[str, float]:
         raise SimulationError("the plan has no workload: the metadata kernels' exchange has no size")
     if meta.exchange == "collective":
         transfer, wait = collective_terms(plan)
-        launches = 4 + (1 if meta.items_blocks else 0)  # the all-gathers' launches are in their latency
+        launches = LAUNCHES - 2 + (1 if meta.items_blocks else 0)  # the all-gathers' launches are in their latency
         exchange = {"gather": GATHER_S, "transfer": transfer, "collective": wait}
     else:
         _, bps, ports = exchange_link(plan)
         per_peer = wl.tokens * wl.topk * 8
         moved = per_peer * (plan.num_ranks - 1 if ports else 1) if plan.num_ranks > 1 else 0
-        launches = 5 + (1 if meta.items_blocks else 0)
+        launches = LAUNCHES - 1 + (1 if meta.items_blocks else 0)
         exchange = {"gather": GATHER_S, "transfer": moved / bps if bps > 0 else 0.0, "signal": SIGNAL_S}
     return {
         **exchange,

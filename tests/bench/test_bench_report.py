@@ -232,6 +232,13 @@ def test_a_rechunked_plan_is_predicted_as_if_compiled_so(ep_bench, tmp_path):
     assert host["dispatch"]["metadata_us"] == {}
     for p in ("dispatch", "combine"):
         assert host[p]["calls_us"] == pytest.approx(meta[p]["calls_us"])
+    # a combine that reads the caller's expert outputs in place (manifest combine_input): no copy of them
+    assert "rows" in meta["combine"]["calls_us"]
+    caller = {**manifest, "combine_input": {"buffer": "output", "caller_rows": True, "why": "x"}}
+    zcopy = ep_bench.predict.predict(rechunked, T=4096, manifest=caller)
+    assert list(zcopy["combine"]["calls_us"]) == ["zero", "convert", "gaps"]
+    assert zcopy["dispatch"] == meta["dispatch"]
+    assert zcopy["combine"]["total_ms"] < meta["combine"]["total_ms"] - meta["combine"]["calls_us"]["rows"] / 1e3 * 0.99
 
 
 def test_rechunked_proxy_bundle_runs_through_buffer(tmp_path):

@@ -13,6 +13,10 @@ the argument.  A decode-sized bundle (one metadata chunk, whose dispatch kernel 
 metadata itself) runs again with 4-warp blocks, which launch the metadata kernel first.  Prints
 one line per check on rank 0 and exits 1 if any rank failed.
 
+A bundle of the GPU proxy path (`--rdma proxy`) runs the same checks, its low-latency results read
+after `Buffer.synchronize()` as docs/rdma.md asks; $EPCC_GPU_RDMA_TRANSPORT picks its transport
+(default emulated; nvshmem).
+
 $EPCC_GPU_BACKEND picks the Buffer's backend (default cuda): `supa` runs SUPA bundles (`epcc compile
 --target supa`) through the SUPA-on-CUDA shim, which EPCC_SUPA_SHIM=1 must select (test_gpu.py sets
 both); their table-driven kernels get the same checks.
@@ -28,6 +32,7 @@ ranks on one GPU, so the process group is gloo then (only objects and flags cros
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 import traceback
@@ -50,6 +55,7 @@ from epcc.runtime.layout import compute_layout
 ROUTINGS = tuple(os.environ.get("EPCC_GPU_ROUTINGS", "uniform,zipf:1.2,all-to-one,no-remote,empty").split(","))
 ITERS = int(os.environ.get("EPCC_GPU_ITERS", "2"))
 BACKEND = os.environ.get("EPCC_GPU_BACKEND", "cuda")  # cuda, or supa (SUPA bundles through the shim)
+RDMA_TRANSPORT = os.environ.get("EPCC_GPU_RDMA_TRANSPORT", "")  # the GPU proxy path's transport (default: emulated)
 PARTIAL_ROUNDING = 2.0 ** -8  # combine sends one bf16 partial per (token, GPU): unit roundoff of bf16
 
 
@@ -446,8 +452,23 @@ def graph_checks(buf: Buffer, case: Case, replays: list, dev, report, label: str
         report(f"{label} {rep}", errs)
 
 
+def on_proxy_path(path: Path) -> bool:
+    """Whether the bundle runs its RDMA steps through the GPU proxy path (its manifest's options.rdma)."""
+    m = path / "cuda" / "manifest.json"
+    return m.is_file() and json.loads(m.read_text(encoding="utf-8")).get("options", {}).get("rdma") == "proxy"
+
+
 def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
-    buf = Buffer(dist.group.WORLD, path, backend=BACKEND, timeout_s=20.0)
+    proxy = on_proxy_path(path)
+    buf = Buffer(dist.group.WORLD, path, backend=BACKEND, timeout_s=20.0,
+                 config={"rdma_transport": RDMA_TRANSPORT} if proxy and RDMA_TRANSPORT else {})
+
+    def settle() -> None:
+        """Before a low-latency call's results are read by a copy into pageable memory (.cpu()) on
+        the default stream: on the GPU proxy path such a copy, waiting for the kernel, holds every
+        other thread's CUDA submissions, the proxy's too (docs/rdma.md), so wait first."""
+        if proxy:
+            buf.synchronize()
     name = path.name
     if getattr(buf.engine, "token_major", False):
         run_token_bundle(path, buf, dev, checks)
@@ -474,8 +495,10 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
             report(f"{spec} #{it} sync", errs)
         if lowlat:  # low-latency mode (no host sync inside) on the last case's inputs
             rx, _, rw, (cnt, off), h, _ = buf.dispatch(x, idx, w, sync=False)
+            settle()
             errs = case.check_dispatch(rx, rw, cnt.cpu().tolist())
             out = buf.combine(case.y_for(rx, h.rows), h)
+            settle()
             errs += case.check_combine(out)
             report(f"{spec} low-latency", errs)
 
@@ -485,8 +508,11 @@ def run_bundle(path: Path, dev, checks: Checks, iters: int = ITERS) -> None:
         x, idx, w = case.gpu_inputs()
         for sync in ((True, False) if lowlat else (True,)):
             rx, ridx, rw, counts, h, _ = buf.dispatch(x, idx, w, sync=sync)
+            settle()
             errs = case.check_dispatch(rx, rw, counts if sync else counts[0].cpu().tolist(), ridx if sync else None)
-            errs += case.check_combine(buf.combine(case.y_for(rx, h.rows), h))
+            out = buf.combine(case.y_for(rx, h.rows), h)
+            settle()
+            errs += case.check_combine(out)
             buf.synchronize()
             report(f"tokens {label} {'sync' if sync else 'low-latency'}", errs)
 

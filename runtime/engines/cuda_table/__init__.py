@@ -51,6 +51,10 @@ torch.distributed.all_gather_object; bench/ep_bench.py does exactly this)
     #    combine `output`, then launch with a bf16 [tokens, hidden] destination (device pointer).
     lib.copy_to_device(ptrs["combine"][0][rank], y_bf16)
     ctx.launch_combine(out_ptr, stream)
+    #    Where manifest["combine_input"]["caller_rows"] (no copy reads another rank's `output`),
+    #    the kernel may read y where it lies instead, its address a launch argument (no copy):
+    #    ctx.launch_combine_tokens(out_ptr, tokens, stream, rows=y_ptr); y must stay unchanged
+    #    until the stream passes the kernel.
     ctx.synchronize(stream)     # raises KernelTimeout with the kernel's message if a wait gave up
 
 Rules the host keeps: launch dispatch and combine alternately (the entry barrier of the next

@@ -57,6 +57,13 @@ expert, home rank, token), the global expert and the routing weight of each row,
 local expert; with `expert_alignment` N every expert's rows start at a multiple of N (zero rows
 between; combine ignores them).
 
+Combine reads the expert rows `y` where the caller has them (their address a launch argument, which
+a CUDA graph captures: a replay reads the captured tensor, kept unchanged until the kernel ends)
+where the bundle allows it (manifest `combine_input`: no combine copy reads another rank's expert
+rows); else, or with a library of an older epcc, it copies them into the combine's input buffer
+first (2 x H100, 2026-11-27, h200x2_2vnode at 50 GB/s, 4096 tokens: ~0.5 ms of a 2.03 ms combine
+was the copy, the partials' clearing and the bf16 conversion outside the kernel).
+
 Failures (agree.py): every host-side exchange is a round of the Buffer's agreement; an argument a
 rank refuses, a kernel or proxy that gave up, or a rank that stopped answering raises the same
 GroupError on every rank.  On the GPU proxy path the host's wait for a launch is watched
@@ -228,6 +235,7 @@ class CudaTableEngine:
         self.input_ptr = self.own["dispatch"][names["dispatch"].index("input")]
         self.output_ptr = self.own["dispatch"][names["dispatch"].index("output")]
         self.y_ptr = self.own["combine"][names["combine"].index("output")] if "combine" in self.programs else 0
+        self.caller_rows = reads_caller_rows(manifest, self.lib.has_caller_rows, "combine" in self.programs)
         if self.meta is not None:
             if not self.meta.collective:
                 self.meta.set_areas([peer(e["area"], r, self.area) for r, e in enumerate(everyone)], self.rank)
@@ -555,26 +563,41 @@ class CudaTableEngine:
                 y, out = self._combine_args(y, handle, topk_weights)
             except Exception as e:  # noqa: BLE001 - refused before the launch: the peers' kernels wait for this rank
                 self.agree.fail(e, wait_s=0, fatal=True)
-            n = y.shape[0]
             try:
                 stream = self._stream()
-                if self.meta is not None and handle.layout is None and n == self.recv_view.shape[0]:
-                    # low latency: y is the whole receive buffer; only the rows received count
-                    self.meta.copy_rows(self.y_ptr, y.data_ptr(), 2 * self.hidden, stream)
-                elif n:
-                    device_view(self.y_ptr, n * 2 * self.hidden, torch.bfloat16, (n, self.hidden),
-                                self.device).copy_(y)
+                rows = self._combine_input(y, handle, stream)
+                out_ptr = out.data_ptr() if handle.tokens else 0
                 if self.meta is not None:
                     self.meta.zero_partials(self.own_combine.data_ptr(), stream)
-                    self.ctx.launch_combine_tokens(out.data_ptr() if handle.tokens else 0, handle.tokens, stream)
+                    self.ctx.launch_combine_tokens(out_ptr, handle.tokens, stream, rows)
                     if self.rdma and handle.sync and not torch.cuda.is_current_stream_capturing():
                         self._finish(stream)  # normal mode on the proxy path: see the module docstring
                 else:
-                    self.ctx.launch_combine(out.data_ptr() if handle.tokens else 0, stream)
+                    if rows:  # host tables: this rank's tokens are the tables' (layout.rank_tokens)
+                        self.ctx.launch_combine_tokens(out_ptr, handle.tokens, stream, rows)
+                    else:
+                        self.ctx.launch_combine(out_ptr, stream)
                     self._finish(stream)
             except (CudaError, KernelTimeout, EngineError, RuntimeError) as e:  # a GroupError too: a peer's
                 self._fail_launch(e)
             return out
+
+    def _combine_input(self, y: torch.Tensor, handle: TableHandle, stream: int) -> int:
+        """Where the combine kernel reads this rank's expert rows: `y` itself (its address, returned:
+        a launch argument, which a CUDA graph captures, so a replay reads the captured tensor) where
+        the bundle allows it (`caller_rows`: manifest combine_input) and y is a contiguous bf16
+        [rows, hidden] tensor on this device; else 0, after y is copied into the combine's input
+        buffer (low latency: only the rows received)."""
+        n = y.shape[0]
+        if (self.caller_rows and n and y.dtype == torch.bfloat16 and y.device == self.device and y.dim() == 2
+                and y.shape[1] == self.hidden and y.is_contiguous()):
+            return y.data_ptr()
+        if self.meta is not None and handle.layout is None and n == self.recv_view.shape[0]:
+            # low latency: y is the whole receive buffer; only the rows received count
+            self.meta.copy_rows(self.y_ptr, y.data_ptr(), 2 * self.hidden, stream)
+        elif n:
+            device_view(self.y_ptr, n * 2 * self.hidden, torch.bfloat16, (n, self.hidden), self.device).copy_(y)
+        return 0
 
     def _combine_args(self, y, handle, topk_weights):
         if not isinstance(handle, TableHandle):
@@ -651,6 +674,15 @@ class CudaTableEngine:
             self.lib.free(self.area)
         self.ctx.close()
         self.ctx = None
+
+
+def reads_caller_rows(manifest: dict, library_can: bool, has_combine: bool) -> bool:
+    """Whether combine hands the kernel the caller's expert rows instead of copying them into the
+    combine's input buffer ("output"): the bundle's manifest says its kernels may (combine_input,
+    decided by the compiler: backends/cuda/codegen.py combine_input; absent in a bundle of an older
+    epcc) and its library has the entry point."""
+    ci = manifest.get("combine_input") or {}
+    return bool(has_combine and library_can and ci.get("caller_rows") and ci.get("buffer") == "output")
 
 
 def _align_rows(rows: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, counts: list[int], align: int):

@@ -196,6 +196,14 @@ class Library:
             f = getattr(lib, name)
             f.argtypes = args
             f.restype = res
+        # the combine reading the caller's expert rows (a library of an older epcc has no such entry)
+        try:
+            f = lib.epcc_cuda_launch_combine_rows
+        except AttributeError:
+            self.has_caller_rows = False
+        else:
+            f.argtypes, f.restype = [vp, u64, u64, u64, u64], i32
+            self.has_caller_rows = True
 
     # ------------------------------------------------------------------ about the build
     @property
@@ -321,9 +329,14 @@ class Context:
         `header` their static header: every later launch of `program` reads them there."""
         self._check(self.lib.epcc_cuda_use_tables(self.handle, _program(program), tables, header, nbytes))
 
-    def launch_combine_tokens(self, out: int, tokens: int, stream: int = 0) -> None:
-        """launch_combine, converting the first `tokens` partials (tables the GPU wrote)."""
-        self._check(self.lib.epcc_cuda_launch_combine_tokens(self.handle, out, tokens, stream))
+    def launch_combine_tokens(self, out: int, tokens: int, stream: int = 0, rows: int = 0) -> None:
+        """launch_combine, converting the first `tokens` partials (tables the GPU wrote); `rows`: the
+        caller's expert rows, which the kernel reads in place of the combine's input buffer (0: that
+        buffer; only where the manifest's combine_input allows it: Library.has_caller_rows)."""
+        if rows:
+            self._check(self.lib.epcc_cuda_launch_combine_rows(self.handle, out, tokens, rows, stream))
+        else:
+            self._check(self.lib.epcc_cuda_launch_combine_tokens(self.handle, out, tokens, stream))
 
     def launch_combine(self, out: int = 0, stream: int = 0) -> None:
         self._check(self.lib.epcc_cuda_launch_combine(self.handle, out, stream))

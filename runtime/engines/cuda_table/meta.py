@@ -29,8 +29,8 @@ from .exchange import Exchange, area_regions
 from .tables import PROGRAMS
 
 MAX_RANKS = 64
-META_ABI = 4  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
-LAYOUT_WORDS = 21  # meta.cuh kLayout: the scratch's regions
+META_ABI = 5  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
+LAYOUT_WORDS = 24  # meta.cuh kLayout: the scratch's regions
 
 
 class _Exchange(ctypes.Structure):
@@ -51,7 +51,7 @@ class _Args(ctypes.Structure):  # epcc::meta::Args
 
 class _Meta(ctypes.Structure):  # EpccTableMeta
     _fields_ = [("exchange", _Exchange), ("args", _Args), ("templ", ctypes.c_uint64 * 2),
-                ("templ_bytes", ctypes.c_uint64 * 2), ("scratch_words", ctypes.c_int64), ("grid_count", ctypes.c_int),
+                ("templ_bytes", ctypes.c_uint64 * 2), ("grid_count", ctypes.c_int),
                 ("grid_rows", ctypes.c_int), ("grid_items", ctypes.c_int), ("grid_copy", ctypes.c_int),
                 ("grid_scan", ctypes.c_int)]
 
@@ -225,7 +225,6 @@ class DeviceMeta:
         for i, p in enumerate(PROGRAMS):
             a.seq[i] = self.seq[p].data_ptr() if p in self.seq else 0
         a.lay[:] = list(self.layout)
-        m.scratch_words = self.scratch.numel()
         g = self.mp.grids()
         m.grid_count, m.grid_rows, m.grid_items, m.grid_scan = g["count"], g["rows"], g["items"], g["scan"]
         m.grid_copy = max(1, min(264, -(-self.R * self.T * self.K // 256)))

@@ -27,7 +27,11 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
                              unsigned* seq_d, unsigned* seq_c) {
   if (!fits(prog)) return 1;
   Args a;
-  std::memset(scratch, 0, sizeof(long long) * scratch_words(prog, a.lay));
+  // what the routing copy's kernel leaves: the regions before kZeroed zero, the rest what an earlier
+  // dispatch wrote (here a pattern no table holds: what meta_count does not write shows)
+  const long long words = scratch_words(prog, a.lay);
+  std::memset(scratch, 0, sizeof(long long) * a.lay[kZeroed]);
+  std::memset(scratch + a.lay[kZeroed], 0x5a, sizeof(long long) * (words - a.lay[kZeroed]));
   *bad = INT_MAX;
   a.prog = prog;
   a.scratch = scratch;

@@ -226,6 +226,11 @@ __host__ __device__ inline const char* rdma_wait_name(int32_t flag_id) {
                                     : "rdma consumed count (earlier chunk)";
 }
 
+// What a GPU proxy path wait that timed out most often means, appended to its message.
+#define EPCC_PROXY_STALL_HINT                                                                            \
+  "; a proxy thread did not serve it: a copy into pageable memory on the default stream (.cpu(), .item()) " \
+  "while a launch runs holds every other thread's CUDA calls (docs/rdma.md)"
+
 struct KernelArgs {
   const uint8_t* tables;        // this program's table blob (device memory)
   const uint64_t* buffers;      // [num_buffers * num_ranks]: buffer b of rank r at [b * num_ranks + r]
@@ -240,6 +245,9 @@ struct KernelArgs {
   uint64_t* timeline;           // nullptr, or [grid * kTimelineWords] %globaltimer stamps per block (below)
   const RdmaChan* rdma;         // GPU proxy path: [num_copies], by CopyDesc index; nullptr without RDMA roles
   const uint32_t* rdma_seq;     // GPU proxy path: [num_items]: each item's sequence number on its channel
+  const uint8_t* caller_rows;   // combine: the caller's expert rows, read in place of this rank's buffer
+                                // caller_buf (manifest combine_input); nullptr: the buffer itself
+  uint32_t caller_buf;
   uint32_t rank;
   uint32_t num_ranks;
   uint32_t region;              // word offset of this program's region in a flag area (its barrier word)
@@ -256,6 +264,13 @@ __device__ __forceinline__ const TableHeader& header(const KernelArgs& a) {
 template <class T>
 __device__ __forceinline__ const T* section(const KernelArgs& a, uint64_t offset) {
   return reinterpret_cast<const T*>(a.tables + offset);
+}
+
+// Where a copy reads buffer `buf` of rank `rank`: the caller's rows for this rank's caller_buf
+// (a launch argument: a CUDA graph captures it), else the buffer as mapped here.
+__device__ __forceinline__ const uint8_t* src_base(const KernelArgs& a, uint64_t buf, uint32_t rank) {
+  if (a.caller_rows != nullptr && buf == a.caller_buf && rank == a.rank) return a.caller_rows;
+  return reinterpret_cast<const uint8_t*>(a.buffers[buf * a.num_ranks + rank]);
 }
 
 // Flag areas: per program a region of flag_capacity words; word 0 is the entry-barrier counter
@@ -298,7 +313,7 @@ static __device__ __noinline__ void fail(const KernelArgs& a, int32_t code, cons
   if (code == kErrTimeout && flag_id <= kWaitCredit) {
     const char* what = rdma_wait_name(flag_id);
     printf("epcc: wait timed out after %.3f s: rank %d step '%s' chunk %d: %s, peer rank %d (value 0x%llx, waiting "
-           "for >= 0x%llx)\n", static_cast<double>(a.timeout_ns) * 1e-9, static_cast<int>(a.rank), step,
+           "for >= 0x%llx)" EPCC_PROXY_STALL_HINT "\n", static_cast<double>(a.timeout_ns) * 1e-9, static_cast<int>(a.rank), step,
            static_cast<int>(chunk), what, static_cast<int>(flag_rank), static_cast<unsigned long long>(value),
            static_cast<unsigned long long>(expected));
   } else if (code == kErrTimeout) {
@@ -624,7 +639,7 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
         const int64_t hd = ld_ro(src_rows + r);
         const uint64_t buf = static_cast<uint64_t>(hd) >> EPCC_ROW_BUF_SHIFT;
         const uint64_t slot = static_cast<uint64_t>(hd) & ((uint64_t{1} << EPCC_ROW_BUF_SHIFT) - 1);
-        return reinterpret_cast<const uint8_t*>(a.buffers[buf * R + c.src_rank]) + slot * src_pitch;
+        return src_base(a, buf, c.src_rank) + slot * src_pitch;
       };
       if constexpr (gathers<Op>(nullptr)) {
         // The warp whose row starts a run of rows with one destination adds the whole run (in
@@ -734,7 +749,6 @@ __device__ __forceinline__ void run_pack(const KernelArgs& a, uint32_t role, con
   const uint32_t src_pitch = Op::src_pitch(h);
   const uint32_t wire = Op::wire_pitch(h);
   const uint32_t len = Op::row_len(h);
-  const uint32_t R = a.num_ranks;
   __shared__ uint64_t claimed;
   for (uint32_t k = block; k < rd.item_count; k += blocks) {
     const uint32_t item = rd.item_begin + k;
@@ -769,7 +783,7 @@ __device__ __forceinline__ void run_pack(const KernelArgs& a, uint32_t role, con
         const int64_t hd = ld_ro(src_rows + r);
         const uint64_t buf = static_cast<uint64_t>(hd) >> EPCC_ROW_BUF_SHIFT;
         const uint64_t sl = static_cast<uint64_t>(hd) & ((uint64_t{1} << EPCC_ROW_BUF_SHIFT) - 1);
-        const uint8_t* src = reinterpret_cast<const uint8_t*>(a.buffers[buf * R + c.src_rank]) + sl * src_pitch;
+        const uint8_t* src = src_base(a, buf, c.src_rank) + sl * src_pitch;
         Op::row(src, slot + static_cast<uint64_t>(r - it.row_begin) * wire, 1.f, len, lane);
       }
     }

@@ -47,7 +47,7 @@ using epcc::meta::kScan;
 
 // The layout of EpccTableMeta and Args that runtime/engines/cuda_table/meta.py writes with ctypes:
 // changed whenever they change, checked by the runtime at load (epcc_table_meta_abi).
-constexpr int kMetaAbi = 4;
+constexpr int kMetaAbi = 5;
 
 struct Exchange {
   uint64_t areas[kMaxRanks];  // every rank's gather area, as mapped here
@@ -84,7 +84,6 @@ struct EpccTableMeta {
   Args args;                    // args.tokens / topk / weights: this rank's gather area
   const uint8_t* templ[2];      // the blobs' static bytes (device)
   uint64_t templ_bytes[2];      // how many: the blob up to its row arrays (the rows are all written)
-  int64_t scratch_words;
   int grid_count, grid_rows, grid_items, grid_copy, grid_scan;
 };
 }
@@ -98,7 +97,9 @@ __global__ void gather_copy(EpccTableMeta m) {
   const Exchange& x = m.exchange;
   const uint64_t first = EPCC_BID * static_cast<uint64_t>(EPCC_BDIM) + EPCC_TID;
   const uint64_t step = static_cast<uint64_t>(EPCC_GDIM) * EPCC_BDIM;
-  for (uint64_t i = first; i < static_cast<uint64_t>(m.scratch_words); i += step) m.args.scratch[i] = 0;
+  // the scratch's regions that start at zero (meta.cuh kZeroed: the rest meta_count writes whole)
+  const uint64_t zeroed = static_cast<uint64_t>(m.args.lay[epcc::meta::kZeroed]);
+  for (uint64_t i = first; i < zeroed; i += step) m.args.scratch[i] = 0;
   for (int p = 0; p < 2; ++p) {
     const uint64_t n16 = m.templ_bytes[p] / 16;  // placement.py aligns every section to 16 bytes
     for (uint64_t i = first; i < n16; i += step)

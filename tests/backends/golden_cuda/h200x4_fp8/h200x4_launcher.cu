@@ -64,6 +64,9 @@ cudaError_t (*const kFinishLaunch)(const float*, void*, uint64_t, uint32_t, cuda
 cudaError_t (*const kFinishLoad)(void) = epcc_h200x4_combine_finish_load;
 constexpr bool kHasFinish = true;
 constexpr uint32_t kFinishBlock = 256;
+// The combine buffer a launch may read from the caller's memory instead (epcc_cuda_launch_combine_rows;
+// manifest combine_input): -1 where some copy reads it on another rank than its own.
+constexpr int32_t kCallerBuffer = -1;
 
 struct Program {
   int blocks_per_sm = 0;             // the kernel's occupancy, found when the context is created
@@ -129,14 +132,14 @@ int check_program(Context* c, int program) {
 }
 
 std::string format_error(const epcc::ErrorRecord& e) {
-  char buf[512];
+  char buf[768];
   char step[sizeof e.step + 1] = {0};
   std::memcpy(step, e.step, sizeof e.step);
   if (e.code == epcc::kErrTimeout && e.flag_id <= epcc::kWaitCredit) {
     const char* what = epcc::rdma_wait_name(e.flag_id);
     std::snprintf(buf, sizeof buf,
                   "epcc: wait timed out after %.3f s: rank %d step '%s' chunk %d: %s, peer rank %d (value 0x%llx, "
-                  "waiting for >= 0x%llx)", static_cast<double>(e.timeout_ns) * 1e-9, e.rank, step, e.chunk, what,
+                  "waiting for >= 0x%llx)" EPCC_PROXY_STALL_HINT, static_cast<double>(e.timeout_ns) * 1e-9, e.rank, step, e.chunk, what,
                   e.flag_rank, static_cast<unsigned long long>(e.value), static_cast<unsigned long long>(e.expected));
   } else if (e.code == epcc::kErrTimeout) {
     std::snprintf(buf, sizeof buf,
@@ -153,7 +156,9 @@ std::string format_error(const epcc::ErrorRecord& e) {
 // Counters per bank: a region is the barrier word and two banks (alternate launches).
 uint32_t bank_words(const Context* c) { return (c->flag_capacity - 1) / 2; }
 
-int launch_main(Context* c, int program, cudaStream_t stream) {
+// `caller_rows` (combine only, 0: none): the caller's expert rows, read in place of this rank's
+// buffer kCallerBuffer.
+int launch_main(Context* c, int program, cudaStream_t stream, uint64_t caller_rows = 0) {
   const ProgramInfo& info = kPrograms[program];
   Program& p = c->programs[program];
   if (!c->flags_ok) return fail(c, EPCC_RC_USAGE, "%s: call epcc_cuda_set_flag_areas first", info.name);
@@ -165,6 +170,10 @@ int launch_main(Context* c, int program, cudaStream_t stream) {
   }
   if (c->error_host->code != epcc::kErrNone) {
     return fail(c, EPCC_RC_KERNEL, "an earlier launch failed: %s", format_error(*c->error_host).c_str());
+  }
+  if (caller_rows != 0 && (program != 1 || kCallerBuffer < 0)) {
+    return fail(c, EPCC_RC_USAGE, "%s: the kernel cannot read the caller's rows (a copy reads the combine's input "
+                "buffer of another rank: manifest combine_input)", info.name);
   }
   for (const uint64_t u : p.used) {
     // tables the GPU writes may name any buffer of any rank; those of a rank not mapped here
@@ -193,6 +202,8 @@ int launch_main(Context* c, int program, cudaStream_t stream) {
   a.timeline = p.timeline;
   a.rdma = p.rdma;
   a.rdma_seq = p.rdma_seq;
+  a.caller_rows = reinterpret_cast<const uint8_t*>(caller_rows);
+  a.caller_buf = caller_rows != 0 ? static_cast<uint32_t>(kCallerBuffer) : 0u;
   a.rank = c->rank;
   a.num_ranks = kNumRanks;
   a.barrier_ranks = c->barrier_ranks;
@@ -563,6 +574,7 @@ int epcc_cuda_launch_dispatch(void* ctx, uint64_t stream) {
 // home partials into `out` (bf16 [tokens, hidden], device memory; 0: skip the conversion and
 // leave the fp32 sums in the `result` buffer).
 int epcc_cuda_launch_combine_tokens(void* ctx, uint64_t out, uint64_t tokens, uint64_t stream);
+int epcc_cuda_launch_combine_rows(void* ctx, uint64_t out, uint64_t tokens, uint64_t rows, uint64_t stream);
 
 int epcc_cuda_launch_combine(void* ctx, uint64_t out, uint64_t stream) {
   Context* c = static_cast<Context*>(ctx);
@@ -572,6 +584,14 @@ int epcc_cuda_launch_combine(void* ctx, uint64_t out, uint64_t stream) {
 // As epcc_cuda_launch_combine, converting the first `tokens` home partials (tables the GPU wrote
 // carry this rank's token count on the GPU only).
 int epcc_cuda_launch_combine_tokens(void* ctx, uint64_t out, uint64_t tokens, uint64_t stream) {
+  return epcc_cuda_launch_combine_rows(ctx, out, tokens, 0, stream);
+}
+
+// As epcc_cuda_launch_combine_tokens, the kernel reading this rank's expert rows at `rows` (device
+// memory of the caller, laid out as the combine's input buffer; 0: from that buffer) where the
+// manifest's combine_input allows it (EPCC_RC_USAGE elsewhere).  The pointer is a kernel argument:
+// a CUDA graph captures it.
+int epcc_cuda_launch_combine_rows(void* ctx, uint64_t out, uint64_t tokens, uint64_t rows, uint64_t stream) {
   Context* c = static_cast<Context*>(ctx);
   if (c == nullptr) return fail(nullptr, EPCC_RC_USAGE, "epcc_cuda_launch_combine: NULL context");
   if (int rc = check_program(c, 1)) return rc;
@@ -584,7 +604,7 @@ int epcc_cuda_launch_combine_tokens(void* ctx, uint64_t out, uint64_t tokens, ui
     if (base == 0) return fail(c, EPCC_RC_USAGE, "combine: buffer %u of this rank is NULL", z.buf);
     EPCC_TRY(c, cudaMemsetAsync(reinterpret_cast<void*>(base), 0, z.bytes, s));
   }
-  if (int rc = launch_main(c, 1, s)) return rc;
+  if (int rc = launch_main(c, 1, s, rows)) return rc;
   if (out != 0) {
     if (!kHasFinish || kPrograms[1].result_buffer < 0) return fail(c, EPCC_RC_USAGE, "combine: no finish kernel");
     const uint64_t result = p.buffers[static_cast<size_t>(kPrograms[1].result_buffer) * kNumRanks + c->rank];

@@ -4,9 +4,11 @@
 // what each record means).  The same arithmetic in NumPy: runtime/testing/device_tables.py.
 //
 // Four launches, in stream order, after the blobs' static fields (their template up to the row
-// arrays) are in place and the scratch is zero:
+// arrays) are in place and the scratch's regions before kZeroed are zero:
 //   meta_count  grid (home rank x token block): each token's sets, per block the tokens of each
-//               set (and the expert rows of each OUT set) and of each expert;
+//               set (and the expert rows of each OUT set) and of each expert; for meta_rows, each
+//               token's record (its sets, its experts and its place among each one's tokens of
+//               the block) and the sets' block masks;
 //   meta_scan   grid (scan_blocks: kSeries series each) of kScan threads: every block sums its
 //               series over the token blocks (each set's tokens and rows, each home rank's rows
 //               of each expert; kLanes threads a series); the last block done then alone: the
@@ -17,13 +19,16 @@
 //               token block): each row's source handle, destination slot and weight, each
 //               chunk's first row, each chunk's waits (a running maximum per producer); then the
 //               received rows' weights and experts (recv_block: its blocks ride in the same launch:
-//               both need only the scan);
+//               both need only the scan); from meta_count's records and masks, not the routing
+//               (no shared memory, no barrier);
 //   meta_items  grid (copy): each chunk's item at its place in the role's item order, its waits
 //               compacted in flag order.
 // What bounds them (2 x H100, 2026-11-26, bench/meta_time.py --profile): latency, not bytes --
 // chains of dependent loads.  Hence a block reads its home's set records into shared memory
-// once, the scratch layout is computed once on the host (Args.lay), and the scan's serial
-// prefix sums load a run of counts before they add them.
+// once, the scratch layout is computed once on the host (Args.lay), the scan's serial prefix
+// sums load a run of counts before they add them, and meta_rows reads one record per token
+// where it recomputed the token's sets (a chain of the sets' records, the routing, the sets
+// one after the other and two barriers) in every (part, token block).
 //
 // Written once for both sides: compiled as device code (nvcc, or brcc for SUPA, after the
 // target's device prelude epcc/prelude/*, whose names it uses) these are kernels (a block's
@@ -52,6 +57,7 @@ typedef long long i64;
 #define EM_THREADS(t) { const int t = static_cast<int>(EPCC_TID);
 #define EM_THREADS_SCAN(t) { const int t = static_cast<int>(EPCC_TID);
 #define EM_SYNC } __syncthreads();
+#define EM_DONE }
 #define EM_BLOCK static_cast<int>(EPCC_BID)
 #define EM_OR(p, v) atomicOr((p), (v))
 #define EM_MAX(p, v) atomicMax((p), (v))
@@ -59,6 +65,7 @@ typedef long long i64;
 #define EM_GRID static_cast<int>(EPCC_GDIM)
 #define EM_FENCE() __threadfence()
 #define EM_TICKET(p) static_cast<i64>(atomicAdd(reinterpret_cast<unsigned long long*>(p), 1ull))
+#define EM_UNROLL _Pragma("unroll")
 EM_FN int em_popc(unsigned v) { return epcc::popc(v); }
 #else
 #define EM_FN static inline
@@ -69,6 +76,7 @@ EM_FN int em_popc(unsigned v) { return epcc::popc(v); }
 #define EM_THREADS(t) for (int t = 0; t < kBlock; ++t) {
 #define EM_THREADS_SCAN(t) for (int t = 0; t < kScan; ++t) {
 #define EM_SYNC }
+#define EM_DONE }
 #define EM_BLOCK em_block
 #define EM_OR(p, v) (*(p) |= (v))
 #define EM_MAX(p, v) (*(p) = *(p) > (v) ? *(p) : (v))
@@ -76,6 +84,7 @@ EM_FN int em_popc(unsigned v) { return epcc::popc(v); }
 #define EM_GRID em_grid
 #define EM_FENCE() ((void)0)
 #define EM_TICKET(p) ((*(p))++)
+#define EM_UNROLL
 EM_FN int em_popc(unsigned v) { return __builtin_popcount(v); }
 #endif
 
@@ -102,7 +111,8 @@ constexpr int kLanes = 32;                // threads of one series' sum in meta_
 constexpr int kSeries = kScan / kLanes;   // series a meta_scan block sums at a time
 constexpr int kRun = 8;                   // counts a scan thread loads before it adds them
 constexpr int kSeg = 16;                  // local experts per segment of the output-row scan
-constexpr int kLayout = 21;               // regions of the scratch (scratch_words)
+constexpr int kLayout = 24;               // regions of the scratch (scratch_words)
+constexpr int kZeroed = 21;               // the regions before this one start at zero; the rest are written whole
 constexpr int kWords = kBlock / 32;       // 32-bit words of a per-block token mask
 constexpr int kSetWords = EPCC_META_SET_WORDS;  // 64-bit words of a token's set memberships
 constexpr int kMaxSets = 64 * kSetWords;  // sets per home rank (meta_program.py SET_WORD x set_words)
@@ -195,7 +205,15 @@ struct Scratch {
   i64 *copy_tok, *copy_rows, *copy_chunks;
   i64* per_tcopy;               // the per-copy regions (waits, chunk starts)
   i64* scan_done;               // [1]: meta_scan's blocks done with their series (the last goes on)
+  // what meta_count leaves meta_rows (tok_words, below): [R][TB * kBlock] each token's record;
+  // [S][TB] each set's block mask, [S][TB][K] each OUT set's row masks (2 words a mask)
+  i64 *tok_rec, *set_mask, *row_mask;
 };
+
+// A token's record: its set bits (kSetWords words, this build's), then its top-k slots two to a
+// word, each its expert in the low 16 bits (0xffff: none) and its place among the block's tokens of
+// that expert in the high 16.  meta_rows reads it instead of recomputing the token's sets.
+EM_HD i64 tok_words(const i64* p) { return kSetWords + (p[H_topk] + 1) / 2; }
 
 EM_HD i64 scratch_words(const i64* p, i64* layout_out = nullptr) {
   const i64 S = p[H_num_sets], TB = p[H_token_blocks], R = p[H_num_ranks], E = p[H_experts];
@@ -208,7 +226,8 @@ EM_HD i64 scratch_words(const i64* p, i64* layout_out = nullptr) {
     if (end > tc) tc = end;
   }
   const i64 sizes[kLayout] = {S * TB, S * TB, S * TB, S * TB, S, S, S, R * TB * E, R * TB * E, E, R * E,
-                              parts, parts, parts, parts, copies, copies, copies, tc, E, 1};
+                              parts, parts, parts, parts, copies, copies, copies, tc, E, 1,
+                              R * TB * kBlock * tok_words(p), S * TB * 2, S * TB * p[H_topk] * 2};
   i64 total = 0;
   for (int i = 0; i < kLayout; ++i) {
     if (layout_out) layout_out[i] = total;
@@ -239,6 +258,7 @@ EM_FN Scratch scratch_of(const Args& a) {
   x.per_tcopy = s + at[18];
   x.e_total = s + at[19];
   x.scan_done = s + at[20];
+  x.tok_rec = s + at[21]; x.set_mask = s + at[22]; x.row_mask = s + at[23];
   return x;
 }
 
@@ -276,14 +296,42 @@ EM_FN i64 num_chunks(const Chunking& k) {
   return k.front_n + k.whole + (k.rest ? 1 : 0) + k.back_n;
 }
 
+// The sum of n counts at src[0], src[stride], ..., loaded kRun at a time.
+EM_FN i64 run_sum(const i64* src, i64 n, i64 stride) {
+  i64 sum = 0;
+  for (i64 b0 = 0; b0 < n; b0 += kRun) {
+    i64 v[kRun];
+    for (int j = 0; j < kRun; ++j) v[j] = b0 + j < n ? src[(b0 + j) * stride] : 0;
+    for (int j = 0; j < kRun; ++j) sum += v[j];
+  }
+  return sum;
+}
+
+// A ramp's sizes are loaded kRun at a time before they are used (run_sum, ramp_find: one memory
+// latency per run, not per size: a copy's tail ramp has up to 14).
+
+// The first i < n whose ramp chunk holds token `tok`, the ramp starting at token t (-1: none).
+EM_FN i64 ramp_find(const i64* r, i64 n, i64 t, i64 tok) {
+  for (i64 i0 = 0; i0 < n; i0 += kRun) {
+    i64 v[kRun];
+    EM_UNROLL
+    for (int j = 0; j < kRun; ++j) v[j] = i0 + j < n ? r[i0 + j] : 0;
+    i64 found = -1;
+    EM_UNROLL
+    for (int j = 0; j < kRun; ++j) {
+      t += v[j];  // 0 past n
+      if (found < 0 && i0 + j < n && tok < t) found = i0 + j;
+    }
+    if (found >= 0) return found;
+  }
+  return -1;
+}
+
 // The first token of chunk c (c == num_chunks: n).
 EM_FN i64 chunk_start(const Chunking& k, i64 c) {
   if (k.tpc <= 0) return c <= 0 ? 0 : k.n;
   i64 t = 0;
-  if (c < k.front_n) {
-    for (i64 i = 0; i < c; ++i) t += k.front[i];
-    return t;
-  }
+  if (c < k.front_n) return run_sum(k.front, c, 1);
   t = k.front_sum;
   c -= k.front_n;
   const i64 mid = k.whole + (k.rest ? 1 : 0);
@@ -291,29 +339,21 @@ EM_FN i64 chunk_start(const Chunking& k, i64 c) {
   if (c < mid || (c == mid && k.rest)) return t + k.whole * k.tpc + (c > k.whole ? k.rest : 0);
   t += k.whole * k.tpc + k.rest;
   c -= mid;
-  for (i64 i = 0; i < c && i < k.back_n; ++i) t += k.back[i];
-  return t;
+  return t + run_sum(k.back, c < k.back_n ? c : k.back_n, 1);
 }
 
 // The chunk holding token `tok` (0 <= tok < n).
 EM_FN i64 chunk_of(const Chunking& k, i64 tok) {
   if (k.tpc <= 0) return 0;
   if (tok < k.front_sum) {
-    i64 t = 0;
-    for (i64 i = 0; i < k.front_n; ++i) {
-      t += k.front[i];
-      if (tok < t) return i;
-    }
+    const i64 i = ramp_find(k.front, k.front_n, 0, tok);
+    if (i >= 0) return i;
   }
   const i64 mid_end = k.front_sum + k.whole * k.tpc + k.rest;
   if (tok < mid_end) return k.front_n + (tok - k.front_sum) / k.tpc;
-  i64 t = mid_end;
   const i64 first_back = k.front_n + k.whole + (k.rest ? 1 : 0);
-  for (i64 i = 0; i < k.back_n; ++i) {
-    t += k.back[i];
-    if (tok < t) return first_back + i;
-  }
-  return first_back + k.back_n - 1;
+  const i64 i = ramp_find(k.back, k.back_n, mid_end, tok);
+  return first_back + (i >= 0 ? i : k.back_n - 1);
 }
 
 // ---------------------------------------------------------------------------------- tokens
@@ -324,7 +364,12 @@ struct SetBits {
 EM_FN void set_clear(SetBits& s) {
   for (int i = 0; i < kSetWords; ++i) s.w[i] = 0ull;
 }
-EM_FN bool set_has(const SetBits& s, int b) { return ((s.w[b >> 6] >> (b & 63)) & 1ull) != 0; }
+EM_FN bool set_has(const SetBits& s, int b) {  // each word at a constant index: bits in registers stay there
+  unsigned long long w = 0;
+  EM_UNROLL
+  for (int i = 0; i < kSetWords; ++i) w |= i == (b >> 6) ? s.w[i] : 0ull;
+  return ((w >> (b & 63)) & 1ull) != 0;
+}
 EM_FN void set_add(SetBits& s, int b) { s.w[b >> 6] |= 1ull << (b & 63); }
 EM_FN bool sets_meet(const SetBits& a, const SetBits& b) {
   unsigned long long any = 0;
@@ -457,11 +502,15 @@ EM_FN void load_block(const Args& a, int h, int block, Shared& sh) {
   EM_SYNC
 }
 
-// Tokens of a 128-bit block mask before token t, and in all.
+// Tokens of a 128-bit block mask before token t, and in all.  Every word is read, at a constant
+// index, so a mask in registers stays there (an index t / 32 would put it on the stack).
 EM_FN int before(const unsigned (&w)[kWords], int t) {
+  const int q = t / 32;
+  const unsigned low = (1u << (t % 32)) - 1u;
   int n = 0;
-  for (int i = 0; i < t / 32; ++i) n += em_popc(w[i]);
-  return n + em_popc(w[t / 32] & ((1u << (t % 32)) - 1u));
+  EM_UNROLL
+  for (int i = 0; i < kWords; ++i) n += em_popc(w[i] & (i < q ? ~0u : i == q ? low : 0u));
+  return n;
 }
 EM_FN int count(const unsigned (&w)[kWords]) {
   int n = 0;
@@ -469,8 +518,76 @@ EM_FN int count(const unsigned (&w)[kWords]) {
   return n;
 }
 
+// A block mask in the scratch: two int64 words, the mask's 32-bit words low half first.
+static_assert(kWords == 4, "a block mask is two int64 words");
+static_assert(kMaxExperts < 0xffff && kBlock <= 0xffff, "a token's slot holds its expert and place in 16 bits each");
+struct Mask {
+  unsigned w[kWords];
+};
+EM_FN void put_mask(i64* at, const unsigned (&w)[kWords]) {
+  at[0] = static_cast<i64>(static_cast<unsigned long long>(w[0]) | static_cast<unsigned long long>(w[1]) << 32);
+  at[1] = static_cast<i64>(static_cast<unsigned long long>(w[2]) | static_cast<unsigned long long>(w[3]) << 32);
+}
+EM_FN Mask get_mask(const i64* at) {
+  const unsigned long long a = static_cast<unsigned long long>(at[0]), b = static_cast<unsigned long long>(at[1]);
+  Mask m;
+  m.w[0] = static_cast<unsigned>(a);
+  m.w[1] = static_cast<unsigned>(a >> 32);
+  m.w[2] = static_cast<unsigned>(b);
+  m.w[3] = static_cast<unsigned>(b >> 32);
+  return m;
+}
+EM_FN i64* tok_at(const Scratch& x, const i64* p, int h, int block, int t) {
+  return x.tok_rec + ((static_cast<i64>(h) * p[H_token_blocks] + block) * kBlock + t) * tok_words(p);
+}
+
+// A token as meta_rows reads it (its record's slots, loaded whole): per top-k slot its expert (-1:
+// none) and its place among the tokens of its block that picked that expert; its sets are read
+// from the record by bit (tok_has: a word at a variable index, which registers cannot hold).
+struct Token {
+  const i64* rec;
+  int expert[kMaxTopk];
+  int place[kMaxTopk];
+};
+EM_FN void get_token(const Scratch& x, const i64* p, int h, int block, int t, Token& k) {
+  const i64* r = tok_at(x, p, h, block, t);
+  const int K = static_cast<int>(p[H_topk]);
+  k.rec = r;
+  unsigned long long v[(kMaxTopk + 1) / 2];
+  EM_UNROLL
+  for (int i = 0; i < (kMaxTopk + 1) / 2; ++i)
+    v[i] = i < (K + 1) / 2 ? static_cast<unsigned long long>(r[kSetWords + i]) : 0ull;
+  EM_UNROLL
+  for (int j = 0; j < kMaxTopk; ++j) {
+    const unsigned long long word = v[j / 2];
+    const unsigned s = static_cast<unsigned>(j & 1 ? word >> 32 : word);
+    k.expert[j] = j < K ? static_cast<int>(static_cast<short>(s & 0xffffu)) : -1;
+    k.place[j] = static_cast<int>(s >> 16);
+  }
+}
+
+EM_FN bool tok_has(const Token& k, int b) {
+  return ((static_cast<unsigned long long>(k.rec[b >> 6]) >> (b & 63)) & 1ull) != 0;
+}
+
+// A token's record, written by meta_count (after load_block) for meta_rows.
+EM_FN void put_token(const Scratch& x, const i64* p, const Shared& sh, int h, int block, int t) {
+  i64* r = tok_at(x, p, h, block, t);
+  const int K = static_cast<int>(p[H_topk]);
+  for (int i = 0; i < kSetWords; ++i) r[i] = static_cast<i64>(sh.bits[t].w[i]);
+  for (int j = 0; j < K; j += 2) {
+    unsigned s[2] = {0u, 0u};
+    for (int i = 0; i < 2 && j + i < K; ++i) {
+      const int e = sh.experts[t][j + i];
+      s[i] = e < 0 ? 0xffffu : static_cast<unsigned>(e) | static_cast<unsigned>(before(sh.exp_words[e], t)) << 16;
+    }
+    r[kSetWords + j / 2] = static_cast<i64>(static_cast<unsigned long long>(s[0]) | static_cast<unsigned long long>(s[1]) << 32);
+  }
+}
+
 // ---------------------------------------------------------------------------------- kernels
-// Grid: num_ranks x token_blocks (home rank major).
+// Grid: num_ranks x token_blocks (home rank major).  Besides the counts, what meta_rows reads:
+// each token's record, each set's block mask and each OUT set's row masks.
 EM_KERNEL meta_count(Args a
 #ifdef EPCC_META_HOST
                      , int em_block
@@ -490,12 +607,17 @@ EM_KERNEL meta_count(Args a
       const i64 si = index[b];
       if (si < 0) continue;
       x.set_cnt[si * TB + block] = count(sh.set_words[b]);
+      put_mask(x.set_mask + (si * TB + block) * 2, sh.set_words[b]);
       int rows = 0;
       if (sh.sets[b].kind == SET_OUT)
-        for (int m = 0; m < K; ++m) rows += count(sh.row_words[sh.sets[b].out][m]);
+        for (int m = 0; m < K; ++m) {
+          rows += count(sh.row_words[sh.sets[b].out][m]);
+          put_mask(x.row_mask + ((si * TB + block) * K + m) * 2, sh.row_words[sh.sets[b].out][m]);
+        }
       x.set_rcnt[si * TB + block] = rows;
     }
     for (int e = t; e < E; e += kBlock) x.ecnt[(static_cast<i64>(h) * TB + block) * E + e] = count(sh.exp_words[e]);
+    put_token(x, p, sh, h, block, t);
   EM_SYNC
 }
 
@@ -510,17 +632,6 @@ EM_FN i64 prefix_run(const i64* src, i64* dst, i64 n, i64 stride, i64 sum = 0) {
       dst[(b0 + j) * stride] = sum;
       sum += v[j];
     }
-  }
-  return sum;
-}
-
-// The sum of n counts at src[0], src[stride], ..., loaded kRun at a time.
-EM_FN i64 run_sum(const i64* src, i64 n, i64 stride) {
-  i64 sum = 0;
-  for (i64 b0 = 0; b0 < n; b0 += kRun) {
-    i64 v[kRun];
-    for (int j = 0; j < kRun; ++j) v[j] = b0 + j < n ? src[(b0 + j) * stride] : 0;
-    for (int j = 0; j < kRun; ++j) sum += v[j];
   }
   return sum;
 }
@@ -732,54 +843,66 @@ EM_KERNEL_SCAN meta_scan(Args a
   EM_SYNC
 }
 
-// The output row of (token t of this block, slot j) of home h, expert e.
-EM_FN i64 output_row(const Scratch& x, const Shared& sh, const i64* p, int h, int block, int t, int e) {
+// ------------------------------------------------------------------------- meta_rows
+// meta_rows reads what meta_count left (each token's record, the sets' block masks), not the
+// routing: no shared memory, no barrier, and a thread's loads go out together -- the part's
+// records, then its token's record and the masks of the part's sets, then the expert rows' bases.
+
+// Where home h's expert e rows start in the output (its rows of lower home ranks and blocks included).
+EM_FN i64 expert_base(const Scratch& x, const i64* p, int h, int block, int e) {
   const i64 E = p[H_experts], TB = p[H_token_blocks];
-  return x.e_first[e] + x.home_before[h * E + e] + x.ebase[(h * TB + block) * E + e] + before(sh.exp_words[e], t);
+  return x.e_first[e] + x.home_before[h * E + e] + x.ebase[(h * TB + block) * E + e];
 }
 
 // The token of a part's set within its copy: the part's first token plus the token's rank in the set.
-EM_FN i64 part_token(const Scratch& x, const i64* p, const Shared& sh, i64 part, int block, int t) {
-  const i64* pr = part_rec(p, part);
-  const i64 s = pr[P_tok_set];
-  const int b = static_cast<int>(set_rec(p, s)[S_bit]);
-  return x.part_tok_base[part] + x.set_base[s * p[H_token_blocks] + block] + before(sh.set_words[b], t);
+EM_FN i64 part_token(const Scratch& x, const i64* p, i64 part, int block, int t) {
+  const i64 s = part_rec(p, part)[P_tok_set];
+  const Mask m = get_mask(x.set_mask + (s * p[H_token_blocks] + block) * 2);
+  return x.part_tok_base[part] + x.set_base[s * p[H_token_blocks] + block] + before(m.w, t);
 }
 
 // Where a set's slots of this block start in their buffer (its offset plus its tokens of the
-// blocks before), and its bit: a token's slot is that plus its rank among the set's tokens here.
+// blocks before), its bit and its block mask: a token's slot is that plus its rank among the set's
+// tokens here.
 struct SlotBase {
   i64 at;
   int bit;
+  Mask m;
 };
 EM_FN SlotBase slot_base(const Scratch& x, const i64* p, i64 s, int block) {
-  SlotBase b{0, -1};
+  SlotBase b{0, -1, {{0u, 0u, 0u, 0u}}};
   if (s < 0) return b;
+  const i64 TB = p[H_token_blocks];
   b.bit = static_cast<int>(set_rec(p, s)[S_bit]);
-  b.at = x.set_off[s] + x.set_base[s * p[H_token_blocks] + block];
+  b.at = x.set_off[s] + x.set_base[s * TB + block];
+  b.m = get_mask(x.set_mask + (s * TB + block) * 2);
   return b;
 }
-EM_FN i64 slot_of(const SlotBase& b, const Shared& sh, int t) { return b.at + before(sh.set_words[b.bit], t); }
+EM_FN i64 slot_of(const SlotBase& b, int t) { return b.at + before(b.m.w, t); }
 
 // Work item `wi` (a part of this rank's copies x a token block): its rows.  What is the same for
-// every token of the item (where the part's tokens, rows and slots of this block start, the
-// producer's chunks) is loaded once, before the tokens' loop, and each token loads its expert
-// rows before it stores any row: the loads of a thread go out together, not one store apart.
-EM_FN void rows_block(const Args& a, i64 wi, Shared& sh) {
+// every token of the item (where the part's tokens, rows and slots of this block start, the sets'
+// masks, the producer's chunks) is loaded once, before the tokens' loop, and each token loads its
+// expert rows' bases before it stores any row.
+EM_FN void rows_block(const Args& a, i64 wi) {
   const i64* p = a.prog;
   const i64* w = rec(p, H_off_work, wi, W_COUNT);
   const i64 part = w[W_part];
   const int block = static_cast<int>(w[W_block]);
   const i64* pr = part_rec(p, part);
   const int h = static_cast<int>(pr[P_origin]);
-  load_block(a, h, block, sh);
   const Scratch x = scratch_of(a);
   const i64* tc = tcopy_rec(p, pr[P_tcopy]);
   const i64 copy = pr[P_copy];
   const int kind = static_cast<int>(pr[P_kind]);
   const int K = static_cast<int>(p[H_topk]), TB = static_cast<int>(p[H_token_blocks]);
+  const i64 max_tokens = p[H_max_tokens];
+  const int strided = static_cast<int>(p[H_strided]), R = static_cast<int>(p[H_num_ranks]);
+  const int epr = static_cast<int>(p[H_epr]);
   const i64 tok_set = pr[P_tok_set];
-  const int tok_bit = static_cast<int>(set_rec(p, tok_set)[S_bit]);
+  const i64* tok_set_rec = set_rec(p, tok_set);
+  const int tok_bit = static_cast<int>(tok_set_rec[S_bit]);
+  const i64* tok_mask = x.set_mask + (tok_set * TB + block) * 2;
   uint8_t* blob = a.blob[tc[T_program]];
   int64_t* src_rows = reinterpret_cast<int64_t*>(blob + tc[T_src_rows]);
   int64_t* dst_rows = reinterpret_cast<int64_t*>(blob + tc[T_dst_rows]);
@@ -797,7 +920,8 @@ EM_FN void rows_block(const Args& a, i64 wi, Shared& sh) {
   // destination's (combine); a dispatch's waits, the source's
   const SlotBase src = slot_base(x, p, kind == PART_C_OUT ? -1 : pr[P_src_set], block);
   const SlotBase dst = slot_base(x, p, kind == PART_D_OUT ? -1 : pr[P_dst_set], block);
-  const int out_words = stage ? 0 : sh.sets[tok_bit].out;
+  // an OUT part: its set's row masks (tokens with at least m + 1 rows on the part's rank)
+  const i64* rows_mask = x.row_mask + (tok_set * TB + block) * K * 2;
   const bool prod_waits = (kind == PART_D_STAGE || kind == PART_D_OUT) && pr[P_producer] >= 0 && pr[P_prod_slot] >= 0;
   i64 ptok_at = 0;  // the producer's token of this block's first slot of the source set
   Chunking pck = ck;
@@ -807,58 +931,68 @@ EM_FN void rows_block(const Args& a, i64 wi, Shared& sh) {
     pck = chunking(p, prod, x.copy_tok[prod]);
   }
   EM_THREADS(t)
-    if (set_has(sh.bits[t], tok_bit)) {
-      const i64 tok = tok_at + before(sh.set_words[tok_bit], t);  // the token within the copy
+    // from the masks, whatever the token: its place in the part's set, its slots, its rows before it
+    const i64 tok = tok_at + before(get_mask(tok_mask).w, t);  // the token within the copy
+    const i64 src_slot = slot_of(src, t), dst_slot = slot_of(dst, t);
+    int rb = 0;
+    EM_UNROLL
+    for (int m = 0; m < kMaxTopk; ++m) rb += !stage && m < K ? before(get_mask(rows_mask + m * 2).w, t) : 0;
+    Token k;
+    get_token(x, p, h, block, t, k);
+    if (tok_has(k, tok_bit)) {
       const i64 chunk = chunk_of(ck, tok);
       const bool first_of_chunk = chunk_start(ck, chunk) == tok;
       i64 row = 0;  // its first row in the copy
       if (stage) {
         row = row_at + (tok - tok0);
-        src_rows[row] = (srcbuf << kRowBufShift) | slot_of(src, sh, t);
-        dst_rows[row] = slot_of(dst, sh, t);
+        src_rows[row] = (srcbuf << kRowBufShift) | src_slot;
+        dst_rows[row] = dst_slot;
       } else {
-        // expert rows: in local-expert order; rows before the token in its block from the row masks
-        int rb = 0;
-        for (int m = 0; m < K; ++m) rb += before(sh.row_words[out_words][m], t);
+        // expert rows: in local-expert order, after the rows of the set's tokens before it in the block
         row = row_at + rb;
         const int d = static_cast<int>(pr[P_out_rank]);
-        const i64 slot = slot_of(kind == PART_D_OUT ? src : dst, sh, t);
-        int order[kMaxTopk];
-        int n = 0;
-        for (int j = 0; j < K; ++j) {
-          const int e = sh.experts[t][j];
-          if (e < 0 || rank_of_expert(p, e) != d) continue;
-          int at = n++;
-          while (at > 0 && local_of_expert(p, sh.experts[t][order[at - 1]]) > local_of_expert(p, e)) {
-            order[at] = order[at - 1];
-            --at;
-          }
-          order[at] = j;
+        const i64 slot = kind == PART_D_OUT ? src_slot : dst_slot;
+        // the slots on rank d, each one's place among them (by local expert: a token's experts differ)
+        bool on[kMaxTopk];
+        int local[kMaxTopk], at[kMaxTopk];
+        EM_UNROLL
+        for (int j = 0; j < kMaxTopk; ++j) {
+          const int e = k.expert[j];
+          on[j] = e >= 0 && (strided ? e % R : e / epr) == d;
+          local[j] = e < 0 ? 0 : strided ? e / R : e % epr;
+        }
+        EM_UNROLL
+        for (int j = 0; j < kMaxTopk; ++j) {
+          at[j] = 0;
+          EM_UNROLL
+          for (int i = 0; i < kMaxTopk; ++i) at[j] += on[i] && local[i] < local[j] ? 1 : 0;
         }
         i64 out[kMaxTopk];
         float wt[kMaxTopk];
-        for (int i = 0; i < n; ++i) {
-          const int j = order[i];
-          out[i] = output_row(x, sh, p, h, block, t, sh.experts[t][j]);
-          wt[i] = kind == PART_C_OUT && weights
-                      ? a.weights[(static_cast<i64>(h) * p[H_max_tokens] + block * kBlock + t) * K + j]
+        EM_UNROLL
+        for (int j = 0; j < kMaxTopk; ++j) {
+          out[j] = on[j] ? expert_base(x, p, h, block, k.expert[j]) + k.place[j] : 0;
+          wt[j] = on[j] && kind == PART_C_OUT && weights
+                      ? a.weights[(static_cast<i64>(h) * max_tokens + block * kBlock + t) * K + j]
                       : 0.f;
         }
-        for (int i = 0; i < n; ++i) {
+        EM_UNROLL
+        for (int j = 0; j < kMaxTopk; ++j) {
+          if (!on[j]) continue;
           if (kind == PART_D_OUT) {
-            src_rows[row + i] = (srcbuf << kRowBufShift) | slot;
-            dst_rows[row + i] = out[i];
+            src_rows[row + at[j]] = (srcbuf << kRowBufShift) | slot;
+            dst_rows[row + at[j]] = out[j];
           } else {
-            src_rows[row + i] = (srcbuf << kRowBufShift) | out[i];
-            dst_rows[row + i] = slot;
-            if (weights) weights[row + i] = wt[i];
+            src_rows[row + at[j]] = (srcbuf << kRowBufShift) | out[j];
+            dst_rows[row + at[j]] = slot;
+            if (weights) weights[row + at[j]] = wt[j];
           }
         }
       }
       if (first_of_chunk) starts[chunk] = row;
       // waits: per producer, its chunk holding this token
       if (prod_waits) {
-        const i64 ptok = ptok_at + before(sh.set_words[src.bit], t);
+        const i64 ptok = ptok_at + (src_slot - src.at);
         const i64 v = chunk_of(pck, ptok) + 1;
         EM_MAX(reinterpret_cast<unsigned long long*>(waits + chunk * nprod + pr[P_prod_slot]),
                static_cast<unsigned long long>(v));
@@ -867,41 +1001,46 @@ EM_FN void rows_block(const Args& a, i64 wi, Shared& sh) {
         for (i64 i = 0; i < pr[P_contrib_count]; ++i, ks += K_COUNT) {
           const i64 q = ks[K_part];
           const int qb = static_cast<int>(set_rec(p, part_rec(p, q)[P_tok_set])[S_bit]);
-          if (!set_has(sh.bits[t], qb)) continue;
-          const i64 qtok = part_token(x, p, sh, q, block, t);
+          if (!tok_has(k, qb)) continue;
+          const i64 qtok = part_token(x, p, q, block, t);
           const i64 v = chunk_of(chunking(p, ks[K_copy], x.copy_tok[ks[K_copy]]), qtok) + 1;
           EM_MAX(reinterpret_cast<unsigned long long*>(waits + chunk * nprod + ks[K_slot]),
                  static_cast<unsigned long long>(v));
         }
       }
     }
-  EM_SYNC
+  EM_DONE  // no barrier: nothing follows
 }
 
 // Block `hb` (home rank x token block): this rank's received rows, each one's weight and expert.
-EM_FN void recv_block(const Args& a, int hb, Shared& sh) {
+EM_FN void recv_block(const Args& a, int hb) {
   const i64* p = a.prog;
   const int TB = static_cast<int>(p[H_token_blocks]);
   const int h = hb / TB, block = hb % TB;
-  load_block(a, h, block, sh);
   const Scratch x = scratch_of(a);
   const int K = static_cast<int>(p[H_topk]), me = static_cast<int>(p[H_rank]);
+  const int strided = static_cast<int>(p[H_strided]), R = static_cast<int>(p[H_num_ranks]);
+  const int epr = static_cast<int>(p[H_epr]);
+  const i64 max_tokens = p[H_max_tokens];
   EM_THREADS(t)
+    Token k;
+    get_token(x, p, h, block, t, k);
     i64 row[kMaxTopk];  // loaded before any store (see rows_block)
     float wt[kMaxTopk];
-    for (int j = 0; j < K; ++j) {
-      const int e = sh.experts[t][j];
-      const bool mine = e >= 0 && rank_of_expert(p, e) == me;
-      row[j] = mine ? output_row(x, sh, p, h, block, t, e) : -1;
-      wt[j] = mine ? a.weights[(static_cast<i64>(h) * p[H_max_tokens] + block * kBlock + t) * K + j] : 0.f;
+    EM_UNROLL
+    for (int j = 0; j < kMaxTopk; ++j) {
+      const int e = k.expert[j];
+      const bool mine = e >= 0 && (strided ? e % R : e / epr) == me;
+      row[j] = mine ? expert_base(x, p, h, block, e) + k.place[j] : -1;
+      wt[j] = mine ? a.weights[(static_cast<i64>(h) * max_tokens + block * kBlock + t) * K + j] : 0.f;
     }
-    for (int j = 0; j < K; ++j) {
+    EM_UNROLL
+    for (int j = 0; j < kMaxTopk; ++j) {
       if (row[j] < 0) continue;
       a.recv_w[row[j]] = wt[j];
-      a.recv_idx[row[j]] = sh.experts[t][j];
+      a.recv_idx[row[j]] = k.expert[j];
     }
     if (hb == 0 && t == 0) {
-      const int epr = static_cast<int>(p[H_epr]);
       int n = 0;
       for (int l = 0; l < epr; ++l) {
         const int c = static_cast<int>(x.e_total[expert_of(p, me, l)]);
@@ -911,7 +1050,7 @@ EM_FN void recv_block(const Args& a, int hb, Shared& sh) {
       }
       a.recv_offset[epr] = n;
     }
-  EM_SYNC
+  EM_DONE  // no barrier: nothing follows
 }
 
 // Grid: num_work (part x token block, parts of this rank's copies only), then num_ranks x
@@ -921,10 +1060,9 @@ EM_KERNEL meta_rows(Args a
                     , int em_block
 #endif
 ) {
-  EM_SHARED Shared sh;
   const i64 work = a.prog[H_num_work];
-  if (EM_BLOCK < work) rows_block(a, EM_BLOCK, sh);
-  else recv_block(a, static_cast<int>(EM_BLOCK - work), sh);
+  if (EM_BLOCK < work) rows_block(a, EM_BLOCK);
+  else recv_block(a, static_cast<int>(EM_BLOCK - work));
 }
 
 // The place of item (copy i of the role, chunk c) in the role's item order: by progress
