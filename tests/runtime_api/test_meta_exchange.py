@@ -229,6 +229,7 @@ def _one_after_another(rank: int, num_ranks: int, store: str, results: str) -> N
                 except ExchangeTimeout:
                     seen.append("timed out")
                 x.abort()
+                assert x.join(60) and x.abort_error is None, x.abort_error  # its own thread's
             else:
                 x.close()
             dist.barrier()  # the test's own: every rank at the next Buffer
@@ -278,27 +279,65 @@ def test_the_watch_names_an_exchange_that_entered_and_did_not_leave_in_the_bound
     assert isinstance(e.value, WatchFailed) and f"({e.value.lost_why})" in LOST
 
 
-def test_a_watched_wait_aborts_the_exchange_and_names_the_rank_that_did_not_come():
+class _SlowAbort:
+    """The exchange's group as NCCL's aborts on the GPU: its abort returns `cost_s` after the call
+    (torch's abort of an NCCL group waits for the device, so for the rest of the rank's stream: the
+    kernels after the all-gather, which wait for the missing rank up to the Buffer's timeout)."""
+
+    def __init__(self, group, cost_s: float):
+        self.group, self.cost_s = group, cost_s
+        self.calls: list[tuple[float, float]] = []  # (began, ended), monotonic
+
+    def abort(self) -> None:
+        began = time.monotonic()
+        time.sleep(self.cost_s)
+        self.group.abort()
+        self.calls.append((began, time.monotonic()))
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo world of this process alone: the group an Exchange is made from."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+#: When the late rank comes back: after its peer's bound and grace.
+LATE_S = BOUND_S + agree.GRACE_S + SLACK_S
+#: A slow abort of its peer's group (begun at the bound) returns half a bound after that, while
+#: the late rank's round still waits: a report that waited for it would be late and name rank 0.
+ABORT_S = LATE_S - BOUND_S / 2
+
+
+@pytest.mark.parametrize("abort_s", [0.0, ABORT_S], ids=["quick-abort", "abort-outlasts-the-late-rank"])
+def test_a_watched_wait_aborts_the_exchange_and_names_the_rank_that_did_not_come(world_of_one, abort_s):
     """The GPU's path on the CPU: rank 0 waits for a launch behind an exchange that entered and
     never left (rank 1 never came); its watched wait gives up at the bound, aborts the exchange
-    (on_fail) and posts; rank 1, late, hears the same error at its next round."""
+    (on_fail: Exchange.abort, as the engine's) and posts; rank 1, late, hears the same error at its
+    next round.  The report does not wait for the group's abort, however long that takes: where it
+    did, rank 0 posted after rank 1 had come back and named itself, late (2 x H200, 2026-11-27)."""
     store = dist.HashStore()
-    aborted: list[float] = []
+    x = Exchange(world_of_one, BOUND_S, BUNDLE, torch.device("cpu"))
+    slow = x.group = _SlowAbort(x.group, abort_s)
     out: dict = {}
 
     def rank0() -> None:
         a = agree.Agreement(store, 0, 2, BOUND_S)
         t0 = time.monotonic()
+        out["t0"] = t0
         try:
             with a.call("dispatch"):
                 wait_watched(lambda: False, Watches([ExchangeWatch(lambda: (2, 1), BOUND_S, BUNDLE, 0)]), a,
-                             on_fail=lambda: aborted.append(time.monotonic() - t0))
+                             on_fail=x.abort)
         except GroupError as e:
             out[0] = (e, time.monotonic() - t0)
 
     def rank1() -> None:
         a = agree.Agreement(store, 1, 2, BOUND_S)
-        time.sleep(BOUND_S + agree.GRACE_S + SLACK_S)
+        time.sleep(LATE_S)
         t0 = time.monotonic()
         try:
             with a.call("dispatch"):
@@ -311,11 +350,18 @@ def test_a_watched_wait_aborts_the_exchange_and_names_the_rank_that_did_not_come
         t.start()
     for t in threads:
         t.join(60)
-    assert sorted(out) == [0, 1], out
+    assert sorted(k for k in out if k != "t0") == [0, 1], out
     for r in (0, 1):
         e, _ = out[r]
         want = ("GroupTimeout", f"dispatch #1 failed on rank 1: {LOST}", 1, True)
         assert (type(e).__name__, str(e), e.rank, e.rebuild) == want, (r, str(e))
-    assert len(aborted) == 1 and BOUND_S <= aborted[0] < BOUND_S + SLACK_S, aborted
     assert BOUND_S + agree.GRACE_S <= out[0][1] < BOUND_S + agree.GRACE_S + SLACK_S, out[0]
     assert out[1][1] < SLACK_S, out[1]
+    x.join(60)
+    assert len(slow.calls) == 1, slow.calls
+    began, ended = (t - out["t0"] for t in slow.calls[0])
+    assert BOUND_S <= began < BOUND_S + SLACK_S, slow.calls
+    assert ended >= began + abort_s, slow.calls
+    x.abort()  # once
+    x.join(60)
+    assert len(slow.calls) == 1, slow.calls

@@ -71,9 +71,10 @@ GroupError on every rank.  On the GPU proxy path the host's wait for a launch is
 peer's failure ends this rank's wait at once, instead of every rank's kernels timing out together.
 With the collective exchange the wait (the normal mode's, `synchronize`, `close`) is watched too:
 the exchange runs in a process group of its own, made with the Buffer, and one that a peer did not
-come to within the timeout (it skipped a dispatch, stalled or died) has its group aborted and is
-posted, naming the rank that does not answer (exchange.py), instead of waiting in NCCL for
-torch's group timeout.  A low-latency caller waits with `synchronize()` before a host read.
+come to within the timeout (it skipped a dispatch, stalled or died) has its group aborted (in
+the background: the abort waits for the rest of the stream) and is posted at once, naming the
+rank that does not answer (exchange.py), instead of waiting in NCCL for torch's group timeout.
+A low-latency caller waits with `synchronize()` before a host read.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ from ..gpu_proxy.engine import GpuRdma
 from ..gpu_proxy.watch import STALL_FRACTION, ProxyWatch, Watch, Watches, WatchFailed, wait_watched
 from ..ipc_domain import ipc_peers, local_domain
 from ..tensors import FP8_GROUP, WEIGHTS_DIFFER, check_tensor, check_token_count, device_view
-from .exchange import Exchange
+from .exchange import Exchange, backstop_s
 from .launcher import CudaError, Library, build_library, role_timeline
 from .meta import DeviceMeta, routing_error
 from .tables import PROGRAMS, build_tables
@@ -349,7 +350,8 @@ class CudaTableEngine:
 
     def _abort_waits(self) -> None:
         """This rank's proxies stop and its collective exchange's group is aborted (a stuck
-        all-gather returns): nothing of this rank waits for a peer any more."""
+        all-gather returns; on a thread of its own, which the report does not wait for): nothing of
+        this rank waits for a peer any more."""
         for eng in self.rdma:
             eng.abort_proxy()
         if self.meta is not None and self.meta.exchange is not None:
@@ -663,6 +665,7 @@ class CudaTableEngine:
                     exchange.close()  # every rank's last exchange is done
         if exchange is not None:
             exchange.abort()  # a failed Buffer's: on this rank alone (closed above: nothing left)
+            exchange.join(backstop_s(self.timeout_s))  # its abort (begun here or at the failure) before the buffers go
         for p in self.opened:
             self.lib.ipc_close(p)
         self.opened = []

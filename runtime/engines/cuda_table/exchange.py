@@ -23,8 +23,9 @@ the Buffer's timeout and reported by epcc, as every other wait of epcc's is (doc
   (DeviceMarks: a copy on a stream of its own, which runs while the dispatch's stream waits in
   the exchange) and watches them (ExchangeWatch): an exchange that entered and has not left for
   the Buffer's timeout raises ExchangeTimeout; the engine aborts this group (the NCCL kernels
-  return; the rest of the stream runs on, and the kernels' own bounded waits give up) and the
-  agreement names the rank that does not answer.
+  return; the rest of the stream runs on, and the kernels' own bounded waits give up: the abort,
+  which waits for them, runs on a thread of its own) and at once posts the failure: the agreement
+  names the rank that does not answer.
 * torch's own timeout of the group (its NCCL watchdog, which tears the process down by default)
   is a backstop past epcc's (`backstop_s`), for a process that blocks in CUDA while no epcc wait
   watches (a host read after a low-latency dispatch without Buffer.synchronize()).
@@ -34,6 +35,8 @@ the Buffer's timeout and reported by epcc, as every other wait of epcc's is (doc
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 from typing import Callable
 
@@ -168,6 +171,9 @@ class Exchange:
         self.on_device = device.type != "cpu"
         self.group = exchange_group(group, backstop_s(timeout_s) if self.on_device else timeout_s)
         self.marks = DeviceMarks(device) if self.on_device else None
+        self._aborting: threading.Thread | None = None
+        self.abort_s: float | None = None  # how long the group's abort took (abort, join)
+        self.abort_error: str | None = None
 
     def watch(self) -> ExchangeWatch:
         """A watch of the marks for one wait (the GPU's)."""
@@ -197,10 +203,34 @@ class Exchange:
     # ranks made after one was unregistered would take its name, and its rendezvous would read
     # the old group's keys in the store.
     def abort(self) -> None:
-        """End the group now, on this rank alone (a stuck NCCL all-gather returns); once."""
+        """End the group on this rank alone (a stuck NCCL all-gather returns), once, on a thread of
+        its own: it returns at once (`join` waits for the abort).  torch's abort of an NCCL group
+        returns when NCCL has torn its communicator down, which waits for the device: for the rest
+        of this rank's stream, whose kernels after the all-gather wait for the rank that did not
+        come up to the Buffer's timeout.  The report of the failure must not wait for that: on
+        2 x H200 (2026-11-27, a 5 s timeout), with the abort before the report, rank 0 reported
+        10.0 to 10.4 s after its call began instead of about 5, so its grace for the peers' answer
+        (agree.GRACE_S) ran while a stalled rank came back, and it named itself, not that rank."""
         group, self.group = self.group, None
         if group is not None:
+            self._aborting = threading.Thread(target=self._abort, args=(group,), name="epcc-exchange-abort",
+                                              daemon=True)
+            self._aborting.start()
+
+    def _abort(self, group) -> None:
+        t0 = time.monotonic()
+        try:
             group.abort()
+        except Exception as e:  # noqa: BLE001 - the thread's error has no caller: kept for the one who joins
+            self.abort_error = f"{type(e).__name__}: {e}"
+        self.abort_s = time.monotonic() - t0
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait up to `timeout_s` (None: for good) for the abort begun by `abort`; True when none
+        is running.  `abort_s` is then how long it took, `abort_error` what it raised (if it did)."""
+        if self._aborting is not None:
+            self._aborting.join(timeout_s)
+        return self._aborting is None or not self._aborting.is_alive()
 
     def close(self) -> None:
         """Shut the group down (every rank's exchanges done: Buffer.close's barriers); once."""

@@ -111,7 +111,8 @@ def wait_watched(done: Callable[[], bool], watch: Watch, agree: Agreement, *,
     the watch saw (a proxy of this rank that stopped or stalled, an exchange that did not complete)
     is posted to the group (Agreement.fail: every rank raises the same GroupError), a peer's alarm
     makes this rank give up with the peer's error (Agreement.heed).  `on_fail` runs first in both
-    cases (stop this rank's proxies, abort its exchange)."""
+    cases (stop this rank's proxies, begin the abort of its exchange): it must return at once, as
+    the report waits for it."""
     start = clock()
     next_check, next_alarm = start, start + WATCH_S
     try:
