@@ -115,6 +115,18 @@ def proxy_hook(kind: str) -> None:
     GpuRdma.start = start
 
 
+def exchange_abort(buf: Buffer, wait_s: float) -> dict | None:
+    """How long the abort of the collective exchange's group took on this rank (it runs in the
+    background: the report does not wait for it), waited for up to `wait_s`: {"s": seconds or
+    None if still running, "error": what it raised}; None where the Buffer has no such exchange
+    or did not abort it."""
+    x = getattr(getattr(buf.engine, "meta", None), "exchange", None)
+    if x is None or x.group is not None:
+        return None
+    x.join(wait_s)
+    return {"s": None if x.abort_s is None else round(x.abort_s, 3), "error": x.abort_error}
+
+
 def main(bundle: str, case: str, out_dir: str, timeout_s: float, late_s: float) -> None:
     if case not in CASES:
         raise SystemExit(f"fail_worker: case must be one of {', '.join(CASES)}, not {case!r}")
@@ -172,6 +184,7 @@ def main(bundle: str, case: str, out_dir: str, timeout_s: float, late_s: float) 
                     proxy_hook(case.split("-")[1])
             res["failed"] = _seen(_call(buf, lambda: buf.dispatch(x, idx, w)))
         res["after"] = _seen(_call(buf, lambda: buf.dispatch(x, idx, w)))
+        res["exchange_abort"] = exchange_abort(buf, 2 * timeout_s + late_s)
         res["status"] = "ok"
     except BaseException:  # noqa: BLE001 - reported to the test
         res["status"] = traceback.format_exc()

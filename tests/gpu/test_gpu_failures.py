@@ -96,6 +96,9 @@ def _run(engine: str, case: str, tmp_path: Path) -> list[dict | None]:
         pytest.fail(f"rank 0 wrote no result\n{logs[0][-6000:]}")
     assert res[0]["engine"] == cls, res[0]["engine"]
     print("\n".join(f"rank {r}: {res[r] and res[r].get('failed')}" for r in range(2)))
+    for r in range(2):  # not bounded here: what the report no longer waits for (exchange.py Exchange.abort)
+        if res[r] is not None and res[r].get("exchange_abort") is not None:
+            print(f"rank {r}: the exchange's abort took {res[r]['exchange_abort']}")
     return res
 
 
