@@ -231,7 +231,9 @@ class Buffer:
         token-major bundles: recv_topk_idx is the whole [capacity, topk] buffer and the offsets are
         each source rank's first row, then the total; on the GPU proxy path synchronize (this
         Buffer's `synchronize()`, the stream or the device) before copying them into pageable memory
-        on the default stream (`.cpu()`, `.item()`), a copy that holds the proxy's CUDA calls: docs/rdma.md); `handle` (instead of
+        on the default stream (`.cpu()`, `.item()`), a copy that holds the proxy's CUDA calls: docs/rdma.md;
+        where the bundle's metadata exchange is the process group's collective, call `synchronize()`
+        before reading them or blocking in another CUDA call: docs/cuda.md); `handle` (instead of
         topk_idx/topk_weights) reuses an earlier dispatch's routing (without a metadata kernel when
         it is the last one's)."""
         with self.agree.call("dispatch"):  # a refused keyword reaches the peers as the engine's errors do

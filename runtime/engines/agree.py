@@ -251,7 +251,9 @@ class Agreement:
         enter), raise the alarm, wait up to `wait_s` (default GRACE_S; 0 where the peers cannot
         be in that round yet, e.g. in their kernels) for their keys, and raise the GroupError that
         they raise too.  `fatal`: the peers started work this rank will not match (their kernels
-        wait for it), so even a refused argument fails the Buffer for good."""
+        wait for it), so even a refused argument fails the Buffer for good.  A peer that does not
+        answer is named as lost, "stalled, or its process died", or what `error.lost_why` says
+        where the error knows more (the collective metadata exchange: it did not come to it)."""
         call = self._call or self._last_call
         if self.failure is not None:
             self.check()
@@ -267,7 +269,8 @@ class Agreement:
         except _StoreGone as e:
             self._store_gone(call, e, cause=error)
         # without a wait (wait_s=0) a missing peer is no news: it is not called lost
-        lost = (f"no answer within {grace:g} s of its peers' failure (stalled, or its process died)", call)
+        why = getattr(error, "lost_why", None) or "stalled, or its process died"
+        lost = (f"no answer within {grace:g} s of its peers' failure ({why})", call)
         self._settle(seq, self._failures(values, lost if grace > 0 else None), cause=error, fatal=fatal)
 
     def heed(self) -> None:

@@ -69,6 +69,12 @@ rank refuses, a kernel or proxy that gave up, or a rank that stopped answering r
 GroupError on every rank.  On the GPU proxy path the host's wait for a launch is watched
 (gpu_proxy/watch.py): a proxy thread that stops or stalls is posted to the group at once, and a
 peer's failure ends this rank's wait at once, instead of every rank's kernels timing out together.
+With the collective exchange the wait (the normal mode's, `synchronize`, `close`) is watched too:
+the exchange runs in a process group of its own, made with the Buffer, and one that a peer did not
+come to within the timeout (it skipped a dispatch, stalled or died) has its group aborted (in
+the background: the abort waits for the rest of the stream) and is posted at once, naming the
+rank that does not answer (exchange.py), instead of waiting in NCCL for torch's group timeout.
+A low-latency caller waits with `synchronize()` before a host read.
 """
 
 from __future__ import annotations
@@ -89,9 +95,10 @@ from ..base import EngineError, GroupError, KernelTimeout
 from ..gpu_proxy.build import build_gpu
 from ..gpu_proxy.channels import TRANSPORTS, from_placement, from_tables
 from ..gpu_proxy.engine import GpuRdma
-from ..gpu_proxy.watch import STALL_FRACTION, ProxyFailed, ProxyWatch, wait_watched
+from ..gpu_proxy.watch import STALL_FRACTION, ProxyWatch, Watch, Watches, WatchFailed, wait_watched
 from ..ipc_domain import ipc_peers, local_domain
 from ..tensors import FP8_GROUP, WEIGHTS_DIFFER, check_tensor, check_token_count, device_view
+from .exchange import Exchange, backstop_s
 from .launcher import CudaError, Library, build_library, role_timeline
 from .meta import DeviceMeta, routing_error
 from .tables import PROGRAMS, build_tables
@@ -198,8 +205,12 @@ class CudaTableEngine:
             handles[p] = [self.lib.ipc_handle(q) for q in self.own[p]]
         self.meta = None
         if self.on_device:
+            exchange = None
+            if manifest["metadata"].get("exchange") == "collective":  # its own group: a collective of every rank
+                self.agree.barrier("the metadata exchange's process group")
+                exchange = Exchange(self.group, timeout_s, bundle.path.name, self.device)
             self.meta = DeviceMeta(self.lib.lib, manifest, plan, segment_program(plan), self.rank, self.device,
-                                   timeout_s, error_on_device=self.ERROR_ON_DEVICE, group=self.group)
+                                   timeout_s, error_on_device=self.ERROR_ON_DEVICE, exchange=exchange)
             if not self.meta.collective:  # the peers write their routing into it over CUDA IPC
                 self.area = self.lib.malloc(dev, self.meta.area_bytes)
                 handles["area"] = self.lib.ipc_handle(self.area)
@@ -241,7 +252,7 @@ class CudaTableEngine:
         # the inputs' buffers as tensors, once (a call copies into a slice of them)
         self.input_view = device_view(self.input_ptr, self.max_tokens * self.row_bytes, torch.uint8,
                                       (self.max_tokens, self.row_bytes), self.device)
-        self.ctx.synchronize(stream)
+        self._finish(stream)  # watched where the collective exchange made its first all-gather
         self.agree.barrier("the buffers' mapping")  # every flag area and buffer exists (zeroed) before any launch
 
     # ------------------------------------------------------------------ helpers
@@ -337,14 +348,31 @@ class CudaTableEngine:
             eng.close()
         self.rdma = []
 
-    def _abort_rdma(self) -> None:
+    def _abort_waits(self) -> None:
+        """This rank's proxies stop and its collective exchange's group is aborted (a stuck
+        all-gather returns; on a thread of its own, which the report does not wait for): nothing of
+        this rank waits for a peer any more."""
         for eng in self.rdma:
             eng.abort_proxy()
+        if self.meta is not None and self.meta.exchange is not None:
+            self.meta.exchange.abort()
+
+    def _watches(self) -> list[Watch]:
+        """What the host looks at while it waits for a launch: the proxy path's proxies, the
+        collective exchange's marks (exchange.py)."""
+        watches: list[Watch] = []
+        if self.rdma:
+            watches.append(ProxyWatch(self.rdma, self.timeout_s * STALL_FRACTION))
+        if self.meta is not None and self.meta.exchange is not None:
+            watches.append(self.meta.exchange.watch())
+        return watches
 
     def _finish(self, stream: int) -> None:
-        """Wait for this rank's launches on `stream`; on the proxy path watched (watch.py): its
-        proxies' failures and its peers' alarm end the wait at once."""
-        if not self.rdma:
+        """Wait for this rank's launches on `stream`; on the proxy path and with the collective
+        exchange watched (watch.py): a failed or stalled proxy, an exchange a peer did not come to
+        within the timeout and its peers' alarm end the wait at once."""
+        watches = self._watches()
+        if not watches:
             self.ctx.synchronize(stream)
             return
         if self._done is None:
@@ -358,17 +386,17 @@ class CudaTableEngine:
                 self.ctx.synchronize(stream)
                 raise
 
-        wait_watched(done, ProxyWatch(self.rdma, self.timeout_s * STALL_FRACTION), self.agree,
-                     on_fail=self._abort_rdma)
+        wait_watched(done, Watches(watches), self.agree, on_fail=self._abort_waits)
 
     def _fail_launch(self, e: Exception) -> NoReturn:
         """A launch failed on this rank, or a peer's did (a GroupError, already the group's): this
-        rank's proxies stop, and every rank raises the same GroupError."""
+        rank's proxies stop and its exchange's group is aborted, and every rank raises the same
+        GroupError."""
         if isinstance(e, GroupError):
-            self._abort_rdma()
+            self._abort_waits()
             raise e
-        report = e if isinstance(e, ProxyFailed) else self._report(e)
-        self._abort_rdma()
+        report = e if isinstance(e, WatchFailed) else self._report(e)
+        self._abort_waits()
         self.agree.fail(report)
 
     # ------------------------------------------------------------------ dispatch
@@ -518,9 +546,12 @@ class CudaTableEngine:
                                                                              device=self.device)
 
     def check_routing(self, topk_idx=None) -> None:
-        """Raise if the last dispatch met a bad top-k row (for sync=False callers); syncs."""
+        """Raise if the last dispatch met a bad top-k row (for sync=False callers); syncs (watched,
+        where a launch is: `synchronize`)."""
         if self.meta is None:
             return
+        if self._watches():  # not a blocking read behind a stalled proxy or an exchange a peer never came to
+            self.synchronize()
         bad = int(self.meta.bad.cpu()[0])
         if bad < self.max_tokens:
             row = topk_idx[bad].tolist() if topk_idx is not None else "?"
@@ -621,12 +652,20 @@ class CudaTableEngine:
         """Collective: every rank's kernels finish before any buffer is unmapped and freed."""
         if self.ctx is None:
             return
+        exchange = self.meta.exchange if self.meta is not None else None
         if self.agree.state == "ready":
             with self.agree.call("close", numbered=False):
+                if exchange is not None:  # a low-latency exchange no peer came to is reported, not waited for
+                    self._finish(self._stream())
                 torch.cuda.synchronize(self.device)
                 self.agree.barrier("the kernels' end, on every rank")
                 self._close_rdma()
                 self.agree.barrier("the proxies' end")  # no peer's proxy writes into this rank any more
+                if exchange is not None:
+                    exchange.close()  # every rank's last exchange is done
+        if exchange is not None:
+            exchange.abort()  # a failed Buffer's: on this rank alone (closed above: nothing left)
+            exchange.join(backstop_s(self.timeout_s))  # its abort (begun here or at the failure) before the buffers go
         for p in self.opened:
             self.lib.ipc_close(p)
         self.opened = []

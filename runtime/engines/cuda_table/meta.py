@@ -9,8 +9,9 @@ once where they lie (Context.use_tables).
 blobs' templates and the blobs (and, for the GPU proxy path, each RDMA item's sequence number on
 its channel, which the kernels write beside them), the scratch, this rank's gather area (ipc: peer memory every
 rank maps, allocated by the caller with the launcher library's malloc; collective: its own, a
-tensor), the exchange's epoch, an error word the kernels write before they give up, and what a
-dispatch returns of the received rows (their weights, experts, the rows per local expert).
+tensor, all-gathered by the Buffer's Exchange: exchange.py), the exchange's epoch, an error word
+the kernels write before they give up, and what a dispatch returns of the received rows (their
+weights, experts, the rows per local expert).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..base import EngineError
 from epcc.backends.cuda.meta_program import MetaProgram, encode
 from epcc.backends.cuda.placement import Placement, placement, template
 
-from .exchange import all_gather_slots, area_regions
+from .exchange import Exchange, area_regions
 from .tables import PROGRAMS
 
 MAX_RANKS = 64
@@ -101,11 +102,12 @@ def program_of(manifest: dict, plan, prog: SegmentProgram, rank: int) -> tuple[M
 class DeviceMeta:
     """One rank's metadata on the GPU (see the module docstring).  Device memory comes from torch
     (on the current device) except, with the exchange over CUDA IPC, the gather area, which the
-    caller allocates and maps on peers (set_areas); with the collective exchange (`group`: the
-    Buffer's process group) the area is this rank's own tensor, made here."""
+    caller allocates and maps on peers (set_areas); with the collective exchange (`exchange`: the
+    Buffer's, exchange.py) the area is this rank's own tensor, made here, and its first exchange
+    (of the zeroed area) is enqueued here: the caller waits for it (watched: Exchange.watch)."""
 
     def __init__(self, lib, manifest: dict, plan, prog: SegmentProgram, rank: int, device, timeout_s: float,
-                 error_on_device: bool = False, group=None):
+                 error_on_device: bool = False, exchange: Exchange | None = None):
         self.lib, self.rank, self.device = lib, rank, device
         bind(lib)
         if lib.epcc_table_meta_load() != 0:  # not behind a running kernel
@@ -145,19 +147,17 @@ class DeviceMeta:
         self.areas: list[int] = []
         self.own_area = 0
         self.collective = manifest["metadata"].get("exchange") == "collective"
-        self.group = group
+        self.exchange = exchange
         if self.collective:  # no peer maps it: the group's all-gather fills the others' slots
-            if group is None:
+            if exchange is None:
                 raise EngineError("the bundle's metadata exchange is the process group's collective: DeviceMeta "
-                                  "needs the group")
+                                  "needs the Buffer's Exchange")
             self.area = torch.zeros(self.area_bytes, dtype=torch.uint8, device=device)
             self.regions = area_regions(self.area, R, wl.tokens, wl.topk, self.off_tokens, self.off_topk,
                                         self.off_weights)
             # one exchange of the zeroed area now (every rank makes its Buffer at the same time): the
             # group's communicator is set up here, not by a first dispatch inside a CUDA-graph capture
-            all_gather_slots(self.regions, rank, group)
-            if self.area.is_cuda:
-                torch.cuda.synchronize(device)
+            exchange.all_gather(self.regions)
             self.set_areas([self.area.data_ptr() if r == rank else 0 for r in range(R)], rank)
 
     def set_areas(self, areas: list[int], rank: int) -> None:
@@ -170,7 +170,7 @@ class DeviceMeta:
 
     def run(self, tokens: int, topk_idx, topk_weights, stream) -> None:
         """The exchange and the metadata kernels of one dispatch, on `stream` (a torch.cuda.Stream),
-        no host sync: over CUDA IPC in one entry; collective: this rank's slot, the group's
+        no host sync: over CUDA IPC in one entry; collective: this rank's slot, the Exchange's
         all-gathers on `stream`, then the metadata kernels."""
         m = self.args
         x = m.exchange
@@ -184,7 +184,7 @@ class DeviceMeta:
             return
         self._check(self.lib.epcc_table_meta_gather(ctypes.byref(m), s))
         with torch.cuda.stream(stream):
-            all_gather_slots(self.regions, self.rank, self.group)
+            self.exchange.all_gather(self.regions)
         self._check(self.lib.epcc_table_meta_tables(ctypes.byref(m), s))
 
     def _check(self, rc: int) -> None:
