@@ -2,16 +2,18 @@
 rank's routing exchanged (over peer memory inside one box, "ipc"; by the process group's all-gather
 across boxes, "collective": exchange.py) and this rank's table blobs of both programs written by
 the metadata kernels (epcc/table/meta.cuh), stream-ordered, no host round trip (CUDA-graph
-capturable).  The blobs are placed (placement.py) and stay where they are: the launcher is told
+capturable): on the CUDA target one cooperative launch per dispatch (meta_fused: the routing's copy,
+the peers' flags and the kernels' four phases, a grid barrier between two; collective: the routing
+copy, the all-gathers, then meta_fused), else a launch per step.  The blobs are placed (placement.py) and stay where they are: the launcher is told
 once where they lie (Context.use_tables).
 
 `DeviceMeta` holds what one rank needs: the encoded metadata program (meta_program.py), the
 blobs' templates and the blobs (and, for the GPU proxy path, each RDMA item's sequence number on
 its channel, which the kernels write beside them), the scratch, this rank's gather area (ipc: peer memory every
 rank maps, allocated by the caller with the launcher library's malloc; collective: its own, a
-tensor, all-gathered by the Buffer's Exchange: exchange.py), the exchange's epoch, an error word
-the kernels write before they give up, and what a dispatch returns of the received rows (their
-weights, experts, the rows per local expert).
+tensor, all-gathered by the Buffer's Exchange: exchange.py), the exchange's epoch, meta_fused's
+grid barrier counter, an error word the kernels write before they give up, and what a dispatch
+returns of the received rows (their weights, experts, the rows per local expert).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from .exchange import Exchange, area_regions
 from .tables import PROGRAMS
 
 MAX_RANKS = 64
-META_ABI = 5  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
-LAYOUT_WORDS = 24  # meta.cuh kLayout: the scratch's regions
+META_ABI = 6  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
+LAYOUT_WORDS = 21  # meta.cuh kLayout: the scratch's regions
+PHASES = ("count", "scan", "rows")  # meta.cuh Phase: what meta_fused's barrier timeouts name
 
 
 class _Exchange(ctypes.Structure):
@@ -42,7 +45,8 @@ class _Exchange(ctypes.Structure):
 
 
 class _Args(ctypes.Structure):  # epcc::meta::Args
-    _fields_ = [("prog", ctypes.c_uint64), ("scratch", ctypes.c_uint64), ("tokens", ctypes.c_uint64),
+    _fields_ = [("prog", ctypes.c_uint64), ("prog_words", ctypes.c_int64), ("scratch", ctypes.c_uint64),
+                ("tokens", ctypes.c_uint64),
                 ("topk", ctypes.c_uint64), ("weights", ctypes.c_uint64), ("blob", ctypes.c_uint64 * 2),
                 ("bad", ctypes.c_uint64), ("recv_w", ctypes.c_uint64), ("recv_idx", ctypes.c_uint64),
                 ("recv_count", ctypes.c_uint64), ("recv_offset", ctypes.c_uint64), ("seq", ctypes.c_uint64 * 2),
@@ -51,9 +55,9 @@ class _Args(ctypes.Structure):  # epcc::meta::Args
 
 class _Meta(ctypes.Structure):  # EpccTableMeta
     _fields_ = [("exchange", _Exchange), ("args", _Args), ("templ", ctypes.c_uint64 * 2),
-                ("templ_bytes", ctypes.c_uint64 * 2), ("grid_count", ctypes.c_int),
+                ("templ_bytes", ctypes.c_uint64 * 2), ("sync", ctypes.c_uint64), ("grid_count", ctypes.c_int),
                 ("grid_rows", ctypes.c_int), ("grid_items", ctypes.c_int), ("grid_copy", ctypes.c_int),
-                ("grid_scan", ctypes.c_int)]
+                ("grid_scan", ctypes.c_int), ("grid_fused", ctypes.c_int)]
 
 
 def bind(lib: ctypes.CDLL) -> None:
@@ -81,6 +85,8 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.epcc_table_meta_error.restype = ctypes.c_char_p
     lib.epcc_table_meta_load.argtypes = []
     lib.epcc_table_meta_load.restype = ctypes.c_int
+    lib.epcc_table_meta_max_grid.argtypes = [ctypes.c_int]
+    lib.epcc_table_meta_max_grid.restype = ctypes.c_int
 
 
 def area_layout(lib, num_ranks: int, max_tokens: int, topk: int) -> tuple[int, int, int, int]:
@@ -138,6 +144,17 @@ class DeviceMeta:
         self.recv_offset = torch.zeros(epr + 1, dtype=torch.int32, device=device)
         self.bad = torch.zeros(1, dtype=torch.int32, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        self.sync = torch.zeros(1, dtype=torch.int64, device=device)  # meta_fused's barrier counter
+        # meta_fused's grid: as many blocks as its largest phase has, at most what the device holds
+        # at once (0: the launches of the steps instead, where the target has no cooperative launch)
+        dev = torch.device(device)
+        index = dev.index if dev.index is not None else torch.cuda.current_device() if dev.type == "cuda" else 0
+        most = int(lib.epcc_table_meta_max_grid(index))
+        if most < 0:
+            raise EngineError(f"metadata kernels: {lib.epcc_table_meta_error().decode(errors='replace')}")
+        g = self.mp.grids()
+        self.fused_grid = min(most, max(g["count"], g["scan"], g["rows"] + g["count"], g["items"]))
+        self.grid = self.fused_grid  # what the launches get (set_grid)
         # the exchange's error words: pinned host memory the kernel writes, or device memory where
         # kernels may not write host memory (SUPA on BR1xx), read back after the stream
         self.error = (torch.zeros(2, dtype=torch.int32, device=device) if error_on_device
@@ -209,7 +226,7 @@ class DeviceMeta:
         x.rank, x.num_ranks, x.max_tokens, x.k = self.rank, self.R, self.T, self.K
         x.collective = int(self.collective)
         a = m.args
-        a.prog = self.prog.data_ptr()
+        a.prog, a.prog_words = self.prog.data_ptr(), len(self.mp.array)
         a.scratch = self.scratch.data_ptr()
         a.tokens = self.own_area + self.off_tokens
         a.topk = self.own_area + self.off_topk
@@ -228,7 +245,20 @@ class DeviceMeta:
         g = self.mp.grids()
         m.grid_count, m.grid_rows, m.grid_items, m.grid_scan = g["count"], g["rows"], g["items"], g["scan"]
         m.grid_copy = max(1, min(264, -(-self.R * self.T * self.K // 256)))
+        m.sync, m.grid_fused = self.sync.data_ptr(), self.grid
         return m
+
+    def set_grid(self, blocks: int) -> None:
+        """meta_fused's grid from the next dispatch on: 0 (the launches of the steps instead) up to
+        the grid it was given (what its largest phase has, at most what the device holds at once).
+        Its barrier counter is cleared on the current stream (between dispatches): it counts on the
+        grid staying one size."""
+        if not 0 <= blocks <= self.fused_grid:
+            raise EngineError(f"meta_fused's grid must be 0 to {self.fused_grid} blocks, not {blocks}")
+        self.sync.zero_()
+        self.grid = blocks
+        if self.areas:
+            self.args.grid_fused = blocks
 
     def zero_partials(self, own_buffers_dev: int, stream: int) -> None:
         """The combine's partial buffers of this rank, cleared (before the combine kernel)."""
@@ -244,6 +274,9 @@ class DeviceMeta:
         if code == 1:
             return (f"the metadata exchange timed out: rank {self.rank} received no routing from rank {rank} "
                     f"(it did not dispatch, or it failed)")
+        if code == 2:
+            after = PHASES[rank] if 0 <= rank < len(PHASES) else f"phase {rank}"
+            return f"the metadata kernels' grid barrier after {after} timed out on rank {self.rank}"
         return None
 
 
