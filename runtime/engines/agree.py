@@ -243,7 +243,7 @@ class Agreement:
         call = self._call or self._last_call
         err = compose({r: (kind, reason, call) for r in range(self.size)}, rebuild=kind not in _ARGUMENT_KINDS)
         if err.rebuild:
-            self.failure = err
+            self._failed(err)
         return err
 
     def fail(self, error: BaseException, *, wait_s: float | None = None, fatal: bool = False) -> NoReturn:
@@ -400,7 +400,7 @@ class Agreement:
         rebuild = (fatal and self.size > 1) or not refused
         err = compose(failures, rebuild=rebuild)
         if rebuild:
-            self.failure = err
+            self._failed(err)
             view = _FAILED + json.dumps({str(r): list(f) for r, f in failures.items()}).encode()
             self._quiet(lambda: self.store.set(self._key(seq, self.rank), view))
             self._quiet(lambda: self.store.set(f"alarm/{seq}", str(self.rank).encode()))
@@ -409,8 +409,15 @@ class Agreement:
     def _store_gone(self, call: str, e: Exception, cause: BaseException | None = None) -> NoReturn:
         err = GroupTimeout(f"{call} failed: the group's store is unreachable ({e}); the rank that hosts it (rank 0 "
                            f"of the world under torchrun) may have died", call=call, reason=str(e), rebuild=True)
-        self.failure = err
+        self._failed(err)
         raise err from cause
+
+    def _failed(self, err: GroupError) -> None:
+        """The Buffer failed for good with `err`: kept as a copy that is never raised, so that the
+        agreement holds no traceback (whose frames would hold the Buffer, its engine and the group:
+        a reference cycle, left to the garbage collector; lifetime.py)."""
+        self.failure = type(err)(str(err), call=err.call, rank=err.rank, ranks=err.ranks, reason=err.reason,
+                                 failures=err.failures, rebuild=err.rebuild)
 
 
 def _served(store) -> bool:
