@@ -700,7 +700,8 @@ class CudaTableEngine:
             failures = stop_proxies(self.rdma)
         else:
             failures = close_proxies(self.rdma, collective=False)
-            exchange = self.meta.exchange if self.meta is not None else None
+            meta = getattr(self, "meta", None)  # None too where the construction failed before it
+            exchange = meta.exchange if meta is not None else None
             if exchange is not None:  # a failed Buffer's, on this rank alone (after close(): nothing left)
                 exchange.abort()
                 exchange.join(backstop_s(self.timeout_s))  # its abort (begun here or at the failure) before the buffers go
