@@ -64,7 +64,7 @@ KNEE_2 = ("token-major, 2 x H100 (2026-11-27 SM sweep), 12 and 16 SMs: the fluid
           "max (0.322 / 0.278 ms against 0.280 / 0.229), the dispatch at 12 SMs 12 %; 4-8 and 24-96 SMs within 9 %")
 
 H100_2VNODE_50 = ("h200x2_2vnode_50 dispatch on 2 x H100 after meta_fused (2026-11-27): 1.527 / 1.529 ms against 1.371 "
-                  "(-10.3 / -10.2 %).  What the model puts before the kernel is right: the call less its kernel's end "
+                  "(-10.3 / -10.4 %).  What the model puts before the kernel is right: the call less its kernel's end "
                   "0.120-0.122 ms, the model's metadata and copy of x 0.1205 "
                   "(test_one_launch_metadata_is_what_the_call_holds_beyond_its_kernel).  The kernel is what it misses: "
                   "its end 1.407 ms against 1.250 (-11 %; keep_far ends at 1.406 against 1.298), the rates fit on 2 x "
