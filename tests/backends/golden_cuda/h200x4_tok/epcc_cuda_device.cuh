@@ -598,10 +598,11 @@ using AccumF32Bf16Wire = AccumF32Rows<kElems, kUnroll, true>;
 // (which landed a role's chunks in bursts, one per block, each block's share restarting from its
 // own publication: the link's stream ended 7 % past its bytes / rate on 2 x H200, 2026-11-27).
 // The link never delivers faster than its rate: an item lands no sooner than the role's start
-// plus the wire time of every item up to it, plus the latency.  While it waits for its item's
-// landing, thread 0 looks ahead (kLookahead items) and notes when the next items' producers are
-// done, so an item ready early keeps its place behind the one before it however late a block
-// gets round to it.
+// plus the wire time of every item up to it, plus the latency.  Thread 0 copies nothing in a
+// paced role (the warps after its own do): while it waits for its item's producers, while the item
+// is copied and until its landing it looks ahead (kLookahead items) and notes when the next items'
+// producers are done, so an item ready early keeps its place behind the one before it however
+// late a block gets round to it.
 //
 // Env (the kernel's: RoleEnv; tests/backends/test_paced_link.py's: a clock of its own): now() in
 // ns; done(item): the item's producer counters have their values (no waiting); wait(item): until
@@ -685,7 +686,7 @@ __host__ __device__ inline uint64_t paced_landing(PacedLink& l, uint64_t* seen, 
   return l.wire + l.latency_ns;
 }
 
-// The kernel's Env of a paced role (PacedLink): the timer and the items' producer counters.
+// A role's items' producer counters and the timer (the Env of a paced role's PacedLink).
 struct RoleEnv {
   const KernelArgs& a;
   const WaitDesc* waits;
@@ -748,10 +749,12 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
     link.latency_ns = latency_ns;
     link.start = globaltimer();
   }
-  // paced: warp 0 watches the link (thread 0) while warps 1 .. kWarps - 1 copy, and those count
-  // themselves done in `copied`
-  const bool watch = bytes_per_ns > 0.f && kWarps > 1;
+  // paced: warp 0 watches the link (thread 0) while the next kWarps warps copy (kWarps - 1 where the
+  // block has no more), and those count themselves done in `copied`
+  const uint32_t block_warps = EPCC_BDIM / kWarpSize;
+  const bool watch = bytes_per_ns > 0.f && (kWarps > 1 || block_warps > kWarps);
   const uint32_t first_warp = watch ? 1u : 0u;
+  const uint32_t copy_warps = watch && block_warps > kWarps ? kWarps : kWarps - first_warp;
   __shared__ uint32_t copied;
   __shared__ uint32_t next_row;  // gathering roles: the next row of the item a warp may claim
   for (uint32_t k = block; k < rd.item_count; k += blocks) {
@@ -761,19 +764,15 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
       next_row = it.row_begin;  // every warp left the previous item's loop (the barrier below it)
       copied = 0;
       if (bytes_per_ns > 0.f) paced_until_ready(link, seen, items + rd.item_begin, rd.item_count, k, env);
-      for (uint32_t j = 0; j < it.wait_count; ++j) {
-        const WaitDesc wd = waits[it.wait_begin + j];
-        wait_ge(a, flag_ptr(a, wd.flag_rank, wd.flag_id), wd.value, step, static_cast<int32_t>(role),
-                static_cast<int32_t>(it.chunk), static_cast<int32_t>(wd.flag_id), static_cast<int32_t>(wd.flag_rank));
-      }
+      env.wait(it);
       if (k == block) stamp(a, 1);
       if (bytes_per_ns > 0.f) ready = k < link.observed ? seen[k % PacedLink::kLookahead] : globaltimer();
     }
     __syncthreads();
     if (watch && EPCC_TID == 0) {
       paced_watch(link, seen, items + rd.item_begin, rd.item_count, env,
-                  [&] { return *reinterpret_cast<volatile uint32_t*>(&copied) >= kWarps - 1; });
-    } else if (warp >= first_warp && warp < kWarps) {
+                  [&] { return *reinterpret_cast<volatile uint32_t*>(&copied) >= copy_warps; });
+    } else if (warp >= first_warp && warp < first_warp + copy_warps) {
       const int64_t* src_rows = reinterpret_cast<const int64_t*>(a.tables + c.src_rows);
       const int64_t* dst_rows = reinterpret_cast<const int64_t*>(a.tables + c.dst_rows);
       const float* weights = Op::kWeighted ? reinterpret_cast<const float*>(a.tables + c.weights) : nullptr;
@@ -812,7 +811,7 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
           }
         }
       } else {
-        for (uint32_t r = it.row_begin + warp - first_warp; r < it.row_end; r += kWarps - first_warp) {
+        for (uint32_t r = it.row_begin + warp - first_warp; r < it.row_end; r += copy_warps) {
           uint8_t* dst = dst_base + static_cast<uint64_t>(ld_ro(dst_rows + r)) * dst_pitch;
           Op::row(source(r), dst, Op::kWeighted ? ld_ro(weights + r) : 1.f, len, lane);
         }
