@@ -4,13 +4,17 @@ rank's tables of both programs (runtime/engines/cuda_table/meta.py), per dispatc
 routing pays them.
 
     torchrun --standalone --nproc-per-node 2 bench/meta_time.py .gpu/bundles/h200x2_2vnode_50 [--iters 200]
+        [--grid 0,default] [--profile]
 
 Each iteration: a barrier, CUDA events around `meta.run` on the current stream, the time the
 maximum over ranks (the exchange waits for the slowest rank's routing); prints the median, the
 10th and 90th percentiles, and the tokens per rank, and the host's own time to enqueue the
 launches (where it exceeds the GPU's, the events time the host).  Uniform routing, the
-bundle's tokens.  `--profile` then records 20 more iterations under torch.profiler and prints
-rank 0's kernels and copies with their mean device time, to find what bounds the metadata.
+bundle's tokens.  `--grid`: the grids of the cooperative kernel meta_fused to time one after the
+other in the same processes (`default`: the runtime's, its largest phase's blocks at most what the
+device holds; 0: the steps as launches of their own, as on a target without cooperative launch).
+`--profile` then records 20 more iterations of each under torch.profiler and prints rank 0's
+kernels and copies with their mean device time, to find what bounds the metadata.
 """
 
 from __future__ import annotations
@@ -37,7 +41,14 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="per-kernel device times of rank 0 (torch.profiler)")
+    ap.add_argument("--grid", default="default",
+                    help="meta_fused's grids to time, comma-separated: blocks, `default` (the runtime's), 0 (the "
+                         "steps as launches of their own)")
     args = ap.parse_args(argv)
+    try:
+        grids = [None if g.strip() == "default" else int(g) for g in args.grid.split(",")]
+    except ValueError:
+        ap.error(f"--grid: blocks, `default` or 0, comma-separated, not {args.grid!r}")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     dev = torch.device("cuda", local)
@@ -56,7 +67,8 @@ def main(argv=None) -> int:
     topk = torch.from_numpy(idx[rank]).to(dev)
     weights = torch.from_numpy(w[rank]).to(dev)
     stream = torch.cuda.current_stream(dev)
-    times, host = [], []
+    times: list[float] = []
+    host: list[float] = []
 
     def once(i: int) -> None:
         dist.barrier()
@@ -72,31 +84,42 @@ def main(argv=None) -> int:
             times.append(a.elapsed_time(b) * 1e3)
             host.append((h1 - h0) * 1e6)
 
-    for i in range(args.warmup + args.iters):
-        once(i)
-    t = torch.tensor(times, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    us = sorted(t.tolist())
-    if rank == 0:
-        q = statistics.quantiles(us, n=10)
-        print(f"{Path(args.bundle).name}: {world} ranks x {T} tokens: metadata (exchange + tables) "
-              f"median {statistics.median(us):.1f} us (p10 {q[0]:.1f}, p90 {q[-1]:.1f}), max over ranks, "
-              f"{len(us)} iterations, {torch.cuda.get_device_name(dev)}; host enqueue median "
-              f"{statistics.median(host):.1f} us")
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile  # reason: only with --profile
-
-        n = 20
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for i in range(n):
-                once(args.warmup + i)
+    default = meta.fused_grid
+    for grid in grids:
+        g = default if grid is None else grid
+        if not 0 <= g <= default:
+            print(f"--grid {g}: meta_fused's grid is 0 to {default} blocks here", file=sys.stderr)
+            return 2
+        torch.cuda.synchronize(dev)
+        meta.set_grid(g)
+        times.clear()
+        host.clear()
+        for i in range(args.warmup + args.iters):
+            once(i)
+        t = torch.tensor(times, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        us = sorted(t.tolist())
+        how = f"meta_fused, {g} blocks" if g else "a launch per step"
         if rank == 0:
-            rows = [(e.key, e.self_device_time_total / n, e.count // n) for e in prof.key_averages()
-                    if e.self_device_time_total > 0 and str(e.device_type).endswith("CUDA")]
-            rows.sort(key=lambda r: -r[1])
-            print(f"per dispatch, rank 0, mean over {n} (device us, launches):")
-            for key, us_, cnt in rows[:16]:
-                print(f"  {us_:8.1f}  x{cnt:<3d} {key[:100]}")
+            q = statistics.quantiles(us, n=10)
+            print(f"{Path(args.bundle).name}: {world} ranks x {T} tokens, {how}: metadata (exchange + tables) "
+                  f"median {statistics.median(us):.1f} us (p10 {q[0]:.1f}, p90 {q[-1]:.1f}), max over ranks, "
+                  f"{len(us)} iterations, {torch.cuda.get_device_name(dev)}; host enqueue median "
+                  f"{statistics.median(host):.1f} us", flush=True)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile  # reason: only with --profile
+
+            n = 20
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for i in range(n):
+                    once(args.warmup + i)
+            if rank == 0:
+                rows = [(e.key, e.self_device_time_total / n, e.count // n) for e in prof.key_averages()
+                        if e.self_device_time_total > 0 and str(e.device_type).endswith("CUDA")]
+                rows.sort(key=lambda r: -r[1])
+                print(f"per dispatch, {how}, rank 0, mean over {n} (device us, launches):")
+                for key, us_, cnt in rows[:16]:
+                    print(f"  {us_:8.1f}  x{cnt:<3d} {key[:100]}", flush=True)
     dist.barrier()
     buf.close()
     dist.destroy_process_group()

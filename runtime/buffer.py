@@ -24,7 +24,9 @@ the bundle's backend (runtime/engines/base.py, the Engine protocol):
 When a call fails on one rank (an argument it refuses, a wait that gives up, a peer that stalls or
 dies), every rank raises the same `GroupError` within the timeout and a few seconds, naming that
 rank and why; `state` then says whether the Buffer can be used again ("ready") or must be made
-anew ("failed"; its calls say so).  runtime/engines/agree.py is how.
+anew ("failed"; its calls say so).  runtime/engines/agree.py is how.  A construction that fails
+releases what its engine had acquired before the error leaves it, and the error holds none of the
+Buffer's objects; a Buffer never closed is released at interpreter exit (runtime/engines/lifetime.py).
 
 Differences from DeepEP's intranode `Buffer`: outputs are expert-major (one row per (token,
 local expert), in the documented order: local expert, then source rank, then token), so
@@ -61,6 +63,7 @@ from ..plan.rdma import rdma_steps, with_overrides
 from .engines.agree import Agreement
 from .engines.base import (Engine, EngineError, GroupError, GroupTimeout, GroupTypeError,  # noqa: F401 - API
                            GroupValueError)
+from .engines.lifetime import exit_hook, released_on_failure, untrack
 from .engines.tensors import check_tensor, check_topk_idx
 
 #: DeepEP's layout and stream arguments, which dispatch accepts and ignores (the plan's metadata
@@ -131,10 +134,22 @@ class Buffer:
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
-        # Every failure from here on reaches every rank (engines/agree.py), none waits unbounded.
+        self.engine: Engine | None = None
+        exit_hook()  # before anything is acquired: what a failure leaves in a cycle is collected at exit
+        # Every failure from here on reaches every rank (engines/agree.py), none waits unbounded;
+        # and leaves nothing behind: what was acquired is released before the error leaves (lifetime.py)
         self.agree = Agreement.for_group(self.group, timeout_s)
-        with self.agree.call("making the Buffer", numbered=False):
+        with released_on_failure(self._release_engine), self.agree.call("making the Buffer", numbered=False):
             self._make(bundle, backend, timeout_s, config, rdma_chunk_tokens, rdma_depth)
+
+    def _release_engine(self) -> list[str]:
+        """A failed construction: the engine's resources, released on this rank alone (an engine
+        whose own construction failed released its own already)."""
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return []
+        untrack(engine)
+        return engine.release_locally()
 
     def _make(self, bundle, backend: str | None, timeout_s: float, config: dict | None,
               rdma_chunk_tokens: int | None, rdma_depth: int | None) -> None:
@@ -231,10 +246,13 @@ class Buffer:
         token-major bundles: recv_topk_idx is the whole [capacity, topk] buffer and the offsets are
         each source rank's first row, then the total; on the GPU proxy path synchronize (this
         Buffer's `synchronize()`, the stream or the device) before copying them into pageable memory
-        on the default stream (`.cpu()`, `.item()`), a copy that holds the proxy's CUDA calls: docs/rdma.md); `handle` (instead of
+        on the default stream (`.cpu()`, `.item()`), a copy that holds the proxy's CUDA calls: docs/rdma.md;
+        where the bundle's metadata exchange is the process group's collective, call `synchronize()`
+        before reading them or blocking in another CUDA call: docs/cuda.md); `handle` (instead of
         topk_idx/topk_weights) reuses an earlier dispatch's routing (without a metadata kernel when
         it is the last one's)."""
-        with self.agree.call("dispatch"):  # a refused keyword reaches the peers as the engine's errors do
+        # a refused keyword reaches the peers as the engine's errors do
+        with released_on_failure(), self.agree.call("dispatch"):
             unknown = sorted(set(deepep_layout) - DEEPEP_LAYOUT_ARGS)
             if unknown:
                 raise TypeError(f"dispatch: unexpected keyword argument(s) {', '.join(unknown)} (besides x, topk_idx, "
@@ -250,11 +268,16 @@ class Buffer:
 
         x: [recv rows, hidden] bfloat16, rows in dispatch's order.  The weights of dispatch are used
         (`topk_weights`, if given, must equal them: combine cannot re-route)."""
-        return self.engine.combine(x, handle, topk_weights)
+        with released_on_failure():
+            return self.engine.combine(x, handle, topk_weights)
 
     def synchronize(self) -> None:
         """cuda: wait for this rank's kernels and raise the report of one that gave up (no-op on cpu)."""
-        self.engine.synchronize()
+        with released_on_failure():
+            self.engine.synchronize()
 
     def close(self) -> None:
-        self.engine.close()
+        """Release the engine's resources (collective: every rank closes; a Buffer left open is
+        released on this rank alone at interpreter exit, engines/lifetime.py)."""
+        with released_on_failure():
+            self.engine.close()

@@ -793,13 +793,19 @@ def device_metadata(plan: Plan, manifest: dict, target: Target = CUDA) -> dict:
         check_shared(cap, target.shared_bytes_per_block, target.language)
     except (SegmentProgramError, PlacementError) as e:
         return host(str(e))
-    # blocks: what each kernel launches per dispatch, the most of any rank (meta_rows: the rows
-    # and the received rows); `epcc simulate` charges the kernels' waves by them (sim/meta.py)
+    # blocks: what each phase has per dispatch, the most of any rank (meta_rows: the rows and the
+    # received rows), a kernel's blocks where the phases are launches of their own; `epcc simulate`
+    # charges the kernels' waves by them (sim/meta.py).  launches: per dispatch, in stream order
+    # (CUDA: the cooperative meta_fused runs the phases; its steps' kernels stay, its fallback)
     exchange = exchange_entry(plan, manifest["options"]["metadata_exchange"])
-    signal = ["gather_signal_wait"] if exchange["exchange"] == "ipc" else []
+    ipc = exchange["exchange"] == "ipc"
+    signal = ["gather_signal_wait"] if ipc else []
+    steps = ["meta_count", "meta_scan", "meta_rows", "meta_items"]
+    fused = target.name == CUDA.name
+    launches = (["meta_fused"] if ipc else ["gather_copy", "meta_fused"]) if fused else ["gather_copy", *signal, *steps]
     return {"lowering": "device", **exchange,
-            "kernels": ["gather_copy", *signal, "meta_count", "meta_scan", "meta_rows", "meta_items",
-                        "zero_partials"], "blocks": blocks,
+            "kernels": [*(["meta_fused"] if fused else []), "gather_copy", *signal, *steps, "zero_partials"],
+            "launches": launches, "blocks": blocks,
             "capacity": {**{f: getattr(cap, f) for f in CAPACITY_FIELDS}, "shared_bytes": shared_bytes(cap)}}
 
 
@@ -830,8 +836,9 @@ def exchange_entry(plan: Plan, how: str) -> dict:
     """The manifest's words on the routing's exchange (`how`: "ipc" or "collective", resolved)."""
     if how == "ipc":
         text = ("every rank writes its token count, top-k experts (int32) and weights (fp32) into its slot of "
-                "every peer's gather area over CUDA IPC, then raises its flag there (gather_copy); "
-                "gather_signal_wait waits for every peer's flag")
+                "every peer's gather area over CUDA IPC, then raises its flag there; the table kernels wait for "
+                "every peer's flag (meta_fused's blocks, or gather_signal_wait where the steps are launches of "
+                "their own)")
     else:
         why = (f"its {plan.num_ranks} ranks span more than one CUDA IPC domain (at most {ONE_IPC_DOMAIN_RANKS})"
                if plan.num_ranks > ONE_IPC_DOMAIN_RANKS else "asked for (`--metadata-exchange collective`)")

@@ -26,8 +26,9 @@ indices as enums, generated from these lists by the code generator, so the two c
 
 The kernels' shared memory is sized per bundle (`Capacity`: the generated driver defines it
 before it includes meta.cuh): the set words, OUT sets, experts and top-k of the plan.
-`shared_bytes` is what one block of meta_count / meta_rows then holds; a plan whose capacity
-exceeds the target's shared memory per block is refused with the numbers (MetaProgramError).
+`shared_bytes` is what one block of the kernels then holds (count's: the scan's fits in it); a
+plan whose capacity exceeds the target's shared memory per block is refused with the numbers
+(MetaProgramError).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from .placement import Placement, PlacementError
 MAGIC = 0x4D455043  # "CPEM"
 VERSION = 2
 TOKEN_BLOCK = 128  # tokens per block of the kernels: 4 x 32-bit membership words
-SCAN_SERIES = 16  # series a meta_scan block sums (meta.cuh kSeries: kScan / kLanes threads)
+SCAN_SERIES = 4  # sums over the token blocks a scan block does (meta.cuh kSeries: kBlock / kLanes threads)
+OFFSET_BLOCKS = 3  # the scan's blocks of what needs the totals only (meta.cuh kOffsetBlocks)
 SET_WORD = 64  # a token's set memberships: words of 64 bits, as many as the plan's most sets per home rank
 MAX_RANKS = 64  # a rank mask fits one 64-bit word
 MAX_RAMP = 64  # chunk sizes of one ramp end, at most
@@ -146,15 +148,16 @@ class MetaProgram:
                         experts=h["experts"], topk=h["topk"], home=home, sets=int(per_home[home]))
 
     def grids(self) -> dict[str, int]:
-        """Blocks of the metadata kernels' launches (epcc_table_meta.cu's grid_count, grid_rows,
-        grid_items, grid_scan): `count`, one per (home rank, token block); `rows`, one per (part,
-        token block), meta_rows launching count more for the received rows; `items`, one per copy of
-        this rank; `scan`, one per SCAN_SERIES of the sums over token blocks (two per token set, one per
-        (home rank, expert): meta.cuh scan_blocks)."""
+        """Blocks of the metadata kernels' phases (meta.cuh phase_blocks; epcc_table_meta.cu's
+        grid_count, grid_rows, grid_items, grid_scan): `count`, one per (home rank, token block);
+        `rows`, one per (part, token block), the rows phase having count's more for the received
+        rows; `items`, one per copy of this rank; `scan`, OFFSET_BLOCKS for the offsets and one
+        per SCAN_SERIES of the sums over token blocks (two per token set, one per (home rank,
+        expert))."""
         h = {f: int(self.array[i]) for i, f in enumerate(HEADER)}
         series = 2 * h["num_sets"] + h["num_ranks"] * h["experts"]
         return {"count": h["num_ranks"] * h["token_blocks"], "rows": h["num_work"], "items": h["num_tcopies"],
-                "scan": max(1, -(-series // SCAN_SERIES))}
+                "scan": OFFSET_BLOCKS + -(-series // SCAN_SERIES)}
 
 
 def _put(rows: list[list[int]], fields: list[str], rec: dict) -> int:

@@ -166,15 +166,19 @@ class OneOf(Spec):
     what: str
 
     def check(self, v, path):
-        for s in self.specs:
-            try:
-                s.check(v, path)
-                return
-            except SchemaError as e:
-                last = e
-                if not str(e).startswith(f"{path}: expected"):
-                    raise  # the type fitted, the value did not
-        raise fail(path, self.what, v) from last
+        last = None
+        try:
+            for s in self.specs:
+                try:
+                    s.check(v, path)
+                    return
+                except SchemaError as e:
+                    last = e
+                    if not str(e).startswith(f"{path}: expected"):
+                        raise  # the type fitted, the value did not
+            raise fail(path, self.what, v) from last
+        finally:  # an error kept in this frame, whose traceback holds the frame, is a reference cycle
+            del last  # that keeps the callers' frames (a Buffer being made, say) until the collector runs
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,18 @@ class SimulationError(Exception):
 @dataclass(frozen=True)
 class DeviceMetadata:
     """The metadata kernels a table-driven CUDA bundle runs before every dispatch (its manifest's
-    "metadata" with lowering "device"; sim/meta.py models them): the blocks each launches (the
-    most of any rank) and the plan steps whose work they do, (program, step)."""
+    "metadata" with lowering "device"; sim/meta.py models them): the blocks of each phase (the
+    most of any rank), the plan steps whose work they do, (program, step), and how they launch."""
 
     count_blocks: int
     rows_blocks: int
     items_blocks: int
     steps: tuple[tuple[str, str], ...] = ()
     exchange: str = "ipc"  # how the routing reaches every rank: "ipc" or "collective" (the group's all-gather)
+    # the phases in one cooperative kernel, meta_fused (the manifest's "launches"); False: the steps as
+    # launches of their own
+    fused: bool = False
+    scan_blocks: int = 1  # the scan's (a bundle compiled before they were recorded: one block)
 
 
 @dataclass

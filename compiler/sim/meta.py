@@ -2,22 +2,26 @@
 first step.
 
 Where the CUDA target lowers a plan's metadata to the device (docs/cuda.md "Tables written on the
-GPU"; the manifest's "metadata" says lowering "device"), six kernels run stream-ordered before
-every dispatch kernel, and the dispatch's first steps become ready after them (as the direct
-kernels' launches, sim/direct.py).  `SimOptions.metadata` (a DeviceMetadata: the blocks each
-kernel launches, from the manifest) turns the term on; the plan's metadata steps (`exchange`), whose
-work the kernels do, then cost nothing of their own.  The combine has no metadata: the dispatch's
-kernels wrote both programs' tables.  Per dispatch, in seconds:
+GPU"; the manifest's "metadata" says lowering "device"), the metadata's work runs stream-ordered
+before every dispatch kernel, and the dispatch's first steps become ready after it (as the direct
+kernels' launches, sim/direct.py).  The manifest's metadata "launches" says how: on CUDA one
+cooperative kernel, `meta_fused` (after `gather_copy` with the collective exchange), the phases
+with a grid barrier between two; elsewhere (SUPA; a bundle compiled before the launches were
+recorded) the steps as launches of their own, `gather_copy`, `gather_signal_wait`, `meta_count`,
+`meta_scan`, `meta_rows`, `meta_items`.  `SimOptions.metadata` (a DeviceMetadata: the phases'
+blocks and the launches, from the manifest) turns the term on; the plan's metadata steps
+(`exchange`), whose work the kernels do, then cost nothing of their own.  The combine has no
+metadata: the dispatch's kernels wrote both programs' tables.  Per dispatch, in seconds:
 
-* exchange over CUDA IPC (the manifest's metadata "exchange": "ipc", one box): `gather_copy`
+* exchange over CUDA IPC (the manifest's metadata "exchange": "ipc", one box): the routing copy
   writes the rank's top-k (T x K x 8 bytes: int32 expert, fp32 weight) into every peer's gather
   area, zeroes a scratch and restores the tables' static fields, GATHER_S plus the bytes over the
   plan's link between ranks (the fastest `p2p` link, else the fastest other link between ranks:
   the 2-vnode plans declare only their RDMA-class link, which bounds it from above); a link of
   per-GPU ports carries the rank's copies to all R - 1 peers, a link of GPU pairs one copy per
-  pair;  `gather_signal_wait` waits for every peer's flag, SIGNAL_S (a round trip and the two
-  ranks' arrival apart as the calibration's timed dispatches had it; the model does not know
-  how far apart other ranks arrive);
+  pair; the flag wait for every peer, SIGNAL_S (a round trip and the two ranks' arrival apart as
+  the calibration's timed dispatches had it; the model does not know how far apart other ranks
+  arrive);
 * exchange by the process group's all-gather ("collective": ranks in several boxes):
   `gather_copy` writes the rank's own slot only, GATHER_S; then three ring all-gathers (counts,
   experts, weights) in which every rank receives the R - 1 other slots (4 + T x K x 8 bytes
@@ -26,21 +30,31 @@ kernels wrote both programs' tables.  Per dispatch, in seconds:
   its slowest link between ranks), B the ranks of the largest box (`boxes`: the ranks the plan's
   `p2p` and `d2d` flows join); plus each all-gather's latency in NCCL's own cost model
   (ring_latency);
-* `meta_count`, one block per (home rank, 128-token block): PASS_S + waves x COUNT_WAVE_S;
-* `meta_scan`, SCAN_S whatever the plan: its time when it ran as one block (the measurement
-  below); its blocks now (the manifest's, one per 16 of its sums, a wave for every plan shipped)
-  each do two memory latencies' work, then the last one done the same tail as before, so the
-  measured one-block time bounds it from above until it is measured again;
-* `meta_rows`, one block per (part, 128-token block) and per (home rank, 128-token block):
+* `count`, one block per (home rank, 128-token block): PASS_S + waves x COUNT_WAVE_S;
+* `scan`, three blocks of offsets and one per 4 of its sums over token blocks (two per token set,
+  one per (home rank, expert); not more with the tokens): PASS_S + waves x SCAN_WAVE_S;
+* `rows`, one block per (part, 128-token block) and per (home rank, 128-token block):
   PASS_S + waves x ROWS_WAVE_S;
-* `meta_items`, one block per copy (at most a wave): PASS_S, where it launches;
-* launch gaps: GAP_S between kernels, one per launch.
+* `items`, one block per copy (at most a wave): PASS_S, where the plan has copies;
+* `meta_fused` only: `barriers`, BARRIER_S for each of its three grid barriers (before scan, rows
+  and items);
+* `gaps`: GAP_S per launch (meta_fused: one, two with the collective's gather_copy; the steps:
+  six over CUDA IPC, five with the collective, one fewer without copies; the all-gathers'
+  launches are in their latency).
 
-waves = ceil(blocks / META_SMS).  The constants are calibrated on one measurement (below, 2 x H200):
-a pass's floor is the smallest kernel's time (meta_items), each wave of count and rows the rest of
-theirs; the gaps are the earlier calibration's (2 x H100), whose profile timed the flag wait apart,
-and the signal what the events around all six launches hold beyond the kernels and the gaps.  The
-model does not know the GPU: one set of constants for H100 and H200 (132 SMs both).
+waves = ceil(blocks / META_SMS): where a phase has more blocks than the calibration's, each wave
+beyond costs what it costs as a launch of its own (in meta_fused the grid's blocks loop over the
+phase's blocks).  The constants come from one device call (2 x H100, 2026-11-27, below), which
+timed the code's steps as launches of their own and then meta_fused in the same processes: a
+pass's floor is the smallest kernel's time (meta_items), each wave of count, scan and rows the
+rest of theirs, the gaps the earlier calibration's (2 x H100, 2026-11-26), whose profile timed the flag
+wait apart, the signal what the events around the six launches hold beyond the kernels and the
+gaps.  meta_fused's phases and exchange are charged as those launches measured them: its one
+measured device time includes the exchange and the wait for the peer, so it does not split them;
+what its one launch saves beyond the five gaps it does not pay (the events: 76.5 -> 68.2 us, five
+gaps 12.3) is what its three grid barriers cost, BARRIER_S each.  The model does not know the GPU:
+one set of constants for H100 and H200 (132 SMs both; the code before meta_fused took the same
+per-kernel times on both, below).
 """
 
 from __future__ import annotations
@@ -51,28 +65,37 @@ from ..plan import Plan
 from .base import DeviceMetadata, SimulationError
 
 
-# Measured 2026-11-27 on 2 x H200 (132 SMs, NVLink 450 GB/s per direction), `torchrun --nproc-per-node 2
-# bench/meta_time.py BUNDLE --iters 200 --profile` for h200x2_2vnode_50 (2 ranks x 4096 tokens, top-8 of 256
-# experts; meta_count 64 blocks, meta_rows 256), after meta_rows read the per-token records meta_count
-# writes (no second pass over the routing): mean device us per dispatch of each kernel (rank 0, a profile
-# of 20 dispatches), and the median of the events around the six launches (the most of the two ranks, 200
-# dispatches).  The same command on the code before that change, same machine, same day: meta_rows 33.4,
-# meta_scan 16.4, meta_count 11.9, gather_copy 13.4 (it zeroed more scratch), meta_items 3.3; 136.2 us.
-MEASURED_US = {"gather_copy": 7.9, "meta_count": 13.0, "meta_scan": 16.5, "meta_rows": 21.5, "meta_items": 3.4}
-MEASURED_WHOLE_US = 108.2
-# The profile's flag wait (gather_signal_wait: 56.0 us after, 122.5 before) holds the peer's lateness
-# under the profiler, more than the events leave it: not used.  SIGNAL_S is what the events leave.
-PROFILED_SIGNAL_US = 56.0
-# The earlier calibration (2 x H100, 2026-11-26, before the per-token records; the same command): its
-# profile timed the flag wait apart (8.5 us), so the events' 100.0 us less its six kernels is the six
-# launch gaps alone, which the H200 events do not separate from the wait.
+# Measured 2026-11-27 on 2 x H100 80GB HBM3 (132 SMs, NVLink 450 GB/s per direction), in one device call,
+# `torchrun --nproc-per-node 2 bench/meta_time.py BUNDLE --iters 200 --grid 0,default --profile` for
+# h200x2_2vnode_50 (2 ranks x 4096 tokens, top-8 of 256 experts; the phases' blocks: count 64, scan 137,
+# rows 256, items 6): the steps as launches of their own (grid 0), mean device us per dispatch of each kernel (rank 0,
+# a profile of 20 dispatches), and the median of the events around the launches (the most of the two
+# ranks, 200 dispatches): STEP_*; then meta_fused at the runtime's grid (256 blocks): FUSED_*.
+STEP_MEASURED_US = {"gather_copy": 14.7, "meta_count": 12.4, "meta_scan": 6.8, "meta_rows": 11.4, "meta_items": 3.9}
+STEP_WHOLE_US = 76.5  # p10 72.2, p90 84.6; host enqueue 37.1
+# The profile's flag wait (gather_signal_wait) holds the peer's lateness under the profiler, more than
+# the events leave it: not used.  SIGNAL_S is what the events leave.
+STEP_PROFILED_SIGNAL_US = 18.4
+FUSED_WHOLE_US = 68.2  # p10 66.3, p90 71.7; host enqueue 12.3
+# meta_fused's device time in the profile: the exchange, the wait for the peer and the four phases
+# together, so not split into them.  Not used but to check that it lies under the events.
+FUSED_DEVICE_US = 56.4
+# The earlier calibrations, of the code before meta_fused (its six kernels; since, the scan's tail runs
+# as three blocks beside the sums, count adds the totals, and only what is added into is zeroed):
+# 2 x H200, 2026-11-27, after meta_rows read meta_count's per-token records: gather_copy 7.9, meta_count
+# 13.0, meta_scan 16.5, meta_rows 21.5, meta_items 3.4 us, 108.2 us between the events (the profile's
+# flag wait 56.0); the same command on 2 x H100 in the device call above, before meta_fused: gather_copy
+# 12.4, meta_count 13.0, meta_scan 16.6, meta_rows 20.0, meta_items 3.7 us, 91.2 us (flag wait 60.8).
+# And 2 x H100, 2026-11-26, before the per-token records, whose profile timed the flag wait apart (8.5
+# us), so the events' 100.0 us less its six kernels is the six launch gaps alone: GAP_S.
 H100_MEASURED_US = {"gather_copy": 8.3, "gather_signal_wait": 8.5, "meta_count": 12.4, "meta_scan": 20.1,
                     "meta_rows": 32.2, "meta_items": 3.7}
 H100_WHOLE_US = 100.0
-LAUNCHES = 6  # gather_copy, gather_signal_wait, meta_count, meta_scan, meta_rows, meta_items
-META_SMS = 132  # the calibration GPU's SMs (H200 SXM; H100 SXM has as many)
+LAUNCHES = 6  # the steps over CUDA IPC: gather_copy, gather_signal_wait, meta_count, meta_scan, meta_rows, meta_items
+BARRIERS = 3  # meta_fused's grid barriers: before scan, rows and items (the count needs none after the exchange)
+META_SMS = 132  # the calibration GPU's SMs (H100 SXM; H200 SXM has as many)
 _CAL_BYTES, _CAL_BPS = 4096 * 8 * 8, 450e9  # the gather's bytes to the one peer, over NVLink
-_CAL_COUNT_BLOCKS, _CAL_ROWS_BLOCKS = 64, 256
+_CAL_COUNT_BLOCKS, _CAL_SCAN_BLOCKS, _CAL_ROWS_BLOCKS = 64, 137, 256
 
 
 def waves(blocks: int) -> int:
@@ -80,14 +103,16 @@ def waves(blocks: int) -> int:
     return math.ceil(blocks / META_SMS)
 
 
-PASS_S = MEASURED_US["meta_items"] * 1e-6  # a kernel's floor: a block per copy, less than a wave
-COUNT_WAVE_S = (MEASURED_US["meta_count"] * 1e-6 - PASS_S) / waves(_CAL_COUNT_BLOCKS)
-ROWS_WAVE_S = (MEASURED_US["meta_rows"] * 1e-6 - PASS_S) / waves(_CAL_ROWS_BLOCKS)
-SCAN_S = MEASURED_US["meta_scan"] * 1e-6
-GATHER_S = MEASURED_US["gather_copy"] * 1e-6 - _CAL_BYTES / _CAL_BPS
+PASS_S = STEP_MEASURED_US["meta_items"] * 1e-6  # a kernel's floor: a block per copy, less than a wave
+COUNT_WAVE_S = (STEP_MEASURED_US["meta_count"] * 1e-6 - PASS_S) / waves(_CAL_COUNT_BLOCKS)
+ROWS_WAVE_S = (STEP_MEASURED_US["meta_rows"] * 1e-6 - PASS_S) / waves(_CAL_ROWS_BLOCKS)
+SCAN_WAVE_S = (STEP_MEASURED_US["meta_scan"] * 1e-6 - PASS_S) / waves(_CAL_SCAN_BLOCKS)
+GATHER_S = STEP_MEASURED_US["gather_copy"] * 1e-6 - _CAL_BYTES / _CAL_BPS
 GAP_S = (H100_WHOLE_US - sum(H100_MEASURED_US.values())) * 1e-6 / LAUNCHES
 # the flag wait: one round trip and the ranks' arrival apart, as the timed dispatches had it
-SIGNAL_S = (MEASURED_WHOLE_US - sum(MEASURED_US.values())) * 1e-6 - LAUNCHES * GAP_S
+SIGNAL_S = (STEP_WHOLE_US - sum(STEP_MEASURED_US.values())) * 1e-6 - LAUNCHES * GAP_S
+# a grid barrier of meta_fused: what its events hold beyond the steps' less five of their six gaps
+BARRIER_S = (FUSED_WHOLE_US * 1e-6 - (STEP_WHOLE_US * 1e-6 - (LAUNCHES - 1) * GAP_S)) / BARRIERS
 
 # NCCL's cost model of a ring all-gather (src/graph/tuning.cc, ncclTopoTuneModel: the latency of
 # R - 1 steps, nodes - 1 of them over the network), in us: (base, per step inside a node, per step
@@ -100,12 +125,14 @@ NCCL_LL_NODES_FACTOR = 1.8  # LL's per-step latency inside a node where there ar
 def from_manifest(metadata: dict | None, where: str = "manifest.json") -> DeviceMetadata | None:
     """The DeviceMetadata of a CUDA manifest's "metadata" entry; None where the bundle has no
     metadata kernels (no entry: direct kernels; lowering "host").  A device entry without the
-    kernels' blocks (a bundle compiled before they were recorded) is a SimulationError."""
+    kernels' blocks (a bundle compiled before they were recorded) is a SimulationError; one
+    without its "launches" (compiled before meta_fused) launches the steps."""
     if not metadata or metadata.get("lowering") != "device":
         return None
     blocks = metadata.get("blocks")
     keys = ("meta_count", "meta_rows", "meta_items")
-    if not isinstance(blocks, dict) or not all(isinstance(blocks.get(k), int) and blocks[k] >= 0 for k in keys):
+    if not isinstance(blocks, dict) or not all(isinstance(blocks.get(k), int) and blocks[k] >= 0 for k in keys) \
+            or not (isinstance(blocks.get("meta_scan", 1), int) and blocks.get("meta_scan", 1) >= 0):
         raise SimulationError(f"{where}: the metadata kernels' blocks are not recorded (\"metadata\": {{\"blocks\": "
                               f"{{{', '.join(keys)}}}}}): recompile the bundle")
     steps = tuple((str(s["program"]), str(s["step"])) for s in metadata.get("steps", []))
@@ -113,7 +140,12 @@ def from_manifest(metadata: dict | None, where: str = "manifest.json") -> Device
     if exchange not in ("ipc", "collective"):
         raise SimulationError(f"{where}: the metadata exchange {exchange!r} is none this epcc knows (ipc, "
                               f"collective): recompile the bundle")
-    return DeviceMetadata(blocks["meta_count"], blocks["meta_rows"], blocks["meta_items"], steps, exchange)
+    launches = metadata.get("launches", [])
+    if not isinstance(launches, list) or not all(isinstance(k, str) for k in launches):
+        raise SimulationError(f"{where}: the metadata's \"launches\" is not a list of kernel names: recompile the "
+                              f"bundle")
+    return DeviceMetadata(blocks["meta_count"], blocks["meta_rows"], blocks["meta_items"], steps, exchange,
+                          "meta_fused" in launches, blocks.get("meta_scan", 1))
 
 
 def exchange_link(plan: Plan) -> tuple[str | None, float, bool]:
@@ -199,26 +231,27 @@ def collective_terms(plan: Plan) -> tuple[float, float]:
 def metadata_terms(plan: Plan, meta: DeviceMetadata) -> dict[str, float]:
     """Seconds of each part of the metadata before a dispatch (module docstring), in launch order:
     gather, transfer, signal (over CUDA IPC) or collective (the group's all-gathers' latency),
-    count, scan, rows, items, gaps."""
+    count, scan, rows, items, barriers (meta_fused only), gaps."""
     wl = plan.workload
     if wl is None:
         raise SimulationError("the plan has no workload: the metadata kernels' exchange has no size")
     if meta.exchange == "collective":
         transfer, wait = collective_terms(plan)
-        launches = LAUNCHES - 2 + (1 if meta.items_blocks else 0)  # the all-gathers' launches are in their latency
         exchange = {"gather": GATHER_S, "transfer": transfer, "collective": wait}
+        launches = 2 if meta.fused else LAUNCHES - 2 + (1 if meta.items_blocks else 0)
     else:
         _, bps, ports = exchange_link(plan)
         per_peer = wl.tokens * wl.topk * 8
         moved = per_peer * (plan.num_ranks - 1 if ports else 1) if plan.num_ranks > 1 else 0
-        launches = LAUNCHES - 1 + (1 if meta.items_blocks else 0)
         exchange = {"gather": GATHER_S, "transfer": moved / bps if bps > 0 else 0.0, "signal": SIGNAL_S}
+        launches = 1 if meta.fused else LAUNCHES - 1 + (1 if meta.items_blocks else 0)
     return {
         **exchange,
         "count": PASS_S + waves(meta.count_blocks) * COUNT_WAVE_S,
-        "scan": SCAN_S,
+        "scan": PASS_S + waves(meta.scan_blocks) * SCAN_WAVE_S,
         "rows": PASS_S + waves(meta.rows_blocks) * ROWS_WAVE_S,
         "items": PASS_S if meta.items_blocks else 0.0,
+        **({"barriers": BARRIERS * BARRIER_S} if meta.fused else {}),
         "gaps": launches * GAP_S,
     }
 

@@ -257,9 +257,10 @@ def simulate(plan: Plan, opts: SimOptions | None = None) -> SimResult:
     if opts.direct is None and opts.metadata is not None:
         m = opts.metadata
         model = {**model, "text": model["text"] + "; metadata kernels on the GPU before the dispatch (sim/meta.py)",
-                 "metadata": {"blocks": {"meta_count": m.count_blocks, "meta_rows": m.rows_blocks,
-                                         "meta_items": m.items_blocks}, "exchange": m.exchange,
-                              "steps": [f"{p}.{s}" for p, s in m.steps]}}
+                 "metadata": {"blocks": {"meta_count": m.count_blocks, "meta_scan": m.scan_blocks,
+                                         "meta_rows": m.rows_blocks, "meta_items": m.items_blocks},
+                              "exchange": m.exchange,
+                              "fused": m.fused, "steps": [f"{p}.{s}" for p, s in m.steps]}}
     calls = call_terms(plan, GAP_S, opts.caller_rows) if opts.calls and opts.direct is None else {}
     roles = block_roles(plan, opts.rdma_proxy) if opts.direct is None and opts.layout is not None else {}
     if roles:

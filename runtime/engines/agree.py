@@ -243,7 +243,7 @@ class Agreement:
         call = self._call or self._last_call
         err = compose({r: (kind, reason, call) for r in range(self.size)}, rebuild=kind not in _ARGUMENT_KINDS)
         if err.rebuild:
-            self.failure = err
+            self._failed(err)
         return err
 
     def fail(self, error: BaseException, *, wait_s: float | None = None, fatal: bool = False) -> NoReturn:
@@ -251,7 +251,9 @@ class Agreement:
         enter), raise the alarm, wait up to `wait_s` (default GRACE_S; 0 where the peers cannot
         be in that round yet, e.g. in their kernels) for their keys, and raise the GroupError that
         they raise too.  `fatal`: the peers started work this rank will not match (their kernels
-        wait for it), so even a refused argument fails the Buffer for good."""
+        wait for it), so even a refused argument fails the Buffer for good.  A peer that does not
+        answer is named as lost, "stalled, or its process died", or what `error.lost_why` says
+        where the error knows more (the collective metadata exchange: it did not come to it)."""
         call = self._call or self._last_call
         if self.failure is not None:
             self.check()
@@ -267,7 +269,8 @@ class Agreement:
         except _StoreGone as e:
             self._store_gone(call, e, cause=error)
         # without a wait (wait_s=0) a missing peer is no news: it is not called lost
-        lost = (f"no answer within {grace:g} s of its peers' failure (stalled, or its process died)", call)
+        why = getattr(error, "lost_why", None) or "stalled, or its process died"
+        lost = (f"no answer within {grace:g} s of its peers' failure ({why})", call)
         self._settle(seq, self._failures(values, lost if grace > 0 else None), cause=error, fatal=fatal)
 
     def heed(self) -> None:
@@ -397,7 +400,7 @@ class Agreement:
         rebuild = (fatal and self.size > 1) or not refused
         err = compose(failures, rebuild=rebuild)
         if rebuild:
-            self.failure = err
+            self._failed(err)
             view = _FAILED + json.dumps({str(r): list(f) for r, f in failures.items()}).encode()
             self._quiet(lambda: self.store.set(self._key(seq, self.rank), view))
             self._quiet(lambda: self.store.set(f"alarm/{seq}", str(self.rank).encode()))
@@ -406,8 +409,15 @@ class Agreement:
     def _store_gone(self, call: str, e: Exception, cause: BaseException | None = None) -> NoReturn:
         err = GroupTimeout(f"{call} failed: the group's store is unreachable ({e}); the rank that hosts it (rank 0 "
                            f"of the world under torchrun) may have died", call=call, reason=str(e), rebuild=True)
-        self.failure = err
+        self._failed(err)
         raise err from cause
+
+    def _failed(self, err: GroupError) -> None:
+        """The Buffer failed for good with `err`: kept as a copy that is never raised, so that the
+        agreement holds no traceback (whose frames would hold the Buffer, its engine and the group:
+        a reference cycle, left to the garbage collector; lifetime.py)."""
+        self.failure = type(err)(str(err), call=err.call, rank=err.rank, ranks=err.ranks, reason=err.reason,
+                                 failures=err.failures, rebuild=err.rebuild)
 
 
 def _served(store) -> bool:

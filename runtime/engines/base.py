@@ -3,9 +3,10 @@
 Two drivers, two protocols:
 
 * `Engine`: one rank's dispatch and combine behind `epcc.runtime.Buffer`, over torch tensors
-  and a torch.distributed group.  Buffer checks what every engine shares (the bundle, the group,
-  the DeepEP arguments it ignores) and hands each call to the engine of the bundle's backend:
-  cpu (cpu/engine.py) or cuda (cuda_direct/engine.py).  Made once per Buffer as
+  and a torch.distributed group (what it holds is released by a construction that fails and
+  before the interpreter's teardown: lifetime.py).  Buffer checks what every engine shares (the
+  bundle, the group, the DeepEP arguments it ignores) and hands each call to the engine of the
+  bundle's backend: cpu (cpu/engine.py) or cuda (cuda_direct/engine.py).  Made once per Buffer as
   `EngineClass(group, bundle, timeout_s=..., config=..., agree=...)` (bundle:
   epcc.plan.bundle.Bundle; agree: the Buffer's agree.Agreement, None: the engine makes one).
 * `Runner`: every rank of a plan in one call over NumPy arrays, as `epcc run` and the tests
@@ -97,6 +98,14 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release everything (collective: every rank closes)."""
+
+    def release_locally(self) -> list[str]:
+        """Release what it holds on this rank alone, last acquired first, without meeting the peers
+        (a construction that failed: lifetime.py); what could not be released, one line each."""
+
+    def release_at_exit(self) -> None:
+        """The interpreter exits with it open (lifetime.py's atexit hook): stop what runs (proxy
+        threads) and release what it safely can on this rank alone."""
 
 
 class Runner(Protocol):

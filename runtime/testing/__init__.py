@@ -8,7 +8,9 @@
 * check.py: a run against the oracle, in words (the first differing rank, token and expert; the
   combine's error summary) and the memory such a run holds (`epcc run`);
 * emulate.py: a NumPy emulator of the table-driven CUDA kernels over the same table blobs the
-  GPU reads (bench/ep_bench.py --dry-run, the tests).
+  GPU reads (bench/ep_bench.py --dry-run, the tests);
+* ranks.py: processes joined as torchrun joins its workers, with every rank's own exit status
+  (torchrun's own is 1 whether a rank exited 1 or crashed).
 
 Used by `epcc run`, bench/ and the tests; no engine imports it.
 """

@@ -124,6 +124,7 @@ def host_kernels(tmp_path_factory):
             assert r.returncode == 0, r.stderr
             lib = ctypes.CDLL(str(out))
             lib.epcc_meta_run.argtypes = [ctypes.c_void_p] * 14
+            lib.epcc_meta_set_grid.argtypes = [ctypes.c_int]
             lib.epcc_meta_scratch_words.argtypes = [ctypes.c_void_p]
             lib.epcc_meta_scratch_words.restype = ctypes.c_longlong
             lib.epcc_meta_shared_bytes.restype = ctypes.c_longlong
@@ -159,14 +160,14 @@ def _manifest(plan, name: str, tokens: int, chunk: int) -> dict:
     return _MANIFESTS[key]
 
 
-def _check_every_rank(kernels, name, plan, m, tokens, idx, w, counts, key=None) -> None:
+def _check_every_rank(kernels, name, plan, m, tokens, idx, w, counts, key=None, grid=0) -> None:
     """Every rank's blobs and received rows from the host-compiled kernels, byte for byte the host
-    layout's (runtime/layout, the oracle) for this routing."""
+    layout's (runtime/layout, the oracle) for this routing (`grid`: as _run's)."""
     layout = compute_layout(plan, idx, w, counts)
     prog = segment_program(plan)
     for rank in range(plan.num_ranks):
         pls, blobs, bad, rw, ri, rc, ro = _run(kernels, plan, m, prog, rank, tokens, idx, w, counts,
-                                               key=None if key is None else (*key, rank))
+                                               key=None if key is None else (*key, rank), grid=grid)
         for p, pl in pls.items():
             want = build_placed(m, layout, pl).blob
             diff = np.flatnonzero(want != blobs[p])
@@ -183,13 +184,14 @@ def _check_every_rank(kernels, name, plan, m, tokens, idx, w, counts, key=None) 
 _PROGRAMS: dict[tuple, tuple] = {}
 
 
-def _run(kernels, plan, m, prog, rank, tokens, idx, w, counts, seqs=None, blobs=None, key=None):
+def _run(kernels, plan, m, prog, rank, tokens, idx, w, counts, seqs=None, blobs=None, key=None, grid=0):
     """The host-compiled kernels' blobs and received rows of `rank`, built at the capacity its
     program needs, as the bundle's driver is (into `blobs` where given,
     after restoring their static fields as the GPU does: the template up to the row arrays);
     `seqs` (a dict): each program's RDMA items' sequence numbers on their channels go there too
     (the GPU proxy path's); `key`: names the bundle and rank, whose placements and program (the
-    same for every routing) are then kept for the next call."""
+    same for every routing) are then kept for the next call; `grid`: the phases' blocks in the
+    order of the cooperative kernel of that many blocks (0: of the four launches)."""
     R = plan.num_ranks
     if key is None or key not in _PROGRAMS:
         pls = {p: placement(m, prog, p, rank, tokens) for p in ("dispatch", "combine")}
@@ -218,7 +220,11 @@ def _run(kernels, plan, m, prog, rank, tokens, idx, w, counts, seqs=None, blobs=
     if seqs is not None:
         seqs.update({p: np.full(max(pls[p].num_items, 1), 0xFFFFFFFF, np.uint32) for p in pls})
     ptrs += [seqs[p].ctypes.data if seqs is not None else None for p in ("dispatch", "combine")]
-    assert lib.epcc_meta_run(*ptrs) == 0
+    lib.epcc_meta_set_grid(grid)
+    try:
+        assert lib.epcc_meta_run(*ptrs) == 0
+    finally:
+        lib.epcc_meta_set_grid(0)
     return pls, blobs, int(bad[0]), rw, ri, rc, ro
 
 
@@ -227,11 +233,12 @@ def test_every_shipped_plan_is_covered():
 
 
 @pytest.mark.parametrize("name,tokens,chunk", COVERED)
-@pytest.mark.parametrize("seed", [1, 2])
-def test_host_compiled_kernels_write_the_host_layouts_blobs(host_kernels, name, tokens, chunk, seed):
+@pytest.mark.parametrize("seed,grid", [(1, 0), (2, 5)])
+def test_host_compiled_kernels_write_the_host_layouts_blobs(host_kernels, name, tokens, chunk, seed, grid):
+    """Seed 1 as the four launches run the phases, seed 2 as the cooperative kernel of 5 blocks does."""
     plan, idx, w, counts = _routing(name, tokens, chunk, seed)
     _check_every_rank(host_kernels, name, plan, _manifest(plan, name, tokens, chunk), tokens, idx, w, counts,
-                      key=(name, tokens, chunk))
+                      key=(name, tokens, chunk), grid=grid)
 
 
 def _hidden_routing(plan, tokens: int, rng, zero: int, masked: float, hot: int):
@@ -254,15 +261,16 @@ def _hidden_routing(plan, tokens: int, rng, zero: int, masked: float, hot: int):
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=st.sampled_from(COVERED), seed=st.integers(0, 2**32 - 1), zero=st.integers(0, 63),
-       masked=st.sampled_from([0.0, 0.1, 0.6]), hot=st.sampled_from([0, 3, 40]))
-def test_hidden_routings_every_plan(host_kernels, case, seed, zero, masked, hot):
+       masked=st.sampled_from([0.0, 0.1, 0.6]), hot=st.sampled_from([0, 3, 40]), grid=st.sampled_from([0, 1, 3, 64]))
+def test_hidden_routings_every_plan(host_kernels, case, seed, zero, masked, hot, grid):
     """Property: for any shipped plan and any routing -- uneven token counts, a rank with none,
-    masked slots, skewed or uniform experts -- every rank's device tables are the host layout's."""
+    masked slots, skewed or uniform experts -- every rank's device tables are the host layout's,
+    whether the four launches or the cooperative kernel (of `grid` blocks) run the phases."""
     name, tokens, chunk = case
     plan = small_case(name, tokens, chunk, seed=1)[0]
     idx, w, counts = _hidden_routing(plan, tokens, np.random.default_rng(seed), zero % plan.num_ranks, masked, hot)
     _check_every_rank(host_kernels, name, plan, _manifest(plan, name, tokens, chunk), tokens, idx, w, counts,
-                      key=(name, tokens, chunk))
+                      key=(name, tokens, chunk), grid=grid)
 
 
 def test_a_bad_routing_row_is_marked_and_ignored(host_kernels):
@@ -615,4 +623,4 @@ def test_a_plan_beyond_the_targets_shared_memory_gets_host_tables_saying_why():
     src = codegen.generate(plan, source_of("h200x4_ubb2x2")).files["epcc_table_meta.cu"]
     for k, v in meta_program.Capacity(**{f: cap[f] for f in codegen.CAPACITY_FIELDS}).macros().items():
         assert f"#define {k} {v}\n" in src
-    assert f"sizeof(epcc::meta::Shared) <= {CUDA.shared_bytes_per_block}" in src
+    assert f"sizeof(epcc::meta::PhaseShared) <= {CUDA.shared_bytes_per_block}" in src

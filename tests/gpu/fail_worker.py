@@ -17,7 +17,11 @@ CASE (what rank 1 does in dispatch #2; CASES below):
 * stall-mid / killed-mid: it passes the call's first round, then stalls (LATE_S) / is killed
   where it would start its GPU work (`launch_hook`), so its peer's kernels wait for it and give up;
 * proxy-fails / proxy-stalls (GPU proxy path): its dispatch proxy stops at once / takes nothing
-  (`proxy_hook`) while the kernels need it.
+  (`proxy_hook`) while the kernels need it;
+* skip-ll (a bundle whose metadata exchange is the process group's collective): dispatch #2 is
+  a low-latency one (sync=False, then Buffer.synchronize()) and rank 1 skips it, so no host round
+  meets it and its peer waits in the group's all-gather; rank 1 comes back LATE_S later with a
+  normal-mode dispatch.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ import torch.distributed as dist
 from epcc.runtime.buffer import Buffer, GroupError
 from epcc.runtime.engines.gpu_proxy.engine import GpuRdma
 
-CASES = ("refuse-host", "refuse-device", "stall", "killed", "stall-mid", "killed-mid", "proxy-fails", "proxy-stalls")
+CASES = ("refuse-host", "refuse-device", "stall", "killed", "stall-mid", "killed-mid", "proxy-fails", "proxy-stalls",
+         "skip-ll")
 #: Cases where rank 1's process is gone when the others finish.
 KILLED = ("killed", "killed-mid")
 
@@ -110,6 +115,18 @@ def proxy_hook(kind: str) -> None:
     GpuRdma.start = start
 
 
+def exchange_abort(buf: Buffer, wait_s: float) -> dict | None:
+    """How long the abort of the collective exchange's group took on this rank (it runs in the
+    background: the report does not wait for it), waited for up to `wait_s`: {"s": seconds or
+    None if still running, "error": what it raised}; None where the Buffer has no such exchange
+    or did not abort it."""
+    x = getattr(getattr(buf.engine, "meta", None), "exchange", None)
+    if x is None or x.group is not None:
+        return None
+    x.join(wait_s)
+    return {"s": None if x.abort_s is None else round(x.abort_s, 3), "error": x.abort_error}
+
+
 def main(bundle: str, case: str, out_dir: str, timeout_s: float, late_s: float) -> None:
     if case not in CASES:
         raise SystemExit(f"fail_worker: case must be one of {', '.join(CASES)}, not {case!r}")
@@ -143,6 +160,16 @@ def main(bundle: str, case: str, out_dir: str, timeout_s: float, late_s: float) 
             bad = idx[:, : K - 1].contiguous() if rank == 1 else idx
             res["failed"] = _seen(_call(buf, lambda: buf.dispatch(x, bad, w)))
             res["again"] = _call(buf, round_trip)["ok"]
+        elif case == "skip-ll":
+            def low_latency():
+                buf.dispatch(x, idx, w, sync=False)
+                buf.synchronize()  # where a low-latency caller learns what became of its launches
+
+            if rank == 1:  # skips the low-latency dispatch: its next call is a normal one, late
+                time.sleep(late_s)
+                res["failed"] = _seen(_call(buf, lambda: buf.dispatch(x, idx, w)))
+            else:
+                res["failed"] = _seen(_call(buf, low_latency))
         else:
             if rank == 1:
                 if case == "stall":
@@ -157,6 +184,7 @@ def main(bundle: str, case: str, out_dir: str, timeout_s: float, late_s: float) 
                     proxy_hook(case.split("-")[1])
             res["failed"] = _seen(_call(buf, lambda: buf.dispatch(x, idx, w)))
         res["after"] = _seen(_call(buf, lambda: buf.dispatch(x, idx, w)))
+        res["exchange_abort"] = exchange_abort(buf, 2 * timeout_s + late_s)
         res["status"] = "ok"
     except BaseException:  # noqa: BLE001 - reported to the test
         res["status"] = traceback.format_exc()

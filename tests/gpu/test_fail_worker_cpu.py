@@ -1,6 +1,7 @@
 """tests/gpu/fail_worker.py's injections on the CPU: where each engine's GPU work starts (the
 launch hook), and the two broken proxies (the proxy hook), so that a GPU run of
-test_gpu_failures.py fails for the engine's reason, not for the worker's."""
+test_gpu_failures.py fails for the engine's reason, not for the worker's; and what it records of
+the collective exchange's abort."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ pytest.importorskip("torch")  # the worker runs under torch on the GPU machine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fail_worker as F  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 from epcc.runtime.engines.agree import Agreement  # noqa: E402
+from epcc.runtime.engines.cuda_table.exchange import Exchange  # noqa: E402
 from epcc.runtime.engines.cuda_table.launcher import Context  # noqa: E402
 from epcc.runtime.engines.gpu_proxy.engine import GpuRdma  # noqa: E402
 
@@ -103,5 +107,22 @@ def test_the_failing_proxy_is_started_then_aborted(monkeypatch):
 
 
 def test_an_unknown_case_is_named():
-    with pytest.raises(SystemExit, match="fail_worker: case must be one of refuse-host, .*proxy-stalls, not 'nope'"):
+    with pytest.raises(SystemExit,
+                       match="fail_worker: case must be one of refuse-host, .*proxy-stalls, skip-ll, not 'nope'"):
         F.main("b", "nope", ".", 5.0, 10.0)
+
+
+def test_the_exchange_abort_is_read_once_it_ended():
+    """What the worker records of the collective exchange's abort (it runs in the background):
+    nothing before it is aborted or without such an exchange, then how long it took."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = Exchange(dist.group.WORLD, 1.0, "b", torch.device("cpu"))
+        buf = types.SimpleNamespace(engine=types.SimpleNamespace(meta=types.SimpleNamespace(exchange=x)))
+        assert F.exchange_abort(buf, 5.0) is None  # not aborted
+        assert F.exchange_abort(types.SimpleNamespace(engine=types.SimpleNamespace()), 5.0) is None
+        x.abort()
+        got = F.exchange_abort(buf, 5.0)
+        assert got is not None and got["error"] is None and 0 <= got["s"] < 5.0, got
+    finally:
+        dist.destroy_process_group()

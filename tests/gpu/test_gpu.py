@@ -28,7 +28,9 @@ by NCCL) runs through proxy_worker.py over NVSHMEM with EPCC_CUDA_IPC_DOMAIN=box
 a box of its own, and must open no CUDA IPC mapping at all
 (test_a_proxy_collective_bundle_runs_with_every_rank_in_its_own_ipc_domain); so placed, the same
 bundle over the emulated transport, an RDMA step emulated by peer copies and the direct kernels
-are refused on every rank when the Buffer is made (test_what_cannot_cross_ipc_domains_is_refused_on_every_rank).
+are refused on every rank when the Buffer is made, and every rank then exits with status 1, not by
+a signal (test_what_cannot_cross_ipc_domains_is_refused_on_every_rank: the ranks started as
+torchrun starts them but each one's own exit status kept, runtime/testing/ranks.py).
 
 The GPU proxy path runs through bench/ep_bench.py --strict on the 2-vnode plan of two
 GPUs (h200x2_2vnode_50_proxy; h200x2_2vnode_relay_50_proxy: two RDMA steps per program, so two
@@ -70,6 +72,7 @@ import pytest
 from epcc.runtime.build_cache import find_nvcc
 from epcc.runtime.build_cache import BuildError
 from epcc.runtime.engines.gpu_proxy.build import nvshmem_home
+from epcc.runtime.testing.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "ep_worker.py"
@@ -160,15 +163,22 @@ def _torchrun_path() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("torchrun")
 
 
+def _gpu_env(gpus: int, env: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for ranks on `gpus` GPUs (the first two visible for 2), NVLink
+    multicast off, `env` over it."""
+    full = dict(os.environ)
+    full.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", **(env or {}))
+    if gpus == 2:
+        full["CUDA_VISIBLE_DEVICES"] = first_two_gpus()
+    return full
+
+
 def _torchrun(gpus: int, script: Path, args: list[str], env: dict[str, str] | None = None, ranks: int | None = None,
               timeout: float | None = None):
     """Run `script` as `ranks` processes (default one per GPU) on `gpus` GPUs (the first two visible for 2)
     under torchrun, NVLink multicast off; (command, result), or the test fails after `timeout`
     (default $EPCC_GPU_TIMEOUT) s with the output so far."""
-    full = dict(os.environ)
-    full.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", **(env or {}))
-    if gpus == 2:
-        full["CUDA_VISIBLE_DEVICES"] = first_two_gpus()
+    full = _gpu_env(gpus, env)
     cmd = [_torchrun_path(), "--standalone", "--nproc-per-node", str(ranks or gpus), str(script), *args]
     timeout = timeout or float(os.environ.get("EPCC_GPU_TIMEOUT", "1200"))
     try:
@@ -400,16 +410,22 @@ def test_a_proxy_collective_bundle_runs_with_every_rank_in_its_own_ipc_domain():
 ], ids=["emulated-transport", "rdma-step-as-peer-copies", "direct-kernels"])
 def test_what_cannot_cross_ipc_domains_is_refused_on_every_rank(worker, args, refusal):
     """Each rank its own CUDA IPC domain: a bundle that would map a peer across domains is refused
-    when the Buffer is made, on every rank, with the reason (not a failed cudaIpcOpenMemHandle)."""
+    when the Buffer is made, on every rank, with the reason (not a failed cudaIpcOpenMemHandle), and
+    every rank then exits with status 1 (the worker's verdict), not by a signal: the ranks run as
+    torchrun runs them, but each one's own exit status is kept (torchrun's is 1 either way, and it
+    signals a rank that is slower to exit than its peer)."""
     bundles = [a for a in args if a not in ("emulated", "nvshmem")]
     why = _why_not(2, bundles)
     if why:
         pytest.skip(why)
-    cmd, r = _torchrun(2, worker, [a if a in ("emulated", "nvshmem") else str(BUNDLES / a) for a in args],
-                       env={"EPCC_CUDA_IPC_DOMAIN": "box{rank}"}, timeout=600)
-    out = r.stdout + r.stderr
-    assert r.returncode != 0 and out.count(refusal) >= 2, f"{' '.join(cmd)} exited {r.returncode}:\n{out[-12000:]}"
-    assert "cudaIpcOpenMemHandle" not in out, out[-12000:]
+    cmd = [sys.executable, str(worker), *[a if a in ("emulated", "nvshmem") else str(BUNDLES / a) for a in args]]
+    # a rank that crashes prints its Python stack (faulthandler)
+    env = _gpu_env(2, {"EPCC_CUDA_IPC_DOMAIN": "box{rank}", "PYTHONFAULTHANDLER": "1"})
+    results = run_ranks(cmd, 2, env=env, cwd=ROOT, timeout_s=600)
+    out = "\n".join(f"--- rank {r.rank} ({r.ended()}):\n{r.output[-6000:]}" for r in results)
+    assert [r.returncode for r in results] == [1, 1], f"{' '.join(cmd)}:\n{out}"
+    assert out.count(refusal) >= 2, out
+    assert "cudaIpcOpenMemHandle" not in out, out
 
 
 @pytest.mark.parametrize("transport", ["emulated", "nvshmem"])

@@ -6,13 +6,16 @@ ranks, one per GPU, on each engine of `Buffer(backend="cuda")`:
   on the GPU (the routing exchanged over peer memory, a bounded wait that writes an error word
   and traps when a peer does not come);
 * proxy: h200x2_2vnode_50_proxy, host-built tables and the RDMA step through the GPU proxy path
-  (a proxy thread per program and rank, its wait watched: gpu_proxy/watch.py).
+  (a proxy thread per program and rank, its wait watched: gpu_proxy/watch.py);
+* collective: h200x2_2vnode_50_collective, the table kernel's routing all-gathered by the process
+  group (in the exchange's own group; the host's wait watches the marks around each exchange and
+  aborts it at the timeout: cuda_table/exchange.py).
 
 Rank 1 fails on purpose in its second dispatch (tests/gpu/fail_worker.py says how: an argument it
 refuses, a bad top-k row, a stall or a killed process before the call or at its launch, a proxy
-that stops or stalls) and every surviving rank must raise the same GroupError, naming rank 1 and
-why, within the timeout plus SLACK_S, never hang.  Skipped without 2 GPUs (test_gpu.py's
-conditions: nvcc, the bundles (tests/gpu/bundles.py), torch).
+that stops or stalls, a low-latency dispatch it skips) and every surviving rank must raise the
+same GroupError, naming rank 1 and why, within the timeout plus SLACK_S, never hang.  Skipped
+without 2 GPUs (test_gpu.py's conditions: nvcc, the bundles (tests/gpu/bundles.py), torch).
 
 The ranks are started as torchrun would start them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT; an NCCL group over a TCPStore on 127.0.0.1 that rank 0 hosts), but by this test, so
@@ -42,11 +45,16 @@ ENGINES = {  # engine -> (bundle, the engine class Buffer picks, the first round
     "direct": ("h200x2_t128", "CudaDirectEngine", "the dispatch's arguments"),
     "table": ("h200x2_2vnode_50", "CudaTableEngine", "the dispatch's arguments"),
     "proxy": ("h200x2_2vnode_50_proxy", "CudaTableEngine", "the routings"),
+    "collective": ("h200x2_2vnode_50_collective", "CudaTableEngine", "the dispatch's arguments"),
 }
 TIMEOUT_S = 5.0
 SLACK_S = 5.0  # beyond the timeout: a kernel's trap, the grace a failing rank waits, the ranks' polling
 LATE_S = TIMEOUT_S + agree.GRACE_S + 3  # a stalling rank stays away past its peer's timeout and grace
 LOST_AT_ONCE = f"no answer within {agree.GRACE_S:g} s of its peers' failure (stalled, or its process died)"
+# where the peer waited in the collective metadata exchange: the agreement says so (exchange.py)
+LOST_AT_EXCHANGE = (f"no answer within {agree.GRACE_S:g} s of its peers' failure (it did not come to the metadata "
+                    f"exchange of bundle 'h200x2_2vnode_50_collective', the process group's all-gather of every "
+                    f"rank's routing: it skipped the dispatch, stalled, or its process died)")
 
 pytestmark = pytest.mark.gpu
 
@@ -88,6 +96,9 @@ def _run(engine: str, case: str, tmp_path: Path) -> list[dict | None]:
         pytest.fail(f"rank 0 wrote no result\n{logs[0][-6000:]}")
     assert res[0]["engine"] == cls, res[0]["engine"]
     print("\n".join(f"rank {r}: {res[r] and res[r].get('failed')}" for r in range(2)))
+    for r in range(2):  # not bounded here: what the report no longer waits for (exchange.py Exchange.abort)
+        if res[r] is not None and res[r].get("exchange_abort") is not None:
+            print(f"rank {r}: the exchange's abort took {res[r]['exchange_abort']}")
     return res
 
 
@@ -154,11 +165,11 @@ def test_a_rank_that_does_not_come_is_named_by_its_peer(engine, case, tmp_path):
 @pytest.mark.parametrize("case", ["stall-mid", "killed-mid"])
 def test_a_rank_that_stops_at_its_launch_is_named_by_its_peer(engine, case, tmp_path):
     """Rank 1 passed the call's first round, then stalls or dies where its GPU work would start:
-    its peer's kernels (or metadata exchange) wait for it, give up after the timeout and trap, and
-    the peer names rank 1 once the grace for its answer has passed.  A stalled rank that comes
-    back raises the same error."""
+    its peer's kernels (or metadata exchange) wait for it, give up after the timeout and trap (the
+    collective exchange: the host's watch aborts it), and the peer names rank 1 once the grace for
+    its answer has passed.  A stalled rank that comes back raises the same error."""
     res = _run(engine, case, tmp_path)
-    msg = f"dispatch #2 failed on rank 1: {LOST_AT_ONCE}"
+    msg = f"dispatch #2 failed on rank 1: {LOST_AT_EXCHANGE if engine == 'collective' else LOST_AT_ONCE}"
     _same(res, (0,) if case == "killed-mid" else (0, 1), msg, "GroupTimeout", True)
     took = res[0]["failed"]["elapsed"]
     assert took < TIMEOUT_S + SLACK_S, res[0]
@@ -193,4 +204,16 @@ def test_a_proxy_that_stalls_on_one_rank_is_named_by_every_rank(tmp_path):
                         rf"\d+ of FIFO \d+ in {stall:g} s \(stalled\)", msg), msg
     _same(res, (0, 1), msg, "GroupTimeout", True)
     assert all(stall <= res[r]["failed"]["elapsed"] < TIMEOUT_S + SLACK_S for r in (0, 1)), res
+    _failed_for_good(res, (0, 1))
+
+
+def test_a_rank_that_skips_a_low_latency_dispatch_is_named_at_the_collective_exchange(tmp_path):
+    """Rank 1 skips a low-latency dispatch (no host round meets it): rank 0's group all-gather
+    waits for it until rank 0's Buffer.synchronize() gives up at the timeout, aborts the exchange
+    and names rank 1, the bundle and the step (not torch's NCCL watchdog after 10 minutes); rank
+    1, back with a normal-mode dispatch, hears the same error at once."""
+    res = _run("collective", "skip-ll", tmp_path)
+    _same(res, (0, 1), f"dispatch #2 failed on rank 1: {LOST_AT_EXCHANGE}", "GroupTimeout", True)
+    assert TIMEOUT_S <= res[0]["failed"]["elapsed"] < TIMEOUT_S + SLACK_S, res[0]
+    assert res[1]["failed"]["elapsed"] < 1.0, res[1]
     _failed_for_good(res, (0, 1))

@@ -63,6 +63,15 @@ KNEE_2 = ("token-major, 2 x H100 (2026-11-27 SM sweep), 12 and 16 SMs: the fluid
           "(time x SMs) 3.3 at 8 SMs, 3.9 at 12, 4.4 at 16, 5.9 at 24, so 12 and 16 SMs run 13-18 % over the "
           "max (0.322 / 0.278 ms against 0.280 / 0.229), the dispatch at 12 SMs 12 %; 4-8 and 24-96 SMs within 9 %")
 
+H100_2VNODE_50 = ("h200x2_2vnode_50 dispatch on 2 x H100 after meta_fused (2026-11-27): 1.527 / 1.529 ms against 1.371 "
+                  "(-10.3 / -10.4 %).  What the model puts before the kernel is right: the call less its kernel's end "
+                  "0.120-0.122 ms, the model's metadata and copy of x 0.1205 "
+                  "(test_one_launch_metadata_is_what_the_call_holds_beyond_its_kernel).  The kernel is what it misses: "
+                  "its end 1.407 ms against 1.250 (-11 %; keep_far ends at 1.406 against 1.298), the rates fit on 2 x "
+                  "H200, where the same kernel ends at 1.344 (-7 %, 2026-11-27); the 2 x H100 runs before meta_fused "
+                  "ended it at 1.400-1.407 too, within 10 % then only because the model charged the six launches 113 us "
+                  "(on H100 they took 91)")
+
 # (report, bundle, row, program) -> why the model misses it by more than 10 % (the test fails once it does not)
 KNOWN_MISSES = {
     ("2026-11-26_4xH100_ep_bench_b.json", "h200x4_fp8", "epcc", "dispatch"):
@@ -82,6 +91,8 @@ KNOWN_MISSES = {
     **{("2026-11-27_2xH100_ep_bench_tok_sms.json", b, f"{row}@{n}", p): KNEE_2
        for b in ("h200x2_tok", "h200x2_tok_fp8") for row in ("epcc", "epcc_cached") for n, p in
        ((12, "dispatch"), (12, "combine"), (16, "combine"))},
+    **{("2026-11-27_2xH100_ep_bench_multihop_metafused.json", "h200x2_2vnode_50", row, "dispatch"): H100_2VNODE_50
+       for row in ("epcc", "epcc_cached")},
 }
 
 
@@ -230,6 +241,36 @@ def test_fresh_minus_cached_dispatch_is_the_metadata_with_its_peers(records):
     assert set(gaps) == {(128, 2), (128, 4)}
     mean = {k: sum(v) / len(v) for k, v in gaps.items()}
     assert 0.0 <= (mean[128, 4] - mean[128, 2]) / 2 <= 0.5, mean  # ~flat: 0.35 us per peer, measured and modelled
+
+
+def test_one_launch_metadata_is_what_the_call_holds_beyond_its_kernel(records):
+    """2 x H100, 2026-11-27, one device call: h200x2_2vnode_50 and _13 before and after the metadata ran
+    as one cooperative launch (meta_fused).  The dispatch's call less its kernel's end (the metadata and
+    the copy of x) is 120-123 us after for both bundles (the routing goes over NVLink whatever link
+    the plan declares), 8-14 us less than before; the kernels' ends did not move (1.407 / 4.747-4.749
+    ms).  The model's (sim/meta.py refitted to that call's bench/meta_time.py, and sim/calls.py) is
+    within 2 us at 50 GB/s; at 13 GB/s it charges the routing's bytes to the plan's RDMA-class link,
+    15 us more than NVLink takes.  Both runs' dispatches are SUPERSEDED: their paced SM roles kept a
+    share of the link per block (PER_BLOCK_PACING)."""
+    def outside(report: str) -> dict:
+        return {(r.bundle, r.row): r for r in records if r.report == report and r.program == "dispatch"}
+
+    after = outside("2026-11-27_2xH100_ep_bench_multihop_metafused.json")
+    before = outside("2026-11-27_2xH100_ep_bench_multihop_metafused_before.json")
+    assert set(after) == set(before) == {(b, row) for b in ("h200x2_2vnode_50", "h200x2_2vnode_13")
+                                         for row in ("epcc", "epcc_cached")}
+    for key, a in after.items():
+        b = before[key]
+        got, was = (a.measured_ms - a.kernel_ms) * 1e3, (b.measured_ms - b.kernel_ms) * 1e3
+        model = (a.predicted_ms - a.sim_kernel_ms) * 1e3
+        assert 119 < got < 123 and 8 < was - got < 15 and abs(a.kernel_ms - b.kernel_ms) < 0.003, (key, got, was)
+        # both runs' dispatches were timed before the paced SM roles replayed one serial link, which
+        # supersedes them whatever the metadata did (sim_check PER_BLOCK_PACING)
+        assert a.superseded and b.superseded, key
+        if key[0] == "h200x2_2vnode_50":
+            assert abs(model - got) < 2, (key, model, got)
+        else:
+            assert 12 < model - got < 16, (key, model, got)
 
 
 def test_superseded_records_are_in_the_reports(sim_check, records):

@@ -17,8 +17,9 @@ from epcc.passes import PassOptions
 from epcc.sim import SimOptions, SimulationError, simulate
 from epcc.sim.base import DeviceMetadata
 from epcc.sim.build import build_plan
-from epcc.sim.meta import (GAP_S, H100_MEASURED_US, H100_WHOLE_US, MEASURED_US, MEASURED_WHOLE_US, PROFILED_SIGNAL_US,
-                           between_boxes_link, boxes, exchange_link, from_manifest, metadata_terms, ring_latency, waves)
+from epcc.sim.meta import (BARRIER_S, FUSED_DEVICE_US, FUSED_WHOLE_US, GAP_S, H100_MEASURED_US, H100_WHOLE_US,
+                           STEP_MEASURED_US, STEP_PROFILED_SIGNAL_US, STEP_WHOLE_US, between_boxes_link, boxes,
+                           exchange_link, from_manifest, metadata_terms, ring_latency, waves)
 
 REPO = Path(__file__).resolve().parents[2]
 VNODE2 = str(REPO / "schedules" / "h200x2_2vnode.sched")
@@ -36,26 +37,38 @@ def run(argv, capsys):
 
 
 def test_the_calibration_gives_back_the_measurement():
-    # h200x2_2vnode_50 as measured (2 x H200, 2026-11-27, meta_rows reading meta_count's per-token
-    # records): 64 count blocks, 256 rows blocks, 6 items blocks, the gather's 256 KiB over NVLink
-    # (450 GB/s) rather than the plan's RDMA link
+    # h200x2_2vnode_50 as measured (2 x H100, 2026-11-27, one device call of bench/meta_time.py --grid
+    # 0,default): 64 count blocks, 256 rows blocks, 6 items blocks, the gather's 256 KiB over NVLink
+    # (450 GB/s) rather than the plan's RDMA link; the CUDA bundle launches meta_fused
     plan = _plan(VNODE2)
     meta = table_metadata(plan, "emulate")
-    assert (meta.count_blocks, meta.rows_blocks, meta.items_blocks) == (64, 256, 6)
+    assert (meta.count_blocks, meta.scan_blocks, meta.rows_blocks, meta.items_blocks, meta.fused) == (64, 137, 256, 6,
+                                                                                                      True)
     assert meta.steps == (("dispatch", "meta"),)
-    t = {k: v * 1e6 for k, v in metadata_terms(plan, meta).items()}
-    assert t["transfer"] == pytest.approx(4096 * 8 * 8 / 50e9 * 1e6)  # the plan's one link: rdma at 50 GB/s
     nvlink = 4096 * 8 * 8 / 450e9 * 1e6
-    assert t["gather"] + nvlink == pytest.approx(MEASURED_US["gather_copy"])
+    fused = {k: v * 1e6 for k, v in metadata_terms(plan, meta).items()}
+    assert list(fused) == ["gather", "transfer", "signal", "count", "scan", "rows", "items", "barriers", "gaps"]
+    assert fused["transfer"] == pytest.approx(4096 * 8 * 8 / 50e9 * 1e6)  # the plan's one link: rdma at 50 GB/s
+    assert sum(fused.values()) - fused["transfer"] + nvlink == pytest.approx(FUSED_WHOLE_US)
+    assert fused["gaps"] == pytest.approx(GAP_S * 1e6)  # one launch
+    # the steps as launches of their own (grid 0, the same processes): each kernel as profiled
+    t = {k: v * 1e6 for k, v in metadata_terms(plan, dataclasses.replace(meta, fused=False)).items()}
+    assert list(t) == ["gather", "transfer", "signal", "count", "scan", "rows", "items", "gaps"]
+    assert t["gather"] + nvlink == pytest.approx(STEP_MEASURED_US["gather_copy"])
     for part, kernel in (("count", "meta_count"), ("scan", "meta_scan"), ("rows", "meta_rows"), ("items", "meta_items")):
-        assert t[part] == pytest.approx(MEASURED_US[kernel]), part
-    assert sum(t.values()) - t["transfer"] + nvlink == pytest.approx(MEASURED_WHOLE_US)
-    # the gaps: the 2 x H100 calibration's (its events less its six kernels, the flag wait timed apart);
-    # the flag wait, the rest of the H200 events: above that calibration's round trip, below the
+        assert t[part] == pytest.approx(STEP_MEASURED_US[kernel]) == pytest.approx(fused[part]), part
+    assert sum(t.values()) - t["transfer"] + nvlink == pytest.approx(STEP_WHOLE_US)
+    # the gaps: the 2 x H100 calibration's of 2026-11-26 (its events less its six kernels, the flag wait
+    # timed apart); the flag wait, the rest of the events: above that calibration's round trip, below the
     # profiler's wait (which holds the peer's lateness under the profiler)
     assert t["gaps"] == pytest.approx(H100_WHOLE_US - sum(H100_MEASURED_US.values()))
-    assert H100_MEASURED_US["gather_signal_wait"] < t["signal"] < PROFILED_SIGNAL_US
-    assert t["signal"] == pytest.approx(31.1)
+    assert H100_MEASURED_US["gather_signal_wait"] < t["signal"] < STEP_PROFILED_SIGNAL_US
+    assert t["signal"] == pytest.approx(12.5)
+    # the one launch saves five gaps and pays three grid barriers: 1.3 us each, near the design's ~1 us
+    # (docs/cuda.md); its profiled device time (the exchange, the wait and the phases) lies under its events
+    assert sum(t.values()) - sum(fused.values()) == pytest.approx(STEP_WHOLE_US - FUSED_WHOLE_US)
+    assert fused["barriers"] == pytest.approx(3 * BARRIER_S * 1e6) and 1.0 < BARRIER_S * 1e6 < 1.5
+    assert FUSED_DEVICE_US < FUSED_WHOLE_US
 
 
 def test_it_grows_with_the_tokens():
@@ -70,7 +83,7 @@ def test_it_grows_with_the_tokens():
     assert waves(256) == 2 and waves(1024) == 8
     assert big["rows"] > mid["rows"] > small["rows"]  # 8 waves of rows blocks at 16384 tokens, 2 at 4096, 1 at 1024
     assert big["count"] > mid["count"]  # 256 count blocks: 2 waves
-    assert big["scan"] == mid["scan"] == small["scan"]  # one block whatever the tokens
+    assert big["scan"] == mid["scan"] == small["scan"]  # its sums are per set and (rank, expert), not per token
     assert sum(big.values()) > sum(mid.values()) > sum(small.values())
 
 
@@ -79,8 +92,8 @@ def test_it_grows_with_the_ranks():
     t2 = metadata_terms(two, table_metadata(two, "emulate"))
     m4 = table_metadata(four, "emulate")
     t4 = metadata_terms(four, m4)
-    assert m4.count_blocks == 4 * 32 and m4.rows_blocks > 256
-    assert t4["rows"] > t2["rows"] and sum(t4.values()) > sum(t2.values())
+    assert m4.count_blocks == 4 * 32 and m4.rows_blocks > 256 and m4.scan_blocks > 2 * 132
+    assert t4["rows"] > t2["rows"] and t4["scan"] > t2["scan"] and sum(t4.values()) > sum(t2.values())
     # h200x4_2vnode's peers: the fastest p2p link, NVLink of per-GPU ports (the rank's 3 copies through one port)
     name, bps, ports = exchange_link(four)
     assert (name, ports) == ("nvlink", True)
@@ -125,7 +138,7 @@ def test_the_collective_exchange_is_charged_by_box():
     meta = table_metadata(plan, "proxy")
     assert meta.exchange == "collective"
     t = metadata_terms(plan, meta)
-    assert list(t) == ["gather", "transfer", "collective", "count", "scan", "rows", "items", "gaps"]
+    assert list(t) == ["gather", "transfer", "collective", "count", "scan", "rows", "items", "barriers", "gaps"]
     wl = plan.workload
     slot = 4 + wl.tokens * wl.topk * 8
     assert [b[0] for b in boxes(plan)] == [0, 16] and [len(b) for b in boxes(plan)] == [16, 16]
@@ -135,8 +148,13 @@ def test_the_collective_exchange_is_charged_by_box():
     simple = (8.4 + 30 * 3.4 + 1 * 9.6) * 1e-6
     assert ring_latency(32, 2, "LL") == pytest.approx(ll) and ring_latency(32, 2, "Simple") == pytest.approx(simple)
     assert t["collective"] == pytest.approx(ll + 2 * simple)
+    # gather_copy and meta_fused (the all-gathers' launches are in their latency), where over CUDA IPC
+    # meta_fused alone; the steps: no gather_signal_wait launch, five of six
     ipc = metadata_terms(plan, dataclasses.replace(meta, exchange="ipc"))
-    assert t["gaps"] == pytest.approx(ipc["gaps"] * 5 / 6)  # no gather_signal_wait launch
+    assert t["gaps"] == pytest.approx(2 * GAP_S) and ipc["gaps"] == pytest.approx(GAP_S)
+    steps = {x: metadata_terms(plan, dataclasses.replace(meta, exchange=x, fused=False)) for x in ("collective", "ipc")}
+    assert steps["collective"]["gaps"] == pytest.approx(steps["ipc"]["gaps"] * 5 / 6)
+    assert "barriers" not in steps["collective"] and t["barriers"] == ipc["barriers"] == pytest.approx(3 * BARRIER_S)
     # the 2-vnode plan that asks for the collective (the 2-GPU runs of tests/gpu): two virtual nodes
     # joined by its one link, as the exchange over CUDA IPC is charged
     two = _plan(VNODE2)
@@ -156,15 +174,25 @@ def test_the_manifest_entry_is_read_or_refused():
     assert from_manifest({"lowering": "host", "why": "x"}) is None
     entry = {"lowering": "device", "blocks": {"meta_count": 64, "meta_rows": 256, "meta_items": 0},
              "steps": [{"program": "dispatch", "step": "meta"}]}
-    assert from_manifest(entry) == DeviceMetadata(64, 256, 0, (("dispatch", "meta"),))  # before the choice: ipc
+    # before the choice: ipc; before the launches were recorded: the steps as launches of their own
+    assert from_manifest(entry) == DeviceMetadata(64, 256, 0, (("dispatch", "meta"),))
     assert from_manifest({**entry, "exchange": "collective"}).exchange == "collective"
     with pytest.raises(SimulationError, match="the metadata exchange 'nvshmem' is none this epcc knows"):
         from_manifest({**entry, "exchange": "nvshmem"})
-    # no meta_items launch where the plan has no copy: five launches, not six
+    # CUDA: meta_fused (after gather_copy with the collective); SUPA: a launch per step
+    assert from_manifest({**entry, "launches": ["meta_fused"]}).fused
+    assert from_manifest({**entry, "exchange": "collective", "launches": ["gather_copy", "meta_fused"]}).fused
+    supa = ["gather_copy", "gather_signal_wait", "meta_count", "meta_scan", "meta_rows", "meta_items"]
+    assert not from_manifest({**entry, "launches": supa}).fused
+    with pytest.raises(SimulationError, match=r"b/cuda/manifest.json: the metadata's \"launches\" is not a list"):
+        from_manifest({**entry, "launches": "meta_fused"}, "b/cuda/manifest.json")
+    # no meta_items launch where the plan has no copy: five launches, not six; meta_fused: one either way
     plan = _plan(VNODE2)
     t = metadata_terms(plan, from_manifest(entry))
     six = metadata_terms(plan, dataclasses.replace(from_manifest(entry), items_blocks=6))
     assert t["items"] == 0 and t["gaps"] == pytest.approx(six["gaps"] * 5 / 6)
+    fused = metadata_terms(plan, from_manifest({**entry, "launches": ["meta_fused"]}))
+    assert fused["items"] == 0 and fused["gaps"] == pytest.approx(GAP_S)
     with pytest.raises(SimulationError, match="recompile the bundle"):
         from_manifest({"lowering": "device", "steps": []}, "b/cuda/manifest.json")
 
@@ -178,7 +206,7 @@ def test_epcc_simulate_reports_the_term(capsys, gpu_bundles, tmp_path):
     assert code == 0, err
     d = json.loads(out)
     parts = d["programs"]["dispatch"]["metadata_us"]
-    assert list(parts) == ["gather", "transfer", "signal", "count", "scan", "rows", "items", "gaps"]
+    assert list(parts) == ["gather", "transfer", "signal", "count", "scan", "rows", "items", "barriers", "gaps"]
     assert parts["transfer"] == pytest.approx(4096 * 8 * 8 / 13e9 * 1e6)
     # launch_ms: the metadata and the Buffer call's copies beside the kernels (sim/calls.py)
     calls = d["programs"]["dispatch"]["calls_us"]
@@ -189,8 +217,9 @@ def test_epcc_simulate_reports_the_term(capsys, gpu_bundles, tmp_path):
     assert list(combine_calls) == ["zero", "convert", "gaps"]
     assert d["programs"]["combine"]["metadata_us"] == {}
     assert d["programs"]["combine"]["launch_ms"] == pytest.approx(sum(combine_calls.values()) / 1e3)
-    assert d["model"]["sm"]["metadata"] == {"blocks": {"meta_count": 64, "meta_rows": 256, "meta_items": 6},
-                                            "exchange": "ipc", "steps": ["dispatch.meta"]}
+    assert d["model"]["sm"]["metadata"] == {"blocks": {"meta_count": 64, "meta_scan": 137, "meta_rows": 256,
+                                                       "meta_items": 6},
+                                            "exchange": "ipc", "fused": True, "steps": ["dispatch.meta"]}
     code, out, err = run(["simulate", src, "--json", "--rdma", "proxy", "--proxy-tables", "host"], capsys)
     assert code == 0 and json.loads(out)["programs"]["dispatch"]["metadata_us"] == {}
     assert "metadata" not in json.loads(out)["model"]["sm"]
@@ -207,7 +236,7 @@ def test_epcc_simulate_reports_the_term(capsys, gpu_bundles, tmp_path):
     assert code == 0, err
     d = json.loads(out)
     assert list(d["programs"]["dispatch"]["metadata_us"]) == ["gather", "transfer", "collective", "count", "scan",
-                                                              "rows", "items", "gaps"]
+                                                              "rows", "items", "barriers", "gaps"]
     assert d["model"]["sm"]["metadata"]["exchange"] == "collective"
     ep16 = str(REPO / "schedules" / "ubbv2_ep16.sched")
     code, out, err = run(["simulate", ep16, "--metadata-exchange", "ipc"], capsys)

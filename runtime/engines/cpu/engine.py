@@ -26,6 +26,7 @@ from ....plan.bundle import Bundle
 from ...layout import Layout, compute_layout
 from ...shm import PeerMemory
 from ..agree import Agreement
+from ..lifetime import exit_hook, released_on_failure, track, untrack
 from ..tensors import FP8_GROUP, WEIGHTS_DIFFER, check_tensor, check_token_count, check_topk_idx
 from .threads import execute
 
@@ -51,9 +52,12 @@ class CpuEngine:
         wl = self.plan.workload
         self.hidden, self.topk, self.experts, self.dtype = wl.hidden, wl.topk, wl.experts, wl.dtype
         self.agree = agree or Agreement.for_group(group, timeout_s)
-        with self.agree.call("making the Buffer", numbered=False):
+        self.memory: PeerMemory | None = None
+        exit_hook()
+        with released_on_failure(self.release_locally), self.agree.call("making the Buffer", numbered=False):
             session = self.agree.gather("the peer memory's name", uuid.uuid4().hex[:12] if self.rank == 0 else None)
             self.memory = PeerMemory(session[0], self.rank, self.num_ranks)
+        track(self)
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x, topk_idx, topk_weights, *, sync: bool, expert_alignment: int, handle):
@@ -118,7 +122,18 @@ class CpuEngine:
         """Nothing runs after a call returns on the CPU."""
 
     def close(self) -> None:
-        self.memory.close()
+        untrack(self)
+        self.release_locally()
+
+    def release_locally(self) -> list[str]:
+        """This rank's shared memory: its own segments unlinked, the peers' unmapped (a peer's own
+        mapping stays valid until it unmaps it)."""
+        if self.memory is not None:
+            self.memory.close()
+        return []
+
+    def release_at_exit(self) -> None:
+        self.release_locally()
 
     # ------------------------------------------------------------------ helpers
     def _check_weights(self, fn: str, w, shape) -> np.ndarray:

@@ -64,8 +64,9 @@ from ....plan.direct import DirectConfig, DirectError
 from ..agree import Agreement
 from ..base import GroupError, KernelTimeout
 from ..ipc_domain import local_domain, one_domain
+from ..lifetime import Held, exit_hook, released_on_failure, track, untrack
 from ..tensors import WEIGHTS_DIFFER, check_tensor, check_token_count, device_view
-from .library import DirectLibrary, build, timeline_summary
+from .library import DirectLibrary, DirectRuntimeError, build, timeline_summary
 
 #: How much longer than the timeout the other ranks wait for rank 0 to build the kernels (nvcc;
 #: once per machine and bundle, then the build cache has them).
@@ -96,8 +97,11 @@ class CudaDirectEngine:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.agree = agree or Agreement.for_group(group, timeout_s)
         self.bases: list[int] = []
-        with self.agree.call("making the Buffer", numbered=False):
+        self.held = Held()  # the region, the peers' mapped, the error record: released last first (lifetime.py)
+        exit_hook()
+        with released_on_failure(self.release_locally), self.agree.call("making the Buffer", numbered=False):
             self._make(bundle, timeout_s, config)
+        track(self)
 
     def _make(self, bundle: Bundle, timeout_s: float, config: dict | None) -> None:
         cuda_dir = bundle.cuda_dir
@@ -132,9 +136,18 @@ class CudaDirectEngine:
         self.lib.init(self.config.warps)
         self.lib.prepare()
         self.region = self.lib.malloc(self.lib.region_bytes)
+        self.held.push("the peer region", self.lib.free, self.region)
         handles = self.agree.gather("the peer regions' handles", self.lib.ipc_handle(self.region))
-        self.bases = [self.region if r == self.rank else self.lib.ipc_open(h) for r, h in enumerate(handles)]
+        bases = []
+        for r, h in enumerate(handles):
+            if r == self.rank:
+                bases.append(self.region)
+                continue
+            bases.append(self.lib.ipc_open(h))
+            self.held.push(f"rank {r}'s region mapped over CUDA IPC", self.lib.ipc_close, bases[-1])
+        self.bases = bases
         self.err_host, self.err_dev = self.lib.error_record()
+        self.held.push("the error record", self.lib.free_host, self.err_host)
         self.timeout_ns = int(timeout_s * 1e9)
         offs = dict(entry["constants"].get("offsets_named", {}))
         self.off = offs
@@ -221,17 +234,30 @@ class CudaDirectEngine:
         """Collective: every rank's kernels finish (peers may still write into this rank's region
         until theirs do) before any region is unmapped and freed.  A failed Buffer keeps its
         region until the process ends: a peer's kernel may still write into it."""
+        untrack(self)
         if not self.bases or self.agree.state != "ready":
             return
         with self.agree.call("close", numbered=False):
             self.synchronize()
             self.agree.barrier("the kernels' end, on every rank")
-        for r, b in enumerate(self.bases):
-            if r != self.rank:
-                self.lib.ipc_close(b)
-        self.lib.free(self.region)
-        self.lib.free_host(self.err_host)
+        failures = self.release_locally()
+        if failures:
+            raise DirectRuntimeError(f"closing the Buffer on rank {self.rank}: " + "; ".join(failures))
+
+    def release_locally(self) -> list[str]:
+        """Release the region, the peers' mapped and the error record on this rank alone, last
+        acquired first (a failed construction, the interpreter's exit); what could not be."""
         self.bases = []
+        return self.held.release()
+
+    def release_at_exit(self) -> None:
+        """The interpreter exits with this Buffer open (lifetime.py): released here where it is still
+        usable; a failed Buffer's region stays until the process ends (a peer's kernel may still
+        write into it)."""
+        if self.agree.state == "ready":
+            failures = self.release_locally()
+            if failures:
+                raise DirectRuntimeError("; ".join(failures))
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x, topk_idx=None, topk_weights=None, *, sync: bool = True, expert_alignment: int = 1,

@@ -69,6 +69,15 @@ rank refuses, a kernel or proxy that gave up, or a rank that stopped answering r
 GroupError on every rank.  On the GPU proxy path the host's wait for a launch is watched
 (gpu_proxy/watch.py): a proxy thread that stops or stalls is posted to the group at once, and a
 peer's failure ends this rank's wait at once, instead of every rank's kernels timing out together.
+With the collective exchange the wait (the normal mode's, `synchronize`, `close`) is watched too:
+the exchange runs in a process group of its own, made with the Buffer, and one that a peer did not
+come to within the timeout (it skipped a dispatch, stalled or died) has its group aborted (in
+the background: the abort waits for the rest of the stream) and is posted at once, naming the
+rank that does not answer (exchange.py), instead of waiting in NCCL for torch's group timeout.
+A low-latency caller waits with `synchronize()` before a host read.
+A construction that fails releases on this rank what it had acquired, the proxy threads stopped
+first, then the launcher's mappings, buffers and context, last acquired first; a Buffer never
+closed is released so at interpreter exit, before torch's teardown (lifetime.py).
 """
 
 from __future__ import annotations
@@ -89,9 +98,11 @@ from ..base import EngineError, GroupError, KernelTimeout
 from ..gpu_proxy.build import build_gpu
 from ..gpu_proxy.channels import TRANSPORTS, from_placement, from_tables
 from ..gpu_proxy.engine import GpuRdma
-from ..gpu_proxy.watch import STALL_FRACTION, ProxyFailed, ProxyWatch, wait_watched
+from ..gpu_proxy.watch import STALL_FRACTION, ProxyWatch, Watch, Watches, WatchFailed, wait_watched
 from ..ipc_domain import ipc_peers, local_domain
+from ..lifetime import Held, exit_hook, released_on_failure, track, untrack
 from ..tensors import FP8_GROUP, WEIGHTS_DIFFER, check_tensor, check_token_count, device_view
+from .exchange import Exchange, backstop_s
 from .launcher import CudaError, Library, build_library, role_timeline
 from .meta import DeviceMeta, routing_error
 from .tables import PROGRAMS, build_tables
@@ -146,8 +157,13 @@ class CudaTableEngine:
         self.own: dict[str, list[int]] = {}
         self.opened: list[int] = []  # every CUDA IPC mapping this rank opened (closed by close())
         self.ipc_peers: frozenset[int] = frozenset()  # the ranks whose memory it maps (ipc_domain.py)
-        with self.agree.call("making the Buffer", numbered=False):
+        # what the launcher allocated and mapped, released last acquired first (lifetime.py); the
+        # proxy engines (self.rdma) are stopped before any of it
+        self.held = Held()
+        exit_hook()
+        with released_on_failure(self.release_locally), self.agree.call("making the Buffer", numbered=False):
             self._make(bundle, timeout_s, config)
+        track(self)
 
     def _make(self, bundle: Bundle, timeout_s: float, config: dict | None) -> None:
         self.plan = plan = bundle.plan
@@ -192,16 +208,21 @@ class CudaTableEngine:
         cap = capacity_rows(plan, self.max_tokens)
         self.lib = Library(str(lib_path), self.ABI_PREFIX)
         self.ctx = self.lib.create(dev, self.rank, 1 + 2 * max(n_flags, 1), timeout_s)
+        self.held.push("the launcher's context", self.ctx.close)
         handles = {"flags": self.lib.ipc_handle(self.ctx.flag_area)}
         for p in self.programs:
-            self.own[p] = [self.lib.malloc(dev, max(n, 1)) for n in self._sizes(p, cap)]
+            self.own[p] = [self._malloc(dev, max(n, 1), f"a {p} buffer") for n in self._sizes(p, cap)]
             handles[p] = [self.lib.ipc_handle(q) for q in self.own[p]]
         self.meta = None
         if self.on_device:
+            exchange = None
+            if manifest["metadata"].get("exchange") == "collective":  # its own group: a collective of every rank
+                self.agree.barrier("the metadata exchange's process group")
+                exchange = Exchange(self.group, timeout_s, bundle.path.name, self.device)
             self.meta = DeviceMeta(self.lib.lib, manifest, plan, segment_program(plan), self.rank, self.device,
-                                   timeout_s, error_on_device=self.ERROR_ON_DEVICE, group=self.group)
+                                   timeout_s, error_on_device=self.ERROR_ON_DEVICE, exchange=exchange)
             if not self.meta.collective:  # the peers write their routing into it over CUDA IPC
-                self.area = self.lib.malloc(dev, self.meta.area_bytes)
+                self.area = self._malloc(dev, self.meta.area_bytes, "the metadata's gather area")
                 handles["area"] = self.lib.ipc_handle(self.area)
         everyone = self.agree.gather("the buffers' handles", handles)
 
@@ -211,6 +232,7 @@ class CudaTableEngine:
             if r not in self.ipc_peers:  # another domain, and no copy of this rank's kernels reaches it
                 return 0
             p = self.lib.ipc_open(dev, h)
+            self.held.push(f"rank {r}'s memory mapped over CUDA IPC", self.lib.ipc_close, p)
             self.opened.append(p)
             return p
 
@@ -241,10 +263,15 @@ class CudaTableEngine:
         # the inputs' buffers as tensors, once (a call copies into a slice of them)
         self.input_view = device_view(self.input_ptr, self.max_tokens * self.row_bytes, torch.uint8,
                                       (self.max_tokens, self.row_bytes), self.device)
-        self.ctx.synchronize(stream)
+        self._finish(stream)  # watched where the collective exchange made its first all-gather
         self.agree.barrier("the buffers' mapping")  # every flag area and buffer exists (zeroed) before any launch
 
     # ------------------------------------------------------------------ helpers
+    def _malloc(self, device: int, nbytes: int, what: str) -> int:
+        p = self.lib.malloc(device, nbytes)
+        self.held.push(what, self.lib.free, p)
+        return p
+
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
 
@@ -326,25 +353,46 @@ class CudaTableEngine:
                       manifest=self.manifest, source=source, program=program, rank=self.rank,
                       device=self.device.index, exchange=self._exchange, timeout_s=self.timeout_s,
                       transport=self.transport, seq_dev=seq_dev)
+        self.rdma.append(eng)  # before its thread starts: whatever happens next, close() stops it
         eng.start()
-        self.rdma.append(eng)
 
     def _exchange(self, obj):
         return self.agree.gather(f"the proxy path's setup ({type(obj).__name__})", obj)
 
     def _close_rdma(self) -> None:
-        for eng in self.rdma:
-            eng.close()
+        """Stop and release every proxy engine (collective: with the NVSHMEM memory every rank frees
+        together, in the same order); EngineError naming those that could not be (a thread that did
+        not stop keeps what it may touch), after the others were."""
+        failures = close_proxies(self.rdma, collective=True)
         self.rdma = []
+        if failures:
+            raise EngineError(f"rank {self.rank}: " + "; ".join(failures))
 
-    def _abort_rdma(self) -> None:
+    def _abort_waits(self) -> None:
+        """This rank's proxies stop and its collective exchange's group is aborted (a stuck
+        all-gather returns; on a thread of its own, which the report does not wait for): nothing of
+        this rank waits for a peer any more."""
         for eng in self.rdma:
             eng.abort_proxy()
+        if self.meta is not None and self.meta.exchange is not None:
+            self.meta.exchange.abort()
+
+    def _watches(self) -> list[Watch]:
+        """What the host looks at while it waits for a launch: the proxy path's proxies, the
+        collective exchange's marks (exchange.py)."""
+        watches: list[Watch] = []
+        if self.rdma:
+            watches.append(ProxyWatch(self.rdma, self.timeout_s * STALL_FRACTION))
+        if self.meta is not None and self.meta.exchange is not None:
+            watches.append(self.meta.exchange.watch())
+        return watches
 
     def _finish(self, stream: int) -> None:
-        """Wait for this rank's launches on `stream`; on the proxy path watched (watch.py): its
-        proxies' failures and its peers' alarm end the wait at once."""
-        if not self.rdma:
+        """Wait for this rank's launches on `stream`; on the proxy path and with the collective
+        exchange watched (watch.py): a failed or stalled proxy, an exchange a peer did not come to
+        within the timeout and its peers' alarm end the wait at once."""
+        watches = self._watches()
+        if not watches:
             self.ctx.synchronize(stream)
             return
         if self._done is None:
@@ -358,17 +406,17 @@ class CudaTableEngine:
                 self.ctx.synchronize(stream)
                 raise
 
-        wait_watched(done, ProxyWatch(self.rdma, self.timeout_s * STALL_FRACTION), self.agree,
-                     on_fail=self._abort_rdma)
+        wait_watched(done, Watches(watches), self.agree, on_fail=self._abort_waits)
 
     def _fail_launch(self, e: Exception) -> NoReturn:
         """A launch failed on this rank, or a peer's did (a GroupError, already the group's): this
-        rank's proxies stop, and every rank raises the same GroupError."""
+        rank's proxies stop and its exchange's group is aborted, and every rank raises the same
+        GroupError."""
         if isinstance(e, GroupError):
-            self._abort_rdma()
+            self._abort_waits()
             raise e
-        report = e if isinstance(e, ProxyFailed) else self._report(e)
-        self._abort_rdma()
+        report = e if isinstance(e, WatchFailed) else self._report(e)
+        self._abort_waits()
         self.agree.fail(report)
 
     # ------------------------------------------------------------------ dispatch
@@ -518,9 +566,12 @@ class CudaTableEngine:
                                                                              device=self.device)
 
     def check_routing(self, topk_idx=None) -> None:
-        """Raise if the last dispatch met a bad top-k row (for sync=False callers); syncs."""
+        """Raise if the last dispatch met a bad top-k row (for sync=False callers); syncs (watched,
+        where a launch is: `synchronize`)."""
         if self.meta is None:
             return
+        if self._watches():  # not a blocking read behind a stalled proxy or an exchange a peer never came to
+            self.synchronize()
         bad = int(self.meta.bad.cpu()[0])
         if bad < self.max_tokens:
             row = topk_idx[bad].tolist() if topk_idx is not None else "?"
@@ -618,26 +669,74 @@ class CudaTableEngine:
             self._fail_launch(e)
 
     def close(self) -> None:
-        """Collective: every rank's kernels finish before any buffer is unmapped and freed."""
+        """Collective: every rank's kernels finish before any buffer is unmapped and freed.  A
+        failed Buffer meets no peer: its proxies are stopped and its memory released on this rank."""
         if self.ctx is None:
             return
-        if self.agree.state == "ready":
-            with self.agree.call("close", numbered=False):
-                torch.cuda.synchronize(self.device)
-                self.agree.barrier("the kernels' end, on every rank")
-                self._close_rdma()
-                self.agree.barrier("the proxies' end")  # no peer's proxy writes into this rank any more
-        for p in self.opened:
-            self.lib.ipc_close(p)
-        self.opened = []
-        for ptrs in self.own.values():
-            for p in ptrs:
-                self.lib.free(p)
-        self.own = {}
-        if self.meta is not None and not self.meta.collective:
-            self.lib.free(self.area)
-        self.ctx.close()
-        self.ctx = None
+        untrack(self)
+        exchange = self.meta.exchange if self.meta is not None else None
+        with released_on_failure(self.release_locally):  # a peer failed meanwhile: released here alone
+            if self.agree.state == "ready":
+                with self.agree.call("close", numbered=False):
+                    if exchange is not None:  # a low-latency exchange no peer came to is reported, not waited for
+                        self._finish(self._stream())
+                    torch.cuda.synchronize(self.device)
+                    self.agree.barrier("the kernels' end, on every rank")
+                    self._close_rdma()
+                    self.agree.barrier("the proxies' end")  # no peer's proxy writes into this rank any more
+                    if exchange is not None:
+                        exchange.close()  # every rank's last exchange is done
+        failures = self.release_locally()
+        if failures:
+            raise EngineError(f"closing the Buffer on rank {self.rank}: " + "; ".join(failures))
+
+    def release_locally(self, keep_memory: bool = False) -> list[str]:
+        """Release everything on this rank alone, without meeting the peers (a failed construction,
+        a failed Buffer's close, the interpreter's exit): the proxy threads stopped first (one that
+        does not stop keeps what it may touch), then what they and the launcher allocated and
+        mapped, last acquired first; with `keep_memory` the threads are only stopped.  Returns what
+        could not be released."""
+        if keep_memory:
+            failures = stop_proxies(self.rdma)
+        else:
+            failures = close_proxies(self.rdma, collective=False)
+            meta = getattr(self, "meta", None)  # None too where the construction failed before it
+            exchange = meta.exchange if meta is not None else None
+            if exchange is not None:  # a failed Buffer's, on this rank alone (after close(): nothing left)
+                exchange.abort()
+                exchange.join(backstop_s(self.timeout_s))  # its abort (begun here or at the failure) before the buffers go
+            failures += self.held.release()
+            self.opened, self.own, self.ctx = [], {}, None
+        self.rdma = []
+        return failures
+
+    def release_at_exit(self) -> None:
+        """The interpreter exits with this Buffer open (lifetime.py): its proxies stop; its memory is
+        released only where the Buffer is still usable (a failed Buffer's peers may still write into
+        it: the process's end reclaims it)."""
+        failures = self.release_locally(keep_memory=self.agree.state != "ready")
+        if failures:
+            raise EngineError("; ".join(failures))
+
+
+def close_proxies(engines: list[GpuRdma], collective: bool) -> list[str]:
+    """Close every proxy engine, in order, even after one that fails; what failed, one line each."""
+    return _each(engines, lambda eng: eng.close(collective=collective))
+
+
+def stop_proxies(engines: list[GpuRdma]) -> list[str]:
+    """Stop (abort) every proxy engine's thread, their memory kept; what failed, one line each."""
+    return _each(engines, lambda eng: eng.stop_thread(abort=True))
+
+
+def _each(engines: list[GpuRdma], act) -> list[str]:
+    failures = []
+    for eng in engines:
+        try:
+            act(eng)
+        except Exception as e:  # noqa: BLE001 - the other proxies must still stop
+            failures.append(f"{eng.program}'s proxy: {e}")
+    return failures
 
 
 def reads_caller_rows(manifest: dict, library_can: bool, has_combine: bool) -> bool:

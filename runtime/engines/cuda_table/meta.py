@@ -2,15 +2,18 @@
 rank's routing exchanged (over peer memory inside one box, "ipc"; by the process group's all-gather
 across boxes, "collective": exchange.py) and this rank's table blobs of both programs written by
 the metadata kernels (epcc/table/meta.cuh), stream-ordered, no host round trip (CUDA-graph
-capturable).  The blobs are placed (placement.py) and stay where they are: the launcher is told
+capturable): on the CUDA target one cooperative launch per dispatch (meta_fused: the routing's copy,
+the peers' flags and the kernels' four phases, a grid barrier between two; collective: the routing
+copy, the all-gathers, then meta_fused), else a launch per step.  The blobs are placed (placement.py) and stay where they are: the launcher is told
 once where they lie (Context.use_tables).
 
 `DeviceMeta` holds what one rank needs: the encoded metadata program (meta_program.py), the
 blobs' templates and the blobs (and, for the GPU proxy path, each RDMA item's sequence number on
 its channel, which the kernels write beside them), the scratch, this rank's gather area (ipc: peer memory every
 rank maps, allocated by the caller with the launcher library's malloc; collective: its own, a
-tensor), the exchange's epoch, an error word the kernels write before they give up, and what a
-dispatch returns of the received rows (their weights, experts, the rows per local expert).
+tensor, all-gathered by the Buffer's Exchange: exchange.py), the exchange's epoch, meta_fused's
+grid barrier counter, an error word the kernels write before they give up, and what a dispatch
+returns of the received rows (their weights, experts, the rows per local expert).
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ from ..base import EngineError
 from epcc.backends.cuda.meta_program import MetaProgram, encode
 from epcc.backends.cuda.placement import Placement, placement, template
 
-from .exchange import all_gather_slots, area_regions
+from .exchange import Exchange, area_regions
 from .tables import PROGRAMS
 
 MAX_RANKS = 64
-META_ABI = 5  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
-LAYOUT_WORDS = 24  # meta.cuh kLayout: the scratch's regions
+META_ABI = 6  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
+LAYOUT_WORDS = 21  # meta.cuh kLayout: the scratch's regions
+PHASES = ("count", "scan", "rows")  # meta.cuh Phase: what meta_fused's barrier timeouts name
 
 
 class _Exchange(ctypes.Structure):
@@ -41,7 +45,8 @@ class _Exchange(ctypes.Structure):
 
 
 class _Args(ctypes.Structure):  # epcc::meta::Args
-    _fields_ = [("prog", ctypes.c_uint64), ("scratch", ctypes.c_uint64), ("tokens", ctypes.c_uint64),
+    _fields_ = [("prog", ctypes.c_uint64), ("prog_words", ctypes.c_int64), ("scratch", ctypes.c_uint64),
+                ("tokens", ctypes.c_uint64),
                 ("topk", ctypes.c_uint64), ("weights", ctypes.c_uint64), ("blob", ctypes.c_uint64 * 2),
                 ("bad", ctypes.c_uint64), ("recv_w", ctypes.c_uint64), ("recv_idx", ctypes.c_uint64),
                 ("recv_count", ctypes.c_uint64), ("recv_offset", ctypes.c_uint64), ("seq", ctypes.c_uint64 * 2),
@@ -50,9 +55,9 @@ class _Args(ctypes.Structure):  # epcc::meta::Args
 
 class _Meta(ctypes.Structure):  # EpccTableMeta
     _fields_ = [("exchange", _Exchange), ("args", _Args), ("templ", ctypes.c_uint64 * 2),
-                ("templ_bytes", ctypes.c_uint64 * 2), ("grid_count", ctypes.c_int),
+                ("templ_bytes", ctypes.c_uint64 * 2), ("sync", ctypes.c_uint64), ("grid_count", ctypes.c_int),
                 ("grid_rows", ctypes.c_int), ("grid_items", ctypes.c_int), ("grid_copy", ctypes.c_int),
-                ("grid_scan", ctypes.c_int)]
+                ("grid_scan", ctypes.c_int), ("grid_fused", ctypes.c_int)]
 
 
 def bind(lib: ctypes.CDLL) -> None:
@@ -80,6 +85,8 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.epcc_table_meta_error.restype = ctypes.c_char_p
     lib.epcc_table_meta_load.argtypes = []
     lib.epcc_table_meta_load.restype = ctypes.c_int
+    lib.epcc_table_meta_max_grid.argtypes = [ctypes.c_int]
+    lib.epcc_table_meta_max_grid.restype = ctypes.c_int
 
 
 def area_layout(lib, num_ranks: int, max_tokens: int, topk: int) -> tuple[int, int, int, int]:
@@ -101,11 +108,12 @@ def program_of(manifest: dict, plan, prog: SegmentProgram, rank: int) -> tuple[M
 class DeviceMeta:
     """One rank's metadata on the GPU (see the module docstring).  Device memory comes from torch
     (on the current device) except, with the exchange over CUDA IPC, the gather area, which the
-    caller allocates and maps on peers (set_areas); with the collective exchange (`group`: the
-    Buffer's process group) the area is this rank's own tensor, made here."""
+    caller allocates and maps on peers (set_areas); with the collective exchange (`exchange`: the
+    Buffer's, exchange.py) the area is this rank's own tensor, made here, and its first exchange
+    (of the zeroed area) is enqueued here: the caller waits for it (watched: Exchange.watch)."""
 
     def __init__(self, lib, manifest: dict, plan, prog: SegmentProgram, rank: int, device, timeout_s: float,
-                 error_on_device: bool = False, group=None):
+                 error_on_device: bool = False, exchange: Exchange | None = None):
         self.lib, self.rank, self.device = lib, rank, device
         bind(lib)
         if lib.epcc_table_meta_load() != 0:  # not behind a running kernel
@@ -136,6 +144,17 @@ class DeviceMeta:
         self.recv_offset = torch.zeros(epr + 1, dtype=torch.int32, device=device)
         self.bad = torch.zeros(1, dtype=torch.int32, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
+        self.sync = torch.zeros(1, dtype=torch.int64, device=device)  # meta_fused's barrier counter
+        # meta_fused's grid: as many blocks as its largest phase has, at most what the device holds
+        # at once (0: the launches of the steps instead, where the target has no cooperative launch)
+        dev = torch.device(device)
+        index = dev.index if dev.index is not None else torch.cuda.current_device() if dev.type == "cuda" else 0
+        most = int(lib.epcc_table_meta_max_grid(index))
+        if most < 0:
+            raise EngineError(f"metadata kernels: {lib.epcc_table_meta_error().decode(errors='replace')}")
+        g = self.mp.grids()
+        self.fused_grid = min(most, max(g["count"], g["scan"], g["rows"] + g["count"], g["items"]))
+        self.grid = self.fused_grid  # what the launches get (set_grid)
         # the exchange's error words: pinned host memory the kernel writes, or device memory where
         # kernels may not write host memory (SUPA on BR1xx), read back after the stream
         self.error = (torch.zeros(2, dtype=torch.int32, device=device) if error_on_device
@@ -145,19 +164,17 @@ class DeviceMeta:
         self.areas: list[int] = []
         self.own_area = 0
         self.collective = manifest["metadata"].get("exchange") == "collective"
-        self.group = group
+        self.exchange = exchange
         if self.collective:  # no peer maps it: the group's all-gather fills the others' slots
-            if group is None:
+            if exchange is None:
                 raise EngineError("the bundle's metadata exchange is the process group's collective: DeviceMeta "
-                                  "needs the group")
+                                  "needs the Buffer's Exchange")
             self.area = torch.zeros(self.area_bytes, dtype=torch.uint8, device=device)
             self.regions = area_regions(self.area, R, wl.tokens, wl.topk, self.off_tokens, self.off_topk,
                                         self.off_weights)
             # one exchange of the zeroed area now (every rank makes its Buffer at the same time): the
             # group's communicator is set up here, not by a first dispatch inside a CUDA-graph capture
-            all_gather_slots(self.regions, rank, group)
-            if self.area.is_cuda:
-                torch.cuda.synchronize(device)
+            exchange.all_gather(self.regions)
             self.set_areas([self.area.data_ptr() if r == rank else 0 for r in range(R)], rank)
 
     def set_areas(self, areas: list[int], rank: int) -> None:
@@ -170,7 +187,7 @@ class DeviceMeta:
 
     def run(self, tokens: int, topk_idx, topk_weights, stream) -> None:
         """The exchange and the metadata kernels of one dispatch, on `stream` (a torch.cuda.Stream),
-        no host sync: over CUDA IPC in one entry; collective: this rank's slot, the group's
+        no host sync: over CUDA IPC in one entry; collective: this rank's slot, the Exchange's
         all-gathers on `stream`, then the metadata kernels."""
         m = self.args
         x = m.exchange
@@ -184,7 +201,7 @@ class DeviceMeta:
             return
         self._check(self.lib.epcc_table_meta_gather(ctypes.byref(m), s))
         with torch.cuda.stream(stream):
-            all_gather_slots(self.regions, self.rank, self.group)
+            self.exchange.all_gather(self.regions)
         self._check(self.lib.epcc_table_meta_tables(ctypes.byref(m), s))
 
     def _check(self, rc: int) -> None:
@@ -209,7 +226,7 @@ class DeviceMeta:
         x.rank, x.num_ranks, x.max_tokens, x.k = self.rank, self.R, self.T, self.K
         x.collective = int(self.collective)
         a = m.args
-        a.prog = self.prog.data_ptr()
+        a.prog, a.prog_words = self.prog.data_ptr(), len(self.mp.array)
         a.scratch = self.scratch.data_ptr()
         a.tokens = self.own_area + self.off_tokens
         a.topk = self.own_area + self.off_topk
@@ -228,7 +245,20 @@ class DeviceMeta:
         g = self.mp.grids()
         m.grid_count, m.grid_rows, m.grid_items, m.grid_scan = g["count"], g["rows"], g["items"], g["scan"]
         m.grid_copy = max(1, min(264, -(-self.R * self.T * self.K // 256)))
+        m.sync, m.grid_fused = self.sync.data_ptr(), self.grid
         return m
+
+    def set_grid(self, blocks: int) -> None:
+        """meta_fused's grid from the next dispatch on: 0 (the launches of the steps instead) up to
+        the grid it was given (what its largest phase has, at most what the device holds at once).
+        Its barrier counter is cleared on the current stream (between dispatches): it counts on the
+        grid staying one size."""
+        if not 0 <= blocks <= self.fused_grid:
+            raise EngineError(f"meta_fused's grid must be 0 to {self.fused_grid} blocks, not {blocks}")
+        self.sync.zero_()
+        self.grid = blocks
+        if self.areas:
+            self.args.grid_fused = blocks
 
     def zero_partials(self, own_buffers_dev: int, stream: int) -> None:
         """The combine's partial buffers of this rank, cleared (before the combine kernel)."""
@@ -244,6 +274,9 @@ class DeviceMeta:
         if code == 1:
             return (f"the metadata exchange timed out: rank {self.rank} received no routing from rank {rank} "
                     f"(it did not dispatch, or it failed)")
+        if code == 2:
+            after = PHASES[rank] if 0 <= rank < len(PHASES) else f"phase {rank}"
+            return f"the metadata kernels' grid barrier after {after} timed out on rank {self.rank}"
         return None
 
 

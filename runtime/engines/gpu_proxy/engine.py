@@ -41,6 +41,7 @@ from epcc.backends.rdma.abi import ENGINE, RECV_CHAN, SEND_CHAN, SEND_ROLE
 from epcc.plan.rdma import rdma_steps
 
 from ..cuda_table.tables import PROGRAMS
+from ..lifetime import note
 from ..transport import (ERRLEN, STATUS_OK, STATUS_TIMEOUT, TP_LOCAL, TP_REMOTE_WRITE, Transport, TransportError,
                          c_string, load, u64_table)
 from .channels import (RETIRED_WORD, TRANSPORTS, RdmaGpuError, Regions, Source, channel_plan, descriptors,
@@ -92,6 +93,21 @@ class GpuRdma:
         self.thread: threading.Thread | None = None
         self.status: int | None = None
         self.timeout_s = float(timeout_s)
+        self.engine: np.ndarray | None = None  # the proxy loop's engine table (epcc_rdma_engine_init)
+        self.tp: Transport | None = None
+        try:
+            self._setup(proxy_lib, ctx, plan, manifest, source, device, exchange, timeout_s, transport, spec, log,
+                        seq_dev)
+        except BaseException as e:
+            try:  # what it acquired before the failure, on this rank alone
+                self._release(collective=False)
+            except Exception as r:  # noqa: BLE001 - the failure that matters is the first one
+                note(e, f"releasing what was acquired before the failure: {r}")
+            raise
+
+    def _setup(self, proxy_lib: str, ctx, plan, manifest: dict, source: Source | None, device: int, exchange,
+               timeout_s: float, transport: str, spec: str | None, log, seq_dev: int) -> None:
+        cuda_lib, program, rank = self.cuda, self.program, self.rank
         steps = {s.step: s for s in rdma_steps(plan) if s.program == program}
         if not steps:
             raise RdmaGpuError(f"{program}: the plan has no RDMA step")
@@ -319,29 +335,57 @@ class GpuRdma:
         return (f"{self.program} proxy: status {self.status}, posted {posted}, FIFOs [{fifos}], consumed [{words}], "
                 f"transport {self.tp.stats() if self.tp else '-'}")
 
-    def close(self) -> None:
+    def close(self, collective: bool = True) -> None:
         """Stop the proxy (every launch using it must have completed), release everything.  The
         proxy loop polls its stop word between transport calls, each bounded by the timeout; a
         thread still running after that bound and STOP_GRACE_S is reported (RdmaGpuError with the
         proxy's state) instead of waited for without end, and what it may still touch (engine,
-        transport, rings) is left allocated: a leak, not a crash."""
+        transport, rings) is left allocated: a leak, not a crash.  `collective` False: this rank
+        alone (a failed Buffer, a construction that failed): the proxy is also aborted (nobody waits
+        for what it would post), and NVSHMEM's symmetric memory, which every rank frees together,
+        stays."""
+        self.stop_thread(abort=not collective)
+        self._release(collective)
+
+    def stop_thread(self, abort: bool = False) -> None:
+        """Stop the proxy thread (`abort`: at its next idle pass, without finishing what it was
+        given) and wait for it, bounded as close() says; everything stays allocated."""
         if self.thread is not None:
             self.stop[0] = 1
+            if abort:
+                self.abort[0] = 1
             self.thread.join(self.timeout_s + STOP_GRACE_S)
             if self.thread.is_alive():
                 raise RdmaGpuError(f"rank {self.rank}: {self.program}: the GPU proxy thread did not stop within "
                                    f"{self.timeout_s + STOP_GRACE_S:g} s of its stop word ({self.state()}); its "
                                    f"memory stays allocated")
             self.thread = None
-        if getattr(self, "engine", None) is not None:
-            self.lib.epcc_rdma_engine_fini(self.engine.ctypes.data)
+
+    def _release(self, collective: bool) -> None:
+        """What this engine acquired, last first (no proxy thread runs): the proxy loop's state, the
+        transport (its registrations first), device memory, and with `collective` the symmetric
+        memory.  Every step runs even after one that fails; the first failure is raised after."""
+        failures: list[Exception] = []
+
+        def step(release, *args) -> None:
+            try:
+                release(*args)
+            except Exception as e:  # noqa: BLE001 - the rest must still be released
+                failures.append(e)
+
+        if getattr(self, "engine", None) is not None:  # fini frees what a failed init left too
+            step(self.lib.epcc_rdma_engine_fini, self.engine.ctypes.data)
             self.engine = None
         if getattr(self, "tp", None) is not None:
-            self.tp.close()
+            step(self.tp.close)
             self.tp = None
-        for p in self.device_ptrs:
-            self.cuda.free(p)
+        for p in reversed(self.device_ptrs):
+            step(self.cuda.free, p)
         self.device_ptrs.clear()
-        for p in reversed(self.sym_ptrs):  # collective: every rank closes its engines in the same order
-            self.lib.epcc_nvshmem_free(p)
-        self.sym_ptrs.clear()
+        if collective:
+            for p in reversed(self.sym_ptrs):  # every rank closes its engines in the same order
+                step(self.lib.epcc_nvshmem_free, p)
+            self.sym_ptrs.clear()
+        self.keep = []  # the pinned rings and the loop's tables
+        if failures:
+            raise failures[0]

@@ -1,5 +1,7 @@
-"""The host's wait for the kernels of the GPU proxy path, watched: a proxy that stops or stalls on
-one rank, or a peer that failed first, ends the wait at once instead of at the kernels' timeout.
+"""The host's wait for the kernels of the GPU proxy path (and of a bundle whose metadata exchange
+is the process group's collective: cuda_table/exchange.py), watched: a proxy that stops or stalls
+on one rank, an exchange that does not complete, or a peer that failed first, ends the wait at
+once instead of at the kernels' timeout (or never, for the exchange).
 
 Without the watch, a proxy thread that fails (a transport error, a bad FIFO entry) or stops
 taking its FIFO's entries leaves the kernels waiting: this rank's pack roles for FIFO slots, the
@@ -14,6 +16,9 @@ whose proxy failed.  So, while the host waits for a launch of the proxy path, it
   (ProxyFailed) and raises the alarm;
 * its peers' alarm (every agree.WATCH_S, one store lookup): a peer that failed first makes this
   rank give up at once (Agreement.heed) with the peer's error.
+
+Any watch does (an object whose `check(now)` raises a WatchFailed): ProxyWatch here, the
+collective exchange's watch (cuda_table/exchange.py ExchangeWatch); `Watches` looks at several.
 
 The wait polls the launch's completion (`done`, a CUDA event's query) without sleeping for its
 first SPIN_S, so a healthy launch returns as soon as it completes (the normal mode's timings
@@ -37,10 +42,33 @@ SPIN_S = 0.01
 YIELD_S = 0.00005
 
 
-class ProxyFailed(KernelTimeout):
-    """This rank's GPU proxy stopped or stalled while its kernels needed it.  A KernelTimeout (a
-    wait that gave up, in agree.py's order of causes): a proxy's failure can follow from a peer's
-    (a write into a peer that died), so a rank that never answered comes first as the cause."""
+class WatchFailed(KernelTimeout):
+    """What a watch saw go wrong on this rank while the host waited (a watch's `check` raises it):
+    posted to the group as this rank's failure.  A KernelTimeout (a wait that gave up, in agree.py's
+    order of causes): it can follow from a peer's failure, so a rank that never answered comes
+    first as the cause.  `lost_why`, where set, says what such a rank did not do (Agreement.fail)."""
+
+    lost_why: str | None = None
+
+
+class ProxyFailed(WatchFailed):
+    """This rank's GPU proxy stopped or stalled while its kernels needed it (a proxy's failure can
+    follow from a peer's: a write into a peer that died)."""
+
+
+class Watch(Protocol):
+    def check(self, now: float) -> None: ...
+
+
+class Watches:
+    """Several watches as one: `check` looks at each, in order."""
+
+    def __init__(self, watches: Iterable[Watch]):
+        self.watches = list(watches)
+
+    def check(self, now: float) -> None:
+        for w in self.watches:
+            w.check(now)
 
 
 class Proxy(Protocol):
@@ -77,12 +105,14 @@ class ProxyWatch:
                                       f"FIFO {fifo} in {self.stall_s:g} s (stalled)")
 
 
-def wait_watched(done: Callable[[], bool], watch: ProxyWatch, agree: Agreement, *,
+def wait_watched(done: Callable[[], bool], watch: Watch, agree: Agreement, *,
                  on_fail: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.monotonic) -> None:
-    """Until `done()` is true (it raises where the launch failed: the caller reports that): a
-    proxy of this rank that stopped or stalled is posted to the group (Agreement.fail: every rank
-    raises the same GroupError), a peer's alarm makes this rank give up with the peer's error
-    (Agreement.heed).  `on_fail` runs first in both cases (stop this rank's proxies)."""
+    """Until `done()` is true (it raises where the launch failed: the caller reports that): what
+    the watch saw (a proxy of this rank that stopped or stalled, an exchange that did not complete)
+    is posted to the group (Agreement.fail: every rank raises the same GroupError), a peer's alarm
+    makes this rank give up with the peer's error (Agreement.heed).  `on_fail` runs first in both
+    cases (stop this rank's proxies, begin the abort of its exchange): it must return at once, as
+    the report waits for it."""
     start = clock()
     next_check, next_alarm = start, start + WATCH_S
     try:
@@ -96,7 +126,7 @@ def wait_watched(done: Callable[[], bool], watch: ProxyWatch, agree: Agreement, 
                 next_alarm = now + WATCH_S
             if now - start > SPIN_S:
                 time.sleep(YIELD_S)
-    except ProxyFailed as e:
+    except WatchFailed as e:
         on_fail()
         agree.fail(e)
     except GroupError:

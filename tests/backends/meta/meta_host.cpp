@@ -1,5 +1,5 @@
-// The metadata kernels compiled for the host (EPCC_META_HOST): each block's phases run one thread
-// after the other, blocks one after the other, in the order the GPU launches them.  Built and
+// The metadata kernels compiled for the host (EPCC_META_HOST): each block's steps run one thread
+// after the other, blocks one after the other, phase after phase as the GPU runs them.  Built and
 // called by tests/backends/test_meta_kernels.py (ctypes).
 #define EPCC_META_HOST 1
 #include <climits>
@@ -11,15 +11,18 @@ using namespace epcc::meta;
 
 extern "C" long long epcc_meta_scratch_words(const long long* prog) { return scratch_words(prog); }
 
-// meta_scan's blocks (meta_program.py grids()["scan"] must say the same).
-extern "C" long long epcc_meta_scan_blocks(const long long* prog) { return scan_blocks(prog); }
+// The blocks of a phase (meta_program.py grids() must say the same).
+extern "C" long long epcc_meta_phase_blocks(const long long* prog, int phase) { return phase_blocks(prog, phase); }
 
-// The blocks the next runs give meta_scan (0: scan_blocks'), to check any grid writes the same.
-static int g_scan_grid = 0;
-extern "C" void epcc_meta_set_scan_grid(int blocks) { g_scan_grid = blocks; }
+// The grid the next runs emulate: 0, each phase a launch of its own (the four kernels, a block per
+// phase block, in order); G > 0, the cooperative kernel of G blocks (block b runs the phase blocks
+// b, b + G, ... of each phase, the first count block's sets read ahead), blocks in turn.
+static int g_grid = 0;
+extern "C" void epcc_meta_set_grid(int blocks) { g_grid = blocks; }
 
 // sizeof(Shared) at this build's capacity (meta_program.py shared_bytes computes the same).
 extern "C" long long epcc_meta_shared_bytes(void) { return static_cast<long long>(sizeof(Shared)); }
+
 
 extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const int* tokens, const int* topk,
                              const float* weights, unsigned char* blob_d, unsigned char* blob_c, int* bad,
@@ -27,13 +30,14 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
                              unsigned* seq_d, unsigned* seq_c) {
   if (!fits(prog)) return 1;
   Args a;
-  // what the routing copy's kernel leaves: the regions before kZeroed zero, the rest what an earlier
-  // dispatch wrote (here a pattern no table holds: what meta_count does not write shows)
+  // what the routing copy leaves: the regions before kZeroed zero, the rest what an earlier
+  // dispatch wrote (here a pattern no table holds: what the phases do not write shows)
   const long long words = scratch_words(prog, a.lay);
   std::memset(scratch, 0, sizeof(long long) * a.lay[kZeroed]);
   std::memset(scratch + a.lay[kZeroed], 0x5a, sizeof(long long) * (words - a.lay[kZeroed]));
   *bad = INT_MAX;
   a.prog = prog;
+  a.prog_words = 0;  // prefetch only
   a.scratch = scratch;
   a.tokens = tokens;
   a.topk = topk;
@@ -47,11 +51,23 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
   a.recv_offset = recv_offset;
   a.seq[0] = seq_d;
   a.seq[1] = seq_c;
-  const int blocks = static_cast<int>(prog[H_num_ranks] * prog[H_token_blocks]);
-  for (int b = 0; b < blocks; ++b) meta_count(a, b);
-  const int scan = g_scan_grid > 0 ? g_scan_grid : static_cast<int>(scan_blocks(prog));  // the last one finishes
-  for (int b = 0; b < scan; ++b) meta_scan(a, b, scan);
-  for (int b = 0; b < prog[H_num_work] + blocks; ++b) meta_rows(a, b);  // then the received rows
-  for (int b = 0; b < prog[H_num_tcopies]; ++b) meta_items(a, b);
+  if (g_grid <= 0) {
+    for (int b = 0; b < phase_blocks(prog, PHASE_COUNT); ++b) meta_count(a, b);
+    for (int b = 0; b < phase_blocks(prog, PHASE_SCAN); ++b) meta_scan(a, b);
+    for (int b = 0; b < phase_blocks(prog, PHASE_ROWS); ++b) meta_rows(a, b);
+    for (int b = 0; b < phase_blocks(prog, PHASE_ITEMS); ++b) meta_items(a, b);
+    return 0;
+  }
+  // meta_fused's order (its block b reads its first count block's sets while it waits for the
+  // exchange: here right before that block, the blocks running one after the other)
+  static PhaseShared sm;
+  const long long G = g_grid, TB = prog[H_token_blocks];
+  for (int phase = 0; phase < PHASES; ++phase)
+    for (long long b = 0; b < G; ++b)
+      for (long long vb = b; vb < phase_blocks(prog, phase); vb += G) {
+        const bool first = phase == PHASE_COUNT && vb == b;
+        if (first) count_prepare(a, static_cast<int>(vb / TB), sm.count);
+        phase_block(a, phase, vb, sm, first);
+      }
   return 0;
 }

@@ -5,6 +5,15 @@
 // capacity below); built into the bundle's library beside the generated launcher
 // (runtime/engines/cuda_table/meta.py drives it).
 //
+// One dispatch's metadata, on the CUDA target: one cooperative launch, meta_fused (every block
+// resident: its grid is capped by the kernel's occupancy, epcc_table_meta_max_grid), which copies
+// the routing, meets the peers' and runs the metadata kernels' four phases with a grid-wide barrier
+// between them (each block looping over its share of a phase's blocks) -- or, collective, the
+// routing copy, the runtime's all-gathers, then meta_fused without the exchange.  Where there is
+// no cooperative launch (the SUPA target, or a grid of 0 from the runtime) the same phases are
+// launches of their own: gather_copy, gather_signal_wait, meta_count, meta_scan, meta_rows,
+// meta_items.
+//
 // The exchange: every rank's gather area holds, per rank r, r's token count, top-k indices and
 // weights, and r's flag; each region is rank-major (slot r of every region is r's).  Two ways to
 // fill it (the manifest's metadata "exchange"):
@@ -35,7 +44,7 @@
 #define EPCC_META_TOPK 8
 #include "epcc/table/meta.cuh"
 
-static_assert(sizeof(epcc::meta::Shared) <= 49152,
+static_assert(sizeof(epcc::meta::PhaseShared) <= 49152,
               "the metadata kernels' shared memory exceeds the CUDA target's per block");
 
 namespace {
@@ -43,11 +52,10 @@ namespace {
 using epcc::meta::Args;
 using epcc::meta::kBlock;
 using epcc::meta::kMaxRanks;
-using epcc::meta::kScan;
 
 // The layout of EpccTableMeta and Args that runtime/engines/cuda_table/meta.py writes with ctypes:
 // changed whenever they change, checked by the runtime at load (epcc_table_meta_abi).
-constexpr int kMetaAbi = 5;
+constexpr int kMetaAbi = 6;
 
 struct Exchange {
   uint64_t areas[kMaxRanks];  // every rank's gather area, as mapped here
@@ -55,7 +63,8 @@ struct Exchange {
   const int64_t* routing;     // this rank's top-k indices [tokens][k], int64 or int32 (topk_int32)
   const float* weights;       // [tokens][topk] or null (weight 1)
   uint64_t* epoch;            // device counter
-  int* error;                 // host-mapped: {code, rank waited for}; code 1: the exchange timed out
+  int* error;                 // host-mapped: {code, what}; code 1: the exchange timed out waiting for rank
+                              // `what`; code 2: meta_fused's grid barrier after phase `what` timed out
   uint64_t timeout_ns;
   int rank, num_ranks, max_tokens, k, tokens, topk_int32;
   int collective;             // 1: gather_copy writes this rank's slot of its own area only
@@ -84,20 +93,21 @@ struct EpccTableMeta {
   Args args;                    // args.tokens / topk / weights: this rank's gather area
   const uint8_t* templ[2];      // the blobs' static bytes (device)
   uint64_t templ_bytes[2];      // how many: the blob up to its row arrays (the rows are all written)
-  int grid_count, grid_rows, grid_items, grid_copy, grid_scan;
+  uint64_t* sync;               // meta_fused's grid barrier: the blocks' arrivals, a counter that only grows
+  int grid_count, grid_rows, grid_items, grid_copy, grid_scan;  // the launches of the phases (meta_program grids)
+  int grid_fused;               // meta_fused's blocks, the same every launch (0: the launches above instead)
 };
 }
 
 namespace {
 
 // This rank's routing into its slot of every rank's area (of its own area only, collective),
-// padded with -1 / 0 to max_tokens; on the side, what the metadata kernels start from: the scratch
-// zero, the blobs' static fields in place, no bad token yet.
-__global__ void gather_copy(EpccTableMeta m) {
+// padded with -1 / 0 to max_tokens; on the side, what the metadata kernels start from: the scratch's
+// zeroed regions zero, the blobs' static fields in place, no bad token yet.  Thread `first` of
+// `step`.
+__device__ __forceinline__ void gather_part(const EpccTableMeta& m, uint64_t first, uint64_t step) {
   const Exchange& x = m.exchange;
-  const uint64_t first = EPCC_BID * static_cast<uint64_t>(EPCC_BDIM) + EPCC_TID;
-  const uint64_t step = static_cast<uint64_t>(EPCC_GDIM) * EPCC_BDIM;
-  // the scratch's regions that start at zero (meta.cuh kZeroed: the rest meta_count writes whole)
+  // the scratch's regions that start at zero (meta.cuh kZeroed: the rest the phases write whole)
   const uint64_t zeroed = static_cast<uint64_t>(m.args.lay[epcc::meta::kZeroed]);
   for (uint64_t i = first; i < zeroed; i += step) m.args.scratch[i] = 0;
   for (int p = 0; p < 2; ++p) {
@@ -123,31 +133,127 @@ __global__ void gather_copy(EpccTableMeta m) {
     reinterpret_cast<float*>(area + area_weights(x))[static_cast<uint64_t>(x.rank) * n + k] = w;
     if (k == 0) reinterpret_cast<int*>(area + area_tokens(x))[x.rank] = x.tokens;
   }
+}
+
+__global__ void gather_copy(EpccTableMeta m) {
+  gather_part(m, EPCC_BID * static_cast<uint64_t>(EPCC_BDIM) + EPCC_TID, static_cast<uint64_t>(EPCC_GDIM) * EPCC_BDIM);
   __threadfence_system();
 }
 
-// One block: raise this rank's flag in every area, then wait for every rank's flag here.
-__global__ void gather_signal_wait(Exchange x) {
-  const uint64_t e = *x.epoch + 1;
+// This rank's flag raised in every area to epoch e (thread r: rank r's area; the routing's stores
+// ordered before by the caller).
+__device__ __forceinline__ void raise_flags(const Exchange& x, uint64_t e) {
   const int r = static_cast<int>(EPCC_TID);
-  __threadfence_system();
   if (r < x.num_ranks) st_release_sys(reinterpret_cast<uint64_t*>(x.areas[r]) + x.rank, e);
+}
+
+// Every rank's flag here at epoch e (thread r waits for rank r's; bounded: past the timeout the
+// first to give up writes the error word and says so, and every waiter traps), then the block's
+// barrier: its threads read the routing after.
+__device__ __forceinline__ void wait_flags(const Exchange& x, uint64_t e) {
+  const int r = static_cast<int>(EPCC_TID);
   if (r < x.num_ranks) {
     const uint64_t* flag = reinterpret_cast<const uint64_t*>(x.own) + r;
     const uint64_t t0 = globaltimer();
     while (ld_acquire_sys(flag) < e) {
       if (globaltimer() - t0 > x.timeout_ns) {
-        if (atomicCAS(x.error, 0, 1) == 0) x.error[1] = r;
-        __threadfence_system();
-        printf("epcc: metadata exchange timed out after %.3f s: rank %d has no routing from rank %d (epoch %llu)\n",
-               x.timeout_ns * 1e-9, x.rank, r, static_cast<unsigned long long>(e));
+        if (atomicCAS(x.error, 0, 1) == 0) {
+          x.error[1] = r;
+          __threadfence_system();
+          printf("epcc: metadata exchange timed out after %.3f s: rank %d has no routing from rank %d (epoch %llu)\n",
+                 x.timeout_ns * 1e-9, x.rank, r, static_cast<unsigned long long>(e));
+        }
         epcc::trap();
       }
-      epcc::backoff(64);
+      epcc::backoff(32);
     }
   }
   __syncthreads();
+}
+
+// One block: raise this rank's flag in every area, then wait for every rank's flag here.
+__global__ void gather_signal_wait(Exchange x) {
+  const uint64_t e = *x.epoch + 1;
+  __threadfence_system();
+  raise_flags(x, e);
+  wait_flags(x, e);
   if (EPCC_TID == 0) *x.epoch = e;
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Every block of the grid here before any goes on.  m.sync counts the blocks' arrivals and only
+// grows: every block arrives once per barrier, so a barrier's arrivals take it to the next
+// multiple of the grid, the same size launch after launch (DeviceMeta.set_grid clears it where the
+// size changes).  Bounded as the exchange is: past the timeout the first to give up writes the
+// error word {2, phase} and says so, and every waiter traps.
+__device__ __noinline__ void grid_barrier(const EpccTableMeta& m, int phase) {
+  __syncthreads();
+  if (EPCC_TID == 0) {
+    const uint64_t G = EPCC_GDIM;
+    __threadfence();  // the block's stores (its threads', ordered by the barrier above) before its arrival
+    const uint64_t arrived = atomicAdd(reinterpret_cast<unsigned long long*>(m.sync), 1ull);
+    const uint64_t target = (arrived / G + 1) * G;
+    const uint64_t t0 = globaltimer();
+    uint64_t now;
+    while ((now = ld_acquire_gpu(m.sync)) < target) {
+      if (globaltimer() - t0 > m.exchange.timeout_ns) {
+        if (atomicCAS(m.exchange.error, 0, 2) == 0) {
+          m.exchange.error[1] = phase;
+          __threadfence_system();
+          printf("epcc: metadata kernels: rank %d, block %d: the grid barrier after phase %d (count, scan, rows) "
+                 "timed out after %.3f s with %llu of %llu blocks there\n",
+                 m.exchange.rank, static_cast<int>(EPCC_BID), phase, m.exchange.timeout_ns * 1e-9,
+                 static_cast<unsigned long long>(now - (target - G)), static_cast<unsigned long long>(G));
+        }
+        epcc::trap();
+      }
+    }
+    __threadfence();  // the other blocks' stores before this block's loads (with the acquire above)
+  }
+  __syncthreads();
+}
+
+// The metadata of one dispatch in one launch (cooperative: every block resident).  With `exchange`
+// (ipc): every block copies its share of the routing and clears its share of the scratch, arrives
+// (the last to arrive raises this rank's flags), reads its first count block's sets, then waits
+// for every rank's flag itself; then the phases, a grid barrier between two.  Without
+// (collective): the gather area was filled before, by the routing copy and the all-gathers.
+__global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ EpccTableMeta m, int exchange) {
+  namespace k = epcc::meta;
+  __shared__ k::PhaseShared sm;
+  __shared__ int last;
+  const k::Args& a = m.args;
+  const k::i64* p = a.prog;
+  const Exchange& x = m.exchange;
+  const k::i64 G = EPCC_GDIM, bid = EPCC_BID;
+  const bool prepared = bid < k::phase_blocks(p, k::PHASE_COUNT);
+  uint64_t e = 0;
+  if (exchange) {
+    e = *x.epoch + 1;  // block 0 advances it after the first barrier, when every block has read it
+    gather_part(m, static_cast<uint64_t>(bid) * kBlock + EPCC_TID, static_cast<uint64_t>(G) * kBlock);
+    __syncthreads();
+    if (EPCC_TID == 0) {
+      __threadfence_system();  // the block's share of the routing before its arrival
+      last = atomicAdd(reinterpret_cast<unsigned long long*>(m.sync), 1ull) % G == static_cast<uint64_t>(G - 1);
+      if (last) __threadfence_system();  // every block's share before the flags
+    }
+    __syncthreads();
+    if (last) raise_flags(x, e);
+  }
+  // the first count block's sets read while the peers' routing comes
+  if (prepared) k::count_prepare(a, static_cast<int>(bid / p[k::H_token_blocks]), sm.count);
+  if (exchange) wait_flags(x, e);
+  for (int phase = k::PHASE_COUNT; phase < k::PHASES; ++phase) {
+    if (phase != k::PHASE_COUNT) grid_barrier(m, phase - 1);
+    if (exchange && phase == k::PHASE_SCAN && bid == 0 && EPCC_TID == 0) *x.epoch = e;
+    const k::i64 n = k::phase_blocks(p, phase);
+    for (k::i64 vb = bid; vb < n; vb += G) k::phase_block(a, phase, vb, sm, phase == k::PHASE_COUNT && vb == bid);
+  }
 }
 
 // The combine's partial buffers of this rank (its ZeroDesc list), cleared before the combine.
@@ -203,11 +309,28 @@ int gather(const EpccTableMeta* m, uint64_t stream) {
   return launch(gather_copy, "gather_copy", dim3(m->grid_copy), dim3(256), stream, *m);
 }
 
+// meta_fused on `stream`, cooperative (a grid the device cannot hold at once is refused, not run).
+int fused(const EpccTableMeta* m, int exchange, uint64_t stream) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(m->grid_fused);
+  cfg.blockDim = dim3(kBlock);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = reinterpret_cast<cudaStream_t>(stream);
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, meta_fused, *m, exchange);
+  return e == cudaSuccess ? 0 : fail(e, "launch meta_fused");
+}
+
 // The metadata kernels: this rank's tables of both programs from the gathered routing.
 int tables(const EpccTableMeta* m, uint64_t stream) {
   namespace k = epcc::meta;
+  if (m->grid_fused > 0) return fused(m, 0, stream);
   if (launch(k::meta_count, "meta_count", dim3(m->grid_count), dim3(kBlock), stream, m->args) ||
-      launch(k::meta_scan, "meta_scan", dim3(m->grid_scan), dim3(kScan), stream, m->args) ||
+      launch(k::meta_scan, "meta_scan", dim3(m->grid_scan), dim3(kBlock), stream, m->args) ||
       launch(k::meta_rows, "meta_rows", dim3(m->grid_rows + m->grid_count), dim3(kBlock), stream,
              m->args))  // rows, received rows
     return 1;
@@ -236,9 +359,27 @@ int epcc_table_meta_load(void) {
       (e = cudaFuncGetAttributes(&attr, epcc::meta::meta_count)) != cudaSuccess ||
       (e = cudaFuncGetAttributes(&attr, epcc::meta::meta_scan)) != cudaSuccess ||
       (e = cudaFuncGetAttributes(&attr, epcc::meta::meta_rows)) != cudaSuccess ||
-      (e = cudaFuncGetAttributes(&attr, epcc::meta::meta_items)) != cudaSuccess)
+      (e = cudaFuncGetAttributes(&attr, epcc::meta::meta_items)) != cudaSuccess ||
+      (e = cudaFuncGetAttributes(&attr, meta_fused)) != cudaSuccess)
     return fail(e, "load the metadata kernels");
   return 0;
+}
+
+// The most blocks of meta_fused `device` holds at once (its occupancy at kBlock threads times its
+// SMs): the cap of its grid, queried once per Buffer; 0 where the device has no cooperative
+// launch; -1 on an error (epcc_table_meta_error says which).
+int epcc_table_meta_max_grid(int device) {
+  int prev = 0, coop = 0, sms = 0, per_sm = 0;
+  cudaError_t e = cudaGetDevice(&prev);
+  if (e != cudaSuccess) return -fail(e, "the current device");
+  if ((e = cudaSetDevice(device)) == cudaSuccess &&
+      (e = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device)) == cudaSuccess &&
+      (e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) == cudaSuccess)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, meta_fused, kBlock, 0);
+  const cudaError_t back = cudaSetDevice(prev);
+  if (e != cudaSuccess) return -fail(e, "meta_fused's occupancy");
+  if (back != cudaSuccess) return -fail(back, "the current device");
+  return coop ? per_sm * sms : 0;
 }
 
 // The layout of a gather area: out[0] its bytes, out[1..3] the offsets of the token counts, the
@@ -265,6 +406,7 @@ int64_t epcc_table_meta_scratch_words(const int64_t* prog_host, int64_t* layout)
 
 // The exchange over CUDA IPC and the metadata kernels of one dispatch, on `stream` (ipc).
 int epcc_table_meta(const EpccTableMeta* m, uint64_t stream) {
+  if (m->grid_fused > 0) return fused(m, 1, stream);
   if (gather(m, stream) ||
       launch(gather_signal_wait, "gather_signal_wait", dim3(1), dim3(64), stream, m->exchange))
     return 1;

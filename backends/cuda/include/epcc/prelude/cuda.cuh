@@ -11,6 +11,7 @@
 //   epcc::ld_acquire_sys, st_release_sys, red_release_sys_add   counters and flags, system scope
 //   epcc::red_add_f32, _f32x2, _f32x4            fp32 accumulate, relaxed, system scope
 //   epcc::backoff(ns), trap(), lane0_broadcast(v), popc(v)
+//   epcc::prefetch_l1(p)                         a line of read-only data on its way into the SM's L1
 #pragma once
 
 #include <cstddef>
@@ -86,5 +87,7 @@ __device__ __forceinline__ void trap() { __trap(); }
 __device__ __forceinline__ uint32_t lane0_broadcast(uint32_t v) { return __shfl_sync(0xffffffffu, v, 0); }
 
 __device__ __forceinline__ int popc(unsigned v) { return __popc(v); }
+
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" : : "l"(p)); }
 
 }  // namespace epcc

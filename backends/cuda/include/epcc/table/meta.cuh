@@ -3,38 +3,43 @@
 // metadata program (backends/cuda/meta_program.py encodes it; its docstring says
 // what each record means).  The same arithmetic in NumPy: runtime/testing/device_tables.py.
 //
-// Four launches, in stream order, after the blobs' static fields (their template up to the row
-// arrays) are in place and the scratch's regions before kZeroed are zero:
-//   meta_count  grid (home rank x token block): each token's sets, per block the tokens of each
-//               set (and the expert rows of each OUT set) and of each expert; for meta_rows, each
-//               token's record (its sets, its experts and its place among each one's tokens of
-//               the block) and the sets' block masks;
-//   meta_scan   grid (scan_blocks: kSeries series each) of kScan threads: every block sums its
-//               series over the token blocks (each set's tokens and rows, each home rank's rows
-//               of each expert; kLanes threads a series); the last block done then alone: the
-//               other prefix sums -- set offsets in their buffers, output rows per expert, each
-//               part's first token and row in its copy, each copy's tokens, rows and chunks --
-//               and the descriptors' counts (RoleDesc, CopyDesc, DrainDesc, ZeroDesc, header);
-//   meta_rows   grid (part x token block over the parts of this rank's copies, then home rank x
-//               token block): each row's source handle, destination slot and weight, each
-//               chunk's first row, each chunk's waits (a running maximum per producer); then the
-//               received rows' weights and experts (recv_block: its blocks ride in the same launch:
-//               both need only the scan); from meta_count's records and masks, not the routing
-//               (no shared memory, no barrier);
-//   meta_items  grid (copy): each chunk's item at its place in the role's item order, its waits
-//               compacted in flag order.
-// What bounds them (2 x H100, 2026-11-26, bench/meta_time.py --profile): latency, not bytes --
-// chains of dependent loads.  Hence a block reads its home's set records into shared memory
-// once, the scratch layout is computed once on the host (Args.lay), the scan's serial prefix
-// sums load a run of counts before they add them, and meta_rows reads one record per token
-// where it recomputed the token's sets (a chain of the sets' records, the routing, the sets
-// one after the other and two barriers) in every (part, token block).
+// Four phases, in order, after the blobs' static fields (their template up to the row arrays)
+// are in place and the scratch's regions before kZeroed are zero; each phase is a number of
+// blocks of kBlock threads (phase_blocks) that depend on the phases before only:
+//   count  (home rank x token block): each token's sets, per block the tokens of each set (and
+//          the expert rows of each OUT set) and of each expert, added into each set's and each
+//          (home rank, expert)'s totals; for rows, each token's record (its sets, its experts and
+//          its place among each one's tokens of the block) and the sets' block masks;
+//   scan   kOffsetBlocks blocks of what needs the totals only -- output rows per expert (and
+//          this rank's received rows per expert), set offsets in their buffers and the zero
+//          list's bytes, each part's first token and row in its copy, each copy's tokens, rows
+//          and chunks and the descriptors' counts (RoleDesc, CopyDesc, DrainDesc) -- beside
+//          blocks of kSeries sums over the token blocks each (each set's tokens and rows, each
+//          home rank's rows of each expert; kLanes threads a sum): what comes before each block;
+//   rows   (part x token block over the parts of this rank's copies, then home rank x token
+//          block): each row's source handle, destination slot and weight, each chunk's first
+//          row, each chunk's waits (a running maximum per producer); then the received rows'
+//          weights and experts; from count's records and masks, not the routing (no shared
+//          memory, no barrier);
+//   items  (copy): each chunk's item at its place in the role's item order, its waits compacted
+//          in flag order.
+// The CUDA target runs them as one cooperative kernel, a grid-wide barrier between phases and
+// each block looping over its share of a phase's blocks (epcc_table_meta.cu meta_fused); where
+// there is no cooperative launch (the SUPA target) they are four launches (meta_count,
+// meta_scan, meta_rows, meta_items), one block per phase block.
+// What bounds them (2 x H100 and 2 x H200, 2026-11-26/27, bench/meta_time.py --profile): latency,
+// not bytes -- launches, and chains of dependent loads.  Hence a block reads its home's set
+// records into shared memory once, the scratch layout is computed once on the host (Args.lay),
+// the prefix sums load a run of counts before they add them, the totals come from count's atomics
+// (so the scan's offsets need no pass over the token blocks), and rows reads one record per
+// token where it recomputed the token's sets.
 //
 // Written once for both sides: compiled as device code (nvcc, or brcc for SUPA, after the
 // target's device prelude epcc/prelude/*, whose names it uses) these are kernels (a block's
-// threads run each phase together, __syncthreads between phases); compiled as C++ for the host
-// (EPCC_META_HOST) each block runs its phases one thread after the other, which is how the CPU
-// tests run the very same code (tests/backends/test_meta_kernels.py).
+// threads run each step together, __syncthreads between steps); compiled as C++ for the host
+// (EPCC_META_HOST) each block runs its steps one thread after the other, which is how the CPU
+// tests run the very same code (tests/backends/test_meta_kernels.py), blocks in any order
+// within a phase.
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -52,40 +57,34 @@ typedef long long i64;
 #define EM_FN __device__ __forceinline__
 #define EM_HD __host__ __device__ inline
 #define EM_KERNEL __global__ void __launch_bounds__(kBlock)
-#define EM_KERNEL_SCAN __global__ void __launch_bounds__(kScan)
 #define EM_SHARED __shared__
 #define EM_THREADS(t) { const int t = static_cast<int>(EPCC_TID);
-#define EM_THREADS_SCAN(t) { const int t = static_cast<int>(EPCC_TID);
 #define EM_SYNC } __syncthreads();
 #define EM_DONE }
 #define EM_BLOCK static_cast<int>(EPCC_BID)
 #define EM_OR(p, v) atomicOr((p), (v))
 #define EM_MAX(p, v) atomicMax((p), (v))
 #define EM_MIN(p, v) atomicMin((p), (v))
-#define EM_GRID static_cast<int>(EPCC_GDIM)
-#define EM_FENCE() __threadfence()
-#define EM_TICKET(p) static_cast<i64>(atomicAdd(reinterpret_cast<unsigned long long*>(p), 1ull))
+#define EM_ADD(p, v) atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v))
 #define EM_UNROLL _Pragma("unroll")
 EM_FN int em_popc(unsigned v) { return epcc::popc(v); }
+EM_FN void em_prefetch(const void* at) { epcc::prefetch_l1(at); }
 #else
 #define EM_FN static inline
 #define EM_HD static inline
-#define EM_KERNEL static void
-#define EM_KERNEL_SCAN static void
+#define EM_KERNEL static inline void
 #define EM_SHARED static
 #define EM_THREADS(t) for (int t = 0; t < kBlock; ++t) {
-#define EM_THREADS_SCAN(t) for (int t = 0; t < kScan; ++t) {
 #define EM_SYNC }
 #define EM_DONE }
 #define EM_BLOCK em_block
 #define EM_OR(p, v) (*(p) |= (v))
 #define EM_MAX(p, v) (*(p) = *(p) > (v) ? *(p) : (v))
 #define EM_MIN(p, v) (*(p) = *(p) < (v) ? *(p) : (v))
-#define EM_GRID em_grid
-#define EM_FENCE() ((void)0)
-#define EM_TICKET(p) ((*(p))++)
+#define EM_ADD(p, v) (*(p) += (v))
 #define EM_UNROLL
 EM_FN int em_popc(unsigned v) { return __builtin_popcount(v); }
+EM_FN void em_prefetch(const void*) {}
 #endif
 
 // What the blocks' shared memory is sized for: per bundle, defined by the generated driver before
@@ -105,14 +104,14 @@ EM_FN int em_popc(unsigned v) { return __builtin_popcount(v); }
 #define EPCC_META_TOPK 16
 #endif
 
-constexpr int kBlock = 128;               // tokens per block (meta_program.py TOKEN_BLOCK)
-constexpr int kScan = 512;                // threads of a meta_scan block
-constexpr int kLanes = 32;                // threads of one series' sum in meta_scan (a warp)
-constexpr int kSeries = kScan / kLanes;   // series a meta_scan block sums at a time
-constexpr int kRun = 8;                   // counts a scan thread loads before it adds them
+constexpr int kBlock = 128;               // threads of a block, tokens of a token block (meta_program.py TOKEN_BLOCK)
+constexpr int kLanes = 32;                // threads of one sum over the token blocks (a warp)
+constexpr int kSeries = kBlock / kLanes;  // sums over the token blocks one scan block does (meta_program.py SCAN_SERIES)
+constexpr int kOffsetBlocks = 3;          // the scan's blocks of what needs the totals only (offsets_block)
+constexpr int kRun = 8;                   // counts a thread loads before it adds them
 constexpr int kSeg = 16;                  // local experts per segment of the output-row scan
-constexpr int kLayout = 24;               // regions of the scratch (scratch_words)
-constexpr int kZeroed = 21;               // the regions before this one start at zero; the rest are written whole
+constexpr int kLayout = 21;               // regions of the scratch (scratch_words)
+constexpr int kZeroed = 5;                // the regions before this one start at zero; the rest are written whole
 constexpr int kWords = kBlock / 32;       // 32-bit words of a per-block token mask
 constexpr int kSetWords = EPCC_META_SET_WORDS;  // 64-bit words of a token's set memberships
 constexpr int kMaxSets = 64 * kSetWords;  // sets per home rank (meta_program.py SET_WORD x set_words)
@@ -168,16 +167,18 @@ constexpr i64 kRowBufShift = 40;
 
 struct Args {
   const i64* prog;       // the metadata program (int64)
-  i64* scratch;          // scratch_words(prog) words, zero before meta_count
+  i64 prog_words;        // its length
+  i64* scratch;          // scratch_words(prog) words, its regions before kZeroed zero before count
   // every rank's routing, gathered: the kernels read it from here only, whatever moved it here and
   // however many peer-memory domains the ranks span (the driver's exchange fills it)
   const int* tokens;     // [R] tokens of every rank
   const int* topk;       // [R][max_tokens][topk] every rank's routing (-1: an empty slot)
   const float* weights;  // [R][max_tokens][topk]
   uint8_t* blob[2];      // the placed blobs (dispatch, combine), holding their template
-  int* bad;              // the first bad token of this rank's routing (INT_MAX: none), lowered by meta_count
-  // what recv_block writes for this rank's received rows (expert-major): the routing weight and the
-  // global expert of each row, the rows per local expert and where each expert's rows start
+  int* bad;              // the first bad token of this rank's routing (INT_MAX: none), lowered by count
+  // what recv_block (and expert_offsets) write for this rank's received rows (expert-major): the
+  // routing weight and the global expert of each row, the rows per local expert and where each
+  // expert's rows start
   float* recv_w;
   int64_t* recv_idx;
   int* recv_count;       // [experts per rank]
@@ -195,24 +196,26 @@ EM_FN const i64* part_rec(const i64* p, i64 i) { return rec(p, H_off_parts, i, P
 EM_FN const i64* copy_rec(const i64* p, i64 i) { return rec(p, H_off_copies, i, C_COUNT); }
 EM_HD const i64* tcopy_rec(const i64* p, i64 i) { return rec(p, H_off_tcopies, i, T_COUNT); }
 
-// Scratch (int64 words), after the per-copy regions meta_program.py laid out (scratch_words).
+// Scratch (int64 words), in the regions scratch_words lays out: first those that start at zero
+// (count adds into the totals, rows raises the waits), then those a dispatch writes whole.
 struct Scratch {
-  i64 *set_cnt, *set_rcnt, *set_base, *set_rbase, *set_total, *set_rtotal, *set_off;
-  i64 *ecnt, *ebase, *e_first;  // [R][TB][E] per block, exclusive over blocks; [E] first output row
-  i64* e_total;                 // [E]: rows of expert e
-  i64 *home_before;             // [R][E]: rows of expert e from lower home ranks
-  i64 *part_tok, *part_rows, *part_tok_base, *part_row_base;
+  i64 *set_total, *set_rtotal;  // [S]: each set's tokens and (OUT sets) rows, added up by count
+  i64* set_off;                 // [S]: where a SEG set's slots start in its buffer
+  i64* home_before;             // [R][E]: rows of expert e of home h (count); then of the lower home ranks
+  i64* per_tcopy;               // the per-copy regions meta_program.py laid out (waits, chunk starts)
+  i64 *set_cnt, *set_rcnt, *set_base, *set_rbase;  // [S][TB]: per token block; exclusive over the blocks
+  i64 *ecnt, *ebase;            // [R][TB][E] per block, exclusive over blocks
+  i64 *e_first, *e_total;       // [E]: expert e's first output row on its rank, its rows
+  i64 *part_tok_base, *part_row_base;
   i64 *copy_tok, *copy_rows, *copy_chunks;
-  i64* per_tcopy;               // the per-copy regions (waits, chunk starts)
-  i64* scan_done;               // [1]: meta_scan's blocks done with their series (the last goes on)
-  // what meta_count leaves meta_rows (tok_words, below): [R][TB * kBlock] each token's record;
+  // what count leaves rows (tok_words, below): [R][TB * kBlock] each token's record;
   // [S][TB] each set's block mask, [S][TB][K] each OUT set's row masks (2 words a mask)
   i64 *tok_rec, *set_mask, *row_mask;
 };
 
 // A token's record: its set bits (kSetWords words, this build's), then its top-k slots two to a
 // word, each its expert in the low 16 bits (0xffff: none) and its place among the block's tokens of
-// that expert in the high 16.  meta_rows reads it instead of recomputing the token's sets.
+// that expert in the high 16.  The rows phase reads it instead of recomputing the token's sets.
 EM_HD i64 tok_words(const i64* p) { return kSetWords + (p[H_topk] + 1) / 2; }
 
 EM_HD i64 scratch_words(const i64* p, i64* layout_out = nullptr) {
@@ -225,9 +228,10 @@ EM_HD i64 scratch_words(const i64* p, i64* layout_out = nullptr) {
     const i64 end = t[T_scratch_waits] + t[T_chunks_cap] * prods + t[T_chunks_cap] + 1;
     if (end > tc) tc = end;
   }
-  const i64 sizes[kLayout] = {S * TB, S * TB, S * TB, S * TB, S, S, S, R * TB * E, R * TB * E, E, R * E,
-                              parts, parts, parts, parts, copies, copies, copies, tc, E, 1,
-                              R * TB * kBlock * tok_words(p), S * TB * 2, S * TB * p[H_topk] * 2};
+  const i64 sizes[kLayout] = {S, S, S, R * E, tc,  // zeroed (kZeroed)
+                              S * TB, S * TB, S * TB, S * TB, R * TB * E, R * TB * E, E, E, parts, parts,
+                              copies, copies, copies, R * TB * kBlock * tok_words(p), S * TB * 2,
+                              S * TB * p[H_topk] * 2};
   i64 total = 0;
   for (int i = 0; i < kLayout; ++i) {
     if (layout_out) layout_out[i] = total;
@@ -250,15 +254,13 @@ EM_FN Scratch scratch_of(const Args& a) {
   const i64* at = a.lay;
   i64* s = a.scratch;
   Scratch x;
-  x.set_cnt = s + at[0]; x.set_rcnt = s + at[1]; x.set_base = s + at[2]; x.set_rbase = s + at[3];
-  x.set_total = s + at[4]; x.set_rtotal = s + at[5]; x.set_off = s + at[6];
-  x.ecnt = s + at[7]; x.ebase = s + at[8]; x.e_first = s + at[9]; x.home_before = s + at[10];
-  x.part_tok = s + at[11]; x.part_rows = s + at[12]; x.part_tok_base = s + at[13]; x.part_row_base = s + at[14];
+  x.set_total = s + at[0]; x.set_rtotal = s + at[1]; x.set_off = s + at[2]; x.home_before = s + at[3];
+  x.per_tcopy = s + at[4];
+  x.set_cnt = s + at[5]; x.set_rcnt = s + at[6]; x.set_base = s + at[7]; x.set_rbase = s + at[8];
+  x.ecnt = s + at[9]; x.ebase = s + at[10]; x.e_first = s + at[11]; x.e_total = s + at[12];
+  x.part_tok_base = s + at[13]; x.part_row_base = s + at[14];
   x.copy_tok = s + at[15]; x.copy_rows = s + at[16]; x.copy_chunks = s + at[17];
-  x.per_tcopy = s + at[18];
-  x.e_total = s + at[19];
-  x.scan_done = s + at[20];
-  x.tok_rec = s + at[21]; x.set_mask = s + at[22]; x.row_mask = s + at[23];
+  x.tok_rec = s + at[18]; x.set_mask = s + at[19]; x.row_mask = s + at[20];
   return x;
 }
 
@@ -303,6 +305,17 @@ EM_FN i64 run_sum(const i64* src, i64 n, i64 stride) {
     i64 v[kRun];
     for (int j = 0; j < kRun; ++j) v[j] = b0 + j < n ? src[(b0 + j) * stride] : 0;
     for (int j = 0; j < kRun; ++j) sum += v[j];
+  }
+  return sum;
+}
+
+// The sum of the n counts at src[idx[0]], src[idx[1]], ...: the indices, then the counts, kRun at a time.
+EM_FN i64 run_gather(const i64* idx, const i64* src, i64 n) {
+  i64 sum = 0;
+  for (i64 b0 = 0; b0 < n; b0 += kRun) {
+    i64 at[kRun];
+    for (int j = 0; j < kRun; ++j) at[j] = b0 + j < n ? idx[b0 + j] : -1;
+    for (int j = 0; j < kRun; ++j) sum += at[j] >= 0 ? src[at[j]] : 0;
   }
   return sum;
 }
@@ -420,12 +433,12 @@ EM_FN int rows_on(const Shared& sh, int t, int K, const i64* p, int d) {
   return n;
 }
 
-// Fills `sh` for the tokens [block * kBlock, ...) of home rank h (every thread of the block).
-// Marks the first bad token of this rank's own routing.
-EM_FN void load_block(const Args& a, int h, int block, Shared& sh) {
+// The first half of filling `sh` for a token block of home rank h, which needs no routing: the
+// masks zero, the home's set records read (every thread of the block; meta_fused runs it while it
+// waits for the peers' routing).
+EM_FN void count_prepare(const Args& a, int h, Shared& sh) {
   const i64* p = a.prog;
-  const int K = static_cast<int>(p[H_topk]), E = static_cast<int>(p[H_experts]);
-  const int T = a.tokens[h];
+  const int E = static_cast<int>(p[H_experts]);
   const int nsets = static_cast<int>(p[H_sets_max]);
   const i64* index = p + p[H_off_set_index] + static_cast<i64>(h) * nsets;
   EM_THREADS(t)
@@ -458,12 +471,30 @@ EM_FN void load_block(const Args& a, int h, int block, Shared& sh) {
       }
     }
   EM_SYNC
+}
+
+// The rest, after count_prepare for the same home: the tokens [block * kBlock, ...) of home rank h,
+// each one's sets and experts into `sh` (every thread of the block).  Marks the first bad token
+// of this rank's own routing.
+EM_FN void load_tokens(const Args& a, int h, int block, Shared& sh) {
+  const i64* p = a.prog;
+  const int K = static_cast<int>(p[H_topk]), E = static_cast<int>(p[H_experts]);
+  const int T = a.tokens[h];
+  const int nsets = static_cast<int>(p[H_sets_max]);
+  const i64 max_tokens = p[H_max_tokens];
   EM_THREADS(t)
     const int tok = block * kBlock + t;
+    // the token's slots loaded together, whatever its rank's count (the area holds max_tokens)
+    const int* row = a.topk + (static_cast<i64>(h) * max_tokens + tok) * K;
+    int slot[kMaxTopk];
+    EM_UNROLL
+    for (int j = 0; j < kMaxTopk; ++j) slot[j] = j < K && tok < max_tokens ? row[j] : -1;
     unsigned long long d = 0;
     bool bad = false;
-    for (int j = 0; j < K; ++j) {
-      int e = tok < T ? a.topk[(static_cast<i64>(h) * p[H_max_tokens] + tok) * K + j] : -1;
+    EM_UNROLL
+    for (int j = 0; j < kMaxTopk; ++j) {
+      if (j >= K) break;
+      int e = tok < T ? slot[j] : -1;
       if (e < -1 || e >= E) { bad = true; e = -1; }
       for (int i = 0; i < j && e >= 0; ++i)
         if (sh.experts[t][i] == e) { bad = true; e = -1; }
@@ -541,7 +572,7 @@ EM_FN i64* tok_at(const Scratch& x, const i64* p, int h, int block, int t) {
   return x.tok_rec + ((static_cast<i64>(h) * p[H_token_blocks] + block) * kBlock + t) * tok_words(p);
 }
 
-// A token as meta_rows reads it (its record's slots, loaded whole): per top-k slot its expert (-1:
+// A token as the rows phase reads it (its record's slots, loaded whole): per top-k slot its expert (-1:
 // none) and its place among the tokens of its block that picked that expert; its sets are read
 // from the record by bit (tok_has: a word at a variable index, which registers cannot hold).
 struct Token {
@@ -570,7 +601,7 @@ EM_FN bool tok_has(const Token& k, int b) {
   return ((static_cast<unsigned long long>(k.rec[b >> 6]) >> (b & 63)) & 1ull) != 0;
 }
 
-// A token's record, written by meta_count (after load_block) for meta_rows.
+// A token's record, written by count (after load_tokens) for the rows phase.
 EM_FN void put_token(const Scratch& x, const i64* p, const Shared& sh, int h, int block, int t) {
   i64* r = tok_at(x, p, h, block, t);
   const int K = static_cast<int>(p[H_topk]);
@@ -585,19 +616,47 @@ EM_FN void put_token(const Scratch& x, const i64* p, const Shared& sh, int h, in
   }
 }
 
-// ---------------------------------------------------------------------------------- kernels
-// Grid: num_ranks x token_blocks (home rank major).  Besides the counts, what meta_rows reads:
-// each token's record, each set's block mask and each OUT set's row masks.
-EM_KERNEL meta_count(Args a
-#ifdef EPCC_META_HOST
-                     , int em_block
-#endif
-) {
-  EM_SHARED Shared sh;
+// ---------------------------------------------------------------------------------- phases
+enum Phase { PHASE_COUNT, PHASE_SCAN, PHASE_ROWS, PHASE_ITEMS, PHASES };
+
+// What the scan's blocks hold in shared memory (in place of count's Shared: a block runs one phase
+// at a time).
+struct ScanShared {
+  i64 lane_sum[kBlock];                           // per thread: its run's sum (sums_block)
+  i64 seg_sum[kMaxExperts / kSeg + kMaxRanks];    // per (rank, segment of its local experts)
+};
+union PhaseShared {
+  Shared count;
+  ScanShared scan;
+};
+static_assert(sizeof(ScanShared) <= sizeof(Shared), "the scan's shared memory fits in count's (meta_program.py "
+                                                    "shared_bytes counts Shared alone)");
+
+// The sums over the token blocks the scan's blocks do, kSeries each: 2s and 2s + 1 set s's tokens
+// and rows, 2S + h E + e home rank h's rows of expert e.
+EM_HD i64 num_series(const i64* p) { return 2 * p[H_num_sets] + p[H_num_ranks] * p[H_experts]; }
+
+// Blocks of each phase (meta_program.py grids() says the same: count, scan, rows less count's, items).
+EM_HD i64 phase_blocks(const i64* p, int phase) {
+  const i64 homes = p[H_num_ranks] * p[H_token_blocks];
+  switch (phase) {
+    case PHASE_COUNT: return homes;
+    case PHASE_SCAN: return kOffsetBlocks + (num_series(p) + kSeries - 1) / kSeries;
+    case PHASE_ROWS: return p[H_num_work] + homes;
+    default: return p[H_num_tcopies];
+  }
+}
+
+// ---------------------------------------------------------------------------------- count
+// Block hb (home rank x token block, home rank major), after count_prepare for its home: the
+// tokens' sets and experts; per set and per expert its tokens of the block, added into the totals
+// (the scan's offsets need nothing else); what rows reads: each token's record, each set's block
+// mask and each OUT set's row masks.
+EM_FN void count_block(const Args& a, i64 hb, Shared& sh) {
   const i64* p = a.prog;
   const int TB = static_cast<int>(p[H_token_blocks]);
-  const int h = EM_BLOCK / TB, block = EM_BLOCK % TB;
-  load_block(a, h, block, sh);
+  const int h = static_cast<int>(hb / TB), block = static_cast<int>(hb % TB);
+  load_tokens(a, h, block, sh);
   const Scratch x = scratch_of(a);
   const int nsets = static_cast<int>(p[H_sets_max]);
   const i64* index = p + p[H_off_set_index] + static_cast<i64>(h) * nsets;
@@ -606,7 +665,9 @@ EM_KERNEL meta_count(Args a
     for (int b = t; b < nsets; b += kBlock) {
       const i64 si = index[b];
       if (si < 0) continue;
-      x.set_cnt[si * TB + block] = count(sh.set_words[b]);
+      const int n = count(sh.set_words[b]);
+      x.set_cnt[si * TB + block] = n;
+      if (n) EM_ADD(x.set_total + si, n);
       put_mask(x.set_mask + (si * TB + block) * 2, sh.set_words[b]);
       int rows = 0;
       if (sh.sets[b].kind == SET_OUT)
@@ -615,12 +676,18 @@ EM_KERNEL meta_count(Args a
           put_mask(x.row_mask + ((si * TB + block) * K + m) * 2, sh.row_words[sh.sets[b].out][m]);
         }
       x.set_rcnt[si * TB + block] = rows;
+      if (rows) EM_ADD(x.set_rtotal + si, rows);
     }
-    for (int e = t; e < E; e += kBlock) x.ecnt[(static_cast<i64>(h) * TB + block) * E + e] = count(sh.exp_words[e]);
+    for (int e = t; e < E; e += kBlock) {
+      const int n = count(sh.exp_words[e]);
+      x.ecnt[(static_cast<i64>(h) * TB + block) * E + e] = n;
+      if (n) EM_ADD(x.home_before + static_cast<i64>(h) * E + e, n);
+    }
     put_token(x, p, sh, h, block, t);
   EM_SYNC
 }
 
+// ---------------------------------------------------------------------------------- scan
 // An exclusive prefix sum over n counts at src[0], src[stride], ...: dst[i] `sum` plus the
 // counts before i, that plus all of them returned.  The counts are loaded kRun at a time before
 // they are added (one memory latency per run, not per count).
@@ -651,13 +718,11 @@ EM_FN i64 prefix_gather(const i64* idx, const i64* src, i64* dst, i64 n) {
   return sum;
 }
 
-// The series meta_scan sums over the token blocks, numbered: 2s and 2s + 1 set s's tokens and
-// rows, 2S + h E + e home rank h's rows of expert e -- where its counts are (one per block, `stride`
-// apart), its sums before each block go, and its total.
+// Sum u over the token blocks: where its counts are (one per block, `stride` apart) and where its
+// sums before each block go.
 struct Series {
   const i64* cnt;
   i64* base;
-  i64* total;
   i64 stride;
 };
 EM_FN Series series(const Scratch& x, i64 u, i64 S, i64 TB, i64 E) {
@@ -666,171 +731,128 @@ EM_FN Series series(const Scratch& x, i64 u, i64 S, i64 TB, i64 E) {
     const i64 s = u >> 1;
     r.cnt = ((u & 1) ? x.set_rcnt : x.set_cnt) + s * TB;
     r.base = ((u & 1) ? x.set_rbase : x.set_base) + s * TB;
-    r.total = ((u & 1) ? x.set_rtotal : x.set_total) + s;
     r.stride = 1;
   } else {
     const i64 he = u - 2 * S, h = he / E, e = he % E;
     r.cnt = x.ecnt + h * TB * E + e;
     r.base = x.ebase + h * TB * E + e;
-    r.total = x.home_before + h * E + e;  // for now
     r.stride = E;
   }
   return r;
 }
 
-// meta_scan's blocks: one per kSeries series (meta_program.py grids()["scan"] computes the same).
-EM_HD i64 scan_blocks(const i64* p) {
-  const i64 n = 2 * p[H_num_sets] + p[H_num_ranks] * p[H_experts];
-  return n > kSeries ? (n + kSeries - 1) / kSeries : 1;
-}
-
-// Blocks of kScan threads (scan_blocks; any number gives the same tables).  Every block first sums
-// kSeries series at a time over the token blocks, kLanes threads per series: each lane sums its
-// run of ceil(TB / kLanes) blocks, then adds the runs of the lanes before it to walk its own (two
-// memory latencies per series, not one per run of kRun blocks of one thread).  The last block done
-// with its series (a counter, no block waits for another) goes on alone with what needs every
-// series' totals: the other prefix sums and the descriptors' counts.
-EM_KERNEL_SCAN meta_scan(Args a
-#ifdef EPCC_META_HOST
-                         , int em_block, int em_grid
-#endif
-) {
+// Scan block kOffsetBlocks + j: sums kSeries j to kSeries (j + 1) - 1, kLanes threads a sum.  Each
+// lane sums its run of ceil(TB / kLanes) blocks, then adds the runs of the lanes before it to walk
+// its own (two memory latencies a sum).
+EM_FN void sums_block(const Args& a, i64 j, ScanShared& ss) {
   const i64* p = a.prog;
   const Scratch x = scratch_of(a);
-  const i64 TB = p[H_token_blocks], R = p[H_num_ranks], E = p[H_experts], EPR = p[H_epr];
-  const i64 S = p[H_num_sets];
+  const i64 TB = p[H_token_blocks], E = p[H_experts], S = p[H_num_sets];
+  const i64 NS = num_series(p), L = (TB + kLanes - 1) / kLanes;
+  const i64 u0 = j * kSeries;
+  EM_THREADS(t)
+    const i64 u = u0 + t / kLanes, b0 = (t % kLanes) * L;
+    i64 sum = 0;
+    if (u < NS && b0 < TB) {
+      const Series r = series(x, u, S, TB, E);
+      sum = run_sum(r.cnt + b0 * r.stride, TB - b0 < L ? TB - b0 : L, r.stride);
+    }
+    ss.lane_sum[t] = sum;
+  EM_SYNC
+  EM_THREADS(t)
+    const i64 u = u0 + t / kLanes;
+    const int lane = t % kLanes;
+    const i64 b0 = lane * L;
+    if (u < NS && b0 < TB) {
+      const i64* runs = ss.lane_sum + (t - lane);
+      i64 before = 0;
+      for (int i = 0; i < kLanes; ++i) before += i < lane ? runs[i] : 0;
+      const Series r = series(x, u, S, TB, E);
+      prefix_run(r.cnt + b0 * r.stride, r.base + b0 * r.stride, TB - b0 < L ? TB - b0 : L, r.stride, before);
+    }
+  EM_SYNC
+}
+
+// The program's records on their way into this SM's L1 (an offsets block walks most of them, one
+// dependent load after another).
+EM_FN void prefetch_program(const Args& a) {
+  EM_THREADS(t)
+    const char* at = reinterpret_cast<const char*>(a.prog);
+    for (i64 i = static_cast<i64>(t) * 128; i < a.prog_words * 8; i += static_cast<i64>(kBlock) * 128)
+      em_prefetch(at + i);
+  EM_DONE
+}
+
+// Offsets block 0: each rank's output rows, expert-major -- home_before[h][e] from home h's rows of
+// e to the rows of the lower home ranks, e_total[e] e's rows, e_first[e] the rows of its rank's
+// lower local experts (in three steps over segments of kSeg local experts: their sums, their
+// prefix per rank, the prefix within each) -- and this rank's received rows per expert.
+EM_FN void expert_offsets(const Args& a, ScanShared& ss) {
+  const i64* p = a.prog;
+  const Scratch x = scratch_of(a);
+  const i64 R = p[H_num_ranks], E = p[H_experts], EPR = p[H_epr];
   const i64 nseg = (EPR + kSeg - 1) / kSeg;  // segments of a rank's local experts
-  const i64 NS = 2 * S + R * E, L = (TB + kLanes - 1) / kLanes;  // the series; a lane's run of blocks
-  EM_SHARED i64 seg_sum[kMaxExperts / kSeg + kMaxRanks];
-  EM_SHARED i64 lane_sum[kScan];
-  EM_SHARED int last;
-  for (i64 u0 = static_cast<i64>(EM_BLOCK) * kSeries; u0 < NS; u0 += static_cast<i64>(EM_GRID) * kSeries) {
-    EM_THREADS_SCAN(t)
-      const i64 u = u0 + t / kLanes, b0 = (t % kLanes) * L;
-      i64 sum = 0;
-      if (u < NS && b0 < TB) {
-        const Series r = series(x, u, S, TB, E);
-        sum = run_sum(r.cnt + b0 * r.stride, TB - b0 < L ? TB - b0 : L, r.stride);
-      }
-      lane_sum[t] = sum;
-    EM_SYNC
-    EM_THREADS_SCAN(t)
-      const i64 u = u0 + t / kLanes;
-      const int lane = t % kLanes;
-      const i64 b0 = lane * L;
-      if (u < NS) {
-        const i64* runs = lane_sum + (t - lane);
-        i64 before = 0, total = 0;
-        for (int i = 0; i < kLanes; ++i) {
-          const i64 v = runs[i];
-          before += i < lane ? v : 0;
-          total += v;
-        }
-        const Series r = series(x, u, S, TB, E);
-        if (b0 < TB) prefix_run(r.cnt + b0 * r.stride, r.base + b0 * r.stride, TB - b0 < L ? TB - b0 : L, r.stride, before);
-        if (lane == 0) *r.total = total;
-      }
-    EM_SYNC
-  }
-  // the blocks' sums published (fence, then the counter), the last block's reads after them
-  EM_THREADS_SCAN(t)
-    if (t == 0) {
-      EM_FENCE();
-      last = EM_TICKET(x.scan_done) == EM_GRID - 1;
-      EM_FENCE();
-    }
+  const int me = static_cast<int>(p[H_rank]);
+  EM_THREADS(t)
+    for (i64 e = t; e < E; e += kBlock) x.e_total[e] = prefix_run(x.home_before + e, x.home_before + e, R, E);
   EM_SYNC
-  if (!last) return;
-  EM_THREADS_SCAN(t)
-    for (i64 g = t; g < p[H_num_groups]; g += kScan) {
-      const i64* gr = rec(p, H_off_groups, g, G_COUNT);
-      prefix_gather(p + p[H_off_group_sets] + gr[G_first], x.set_total, x.set_off, gr[G_count]);
-    }
-    for (i64 e = t; e < E; e += kScan) {  // home totals -> rows of lower home ranks; e's rows in all
-      const i64 n = prefix_run(x.home_before + e, x.home_before + e, R, E);
-      x.e_first[e] = n;  // total for now
-      x.e_total[e] = n;
-    }
-    for (i64 q = t; q < p[H_num_parts]; q += kScan) {
-      const i64* pr = part_rec(p, q);
-      const i64 s = pr[P_tok_set];
-      x.part_tok[q] = x.set_total[s];
-      x.part_rows[q] = (pr[P_kind] == PART_D_OUT || pr[P_kind] == PART_C_OUT) ? x.set_rtotal[s] : x.set_total[s];
-    }
-  EM_SYNC
-  // each rank's output rows, expert-major: e_first[e] the rows of the rank's lower local experts,
-  // in three passes over segments of kSeg local experts (their sums, their prefix per rank, the
-  // prefix within each)
-  EM_THREADS_SCAN(t)
-    for (i64 i = t; i < R * nseg; i += kScan) {
+  EM_THREADS(t)
+    for (i64 i = t; i < R * nseg; i += kBlock) {
       const int d = static_cast<int>(i / nseg), l0 = static_cast<int>(i % nseg) * kSeg;
+      i64 v[kSeg];
+      for (int j = 0; j < kSeg; ++j) v[j] = l0 + j < EPR ? x.e_total[expert_of(p, d, l0 + j)] : 0;
       i64 sum = 0;
-      for (int l = l0; l < l0 + kSeg && l < EPR; ++l) sum += x.e_first[expert_of(p, d, l)];
-      seg_sum[i] = sum;
-    }
-    for (i64 c = t; c < p[H_num_copies]; c += kScan) {
-      const i64* cr = copy_rec(p, c);
-      const i64 n = prefix_run(x.part_tok + cr[C_first_part], x.part_tok_base + cr[C_first_part], cr[C_num_parts], 1);
-      x.copy_rows[c] =
-          prefix_run(x.part_rows + cr[C_first_part], x.part_row_base + cr[C_first_part], cr[C_num_parts], 1);
-      x.copy_tok[c] = n;
-      x.copy_chunks[c] = num_chunks(chunking(p, c, n));
+      for (int j = 0; j < kSeg; ++j) sum += v[j];
+      ss.seg_sum[i] = sum;
     }
   EM_SYNC
-  EM_THREADS_SCAN(t)
-    for (i64 d = t; d < R; d += kScan) {
+  EM_THREADS(t)
+    for (i64 d = t; d < R; d += kBlock) {
       i64 n = 0;
       for (i64 g = 0; g < nseg; ++g) {
-        const i64 c = seg_sum[d * nseg + g];
-        seg_sum[d * nseg + g] = n;
+        const i64 c = ss.seg_sum[d * nseg + g];
+        ss.seg_sum[d * nseg + g] = n;
         n += c;
       }
     }
   EM_SYNC
-  EM_THREADS_SCAN(t)
-    for (i64 i = t; i < R * nseg; i += kScan) {
+  EM_THREADS(t)
+    for (i64 i = t; i < R * nseg; i += kBlock) {
       const int d = static_cast<int>(i / nseg), l0 = static_cast<int>(i % nseg) * kSeg;
       i64 v[kSeg];
-      for (int j = 0; j < kSeg; ++j) v[j] = l0 + j < EPR ? x.e_first[expert_of(p, d, l0 + j)] : 0;
-      i64 n = seg_sum[i];
+      for (int j = 0; j < kSeg; ++j) v[j] = l0 + j < EPR ? x.e_total[expert_of(p, d, l0 + j)] : 0;
+      i64 n = ss.seg_sum[i];
       for (int j = 0; j < kSeg && l0 + j < EPR; ++j) {
         x.e_first[expert_of(p, d, l0 + j)] = n;
+        if (d == me) {
+          a.recv_offset[l0 + j] = static_cast<int>(n);
+          a.recv_count[l0 + j] = static_cast<int>(v[j]);
+        }
         n += v[j];
       }
+      if (d == me && l0 + kSeg >= EPR) a.recv_offset[EPR] = static_cast<int>(n);
     }
   EM_SYNC
-  // the descriptors' counts
-  EM_THREADS_SCAN(t)
-    for (i64 i = t; i < p[H_num_tcopies]; i += kScan) {
-      const i64* tc = tcopy_rec(p, i);
-      uint8_t* blob = a.blob[tc[T_program]];
-      const uint32_t rows = static_cast<uint32_t>(x.copy_rows[tc[T_copy]]);
-      memcpy(blob + tc[T_desc_off] + kCopyNRows, &rows, 4);
-      i64* starts = x.per_tcopy + tc[T_scratch_starts];
-      starts[0] = 0;
-      starts[x.copy_chunks[tc[T_copy]]] = x.copy_rows[tc[T_copy]];
+}
+
+// Offsets block 1: where each SEG set's slots start in its buffer (its group's sets before it),
+// the combine's zero list's bytes, the blobs' token counts.
+EM_FN void set_offsets(const Args& a) {
+  const i64* p = a.prog;
+  const Scratch x = scratch_of(a);
+  EM_THREADS(t)
+    for (i64 g = t; g < p[H_num_groups]; g += kBlock) {
+      const i64* gr = rec(p, H_off_groups, g, G_COUNT);
+      prefix_gather(p + p[H_off_group_sets] + gr[G_first], x.set_total, x.set_off, gr[G_count]);
     }
-    for (i64 i = t; i < p[H_num_roles]; i += kScan) {
-      const i64* ro = rec(p, H_off_roles, i, R_COUNT);
-      i64 items = 0;
-      for (i64 j = ro[R_first_tcopy]; j < ro[R_first_tcopy] + ro[R_num_tcopies]; ++j)
-        items += x.copy_chunks[tcopy_rec(p, j)[T_copy]];
-      const uint32_t v = static_cast<uint32_t>(items);
-      memcpy(a.blob[ro[R_program]] + ro[R_desc_off] + kRoleItemCount, &v, 4);
-    }
-    for (i64 i = t; i < p[H_num_drain]; i += kScan) {
-      const i64* dr = rec(p, H_off_drain, i, D_COUNT);
-      const uint64_t v = static_cast<uint64_t>(x.copy_chunks[dr[D_copy]]);
-      memcpy(a.blob[dr[D_program]] + dr[D_desc_off] + kDrainValue, &v, 8);
-    }
-    for (i64 i = t; i < p[H_num_zero]; i += kScan) {
+    for (i64 i = t; i < p[H_num_zero]; i += kBlock) {
       const i64* z = rec(p, H_off_zero, i, Z_COUNT);
       i64 rows = 0;
       if (z[Z_result]) {
         rows = p[H_max_tokens];
       } else {
         const i64* sets = p + p[H_off_group_sets] + z[Z_group_first];
-        for (i64 j = 0; j < z[Z_group_count]; ++j) rows += x.set_total[sets[j]];
+        rows = run_gather(sets, x.set_total, z[Z_group_count]);
       }
       const uint64_t v = static_cast<uint64_t>(rows) * 4u * static_cast<uint64_t>(p[H_hidden]);
       memcpy(a.blob[1] + z[Z_desc_off] + kZeroBytes, &v, 8);
@@ -843,8 +865,85 @@ EM_KERNEL_SCAN meta_scan(Args a
   EM_SYNC
 }
 
-// ------------------------------------------------------------------------- meta_rows
-// meta_rows reads what meta_count left (each token's record, the sets' block masks), not the
+// Offsets block 2: each copy's parts' first token and row in it (from their sets' totals), its
+// tokens, rows and chunks; then the descriptors' counts (CopyDesc rows, RoleDesc items, DrainDesc)
+// and each copy's first and end chunk starts.
+EM_FN void copy_offsets(const Args& a) {
+  const i64* p = a.prog;
+  const Scratch x = scratch_of(a);
+  EM_THREADS(t)
+    for (i64 c = t; c < p[H_num_copies]; c += kBlock) {
+      const i64* cr = copy_rec(p, c);
+      const i64 first = cr[C_first_part], np = cr[C_num_parts];
+      i64 tok = 0, rows = 0;
+      for (i64 q0 = 0; q0 < np; q0 += kRun) {  // the parts' sets, then their totals, kRun at a time
+        i64 s[kRun], v[kRun], r[kRun];
+        bool out[kRun];
+        for (int j = 0; j < kRun; ++j) {
+          const i64* pr = part_rec(p, first + q0 + j);
+          s[j] = q0 + j < np ? pr[P_tok_set] : -1;
+          out[j] = q0 + j < np && (pr[P_kind] == PART_D_OUT || pr[P_kind] == PART_C_OUT);
+        }
+        for (int j = 0; j < kRun; ++j) {
+          v[j] = s[j] >= 0 ? x.set_total[s[j]] : 0;
+          r[j] = s[j] >= 0 ? (out[j] ? x.set_rtotal[s[j]] : v[j]) : 0;
+        }
+        for (int j = 0; j < kRun && q0 + j < np; ++j) {
+          x.part_tok_base[first + q0 + j] = tok;
+          x.part_row_base[first + q0 + j] = rows;
+          tok += v[j];
+          rows += r[j];
+        }
+      }
+      x.copy_tok[c] = tok;
+      x.copy_rows[c] = rows;
+      x.copy_chunks[c] = num_chunks(chunking(p, c, tok));
+    }
+  EM_SYNC
+  EM_THREADS(t)
+    for (i64 i = t; i < p[H_num_tcopies]; i += kBlock) {
+      const i64* tc = tcopy_rec(p, i);
+      uint8_t* blob = a.blob[tc[T_program]];
+      const uint32_t rows = static_cast<uint32_t>(x.copy_rows[tc[T_copy]]);
+      memcpy(blob + tc[T_desc_off] + kCopyNRows, &rows, 4);
+      i64* starts = x.per_tcopy + tc[T_scratch_starts];
+      starts[0] = 0;
+      starts[x.copy_chunks[tc[T_copy]]] = x.copy_rows[tc[T_copy]];
+    }
+    for (i64 i = t; i < p[H_num_roles]; i += kBlock) {
+      const i64* ro = rec(p, H_off_roles, i, R_COUNT);
+      i64 items = 0;
+      for (i64 j0 = 0; j0 < ro[R_num_tcopies]; j0 += kRun) {  // the copies' indices, then their chunks
+        i64 c[kRun];
+        for (int j = 0; j < kRun; ++j) c[j] = j0 + j < ro[R_num_tcopies] ? tcopy_rec(p, ro[R_first_tcopy] + j0 + j)[T_copy] : -1;
+        for (int j = 0; j < kRun; ++j) items += c[j] >= 0 ? x.copy_chunks[c[j]] : 0;
+      }
+      const uint32_t v = static_cast<uint32_t>(items);
+      memcpy(a.blob[ro[R_program]] + ro[R_desc_off] + kRoleItemCount, &v, 4);
+    }
+    for (i64 i = t; i < p[H_num_drain]; i += kBlock) {
+      const i64* dr = rec(p, H_off_drain, i, D_COUNT);
+      const uint64_t v = static_cast<uint64_t>(x.copy_chunks[dr[D_copy]]);
+      memcpy(a.blob[dr[D_program]] + dr[D_desc_off] + kDrainValue, &v, 8);
+    }
+  EM_SYNC
+}
+
+// Scan block vb: the offsets blocks first (the longest chains), then the sums.  The blocks need
+// count's counts and totals only, not each other's.
+EM_FN void scan_block(const Args& a, i64 vb, ScanShared& ss) {
+  if (vb >= kOffsetBlocks) {
+    sums_block(a, vb - kOffsetBlocks, ss);
+    return;
+  }
+  prefetch_program(a);
+  if (vb == 0) expert_offsets(a, ss);
+  else if (vb == 1) set_offsets(a);
+  else copy_offsets(a);
+}
+
+// ---------------------------------------------------------------------------------- rows
+// The rows phase reads what count left (each token's record, the sets' block masks), not the
 // routing: no shared memory, no barrier, and a thread's loads go out together -- the part's
 // records, then its token's record and the masks of the part's sets, then the expert rows' bases.
 
@@ -1040,29 +1139,15 @@ EM_FN void recv_block(const Args& a, int hb) {
       a.recv_w[row[j]] = wt[j];
       a.recv_idx[row[j]] = k.expert[j];
     }
-    if (hb == 0 && t == 0) {
-      int n = 0;
-      for (int l = 0; l < epr; ++l) {
-        const int c = static_cast<int>(x.e_total[expert_of(p, me, l)]);
-        a.recv_offset[l] = n;
-        a.recv_count[l] = c;
-        n += c;
-      }
-      a.recv_offset[epr] = n;
-    }
   EM_DONE  // no barrier: nothing follows
 }
 
-// Grid: num_work (part x token block, parts of this rank's copies only), then num_ranks x
+// Rows block vb: num_work (part x token block, parts of this rank's copies only), then num_ranks x
 // token_blocks (the received rows).
-EM_KERNEL meta_rows(Args a
-#ifdef EPCC_META_HOST
-                    , int em_block
-#endif
-) {
+EM_FN void rows_phase_block(const Args& a, i64 vb) {
   const i64 work = a.prog[H_num_work];
-  if (EM_BLOCK < work) rows_block(a, EM_BLOCK);
-  else recv_block(a, static_cast<int>(EM_BLOCK - work));
+  if (vb < work) rows_block(a, vb);
+  else recv_block(a, static_cast<int>(vb - work));
 }
 
 // The place of item (copy i of the role, chunk c) in the role's item order: by progress
@@ -1087,15 +1172,10 @@ EM_FN i64 item_position(const Scratch& x, const i64* p, const i64* ro, i64 i, i6
   return pos;
 }
 
-// Grid: num_tcopies.
-EM_KERNEL meta_items(Args a
-#ifdef EPCC_META_HOST
-                     , int em_block
-#endif
-) {
+// Items block ti: copy ti of this rank's tables.
+EM_FN void items_block(const Args& a, i64 ti) {
   const i64* p = a.prog;
   const Scratch x = scratch_of(a);
-  const i64 ti = EM_BLOCK;
   const i64* tc = tcopy_rec(p, ti);
   const i64* ro = rec(p, H_off_roles, tc[T_role_rec], R_COUNT);
   const int program = static_cast<int>(tc[T_program]);
@@ -1131,6 +1211,43 @@ EM_KERNEL meta_items(Args a
     }
   EM_SYNC
 }
+
+// Block vb of `phase` (phase_blocks(phase) of them; within a phase, in any order and on any
+// blocks): the phases in order, each after every block of the one before.  Count's blocks run
+// count_prepare first unless `prepared` (the block's shared memory already holds vb's home's sets).
+EM_FN void phase_block(const Args& a, int phase, i64 vb, PhaseShared& sm, bool prepared = false) {
+  switch (phase) {
+    case PHASE_COUNT:
+      if (!prepared) count_prepare(a, static_cast<int>(vb / a.prog[H_token_blocks]), sm.count);
+      count_block(a, vb, sm.count);
+      break;
+    case PHASE_SCAN: scan_block(a, vb, sm.scan); break;
+    case PHASE_ROWS: rows_phase_block(a, vb); break;
+    default: items_block(a, vb); break;
+  }
+}
+
+// ---------------------------------------------------------------------------------- kernels
+// Each phase as a launch of its own, a block per phase block, in stream order: the targets without
+// a cooperative launch (SUPA), and the CUDA target's fallback.
+#ifdef EPCC_META_HOST
+#define EM_PHASE_KERNEL(name, phase) \
+  EM_KERNEL name(Args a, int em_block) { \
+    EM_SHARED PhaseShared sm; \
+    phase_block(a, phase, EM_BLOCK, sm); \
+  }
+#else
+#define EM_PHASE_KERNEL(name, phase) \
+  EM_KERNEL name(Args a) { \
+    EM_SHARED PhaseShared sm; \
+    phase_block(a, phase, EM_BLOCK, sm); \
+  }
+#endif
+EM_PHASE_KERNEL(meta_count, PHASE_COUNT)
+EM_PHASE_KERNEL(meta_scan, PHASE_SCAN)
+EM_PHASE_KERNEL(meta_rows, PHASE_ROWS)
+EM_PHASE_KERNEL(meta_items, PHASE_ITEMS)
+#undef EM_PHASE_KERNEL
 
 }  // namespace meta
 }  // namespace epcc
