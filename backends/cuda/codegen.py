@@ -156,6 +156,7 @@ class RoleSpec:
     dst_buffer: str | None
     bytes_per_s: float | None  # pacing (emulated links), None: full speed
     fn: str
+    latency_ns: int = 0  # pacing: each chunk lands this long after its last byte (the link's latency)
     comment: list[str] = field(default_factory=list)
     summary: str = ""
 
@@ -427,6 +428,7 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
         op, op_type, access, unroll = (_proxy_op(plan, step, opts, how) if how in ("rdma-pack", "rdma-unpack")
                                        else _op(plan, step, opts))
         rate = _link_rate(plan, step.link) if how == "rdma-on-sm" and opts.pace_rdma else None
+        latency_ns = round(max((f.latency_s for f in step.flows), default=0.0) * 1e9) if rate else 0
         fn = f"epcc_{sched}_{program}_{ident(r.step)}"
         while fn in used:
             fn += "_"
@@ -436,7 +438,7 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
                               warps=warps, op=op, op_type=op_type, access_bytes=access, unroll=unroll,
                               verb=step.verb, link=step.link, link_kind=step.link_kind,
                               src_buffers=list(step.src_buffers), dst_buffer=step.dst_buffer, bytes_per_s=rate,
-                              fn=fn))
+                              fn=fn, latency_ns=latency_ns))
     grid = max(rs.block_end for rs in roles)
     if grid <= 0:
         raise CudaCodegenError(f"{program}: every step is a DMA-engine copy; the kernel would have no block to "
@@ -467,7 +469,8 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
                    "compute units: " + DMA_ON_SM_WHY[target.name]),
                "dma-engine": "; " + DMA_ENGINE_WHY,
                "rdma-on-sm": "; RDMA emulated by SMs over peer memory" + (
-                   f", paced to {rs.bytes_per_s / 1e9:g} GB/s" if rs.bytes_per_s else ""),
+                   f", paced to one link of {rs.bytes_per_s / 1e9:g} GB/s, {rs.latency_ns / 1e3:g} us"
+                   if rs.bytes_per_s else ""),
                "rdma-pack": "; RDMA sender: packs each chunk into a send slot and pushes it to the host proxy's FIFO",
                "rdma-unpack": "; RDMA receiver: applies each chunk from its landing slot once its signal landed",
                }[rs.lowered]

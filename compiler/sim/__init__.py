@@ -57,7 +57,9 @@ Latency.  A flow of n chunks (ceil(bytes / chunk_bytes) when the step has a chun
 has moved (a tail; it occupies no bandwidth).  Why: with a window of `depth` outstanding chunks
 the sender waits for completions once per window, so ceil(n/depth) round trips are exposed when
 chunks are short next to the latency; with long chunks only one would be, so this is the
-conservative end.  Without chunking (n = 1) it is one latency per flow.  The pipelined caps use
+conservative end.  Without chunking (n = 1) it is one latency per flow.  An RDMA step run as
+paced SM roles (SimOptions.rdma_proxy False, with SM rates) pays one latency: the roles replay one
+serial link whose chunks land a latency after their last byte, pipelined (sm_terms.py).  The pipelined caps use
 moved bytes, i.e. the producer's per-chunk latency is not added to the consumer's trail.
 
 Order hints (`PlanStep.order`, seed 000 §1.2 "send d0_5 last").  A flow of a `last` step does not

@@ -70,7 +70,9 @@ token (uniform routing: topk / ranks / P(a token hits the rank)); a send's chunk
 
 `epcc simulate --rdma emulate` (SimOptions.rdma_proxy False) leaves the RDMA terms out: the
 table kernels' default lowering runs an RDMA step as paced SM roles writing the peer directly,
-with no staging, no credits and no proxy.
+with no staging, no credits and no proxy.  Their blocks replay one serial link of the plan's rate
+whose chunks land a latency after their last byte (device.cu.j2 PacedLink), so such a flow pays
+one latency, as a tail, not one per window of chunks.
 
 Without an `sm` line in the topology the plan is simulated as it is: links only.
 """
@@ -112,6 +114,7 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
         for f in s.flows:
             extra: list[str] = []
             tail = lead = 0.0
+            latency = f.latency_s
             chunk = min(step_chunk, f.bytes)  # no chunk size: no chunk terms (lag, tail)
             if n and work in rates and f.resources and f.bytes > 0:
                 name = f"sm:{s.program}.{s.name}:{f.rank}"
@@ -124,6 +127,8 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
                 name = f"atomics:{s.link}:{f.src}>{f.dst}"
                 resources[name] = atomics / FP32_ADD_PER_FLOW_BYTE
                 extra.append(name)
+            if not rdma_proxy and s.link_kind == "rdma" and s.chunk_bytes and f.resources and f.bytes > 0:
+                latency, tail = 0.0, tail + f.latency_s  # the paced roles' one link: one latency, pipelined
             if (rdma_proxy and s.link_kind == "rdma" and s.chunk_bytes and f.resources and f.bytes > 0
                     and "copy" in rates and work in rates):
                 link_bps = min(resources[r] for r in f.resources)
@@ -159,7 +164,7 @@ def with_sm_terms(plan: Plan, rdma_proxy: bool = True) -> Plan:
                 extra.append(name)
                 weights = base + tuple(1.0 for _ in extra[:-1]) + (red_bytes_per_flow_byte(s, expand),)
             flows.append(dataclasses.replace(f, resources=f.resources + tuple(extra), tail_s=f.tail_s + tail,
-                                             lead_s=f.lead_s + lead, weights=weights or f.weights)
+                                             lead_s=f.lead_s + lead, weights=weights or f.weights, latency_s=latency)
                          if extra or tail or lead else f)
         steps.append(dataclasses.replace(s, flows=flows, completion_lag=lag))
     return _little_lags(plan, steps, resources, rates, sms, expand)

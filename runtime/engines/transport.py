@@ -21,7 +21,8 @@ class TransportError(RuntimeError):
 class TpStats(ctypes.Structure):
     _fields_ = [("writes_posted", ctypes.c_uint64), ("bytes_posted", ctypes.c_uint64),
                 ("imm_received", ctypes.c_uint64), ("local_completions", ctypes.c_uint64), ("eagain", ctypes.c_uint64),
-                ("post_ns", ctypes.c_uint64)]
+                ("post_ns", ctypes.c_uint64), ("link_idle_ns", ctypes.c_uint64), ("link_gaps", ctypes.c_uint64),
+                ("signal_lag_ns", ctypes.c_uint64), ("signals", ctypes.c_uint64)]
 
 
 def load(lib_path) -> ctypes.CDLL:
@@ -59,12 +60,21 @@ def load(lib_path) -> ctypes.CDLL:
 def cost_phrase(stats: dict) -> str:
     """What a proxy thread cost, from its counters (one engine's, or summed over ranks): mean host
     time per post call, and chunks found waiting per FIFO pass (above 1: the producers pushed
-    chunks faster than the thread posted them, so the proxy set the pace); '' without posts."""
+    chunks faster than the thread posted them, so the proxy set the pace); on a paced transport
+    (emulated) the wire time its links sat idle inside a stream, nothing posted (the senders were
+    held: credits, FIFO slots, packing, or the proxy itself), and how late the polling issued the
+    landing signals; '' without posts."""
     writes, parts = stats.get("writes_posted") or 0, []
     if writes and stats.get("post_ns") is not None:
         parts.append(f"{stats['post_ns'] / writes / 1e3:.2f} us mean host time per post call")
     if stats.get("passes"):
         parts.append(f"{stats['drained'] / stats['passes']:.1f} chunks waiting per FIFO pass")
+    if stats.get("link_gaps"):
+        parts.append(f"link idle {stats['link_idle_ns'] / 1e3:.0f} us inside streams in {stats['link_gaps']} gaps "
+                     f"({stats['link_idle_ns'] / stats['link_gaps'] / 1e3:.1f} us each)")
+    if stats.get("signals"):
+        parts.append(f"signals issued {stats['signal_lag_ns'] / stats['signals'] / 1e3:.2f} us after their paced "
+                     f"landing on average")
     return ", ".join(parts)
 
 

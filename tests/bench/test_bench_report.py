@@ -296,3 +296,10 @@ def test_proxy_cost_line(ep_bench):
                                        "10.9 chunks waiting per FIFO pass")
     assert ep_bench.report.proxy_cost({"writes_posted": 0, "post_ns": 0}) == "0 writes"
     assert ep_bench.report.proxy_cost({"writes_posted": 8, "post_ns": 8000}) == "8 writes, 1.00 us mean host time per post call"
+    # a paced (emulated) transport also says how long its link idled inside streams and how late its signals went
+    paced = {"writes_posted": 128, "post_ns": 256_000, "link_idle_ns": 90_000, "link_gaps": 6, "signal_lag_ns": 320_000,
+             "signals": 64}
+    assert ep_bench.report.proxy_cost(paced) == (
+        "128 writes, 2.00 us mean host time per post call, link idle 90 us inside streams in 6 gaps (15.0 us each), "
+        "signals issued 5.00 us after their paced landing on average")
+    assert "link idle" not in ep_bench.report.proxy_cost({**paced, "link_gaps": 0, "link_idle_ns": 0})

@@ -178,6 +178,19 @@ def test_a_deep_window_leaves_the_link_the_limit():
     assert simulate(p).step("rdma").end_s == pytest.approx(64 * MB / (50 * GB) + lat + 2 * 2 * MB / (25 * GB))
 
 
+def test_paced_sm_roles_expose_one_latency():
+    # --rdma emulate: the RDMA step's roles replay one serial link whose chunks land a latency
+    # after their last byte, pipelined; no window, so 32 chunks 4 deep expose one latency, not 8
+    p = rdma_plan({"copy": 25 * GB}, depth=4)
+    f = with_sm_terms(p, rdma_proxy=False).steps[0].flows[0]
+    assert (f.latency_s, f.tail_s, f.lead_s) == (0.0, pytest.approx(5e-6), 0.0)
+    t = simulate(p, SimOptions(rdma_proxy=False)).step("rdma")
+    assert t.end_s == pytest.approx(64 * MB / (50 * GB) + 5e-6)
+    # without the `sm` line the plan is simulated as it is: a window's latency per 4 chunks
+    bare = dataclasses.replace(p, sm_rates={})
+    assert simulate(bare, SimOptions(rdma_proxy=False)).step("rdma").end_s == pytest.approx(64 * MB / (50 * GB) + 8 * 5e-6)
+
+
 def test_the_sm_line_reaches_the_ir_and_the_plan_and_survives_plan_json():
     built = build_plan(str(REPO / "schedules" / "h200x2_2vnode.sched"))
     plan = built.plan

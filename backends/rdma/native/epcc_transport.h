@@ -70,7 +70,17 @@ typedef struct {
     uint64_t local_completions;
     uint64_t eagain; /* posts retried because the provider's queue was full */
     uint64_t post_ns; /* host time inside epcc_tp_post_write(_signal): what a write costs the proxy */
+    /* Paced transports (emulated); 0 elsewhere.  Wire time a link sat idle between two writes less
+     * than EPCC_TP_BURST_GAP_NS apart (one launch's stream: nothing was posted while the link could
+     * send), and in how many gaps; host time between writes' paced landings and the issue of their
+     * signals or immediates (how late the proxy's polling delivered them), over how many. */
+    uint64_t link_idle_ns;
+    uint64_t link_gaps;
+    uint64_t signal_lag_ns;
+    uint64_t signals;
 } epcc_tp_stats;
+
+#define EPCC_TP_BURST_GAP_NS 1000000ull /* 1 ms: launches of one program's stream are further apart */
 
 int epcc_tp_open(const char *kind, const char *spec, int rank, int nranks, epcc_tp **out,
                  char *err, size_t errlen);

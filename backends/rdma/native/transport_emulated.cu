@@ -366,6 +366,10 @@ static int progress_queue(emu_tp *t, emu_queue *qu, uint64_t now) {
             if (e != cudaSuccess)
                 return epcc_tp_fail(&t->base, -EIO, "emulated: issuing a signal failed: %s", cudaGetErrorString(e));
             o->state = 2;
+            if (o->sig_dst) { /* how late the polling issued it: the landing a NIC would signal at `ready` */
+                t->base.stats.signal_lag_ns += now - o->ready_ns;
+                t->base.stats.signals++;
+            }
         }
     }
     return 0;
@@ -485,6 +489,11 @@ static int enqueue(emu_tp *t, int peer, unsigned link, const void *src, size_t l
         return epcc_tp_fail(&t->base, -EINVAL, "emulated: rank %d has no region %llu", peer, (unsigned long long)rkey);
     uint64_t now = epcc_tp_now_ns();
     uint64_t start = now > qu->link_free_ns ? now : qu->link_free_ns;
+    if (qu == &ln->qs[0] && qu->link_free_ns && now > qu->link_free_ns &&
+        now - qu->link_free_ns < EPCC_TP_BURST_GAP_NS) { /* the link idled inside a stream: nothing posted */
+        t->base.stats.link_idle_ns += now - qu->link_free_ns;
+        t->base.stats.link_gaps++;
+    }
     uint64_t busy = (uint64_t)((double)len / ln->bytes_per_ns);
     qu->link_free_ns = start + busy;
     uint64_t i = qu->tail;

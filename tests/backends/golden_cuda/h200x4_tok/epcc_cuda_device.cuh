@@ -584,6 +584,133 @@ using AccumF32 = AccumF32Rows<kElems, kUnroll, false>;
 template <int kElems, int kUnroll>
 using AccumF32Bf16Wire = AccumF32Rows<kElems, kUnroll, true>;
 
+// ---------------------------------------------------------------------------- paced roles
+// An RDMA step emulated by SM roles (rdma="emulate") writes the peer over NVLink and keeps to the
+// link of the plan: its items cross one serial link of `bytes_per_ns`, in item order, item i on
+// the wire from max(the end of item i - 1, when item i was ready) for its wire bytes (rows x the
+// row's wire pitch) / bytes_per_ns, and landing `latency_ns` after its last byte (the latency is
+// pipelined, as on a NIC and in the emulated transport of the GPU proxy path).  Ready: the role's
+// start for an item without producers (its rows are there from the start), else when thread 0
+// first saw its producers' counters at their values.  A block publishes its item no sooner than
+// that landing.  Thread 0 of every block replays the link over all the role's items up to its
+// own, so the blocks agree on it without talking, and a chunk lands when the one before it has
+// plus its own wire time: the stream of one link, not blocks each keeping to a share of the rate
+// (which landed a role's chunks in bursts, one per block, each block's share restarting from its
+// own publication: the link's stream ended 7 % past its bytes / rate on 2 x H200, 2026-11-27).
+// The link never delivers faster than its rate: an item lands no sooner than the role's start
+// plus the wire time of every item up to it, plus the latency.  Thread 0 copies nothing in a
+// paced role (the warps after its own do): while it waits for its item's producers, while the item
+// is copied and until its landing it looks ahead (kLookahead items) and notes when the next items'
+// producers are done, so an item ready early keeps its place behind the one before it however
+// late a block gets round to it.
+//
+// Env (the kernel's: RoleEnv; tests/backends/test_paced_link.py's: a clock of its own): now() in
+// ns; done(item): the item's producer counters have their values (no waiting); wait(item): until
+// they do; pause(): a poll's backoff; timeout_ns: how long a wait may take.
+struct PacedLink {
+  static constexpr uint32_t kLookahead = 32;
+  float bytes_per_ns = 0.f;  // 0: not paced
+  uint64_t latency_ns = 0;
+  uint64_t start = 0;     // the role's start (on this block)
+  uint64_t wire = 0;      // when the link has carried every item replayed so far
+  uint32_t replayed = 0;  // items replayed
+  uint32_t observed = 0;  // items whose readiness is known: seen[i % kLookahead] for i in [replayed, observed)
+};
+
+// Notes when the role's next items are ready, in order, up to the first whose producers are not
+// done (thread 0 of a paced role).  `items`: the role's, `count` of them.
+template <class Env>
+__host__ __device__ inline void paced_observe(PacedLink& l, uint64_t* seen, const ItemDesc* items, uint32_t count,
+                                              Env& env) {
+  while (l.observed < count && l.observed < l.replayed + PacedLink::kLookahead) {
+    const ItemDesc& x = items[l.observed];
+    uint64_t at = l.start;
+    if (x.wait_count != 0) {
+      if (!env.done(x)) return;
+      at = env.now();
+    }
+    seen[l.observed % PacedLink::kLookahead] = at;
+    ++l.observed;
+  }
+}
+
+// Until item k's producers are done (thread 0 of a paced role, before the item's waits), noting the
+// role's items up to it as they become ready; past the timeout the item's waits report what is stuck.
+template <class Env>
+__host__ __device__ inline void paced_until_ready(PacedLink& l, uint64_t* seen, const ItemDesc* items, uint32_t count,
+                                                  uint32_t k, Env& env) {
+  const uint64_t since = env.now();
+  paced_observe(l, seen, items, count, env);
+  while (l.observed <= k && l.observed < l.replayed + PacedLink::kLookahead && !env.done(items[k]) &&
+         env.now() - since <= env.timeout_ns) {
+    env.pause();
+    paced_observe(l, seen, items, count, env);
+  }
+}
+
+// Until `until()` (thread 0 of a paced role: while the item is copied, then until its landing),
+// noting the next items as they become ready.
+template <class Env, class Until>
+__host__ __device__ inline void paced_watch(PacedLink& l, uint64_t* seen, const ItemDesc* items, uint32_t count,
+                                            Env& env, Until until) {
+  while (!until()) {
+    paced_observe(l, seen, items, count, env);
+    env.pause();
+  }
+}
+
+// When the link lands the role's item k (thread 0 of a paced role): replays the items up to k,
+// waiting for the producers of any not seen ready yet (an earlier item of the role: its producers
+// are other roles', which never wait for this one).  `ready`: when item k's own producers were met.
+template <class Env>
+__host__ __device__ inline uint64_t paced_landing(PacedLink& l, uint64_t* seen, const ItemDesc* items, uint32_t k,
+                                                  uint64_t ready, uint32_t wire_pitch, Env& env) {
+  for (; l.replayed <= k; ++l.replayed) {
+    const ItemDesc& x = items[l.replayed];
+    uint64_t at = l.start;
+    if (l.replayed < l.observed) {
+      at = seen[l.replayed % PacedLink::kLookahead];
+    } else {
+      if (x.wait_count != 0 && l.replayed == k) {
+        at = ready;
+      } else if (x.wait_count != 0) {
+        env.wait(x);
+        at = env.now();
+      }
+      l.observed = l.replayed + 1;
+    }
+    const double bytes = static_cast<double>(x.row_end - x.row_begin) * wire_pitch;
+    // rounded up: the link never carries more than its rate
+    l.wire = (l.wire > at ? l.wire : at) + static_cast<uint64_t>(bytes / l.bytes_per_ns) + 1u;
+  }
+  return l.wire + l.latency_ns;
+}
+
+// A role's items' producer counters and the timer (the Env of a paced role's PacedLink).
+struct RoleEnv {
+  const KernelArgs& a;
+  const WaitDesc* waits;
+  const char* step;
+  uint32_t role;
+  uint64_t timeout_ns;
+  __device__ uint64_t now() const { return globaltimer(); }
+  __device__ void pause() const { backoff(1024); }
+  __device__ bool done(const ItemDesc& x) const {
+    for (uint32_t j = 0; j < x.wait_count; ++j) {
+      const WaitDesc wd = waits[x.wait_begin + j];
+      if (ld_acquire_sys(flag_ptr(a, wd.flag_rank, wd.flag_id)) < wd.value) return false;
+    }
+    return true;
+  }
+  __device__ void wait(const ItemDesc& x) const {
+    for (uint32_t j = 0; j < x.wait_count; ++j) {
+      const WaitDesc wd = waits[x.wait_begin + j];
+      wait_ge(a, flag_ptr(a, wd.flag_rank, wd.flag_id), wd.value, step, static_cast<int32_t>(role),
+              static_cast<int32_t>(x.chunk), static_cast<int32_t>(wd.flag_id), static_cast<int32_t>(wd.flag_rank));
+    }
+  }
+};
+
 // ---------------------------------------------------------------------------- roles
 // A role's items (one chunk of one copy each, in the order the host chose) go round-robin to
 // its blocks; a block waits for the chunk's producers (thread 0), its first kWarps warps copy
@@ -596,12 +723,12 @@ using AccumF32Bf16Wire = AccumF32Rows<kElems, kUnroll, true>;
 // ordered so that every chunk comes after the earlier chunks of its copy, and each block takes
 // its items in order, so the first unfinished item of the role always has what it needs from
 // its own role.
-// bytes_per_ns > 0 paces the role (an emulated link): each block keeps to its share of the rate,
-// counting the bytes a row takes on that link (Op::wire_pitch), from when each chunk is ready (a
-// link idle while the chunk's producers were not done is not made up for later).
+// bytes_per_ns > 0 paces the role as an emulated link (PacedLink): a chunk is published no sooner
+// than one serial link of that rate, fed the role's chunks in item order as they become ready,
+// would have landed it.
 template <class Op, uint32_t kWarps>
 __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, const char* step, uint32_t block,
-                                         uint32_t blocks, float bytes_per_ns) {
+                                         uint32_t blocks, float bytes_per_ns, uint32_t latency_ns) {
   const TableHeader& h = header(a);
   const RoleDesc rd = section<RoleDesc>(a, h.off_roles)[role];
   const CopyDesc* copies = section<CopyDesc>(a, h.off_copies);
@@ -613,24 +740,39 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
   const uint32_t dst_pitch = Op::dst_pitch(h);
   const uint32_t len = Op::row_len(h);
   const uint32_t R = a.num_ranks;
-  uint64_t link_free = 0;  // paced: when this block's share of the link is free again
+  PacedLink link;  // paced: the emulated link, as thread 0 replays it
+  __shared__ uint64_t seen[PacedLink::kLookahead];  // paced: when each next item was seen ready
+  RoleEnv env{a, waits, step, role, a.timeout_ns};
   uint64_t ready = 0;
+  if (bytes_per_ns > 0.f && EPCC_TID == 0) {
+    link.bytes_per_ns = bytes_per_ns;
+    link.latency_ns = latency_ns;
+    link.start = globaltimer();
+  }
+  // paced: warp 0 watches the link (thread 0) while the next kWarps warps copy (kWarps - 1 where the
+  // block has no more), and those count themselves done in `copied`
+  const uint32_t block_warps = EPCC_BDIM / kWarpSize;
+  const bool watch = bytes_per_ns > 0.f && (kWarps > 1 || block_warps > kWarps);
+  const uint32_t first_warp = watch ? 1u : 0u;
+  const uint32_t copy_warps = watch && block_warps > kWarps ? kWarps : kWarps - first_warp;
+  __shared__ uint32_t copied;
   __shared__ uint32_t next_row;  // gathering roles: the next row of the item a warp may claim
   for (uint32_t k = block; k < rd.item_count; k += blocks) {
     const ItemDesc it = items[rd.item_begin + k];
     const CopyDesc c = copies[it.copy];
     if (EPCC_TID == 0) {
       next_row = it.row_begin;  // every warp left the previous item's loop (the barrier below it)
-      for (uint32_t j = 0; j < it.wait_count; ++j) {
-        const WaitDesc wd = waits[it.wait_begin + j];
-        wait_ge(a, flag_ptr(a, wd.flag_rank, wd.flag_id), wd.value, step, static_cast<int32_t>(role),
-                static_cast<int32_t>(it.chunk), static_cast<int32_t>(wd.flag_id), static_cast<int32_t>(wd.flag_rank));
-      }
+      copied = 0;
+      if (bytes_per_ns > 0.f) paced_until_ready(link, seen, items + rd.item_begin, rd.item_count, k, env);
+      env.wait(it);
       if (k == block) stamp(a, 1);
-      if (bytes_per_ns > 0.f) ready = globaltimer();
+      if (bytes_per_ns > 0.f) ready = k < link.observed ? seen[k % PacedLink::kLookahead] : globaltimer();
     }
     __syncthreads();
-    if (warp < kWarps) {
+    if (watch && EPCC_TID == 0) {
+      paced_watch(link, seen, items + rd.item_begin, rd.item_count, env,
+                  [&] { return *reinterpret_cast<volatile uint32_t*>(&copied) >= copy_warps; });
+    } else if (warp >= first_warp && warp < first_warp + copy_warps) {
       const int64_t* src_rows = reinterpret_cast<const int64_t*>(a.tables + c.src_rows);
       const int64_t* dst_rows = reinterpret_cast<const int64_t*>(a.tables + c.dst_rows);
       const float* weights = Op::kWeighted ? reinterpret_cast<const float*>(a.tables + c.weights) : nullptr;
@@ -669,18 +811,22 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
           }
         }
       } else {
-        for (uint32_t r = it.row_begin + warp; r < it.row_end; r += kWarps) {
+        for (uint32_t r = it.row_begin + warp - first_warp; r < it.row_end; r += copy_warps) {
           uint8_t* dst = dst_base + static_cast<uint64_t>(ld_ro(dst_rows + r)) * dst_pitch;
           Op::row(source(r), dst, Op::kWeighted ? ld_ro(weights + r) : 1.f, len, lane);
         }
       }
+      if (watch) {
+        __syncwarp();
+        if (lane == 0) atomicAdd(&copied, 1u);
+      }
     }
     __syncthreads();
     if (EPCC_TID == 0) {
-      if (bytes_per_ns > 0.f) {  // pace: this block's share of the emulated link, from when the chunk was ready
-        const double bytes = static_cast<double>(it.row_end - it.row_begin) * Op::wire_pitch(h);
-        link_free = (link_free > ready ? link_free : ready) + static_cast<uint64_t>(bytes * blocks / bytes_per_ns);
-        while (globaltimer() < link_free) backoff(1024);
+      if (bytes_per_ns > 0.f) {  // pace: published no sooner than the emulated link lands it
+        const ItemDesc* mine = items + rd.item_begin;
+        const uint64_t landing = paced_landing(link, seen, mine, k, ready, Op::wire_pitch(h), env);
+        paced_watch(link, seen, mine, rd.item_count, env, [&] { return globaltimer() >= landing; });
       }
       if (c.flag_id != EPCC_NO_FLAG) {
         // Publish in chunk order: consumers read "counter >= v" as "chunks 0..v-1 are written",

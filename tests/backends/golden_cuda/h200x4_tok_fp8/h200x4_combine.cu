@@ -16,7 +16,7 @@
 //   reduce over link 'hbm' (local): output -> result
 //   fp32 partial += weight * bf16 expert output (7168 channels), 16-byte loads, atomic fp32 adds
 static __device__ __noinline__ void epcc_h200x4_combine_keep(const epcc::KernelArgs& a, uint32_t block) {
-  epcc::run_role<epcc::AccumWeightedBf16<8, 8>, 16u>(a, 0u, "keep", block, 1u, 0.f);
+  epcc::run_role<epcc::AccumWeightedBf16<8, 8>, 16u>(a, 0u, "keep", block, 1u, 0.f, 0u);
 }
 
 // step 'push' (send each token once to every peer that needs it), schedules/h200x4.sched:50
@@ -24,7 +24,7 @@ static __device__ __noinline__ void epcc_h200x4_combine_keep(const epcc::KernelA
 //   pull over link 'nvlink' (p2p): output -> result
 //   fp32 partial += weight * bf16 expert output (7168 channels), 16-byte loads, atomic fp32 adds
 static __device__ __noinline__ void epcc_h200x4_combine_push(const epcc::KernelArgs& a, uint32_t block) {
-  epcc::run_role<epcc::AccumWeightedBf16<8, 8>, 16u>(a, 1u, "push", block, 24u, 0.f);
+  epcc::run_role<epcc::AccumWeightedBf16<8, 8>, 16u>(a, 1u, "push", block, 24u, 0.f, 0u);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 1) epcc_h200x4_combine_kernel(const EPCC_GRID_CONSTANT epcc::KernelArgs given) {

@@ -16,7 +16,7 @@
 //   send over link 'nvlink' (p2p): input -> output
 //   wire rows of 7392 B copied, 16-byte accesses, 8 loads in flight per lane
 static __device__ __noinline__ void epcc_h200x4_dispatch_push(const epcc::KernelArgs& a, uint32_t block) {
-  epcc::run_role<epcc::CopyRows<16, 8>, 16u>(a, 0u, "push", block, 24u, 0.f);
+  epcc::run_role<epcc::CopyRows<16, 8>, 16u>(a, 0u, "push", block, 24u, 0.f, 0u);
 }
 
 // step 'keep' (own tokens to local experts), schedules/h200x4.sched:52
@@ -24,7 +24,7 @@ static __device__ __noinline__ void epcc_h200x4_dispatch_push(const epcc::Kernel
 //   permute over link 'hbm' (local): input -> output
 //   wire rows of 7392 B copied, 16-byte accesses, 8 loads in flight per lane
 static __device__ __noinline__ void epcc_h200x4_dispatch_keep(const epcc::KernelArgs& a, uint32_t block) {
-  epcc::run_role<epcc::CopyRows<16, 8>, 16u>(a, 1u, "keep", block, 1u, 0.f);
+  epcc::run_role<epcc::CopyRows<16, 8>, 16u>(a, 1u, "keep", block, 1u, 0.f, 0u);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 1) epcc_h200x4_dispatch_kernel(const EPCC_GRID_CONSTANT epcc::KernelArgs given) {
