@@ -177,7 +177,7 @@ class Buffer:
             raise BundleError(f"bundle {bundle} dispatches token-major (workload layout token), which the cpu backend "
                               f"and the cuda backend's direct kernels run; the {self.backend_name} kernels of this "
                               f"bundle write expert-major output")
-        if self.backend_name != "cuda" and config is not None:
+        if self.backend_name != "cuda" and config:  # an empty mapping asks for nothing
             raise ValueError("Buffer: config (SMs, warps) applies to the cuda backend only")
         if self.plan.num_ranks != self.num_ranks:
             raise BundleError(f"bundle {bundle} was compiled for {self.plan.num_ranks} ranks "

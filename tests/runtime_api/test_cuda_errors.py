@@ -107,6 +107,11 @@ def test_cpu_buffer_refuses_a_config(tmp_path, one_rank_group):
         Buffer(one_rank_group, bundle, backend="cpu", config={"warps": 4})
     with pytest.raises(ValueError, match="config"):
         Buffer(one_rank_group, bundle, config={"send_blocks": 8})  # the default backend is cpu
+    # an empty configuration asks for nothing, so every backend takes it (a worker passing {} where
+    # it has no setting to give ran the cuda bundles and failed on every other backend's): the
+    # Buffer gets past the config to the next check, this 2-rank bundle in a group of 1
+    with pytest.raises(ValueError, match=r"was compiled for 2 ranks \(t\), but the group has 1"):
+        Buffer(one_rank_group, bundle, backend="cpu", config={})
 
 
 def _cuda_only_args_worker(rank: int, bundle: str, store: str, result_dir: str) -> None:
