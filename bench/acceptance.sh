@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU targets' measurements on one GPU machine of 2, 4 or 8 GPUs, one phase per device call,
-# each within 10 minutes (estimates for 4 x H100 from the timings in results/; every long command
-# runs under `timeout`, so a hang costs its own bound, not the phase):
+# each within 10 minutes (every long command runs under `timeout`, so a hang costs its own bound, not
+# the phase).  The times below are the estimates it was planned with; measured on 4 x H200
+# (2026-11-27, ITERS=20, results/2026-11-27_4xH200.md): tests 3.0 min, tests-proxy 3.0, bench 1.1
+# (DeepEP built beforehand: ~3.5 min beside the tests on 64 cores), tuned 2.0, tokens 1.5,
+# multihop 1.6 -- three device calls held all six:
 #
 #   bench/acceptance.sh GPUS BUNDLES OUT tests        # ~5 min: tests/gpu/test_gpu.py, GPUS ranks (one GPU each):
 #                                                     #   direct, token-major and multi-hop bundles through Buffer,
