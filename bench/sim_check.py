@@ -398,15 +398,15 @@ def table(records: list[Record], tolerance: float, steps: bool, skipped: list | 
         if steps and r.row.split("@")[0] == "epcc" and r.steps:
             for s, (meas, sim) in r.steps.items():
                 lines.append(f"{'':40}{s:24} role end {meas:7.3f}  simulated {sim:7.3f}  {_pct(sim / meas - 1):>6}")
+    for k in skipped or []:
+        lines.append(f"SKIPPED {k.report} {k.bundle} {k.row} {k.program}: not simulated: {k.reason}")
     current = [r for r in records if not r.superseded]
     miss = [r for r in current if abs(r.error) > tolerance]
     lines.append(f"{len(current)} current records, {len(miss)} beyond {tolerance * 100:.0f} %; "
-                 f"{len(records) - len(current)} superseded (OLD: {', '.join(sorted(set(SUPERSEDED.values())))})")
+                 f"{len(records) - len(current)} superseded, {len(skipped or [])} skipped (OLD: {', '.join(sorted(set(SUPERSEDED.values())))})")
     for p, why in KERNEL_ONLY.items():
         if any(r.kernel_only and r.program == p for r in records):
             lines.append(f"KERNEL ({p}): the error is the kernel's: {why}")
-    for k in skipped or []:
-        lines.append(f"SKIPPED {k.report} {k.bundle} {k.row} {k.program}: not simulated: {k.reason}")
     return lines
 
 
