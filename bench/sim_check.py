@@ -6,7 +6,12 @@ the report carries the kernels' role timeline, the kernel's end beside the simul
 Rows `epcc@N` / `epcc_cached@N` (ep_bench --epcc-sms N: the direct kernels on N SMs, every block
 sending first and reducing first) are simulated with `--sms N`, the direct kernels' cached rows
 with `--cached` (no metadata); the token-major bundles (`--layout token`) as the token-major direct
-kernels (compiler/sim/token_major.py), with the same options.  The dispatch of a bundle with
+kernels (compiler/sim/token_major.py), with the same options.  A direct-kernel row whose report
+records the launch configuration it ran (per rank `config`: an `epcc tune` pick carried in the
+bundle's cuda/tuned.json) is simulated on that configuration's SMs per program, each program with
+`--sms N`, where `--sms N` reproduces it (every block sending first and reducing first, 16 warps);
+a configuration with dedicated replicating or reducing blocks, or fewer warps, is not one the model
+has: its records are skipped, with the reason printed.  The dispatch of a bundle with
 host-built tables is compared by its kernel alone (KERNEL_ONLY says why).
 
     .venv/bin/python bench/sim_check.py                        # every report in results/raw/
@@ -36,6 +41,7 @@ from epcc.cli.main import parser as epcc_parser  # noqa: E402
 from epcc.cli.options import pass_options  # noqa: E402
 from epcc.cli.simulate import simulation  # noqa: E402
 from epcc.diagnostics import CompileError, SourceMap  # noqa: E402
+from epcc.plan.direct import MAX_WARPS  # noqa: E402
 from epcc.sim.report import to_dict  # noqa: E402
 
 PROGRAMS = ("dispatch", "combine")
@@ -105,8 +111,9 @@ PER_BLOCK_PACING = ("the RDMA step's paced SM roles before they replayed one ser
                     "share of the rate from its own last publication, so the stream paid the chain of in-order "
                     "publications every round (h200x2_2vnode_50 on 2 x H200, 2026-11-27: 58.8 MB in 1.262 ms, 93 % "
                     "of the link) and landed chunks in bursts of one per block (keep_far ended 80 us after it).  "
-                    "Their combines' records that COPIED_ROWS leaves current (their paced role changed too) stay "
-                    "until re-timed: within 10 % of the model either way")
+                    "The combine's RDMA step is such a role too: its link ran at ~44 GB/s of 50 (h200x2_2vnode_50's "
+                    "combine rdma role 0.135-1.472 ms before, 0.138-1.313 after, the same device call, 2 x H200, "
+                    "2026-11-27), so its combines are superseded with its dispatches")
 EMULATED_RDMA_BEFORE = [("2026-11-26_2xH200_ep_bench_multihop.json", "h200x2_2vnode_50"),
                         ("2026-11-26_2xH200_ep_bench_multihop.json", "h200x2_2vnode_13"),
                         ("2026-11-26_4xH100_ep_bench_b.json", "h200x4_2vnode_50"),
@@ -117,8 +124,13 @@ EMULATED_RDMA_BEFORE = [("2026-11-26_2xH200_ep_bench_multihop.json", "h200x2_2vn
                         ("2026-11-27_4xH100_ep_bench_multihop.json", "h200x4_ubb2x2_50"),
                         *[(r, b) for r in ("2026-11-27_2xH200_ep_bench_multihop_zcopy.json",
                                            "2026-11-27_2xH100_ep_bench_multihop_metafused_before.json",
-                                           "2026-11-27_2xH100_ep_bench_multihop_metafused.json")
-                          for b in ("h200x2_2vnode_50", "h200x2_2vnode_13")]]
+                                           "2026-11-27_2xH100_ep_bench_multihop_metafused.json",
+                                           "2026-11-27_2xH200_ep_bench_multihop_paced_before.json")
+                          for b in ("h200x2_2vnode_50", "h200x2_2vnode_13")],
+                        # the 4 x H200 run before the change (its _proxy and _proxy_dev twins run the GPU proxy
+                        # path, which the change left as it was: they stay records)
+                        *[("2026-11-27_4xH200_ep_bench_multihop_before.json", b)
+                          for b in ("h200x4_2vnode_50", "h200x4_ubb2x2_50")]]
 
 # the dispatches with tables from the GPU timed before their metadata ran as one cooperative launch
 # (meta_fused, 2026-11-27), where the refit to it (sim/meta.py: 73 us for h200x2_2vnode_50 where the six
@@ -145,6 +157,7 @@ DISPATCHES_BEFORE_META_FUSED = [
 # row, program) -> why that one record does not
 SUPERSEDED = {
     **{(*key, "dispatch"): SERIAL_FLAGS for key in FRESH_128_BEFORE},
+    **{(*key, row, "combine"): PER_BLOCK_PACING for key in EMULATED_RDMA_BEFORE for row in ("epcc", "epcc_cached")},
     **{(*key, "combine"): COPIED_ROWS for key in COMBINES_BEFORE_CALLER_ROWS},
     **{(*key, "dispatch"): SIX_LAUNCHES for key in DISPATCHES_BEFORE_META_FUSED},
     **{(*key, row, "dispatch"): PER_BLOCK_PACING for key in EMULATED_RDMA_BEFORE for row in ("epcc", "epcc_cached")},
@@ -193,6 +206,37 @@ class Record:
         if self.kernel_ms and self.sim_kernel_ms is not None:
             return self.sim_kernel_ms / self.kernel_ms - 1.0
         return None
+
+
+@dataclass
+class Skipped:
+    """A record sim_check does not compare, and why (the model cannot run the row's configuration)."""
+
+    report: str
+    bundle: str
+    row: str
+    program: str
+    reason: str
+
+
+def configured_sms(config: dict | None, program: str) -> int | str | None:
+    """The SMs `epcc simulate --sms N` runs `program` of the direct kernels on to reproduce the launch
+    configuration a report recorded for its row (DirectConfig's fields, plan/direct.py): None without one;
+    a reason (str) where `--sms N` cannot reproduce it (every block of `--sms N` sends first and then
+    replicates, reduces first and then sums, with MAX_WARPS warps)."""
+    if not config:
+        return None
+    send, only = (("send_blocks", "recv_blocks") if program == "dispatch"
+                  else ("combine_send_blocks", "combine_reduce_blocks"))
+    if config.get(only):
+        what = "replicate" if program == "dispatch" else "sum partials"
+        return (f"its {program} ran {config[send]} + {config[only]} SMs, {config[only]} of them blocks that only "
+                f"{what} ({only}): epcc simulate --sms N runs every block {'sending' if program == 'dispatch' else 'reducing'} "
+                f"first, and the direct kernels' model has no dedicated blocks")
+    if program == "dispatch" and config.get("warps") != MAX_WARPS:
+        return (f"its dispatch ran {config.get('warps')} warps per block: epcc simulate --sms N runs {MAX_WARPS}, "
+                f"and the direct kernels' model has no warp count")
+    return int(config[send])
 
 
 class CheckError(Exception):
@@ -257,7 +301,7 @@ def _timeline(per_rank: list[dict], program: str) -> tuple[float | None, dict[st
     return (max(ends) if ends else None), roles
 
 
-def records_of(path: Path, out_dir: Path, cache: dict) -> list[Record]:
+def records_of(path: Path, out_dir: Path, cache: dict, skipped: list | None = None) -> list[Record]:
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
         bundle_list = report["bundles"]
@@ -273,19 +317,22 @@ def records_of(path: Path, out_dir: Path, cache: dict) -> list[Record]:
         if not groups:
             continue
         for sms, rows in groups.items():
-            out += _records(path.name, str(report.get("device", "?")), b, rows, sms, out_dir, cache)
+            out += _records(path.name, str(report.get("device", "?")), b, rows, sms, out_dir, cache,
+                            skipped if skipped is not None else [])
     return out
 
 
-def _records(report: str, device: str, b: dict, rows: list, sms: int | None, out_dir: Path, cache: dict) -> list:
-    """The records of bundle `b`'s epcc `rows` of one SM count."""
+def _records(report: str, device: str, b: dict, rows: list, sms: int | None, out_dir: Path, cache: dict,
+             skipped: list) -> list:
+    """The records of bundle `b`'s epcc `rows` of one SM count (`sms`: ep_bench --epcc-sms; None: the
+    bundle's own, or the configuration the row recorded); `skipped` gets the records not compared."""
     name, wl = b["name"], b.get("workload") or {}
     tokens = wl.get("tokens")
 
-    def simulated(cached: bool) -> dict:
-        key = (name, tokens, sms, cached)
+    def simulated(cached: bool, n: int | None = sms) -> dict:
+        key = (name, tokens, n, cached)
         if key not in cache:
-            cache[key] = simulate_bundle(name, tokens, out_dir, sms, cached)
+            cache[key] = simulate_bundle(name, tokens, out_dir, n, cached)
         return cache[key]
 
     fresh = simulated(False)
@@ -297,9 +344,20 @@ def _records(report: str, device: str, b: dict, rows: list, sms: int | None, out
     host = host_tables(name, out_dir)
     out = []
     for row, m in rows:
-        sim = simulated(True) if direct and row.startswith("epcc_cached") else fresh
-        sim_steps = {p: {s["name"]: s["end_ms"] for s in sim["steps"] if s["program"] == p} for p in PROGRAMS}
+        config = next((r.get("config") for r in m.get("per_rank", []) if r.get("config")), None)
         for p in PROGRAMS:
+            n = sms
+            if direct and sms is None and config:  # the row's own configuration (an `epcc tune` pick)
+                n = configured_sms(config, p)
+                if isinstance(n, str):
+                    if p in m["summary"]:
+                        skipped.append(Skipped(report, name, row, p, n))
+                    continue
+                if n == fresh["model"]["sm"].get("sms", {}).get(p):
+                    n = None
+            cached = direct and row.startswith("epcc_cached")
+            sim = simulated(cached, n) if (cached or n != sms) else fresh
+            sim_steps = {p: {s["name"]: s["end_ms"] for s in sim["steps"] if s["program"] == p} for p in PROGRAMS}
             if p not in m["summary"] or p not in sim["programs"]:
                 continue
             prog = sim["programs"][p]
@@ -316,17 +374,18 @@ def _records(report: str, device: str, b: dict, rows: list, sms: int | None, out
     return out
 
 
-def collect(paths: list[Path]) -> list[Record]:
+def collect(paths: list[Path], skipped: list | None = None) -> list[Record]:
+    """The records of every report in `paths`; `skipped` (where given) gets those not compared (Skipped)."""
     cache: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        return [r for p in paths for r in records_of(p, Path(tmp), cache)]
+        return [r for p in paths for r in records_of(p, Path(tmp), cache, skipped)]
 
 
 def _pct(x: float | None) -> str:
     return "" if x is None else f"{x * 100:+.0f} %"
 
 
-def table(records: list[Record], tolerance: float, steps: bool) -> list[str]:
+def table(records: list[Record], tolerance: float, steps: bool, skipped: list | None = None) -> list[str]:
     head = (f"{'report':38} {'bundle':18} {'row':11} {'program':8} {'dtype':5} {'tokens':>6} {'measured':>9} "
             f"{'predicted':>9} {'error':>6}  {'kernel':>7} {'sim':>7} {'error':>6}")
     lines = [head, "-" * len(head)]
@@ -339,10 +398,12 @@ def table(records: list[Record], tolerance: float, steps: bool) -> list[str]:
         if steps and r.row.split("@")[0] == "epcc" and r.steps:
             for s, (meas, sim) in r.steps.items():
                 lines.append(f"{'':40}{s:24} role end {meas:7.3f}  simulated {sim:7.3f}  {_pct(sim / meas - 1):>6}")
+    for k in skipped or []:
+        lines.append(f"SKIPPED {k.report} {k.bundle} {k.row} {k.program}: not simulated: {k.reason}")
     current = [r for r in records if not r.superseded]
     miss = [r for r in current if abs(r.error) > tolerance]
     lines.append(f"{len(current)} current records, {len(miss)} beyond {tolerance * 100:.0f} %; "
-                 f"{len(records) - len(current)} superseded (OLD: {', '.join(sorted(set(SUPERSEDED.values())))})")
+                 f"{len(records) - len(current)} superseded, {len(skipped or [])} skipped (OLD: {', '.join(sorted(set(SUPERSEDED.values())))})")
     for p, why in KERNEL_ONLY.items():
         if any(r.kernel_only and r.program == p for r in records):
             lines.append(f"KERNEL ({p}): the error is the kernel's: {why}")
@@ -358,17 +419,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strict", action="store_true", help="exit 1 where a current record misses")
     args = ap.parse_args(argv)
     paths = args.reports or sorted((ROOT / "results" / "raw").glob("*.json"))
+    skipped: list[Skipped] = []
     try:
-        records = collect(paths)
+        records = collect(paths, skipped)
     except CheckError as e:
         print(f"sim_check: error: {e}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps({"tolerance": args.tolerance,
-                          "records": [{**asdict(r), "error": r.error, "kernel_error": r.kernel_error} for r in records]},
-                         indent=1))
+                          "records": [{**asdict(r), "error": r.error, "kernel_error": r.kernel_error} for r in records],
+                          "skipped": [asdict(k) for k in skipped]}, indent=1))
     else:
-        print("\n".join(table(records, args.tolerance, args.steps)))
+        print("\n".join(table(records, args.tolerance, args.steps, skipped)))
     bad = [r for r in records if not r.superseded and abs(r.error) > args.tolerance]
     return 1 if args.strict and bad else 0
 

@@ -23,8 +23,11 @@ GATHER_ROWS = 4  # expert rows of one token a combine warp adds in registers bef
 # (ep_bench role timelines, results/2026-11-26_4xH100_b.md): h200x4_ubb2x2_50's three weighted
 # gather roles (72 SMs) added 426 MB of fp32 in 1.02-1.10 ms, h200x4_2vnode_50's keep, keep_far
 # and the peer's intra and fwd 425 MB in 1.00 ms: 400 GB/s, where 72 SMs at the per-SM rate
-# alone would add 3x faster.  Not binding at 2 ranks (8 + 8 SMs: 190 GB/s).
-RED_BPS = 400e9
+# alone would add 3x faster.  Not binding at 2 ranks (8 + 8 SMs: 190 GB/s).  Refitted 2026-11-27 on the
+# 4 x H200 and 4 x H100 role timelines of the day (ep_bench, results/raw/2026-11-27_4xH*_ep_bench_multihop*.json):
+# h200x4_2vnode_50's keep, keep_far and the peer's intra and fwd end at 0.99-1.00 ms, 425 MB (425-430 GB/s);
+# h200x4_ubb2x2_50's three gathers and the twin's near_twin and far_twin 640 MB by 1.31 ms (490 GB/s).
+RED_BPS = 450e9
 # What a peer link carries when the GPU at its far end does nothing while the rows land (the token-major
 # dispatch, sim/token_major.py), against what the shipped schedules declare as the link's rate.  NVLink4
 # (NV18, 450 GB/s per GPU per direction), two measurements of one link:

@@ -194,9 +194,9 @@ def test_paced_sm_roles_expose_one_latency():
 def test_the_sm_line_reaches_the_ir_and_the_plan_and_survives_plan_json():
     built = build_plan(str(REPO / "schedules" / "h200x2_2vnode.sched"))
     plan = built.plan
-    assert plan.sm_rates == {"copy": 44 * GB, "reduce": 23 * GB, "add": 12 * GB}
+    assert plan.sm_rates == {"copy": 44 * GB, "reduce": 26 * GB, "add": 12 * GB}
     text = str(built.compilation.module)
-    assert "epcc.sm_rates_Bps = {add = 1.200000e+10 : f64, copy = 4.400000e+10 : f64, reduce = 2.300000e+10 : f64}" in text
+    assert "epcc.sm_rates_Bps = {add = 1.200000e+10 : f64, copy = 4.400000e+10 : f64, reduce = 2.600000e+10 : f64}" in text
     back = Plan.from_json(plan.to_json())
     assert back.sm_rates == plan.sm_rates
     aug = with_sm_terms(plan)
@@ -300,7 +300,7 @@ def test_reduce_is_bounded_by_its_atomics_where_a_token_has_few_rows():
     four = build_plan(str(REPO / "schedules" / "h200x4_2vnode.sched")).plan
     rows = rows_per_token(four)
     assert 2.2 < rows < 2.3  # top-8 of 256 over 4 ranks: 2 expected rows, given a hit
-    assert sm_rates(four) == four.sm_rates  # 12 x 2.2 = 26.6 GB/s: the declared 23 holds
+    assert sm_rates(four) == four.sm_rates  # 12 x 2.2 = 26.4 GB/s: the declared 26 holds
     # top-2 of 256 over 4 ranks: 1.14 rows per token, 12 x 1.14 = 13.7 GB/s: `add` binds
     sparse = copy.deepcopy(four)
     sparse.workload.topk = 2
@@ -385,8 +385,8 @@ def test_link_post_reaches_the_ir_and_the_plan():
 def test_link_atomics_reach_the_ir_and_the_plan_and_survive_plan_json():
     built = build_plan(str(REPO / "schedules" / "h200x4_2vnode.sched"))
     plan = built.plan
-    assert plan.atomics == {"nvlink": 180 * GB}
-    assert "epcc.atomics_Bps = {nvlink = 1.800000e+11 : f64}" in str(built.compilation.module)
+    assert plan.atomics == {"nvlink": 215 * GB}
+    assert "epcc.atomics_Bps = {nvlink = 2.150000e+11 : f64}" in str(built.compilation.module)
     back = Plan.from_json(plan.to_json())
     assert back.atomics == plan.atomics
     rows = {(s.program, s.name): s.rows for s in plan.steps}
