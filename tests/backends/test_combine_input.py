@@ -12,6 +12,7 @@ qualifies (sm_90a, as the GPU machine builds it)."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 from test_cuda_codegen import ALL, plan_of, small_case, source_of
@@ -79,8 +80,10 @@ def test_the_decision_matches_what_every_ranks_tables_read(name):
 
 def test_the_reason_names_the_step_and_its_line():
     m = codegen.generate(plan_of("h200x4_2vnode"), source_of("h200x4_2vnode")).manifest
+    text = Path(source_of("h200x4_2vnode")).read_text(encoding="utf-8")
+    line = text[:text.index('  step fwd "')].count("\n") + 1  # where the schedule declares the step
     assert m["combine_input"] == {"buffer": "output", "caller_rows": False,
-                                  "why": "combine step 'fwd' (line 98) reads output of rank 1 on rank 0 (over p2p)"}
+                                  "why": f"combine step 'fwd' (line {line}) reads output of rank 1 on rank 0 (over p2p)"}
 
 
 def test_a_step_writing_the_input_buffer_or_left_to_an_outside_proxy_refuses():

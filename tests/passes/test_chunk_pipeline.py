@@ -45,7 +45,7 @@ def test_a_depth_from_the_file_is_kept_and_the_chunk_fits_it(tmp_path):
 
 
 def test_without_sm_rates_the_latency_rule_holds(tmp_path):
-    text = _edit(SCHED, "  sm copy 44 GB/s, reduce 23 GB/s, add 12 GB/s\n", "")
+    text = _edit(SCHED, "  sm copy 44 GB/s, reduce 26 GB/s, add 12 GB/s\n", "")
     tokens, depth = _chunking(tmp_path, text)
     # LATENCY_FACTOR x latency x bandwidth = 16 x 5 us x 50 GB/s = 4 MB, in whole tokens
     assert (tokens, depth) == (-(-16 * 5e-6 * 50e9 // 14400), cp.DEFAULT_DEPTH) == (278, 3)

@@ -4,10 +4,10 @@
  *
  * RDMA steps of this plan (kernel role of kind 'proxy'; chunk size and queue depth from the
  * plan's chunk-pipeline pass, overridable at run time through the role descriptors):
- *   [0] dispatch.rdma  DSL line 92: RDMA once per target vnode to the same-index GPU
+ *   [0] dispatch.rdma  DSL line 95: RDMA once per target vnode to the same-index GPU
  *       link 'rdma' (rdma), 50 GB/s, latency 5 us;
  *       921600 bytes per post, queue depth 8; receiver: copy each landed row to its destination row (memcpy)
- *   [1] combine.rdma  DSL line 92: RDMA once per target vnode to the same-index GPU
+ *   [1] combine.rdma  DSL line 95: RDMA once per target vnode to the same-index GPU
  *       link 'rdma' (rdma), 50 GB/s, latency 5 us;
  *       1835008 bytes per post, queue depth 8; receiver: accumulate each landed partial into its destination (atomic float add); the fp32 partial travels as bf16 (rounded to nearest even by the sender), half the bytes, as on the GPU path
  *
@@ -126,7 +126,7 @@ typedef struct {
     uint32_t wire_shift; /* a row on the wire is src_row_bytes >> wire_shift bytes (1: fp32 packed as bf16) */
 } epcc_rdma_step_info;
 
-/* dispatch.rdma (DSL line 92): copy each landed row to its destination row (memcpy). */
+/* dispatch.rdma (DSL line 95): copy each landed row to its destination row (memcpy). */
 static void epcc_rdma_apply_dispatch__rdma(const epcc_rdma_recv_chan *c, uint64_t row_lo, uint64_t row_hi, const uint8_t *slot) {
     const uint64_t *dst_rows = (const uint64_t *)(uintptr_t)c->dst_rows;
     for (uint64_t k = row_lo; k < row_hi; k++) {
@@ -135,7 +135,7 @@ static void epcc_rdma_apply_dispatch__rdma(const epcc_rdma_recv_chan *c, uint64_
     }
 }
 
-/* combine.rdma (DSL line 92): accumulate each landed partial into its destination (atomic float add); the fp32 partial travels as bf16 (rounded to nearest even by the sender), half the bytes, as on the GPU path. */
+/* combine.rdma (DSL line 95): accumulate each landed partial into its destination (atomic float add); the fp32 partial travels as bf16 (rounded to nearest even by the sender), half the bytes, as on the GPU path. */
 static void epcc_rdma_apply_combine__rdma(const epcc_rdma_recv_chan *c, uint64_t row_lo, uint64_t row_hi, const uint8_t *slot) {
     const uint64_t *dst_rows = (const uint64_t *)(uintptr_t)c->dst_rows;
     for (uint64_t k = row_lo; k < row_hi; k++) {
@@ -145,8 +145,8 @@ static void epcc_rdma_apply_combine__rdma(const epcc_rdma_recv_chan *c, uint64_t
 }
 
 static const epcc_rdma_step_info epcc_rdma_steps[EPCC_RDMA_NUM_STEPS] = {
-    {"dispatch", "rdma", 92, 921600u, 8u, epcc_rdma_apply_dispatch__rdma, 0u},
-    {"combine", "rdma", 92, 1835008u, 8u, epcc_rdma_apply_combine__rdma, 1u},
+    {"dispatch", "rdma", 95, 921600u, 8u, epcc_rdma_apply_dispatch__rdma, 0u},
+    {"combine", "rdma", 95, 1835008u, 8u, epcc_rdma_apply_combine__rdma, 1u},
 };
 
 /* ---- engine state (allocated by epcc_rdma_engine_init) ---------------------------------- */
