@@ -10,7 +10,8 @@
 * emulate.py: a NumPy emulator of the table-driven CUDA kernels over the same table blobs the
   GPU reads (bench/ep_bench.py --dry-run, the tests);
 * ranks.py: processes joined as torchrun joins its workers, with every rank's own exit status
-  (torchrun's own is 1 whether a rank exited 1 or crashed).
+  (torchrun's own is 1 whether a rank exited 1 or crashed); `spawn_ranks`, a function per rank in
+  spawned processes under one deadline (the runtime tests' multi-process cases).
 
 Used by `epcc run`, bench/ and the tests; no engine imports it.
 """

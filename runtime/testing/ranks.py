@@ -68,4 +68,25 @@ def run_ranks(cmd: list[str], ranks: int, *, env: dict[str, str] | None = None, 
     return results
 
 
-__all__ = ["RankResult", "run_ranks"]
+def spawn_ranks(target, args_of, ranks: int, *, timeout_s: float = 120.0, daemon: bool = False) -> list[int]:
+    """Run `target(*args_of(r))` for r in range(ranks), each in a process of its own (the spawn start
+    method: no state inherited from the test's process), and wait for all of them until one shared
+    deadline `timeout_s` from now; those still running then are killed.  The ranks that were (an
+    empty list when every one ended in time): what each rank found goes where `target` writes it."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=tuple(args_of(r)), daemon=daemon) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join()
+    return hung
+
+
+__all__ = ["RankResult", "run_ranks", "spawn_ranks"]

@@ -26,12 +26,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from epcc.plan.bundle import load  # noqa: E402
 from epcc.runtime.buffer import Buffer, GroupError  # noqa: E402
 from epcc.runtime.engines import agree, cpu_procs  # noqa: E402
 from epcc.runtime.engines.cpu import engine as cpu_engine  # noqa: E402
+from epcc.runtime.testing.ranks import spawn_ranks  # noqa: E402
 from epcc.runtime.layout import compute_layout  # noqa: E402
 
 from test_buffer import ONE_HOP, compile_bundle  # noqa: E402
@@ -148,17 +148,8 @@ def _spawn(tmp_path: Path, case: str, sched: str, ranks: int = 2) -> list[dict |
     out = tmp_path / "results"
     out.mkdir()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, ranks, port, str(bundle), case, str(out)), daemon=True)
-             for r in range(ranks)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 120
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
+    spawn_ranks(_worker, lambda r: (r, ranks, port, str(bundle), case, str(out)), ranks, timeout_s=120, daemon=True)
     return [json.loads(f.read_text()) if (f := out / f"rank{r}.json").exists() else None for r in range(ranks)]
 
 

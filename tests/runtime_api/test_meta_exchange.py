@@ -29,6 +29,7 @@ from epcc.runtime.engines.base import GroupError
 from epcc.runtime.engines.cuda_table.exchange import (READ_S, Exchange, ExchangeTimeout, ExchangeWatch,
                                                       all_gather_slots, area_regions)
 from epcc.runtime.engines.gpu_proxy.watch import Watches, WatchFailed, wait_watched
+from epcc.runtime.testing.ranks import spawn_ranks
 
 T, K, E = 24, 4, 32
 GARBAGE = 0x5A  # what the other ranks' slots and the bytes outside the regions start as
@@ -179,18 +180,8 @@ def test_a_rank_that_skips_the_exchange_is_named_within_the_bound(tmp_path, num_
     group, torch's timeout the Buffer's) ends at the bound, and the agreement names rank 1, the
     bundle and the step on both ranks; never torch's 30-minute gloo timeout.  With a subgroup, the
     rank outside it takes no part in making the exchange's group."""
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_skipper, args=(r, num_ranks, members, str(tmp_path / "store"), str(tmp_path)))
-             for r in range(num_ranks)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 120
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    hung = spawn_ranks(_skipper, lambda r: (r, num_ranks, members, str(tmp_path / "store"), str(tmp_path)),
+                       num_ranks, timeout_s=120)
     assert not hung, f"ranks {hung} still waiting after 120 s"
     res = {r: json.loads((tmp_path / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(num_ranks)}
     assert all(res[r]["status"] == "ok" for r in members), res
