@@ -739,8 +739,7 @@ def combine_input(plan: Plan, kernel, not_lowered: list[dict]) -> dict:
         return entry(False, "the plan has no combine kernel")
     proxied = {("combine", r.step) for r in kernel.roles if r.lowered in ("rdma-pack", "rdma-unpack")}
     outside = [n["step"] for n in not_lowered if n["program"] == "combine" and n.get("kind") == "rdma"
-               and COMBINE_INPUT in next((s.src_buffers for s in plan.steps
-                                          if s.program == "combine" and s.name == n["step"]), ())]
+               and COMBINE_INPUT in plan.step(n["step"], "combine").src_buffers]
     if outside:
         return entry(False, f"combine step '{outside[0]}' is left to a proxy outside the kernels, which reads "
                             f"{COMBINE_INPUT} itself")
@@ -801,7 +800,7 @@ def device_metadata(plan: Plan, manifest: dict, target: Target = CUDA) -> dict:
     ipc = exchange["exchange"] == "ipc"
     signal = ["gather_signal_wait"] if ipc else []
     steps = ["meta_count", "meta_scan", "meta_rows", "meta_items"]
-    fused = target.name == CUDA.name
+    fused = target.residency == "cooperative"  # one launch needs every block resident at once
     launches = (["meta_fused"] if ipc else ["gather_copy", "meta_fused"]) if fused else ["gather_copy", *signal, *steps]
     return {"lowering": "device", **exchange,
             "kernels": [*(["meta_fused"] if fused else []), "gather_copy", *signal, *steps, "zero_partials"],

@@ -487,3 +487,32 @@ def test_a_cpu_buffer_left_open_is_released_at_exit(tmp_path):
     assert len(sessions) == 1
     assert not list(Path("/dev/shm").glob(f"epcc-{sessions.pop()}-*"))
 
+
+
+class _Exchange:
+    """The collective exchange as release_locally sees it: its abort and the join of its thread."""
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def abort(self):
+        self.events.append("abort")
+
+    def join(self, timeout_s=None):
+        self.events.append("join")
+        return True
+
+
+@pytest.mark.parametrize("state", ["ready", "failed"])
+def test_the_exchange_made_before_a_failed_metadata_is_aborted_and_joined_before_anything_goes(state):
+    """The engine holds the exchange from its making on: a construction that fails after it, in the
+    metadata (no DeviceMeta to reach it through), and a failed Buffer at exit (its memory kept) still
+    abort the exchange's group and join the abort's thread, after the proxies stop and before any
+    memory is released."""
+    lib, events = _Launcher(), []
+    eng = _open_table_engine(lib, events, state)
+    eng.meta, eng.exchange, eng.timeout_s = None, _Exchange(events), 1.0
+    everything = set(lib.live)
+    eng.release_at_exit()
+    assert events == [("stopped", 1, everything), "abort", "join"]
+    assert (lib.live == set()) == (state == "ready")

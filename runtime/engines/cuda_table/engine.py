@@ -214,13 +214,13 @@ class CudaTableEngine:
             self.own[p] = [self._malloc(dev, max(n, 1), f"a {p} buffer") for n in self._sizes(p, cap)]
             handles[p] = [self.lib.ipc_handle(q) for q in self.own[p]]
         self.meta = None
+        self.exchange = None  # the collective exchange: the engine's own, from here on (release_locally)
         if self.on_device:
-            exchange = None
             if manifest["metadata"].get("exchange") == "collective":  # its own group: a collective of every rank
                 self.agree.barrier("the metadata exchange's process group")
-                exchange = Exchange(self.group, timeout_s, bundle.path.name, self.device)
+                self.exchange = Exchange(self.group, timeout_s, bundle.path.name, self.device)
             self.meta = DeviceMeta(self.lib.lib, manifest, plan, segment_program(plan), self.rank, self.device,
-                                   timeout_s, error_on_device=self.ERROR_ON_DEVICE, exchange=exchange)
+                                   timeout_s, error_on_device=self.ERROR_ON_DEVICE, exchange=self.exchange)
             if not self.meta.collective:  # the peers write their routing into it over CUDA IPC
                 self.area = self._malloc(dev, self.meta.area_bytes, "the metadata's gather area")
                 handles["area"] = self.lib.ipc_handle(self.area)
@@ -374,8 +374,8 @@ class CudaTableEngine:
         this rank waits for a peer any more."""
         for eng in self.rdma:
             eng.abort_proxy()
-        if self.meta is not None and self.meta.exchange is not None:
-            self.meta.exchange.abort()
+        if self.exchange is not None:
+            self.exchange.abort()
 
     def _watches(self) -> list[Watch]:
         """What the host looks at while it waits for a launch: the proxy path's proxies, the
@@ -383,8 +383,8 @@ class CudaTableEngine:
         watches: list[Watch] = []
         if self.rdma:
             watches.append(ProxyWatch(self.rdma, self.timeout_s * STALL_FRACTION))
-        if self.meta is not None and self.meta.exchange is not None:
-            watches.append(self.meta.exchange.watch())
+        if self.exchange is not None:
+            watches.append(self.exchange.watch())
         return watches
 
     def _finish(self, stream: int) -> None:
@@ -674,7 +674,7 @@ class CudaTableEngine:
         if self.ctx is None:
             return
         untrack(self)
-        exchange = self.meta.exchange if self.meta is not None else None
+        exchange = self.exchange
         with released_on_failure(self.release_locally):  # a peer failed meanwhile: released here alone
             if self.agree.state == "ready":
                 with self.agree.call("close", numbered=False):
@@ -694,17 +694,18 @@ class CudaTableEngine:
         """Release everything on this rank alone, without meeting the peers (a failed construction,
         a failed Buffer's close, the interpreter's exit): the proxy threads stopped first (one that
         does not stop keeps what it may touch), then what they and the launcher allocated and
-        mapped, last acquired first; with `keep_memory` the threads are only stopped.  Returns what
-        could not be released."""
-        if keep_memory:
-            failures = stop_proxies(self.rdma)
-        else:
-            failures = close_proxies(self.rdma, collective=False)
-            meta = getattr(self, "meta", None)  # None too where the construction failed before it
-            exchange = meta.exchange if meta is not None else None
-            if exchange is not None:  # a failed Buffer's, on this rank alone (after close(): nothing left)
-                exchange.abort()
-                exchange.join(backstop_s(self.timeout_s))  # its abort (begun here or at the failure) before the buffers go
+        mapped, last acquired first; with `keep_memory` the threads are only stopped (and the
+        exchange aborted).  Returns what could not be released."""
+        failures = stop_proxies(self.rdma) if keep_memory else close_proxies(self.rdma, collective=False)
+        # the exchange's group (None where the construction failed before it; made before the metadata,
+        # so one that failed after it has the group and no DeviceMeta): aborted on this rank alone (after
+        # close(): nothing left), its abort thread (begun here or at the failure) joined, memory kept or
+        # not, so no thread of it is inside NCCL when the buffers go or the interpreter ends
+        exchange = getattr(self, "exchange", None)
+        if exchange is not None:
+            exchange.abort()
+            exchange.join(backstop_s(self.timeout_s))
+        if not keep_memory:
             failures += self.held.release()
             self.opened, self.own, self.ctx = [], {}, None
         self.rdma = []
