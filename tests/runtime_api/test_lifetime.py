@@ -43,6 +43,7 @@ from epcc.runtime.engines.base import GroupError  # noqa: E402
 from epcc.runtime.engines.cuda_direct import engine as direct  # noqa: E402
 from epcc.runtime.engines.cuda_direct.library import DirectRuntimeError  # noqa: E402
 from epcc.runtime.engines.cuda_table import engine as table  # noqa: E402
+from epcc.runtime.engines.cuda_table.exchange import ExchangeTimeout  # noqa: E402
 from epcc.runtime.engines.cuda_table.launcher import CudaError  # noqa: E402
 from epcc.runtime.engines.gpu_proxy import engine as gpu_engine  # noqa: E402
 from epcc.runtime.testing.ranks import run_ranks  # noqa: E402
@@ -516,3 +517,35 @@ def test_the_exchange_made_before_a_failed_metadata_is_aborted_and_joined_before
     eng.release_at_exit()
     assert events == [("stopped", 1, everything), "abort", "join"]
     assert (lib.live == set()) == (state == "ready")
+
+
+def test_an_exchange_timeout_in_a_dispatch_is_posted_as_it_is_and_aborts_the_exchange(monkeypatch):
+    """The exchange's own timeout (gloo's all-gather ending at the bound inside the metadata's run)
+    goes to the group as it is, with what a rank that never answers did not do (`lost_why`), and
+    this rank's exchange group is aborted, as every other launch failure of the engine is."""
+    posted, events = [], []
+
+    class Agree:
+        def heed(self):
+            pass
+
+        def fail(self, report):
+            posted.append(report)
+            raise RuntimeError("failed")
+
+    class Meta:
+        def run(self, *args):
+            raise ExchangeTimeout("b", 0, "did not complete (5.0 s)")
+
+        def failure(self):
+            return None
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: 0)
+    eng = table.CudaTableEngine.__new__(table.CudaTableEngine)
+    eng.agree, eng.meta, eng.rdma, eng.exchange, eng.device = Agree(), Meta(), [], _Exchange(events), None
+    monkeypatch.setattr(eng, "_stream", lambda: 0)
+    with pytest.raises(RuntimeError, match="^failed$"):
+        eng._dispatch_device(None, 0, None, None, True, 1)
+    assert len(posted) == 1 and isinstance(posted[0], ExchangeTimeout)
+    assert posted[0].lost_why.startswith("it did not come to the metadata exchange of bundle 'b'")
+    assert events == ["abort"]

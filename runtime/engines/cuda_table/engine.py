@@ -506,8 +506,8 @@ class CudaTableEngine:
             if T:
                 self.input_view[:T].copy_(rows)
             self.ctx.launch_dispatch(stream)
-        except (CudaError, KernelTimeout, EngineError) as e:
-            self.agree.fail(self._report(e))
+        except (CudaError, KernelTimeout, EngineError) as e:  # the exchange's own timeout too (ExchangeTimeout)
+            self._fail_launch(e)
         self.dispatches += 1
         m = self.meta
         if not sync:
