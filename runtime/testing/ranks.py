@@ -47,10 +47,16 @@ def run_ranks(cmd: list[str], ranks: int, *, env: dict[str, str] | None = None, 
     with tempfile.TemporaryDirectory(prefix="epcc-ranks-") as tmp:
         logs = [Path(tmp) / f"rank{r}.log" for r in range(ranks)]
         procs = []
-        for r in range(ranks):
-            with open(logs[r], "wb") as out:  # a file, not a pipe: a rank never blocks on its output
-                procs.append(subprocess.Popen(cmd, cwd=cwd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
-                                              stdout=out, stderr=subprocess.STDOUT))
+        try:
+            for r in range(ranks):
+                with open(logs[r], "wb") as out:  # a file, not a pipe: a rank never blocks on its output
+                    procs.append(subprocess.Popen(cmd, cwd=cwd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)),
+                                                  stdout=out, stderr=subprocess.STDOUT))
+        except BaseException:  # a rank that could not start: the ones started do not run on alone
+            for p in procs:
+                p.kill()
+                p.wait()
+            raise
         deadline = time.monotonic() + timeout_s
         codes: list[int | None] = []
         for p in procs:
