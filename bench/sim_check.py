@@ -101,9 +101,9 @@ COMBINES_BEFORE_CALLER_ROWS = [
     ("2026-11-27_4xH100_ep_bench_multihop.json", "h200x4_ubb2x2_50_proxy", "epcc"),
     ("2026-11-27_4xH100_ep_bench_multihop.json", "h200x4_ubb2x2_50_proxy", "epcc_cached"),
 ]
-# the dispatches of those runs stay records: the metadata's refit after meta_rows read meta_count's
-# records (sim/meta.py, 2026-11-27) moved their predictions by 7-9 us, under 1 % of the call, except
-# where their RDMA step ran as paced SM roles (PER_BLOCK_PACING)
+# those runs' dispatches are not superseded by this: the metadata's refit after meta_rows read
+# meta_count's records (sim/meta.py, 2026-11-27) moved their predictions by 7-9 us, under 1 % of the
+# call (most are superseded for another reason: SIX_LAUNCHES, PER_BLOCK_PACING)
 
 # the dispatches of bundles whose RDMA steps run as paced SM roles (rdma="emulate"), timed while each
 # block kept to a share of the link (device.cu.j2 PacedLink since)
@@ -136,7 +136,8 @@ EMULATED_RDMA_BEFORE = [("2026-11-26_2xH200_ep_bench_multihop.json", "h200x2_2vn
 # (meta_fused, 2026-11-27), where the refit to it (sim/meta.py: 73 us for h200x2_2vnode_50 where the six
 # launches were charged 113) moved the prediction by 40-55 us, 3 % of the call: 2 x H100 the same day, one
 # device call, bench/meta_time.py: 91.2 -> 68.2 us per dispatch, the dispatch 1.536 -> 1.527 ms.  The
-# 13 GB/s bundle's dispatches (the same 40 us, under 1 % of its 4.8 ms) stay records
+# 13 GB/s bundle's dispatches (the same 40 us, under 1 % of its 4.8 ms) are not superseded by this (they
+# are by PER_BLOCK_PACING, their RDMA step being paced SM roles)
 SIX_LAUNCHES = ("the dispatch before its metadata ran as one cooperative launch (six launches: gather_copy, the flag "
                 "wait, count, scan, rows, items; 91.2 us per dispatch on 2 x H100 where meta_fused takes 68.2, the "
                 "same device call, 2026-11-27; the model now charges the one launch)")
@@ -153,28 +154,41 @@ DISPATCHES_BEFORE_META_FUSED = [
       for row in ("epcc", "epcc_cached")],
 ]
 
+def _reasons(*groups: tuple) -> dict[tuple, tuple[str, ...]]:
+    """(keys, why) groups as one table: key -> every reason given for it, in the order given (a record
+    that predates two changes keeps both)."""
+    table: dict[tuple, list[str]] = {}
+    for keys, why in groups:
+        for key in keys:
+            whys = table.setdefault(key, [])
+            if why not in whys:
+                whys.append(why)
+    return {key: tuple(whys) for key, whys in table.items()}
+
+
+ROWS = ("epcc", "epcc_cached")
 # (report file name, bundle) -> why its epcc rows do not time the code as it is now; (report, bundle,
 # row, program) -> why that one record does not
-SUPERSEDED = {
-    **{(*key, "dispatch"): SERIAL_FLAGS for key in FRESH_128_BEFORE},
-    **{(*key, row, "combine"): PER_BLOCK_PACING for key in EMULATED_RDMA_BEFORE for row in ("epcc", "epcc_cached")},
-    **{(*key, "combine"): COPIED_ROWS for key in COMBINES_BEFORE_CALLER_ROWS},
-    **{(*key, "dispatch"): SIX_LAUNCHES for key in DISPATCHES_BEFORE_META_FUSED},
-    **{(*key, row, "dispatch"): PER_BLOCK_PACING for key in EMULATED_RDMA_BEFORE for row in ("epcc", "epcc_cached")},
-    ("2026-11-26_2xH100_ep_bench_76c2fc7.json", "h200x2_2vnode_50"):
-        "the bench before the one-way-layers restructure: the host layout and the inputs outside the timing",
-    ("2026-11-26_2xH100_ep_bench.json", "h200x2_2vnode_50"):
-        "the combine then copied the whole receive buffer in (since: only the rows received)",
-    ("2026-11-26_2xH100_ep_bench.json", "h200x2_2vnode_13"):
-        "the combine then copied the whole receive buffer in (since: only the rows received)",
-    ("2026-11-26_4xH100_ep_bench.json", "h200x4_2vnode_50"):
-        "the combine then copied the whole receive buffer in, the metadata before its rework (eleven launches)",
-}
+SUPERSEDED = _reasons(
+    ([(*key, "dispatch") for key in FRESH_128_BEFORE], SERIAL_FLAGS),
+    ([(*key, "combine") for key in COMBINES_BEFORE_CALLER_ROWS], COPIED_ROWS),
+    ([(*key, "dispatch") for key in DISPATCHES_BEFORE_META_FUSED], SIX_LAUNCHES),
+    ([(*key, row, p) for key in EMULATED_RDMA_BEFORE for row in ROWS for p in ("dispatch", "combine")],
+     PER_BLOCK_PACING),
+    ([("2026-11-26_2xH100_ep_bench_76c2fc7.json", "h200x2_2vnode_50")],
+     "the bench before the one-way-layers restructure: the host layout and the inputs outside the timing"),
+    ([("2026-11-26_2xH100_ep_bench.json", "h200x2_2vnode_50"), ("2026-11-26_2xH100_ep_bench.json", "h200x2_2vnode_13")],
+     "the combine then copied the whole receive buffer in (since: only the rows received)"),
+    ([("2026-11-26_4xH100_ep_bench.json", "h200x4_2vnode_50")],
+     "the combine then copied the whole receive buffer in, the metadata before its rework (eleven launches)"),
+)
 
 
 def superseded(report: str, bundle: str, row: str, program: str) -> str | None:
-    """Why a record does not time the code as it is now (SUPERSEDED: the bundle's rows, or this one)."""
-    return SUPERSEDED.get((report, bundle, row, program)) or SUPERSEDED.get((report, bundle))
+    """Why a record does not time the code as it is now (SUPERSEDED: this one's reasons, then its bundle's
+    rows'), every reason that applies; None where none does."""
+    whys = SUPERSEDED.get((report, bundle, row, program), ()) + SUPERSEDED.get((report, bundle), ())
+    return "; ".join(whys) or None
 
 
 @dataclass
@@ -403,7 +417,9 @@ def table(records: list[Record], tolerance: float, steps: bool, skipped: list | 
     current = [r for r in records if not r.superseded]
     miss = [r for r in current if abs(r.error) > tolerance]
     lines.append(f"{len(current)} current records, {len(miss)} beyond {tolerance * 100:.0f} %; "
-                 f"{len(records) - len(current)} superseded, {len(skipped or [])} skipped (OLD: {', '.join(sorted(set(SUPERSEDED.values())))})")
+                 f"{len(records) - len(current)} superseded, {len(skipped or [])} skipped"
+                 + (f" (OLD: {', '.join(sorted({r.superseded for r in records if r.superseded}))})"
+                    if len(records) > len(current) else ""))
     for p, why in KERNEL_ONLY.items():
         if any(r.kernel_only and r.program == p for r in records):
             lines.append(f"KERNEL ({p}): the error is the kernel's: {why}")

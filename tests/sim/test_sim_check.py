@@ -552,10 +552,24 @@ def test_tuned_rows_run_their_own_configuration_or_are_skipped_for_it(sim_check,
     assert {(k.bundle, k.row, k.program) for k in skipped} == {
         (b, row, p) for b in ("h200x4", "h200x4_fp8") for row in ("epcc", "epcc_cached") for p in ("dispatch", "combine")}
     for k in skipped:
-        assert ("27 of them blocks that only replicate" if k.program == "dispatch"
-                else "11 of them blocks that only sum partials") in k.reason, k.reason
+        assert k.reason == ("its dispatch ran 37 + 27 SMs, 27 of them blocks that only replicate (recv_blocks): epcc "
+                            "simulate --sms N runs every block sending first, and the direct kernels' model has no "
+                            "dedicated blocks" if k.program == "dispatch" else
+                            "its combine ran 21 + 11 SMs, 11 of them blocks that only sum partials "
+                            "(combine_reduce_blocks): epcc simulate --sms N runs every block reducing first, and the "
+                            "direct kernels' model has no dedicated blocks"), k.reason
     # the configuration alone decides: every block first, 16 warps, is simulated; anything else is not
     cfg = {"send_blocks": 37, "recv_blocks": 0, "warps": 16, "combine_send_blocks": 21, "combine_reduce_blocks": 0}
     assert (sim_check.configured_sms(cfg, "dispatch"), sim_check.configured_sms(cfg, "combine")) == (37, 21)
-    assert "warps" in sim_check.configured_sms({**cfg, "warps": 8}, "dispatch")
+    assert sim_check.configured_sms({**cfg, "warps": 8}, "dispatch") == (
+        "its dispatch ran 8 warps per block: epcc simulate --sms N runs 16, and the direct kernels' model has no "
+        "warp count")
     assert sim_check.configured_sms(None, "dispatch") is None
+
+
+def test_a_record_that_predates_two_changes_gives_both(sim_check):
+    """The reasons are gathered, not overwritten in the order the table was written: the 2 x H100
+    dispatch timed before meta_fused and before the paced roles gives both."""
+    why = sim_check.superseded("2026-11-27_2xH100_ep_bench_multihop.json", "h200x2_2vnode_50", "epcc", "dispatch")
+    assert why == f"{sim_check.SIX_LAUNCHES}; {sim_check.PER_BLOCK_PACING}"
+    assert sim_check.superseded("2026-11-27_4xH200_ep_bench.json", "h200x4", "epcc", "dispatch") is None
