@@ -91,12 +91,13 @@ def test_a_step_writing_the_input_buffer_or_left_to_an_outside_proxy_refuses():
     assert foreign_reads(plan, "combine", "output", set()) is None
     kernel = next(k for k in codegen.generate(plan, source_of("h200x2_2vnode")).kernels if k.program == "combine")
     outside = codegen.combine_input(plan, kernel, [{"program": "combine", "step": "keep", "kind": "rdma"}])
-    assert not outside["caller_rows"] and "left to a proxy outside the kernels" in outside["why"]
-    assert codegen.combine_input(plan, None, [])["caller_rows"] is False
+    assert not outside["caller_rows"]
+    assert outside["why"] == "combine step 'keep' is left to a proxy outside the kernels, which reads output itself"
+    assert codegen.combine_input(plan, None, []) == {"buffer": "output", "caller_rows": False,
+                                                     "why": "the plan has no combine kernel"}
     step = next(s for s in plan.steps if s.program == "combine" and s.name == "keep")
     step.dst_buffer = "output"
-    assert foreign_reads(plan, "combine", "output", set()).startswith("combine step 'keep'")
-    assert "writes output" in foreign_reads(plan, "combine", "output", set())
+    assert foreign_reads(plan, "combine", "output", set()) == f"combine step 'keep' (line {step.line}) writes output"
 
 
 def test_a_proxied_step_reads_on_its_sender():
@@ -105,7 +106,8 @@ def test_a_proxied_step_reads_on_its_sender():
     plan = copy.deepcopy(plan_of("h200x2_2vnode"))
     rdma = next(s for s in plan.steps if s.program == "combine" and s.name == "rdma")
     rdma.src_buffers = ("output",)
-    assert "step 'rdma'" in foreign_reads(plan, "combine", "output", set())
+    assert foreign_reads(plan, "combine", "output", set()) == (
+        f"combine step 'rdma' (line {rdma.line}) reads output of rank 1 on rank 0 (over rdma)")
     assert foreign_reads(plan, "combine", "output", {("combine", "rdma")}) is None
 
 

@@ -172,8 +172,8 @@ int launch_main(Context* c, int program, cudaStream_t stream, uint64_t caller_ro
     return fail(c, EPCC_RC_KERNEL, "an earlier launch failed: %s", format_error(*c->error_host).c_str());
   }
   if (caller_rows != 0 && (program != 1 || kCallerBuffer < 0)) {
-    return fail(c, EPCC_RC_USAGE, "%s: the kernel cannot read the caller's rows (a copy reads the combine's input "
-                "buffer of another rank: manifest combine_input)", info.name);
+    return fail(c, EPCC_RC_USAGE, "%s: this bundle's combine reads its input buffer, not the caller's rows (the "
+                "manifest's combine_input.why says which step forbids it)", info.name);
   }
   for (const uint64_t u : p.used) {
     // tables the GPU writes may name any buffer of any rank; those of a rank not mapped here
