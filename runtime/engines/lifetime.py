@@ -37,8 +37,7 @@ import gc
 import itertools
 import sys
 import traceback
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 
 class Held:
@@ -92,20 +91,26 @@ def note(error: BaseException, text: str) -> None:
         print(f"epcc: {text}", file=sys.stderr)
 
 
-@contextmanager
-def released_on_failure(release: Callable[[], list[str]] | None = None) -> Iterator[None]:
+class released_on_failure:  # noqa: N801 (used as a context manager, as the function it replaced)
     """Around a call of the runtime's API: an error leaving it first runs `release` (what the call
     acquired, in reverse order; its failures are noted on the error), then has its frames forgotten
-    (`forget_frames`)."""
-    outer = sys.exc_info()[1]
-    try:
-        yield
-    except BaseException as e:
-        if release is not None:
-            for failure in release():
-                note(e, f"releasing what was acquired before the failure: {failure}")
-        forget_frames(e, outer)
-        raise
+    (`forget_frames`).  A class, not a generator: it is entered on every dispatch and combine."""
+
+    __slots__ = ("release", "outer")
+
+    def __init__(self, release: Callable[[], list[str]] | None = None):
+        self.release = release
+
+    def __enter__(self) -> None:
+        self.outer = sys.exc_info()[1]
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if e is not None:
+            if self.release is not None:
+                for failure in self.release():
+                    note(e, f"releasing what was acquired before the failure: {failure}")
+            forget_frames(e, self.outer)
+        return False
 
 
 _live: dict[int, Any] = {}  # order made -> engine still open
