@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import itertools
 import sys
 import traceback
 from typing import Any, Callable
@@ -113,8 +112,7 @@ class released_on_failure:  # noqa: N801 (used as a context manager, as the func
         return False
 
 
-_live: dict[int, Any] = {}  # order made -> engine still open
-_order = itertools.count()
+_live: dict[int, Any] = {}  # id -> engine still open, in the order made (a dict keeps it)
 _hooked = False
 
 
@@ -131,25 +129,23 @@ def track(engine: Any) -> None:
     """`engine` (with a `release_at_exit()`) is open: held, and released at exit unless `untrack`ed
     (closed) first."""
     exit_hook()
-    _live[next(_order)] = engine
+    _live[id(engine)] = engine
 
 
 def untrack(engine: Any) -> None:
-    for key, value in list(_live.items()):
-        if value is engine:
-            _live.pop(key, None)
+    _live.pop(id(engine), None)
 
 
 def live() -> list[Any]:
     """The engines still open, the first made first."""
-    return [e for _, e in sorted(_live.items(), key=lambda kv: kv[0])]
+    return list(_live.values())
 
 
 def release_live() -> None:
     """The atexit hook: `release_at_exit()` of every engine still open, the last made first (one
     that fails is one line on stderr, and the others are still released), then one collection of
     the garbage that reference cycles hold."""
-    for key in sorted(_live.keys(), reverse=True):
+    for key in reversed(list(_live)):
         engine = _live.pop(key, None)
         if engine is None:
             continue
