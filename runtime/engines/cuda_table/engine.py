@@ -570,7 +570,8 @@ class CudaTableEngine:
         where a launch is: `synchronize`)."""
         if self.meta is None:
             return
-        if self._watches():  # not a blocking read behind a stalled proxy or an exchange a peer never came to
+        if self.rdma or self.exchange is not None:  # what _watches watches: not a blocking read behind a
+            # stalled proxy or an exchange a peer never came to
             self.synchronize()
         bad = int(self.meta.bad.cpu()[0])
         if bad < self.max_tokens:
