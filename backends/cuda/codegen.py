@@ -53,6 +53,7 @@ import jinja2
 
 from epcc import __version__ as EPCC_VERSION
 from epcc.plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
+from epcc.plan.cuda_manifest import COMBINE_INPUT
 from epcc.plan.peers import foreign_reads
 from epcc.plan.rdma import rdma_steps
 from epcc.plan.segments import SegmentProgramError, segment_program
@@ -720,9 +721,6 @@ META_HEADER = "epcc/table/meta.cuh"  # static (cuda/include/), target-neutral th
 
 
 CAPACITY_FIELDS = ("set_words", "out_sets", "experts", "topk", "home", "sets")
-
-
-COMBINE_INPUT = "output"  # the combine's input buffer: the expert rows, as the caller hands them to combine
 
 
 def combine_input(plan: Plan, kernel, not_lowered: list[dict]) -> dict:

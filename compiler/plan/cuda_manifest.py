@@ -15,6 +15,7 @@ from ..limits import MAX_RANKS, MAX_SIZE, MAX_SMS, WORKLOAD_LIMITS
 from .schema import (Bool, Int, List, Map, Name, Nullable, Num, Obj, OneOf, RelPath, SchemaError, Str)
 
 PROGRAMS = ("dispatch", "combine")
+COMBINE_INPUT = "output"  # the combine's input buffer: the expert rows, as the caller hands them to combine
 MAX_THREADS = 1024  # per block
 MAX_SHARED = 1 << 20  # bytes of shared memory per block
 MAX_WARPS = 64
@@ -150,3 +151,12 @@ def _check_references(d: dict) -> None:
 
 
 __all__ = ["check_cuda_manifest", "check_supa_manifest"]
+
+
+def combine_reads_caller_rows(manifest: dict | None) -> bool:
+    """Whether a bundle's combine kernels may read the caller's expert rows where the caller has them
+    (its `combine_input`: caller_rows, of the combine's input buffer) instead of from a copy in that
+    buffer; False for a bundle of an older epcc, which has no such field (the Buffer copies them).
+    The one reading of the field: `epcc simulate`'s calls and the table engine both ask it."""
+    ci = (manifest or {}).get("combine_input") or {}
+    return bool(ci.get("caller_rows")) and ci.get("buffer") == COMBINE_INPUT

@@ -31,6 +31,7 @@ kernel is 0.556 ms with host-built tables and 0.552 with the GPU's for h200x4_2v
 from __future__ import annotations
 
 from ..plan import Plan
+from ..plan.cuda_manifest import combine_reads_caller_rows
 
 # Fitted 2026-11-26 on ep_bench (results/2026-11-26_4xH100_b.md, 4 x H100; results/2026-11-26_2xH200.md,
 # 2 x H200): the combine's call less its kernel is 0.554 ms (h200x4_2vnode_50, 1.35 GB moved: 2.44 TB/s) and
@@ -66,7 +67,7 @@ def reads_caller_rows(manifest: dict | None) -> bool:
     """Whether a table-driven bundle's combine kernel reads the caller's expert outputs in place:
     its CUDA manifest's `combine_input` says `caller_rows` (absent in a bundle of an older epcc:
     the Buffer copies them)."""
-    return bool(((manifest or {}).get("combine_input") or {}).get("caller_rows"))
+    return combine_reads_caller_rows(manifest)
 
 
 def call_bytes(plan: Plan, caller_rows: bool = False) -> dict[str, dict[str, float]]:

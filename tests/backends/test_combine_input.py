@@ -157,3 +157,15 @@ def test_a_qualifying_bundle_builds_for_sm90a_and_exports_the_entry(tmp_path, mo
     lib = launcher.Library(launcher.build_library(tmp_path / "cuda", nvcc=NVCC, log=log))
     assert "sm_90a" in " ".join(b.manifest["build"]["command"])
     assert lib.has_caller_rows
+
+
+def test_one_reading_of_the_field_for_the_simulator_and_the_runtime():
+    """compiler/sim/calls.py and the table engine ask the same question of a manifest: caller rows
+    of the combine's input buffer; any other buffer, or no field (an older bundle), is a copy."""
+    from epcc.plan.cuda_manifest import combine_reads_caller_rows
+    from epcc.sim.calls import reads_caller_rows
+    for m, want in (({"combine_input": {"buffer": "output", "caller_rows": True, "why": ""}}, True),
+                    ({"combine_input": {"buffer": "output", "caller_rows": False, "why": ""}}, False),
+                    ({"combine_input": {"buffer": "partials", "caller_rows": True, "why": ""}}, False),
+                    ({}, False), (None, False)):
+        assert combine_reads_caller_rows(m) is want and reads_caller_rows(m) is want, m

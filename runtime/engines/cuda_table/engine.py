@@ -89,6 +89,7 @@ import torch
 import torch.distributed as dist
 
 from ....plan.bundle import Bundle, cuda_manifest
+from ....plan.cuda_manifest import combine_reads_caller_rows
 from ....plan.rdma import rdma_steps
 from ....plan.segments import segment_program
 from ...layout import Layout, compute_layout
@@ -746,8 +747,7 @@ def reads_caller_rows(manifest: dict, library_can: bool, has_combine: bool) -> b
     combine's input buffer ("output"): the bundle's manifest says its kernels may (combine_input,
     decided by the compiler: backends/cuda/codegen.py combine_input; absent in a bundle of an older
     epcc) and its library has the entry point."""
-    ci = manifest.get("combine_input") or {}
-    return bool(has_combine and library_can and ci.get("caller_rows") and ci.get("buffer") == "output")
+    return has_combine and library_can and combine_reads_caller_rows(manifest)
 
 
 def _align_rows(rows: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, counts: list[int], align: int):
