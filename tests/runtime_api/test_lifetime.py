@@ -549,3 +549,16 @@ def test_an_exchange_timeout_in_a_dispatch_is_posted_as_it_is_and_aborts_the_exc
     assert len(posted) == 1 and isinstance(posted[0], ExchangeTimeout)
     assert posted[0].lost_why.startswith("it did not come to the metadata exchange of bundle 'b'")
     assert events == ["abort"]
+
+
+def test_closing_a_failed_table_engine_stops_its_proxies_and_keeps_its_memory(exit_registry):
+    """As at exit and as the direct engine does: a failed Buffer's peers may still write into its
+    buffers, so its close stops the proxies and aborts the exchange on this rank and frees nothing."""
+    lib, events = _Launcher(), []
+    eng = _open_table_engine(lib, events, "failed")
+    eng.meta, eng.exchange, eng.timeout_s = None, _Exchange(events), 1.0
+    everything = set(lib.live)
+    lifetime.track(eng)
+    eng.close()
+    assert events == [("stopped", 1, everything), "abort", "join"]
+    assert lib.live == everything and lifetime.live() == []

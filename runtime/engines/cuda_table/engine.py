@@ -672,12 +672,14 @@ class CudaTableEngine:
 
     def close(self) -> None:
         """Collective: every rank's kernels finish before any buffer is unmapped and freed.  A
-        failed Buffer meets no peer: its proxies are stopped and its memory released on this rank."""
+        failed Buffer (or one whose peer fails during the close) meets no peer: its proxies are
+        stopped and its exchange aborted on this rank, and its memory stays until the process ends,
+        as at exit and as the direct engine's does: a peer's kernel or proxy may still write into it."""
         if self.ctx is None:
             return
         untrack(self)
         exchange = self.exchange
-        with released_on_failure(self.release_locally):  # a peer failed meanwhile: released here alone
+        with released_on_failure(lambda: self.release_locally(keep_memory=True)):  # a peer failed meanwhile
             if self.agree.state == "ready":
                 with self.agree.call("close", numbered=False):
                     if exchange is not None:  # a low-latency exchange no peer came to is reported, not waited for
@@ -688,7 +690,7 @@ class CudaTableEngine:
                     self.agree.barrier("the proxies' end")  # no peer's proxy writes into this rank any more
                     if exchange is not None:
                         exchange.close()  # every rank's last exchange is done
-        failures = self.release_locally()
+        failures = self.release_locally(keep_memory=self.agree.state != "ready")
         if failures:
             raise EngineError(f"closing the Buffer on rank {self.rank}: " + "; ".join(failures))
 
