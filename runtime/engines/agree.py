@@ -159,9 +159,7 @@ class Agreement:
         f = self.failure
         if f is not None:
             where = f" on {ranks_text(f.ranks)}" if f.ranks else ""
-            raise type(f)(f"this Buffer failed in {f.call}{where}: {f.reason}; make a new Buffer",
-                          call=f.call, rank=f.rank, ranks=f.ranks, reason=f.reason, failures=f.failures,
-                          rebuild=True)
+            raise f.retold(f"this Buffer failed in {f.call}{where}: {f.reason}; make a new Buffer", rebuild=True)
 
     @contextmanager
     def call(self, name: str, *, numbered: bool = True) -> Iterator[str]:
@@ -416,8 +414,7 @@ class Agreement:
         """The Buffer failed for good with `err`: kept as a copy that is never raised, so that the
         agreement holds no traceback (whose frames would hold the Buffer, its engine and the group:
         a reference cycle, left to the garbage collector; lifetime.py)."""
-        self.failure = type(err)(str(err), call=err.call, rank=err.rank, ranks=err.ranks, reason=err.reason,
-                                 failures=err.failures, rebuild=err.rebuild)
+        self.failure = err.retold(str(err))
 
 
 def _served(store) -> bool:

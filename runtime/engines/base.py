@@ -68,6 +68,13 @@ class GroupError(EngineError):
         self.failures = dict(failures or {})
         self.rebuild = rebuild
 
+    def retold(self, message: str, **changes) -> "GroupError":
+        """A new error of this class saying `message`, with this one's fields but `changes` (no
+        traceback, no cause: a copy to keep, or to raise again in another call)."""
+        fields = dict(call=self.call, rank=self.rank, ranks=self.ranks, reason=self.reason, failures=self.failures,
+                      rebuild=self.rebuild)
+        return type(self)(message, **{**fields, **changes})
+
 
 class GroupTypeError(GroupError, TypeError):
     """A rank refused an argument of the wrong type."""
