@@ -11,6 +11,7 @@ the others), and waits for every rank on its own.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import tempfile
@@ -79,8 +80,6 @@ def spawn_ranks(target, args_of, ranks: int, *, timeout_s: float = 120.0, daemon
     method: no state inherited from the test's process), and wait for all of them until one shared
     deadline `timeout_s` from now; those still running then are killed.  The ranks that were (an
     empty list when every one ended in time): what each rank found goes where `target` writes it."""
-    import multiprocessing
-
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=target, args=tuple(args_of(r)), daemon=daemon) for r in range(ranks)]
     for p in procs:
