@@ -278,10 +278,12 @@ def host_tables(name: str, out_dir: Path) -> bool:
     return any(a == "--proxy-tables" and b == "host" for a, b in zip(opts, opts[1:]))
 
 
-def simulate_bundle(name: str, tokens: int | None, out_dir: Path, sms: int | None = None, cached: bool = False) -> dict:
+def simulate_bundle(name: str, tokens: int | None, out_dir: Path, sms: int | None = None, cached: bool = False,
+                    copied: frozenset[str] = frozenset()) -> dict:
     """`epcc simulate --json` of bundle `name` (at `tokens` per rank where given; its direct kernels
     on `sms` SMs where given, as ep_bench --epcc-sms runs them; their cached-handle dispatch with
-    `cached`)."""
+    `cached`; the Buffer copying the rows of the programs in `copied` into their input buffers,
+    --copy-inputs)."""
     src, opts = bundle_source(name, out_dir)
     argv = ["simulate", str(src), "--json", *opts]
     if tokens is not None and "--tokens" not in opts:
@@ -290,6 +292,8 @@ def simulate_bundle(name: str, tokens: int | None, out_dir: Path, sms: int | Non
         argv += ["--sms", str(sms)]
     if cached:
         argv += ["--cached"]
+    if copied:
+        argv += ["--copy-inputs", ",".join(sorted(copied))]
     args = epcc_parser().parse_args(argv)
     args.sources = SourceMap()
     try:
@@ -342,11 +346,12 @@ def _records(report: str, device: str, b: dict, rows: list, sms: int | None, out
     bundle's own, or the configuration the row recorded); `skipped` gets the records not compared."""
     name, wl = b["name"], b.get("workload") or {}
     tokens = wl.get("tokens")
+    copied = copied_inputs(rows)
 
     def simulated(cached: bool, n: int | None = sms) -> dict:
-        key = (name, tokens, n, cached)
+        key = (name, tokens, n, cached, copied)
         if key not in cache:
-            cache[key] = simulate_bundle(name, tokens, out_dir, n, cached)
+            cache[key] = simulate_bundle(name, tokens, out_dir, n, cached, copied)
         return cache[key]
 
     fresh = simulated(False)
@@ -386,6 +391,19 @@ def _records(report: str, device: str, b: dict, rows: list, sms: int | None, out
                               float(m["summary"][p]["median_ms"]), prog["total_ms"], kernel, prog["total_ms"] - launch,
                               superseded(report, name, row, p), steps, why))
     return out
+
+
+def copied_inputs(rows: list) -> frozenset[str]:
+    """The programs whose rows the Buffer copied into their input buffers in a bundle's epcc rows
+    although the bundle's kernels read them in place now: none where the report recorded which
+    programs read the caller's rows (ep_bench's `caller_rows`, since the dispatch read x in place:
+    what it did not record it copied); else the dispatch (no dispatch read x in place before that,
+    and the combine's copies the report predates are superseded: COMBINES_BEFORE_CALLER_ROWS)."""
+    for _, m in rows:
+        for r in m.get("per_rank", []):
+            if "caller_rows" in r:
+                return frozenset(PROGRAMS) - frozenset(r["caller_rows"])
+    return frozenset({"dispatch"})
 
 
 def collect(paths: list[Path], skipped: list | None = None) -> list[Record]:

@@ -53,7 +53,7 @@ import jinja2
 
 from epcc import __version__ as EPCC_VERSION
 from epcc.plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
-from epcc.plan.cuda_manifest import COMBINE_INPUT
+from epcc.plan.cuda_manifest import CALLER_INPUTS
 from epcc.plan.peers import foreign_reads
 from epcc.plan.rdma import rdma_steps
 from epcc.plan.segments import SegmentProgramError, segment_program
@@ -573,7 +573,8 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         files[k.file] = _ENV.get_template("program.cu.j2").render(**common, k=k)
     buffers = {p: _buffers(plan, p) for p in abi.PROGRAMS}
     by_program = {k.program: k for k in kernels}
-    caller = combine_input(plan, by_program.get("combine"), [n for k in kernels for n in k.not_lowered])
+    not_lowered = [n for k in kernels for n in k.not_lowered]
+    caller = {p: caller_input(plan, p, by_program.get(p), not_lowered) for p in abi.PROGRAMS}
     library = f"libepcc_{plan.schedule}.so" if cuda else f"libepcc_{plan.schedule}_{target.name}.so"
     progs = []
     for i, p in enumerate(abi.PROGRAMS):
@@ -581,8 +582,8 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         progs.append({
             "index": i, "name": p, "kernel": k, "buffers": buffers[p],
             "result_buffer": next((j for j, b in enumerate(buffers[p]) if b["name"] == "result"), -1),
-            "caller_buffer": next((j for j, b in enumerate(buffers[p]) if b["name"] == caller["buffer"]), -1)
-            if p == "combine" and caller["caller_rows"] else -1,
+            "caller_buffer": next((j for j, b in enumerate(buffers[p]) if b["name"] == caller[p]["buffer"]), -1)
+            if caller[p]["caller_rows"] else -1,
             "step_crcs": [abi.step_crc(r.step) for r in k.roles] if k else [],
             "row_bytes_multiple": (max([r.access_bytes for r in k.roles if r.op in ("copy", "pack_copy")] or [1])
                                    if k else 1),
@@ -616,8 +617,8 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         "flags": {"regions": list(abi.PROGRAMS), "words_per_region": "flag_capacity (>= 1 + 2 x layout flags)",
                   "barrier_word": 0, "flag_word": "1 + (epoch % 2) * ((flag_capacity - 1) // 2) + flag_id"},
         "kernels": [],
-        "not_lowered": [n for k in kernels for n in k.not_lowered],
-        "combine_input": caller,
+        "not_lowered": not_lowered,
+        **{f"{p}_input": caller[p] for p in abi.PROGRAMS},
     }
     if not cuda:
         manifest["machine"] = _machine(target)
@@ -723,28 +724,31 @@ META_HEADER = "epcc/table/meta.cuh"  # static (cuda/include/), target-neutral th
 CAPACITY_FIELDS = ("set_words", "out_sets", "experts", "topk", "home", "sets")
 
 
-def combine_input(plan: Plan, kernel, not_lowered: list[dict]) -> dict:
-    """Whether the combine kernel may read this rank's expert rows where the caller has them (its
-    `y`, a launch argument: KernelArgs.caller_rows) instead of from a copy in the combine's input
-    buffer: where no copy reads that buffer of another rank than the one it runs on, none writes
-    it (plan/peers.py foreign_reads; the GPU proxy path's pack role reads its own rank's), and no
-    step the kernels leave to a proxy outside them reads it (that proxy reads the buffer itself).
-    `kernel`: the combine's main kernel (None: no combine kernel); `not_lowered`: the kernels'."""
+def caller_input(plan: Plan, program: str, kernel, not_lowered: list[dict]) -> dict:
+    """Whether `program`'s kernel may read this rank's input rows where the caller has them (a
+    launch argument, KernelArgs.caller_rows: the dispatch's tokens `x`, the combine's expert rows
+    `y`) instead of from a copy in the program's input buffer (CALLER_INPUTS): where no copy reads
+    that buffer of another rank than the one it runs on, none writes it (plan/peers.py
+    foreign_reads; the GPU proxy path's pack role reads its own rank's), and no step the kernels
+    leave to a proxy outside them reads it (that proxy reads the buffer itself).  `kernel`: the
+    program's main kernel (None: none); `not_lowered`: the kernels'."""
+    buf = CALLER_INPUTS[program]
+
     def entry(ok: bool, why: str) -> dict:
-        return {"buffer": COMBINE_INPUT, "caller_rows": ok, "why": why}
+        return {"buffer": buf, "caller_rows": ok, "why": why}
 
     if kernel is None:
-        return entry(False, "the plan has no combine kernel")
-    proxied = {("combine", r.step) for r in kernel.roles if r.lowered in ("rdma-pack", "rdma-unpack")}
-    outside = [n["step"] for n in not_lowered if n["program"] == "combine" and n.get("kind") == "rdma"
-               and COMBINE_INPUT in plan.step(n["step"], "combine").src_buffers]
+        return entry(False, f"the plan has no {program} kernel")
+    proxied = {(program, r.step) for r in kernel.roles if r.lowered in ("rdma-pack", "rdma-unpack")}
+    outside = [n["step"] for n in not_lowered if n["program"] == program and n.get("kind") == "rdma"
+               and buf in plan.step(n["step"], program).src_buffers]
     if outside:
-        return entry(False, f"combine step '{outside[0]}' is left to a proxy outside the kernels, which reads "
-                            f"{COMBINE_INPUT} itself")
-    why = foreign_reads(plan, "combine", COMBINE_INPUT, proxied)
+        return entry(False, f"{program} step '{outside[0]}' is left to a proxy outside the kernels, which reads "
+                            f"{buf} itself")
+    why = foreign_reads(plan, program, buf, proxied)
     if why is not None:
         return entry(False, why)
-    return entry(True, f"every combine copy reads {COMBINE_INPUT} on its own rank")
+    return entry(True, f"every {program} copy reads {buf} on its own rank")
 
 
 def device_metadata(plan: Plan, manifest: dict, target: Target = CUDA) -> dict:

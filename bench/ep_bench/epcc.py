@@ -130,6 +130,9 @@ class EpccRows:
                                                   wl.dtype).items()}}
         else:
             self.common = {"sms": kernel_sms(manifest)}
+            reads = getattr(buf.engine, "caller_rows", None)  # the table engine: the programs that read the
+            if isinstance(reads, dict):                        # caller's rows in place (bench/sim_check.py)
+                self.common["caller_rows"] = sorted(p for p, ok in reads.items() if ok)
         self.comm.barrier()
 
     def _capacity(self) -> int:

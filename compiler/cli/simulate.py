@@ -10,6 +10,7 @@ from ..backends.cuda.codegen import metadata_exchange as check_exchange
 from ..backends.cuda.codegen import generate as generate_cuda
 from ..files import refuse_overwrite
 from ..plan import Plan
+from ..plan.cuda_manifest import PROGRAMS
 from ..plan.rdma import rdma_steps
 from ..sim import SimOptions, SimulationError, simulate
 from ..sim.base import DeviceMetadata
@@ -47,8 +48,24 @@ def add_parser(sub) -> None:
                    help="as `epcc compile --metadata-exchange`: how the metadata kernels' routing reaches every "
                         "rank, ipc (CUDA IPC, one box) or collective (the process group's all-gather); auto (the "
                         "default): ipc up to 8 ranks, else collective")
+    c.add_argument("--copy-inputs", metavar="PROGRAMS", default=None,
+                   help="dispatch, combine or both (comma-separated): charge the Buffer's copy of the program's "
+                        "rows into its input buffer although the bundle's kernels read them where the caller has "
+                        "them (manifest dispatch_input / combine_input): a bundle of an older epcc, or rows the "
+                        "kernel cannot read in place (not 16-byte aligned, strided)")
     kernel_options(c)
     c.set_defaults(func=cmd_simulate)
+
+
+def copy_inputs(text: str | None) -> frozenset[str]:
+    """--copy-inputs: the programs named, or a user error naming the one that is not a program."""
+    if text is None:
+        return frozenset()
+    names = [t.strip() for t in text.split(",")]
+    for n in names:
+        if n not in PROGRAMS:
+            raise user_error(f"--copy-inputs: {n!r} is not a program (dispatch, combine)")
+    return frozenset(names)
 
 
 def simulation(args, options):
@@ -70,6 +87,7 @@ def simulation(args, options):
         raise user_error("--cached applies to the direct kernels, not to --kernels table (a cached handle of the "
                          "table-driven kernels runs the same kernels)")
     rdma = getattr(args, "rdma", "proxy")
+    copied = copy_inputs(getattr(args, "copy_inputs", None))
     tables = getattr(args, "proxy_tables", None)
     if tables is not None and rdma != "proxy":
         raise user_error(f"--proxy-tables {tables} is for the GPU proxy path: use it with --rdma proxy")
@@ -96,7 +114,8 @@ def simulation(args, options):
                          f"(use --kernels table)")
     try:
         exchange = getattr(args, "metadata_exchange", "auto")
-        res = simulate(built.plan, sim_options(built.plan, direct, rdma, tables, exchange, options.routing, dealing))
+        res = simulate(built.plan, sim_options(built.plan, direct, rdma, tables, exchange, options.routing, dealing,
+                                               copied))
     except SimulationError as e:
         raise user_error(f"{args.file}: cannot simulate the plan: {e}") from None
     return built, res
@@ -104,19 +123,20 @@ def simulation(args, options):
 
 def sim_options(plan: Plan, direct, rdma: str = "proxy", proxy_tables: str | None = None,
                 metadata_exchange: str = "auto", routing: str | None = None,
-                dealing: str | None = None) -> SimOptions:
+                dealing: str | None = None, copied: frozenset[str] = frozenset()) -> SimOptions:
     """What `epcc simulate` runs the model with: the direct kernels' (`direct`: plan.direct or a
     variant of it), else the table-driven kernels' -- their metadata kernels where the bundle has
     them, the Buffer's calls where the CUDA target lowers the plan (host-built tables too), the
-    roles' blocks dealt from a routing drawn from `routing`."""
+    roles' blocks dealt from a routing drawn from `routing`; `copied`: the programs whose rows the
+    Buffer copies in although the kernels could read them in place (--copy-inputs)."""
     layout = block_layout(plan, routing) if direct is None and plan.sm_rates else None
     manifest = table_manifest(plan, rdma, proxy_tables != "host", metadata_exchange) if direct is None else None
     metadata = from_manifest(manifest.get("metadata")) if manifest is not None else None
     # the Buffer's copies run around the table-driven kernels whether the GPU or the host writes their
     # tables (runtime/engines/cuda_table: the combine's clearing, rows and conversion in both; the rows
-    # not where the combine reads the caller's in place)
+    # not where the combine reads the caller's in place; the dispatch's x likewise)
     return SimOptions(rdma_proxy=rdma == "proxy", direct=direct, metadata=metadata, calls=manifest is not None,
-                      caller_rows=reads_caller_rows(manifest), layout=layout, dealing=dealing or "round-robin")
+                      caller_rows=reads_caller_rows(manifest) - copied, layout=layout, dealing=dealing or "round-robin")
 
 
 def block_layout(plan: Plan, routing: str | None):

@@ -15,7 +15,11 @@ from ..limits import MAX_RANKS, MAX_SIZE, MAX_SMS, WORKLOAD_LIMITS
 from .schema import (Bool, Int, List, Map, Name, Nullable, Num, Obj, OneOf, RelPath, SchemaError, Str)
 
 PROGRAMS = ("dispatch", "combine")
-COMBINE_INPUT = "output"  # the combine's input buffer: the expert rows, as the caller hands them to combine
+# Each program's input buffer, which a launch may read from the caller's memory instead (the manifest's
+# `dispatch_input` / `combine_input`): the dispatch's tokens, the combine's expert rows as the caller
+# hands them to the call.
+CALLER_INPUTS = {"dispatch": "input", "combine": "output"}
+COMBINE_INPUT = CALLER_INPUTS["combine"]
 MAX_THREADS = 1024  # per block
 MAX_SHARED = 1 << 20  # bytes of shared memory per block
 MAX_WARPS = 64
@@ -80,11 +84,12 @@ _FIELDS = {
     "direct": DIRECT,
     "direct_not_used": Nullable(Str()),
     "rdma": List(RelPath, 0, MAX_LIST),
-    # whether the combine kernel may read this rank's expert rows where the caller has them
-    # (absent in bundles of an older epcc: the runtime copies them into `buffer`)
-    "combine_input": Obj({"buffer": Str(), "caller_rows": Bool(), "why": Str()}),
+    # whether each program's kernel may read this rank's input rows (the dispatch's tokens, the
+    # combine's expert rows) where the caller has them (absent in bundles of an older epcc: the
+    # runtime copies them into `buffer`)
+    **{f"{p}_input": Obj({"buffer": Str(), "caller_rows": Bool(), "why": Str()}) for p in PROGRAMS},
 }
-_OPTIONAL = frozenset({"direct", "direct_not_used", "combine_input"})
+_OPTIONAL = frozenset({"direct", "direct_not_used", *(f"{p}_input" for p in PROGRAMS)})
 SCHEMA = Obj(_FIELDS, optional=_OPTIONAL)
 
 _STEPS = List(_COMMAND, 1, MAX_LIST)
@@ -128,9 +133,10 @@ def _check_references(d: dict) -> None:
             if b["name"] in seen:
                 raise SchemaError(f"buffers.{p}[{j}].name: {b['name']!r} listed twice")
             seen.add(b["name"])
-    ci = d.get("combine_input")
-    if ci is not None and ci["caller_rows"] and ci["buffer"] not in names["combine"]:
-        raise SchemaError(f"combine_input.buffer: no combine buffer named {ci['buffer']!r}")
+    for p in PROGRAMS:
+        ci = d.get(f"{p}_input")
+        if ci is not None and ci["caller_rows"] and ci["buffer"] not in names[p]:
+            raise SchemaError(f"{p}_input.buffer: no {p} buffer named {ci['buffer']!r}")
     mains = set()
     for i, k in enumerate(d["kernels"]):
         at = f"kernels[{i}]"
@@ -153,10 +159,11 @@ def _check_references(d: dict) -> None:
 __all__ = ["check_cuda_manifest", "check_supa_manifest"]
 
 
-def combine_reads_caller_rows(manifest: dict | None) -> bool:
-    """Whether a bundle's combine kernels may read the caller's expert rows where the caller has them
-    (its `combine_input`: caller_rows, of the combine's input buffer) instead of from a copy in that
-    buffer; False for a bundle of an older epcc, which has no such field (the Buffer copies them).
-    The one reading of the field: `epcc simulate`'s calls and the table engine both ask it."""
-    ci = (manifest or {}).get("combine_input") or {}
-    return bool(ci.get("caller_rows")) and ci.get("buffer") == COMBINE_INPUT
+def reads_caller_rows(manifest: dict | None, program: str) -> bool:
+    """Whether a bundle's `program` kernel may read this rank's input rows where the caller has them
+    (its `<program>_input`: caller_rows, of the program's input buffer, CALLER_INPUTS) instead of
+    from a copy in that buffer; False for a bundle of an older epcc, which has no such field (the
+    Buffer copies them).  The one reading of the field: `epcc simulate`'s calls and the table
+    engine both ask it."""
+    ci = (manifest or {}).get(f"{program}_input") or {}
+    return bool(ci.get("caller_rows")) and ci.get("buffer") == CALLER_INPUTS[program]

@@ -54,10 +54,11 @@ class SimOptions:
     # buffer; the expert outputs in, the partials cleared, the result converted), in each program's
     # time.  `epcc simulate` sets it for every table-driven CUDA bundle (device- or host-built tables).
     calls: bool = False
-    # With `calls`: the combine kernel reads the caller's expert outputs where they are (the CUDA
-    # manifest's combine_input caller_rows), so the call does not copy them in (sim/calls.py).
-    # `epcc simulate` sets it from the manifest.
-    caller_rows: bool = False
+    # With `calls`: the programs whose kernel reads the caller's rows where they are (the dispatch's
+    # tokens, the combine's expert outputs: the CUDA manifest's dispatch_input / combine_input
+    # caller_rows), so the call does not copy them in (sim/calls.py).  `epcc simulate` sets it
+    # from the manifest.
+    caller_rows: frozenset[str] = frozenset()
     # The table-driven kernels' blocks (sim/blocks.py): a layout of the plan (runtime/layout's
     # Layout, or anything with its `copies`) whose chunks the roles' blocks take one by one, dealt
     # as `dealing` says (round-robin: as the kernels deal them; free: to the block free first);

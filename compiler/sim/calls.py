@@ -3,7 +3,7 @@
 Besides the kernels, a Buffer call of a table-driven bundle (runtime/engines/cuda_table) runs
 copies on the same stream, each a grid-wide copy bound by the GPU's memory (read + write bytes):
 
-* dispatch: x copied into the kernel's input buffer, T x row bytes;
+* dispatch: x copied into the kernel's input buffer, T x row bytes (`input`);
 * combine: the expert outputs copied into the kernel's receive buffer (the rows received, T x K
   expected per rank, 2 x hidden bytes each: `copy_rows`), the fp32 partial buffers cleared
   (`zero_partials`: the result's T rows and every staging buffer's rows the dispatch landed,
@@ -11,10 +11,11 @@ copies on the same stream, each a grid-wide copy bound by the GPU's memory (read
   hidden x (4 + 2) bytes);
 * a launch gap (sim/meta.py GAP_S) per launch: one in dispatch, three in combine.
 
-Where the bundle's combine kernel reads the caller's expert outputs in place (the CUDA manifest's
-`combine_input` with `caller_rows`: no combine copy reads them on another rank, backends/cuda/codegen.py
-combine_input), the Buffer hands it their address and copies nothing: no `rows`, one launch fewer
-(`caller_rows`).  Measured, 2 x H200, 2026-11-27, one device call (4096 tokens, the cached row's
+Where the bundle's kernel of a program reads the caller's rows in place (the CUDA manifest's
+`dispatch_input` / `combine_input` with `caller_rows`: no copy reads them on another rank,
+backends/cuda/codegen.py caller_input), the Buffer hands it their address and copies nothing: no
+`input` in the dispatch; no `rows` and one launch fewer in the combine (`caller_rows`: the
+programs that do).  Measured, 2 x H200, 2026-11-27, one device call (4096 tokens, the cached row's
 timeline): the combine's call less its kernel's end 0.416 ms before that change and 0.127 after
 (h200x2_2vnode_50), 0.422 and 0.121 (_13); the model's rows are 0.36 ms of its 0.52 (0.16 left).
 
@@ -31,7 +32,8 @@ kernel is 0.556 ms with host-built tables and 0.552 with the GPU's for h200x4_2v
 from __future__ import annotations
 
 from ..plan import Plan
-from ..plan.cuda_manifest import combine_reads_caller_rows
+from ..plan.cuda_manifest import PROGRAMS
+from ..plan.cuda_manifest import reads_caller_rows as manifest_reads_caller_rows
 
 # Fitted 2026-11-26 on ep_bench (results/2026-11-26_4xH100_b.md, 4 x H100; results/2026-11-26_2xH200.md,
 # 2 x H200): the combine's call less its kernel is 0.554 ms (h200x4_2vnode_50, 1.35 GB moved: 2.44 TB/s) and
@@ -63,35 +65,37 @@ def staged_tokens(plan: Plan) -> float:
     return max(per.values(), default=0.0)
 
 
-def reads_caller_rows(manifest: dict | None) -> bool:
-    """Whether a table-driven bundle's combine kernel reads the caller's expert outputs in place:
-    its CUDA manifest's `combine_input` says `caller_rows` (absent in a bundle of an older epcc:
-    the Buffer copies them)."""
-    return combine_reads_caller_rows(manifest)
+def reads_caller_rows(manifest: dict | None) -> frozenset[str]:
+    """The programs whose table-driven kernel reads the caller's rows in place (the dispatch's
+    tokens, the combine's expert outputs): its CUDA manifest's `dispatch_input` / `combine_input`
+    says `caller_rows` (absent in a bundle of an older epcc: the Buffer copies them)."""
+    return frozenset(p for p in PROGRAMS if manifest_reads_caller_rows(manifest, p))
 
 
-def call_bytes(plan: Plan, caller_rows: bool = False) -> dict[str, dict[str, float]]:
+def call_bytes(plan: Plan, caller_rows: frozenset[str] = frozenset()) -> dict[str, dict[str, float]]:
     """Per program, the bytes (read + written) of each copy a Buffer call runs beside the kernel;
-    `caller_rows`: the combine kernel reads the caller's expert outputs in place (no `rows`)."""
+    `caller_rows`: the programs whose kernel reads the caller's rows in place (the dispatch: no
+    `input`; the combine: no `rows`)."""
     wl = plan.workload
     if wl is None:
         return {}
     T, H = wl.tokens, wl.hidden
-    out = {"dispatch": {"input": 2.0 * T * plan.bytes_per_token}}
+    out = {"dispatch": {} if "dispatch" in caller_rows else {"input": 2.0 * T * plan.bytes_per_token}}
     if any(s.program == "combine" for s in plan.steps):
-        rows = {} if caller_rows else {"rows": 2.0 * T * wl.topk * 2 * H}
+        rows = {} if "combine" in caller_rows else {"rows": 2.0 * T * wl.topk * 2 * H}
         out["combine"] = {**rows, "zero": 4.0 * H * (T + staged_tokens(plan)), "convert": 6.0 * T * H}
     return out
 
 
-def call_terms(plan: Plan, gap_s: float, caller_rows: bool = False) -> dict[str, dict[str, float]]:
+def call_terms(plan: Plan, gap_s: float, caller_rows: frozenset[str] = frozenset()) -> dict[str, dict[str, float]]:
     """Seconds of each part of the call's stream work beside the kernels, per program (module
     docstring); {} where the topology gives no local link to price them.  `caller_rows`: the
-    combine reads the caller's expert outputs in place (no `rows`, and no launch of its copy)."""
+    programs whose kernel reads the caller's rows in place (no copy; the combine's copy has a
+    launch of its own)."""
     rate = COPY_EFFICIENCY * local_rate(plan)
     if rate <= 0:
         return {}
-    launches = {**LAUNCHES, "combine": LAUNCHES["combine"] - 1} if caller_rows else LAUNCHES
+    launches = {**LAUNCHES, "combine": LAUNCHES["combine"] - 1} if "combine" in caller_rows else LAUNCHES
     return {p: {**{k: b / rate for k, b in parts.items()}, "gaps": launches[p] * gap_s}
             for p, parts in call_bytes(plan, caller_rows).items()}
 

@@ -104,8 +104,8 @@ def table(res: SimResult, passes_run: list[str] | None = None) -> str:
                        f"first step ({parts} us)")
         if p.calls:
             parts = ", ".join(f"{k} {v * 1e6:.1f}" for k, v in p.calls.items())
-            read = "; the expert outputs read where the caller has them, not copied" \
-                if name == "combine" and res.options.caller_rows else ""
+            what = {"dispatch": "the tokens", "combine": "the expert outputs"}[name]
+            read = f"; {what} read where the caller has them, not copied" if name in res.options.caller_rows else ""
             out.append(f"{name} Buffer call's copies beside the kernels: {sum(p.calls.values()) * 1e6:.1f} us "
                        f"({parts} us{read})")
         launches = f" (kernel launch and metadata {_ms(p.launch_s)} ms before the first step included)" if p.launch_s else ""

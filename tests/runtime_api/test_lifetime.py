@@ -150,7 +150,7 @@ class _Launcher:
         self.live: set = set()
         self.events: list = []
         self.fail_open, self.fail_free, self.opens, self.next = fail_open, fail_free, 0, 0x10000
-        self.has_caller_rows, self.lib = False, None
+        self.has_caller_rows, self.lib = {}, None
 
     def _get(self, what):
         self.live.add(what)

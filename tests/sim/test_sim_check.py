@@ -410,22 +410,28 @@ def test_no_calls_without_a_local_link():
     assert call_terms(plan, GAP_S) == {}
 
 
-def test_a_combine_reading_the_callers_rows_copies_none():
-    """Where the combine kernel reads the caller's expert outputs in place (manifest combine_input
-    caller_rows), the call copies the partials' clearing and the conversion only: no `rows`, one
-    launch fewer; `epcc simulate` takes it from the manifest the backend writes for the plan."""
+def test_a_kernel_reading_the_callers_rows_copies_none():
+    """Where a program's kernel reads the caller's rows in place (manifest dispatch_input /
+    combine_input caller_rows), the call does not copy them: the dispatch no `input`; the combine
+    copies the partials' clearing and the conversion only: no `rows`, one launch fewer.  `epcc
+    simulate` takes it from the manifest the backend writes for the plan."""
     plan = build_plan(str(REPO / "schedules" / "h200x2_2vnode.sched")).plan
-    copied, read = call_bytes(plan), call_bytes(plan, caller_rows=True)
-    assert read["dispatch"] == copied["dispatch"]
+    copied, read = call_bytes(plan), call_bytes(plan, caller_rows=frozenset({"combine"}))
+    assert read["dispatch"] == copied["dispatch"] and set(copied["dispatch"]) == {"input"}
     assert read["combine"] == {k: v for k, v in copied["combine"].items() if k != "rows"}
-    t = call_terms(plan, GAP_S, caller_rows=True)
+    t = call_terms(plan, GAP_S, caller_rows=frozenset({"combine"}))
     assert t["combine"]["gaps"] == 2 * GAP_S and t["dispatch"] == call_terms(plan, GAP_S)["dispatch"]
-    assert reads_caller_rows({"combine_input": {"buffer": "output", "caller_rows": True, "why": "x"}})
+    both = call_terms(plan, GAP_S, caller_rows=frozenset({"dispatch", "combine"}))
+    assert both["dispatch"] == {"gaps": GAP_S} and both["combine"] == t["combine"]
+    assert call_bytes(plan, frozenset({"dispatch"}))["dispatch"] == {}
+    assert reads_caller_rows({"combine_input": {"buffer": "output", "caller_rows": True, "why": "x"}}) == {"combine"}
+    assert reads_caller_rows({"dispatch_input": {"buffer": "input", "caller_rows": True, "why": "x"}}) == {"dispatch"}
     assert not reads_caller_rows({}) and not reads_caller_rows(None)  # a bundle of an older epcc: copied
-    # the shipped plans: h200x2_2vnode's combine copies read only their own rank's rows, h200x4_2vnode's
-    # forwarding reads a peer's (backends/cuda/codegen.py combine_input)
-    assert sim_options(plan, None, "emulate").caller_rows
-    assert not sim_options(build_plan(str(REPO / "schedules" / "h200x4_2vnode.sched")).plan, None, "emulate").caller_rows
+    # the shipped plans: h200x2_2vnode's copies read only their own rank's rows; h200x4_2vnode's combine
+    # forwarding reads a peer's, its dispatch its own (backends/cuda/codegen.py caller_input)
+    assert sim_options(plan, None, "emulate").caller_rows == {"dispatch", "combine"}
+    four = build_plan(str(REPO / "schedules" / "h200x4_2vnode.sched")).plan
+    assert sim_options(four, None, "emulate").caller_rows == {"dispatch"}
 
 
 def test_the_copy_the_model_dropped_is_the_time_the_combine_lost(records):

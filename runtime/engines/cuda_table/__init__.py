@@ -47,6 +47,9 @@ torch.distributed.all_gather_object; bench/ep_bench.py does exactly this)
     #    rank's rows in layout.entries[("output", rank)] order (expert-major).
     lib.copy_to_device(ptrs["dispatch"][0][rank], x_rows)      # or cudaMemcpyAsync / a torch copy
     ctx.launch_dispatch(stream)
+    #    Where manifest["dispatch_input"]["caller_rows"] (no copy reads another rank's `input`),
+    #    the kernel may read the rows where they lie instead (16-byte aligned), their address a
+    #    launch argument (no copy): ctx.launch_dispatch(stream, rows=x_rows_ptr)
     # 4. combine: the expert outputs (bf16 [rows of output, hidden], same row order) into the
     #    combine `output`, then launch with a bf16 [tokens, hidden] destination (device pointer).
     lib.copy_to_device(ptrs["combine"][0][rank], y_bf16)

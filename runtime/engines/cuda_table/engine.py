@@ -57,12 +57,14 @@ expert, home rank, token), the global expert and the routing weight of each row,
 local expert; with `expert_alignment` N every expert's rows start at a multiple of N (zero rows
 between; combine ignores them).
 
-Combine reads the expert rows `y` where the caller has them (their address a launch argument, which
-a CUDA graph captures: a replay reads the captured tensor, kept unchanged until the kernel ends)
-where the bundle allows it (manifest `combine_input`: no combine copy reads another rank's expert
-rows); else, or with a library of an older epcc, it copies them into the combine's input buffer
-first (2 x H100, 2026-11-27, h200x2_2vnode at 50 GB/s, 4096 tokens: ~0.5 ms of a 2.03 ms combine
-was the copy, the partials' clearing and the bf16 conversion outside the kernel).
+Dispatch reads the tokens `x` and combine the expert rows `y` where the caller has them (their
+address a launch argument, which a CUDA graph captures: a replay reads the captured tensor, kept
+unchanged until the kernel ends) where the bundle allows it (manifest `dispatch_input`,
+`combine_input`: no copy reads another rank's tokens, expert rows) and the rows start 16-byte
+aligned; else, or with a library of an older epcc, it copies them into the program's input buffer
+first (the dispatch's copy of x: 0.03-0.04 ms of 4096 x 7168 bf16 tokens on H100; 2 x H100,
+2026-11-27, h200x2_2vnode at 50 GB/s, 4096 tokens: ~0.5 ms of a 2.03 ms combine was the copy of y,
+the partials' clearing and the bf16 conversion outside the kernel).
 
 Failures (agree.py): every host-side exchange is a round of the Buffer's agreement; an argument a
 rank refuses, a kernel or proxy that gave up, or a rank that stopped answering raises the same
@@ -89,7 +91,7 @@ import torch
 import torch.distributed as dist
 
 from ....plan.bundle import Bundle, cuda_manifest
-from ....plan.cuda_manifest import combine_reads_caller_rows
+from ....plan.cuda_manifest import reads_caller_rows as manifest_reads_caller_rows
 from ....plan.rdma import rdma_steps
 from ....plan.segments import segment_program
 from ...layout import Layout, compute_layout
@@ -110,6 +112,7 @@ from .tables import PROGRAMS, build_tables
 
 ALIGN_MAX = 1024  # largest expert_alignment (rows)
 BUILD_S = 600.0  # how much longer than the timeout the others wait for rank 0's nvcc
+ROW_ALIGN = 16  # bytes: a caller's rows the kernels read in place start at a multiple (their 16-byte loads)
 
 
 class TableHandle:
@@ -248,7 +251,7 @@ class CudaTableEngine:
         self.input_ptr = self.own["dispatch"][names["dispatch"].index("input")]
         self.output_ptr = self.own["dispatch"][names["dispatch"].index("output")]
         self.y_ptr = self.own["combine"][names["combine"].index("output")] if "combine" in self.programs else 0
-        self.caller_rows = reads_caller_rows(manifest, self.lib.has_caller_rows, "combine" in self.programs)
+        self.caller_rows = reads_caller_rows(manifest, self.lib.has_caller_rows, self.programs)
         if self.meta is not None:
             if not self.meta.collective:
                 self.meta.set_areas([peer(e["area"], r, self.area) for r, e in enumerate(everyone)], self.rank)
@@ -481,10 +484,7 @@ class CudaTableEngine:
             if layout is not self.layout:
                 self._upload(layout)
             stream = self._stream()
-            if T:
-                device_view(self.input_ptr, T * self.row_bytes, torch.uint8, (T, self.row_bytes),
-                            self.device).copy_(rows)
-            self.ctx.launch_dispatch(stream)
+            self.ctx.launch_dispatch(stream, self._dispatch_input(rows, T))
             n = layout.buffer_rows("output", self.rank)
             got = device_view(self.output_ptr, n * self.row_bytes, torch.uint8, (n, self.row_bytes),
                               self.device).clone()
@@ -504,9 +504,7 @@ class CudaTableEngine:
             self.agree.heed()
         try:
             self.meta.run(T, topk_idx, topk_weights, torch.cuda.current_stream(self.device))
-            if T:
-                self.input_view[:T].copy_(rows)
-            self.ctx.launch_dispatch(stream)
+            self.ctx.launch_dispatch(stream, self._dispatch_input(rows, T))
         except (CudaError, KernelTimeout, EngineError) as e:  # the exchange's own timeout too (ExchangeTimeout)
             self._fail_launch(e)
         self.dispatches += 1
@@ -606,15 +604,26 @@ class CudaTableEngine:
                 self._fail_launch(e)
             return out
 
+    def _dispatch_input(self, rows: torch.Tensor, T: int) -> int:
+        """Where the dispatch kernel reads this rank's tokens: `rows` itself (x, or x_fp8 and its
+        scales side by side: its address, returned: a launch argument, which a CUDA graph captures)
+        where the bundle allows it (`caller_rows`: manifest dispatch_input) and they can be read in
+        place (caller_rows_usable); else 0, after they are copied into the dispatch's input buffer."""
+        if T and self.caller_rows["dispatch"] and caller_rows_usable(rows):
+            return rows.data_ptr()
+        if T:
+            self.input_view[:T].copy_(rows)
+        return 0
+
     def _combine_input(self, y: torch.Tensor, handle: TableHandle, stream: int) -> int:
         """Where the combine kernel reads this rank's expert rows: `y` itself (its address, returned:
         a launch argument, which a CUDA graph captures, so a replay reads the captured tensor) where
         the bundle allows it (`caller_rows`: manifest combine_input) and y is a contiguous bf16
-        [rows, hidden] tensor on this device; else 0, after y is copied into the combine's input
+        [rows, hidden] tensor on this device, 16-byte aligned; else 0, after y is copied into the combine's input
         buffer (low latency: only the rows received)."""
         n = y.shape[0]
-        if (self.caller_rows and n and y.dtype == torch.bfloat16 and y.device == self.device and y.dim() == 2
-                and y.shape[1] == self.hidden and y.is_contiguous()):
+        if (self.caller_rows["combine"] and n and y.dtype == torch.bfloat16 and y.device == self.device
+                and y.dim() == 2 and y.shape[1] == self.hidden and caller_rows_usable(y)):
             return y.data_ptr()
         if self.meta is not None and handle.layout is None and n == self.recv_view.shape[0]:
             # low latency: y is the whole receive buffer; only the rows received count
@@ -744,12 +753,20 @@ def _each(engines: list[GpuRdma], act) -> list[str]:
     return failures
 
 
-def reads_caller_rows(manifest: dict, library_can: bool, has_combine: bool) -> bool:
-    """Whether combine hands the kernel the caller's expert rows instead of copying them into the
-    combine's input buffer ("output"): the bundle's manifest says its kernels may (combine_input,
-    decided by the compiler: backends/cuda/codegen.py combine_input; absent in a bundle of an older
-    epcc) and its library has the entry point."""
-    return has_combine and library_can and combine_reads_caller_rows(manifest)
+def reads_caller_rows(manifest: dict, library_can: dict[str, bool], programs) -> dict[str, bool]:
+    """Per program, whether a call hands the kernel the caller's rows (the dispatch's tokens, the
+    combine's expert rows) instead of copying them into the program's input buffer: the bundle has
+    the program, its manifest says its kernels may (dispatch_input, combine_input, decided by the
+    compiler: backends/cuda/codegen.py caller_input; absent in a bundle of an older epcc) and its
+    library has the entry point."""
+    return {p: p in programs and library_can.get(p, False) and manifest_reads_caller_rows(manifest, p)
+            for p in PROGRAMS}
+
+
+def caller_rows_usable(t: torch.Tensor) -> bool:
+    """Whether a kernel may read `t`'s rows in place: contiguous, its address a multiple of
+    ROW_ALIGN (the kernels' 16-byte vector loads)."""
+    return t.is_contiguous() and t.data_ptr() % ROW_ALIGN == 0
 
 
 def _align_rows(rows: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, counts: list[int], align: int):

@@ -196,14 +196,15 @@ class Library:
             f = getattr(lib, name)
             f.argtypes = args
             f.restype = res
-        # the combine reading the caller's expert rows (a library of an older epcc has no such entry)
-        try:
-            f = lib.epcc_cuda_launch_combine_rows
-        except AttributeError:
-            self.has_caller_rows = False
-        else:
-            f.argtypes, f.restype = [vp, u64, u64, u64, u64], i32
-            self.has_caller_rows = True
+        # each program reading the caller's rows (a library of an older epcc has no such entry):
+        # per program, whether it has the entry point
+        self.has_caller_rows: dict[str, bool] = {}
+        for program, name, args in (("dispatch", "epcc_cuda_launch_dispatch_rows", [vp, u64, u64]),
+                                    ("combine", "epcc_cuda_launch_combine_rows", [vp, u64, u64, u64, u64])):
+            f = getattr(lib, name, None)
+            if f is not None:
+                f.argtypes, f.restype = args, i32
+            self.has_caller_rows[program] = f is not None
 
     # ------------------------------------------------------------------ about the build
     @property
@@ -321,8 +322,14 @@ class Context:
         self._check(self.lib.epcc_cuda_upload_tables(self.handle, _program(program), blob.ctypes.data, blob.nbytes,
                                                      stream))
 
-    def launch_dispatch(self, stream: int = 0) -> None:
-        self._check(self.lib.epcc_cuda_launch_dispatch(self.handle, stream))
+    def launch_dispatch(self, stream: int = 0, rows: int = 0) -> None:
+        """The dispatch kernel on `stream`; `rows`: the caller's tokens, which the kernel reads in place
+        of the dispatch's input buffer (0: that buffer; only where the manifest's dispatch_input
+        allows it: Library.has_caller_rows)."""
+        if rows:
+            self._check(self.lib.epcc_cuda_launch_dispatch_rows(self.handle, rows, stream))
+        else:
+            self._check(self.lib.epcc_cuda_launch_dispatch(self.handle, stream))
 
     def use_tables(self, program: str | int, tables: int, header: bytes, nbytes: int) -> None:
         """Tables the GPU writes itself at device address `tables` (runtime/engines/cuda_table/meta.py),

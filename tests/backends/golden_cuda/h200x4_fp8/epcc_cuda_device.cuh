@@ -245,8 +245,9 @@ struct KernelArgs {
   uint64_t* timeline;           // nullptr, or [grid * kTimelineWords] %globaltimer stamps per block (below)
   const RdmaChan* rdma;         // GPU proxy path: [num_copies], by CopyDesc index; nullptr without RDMA roles
   const uint32_t* rdma_seq;     // GPU proxy path: [num_items]: each item's sequence number on its channel
-  const uint8_t* caller_rows;   // combine: the caller's expert rows, read in place of this rank's buffer
-                                // caller_buf (manifest combine_input); nullptr: the buffer itself
+  const uint8_t* caller_rows;   // the caller's rows (the dispatch's tokens, the combine's expert rows), read in
+                                // place of this rank's buffer caller_buf (manifest dispatch_input,
+                                // combine_input); nullptr: the buffer itself
   uint32_t caller_buf;
   uint32_t rank;
   uint32_t num_ranks;

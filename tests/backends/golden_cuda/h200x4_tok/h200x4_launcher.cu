@@ -64,9 +64,10 @@ cudaError_t (*const kFinishLaunch)(const float*, void*, uint64_t, uint32_t, cuda
 cudaError_t (*const kFinishLoad)(void) = epcc_h200x4_combine_finish_load;
 constexpr bool kHasFinish = true;
 constexpr uint32_t kFinishBlock = 256;
-// The combine buffer a launch may read from the caller's memory instead (epcc_cuda_launch_combine_rows;
-// manifest combine_input): -1 where some copy reads it on another rank than its own.
-constexpr int32_t kCallerBuffer = -1;
+// Per program, the buffer a launch may read from the caller's memory instead (epcc_cuda_launch_dispatch_rows,
+// epcc_cuda_launch_combine_rows; the manifest's dispatch_input and combine_input): -1 where some copy
+// reads it on another rank than its own.
+constexpr int32_t kCallerBuffer[2] = {0, -1};
 
 struct Program {
   int blocks_per_sm = 0;             // the kernel's occupancy, found when the context is created
@@ -156,8 +157,8 @@ std::string format_error(const epcc::ErrorRecord& e) {
 // Counters per bank: a region is the barrier word and two banks (alternate launches).
 uint32_t bank_words(const Context* c) { return (c->flag_capacity - 1) / 2; }
 
-// `caller_rows` (combine only, 0: none): the caller's expert rows, read in place of this rank's
-// buffer kCallerBuffer.
+// `caller_rows` (0: none): the caller's rows (the dispatch's tokens, the combine's expert rows), read
+// in place of this rank's buffer kCallerBuffer[program].
 int launch_main(Context* c, int program, cudaStream_t stream, uint64_t caller_rows = 0) {
   const ProgramInfo& info = kPrograms[program];
   Program& p = c->programs[program];
@@ -171,9 +172,9 @@ int launch_main(Context* c, int program, cudaStream_t stream, uint64_t caller_ro
   if (c->error_host->code != epcc::kErrNone) {
     return fail(c, EPCC_RC_KERNEL, "an earlier launch failed: %s", format_error(*c->error_host).c_str());
   }
-  if (caller_rows != 0 && (program != 1 || kCallerBuffer < 0)) {
-    return fail(c, EPCC_RC_USAGE, "%s: this bundle's combine reads its input buffer, not the caller's rows (the "
-                "manifest's combine_input.why says which step forbids it)", info.name);
+  if (caller_rows != 0 && kCallerBuffer[program] < 0) {
+    return fail(c, EPCC_RC_USAGE, "%s: this bundle's %s reads its input buffer, not the caller's rows (the "
+                "manifest's %s_input.why says which step forbids it)", info.name, info.name, info.name);
   }
   for (const uint64_t u : p.used) {
     // tables the GPU writes may name any buffer of any rank; those of a rank not mapped here
@@ -203,7 +204,7 @@ int launch_main(Context* c, int program, cudaStream_t stream, uint64_t caller_ro
   a.rdma = p.rdma;
   a.rdma_seq = p.rdma_seq;
   a.caller_rows = reinterpret_cast<const uint8_t*>(caller_rows);
-  a.caller_buf = caller_rows != 0 ? static_cast<uint32_t>(kCallerBuffer) : 0u;
+  a.caller_buf = caller_rows != 0 ? static_cast<uint32_t>(kCallerBuffer[program]) : 0u;
   a.rank = c->rank;
   a.num_ranks = kNumRanks;
   a.barrier_ranks = c->barrier_ranks;
@@ -562,12 +563,22 @@ int epcc_cuda_use_tables(void* ctx, int program, uint64_t tables, const void* he
 // Dispatch on `stream` (a cudaStream_t, 0: the legacy default stream).  Every rank launches its
 // own; the kernel meets the others at its entry barrier.  When the stream reaches the kernel's
 // end, this rank's `output` holds every row (stream order suffices for the next work).
+int epcc_cuda_launch_dispatch_rows(void* ctx, uint64_t rows, uint64_t stream);
+
 int epcc_cuda_launch_dispatch(void* ctx, uint64_t stream) {
+  return epcc_cuda_launch_dispatch_rows(ctx, 0, stream);
+}
+
+// As epcc_cuda_launch_dispatch, the kernel reading this rank's tokens at `rows` (device memory of the
+// caller, laid out as the dispatch's input buffer; 0: from that buffer) where the manifest's
+// dispatch_input allows it (EPCC_RC_USAGE elsewhere).  The pointer is a kernel argument: a CUDA
+// graph captures it.
+int epcc_cuda_launch_dispatch_rows(void* ctx, uint64_t rows, uint64_t stream) {
   Context* c = static_cast<Context*>(ctx);
   if (c == nullptr) return fail(nullptr, EPCC_RC_USAGE, "epcc_cuda_launch_dispatch: NULL context");
   if (int rc = check_program(c, 0)) return rc;
   EPCC_TRY(c, cudaSetDevice(c->device));
-  return launch_main(c, 0, reinterpret_cast<cudaStream_t>(stream));
+  return launch_main(c, 0, reinterpret_cast<cudaStream_t>(stream), rows);
 }
 
 // Combine on `stream`: clears this rank's partial buffers, runs the kernel, then converts the
