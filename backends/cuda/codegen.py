@@ -158,6 +158,10 @@ class RoleSpec:
     bytes_per_s: float | None  # pacing (emulated links), None: full speed
     fn: str
     latency_ns: int = 0  # pacing: each chunk lands this long after its last byte (the link's latency)
+    # whether its chunks are published in chunk order: where a step of the program reads what it
+    # writes (its chunks' waits read "counter >= v" as chunks 0..v-1 written); else a block publishes
+    # its chunk as soon as it is written (only the drain, which waits for the total, reads the counter)
+    ordered: bool = True
     comment: list[str] = field(default_factory=list)
     summary: str = ""
 
@@ -431,6 +435,7 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
         rate = _link_rate(plan, step.link) if how == "rdma-on-sm" and opts.pace_rdma else None
         latency_ns = round(max((f.latency_s for f in step.flows), default=0.0) * 1e9) if rate else 0
         fn = f"epcc_{sched}_{program}_{ident(r.step)}"
+        ordered = any(r.step in s.deps for s in plan.program_steps(program))
         while fn in used:
             fn += "_"
         used.add(fn)
@@ -439,7 +444,7 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
                               warps=warps, op=op, op_type=op_type, access_bytes=access, unroll=unroll,
                               verb=step.verb, link=step.link, link_kind=step.link_kind,
                               src_buffers=list(step.src_buffers), dst_buffer=step.dst_buffer, bytes_per_s=rate,
-                              fn=fn, latency_ns=latency_ns))
+                              fn=fn, latency_ns=latency_ns, ordered=ordered))
     grid = max(rs.block_end for rs in roles)
     if grid <= 0:
         raise CudaCodegenError(f"{program}: every step is a DMA-engine copy; the kernel would have no block to "
@@ -483,6 +488,9 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
             f"  {rs.verb} over link '{rs.link or '?'}' ({rs.link_kind or '?'}): {moves}",
             f"  {_op_words(plan, rs.op, rs.access_bytes, rs.unroll)}",
         ]
+        if not rs.ordered and rs.lowered not in ("rdma-pack", "rdma-unpack", "dma-engine"):
+            rs.comment.append("  publishes each chunk once written, in any order: no step of the program reads what "
+                              "it writes")
         rs.summary = f"{rs.role}, {rs.verb} {moves}" + ("" if rs.lowered == "sm" else f" [{rs.lowered}]")
     block = target.warp_size * max(rs.warps for rs in roles if rs.lowered != "dma-engine")
     if block > target.max_block_threads:

@@ -19,8 +19,10 @@ role's kind of work, and is published once the copy's earlier chunks are; its co
 no sooner than the fluid model has moved its bytes too (links and shared resources bound the
 role there; its blocks' own timeline runs at the per-SM rate).  Dealing
 "round-robin" (what the kernels do): item k to block k mod N, the block waiting until its chunk
-is published before it takes its next one.  Dealing "free" (a kernel change, to show what it
-would gain): each item, in the same order, to the block free first, which takes its next item
+is published before it takes its next one -- where a step of the program reads what the role
+writes; a role no step reads (only the drain waits for its total) publishes each chunk once it is
+written, in any order (run_role's `ordered`), and its block goes on at once.  Dealing "free" (a
+kernel change, to show what it would gain): each item, in the same order, to the block free first, which takes its next item
 as soon as its chunk is copied (its publication still waits for the copy's earlier chunks: a
 queue of work and a publication that does not hold the block; dealt to free blocks but waiting
 to publish in order, h200x4_ubb2x2's final gains nothing).  A producer without blocks (an RDMA step on the
@@ -128,6 +130,7 @@ def schedule_roles(steps: list[PlanStep], eng, copies: Iterable[LayoutCopy], rol
             continue
         blocks, s_per_byte = role
         start = float(eng.ready_t[si])
+        ordered = any(s.name in t.deps for t in steps)  # codegen's RoleSpec.ordered
         for rank in sorted(r for name, r in per_role if name == s.name):
             cs = sorted(per_role[(s.name, rank)], key=lambda c: c.flow_index)
             rb = RoleBlocks()
@@ -146,7 +149,8 @@ def schedule_roles(steps: list[PlanStep], eng, copies: Iterable[LayoutCopy], rol
                 else:
                     at, b = heapq.heappop(free)
                 t = max(at, ready) + secs
-                own[ci][ch] = max(t, own[ci][ch - 1]) if ch > 0 else t  # counters count chunks in order
+                # counters count chunks in order where a step reads them
+                own[ci][ch] = max(t, own[ci][ch - 1]) if ch > 0 and ordered else t
                 # what the consumers see: no sooner than the fluid model moved the chunk's bytes
                 pub[ci][ch] = max(own[ci][ch], fluid(c, ch + 1))
                 rb.end = max(rb.end, pub[ci][ch])
@@ -156,10 +160,10 @@ def schedule_roles(steps: list[PlanStep], eng, copies: Iterable[LayoutCopy], rol
                     heapq.heappush(free, (t, b))
             for c, times in zip(cs, pub):
                 rb.published[c.flag_id] = times
-                if c.flag_id >= 0:
-                    done[c.flag_id] = times
+                if c.flag_id >= 0:  # the counter reaches v when v of the chunks are published (any order)
+                    done[c.flag_id] = sorted(times)
                 if times:
-                    holds[(si, c.flow_index)] = times[-1]
+                    holds[(si, c.flow_index)] = max(times)
             out[(s.name, rank)] = rb
     return holds, out
 

@@ -37,12 +37,16 @@ class _Run:
         return self.late if f == 0 and frac > 0 else 0.0
 
 
-def _steps() -> list[PlanStep]:
+def _steps(read: bool = True) -> list[PlanStep]:
+    """The producer p, the role r that follows it and, where `read`, a step that reads what r writes
+    (so r publishes its chunks in order)."""
     flow = Flow(rank=0, src=0, dst=0, bytes=4.0, resources=("hbm:0",))
     producer = PlanStep(name="p", program="dispatch", verb="copy", link="hbm", link_kind="local", deps=(), flows=[flow])
     role = PlanStep(name="r", program="dispatch", verb="copy", link="hbm", link_kind="local", deps=("p",),
                     pipelined_deps=("p",), flows=[flow])
-    return [producer, role]
+    reader = PlanStep(name="c", program="dispatch", verb="copy", link="hbm", link_kind="local", deps=("r",),
+                      flows=[])
+    return [producer, role] + ([reader] if read else [])
 
 
 
@@ -67,6 +71,16 @@ def test_round_robin_blocks_wait_for_the_chunks_dealt_to_them_and_publish_in_ord
     rb = roles[("r", 0)]
     assert rb.published[1] == [11.0, 11.0, 12.0, 12.0]
     assert rb.end == 12.0 and holds == {(1, 0): 12.0}
+
+
+def test_a_role_no_step_reads_publishes_each_chunk_once_written():
+    """The same role, round-robin, where no step reads what it writes (the kernels' `ordered` false):
+    block 1 copies chunk 1 at 0..1 and publishes it at once, then chunk 3 at 1..2; block 0 copies
+    chunk 0 at 10..11 and chunk 2 at 11..12."""
+    holds, roles = schedule_roles(_steps(read=False), _Run(late=10.0), _copies(), {("dispatch", "r"): (2, 1.0)},
+                                  "round-robin")
+    assert roles[("r", 0)].published[1] == [11.0, 1.0, 12.0, 2.0]
+    assert roles[("r", 0)].end == 12.0 and holds == {(1, 0): 12.0}  # the flow ends with its last chunk published
 
 
 def test_free_blocks_take_the_next_chunk_without_waiting_to_publish():

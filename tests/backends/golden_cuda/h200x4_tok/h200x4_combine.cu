@@ -15,16 +15,20 @@
 //   reducer on blocks [0, 1) = plan SMs [0, 1), 16 warps, engine sm
 //   reduce over link 'hbm' (local): output -> result
 //   fp32 partial += weight * bf16 expert output (7168 channels), 16-byte loads, atomic fp32 adds
+//   publishes each chunk once written, in any order: no step of the program reads what it writes
 static __device__ __noinline__ void epcc_h200x4_combine_keep(const epcc::KernelArgs& a, uint32_t block) {
-  epcc::run_role<epcc::AccumWeightedBf16<8, 8>, 16u>(a, 0u, "keep", block, 1u, 0.f, 0u);
+  epcc::run_role<epcc::AccumWeightedBf16<8, 8>, 16u>(a, 0u, "keep", block, 1u, 0.f, 0u,
+                                                 /*ordered=*/false);
 }
 
 // step 'push' (send each token once to every peer that needs it), schedules/h200x4.sched:50
 //   sender on blocks [1, 25) = plan SMs [1, 25), 16 warps, engine sm
 //   pull over link 'nvlink' (p2p): output -> result
 //   fp32 partial += weight * bf16 expert output (7168 channels), 16-byte loads, atomic fp32 adds
+//   publishes each chunk once written, in any order: no step of the program reads what it writes
 static __device__ __noinline__ void epcc_h200x4_combine_push(const epcc::KernelArgs& a, uint32_t block) {
-  epcc::run_role<epcc::AccumWeightedBf16<8, 8>, 16u>(a, 1u, "push", block, 24u, 0.f, 0u);
+  epcc::run_role<epcc::AccumWeightedBf16<8, 8>, 16u>(a, 1u, "push", block, 24u, 0.f, 0u,
+                                                 /*ordered=*/false);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 1) epcc_h200x4_combine_kernel(const EPCC_GRID_CONSTANT epcc::KernelArgs given) {

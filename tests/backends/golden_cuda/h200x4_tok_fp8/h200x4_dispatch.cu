@@ -15,16 +15,20 @@
 //   sender on blocks [0, 24) = plan SMs [0, 24), 16 warps, engine sm
 //   send over link 'nvlink' (p2p): input -> output
 //   wire rows of 7392 B copied, 16-byte accesses, 8 loads in flight per lane
+//   publishes each chunk once written, in any order: no step of the program reads what it writes
 static __device__ __noinline__ void epcc_h200x4_dispatch_push(const epcc::KernelArgs& a, uint32_t block) {
-  epcc::run_role<epcc::CopyRows<16, 8>, 16u>(a, 0u, "push", block, 24u, 0.f, 0u);
+  epcc::run_role<epcc::CopyRows<16, 8>, 16u>(a, 0u, "push", block, 24u, 0.f, 0u,
+                                                 /*ordered=*/false);
 }
 
 // step 'keep' (own tokens to local experts), schedules/h200x4.sched:52
 //   permuter on blocks [24, 25) = plan SMs [24, 25), 16 warps, engine sm
 //   permute over link 'hbm' (local): input -> output
 //   wire rows of 7392 B copied, 16-byte accesses, 8 loads in flight per lane
+//   publishes each chunk once written, in any order: no step of the program reads what it writes
 static __device__ __noinline__ void epcc_h200x4_dispatch_keep(const epcc::KernelArgs& a, uint32_t block) {
-  epcc::run_role<epcc::CopyRows<16, 8>, 16u>(a, 1u, "keep", block, 1u, 0.f, 0u);
+  epcc::run_role<epcc::CopyRows<16, 8>, 16u>(a, 1u, "keep", block, 1u, 0.f, 0u,
+                                                 /*ordered=*/false);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 1) epcc_h200x4_dispatch_kernel(const EPCC_GRID_CONSTANT epcc::KernelArgs given) {
