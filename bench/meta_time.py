@@ -4,7 +4,7 @@ rank's tables of both programs (runtime/engines/cuda_table/meta.py), per dispatc
 routing pays them.
 
     torchrun --standalone --nproc-per-node 2 bench/meta_time.py .gpu/bundles/h200x2_2vnode_50 [--iters 200]
-        [--grid 0,default] [--profile]
+        [--grid 0,default] [--profile] [--timeline [N]]
 
 Each iteration: a barrier, CUDA events around `meta.run` on the current stream, the time the
 maximum over ranks (the exchange waits for the slowest rank's routing); prints the median, the
@@ -15,6 +15,19 @@ other in the same processes (`default`: the runtime's, its largest phase's block
 device holds; 0: the steps as launches of their own, as on a target without cooperative launch).
 `--profile` then records 20 more iterations of each under torch.profiler and prints rank 0's
 kernels and copies with their mean device time, to find what bounds the metadata.
+
+`--timeline [N]` (N: 50 where not given), after the above: N more dispatches at the runtime's grid
+with meta_fused's per-block %globaltimer stamps on (DeviceMeta.timeline; untimed), and per rank a
+table of where its time went.  Each row a stage of the kernel (meta.py STAGES: entry, sent -- the
+block's share of the routing written and its arrival counted --, prepared -- its first count
+block's sets read --, peers -- every rank's flag seen --, each phase's work done, each grid barrier
+passed), in us after the launch's first block entered: the median over the dispatches of the
+stage's median over the blocks ("median", over the blocks with work in the phase for a phase's
+row, their number in "blocks"; "-" where none had any) and of its max over the blocks ("max");
+beside it the step that led to it (start, send, prepare, wait, count, barrier 1, scan, ...): the
+median of how much later the grid's last block passed the stage than the last passed the one
+before (the launch's critical path), and the total, the last stamp after the first entry.  With
+the collective exchange (the routing gathered before the launch) send and wait are 0.
 """
 
 from __future__ import annotations
@@ -32,7 +45,31 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's epcc where none is installed
 
 from epcc.runtime.buffer import Buffer  # noqa: E402
+from epcc.runtime.engines.cuda_table.meta import timeline_medians, timeline_summary  # noqa: E402
 from epcc.runtime.testing.inputs import make_topk, make_weights  # noqa: E402
+
+
+def timeline_lines(summary: dict, rank: int) -> list[str]:
+    """The table --timeline prints for one rank (`summary`: meta.py timeline_medians)."""
+
+    def us(v: float | None) -> str:
+        return f"{v:8.1f}" if v is not None else f"{'-':>8}"
+
+    lines = [f"rank {rank}: meta_fused timeline, {summary['blocks']} blocks, medians over {summary['launches']} "
+             f"dispatches (us after the first block's entry)",
+             f"  {'stage':<10} {'blocks':>6} {'median':>8} {'max':>8}   {'step':<10} {'us':>8}"]
+    for stage, (step, took) in zip(summary["stages"], summary["steps"]):
+        lines.append(f"  {stage['stage']:<10} {stage['blocks']:>6} {us(stage['median_us'])} {us(stage['max_us'])}   "
+                     f"{step:<10} {us(took)}")
+    lines.append(f"  {'total':<10} {'':>6} {'':>8} {'':>8}   {'':<10} {us(summary['total_us'])}")
+    return lines
+
+
+def positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a number of dispatches, at least 1, not {text}")
+    return n
 
 
 def main(argv=None) -> int:
@@ -44,6 +81,9 @@ def main(argv=None) -> int:
     ap.add_argument("--grid", default="default",
                     help="meta_fused's grids to time, comma-separated: blocks, `default` (the runtime's), 0 (the "
                          "steps as launches of their own)")
+    ap.add_argument("--timeline", type=positive, nargs="?", const=50, default=0, metavar="N",
+                    help="then N (50) dispatches with meta_fused's per-block timeline, a table per rank of where its "
+                         "time goes")
     args = ap.parse_args(argv)
     try:
         grids = [None if g.strip() == "default" else int(g) for g in args.grid.split(",")]
@@ -59,6 +99,10 @@ def main(argv=None) -> int:
     meta = getattr(buf.engine, "meta", None)
     if meta is None:
         print(f"{args.bundle}: its tables come from the host, not the metadata kernels", file=sys.stderr)
+        return 1
+    if args.timeline and meta.fused_grid == 0:
+        print("--timeline: the timeline is meta_fused's, and this device runs the metadata's steps as launches of "
+              "their own (no cooperative launch)", file=sys.stderr)
         return 1
     wl = buf.plan.workload
     T = wl.tokens
@@ -120,6 +164,23 @@ def main(argv=None) -> int:
                 print(f"per dispatch, {how}, rank 0, mean over {n} (device us, launches):")
                 for key, us_, cnt in rows[:16]:
                     print(f"  {us_:8.1f}  x{cnt:<3d} {key[:100]}", flush=True)
+    if args.timeline:
+        torch.cuda.synchronize(dev)
+        meta.set_grid(default)
+        meta.timeline(True)
+        rounds = []
+        for _ in range(args.timeline):
+            dist.barrier()
+            torch.cuda.synchronize(dev)
+            meta.run(T, topk, weights, stream)
+            stream.synchronize()
+            rounds.append(timeline_summary(meta.read_timeline(), meta.busy_blocks()))
+        meta.timeline(False)
+        every = [None] * world
+        dist.all_gather_object(every, timeline_medians(rounds))
+        if rank == 0:
+            for r, summary in enumerate(every):
+                print("\n".join(timeline_lines(summary, r)), flush=True)
     dist.barrier()
     buf.close()
     dist.destroy_process_group()

@@ -9,7 +9,9 @@ No GPU here.  What runs:
   one node; ubbv2_ep16 once more with an odd hidden size for the narrow access paths): they
   compile, and the main kernels spill nothing; h200x4's library is built with the manifest's
   own nvcc command, loads with ctypes and fails cleanly without a GPU.  Each schedule is
-  compiled once (module-scoped fixture, files in parallel); skipped when nvcc is missing;
+  compiled once (module-scoped fixture, files in parallel); skipped when nvcc is missing; nvcc
+  also asserts that the runtime's ctypes mirror of the metadata driver's EpccTableMeta
+  (runtime/engines/cuda_table/meta.py) has the C struct's offsets and sizes;
 * a golden of every generated file for h200x4 and h200x4 --dtype fp8, the direct lowering's
   (`<schedule>_direct.cu`, `epcc_direct_config.cuh`) and the manifest included
   (`.venv/bin/python tests/backends/regen_cuda_golden.py` rewrites them); the direct kernels'
@@ -24,6 +26,7 @@ No GPU here.  What runs:
 from __future__ import annotations
 
 import copy
+import ctypes
 import difflib
 import json
 import os
@@ -45,7 +48,7 @@ from epcc.passes import PassOptions
 from epcc.plan.rdma import rdma_steps
 from epcc.runtime import build_cache
 from epcc.runtime.engines.cuda_direct import library as direct_library
-from epcc.runtime.engines.cuda_table import launcher, tables
+from epcc.runtime.engines.cuda_table import launcher, meta, tables
 from epcc.runtime.layout import compute_layout
 from epcc.runtime.testing import inputs, oracle
 from epcc.runtime.testing.emulate import EmulationError, emulate
@@ -465,6 +468,39 @@ def test_nvcc_compiles_the_metadata_driver(built):
         assert r.returncode == 0, f"{n}:\n{r.stdout}{r.stderr}"
     assert (codegen.generate(plan_of("h200x4_2vnode")).manifest["metadata"]["exchange"],
             codegen.generate(plan_of("ubbv2_ep16")).manifest["metadata"]["exchange"]) == ("ipc", "collective")
+
+
+def _c_fields(struct: type, prefix: str = "") -> list[tuple[str, int, int]]:
+    """(member designator, offset, size) of every field of a ctypes Structure, nested ones'
+    members too (offsetof takes `exchange.rank`)."""
+    out = []
+    for name, ctype, *_ in struct._fields_:
+        f = getattr(struct, name)
+        out.append((prefix + name, f.offset, f.size))
+        if isinstance(ctype, type) and issubclass(ctype, ctypes.Structure):
+            out += [(d, f.offset + off, size) for d, off, size in _c_fields(ctype, prefix + name + ".")]
+    return out
+
+
+def test_the_runtimes_ctypes_mirror_is_the_metadata_drivers_struct(tmp_path):
+    """runtime/engines/cuda_table/meta.py writes EpccTableMeta (with its Exchange and Args) through
+    the ctypes _Meta: nvcc, on the generated driver, asserts every field's offset and size and the
+    struct's, the ABI number and the timeline's words per block the runtime reads."""
+    if NVCC is None:
+        pytest.skip("nvcc not found (PATH, $NVCC, /usr/local/cuda*/bin): the CUDA sources are not compiled")
+    codegen.generate(plan_of("h200x4_2vnode"), source_of("h200x4_2vnode")).write(tmp_path)
+    fields = _c_fields(meta._Meta)
+    assert {"timeline", "exchange.rank", "args.lay"} <= {d for d, _, _ in fields}
+    checks = [f"static_assert(sizeof(EpccTableMeta) == {ctypes.sizeof(meta._Meta)}, \"sizeof\");",
+              f"static_assert(kMetaAbi == {meta.META_ABI}, \"kMetaAbi\");",
+              f"static_assert(kMetaTimelineWords == {meta.TIMELINE_WORDS}, \"kMetaTimelineWords\");"]
+    for d, off, size in fields:
+        checks.append(f"static_assert(offsetof(EpccTableMeta, {d}) == {off}, \"offset of {d}\");")
+        checks.append(f"static_assert(sizeof(std::declval<EpccTableMeta>().{d}) == {size}, \"size of {d}\");")
+    (tmp_path / "mirror.cu").write_text(f'#include <cstddef>\n#include "{codegen.META_SOURCE}"\n' + "\n".join(checks)
+                                        + "\n", encoding="utf-8")
+    r = _nvcc([*NVCC_FLAGS, "mirror.cu", "-o", "mirror.o"], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def ptxas_report(output: str) -> dict[str, dict]:

@@ -14,12 +14,18 @@ rank maps, allocated by the caller with the launcher library's malloc; collectiv
 tensor, all-gathered by the Buffer's Exchange: exchange.py), the exchange's epoch, meta_fused's
 grid barrier counter, an error word the kernels write before they give up, and what a dispatch
 returns of the received rows (their weights, experts, the rows per local expert).
+
+meta_fused's timeline (`DeviceMeta.timeline`, off by default): each block's %globaltimer stamps at
+the stages of one launch (STAGES), read back as an array (`read_timeline`) that `timeline_summary`
+turns into when each stage was passed and how long each step took (bench/meta_time.py --timeline).
 """
 
 from __future__ import annotations
 
 import ctypes
+import statistics
 
+import numpy as np
 import torch
 
 from epcc.plan.segments import SegmentProgram
@@ -31,9 +37,24 @@ from .exchange import Exchange, area_regions
 from .tables import PROGRAMS
 
 MAX_RANKS = 64
-META_ABI = 6  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
+META_ABI = 7  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
 LAYOUT_WORDS = 21  # meta.cuh kLayout: the scratch's regions
 PHASES = ("count", "scan", "rows")  # meta.cuh Phase: what meta_fused's barrier timeouts name
+# meta_fused's timeline (epcc_table_meta.cu MetaStamp, kMetaTimelineWords): what each block's
+# thread 0 stamps, in order.  sent: its share of the routing written and its arrival counted (the
+# last block's after it raised this rank's flags); prepared: its first count block's sets read;
+# peers: every rank's flag seen; a phase's name: its work done; "barrier n": past the grid barrier
+# after the n-th phase.  Without the exchange (collective) sent is entry's stamp and peers
+# prepared's.
+STAGES = ("entry", "sent", "prepared", "peers", "count", "barrier 1", "scan", "barrier 2", "rows", "barrier 3",
+          "items")
+TIMELINE_WORDS = len(STAGES)
+# what the step up to each stage is called in timeline_summary: start is the spread of the blocks'
+# entries, wait the wait for the peers' routing
+STEPS = ("start", "send", "prepare", "wait", "count", "barrier 1", "scan", "barrier 2", "rows", "barrier 3",
+         "items")
+# the phase whose blocks with work a stage's statistics are over (timeline_summary's busy; None: every block)
+_STAGE_PHASE = (None, None, "count", None, "count", None, "scan", None, "rows", None, "items")
 
 
 class _Exchange(ctypes.Structure):
@@ -57,7 +78,7 @@ class _Meta(ctypes.Structure):  # EpccTableMeta
     _fields_ = [("exchange", _Exchange), ("args", _Args), ("templ", ctypes.c_uint64 * 2),
                 ("templ_bytes", ctypes.c_uint64 * 2), ("sync", ctypes.c_uint64), ("grid_count", ctypes.c_int),
                 ("grid_rows", ctypes.c_int), ("grid_items", ctypes.c_int), ("grid_copy", ctypes.c_int),
-                ("grid_scan", ctypes.c_int), ("grid_fused", ctypes.c_int)]
+                ("grid_scan", ctypes.c_int), ("grid_fused", ctypes.c_int), ("timeline", ctypes.c_uint64)]
 
 
 def bind(lib: ctypes.CDLL) -> None:
@@ -71,6 +92,10 @@ def bind(lib: ctypes.CDLL) -> None:
     if abi() != META_ABI:
         raise EngineError(f"the bundle's metadata kernels have ABI {abi()}, this runtime needs {META_ABI}: "
                           f"recompile the bundle with this epcc")
+    lib.epcc_table_meta_timeline_words.argtypes, lib.epcc_table_meta_timeline_words.restype = [], ctypes.c_int
+    if lib.epcc_table_meta_timeline_words() != TIMELINE_WORDS:
+        raise EngineError(f"the bundle's metadata kernels stamp {lib.epcc_table_meta_timeline_words()} words per "
+                          f"block, this runtime reads {TIMELINE_WORDS}: recompile the bundle with this epcc")
     for entry in (lib.epcc_table_meta, lib.epcc_table_meta_gather, lib.epcc_table_meta_tables):
         entry.argtypes, entry.restype = [ctypes.POINTER(_Meta), ctypes.c_uint64], ctypes.c_int
     lib.epcc_table_meta_zero.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]
@@ -145,6 +170,10 @@ class DeviceMeta:
         self.bad = torch.zeros(1, dtype=torch.int32, device=device)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=device)
         self.sync = torch.zeros(1, dtype=torch.int64, device=device)  # meta_fused's barrier counter
+        # meta_fused's timeline, [fused_grid][TIMELINE_WORDS], made by the first timeline(True) and kept (a
+        # launch still in flight may write it); stamped into while self.stamping
+        self.stamps: torch.Tensor | None = None
+        self.stamping = False
         # meta_fused's grid: as many blocks as its largest phase has, at most what the device holds
         # at once (0: the launches of the steps instead, where the target has no cooperative launch)
         dev = torch.device(device)
@@ -246,6 +275,7 @@ class DeviceMeta:
         m.grid_count, m.grid_rows, m.grid_items, m.grid_scan = g["count"], g["rows"], g["items"], g["scan"]
         m.grid_copy = max(1, min(264, -(-self.R * self.T * self.K // 256)))
         m.sync, m.grid_fused = self.sync.data_ptr(), self.grid
+        m.timeline = self.stamps.data_ptr() if self.stamping else 0
         return m
 
     def set_grid(self, blocks: int) -> None:
@@ -259,6 +289,34 @@ class DeviceMeta:
         self.grid = blocks
         if self.areas:
             self.args.grid_fused = blocks
+
+    def timeline(self, on: bool = True) -> None:
+        """meta_fused's timeline from the next dispatch on (on), or no longer (the kernels then pay one
+        branch per stage): each block's %globaltimer stamps of the last launch, `read_timeline`."""
+        if on and self.fused_grid == 0:
+            raise EngineError("the timeline is meta_fused's: this device or target has no cooperative launch, the "
+                              "metadata's steps run as launches of their own")
+        if on and self.stamps is None:
+            self.stamps = torch.zeros(self.fused_grid * TIMELINE_WORDS, dtype=torch.int64, device=self.device)
+        self.stamping = on
+        if self.areas:
+            self.args.timeline = self.stamps.data_ptr() if on else 0
+
+    def read_timeline(self) -> np.ndarray:
+        """The last dispatch's stamps, [grid][TIMELINE_WORDS] ns (int64), once its stream is done
+        (the caller synchronizes it): timeline_summary's input, with busy_blocks()."""
+        if self.stamps is None:
+            raise EngineError("read_timeline: call timeline(True) before the stamped dispatch")
+        if self.grid == 0:
+            raise EngineError("read_timeline: meta_fused's grid is 0 (set_grid): the steps ran as launches of their "
+                              "own, which stamp nothing")
+        return self.stamps.view(self.fused_grid, TIMELINE_WORDS)[:self.grid].cpu().numpy()
+
+    def busy_blocks(self) -> dict[str, int]:
+        """Per phase, meta_fused's blocks with work in it: block b works in a phase iff b is below
+        its blocks (meta.cuh phase_blocks; the rows phase has count's more, for the received rows)."""
+        g = self.mp.grids()
+        return {"count": g["count"], "scan": g["scan"], "rows": g["rows"] + g["count"], "items": g["items"]}
 
     def zero_partials(self, own_buffers_dev: int, stream: int) -> None:
         """The combine's partial buffers of this rank, cleared (before the combine kernel)."""
@@ -280,6 +338,64 @@ class DeviceMeta:
         return None
 
 
+def timeline_summary(stamps, busy: dict[str, int] | None = None) -> dict:
+    """One meta_fused launch's timeline (`stamps`: DeviceMeta.read_timeline's [blocks][TIMELINE_WORDS]
+    ns) in microseconds from the earliest block's entry:
+
+    * "stages": per stage (STAGES), over blocks, its blocks and min / median / max.  Every block
+      stamps every stage, work or none; with `busy` (DeviceMeta.busy_blocks: per phase, the blocks
+      with work in it, the first ones) a phase's "done" stage and count's "prepared" are over those
+      blocks only (the others stamp right after the stage before: no work), their statistics None
+      where none had any;
+    * "steps": (name, us) per step (STEPS): how much later the last block of the grid passed the
+      stage than the last passed the one before (start: the last entry after the first), every
+      block counted -- the launch's critical path, which adds up to "total_us", the last stamp
+      after the first entry.
+
+    ValueError where the stamps are not one launch's (a block's stamps out of order, or none)."""
+    t = np.asarray(stamps, dtype=np.int64)
+    if t.ndim != 2 or t.shape[1] != TIMELINE_WORDS or t.shape[0] == 0:
+        raise ValueError(f"meta_fused timeline: shape {t.shape}, not [blocks][{TIMELINE_WORDS}]")
+    if (t <= 0).any():
+        raise ValueError(f"meta_fused timeline: block {int(np.argwhere(t <= 0)[0][0])} has no stamp (a launch "
+                         f"without the timeline, or of fewer blocks)")
+    back = np.argwhere(np.diff(t, axis=1) < 0)
+    if back.size:
+        b, i = (int(v) for v in back[0])
+        raise ValueError(f"meta_fused timeline: block {b} stamped {STAGES[i + 1]} before {STAGES[i]}")
+    G = t.shape[0]
+    us = (t - t[:, 0].min()) / 1e3
+    stages = []
+    for i, name in enumerate(STAGES):
+        phase = _STAGE_PHASE[i]
+        n = G if busy is None or phase is None else max(0, min(G, int(busy[phase])))
+        col = us[:n, i]
+        stats = (float(col.min()), float(np.median(col)), float(col.max())) if n else (None, None, None)
+        stages.append({"stage": name, "blocks": n, **dict(zip(("min_us", "median_us", "max_us"), stats))})
+    last = us.max(axis=0)
+    steps = [(STEPS[0], float(last[0]))] + [(STEPS[i], float(last[i] - last[i - 1])) for i in range(1, len(STEPS))]
+    return {"blocks": G, "stages": stages, "steps": steps, "total_us": float(last[-1])}
+
+
+def timeline_medians(rounds: list[dict]) -> dict:
+    """Several launches' timeline_summary as one: per stage the median over the launches of its
+    median and of its max over blocks ("median_us", "max_us"), per step and of the total the
+    median (so the steps' medians need not add up to the total's)."""
+    if not rounds:
+        raise ValueError("timeline_medians: no launches")
+
+    def med(vals: list) -> float | None:
+        vals = [v for v in vals if v is not None]
+        return statistics.median(vals) if vals else None
+
+    stages = [{"stage": s["stage"], "blocks": s["blocks"],
+               "median_us": med([r["stages"][i]["median_us"] for r in rounds]),
+               "max_us": med([r["stages"][i]["max_us"] for r in rounds])} for i, s in enumerate(rounds[0]["stages"])]
+    steps = [(name, med([r["steps"][i][1] for r in rounds])) for i, (name, _) in enumerate(rounds[0]["steps"])]
+    return {"blocks": rounds[0]["blocks"], "stages": stages, "steps": steps,
+            "total_us": med([r["total_us"] for r in rounds]), "launches": len(rounds)}
+
+
 def routing_error(bad: int, topk_idx, experts: int) -> str | None:
     """The message of a bad routing row the metadata kernels marked (bad: the first bad token)."""
     if bad >= topk_idx.shape[0]:
@@ -288,4 +404,5 @@ def routing_error(bad: int, topk_idx, experts: int) -> str | None:
             f"{topk_idx[bad].tolist()} (those entries were not dispatched)")
 
 
-__all__ = ["DeviceMeta", "area_layout", "bind", "program_of", "routing_error"]
+__all__ = ["DeviceMeta", "area_layout", "bind", "program_of", "routing_error", "timeline_medians",
+           "timeline_summary"]

@@ -55,7 +55,18 @@ using epcc::meta::kMaxRanks;
 
 // The layout of EpccTableMeta and Args that runtime/engines/cuda_table/meta.py writes with ctypes:
 // changed whenever they change, checked by the runtime at load (epcc_table_meta_abi).
-constexpr int kMetaAbi = 6;
+constexpr int kMetaAbi = 7;
+
+// meta_fused's timeline (EpccTableMeta.timeline, DeviceMeta.timeline in meta.py): thread 0 of each
+// block writes kMetaTimelineWords %globaltimer stamps (ns) per launch, at [block][MetaStamp]:
+// entry; sent (its share of the routing written and its arrival counted: the last block's after
+// it raised this rank's flags); prepared (its first count block's sets read); peers (every rank's
+// flag seen); then per phase its work done (thread 0's: the block's other threads' tail lands in
+// the next stage) and, but after the last, the grid barrier after it passed.  Every block stamps
+// every word, work or none.  Without the exchange (collective: the gather area was filled before
+// the launch) sent is entry's stamp and peers prepared's, the same values: those stages take 0.
+enum MetaStamp : int { kStampEntry, kStampSent, kStampPrepared, kStampPeers, kStampPhases };
+constexpr int kMetaTimelineWords = kStampPhases + 2 * epcc::meta::PHASES - 1;
 
 struct Exchange {
   uint64_t areas[kMaxRanks];  // every rank's gather area, as mapped here
@@ -96,6 +107,7 @@ struct EpccTableMeta {
   uint64_t* sync;               // meta_fused's grid barrier: the blocks' arrivals, a counter that only grows
   int grid_count, grid_rows, grid_items, grid_copy, grid_scan;  // the launches of the phases (meta_program grids)
   int grid_fused;               // meta_fused's blocks, the same every launch (0: the launches above instead)
+  uint64_t* timeline;           // nullptr, or meta_fused's stamps, [grid_fused][kMetaTimelineWords] (above)
 };
 }
 
@@ -186,6 +198,20 @@ __device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
   return v;
 }
 
+// Stamp `word` of this block's timeline: the time now (nothing without a timeline).
+__device__ __forceinline__ void stamp(const EpccTableMeta& m, int word) {
+  if (m.timeline != nullptr && EPCC_TID == 0)
+    m.timeline[EPCC_BID * static_cast<uint64_t>(kMetaTimelineWords) + word] = globaltimer();
+}
+
+// ... or the stamp `from` of this block (the same thread wrote it): a stage this launch has not.
+__device__ __forceinline__ void stamp_as(const EpccTableMeta& m, int word, int from) {
+  if (m.timeline != nullptr && EPCC_TID == 0) {
+    uint64_t* t = m.timeline + EPCC_BID * static_cast<uint64_t>(kMetaTimelineWords);
+    t[word] = t[from];
+  }
+}
+
 // Every block of the grid here before any goes on.  m.sync counts the blocks' arrivals and only
 // grows: every block arrives once per barrier, so a barrier's arrivals take it to the next
 // multiple of the grid, the same size launch after launch (DeviceMeta.set_grid clears it where the
@@ -222,7 +248,8 @@ __device__ __noinline__ void grid_barrier(const EpccTableMeta& m, int phase) {
 // (ipc): every block copies its share of the routing and clears its share of the scratch, arrives
 // (the last to arrive raises this rank's flags), reads its first count block's sets, then waits
 // for every rank's flag itself; then the phases, a grid barrier between two.  Without
-// (collective): the gather area was filled before, by the routing copy and the all-gathers.
+// (collective): the gather area was filled before, by the routing copy and the all-gathers.  With
+// m.timeline, thread 0 of each block stamps its way through (MetaStamp), nothing else changed.
 __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ EpccTableMeta m, int exchange) {
   namespace k = epcc::meta;
   __shared__ k::PhaseShared sm;
@@ -233,6 +260,7 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
   const k::i64 G = EPCC_GDIM, bid = EPCC_BID;
   const bool prepared = bid < k::phase_blocks(p, k::PHASE_COUNT);
   uint64_t e = 0;
+  stamp(m, kStampEntry);
   if (exchange) {
     e = *x.epoch + 1;  // block 0 advances it after the first barrier, when every block has read it
     gather_part(m, static_cast<uint64_t>(bid) * kBlock + EPCC_TID, static_cast<uint64_t>(G) * kBlock);
@@ -244,15 +272,28 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
     }
     __syncthreads();
     if (last) raise_flags(x, e);
+    stamp(m, kStampSent);
+  } else {
+    stamp_as(m, kStampSent, kStampEntry);
   }
   // the first count block's sets read while the peers' routing comes
   if (prepared) k::count_prepare(a, static_cast<int>(bid / p[k::H_token_blocks]), sm.count);
-  if (exchange) wait_flags(x, e);
+  stamp(m, kStampPrepared);
+  if (exchange) {
+    wait_flags(x, e);
+    stamp(m, kStampPeers);
+  } else {
+    stamp_as(m, kStampPeers, kStampPrepared);
+  }
   for (int phase = k::PHASE_COUNT; phase < k::PHASES; ++phase) {
-    if (phase != k::PHASE_COUNT) grid_barrier(m, phase - 1);
+    if (phase != k::PHASE_COUNT) {
+      grid_barrier(m, phase - 1);
+      stamp(m, kStampPhases + 2 * phase - 1);
+    }
     if (exchange && phase == k::PHASE_SCAN && bid == 0 && EPCC_TID == 0) *x.epoch = e;
     const k::i64 n = k::phase_blocks(p, phase);
     for (k::i64 vb = bid; vb < n; vb += G) k::phase_block(a, phase, vb, sm, phase == k::PHASE_COUNT && vb == bid);
+    stamp(m, kStampPhases + 2 * phase);
   }
 }
 
@@ -344,6 +385,9 @@ extern "C" {
 const char* epcc_table_meta_error(void) { return g_error; }
 
 int epcc_table_meta_abi(void) { return kMetaAbi; }
+
+// The stamps per block of meta_fused's timeline (EpccTableMeta.timeline).
+int epcc_table_meta_timeline_words(void) { return kMetaTimelineWords; }
 
 // Load every kernel of this file now (the launcher does the same for its own, epcc_cuda_create):
 // with lazy loading the first launch of a kernel loads it, and loading waits for the device while

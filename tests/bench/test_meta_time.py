@@ -1,0 +1,57 @@
+"""bench/meta_time.py's parts that run without a GPU: the table --timeline prints per rank, and
+its argument."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from epcc.runtime.engines.cuda_table.meta import timeline_medians, timeline_summary
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# two blocks' stamps, ns after the first entry (meta.py STAGES' order); block 1 has no count work
+NS = [[0, 2000, 3000, 10000, 12000, 13000, 15000, 16000, 20000, 21000, 23500],
+      [400, 2500, 2500, 11000, 11000, 13200, 13200, 16100, 19000, 21100, 21100]]
+
+
+@pytest.fixture(scope="module")
+def meta_time():
+    spec = importlib.util.spec_from_file_location("bench_meta_time_under_test", ROOT / "bench" / "meta_time.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_timeline_table_of_a_rank(meta_time):
+    stamps = 10**18 + np.array(NS, dtype=np.int64)
+    busy = {"count": 1, "scan": 2, "rows": 2, "items": 1}
+    summary = timeline_medians([timeline_summary(stamps, busy), timeline_summary(stamps, {**busy, "items": 0})])
+    assert meta_time.timeline_lines(summary, 1) == [
+        "rank 1: meta_fused timeline, 2 blocks, medians over 2 dispatches (us after the first block's entry)",
+        "  stage      blocks   median      max   step             us",
+        "  entry           2      0.2      0.4   start           0.4",
+        "  sent            2      2.2      2.5   send            2.1",
+        "  prepared        1      3.0      3.0   prepare         0.5",
+        "  peers           2     10.5     11.0   wait            8.0",
+        "  count           1     12.0     12.0   count           1.0",
+        "  barrier 1       2     13.1     13.2   barrier 1       1.2",
+        "  scan            2     14.1     15.0   scan            1.8",
+        "  barrier 2       2     16.1     16.1   barrier 2       1.1",
+        "  rows            2     19.5     20.0   rows            3.9",
+        "  barrier 3       2     21.1     21.1   barrier 3       1.1",
+        "  items           1     23.5     23.5   items           2.4",  # the launch with items: the other has none
+        "  total                                                23.5",
+    ]
+
+
+def test_the_timelines_dispatches_are_a_positive_number(meta_time, capsys):
+    with pytest.raises(SystemExit) as e:
+        meta_time.main(["bundle", "--timeline", "0"])
+    assert e.value.code == 2
+    assert "argument --timeline: a number of dispatches, at least 1, not 0" in capsys.readouterr().err
