@@ -628,6 +628,12 @@ def test_launcher_library_loads_and_fails_cleanly_without_a_gpu(built):
         lib.create(0, 9, 64)
     grids = {k["program"]: k["grid"] for k in m["kernels"] if k["kind"] == "main"}
     assert [lib.lib.epcc_cuda_grid(i) for i in (0, 1, 2, -1)] == [grids["dispatch"], grids["combine"], -1, -1]
+    # the metadata library's zero_partials refuses a grid it does not launch (no GPU needed)
+    meta_lib = lib.lib
+    meta.bind(meta_lib)  # the runtime's signatures (and its ABI check)
+    for blocks in (0, 265):
+        assert meta_lib.epcc_table_meta_zero(0, 0, 0, blocks) == 1
+        assert meta_lib.epcc_table_meta_error().decode() == f"zero_partials: {blocks} blocks (1 to 264)"
     # the timeline calls refuse a missing context with their own message (no GPU needed)
     for call, args, text in (("epcc_cuda_enable_timeline", (None, 0), "epcc_cuda_enable_timeline: NULL context"),
                              ("epcc_cuda_read_timeline", (None, 0, None, 0), "epcc_cuda_read_timeline: NULL argument")):

@@ -58,6 +58,7 @@ def _engine(manifest: dict, library_can: bool = True, row_bytes: int = 2 * HIDDE
     eng.y_ptr = 0x1000  # the combine's input buffer (never dereferenced: the copy is the fake's)
     eng.recv_view = torch.zeros((ROWS, 2 * HIDDEN), dtype=torch.uint8)  # the receive buffer's rows
     eng.own_combine = torch.zeros(2, dtype=torch.int64)
+    eng.partials_clean = False  # no dispatch cleared the partials beside its kernel
     eng.caller_rows = reads_caller_rows(manifest, dict.fromkeys(PROGRAMS, library_can), PROGRAMS)
     eng.input_view = torch.zeros((TOKENS + 1, row_bytes), dtype=torch.uint8)  # the dispatch's input buffer
     eng._stream = lambda: 0
@@ -98,6 +99,18 @@ def test_rows_the_kernel_cannot_read_in_place_are_copied():
     y = torch.ones((ROWS, HIDDEN), dtype=torch.bfloat16)
     assert eng._combine_input(y, h, 0) == y.data_ptr()
     assert eng._combine_input(torch.ones((0, HIDDEN), dtype=torch.bfloat16), h, 0) == 0  # no rows: nothing to read
+
+
+def test_partials_a_dispatch_cleared_are_not_cleared_again():
+    """After a dispatch cleared the combine's partials beside its kernel (_zero_beside) the combine
+    clears nothing; the one after it, with no dispatch between, clears them itself."""
+    eng = _engine(ALLOWED)
+    y = torch.ones((ROWS, HIDDEN), dtype=torch.bfloat16)
+    eng.partials_clean = True
+    eng.combine(y, _low_latency_handle())
+    assert eng.meta.calls == [] and eng.partials_clean is False
+    eng.combine(y, _low_latency_handle())
+    assert eng.meta.calls == [("zero_partials",)] and eng.partials_clean is False
 
 
 def test_a_manifest_naming_another_buffer_is_not_used():

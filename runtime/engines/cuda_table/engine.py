@@ -107,12 +107,16 @@ from ..lifetime import Held, exit_hook, released_on_failure, track, untrack
 from ..tensors import FP8_GROUP, WEIGHTS_DIFFER, check_tensor, check_token_count, device_view
 from .exchange import Exchange, backstop_s
 from .launcher import CudaError, Library, build_library, role_timeline
-from .meta import DeviceMeta, routing_error
+from .meta import ZERO_BLOCKS, DeviceMeta, routing_error
 from .tables import PROGRAMS, build_tables
 
 ALIGN_MAX = 1024  # largest expert_alignment (rows)
 BUILD_S = 600.0  # how much longer than the timeout the others wait for rank 0's nvcc
 ROW_ALIGN = 16  # bytes: a caller's rows the kernels read in place start at a multiple (their 16-byte loads)
+# zero_partials' blocks beside the dispatch kernel: few enough to leave that kernel the SMs it needs
+# (an h200x2_2vnode dispatch holds 20-28 of an H100's 132); its 0.23 GB of partials then take
+# ~0.1-0.2 ms, under a dispatch of 1.2 ms at 50 GB/s
+ZERO_BESIDE_BLOCKS = 32
 
 
 class TableHandle:
@@ -218,6 +222,7 @@ class CudaTableEngine:
             self.own[p] = [self._malloc(dev, max(n, 1), f"a {p} buffer") for n in self._sizes(p, cap)]
             handles[p] = [self.lib.ipc_handle(q) for q in self.own[p]]
         self.meta = None
+        self.partials_clean = False  # the combine's partials were cleared since the last combine (_zero_beside)
         self.exchange = None  # the collective exchange: the engine's own, from here on (release_locally)
         if self.on_device:
             if manifest["metadata"].get("exchange") == "collective":  # its own group: a collective of every rank
@@ -225,6 +230,13 @@ class CudaTableEngine:
                 self.exchange = Exchange(self.group, timeout_s, bundle.path.name, self.device)
             self.meta = DeviceMeta(self.lib.lib, manifest, plan, segment_program(plan), self.rank, self.device,
                                    timeout_s, error_on_device=self.ERROR_ON_DEVICE, exchange=self.exchange)
+            # the combine's partials are cleared beside each dispatch kernel, on a stream of their own
+            # (_zero_beside), on the SMs that kernel leaves
+            self.zero_stream = torch.cuda.Stream(self.device)
+            grid = max((k["grid"] for k in manifest["kernels"] if k["program"] == "dispatch" and k["kind"] == "main"
+                        and isinstance(k["grid"], int)), default=0)
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self.zero_blocks = max(1, min(ZERO_BESIDE_BLOCKS, ZERO_BLOCKS, sms - grid))
             if not self.meta.collective:  # the peers write their routing into it over CUDA IPC
                 self.area = self._malloc(dev, self.meta.area_bytes, "the metadata's gather area")
                 handles["area"] = self.lib.ipc_handle(self.area)
@@ -503,8 +515,12 @@ class CudaTableEngine:
         if sync:  # a rank held up since the arguments' round hears a peer's failure, not its dead kernels
             self.agree.heed()
         try:
-            self.meta.run(T, topk_idx, topk_weights, torch.cuda.current_stream(self.device))
+            cur = torch.cuda.current_stream(self.device)
+            self.meta.run(T, topk_idx, topk_weights, cur)
+            tables = cur.record_event()  # this dispatch's tables written: the combine's zero list among them
             self.ctx.launch_dispatch(stream, self._dispatch_input(rows, T))
+            if "combine" in self.programs:
+                self._zero_beside(tables, cur)
         except (CudaError, KernelTimeout, EngineError) as e:  # the exchange's own timeout too (ExchangeTimeout)
             self._fail_launch(e)
         self.dispatches += 1
@@ -590,7 +606,9 @@ class CudaTableEngine:
                 rows = self._combine_input(y, handle, stream)
                 out_ptr = out.data_ptr() if handle.tokens else 0
                 if self.meta is not None:
-                    self.meta.zero_partials(self.own_combine.data_ptr(), stream)
+                    if not self.partials_clean:  # no dispatch cleared them since the last combine
+                        self.meta.zero_partials(self.own_combine.data_ptr(), stream)
+                    self.partials_clean = False
                     self.ctx.launch_combine_tokens(out_ptr, handle.tokens, stream, rows)
                     if self.rdma and handle.sync and not torch.cuda.is_current_stream_capturing():
                         self._finish(stream)  # normal mode on the proxy path: see the module docstring
@@ -603,6 +621,20 @@ class CudaTableEngine:
             except (CudaError, KernelTimeout, EngineError, RuntimeError) as e:  # a GroupError too: a peer's
                 self._fail_launch(e)
             return out
+
+    def _zero_beside(self, tables: torch.cuda.Event, cur: torch.cuda.Stream) -> None:
+        """The combine's partial buffers cleared beside the dispatch kernel just launched: on the
+        engine's zero stream once `tables` (the metadata of this dispatch: the combine's zero list)
+        are written, with zero_blocks blocks, then joined back into `cur`, so that whatever the caller
+        runs next there (a CUDA graph's capture too) comes after it.  The next combine then clears
+        nothing itself (partials_clean).  Nothing else writes them by then: this rank's previous
+        combine kernel ended (stream order) only once every peer's contribution had landed.
+        Measured 2 x H100, 2026-11-27 (h200x2_2vnode_50): the combine's own clearing took ~0.09 ms."""
+        z = self.zero_stream
+        z.wait_event(tables)
+        self.meta.zero_partials(self.own_combine.data_ptr(), z.cuda_stream, self.zero_blocks)
+        cur.wait_stream(z)
+        self.partials_clean = True
 
     def _dispatch_input(self, rows: torch.Tensor, T: int) -> int:
         """Where the dispatch kernel reads this rank's tokens: `rows` itself (x, or x_fp8 and its

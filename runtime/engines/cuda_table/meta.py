@@ -37,7 +37,8 @@ from .exchange import Exchange, area_regions
 from .tables import PROGRAMS
 
 MAX_RANKS = 64
-META_ABI = 7  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
+ZERO_BLOCKS = 264  # zero_partials' grid at most (epcc_table_meta_zero), and alone on the device
+META_ABI = 8  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
 LAYOUT_WORDS = 21  # meta.cuh kLayout: the scratch's regions
 PHASES = ("count", "scan", "rows")  # meta.cuh Phase: what meta_fused's barrier timeouts name
 # meta_fused's timeline (epcc_table_meta.cu MetaStamp, kMetaTimelineWords): what each block's
@@ -98,7 +99,7 @@ def bind(lib: ctypes.CDLL) -> None:
                           f"block, this runtime reads {TIMELINE_WORDS}: recompile the bundle with this epcc")
     for entry in (lib.epcc_table_meta, lib.epcc_table_meta_gather, lib.epcc_table_meta_tables):
         entry.argtypes, entry.restype = [ctypes.POINTER(_Meta), ctypes.c_uint64], ctypes.c_int
-    lib.epcc_table_meta_zero.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]
+    lib.epcc_table_meta_zero.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int]
     lib.epcc_table_meta_zero.restype = ctypes.c_int
     lib.epcc_table_meta_copy_rows.argtypes = [ctypes.c_uint64] * 5
     lib.epcc_table_meta_copy_rows.restype = ctypes.c_int
@@ -318,9 +319,10 @@ class DeviceMeta:
         g = self.mp.grids()
         return {"count": g["count"], "scan": g["scan"], "rows": g["rows"] + g["count"], "items": g["items"]}
 
-    def zero_partials(self, own_buffers_dev: int, stream: int) -> None:
-        """The combine's partial buffers of this rank, cleared (before the combine kernel)."""
-        if self.lib.epcc_table_meta_zero(self.blobs["combine"].data_ptr(), own_buffers_dev, stream) != 0:
+    def zero_partials(self, own_buffers_dev: int, stream: int, blocks: int = ZERO_BLOCKS) -> None:
+        """The combine's partial buffers of this rank, cleared (before the combine kernel), by
+        `blocks` blocks (1 to ZERO_BLOCKS)."""
+        if self.lib.epcc_table_meta_zero(self.blobs["combine"].data_ptr(), own_buffers_dev, stream, blocks) != 0:
             raise EngineError(f"zeroing the partials: {self.lib.epcc_table_meta_error().decode(errors='replace')}")
 
     def failure(self) -> str | None:

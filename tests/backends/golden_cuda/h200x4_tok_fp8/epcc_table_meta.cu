@@ -55,7 +55,7 @@ using epcc::meta::kMaxRanks;
 
 // The layout of EpccTableMeta and Args that runtime/engines/cuda_table/meta.py writes with ctypes:
 // changed whenever they change, checked by the runtime at load (epcc_table_meta_abi).
-constexpr int kMetaAbi = 7;
+constexpr int kMetaAbi = 8;
 
 // meta_fused's timeline (EpccTableMeta.timeline, DeviceMeta.timeline in meta.py): thread 0 of each
 // block writes kMetaTimelineWords %globaltimer stamps (ns) per launch, at [block][MetaStamp]:
@@ -471,8 +471,14 @@ int epcc_table_meta_copy_rows(uint64_t dst, uint64_t src, uint64_t count, uint64
 }
 
 // The combine's partial buffers of this rank, cleared (before the combine kernel, on its stream).
-int epcc_table_meta_zero(const uint8_t* combine_blob, const uint64_t* buffers, uint64_t stream) {
-  return launch(zero_partials, "zero_partials", dim3(264), dim3(256), stream, combine_blob, buffers);
+// zero_partials on `stream` with `blocks` blocks (1 to 264: fewer where it runs beside a dispatch
+// kernel, so that it leaves that kernel its SMs).
+int epcc_table_meta_zero(const uint8_t* combine_blob, const uint64_t* buffers, uint64_t stream, int blocks) {
+  if (blocks < 1 || blocks > 264) {
+    snprintf(g_error, sizeof g_error, "zero_partials: %d blocks (1 to 264)", blocks);
+    return 1;
+  }
+  return launch(zero_partials, "zero_partials", dim3(blocks), dim3(256), stream, combine_blob, buffers);
 }
 
 }  // extern "C"
