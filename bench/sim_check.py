@@ -279,11 +279,12 @@ def host_tables(name: str, out_dir: Path) -> bool:
 
 
 def simulate_bundle(name: str, tokens: int | None, out_dir: Path, sms: int | None = None, cached: bool = False,
-                    copied: frozenset[str] = frozenset()) -> dict:
+                    copied: frozenset[str] = frozenset(), zero_beside: bool = True) -> dict:
     """`epcc simulate --json` of bundle `name` (at `tokens` per rank where given; its direct kernels
     on `sms` SMs where given, as ep_bench --epcc-sms runs them; their cached-handle dispatch with
     `cached`; the Buffer copying the rows of the programs in `copied` into their input buffers,
-    --copy-inputs)."""
+    --copy-inputs; the combine's partials cleared in the combine call unless `zero_beside`,
+    --clear-partials)."""
     src, opts = bundle_source(name, out_dir)
     argv = ["simulate", str(src), "--json", *opts]
     if tokens is not None and "--tokens" not in opts:
@@ -294,6 +295,8 @@ def simulate_bundle(name: str, tokens: int | None, out_dir: Path, sms: int | Non
         argv += ["--cached"]
     if copied:
         argv += ["--copy-inputs", ",".join(sorted(copied))]
+    if not zero_beside:
+        argv += ["--clear-partials", "in-combine"]
     args = epcc_parser().parse_args(argv)
     args.sources = SourceMap()
     try:
@@ -346,12 +349,12 @@ def _records(report: str, device: str, b: dict, rows: list, sms: int | None, out
     bundle's own, or the configuration the row recorded); `skipped` gets the records not compared."""
     name, wl = b["name"], b.get("workload") or {}
     tokens = wl.get("tokens")
-    copied = copied_inputs(rows)
+    copied, beside = copied_inputs(rows), zero_beside(rows)
 
     def simulated(cached: bool, n: int | None = sms) -> dict:
-        key = (name, tokens, n, cached, copied)
+        key = (name, tokens, n, cached, copied, beside)
         if key not in cache:
-            cache[key] = simulate_bundle(name, tokens, out_dir, n, cached, copied)
+            cache[key] = simulate_bundle(name, tokens, out_dir, n, cached, copied, beside)
         return cache[key]
 
     fresh = simulated(False)
@@ -404,6 +407,13 @@ def copied_inputs(rows: list) -> frozenset[str]:
             if "caller_rows" in r:
                 return frozenset(PROGRAMS) - frozenset(r["caller_rows"])
     return frozenset({"dispatch"})
+
+
+def zero_beside(rows: list) -> bool:
+    """Whether a bundle's epcc rows ran with the combine's partials cleared beside the dispatch
+    kernel: as ep_bench recorded it (`zero_beside`, since that change); in the combine call for the
+    reports before that field."""
+    return any(r.get("zero_beside") for _, m in rows for r in m.get("per_rank", []))
 
 
 def collect(paths: list[Path], skipped: list | None = None) -> list[Record]:

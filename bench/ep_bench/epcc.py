@@ -133,6 +133,8 @@ class EpccRows:
             reads = getattr(buf.engine, "caller_rows", None)  # the table engine: the programs that read the
             if isinstance(reads, dict):                        # caller's rows in place (bench/sim_check.py)
                 self.common["caller_rows"] = sorted(p for p, ok in reads.items() if ok)
+                # and whether the combine's partials are cleared beside the dispatch kernel
+                self.common["zero_beside"] = getattr(buf.engine, "zero_stream", None) is not None
         self.comm.barrier()
 
     def _capacity(self) -> int:

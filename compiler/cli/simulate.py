@@ -53,6 +53,11 @@ def add_parser(sub) -> None:
                         "rows into its input buffer although the bundle's kernels read them where the caller has "
                         "them (manifest dispatch_input / combine_input): a bundle of an older epcc, or rows the "
                         "kernel cannot read in place (not 16-byte aligned, strided)")
+    c.add_argument("--clear-partials", choices=("beside-dispatch", "in-combine"), default="beside-dispatch",
+                   help="where the Buffer clears the combine's fp32 partial buffers, for tables the GPU writes: "
+                        "beside the dispatch kernel (the default: on a stream of its own, under the dispatch) or "
+                        "in the combine call (a combine with no dispatch since the last combine, or an earlier "
+                        "epcc's runtime); host-built tables clear them in the combine call")
     kernel_options(c)
     c.set_defaults(func=cmd_simulate)
 
@@ -88,6 +93,7 @@ def simulation(args, options):
                          "table-driven kernels runs the same kernels)")
     rdma = getattr(args, "rdma", "proxy")
     copied = copy_inputs(getattr(args, "copy_inputs", None))
+    beside = getattr(args, "clear_partials", "beside-dispatch") == "beside-dispatch"
     tables = getattr(args, "proxy_tables", None)
     if tables is not None and rdma != "proxy":
         raise user_error(f"--proxy-tables {tables} is for the GPU proxy path: use it with --rdma proxy")
@@ -115,7 +121,7 @@ def simulation(args, options):
     try:
         exchange = getattr(args, "metadata_exchange", "auto")
         res = simulate(built.plan, sim_options(built.plan, direct, rdma, tables, exchange, options.routing, dealing,
-                                               copied))
+                                               copied, beside))
     except SimulationError as e:
         raise user_error(f"{args.file}: cannot simulate the plan: {e}") from None
     return built, res
@@ -123,12 +129,14 @@ def simulation(args, options):
 
 def sim_options(plan: Plan, direct, rdma: str = "proxy", proxy_tables: str | None = None,
                 metadata_exchange: str = "auto", routing: str | None = None,
-                dealing: str | None = None, copied: frozenset[str] = frozenset()) -> SimOptions:
+                dealing: str | None = None, copied: frozenset[str] = frozenset(),
+                zero_beside: bool = True) -> SimOptions:
     """What `epcc simulate` runs the model with: the direct kernels' (`direct`: plan.direct or a
     variant of it), else the table-driven kernels' -- their metadata kernels where the bundle has
     them, the Buffer's calls where the CUDA target lowers the plan (host-built tables too), the
     roles' blocks dealt from a routing drawn from `routing`; `copied`: the programs whose rows the
-    Buffer copies in although the kernels could read them in place (--copy-inputs)."""
+    Buffer copies in although the kernels could read them in place (--copy-inputs); `zero_beside`:
+    with tables the GPU writes, the combine's partials cleared beside the dispatch (--clear-partials)."""
     layout = block_layout(plan, routing) if direct is None and plan.sm_rates else None
     manifest = table_manifest(plan, rdma, proxy_tables != "host", metadata_exchange) if direct is None else None
     metadata = from_manifest(manifest.get("metadata")) if manifest is not None else None
@@ -136,7 +144,8 @@ def sim_options(plan: Plan, direct, rdma: str = "proxy", proxy_tables: str | Non
     # tables (runtime/engines/cuda_table: the combine's clearing, rows and conversion in both; the rows
     # not where the combine reads the caller's in place; the dispatch's x likewise)
     return SimOptions(rdma_proxy=rdma == "proxy", direct=direct, metadata=metadata, calls=manifest is not None,
-                      caller_rows=reads_caller_rows(manifest) - copied, layout=layout, dealing=dealing or "round-robin")
+                      caller_rows=reads_caller_rows(manifest) - copied,
+                      zero_beside=zero_beside and metadata is not None, layout=layout, dealing=dealing or "round-robin")
 
 
 def block_layout(plan: Plan, routing: str | None):

@@ -59,6 +59,10 @@ class SimOptions:
     # caller_rows), so the call does not copy them in (sim/calls.py).  `epcc simulate` sets it
     # from the manifest.
     caller_rows: frozenset[str] = frozenset()
+    # With `calls`: the Buffer clears the combine's partial buffers beside the dispatch kernel (on a
+    # stream of its own, hidden under it), not in the combine call: device-built tables
+    # (runtime/engines/cuda_table _zero_beside).  `epcc simulate` sets it (--clear-partials).
+    zero_beside: bool = False
     # The table-driven kernels' blocks (sim/blocks.py): a layout of the plan (runtime/layout's
     # Layout, or anything with its `copies`) whose chunks the roles' blocks take one by one, dealt
     # as `dealing` says (round-robin: as the kernels deal them; free: to the block free first);

@@ -11,6 +11,11 @@ copies on the same stream, each a grid-wide copy bound by the GPU's memory (read
   hidden x (4 + 2) bytes);
 * a launch gap (sim/meta.py GAP_S) per launch: one in dispatch, three in combine.
 
+Where the tables come from the GPU the Buffer clears the partials beside the dispatch kernel
+instead (a stream of its own, few SMs, under a dispatch that is ~5x longer), so the combine has no
+`zero` and one launch fewer (`zero_beside`).  Measured 2 x H100, 2026-11-27, one device call:
+h200x2_2vnode_50's combine 1.503 -> 1.403 ms, its dispatch 1.307 -> 1.306.
+
 Where the bundle's kernel of a program reads the caller's rows in place (the CUDA manifest's
 `dispatch_input` / `combine_input` with `caller_rows`: no copy reads them on another rank,
 backends/cuda/codegen.py caller_input), the Buffer hands it their address and copies nothing: no
@@ -72,10 +77,12 @@ def reads_caller_rows(manifest: dict | None) -> frozenset[str]:
     return frozenset(p for p in PROGRAMS if manifest_reads_caller_rows(manifest, p))
 
 
-def call_bytes(plan: Plan, caller_rows: frozenset[str] = frozenset()) -> dict[str, dict[str, float]]:
+def call_bytes(plan: Plan, caller_rows: frozenset[str] = frozenset(),
+               zero_beside: bool = False) -> dict[str, dict[str, float]]:
     """Per program, the bytes (read + written) of each copy a Buffer call runs beside the kernel;
     `caller_rows`: the programs whose kernel reads the caller's rows in place (the dispatch: no
-    `input`; the combine: no `rows`)."""
+    `input`; the combine: no `rows`); `zero_beside`: the partials cleared beside the dispatch (no
+    `zero` in the combine)."""
     wl = plan.workload
     if wl is None:
         return {}
@@ -83,21 +90,25 @@ def call_bytes(plan: Plan, caller_rows: frozenset[str] = frozenset()) -> dict[st
     out = {"dispatch": {} if "dispatch" in caller_rows else {"input": 2.0 * T * plan.bytes_per_token}}
     if any(s.program == "combine" for s in plan.steps):
         rows = {} if "combine" in caller_rows else {"rows": 2.0 * T * wl.topk * 2 * H}
-        out["combine"] = {**rows, "zero": 4.0 * H * (T + staged_tokens(plan)), "convert": 6.0 * T * H}
+        zero = {} if zero_beside else {"zero": 4.0 * H * (T + staged_tokens(plan))}
+        out["combine"] = {**rows, **zero, "convert": 6.0 * T * H}
     return out
 
 
-def call_terms(plan: Plan, gap_s: float, caller_rows: frozenset[str] = frozenset()) -> dict[str, dict[str, float]]:
+def call_terms(plan: Plan, gap_s: float, caller_rows: frozenset[str] = frozenset(),
+               zero_beside: bool = False) -> dict[str, dict[str, float]]:
     """Seconds of each part of the call's stream work beside the kernels, per program (module
     docstring); {} where the topology gives no local link to price them.  `caller_rows`: the
     programs whose kernel reads the caller's rows in place (no copy; the combine's copy has a
-    launch of its own)."""
+    launch of its own); `zero_beside`: the partials cleared beside the dispatch (the combine's
+    clearing and its launch gone)."""
     rate = COPY_EFFICIENCY * local_rate(plan)
     if rate <= 0:
         return {}
-    launches = {**LAUNCHES, "combine": LAUNCHES["combine"] - 1} if "combine" in caller_rows else LAUNCHES
+    launches = dict(LAUNCHES)
+    launches["combine"] -= ("combine" in caller_rows) + zero_beside
     return {p: {**{k: b / rate for k, b in parts.items()}, "gaps": launches[p] * gap_s}
-            for p, parts in call_bytes(plan, caller_rows).items()}
+            for p, parts in call_bytes(plan, caller_rows, zero_beside).items()}
 
 
 __all__ = ["COPY_EFFICIENCY", "call_bytes", "call_terms", "local_rate", "reads_caller_rows", "staged_tokens"]

@@ -106,6 +106,8 @@ def table(res: SimResult, passes_run: list[str] | None = None) -> str:
             parts = ", ".join(f"{k} {v * 1e6:.1f}" for k, v in p.calls.items())
             what = {"dispatch": "the tokens", "combine": "the expert outputs"}[name]
             read = f"; {what} read where the caller has them, not copied" if name in res.options.caller_rows else ""
+            if name == "combine" and res.options.zero_beside:
+                read += "; the partials cleared beside the dispatch kernel"
             out.append(f"{name} Buffer call's copies beside the kernels: {sum(p.calls.values()) * 1e6:.1f} us "
                        f"({parts} us{read})")
         launches = f" (kernel launch and metadata {_ms(p.launch_s)} ms before the first step included)" if p.launch_s else ""

@@ -434,6 +434,24 @@ def test_a_kernel_reading_the_callers_rows_copies_none():
     assert sim_options(four, None, "emulate").caller_rows == {"dispatch"}
 
 
+def test_partials_cleared_beside_the_dispatch_leave_the_combine(sim_check):
+    """With tables the GPU writes, the Buffer clears the combine's partials beside the dispatch
+    kernel: the combine's calls have no `zero` and one launch fewer, the dispatch's none more
+    (hidden under its kernel); `--clear-partials in-combine` (and host-built tables) keep them in the
+    combine; sim_check reads the report's `zero_beside` (absent: the reports before, in-combine)."""
+    plan = build_plan(str(REPO / "schedules" / "h200x2_2vnode.sched")).plan
+    both = frozenset({"dispatch", "combine"})
+    kept, beside = call_terms(plan, GAP_S, both), call_terms(plan, GAP_S, both, zero_beside=True)
+    assert beside["dispatch"] == kept["dispatch"]
+    assert beside["combine"] == {"convert": kept["combine"]["convert"], "gaps": kept["combine"]["gaps"] - GAP_S}
+    assert "zero" in kept["combine"] and "zero" not in call_bytes(plan, both, True)["combine"]
+    assert sim_options(plan, None, "emulate").zero_beside
+    assert not sim_options(plan, None, "emulate", zero_beside=False).zero_beside
+    assert not sim_options(plan, None, "proxy", "host").zero_beside  # host tables: the launcher clears them
+    row = ("epcc", {"per_rank": [{"zero_beside": True}]})
+    assert sim_check.zero_beside([row]) and not sim_check.zero_beside([("epcc", {"per_rank": [{}]})])
+
+
 def test_the_copy_the_model_dropped_is_the_time_the_combine_lost(records):
     """2 x H200, 2026-11-27, one device call: h200x2_2vnode_50 and _13 before the combine read the
     caller's rows (the 2026-11-26 run's twin is SUPERSEDED; the run before the change in the same call

@@ -64,7 +64,8 @@ unchanged until the kernel ends) where the bundle allows it (manifest `dispatch_
 aligned; else, or with a library of an older epcc, it copies them into the program's input buffer
 first (the dispatch's copy of x: 0.03-0.04 ms of 4096 x 7168 bf16 tokens on H100; 2 x H100,
 2026-11-27, h200x2_2vnode at 50 GB/s, 4096 tokens: ~0.5 ms of a 2.03 ms combine was the copy of y,
-the partials' clearing and the bf16 conversion outside the kernel).
+the partials' clearing and the bf16 conversion outside the kernel).  With tables from the GPU the
+combine's partials are cleared beside the dispatch kernel (_zero_beside), not in the combine call.
 
 Failures (agree.py): every host-side exchange is a round of the Buffer's agreement; an argument a
 rank refuses, a kernel or proxy that gave up, or a rank that stopped answering raises the same
@@ -223,6 +224,7 @@ class CudaTableEngine:
             handles[p] = [self.lib.ipc_handle(q) for q in self.own[p]]
         self.meta = None
         self.partials_clean = False  # the combine's partials were cleared since the last combine (_zero_beside)
+        self.zero_stream = None  # with device tables: the stream _zero_beside clears them on
         self.exchange = None  # the collective exchange: the engine's own, from here on (release_locally)
         if self.on_device:
             if manifest["metadata"].get("exchange") == "collective":  # its own group: a collective of every rank
