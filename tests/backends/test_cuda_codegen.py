@@ -211,7 +211,9 @@ def test_rdma_roles_emulated_or_left_to_a_proxy():
     assert roles["rdma"].lowered == "rdma-on-sm" and roles["rdma"].bytes_per_s == 50e9
     assert roles["rdma"].block_end - roles["rdma"].block_begin == emu.manifest["options"]["proxy_blocks"] == 4
     assert "RDMA emulated by SMs over peer memory, paced to one link of 50 GB/s, 5 us" in emu.files["h200x4_2vnode_dispatch.cu"]
-    assert '(a, 4u, "rdma", block, 4u, 50.f, 5000u);' in emu.files["h200x4_2vnode_dispatch.cu"]
+    # the rdma role lands what later steps read: it publishes in chunk order
+    assert re.search(r'\(a, 4u, "rdma", block, 4u, 50\.f, 5000u,\s+/\*ordered=\*/true\);',
+                     emu.files["h200x4_2vnode_dispatch.cu"])
     assert emu.manifest["options"]["rdma"] == "emulate"  # auto: 4 ranks, one box
     ext = codegen.generate(plan, source_of("h200x4_2vnode"), codegen.CudaOptions(rdma="external"))
     assert all(r.step != "rdma" for k in ext.kernels for r in k.roles)

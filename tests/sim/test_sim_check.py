@@ -181,15 +181,16 @@ def test_multi_hop_combines_within_ten_percent(records):
 
 def test_kernels_match_the_role_timelines_where_the_call_misses_before(records):
     """The combines' kernels against the timeline's end, after the paced roles (2026-11-27): h200x2_2vnode_50's
-    within 4 % on 2 x H200 (its rdma role at the link's pace behind keep_far, 26 GB/s per SM); h200x4_2vnode_50's
-    within 10 % on 4 x H100 and 4 x H200 (+8 %: the model starts its rdma role 0.12 ms late, behind fwd's
-    first wave of chunks, VNODE_COMBINE_H200)."""
+    within 6 % on 2 x H100 with keep_far on 16 SMs and ramped (-5.5 %: the model's rdma role ends 1.20 ms into
+    the kernel where the GPU's ended 1.27; before that change, on 8 SMs, within 4 % on 2 x H200);
+    h200x4_2vnode_50's within 10 % on 4 x H100 and 4 x H200 (+8 %: the model starts its rdma role 0.12 ms
+    late, behind fwd's first wave of chunks, VNODE_COMBINE_H200)."""
     seen = set()
     for r in records:
         if r.bundle in ("h200x4_2vnode_50", "h200x2_2vnode_50") and r.program == "combine" and r.kernel_ms \
                 and not r.superseded:
             seen.add(r.bundle)
-            bound = 0.04 if r.bundle == "h200x2_2vnode_50" else 0.10
+            bound = 0.06 if r.bundle == "h200x2_2vnode_50" else 0.10
             assert abs(r.kernel_error) < bound, (r.report, r.bundle, r.kernel_error)
     assert seen == {"h200x4_2vnode_50", "h200x2_2vnode_50"}
 
@@ -593,7 +594,7 @@ def test_tuned_rows_run_their_own_configuration_or_are_skipped_for_it(sim_check,
 
 def test_a_record_that_predates_two_changes_gives_both(sim_check):
     """The reasons are gathered, not overwritten in the order the table was written: the 2 x H100
-    dispatch timed before meta_fused and before the paced roles gives both."""
+    dispatch timed before meta_fused, before the paced roles and before keep_far's 16 SMs gives all three."""
     why = sim_check.superseded("2026-11-27_2xH100_ep_bench_multihop.json", "h200x2_2vnode_50", "epcc", "dispatch")
-    assert why == f"{sim_check.SIX_LAUNCHES}; {sim_check.PER_BLOCK_PACING}"
+    assert why == f"{sim_check.SIX_LAUNCHES}; {sim_check.PER_BLOCK_PACING}; {sim_check.KEEP_FAR_8_SMS}"
     assert sim_check.superseded("2026-11-27_4xH200_ep_bench.json", "h200x4", "epcc", "dispatch") is None
