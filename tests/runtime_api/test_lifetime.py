@@ -39,7 +39,7 @@ from epcc.cli import main as epcc_main  # noqa: E402
 from epcc.plan.schema import Int, OneOf, SchemaError, Str  # noqa: E402
 from epcc.runtime.engines import agree as ag  # noqa: E402
 from epcc.runtime.engines import lifetime  # noqa: E402
-from epcc.runtime.engines.base import GroupError  # noqa: E402
+from epcc.runtime.engines.base import EngineError, GroupError  # noqa: E402
 from epcc.runtime.engines.cuda_direct import engine as direct  # noqa: E402
 from epcc.runtime.engines.cuda_direct.library import DirectRuntimeError  # noqa: E402
 from epcc.runtime.engines.cuda_table import engine as table  # noqa: E402
@@ -419,6 +419,27 @@ def test_at_exit_the_proxies_stop_before_the_memory_they_use_is_freed(exit_regis
     assert events == [("stopped", 1, everything), ("stopped", 1, everything)]
     assert _released(lib) == [0x14000, 0x13000, 0x12000, 0x11000, "context ready"]
     assert lib.live == {"context failed", 0x15000, 0x16000, 0x17000, 0x18000} and lifetime.live() == []
+
+
+def test_closing_a_failed_buffer_says_what_it_could_not_release(exit_registry):
+    """A failed Buffer's close meets no peer: its proxies are stopped and its memory kept; a proxy
+    thread that does not stop is named in the close's error, with the rank."""
+    lib, events = _Launcher(), []
+    eng = _open_table_engine(lib, events, "failed")
+    eng.exchange, kept = None, set(lib.live)
+
+    class Stuck:
+        program = "dispatch"
+
+        def stop_thread(self, abort=False):
+            raise RuntimeError("the GPU proxy thread did not stop within 5 s of its stop word")
+
+    eng.rdma = [Stuck()]
+    with pytest.raises(EngineError) as e:
+        eng.close()
+    assert str(e.value) == ("closing the Buffer on rank 0: dispatch's proxy: the GPU proxy thread did not stop "
+                            "within 5 s of its stop word")
+    assert lib.live == kept and eng.rdma == []  # the memory stays: a peer's kernel may still write into it
 
 
 def test_at_exit_an_engine_that_fails_to_release_is_said_and_the_others_are_released(exit_registry, capsys):
