@@ -271,7 +271,7 @@ def test_rechunked_proxy_bundle_runs_through_buffer(tmp_path):
         epcc = b["methods"]["epcc"]
         assert len(epcc["check"]) == 2 and all(c and c["max_ulp"] <= 2 for c in epcc["check"]), epcc["check"]
         assert len(epcc["summary"]["dispatch"]["iter_max_over_ranks_ms"]) == 2
-        assert epcc["host_ms_max"] > 0 and epcc["sms"] == {"dispatch": 24, "combine": 25}
+        assert epcc["host_ms_max"] > 0 and epcc["sms"] == {"dispatch": 32, "combine": 33}  # keep_far on 16 SMs
         assert "no cached-handle dispatch" in b["methods"]["epcc_cached"]["skipped"]
     assert "against epcc simulate: not compared (a dry run: wall-clock times on the CPU)" in r.stdout
 

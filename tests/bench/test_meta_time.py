@@ -3,8 +3,6 @@ its argument."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,12 +18,8 @@ NS = [[0, 2000, 3000, 10000, 12000, 13000, 15000, 16000, 20000, 21000, 23500],
 
 
 @pytest.fixture(scope="module")
-def meta_time():
-    spec = importlib.util.spec_from_file_location("bench_meta_time_under_test", ROOT / "bench" / "meta_time.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def meta_time(bench_script):
+    return bench_script("meta_time")
 
 
 def test_the_timeline_table_of_a_rank(meta_time):

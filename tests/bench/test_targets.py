@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,12 +11,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def targets():
-    spec = importlib.util.spec_from_file_location("bench_targets_under_test", ROOT / "bench" / "targets.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def targets(bench_script):
+    return bench_script("targets")
 
 
 def _method(d_ms, c_ms, gbps=None, sms=None):

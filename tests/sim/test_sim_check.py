@@ -6,9 +6,7 @@ the GPU's fp32 red.add rate (costmodel/rates.py RED_BPS) and the Buffer call's c
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -133,12 +131,8 @@ KNOWN_MISSES = {
 
 
 @pytest.fixture(scope="module")
-def sim_check():
-    spec = importlib.util.spec_from_file_location("bench_sim_check_under_test", REPO / "bench" / "sim_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def sim_check(bench_script):
+    return bench_script("sim_check")
 
 
 @pytest.fixture(scope="module")
