@@ -54,7 +54,7 @@ import jinja2
 from epcc import __version__ as EPCC_VERSION
 from epcc.plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
 from epcc.plan.cuda_manifest import CALLER_INPUTS
-from epcc.plan.peers import foreign_reads
+from epcc.plan.peers import foreign_reads, publishes_in_order
 from epcc.plan.rdma import rdma_steps
 from epcc.plan.segments import SegmentProgramError, segment_program
 from epcc.plan.schema import CUDA_FORMAT, SUPA_FORMAT
@@ -435,7 +435,7 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
         rate = _link_rate(plan, step.link) if how == "rdma-on-sm" and opts.pace_rdma else None
         latency_ns = round(max((f.latency_s for f in step.flows), default=0.0) * 1e9) if rate else 0
         fn = f"epcc_{sched}_{program}_{ident(r.step)}"
-        ordered = any(r.step in s.deps for s in plan.program_steps(program))
+        ordered = publishes_in_order(plan.program_steps(program), r.step)
         while fn in used:
             fn += "_"
         used.add(fn)

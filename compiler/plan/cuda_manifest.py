@@ -19,7 +19,6 @@ PROGRAMS = ("dispatch", "combine")
 # `dispatch_input` / `combine_input`): the dispatch's tokens, the combine's expert rows as the caller
 # hands them to the call.
 CALLER_INPUTS = {"dispatch": "input", "combine": "output"}
-COMBINE_INPUT = CALLER_INPUTS["combine"]
 MAX_THREADS = 1024  # per block
 MAX_SHARED = 1 << 20  # bytes of shared memory per block
 MAX_WARPS = 64

@@ -72,4 +72,13 @@ def foreign_reads(plan: Plan, program: str, buffer: str, proxied: set[tuple[str,
     return None
 
 
-__all__ = ["foreign_reads", "peer_sets", "step_peers"]
+def publishes_in_order(steps, name: str) -> bool:
+    """Whether the role of step `name` must publish its chunks in chunk order: where a step of its
+    program (`steps`, the program's) depends on it, whose chunks wait on its counters and read
+    "counter >= v" as chunks 0..v-1 written.  Else only the kernel's drain reads its counters, for
+    their total, and a block publishes each chunk once written (the CUDA backend's run_role
+    `ordered`, the simulator's blocks: sim/blocks.py)."""
+    return any(name in s.deps for s in steps)
+
+
+__all__ = ["foreign_reads", "peer_sets", "publishes_in_order", "step_peers"]

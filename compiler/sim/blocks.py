@@ -49,6 +49,7 @@ from ..costmodel.rates import sm_rates, step_sms, work_of
 from ..costmodel.uniform import rows_per_token
 from ..plan import PlanStep
 from ..plan.model import item_order
+from ..plan.peers import publishes_in_order
 from .sm_terms import sm_bytes_per_flow_byte
 
 DEALINGS = ("round-robin", "free")
@@ -130,7 +131,7 @@ def schedule_roles(steps: list[PlanStep], eng, copies: Iterable[LayoutCopy], rol
             continue
         blocks, s_per_byte = role
         start = float(eng.ready_t[si])
-        ordered = any(s.name in t.deps for t in steps)  # codegen's RoleSpec.ordered
+        ordered = publishes_in_order(steps, s.name)  # as the kernels publish (codegen's RoleSpec.ordered)
         for rank in sorted(r for name, r in per_role if name == s.name):
             cs = sorted(per_role[(s.name, rank)], key=lambda c: c.flow_index)
             rb = RoleBlocks()

@@ -470,7 +470,8 @@ int epcc_table_meta_copy_rows(uint64_t dst, uint64_t src, uint64_t count, uint64
                 reinterpret_cast<const epcc::V16*>(src), reinterpret_cast<const int*>(count), row_bytes / 16);
 }
 
-// The combine's partial buffers of this rank, cleared (before the combine kernel, on its stream).
+// The combine's partial buffers of this rank, cleared before the combine kernel: beside the dispatch
+// kernel on a stream of the runtime's own, or on the combine's stream.
 // zero_partials on `stream` with `blocks` blocks (1 to 264: fewer where it runs beside a dispatch
 // kernel, so that it leaves that kernel its SMs).
 int epcc_table_meta_zero(const uint8_t* combine_blob, const uint64_t* buffers, uint64_t stream, int blocks) {

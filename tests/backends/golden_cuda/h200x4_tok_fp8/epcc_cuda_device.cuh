@@ -834,8 +834,9 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
         paced_watch(link, seen, mine, rd.item_count, env, [&] { return globaltimer() >= landing; });
       }
       if (c.flag_id != EPCC_NO_FLAG) {
-        // Publish in chunk order: consumers read "counter >= v" as "chunks 0..v-1 are written",
-        // and another block may still be on an earlier chunk of this copy.
+        // Publish in chunk order where a step reads the role's counters (`ordered`): consumers read
+        // "counter >= v" as "chunks 0..v-1 are written", and another block may still be on an
+        // earlier chunk of this copy.  Else at once: only the drain reads them, for their total.
         uint64_t* flag = flag_ptr(a, c.flag_rank, c.flag_id);
         if (ordered) {
           wait_ge(a, flag, it.chunk, step, static_cast<int32_t>(role), static_cast<int32_t>(it.chunk),
