@@ -12,6 +12,7 @@ import contextlib
 import pytest
 import torch
 
+from epcc.runtime.engines.cuda_table import engine as table_engine
 from epcc.runtime.engines.cuda_table.engine import ROW_ALIGN, CudaTableEngine, TableHandle, reads_caller_rows
 
 HIDDEN, ROWS, TOKENS = 8, 6, 3
@@ -59,6 +60,7 @@ def _engine(manifest: dict, library_can: bool = True, row_bytes: int = 2 * HIDDE
     eng.recv_view = torch.zeros((ROWS, 2 * HIDDEN), dtype=torch.uint8)  # the receive buffer's rows
     eng.own_combine = torch.zeros(2, dtype=torch.int64)
     eng.partials_clean = False  # no dispatch cleared the partials beside its kernel
+    eng.own_spans = {}  # this rank's buffers: none of the callers' tensors lies in them
     eng.caller_rows = reads_caller_rows(manifest, dict.fromkeys(PROGRAMS, library_can), PROGRAMS)
     eng.input_view = torch.zeros((TOKENS + 1, row_bytes), dtype=torch.uint8)  # the dispatch's input buffer
     eng._stream = lambda: 0
@@ -101,9 +103,11 @@ def test_rows_the_kernel_cannot_read_in_place_are_copied():
     assert eng._combine_input(torch.ones((0, HIDDEN), dtype=torch.bfloat16), h, 0) == 0  # no rows: nothing to read
 
 
-def test_partials_a_dispatch_cleared_are_not_cleared_again():
+def test_partials_a_dispatch_cleared_are_not_cleared_again(monkeypatch):
     """After a dispatch cleared the combine's partials beside its kernel (_zero_beside) the combine
-    clears nothing; the one after it, with no dispatch between, clears them itself."""
+    clears nothing; the one after it, with no dispatch between, clears them itself; a combine
+    captured into a CUDA graph always records its own clearing (its replays need not follow a
+    dispatch that cleared)."""
     eng = _engine(ALLOWED)
     y = torch.ones((ROWS, HIDDEN), dtype=torch.bfloat16)
     eng.partials_clean = True
@@ -111,6 +115,52 @@ def test_partials_a_dispatch_cleared_are_not_cleared_again():
     assert eng.meta.calls == [] and eng.partials_clean is False
     eng.combine(y, _low_latency_handle())
     assert eng.meta.calls == [("zero_partials",)] and eng.partials_clean is False
+    monkeypatch.setattr(table_engine, "capturing", lambda: True)
+    eng.partials_clean, eng.meta.calls = True, []
+    eng.combine(y, _low_latency_handle())
+    assert eng.meta.calls == [("zero_partials",)]
+
+
+class _Stream:
+    """A CUDA stream's stand-in: what is enqueued on it, in order, into a shared log."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log, self.cuda_stream = name, log, name
+
+    def wait_event(self, ev):
+        self.log.append((self.name, "wait_event", ev))
+
+    def wait_stream(self, other):
+        self.log.append((self.name, "wait_stream", other.name))
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_the_partials_are_cleared_beside_the_dispatch_after_its_tables_then_joined(monkeypatch, graph):
+    """_zero_beside: the zero stream waits for the tables' event, clears with zero_blocks blocks,
+    and the caller's stream joins it; the flag says so only outside a graph's capture."""
+    log: list = []
+    eng = _engine(ALLOWED)
+    eng.zero_stream, eng.zero_blocks = _Stream("zero", log), 24
+    eng.meta.zero_partials = lambda ptr, stream, blocks: log.append(("zero", "zero_partials", stream, blocks))
+    monkeypatch.setattr(table_engine, "capturing", lambda: graph)
+    eng._zero_beside("tables", _Stream("caller", log))
+    assert log == [("zero", "wait_event", "tables"), ("zero", "zero_partials", "zero", 24),
+                   ("caller", "wait_stream", "zero")]
+    assert eng.partials_clean is (not graph)
+
+
+def test_rows_in_the_buffers_own_memory_are_copied():
+    """A low-latency recv_x passed back as x (or y in a combine buffer): the kernels write there, so
+    the rows are copied before the launch, not read in place."""
+    eng = _engine(BOTH)
+    own = torch.zeros((TOKENS + 4, 2 * HIDDEN), dtype=torch.uint8)
+    eng.own_spans = {"dispatch": [(own.data_ptr(), own.numel())],
+                     "combine": [(own.data_ptr(), own.numel())]}
+    assert eng._dispatch_input(own[1:TOKENS + 1], TOKENS) == 0
+    ys = own.view(torch.bfloat16)[:ROWS]
+    assert eng._combine_input(ys, _low_latency_handle(), 0) == 0
+    elsewhere = torch.zeros((TOKENS, 2 * HIDDEN), dtype=torch.uint8)
+    assert eng._dispatch_input(elsewhere, TOKENS) == elsewhere.data_ptr()
 
 
 def test_a_manifest_naming_another_buffer_is_not_used():

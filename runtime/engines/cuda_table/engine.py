@@ -118,6 +118,7 @@ ROW_ALIGN = 16  # bytes: a caller's rows the kernels read in place start at a mu
 # (an h200x2_2vnode dispatch holds 20-28 of an H100's 132); its 0.23 GB of partials then take
 # ~0.1-0.2 ms, under a dispatch of 1.2 ms at 50 GB/s
 ZERO_BESIDE_BLOCKS = 32
+ZERO_BESIDE_MIN_BLOCKS = 8  # fewer left beside the dispatch kernel: the combine clears them itself
 
 
 class TableHandle:
@@ -164,6 +165,7 @@ class CudaTableEngine:
         self.rdma: list[GpuRdma] = []
         self._done = None  # the event the proxy path's watched wait polls
         self.own: dict[str, list[int]] = {}
+        self.own_spans: dict[str, list[tuple[int, int]]] = {}  # per program, this rank's buffers: (address, bytes)
         self.opened: list[int] = []  # every CUDA IPC mapping this rank opened (closed by close())
         self.ipc_peers: frozenset[int] = frozenset()  # the ranks whose memory it maps (ipc_domain.py)
         # what the launcher allocated and mapped, released last acquired first (lifetime.py); the
@@ -220,10 +222,13 @@ class CudaTableEngine:
         self.held.push("the launcher's context", self.ctx.close)
         handles = {"flags": self.lib.ipc_handle(self.ctx.flag_area)}
         for p in self.programs:
-            self.own[p] = [self._malloc(dev, max(n, 1), f"a {p} buffer") for n in self._sizes(p, cap)]
+            sizes = [max(n, 1) for n in self._sizes(p, cap)]
+            self.own[p] = [self._malloc(dev, n, f"a {p} buffer") for n in sizes]
+            self.own_spans[p] = list(zip(self.own[p], sizes))
             handles[p] = [self.lib.ipc_handle(q) for q in self.own[p]]
         self.meta = None
-        self.partials_clean = False  # the combine's partials were cleared since the last combine (_zero_beside)
+        # the combine's partials were cleared, outside a CUDA graph's capture, since the last combine (_zero_beside)
+        self.partials_clean = False
         self.zero_stream = None  # with device tables: the stream _zero_beside clears them on
         self.exchange = None  # the collective exchange: the engine's own, from here on (release_locally)
         if self.on_device:
@@ -234,11 +239,12 @@ class CudaTableEngine:
                                    timeout_s, error_on_device=self.ERROR_ON_DEVICE, exchange=self.exchange)
             # the combine's partials are cleared beside each dispatch kernel, on a stream of their own
             # (_zero_beside), on the SMs that kernel leaves
-            self.zero_stream = torch.cuda.Stream(self.device)
             grid = max((k["grid"] for k in manifest["kernels"] if k["program"] == "dispatch" and k["kind"] == "main"
                         and isinstance(k["grid"], int)), default=0)
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            self.zero_blocks = max(1, min(ZERO_BESIDE_BLOCKS, ZERO_BLOCKS, sms - grid))
+            self.zero_blocks = min(ZERO_BESIDE_BLOCKS, ZERO_BLOCKS, sms - grid)
+            if self.zero_blocks >= ZERO_BESIDE_MIN_BLOCKS:  # else the combine clears them, on every SM
+                self.zero_stream = torch.cuda.Stream(self.device)
             if not self.meta.collective:  # the peers write their routing into it over CUDA IPC
                 self.area = self._malloc(dev, self.meta.area_bytes, "the metadata's gather area")
                 handles["area"] = self.lib.ipc_handle(self.area)
@@ -521,7 +527,7 @@ class CudaTableEngine:
             self.meta.run(T, topk_idx, topk_weights, cur)
             tables = cur.record_event()  # this dispatch's tables written: the combine's zero list among them
             self.ctx.launch_dispatch(stream, self._dispatch_input(rows, T))
-            if "combine" in self.programs:
+            if "combine" in self.programs and self.zero_stream is not None:
                 self._zero_beside(tables, cur)
         except (CudaError, KernelTimeout, EngineError) as e:  # the exchange's own timeout too (ExchangeTimeout)
             self._fail_launch(e)
@@ -608,7 +614,8 @@ class CudaTableEngine:
                 rows = self._combine_input(y, handle, stream)
                 out_ptr = out.data_ptr() if handle.tokens else 0
                 if self.meta is not None:
-                    if not self.partials_clean:  # no dispatch cleared them since the last combine
+                    if not self.partials_clean or capturing():
+                        # no dispatch cleared them since the last combine, or a graph's replays need their own
                         self.meta.zero_partials(self.own_combine.data_ptr(), stream)
                     self.partials_clean = False
                     self.ctx.launch_combine_tokens(out_ptr, handle.tokens, stream, rows)
@@ -629,25 +636,37 @@ class CudaTableEngine:
         engine's zero stream once `tables` (the metadata of this dispatch: the combine's zero list)
         are written, with zero_blocks blocks, then joined back into `cur`, so that whatever the caller
         runs next there (a CUDA graph's capture too) comes after it.  The next combine then clears
-        nothing itself (partials_clean).  Nothing else writes them by then: this rank's previous
-        combine kernel ended (stream order) only once every peer's contribution had landed.
+        nothing itself (partials_clean) -- where neither it nor this dispatch is captured into a CUDA
+        graph: a captured combine records its own clearing, since its replays need not follow a
+        dispatch that cleared.  No peer touches this rank's partials by then: `tables` comes after
+        this dispatch's metadata exchange, which every peer joins only after its previous combine
+        kernel ended (stream order on its side), and this rank's previous combine is before it on
+        `cur`; the peers' next writes come after the next combine's entry barrier, after the join.
         Measured 2 x H100, 2026-11-27 (h200x2_2vnode_50): the combine's own clearing took ~0.09 ms."""
         z = self.zero_stream
         z.wait_event(tables)
         self.meta.zero_partials(self.own_combine.data_ptr(), z.cuda_stream, self.zero_blocks)
         cur.wait_stream(z)
-        self.partials_clean = True
+        self.partials_clean = not capturing()
 
     def _dispatch_input(self, rows: torch.Tensor, T: int) -> int:
         """Where the dispatch kernel reads this rank's tokens: `rows` itself (x, or x_fp8 and its
         scales side by side: its address, returned: a launch argument, which a CUDA graph captures)
         where the bundle allows it (`caller_rows`: manifest dispatch_input) and they can be read in
-        place (caller_rows_usable); else 0, after they are copied into the dispatch's input buffer."""
-        if T and self.caller_rows["dispatch"] and caller_rows_usable(rows):
+        place (caller_rows_usable) and do not lie in this rank's dispatch buffers (a low-latency
+        recv_x passed back: the kernels write there); else 0, after they are copied into the
+        dispatch's input buffer."""
+        if T and self.caller_rows["dispatch"] and caller_rows_usable(rows) and not self._in_own(rows, "dispatch"):
             return rows.data_ptr()
         if T:
             self.input_view[:T].copy_(rows)
         return 0
+
+    def _in_own(self, t: torch.Tensor, program: str) -> bool:
+        """Whether `t`'s bytes overlap one of this rank's buffers of `program`, which its kernels write."""
+        lo = t.data_ptr()
+        hi = lo + t.numel() * t.element_size()
+        return any(lo < p + n and p < hi for p, n in self.own_spans.get(program, ()))
 
     def _combine_input(self, y: torch.Tensor, handle: TableHandle, stream: int) -> int:
         """Where the combine kernel reads this rank's expert rows: `y` itself (its address, returned:
@@ -657,7 +676,8 @@ class CudaTableEngine:
         buffer (low latency: only the rows received)."""
         n = y.shape[0]
         if (self.caller_rows["combine"] and n and y.dtype == torch.bfloat16 and y.device == self.device
-                and y.dim() == 2 and y.shape[1] == self.hidden and caller_rows_usable(y)):
+                and y.dim() == 2 and y.shape[1] == self.hidden and caller_rows_usable(y)
+                and not self._in_own(y, "combine")):
             return y.data_ptr()
         if self.meta is not None and handle.layout is None and n == self.recv_view.shape[0]:
             # low latency: y is the whole receive buffer; only the rows received count
@@ -795,6 +815,11 @@ def reads_caller_rows(manifest: dict, library_can: dict[str, bool], programs) ->
     library has the entry point."""
     return {p: p in programs and library_can.get(p, False) and manifest_reads_caller_rows(manifest, p)
             for p in PROGRAMS}
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def caller_rows_usable(t: torch.Tensor) -> bool:

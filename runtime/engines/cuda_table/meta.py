@@ -320,7 +320,8 @@ class DeviceMeta:
         return {"count": g["count"], "scan": g["scan"], "rows": g["rows"] + g["count"], "items": g["items"]}
 
     def zero_partials(self, own_buffers_dev: int, stream: int, blocks: int = ZERO_BLOCKS) -> None:
-        """The combine's partial buffers of this rank, cleared (before the combine kernel), by
+        """The combine's partial buffers of this rank, cleared (before the combine kernel: beside the
+        dispatch kernel, CudaTableEngine._zero_beside, or on the combine's stream), by
         `blocks` blocks (1 to ZERO_BLOCKS)."""
         if self.lib.epcc_table_meta_zero(self.blobs["combine"].data_ptr(), own_buffers_dev, stream, blocks) != 0:
             raise EngineError(f"zeroing the partials: {self.lib.epcc_table_meta_error().decode(errors='replace')}")
