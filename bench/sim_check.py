@@ -156,8 +156,8 @@ DISPATCHES_BEFORE_META_FUSED = [
 
 # the h200x2_2vnode bundles timed before its keep_far ran on 16 SMs with ramped ends (the schedule,
 # 2026-11-27) and before roles no step reads published out of order: each run's plan is not the one the
-# model builds from the schedule now (2 x H100, the same day: the dispatch 1.305 -> 1.288 ms, the
-# combine 1.403 -> 1.352 with both; results/2026-11-27_2xH100_multihop.md)
+# model builds from the schedule now (2 x H100, the same day, one device call, the schedule before and
+# after: the dispatch 1.304 -> 1.288 ms, the combine 1.397 -> 1.352; results/2026-11-27_2xH100_multihop.md)
 KEEP_FAR_8_SMS = ("h200x2_2vnode's keep_far on 8 SMs with whole chunks at its head, and its roles publishing in chunk "
                   "order (since: 16 SMs, ramp 3, and the roles no step reads publishing each chunk once written)")
 TWO_VNODE_BEFORE_16_SMS = [

@@ -9,12 +9,18 @@ copies on the same stream, each a grid-wide copy bound by the GPU's memory (read
   (`zero_partials`: the result's T rows and every staging buffer's rows the dispatch landed,
   4 x hidden bytes each, written), and after the kernel the fp32 result converted to bf16 (T x
   hidden x (4 + 2) bytes);
-* a launch gap (sim/meta.py GAP_S) per launch: one in dispatch, three in combine.
+* a launch gap (sim/meta.py GAP_S) per copy: each is a launch of its own.
 
 Where the tables come from the GPU the Buffer clears the partials beside the dispatch kernel
-instead (a stream of its own, few SMs, under a dispatch that is ~5x longer), so the combine has no
-`zero` and one launch fewer (`zero_beside`).  Measured 2 x H100, 2026-11-27, one device call:
-h200x2_2vnode_50's combine 1.503 -> 1.403 ms, its dispatch 1.307 -> 1.306.
+instead (a stream of its own, at most 32 SMs), so the combine has no `zero` and one launch fewer
+(`zero_beside`), and the dispatch is charged nothing for it: the model takes the clearing as
+hidden under the dispatch kernel.  Measured only where it is: 2 x H100, 2026-11-27, one device
+call, h200x2_2vnode_50 (0.23 GB of partials under a 1.2 ms kernel): its combine 1.503 -> 1.403 ms,
+its dispatch 1.307 -> 1.306.  A plan whose clearing outlasts its dispatch kernel on those SMs
+(1.2 GB for ubbv2_ep16's) would be predicted too fast.
+
+An fp8 dispatch still copies its tokens once: the Buffer packs x and its scales side by side
+(one tensor of T rows) for the kernel to read in place, so its `input` stays.
 
 Where the bundle's kernel of a program reads the caller's rows in place (the CUDA manifest's
 `dispatch_input` / `combine_input` with `caller_rows`: no copy reads them on another rank,
@@ -46,7 +52,6 @@ from ..plan.cuda_manifest import reads_caller_rows as manifest_reads_caller_rows
 # 1.35 GB: 3.2 TB/s) on H200; the dispatch's copy of x 0.03-0.04 ms (117 MB) on H100.  One rate for both
 # (the model does not know the GPU): 2.6 TB/s, 0.87 of the schedules' 3000 GB/s `hbm` link.
 COPY_EFFICIENCY = 0.87
-LAUNCHES = {"dispatch": 1, "combine": 3}  # with the copy of the expert outputs (one launch of its own)
 LOCAL = ("input", "output")
 
 
@@ -87,7 +92,8 @@ def call_bytes(plan: Plan, caller_rows: frozenset[str] = frozenset(),
     if wl is None:
         return {}
     T, H = wl.tokens, wl.hidden
-    out = {"dispatch": {} if "dispatch" in caller_rows else {"input": 2.0 * T * plan.bytes_per_token}}
+    packs = "dispatch" not in caller_rows or wl.dtype == "fp8"  # fp8: x and its scales packed into one tensor
+    out = {"dispatch": {"input": 2.0 * T * plan.bytes_per_token} if packs else {}}
     if any(s.program == "combine" for s in plan.steps):
         rows = {} if "combine" in caller_rows else {"rows": 2.0 * T * wl.topk * 2 * H}
         zero = {} if zero_beside else {"zero": 4.0 * H * (T + staged_tokens(plan))}
@@ -105,9 +111,8 @@ def call_terms(plan: Plan, gap_s: float, caller_rows: frozenset[str] = frozenset
     rate = COPY_EFFICIENCY * local_rate(plan)
     if rate <= 0:
         return {}
-    launches = dict(LAUNCHES)
-    launches["combine"] -= ("combine" in caller_rows) + zero_beside
-    return {p: {**{k: b / rate for k, b in parts.items()}, "gaps": launches[p] * gap_s}
+    # a launch gap for each copy (its own launch)
+    return {p: {**{k: b / rate for k, b in parts.items()}, "gaps": len(parts) * gap_s}
             for p, parts in call_bytes(plan, caller_rows, zero_beside).items()}
 
 

@@ -103,13 +103,19 @@ def table(res: SimResult, passes_run: list[str] | None = None) -> str:
             out.append(f"{name} metadata kernels on the GPU: {sum(p.metadata.values()) * 1e6:.1f} us before the "
                        f"first step ({parts} us)")
         if p.calls:
-            parts = ", ".join(f"{k} {v * 1e6:.1f}" for k, v in p.calls.items())
-            what = {"dispatch": "the tokens", "combine": "the expert outputs"}[name]
-            read = f"; {what} read where the caller has them, not copied" if name in res.options.caller_rows else ""
+            notes = []
+            if name in res.options.caller_rows:  # no copy into the input buffer: read in place
+                notes.append("x and its scales packed into one tensor the kernel reads in place" if "input" in p.calls
+                             else {"dispatch": "the tokens", "combine": "the expert outputs"}[name]
+                             + " read where the caller has them, not copied")
             if name == "combine" and res.options.zero_beside:
-                read += "; the partials cleared beside the dispatch kernel"
-            out.append(f"{name} Buffer call's copies beside the kernels: {sum(p.calls.values()) * 1e6:.1f} us "
-                       f"({parts} us{read})")
+                notes.append("the partials cleared beside the dispatch kernel")
+            if any(k != "gaps" for k in p.calls):
+                parts = ", ".join(f"{k} {v * 1e6:.1f}" for k, v in p.calls.items())
+                said = f"{sum(p.calls.values()) * 1e6:.1f} us ({'; '.join([parts + ' us', *notes])})"
+            else:
+                said = f"none ({'; '.join(notes)})"
+            out.append(f"{name} Buffer call's copies beside the kernels: {said}")
         launches = f" (kernel launch and metadata {_ms(p.launch_s)} ms before the first step included)" if p.launch_s else ""
         out.append(f"{name}: total {_ms(p.makespan_s)} ms with overlap, serial sum {_ms(p.serial_s)} ms{launches}")
     if len(res.programs) > 1:

@@ -113,3 +113,30 @@ def test_bad_usage_exits_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["simulate", H200, "--frobnicate"])
     assert e.value.code == 2
+
+
+TWO_VNODE = str(REPO / "schedules" / "h200x2_2vnode.sched")
+
+
+def _calls(capsys, *extra) -> dict:
+    code, out, err = run(["simulate", TWO_VNODE, "--json", "--rdma", "emulate", *extra], capsys)
+    assert code == 0, err
+    return {p: d["calls_us"] for p, d in json.loads(out)["programs"].items()}
+
+
+def test_copy_inputs_and_clear_partials_charge_what_the_buffer_would_copy(capsys):
+    """--copy-inputs charges the copy of a program's rows the kernels could read in place;
+    --clear-partials in-combine the partials' clearing in the combine call."""
+    plain = _calls(capsys)
+    assert plain["dispatch"] == {"gaps": 0.0} and "rows" not in plain["combine"] and "zero" not in plain["combine"]
+    copied = _calls(capsys, "--copy-inputs", "dispatch,combine")
+    assert list(copied["dispatch"]) == ["input", "gaps"] and "rows" in copied["combine"]
+    assert copied["dispatch"]["input"] > 0 and copied["dispatch"]["gaps"] > 0
+    assert list(_calls(capsys, "--clear-partials", "in-combine")["combine"]) == ["zero", "convert", "gaps"]
+
+
+@pytest.mark.parametrize("value", ["x", "dispatch,", "DISPATCH"])
+def test_copy_inputs_names_programs(capsys, value):
+    code, out, err = run(["simulate", TWO_VNODE, "--copy-inputs", value], capsys)
+    bad = next(v for v in value.split(",") if v not in ("dispatch", "combine"))
+    assert (code, out, err) == (1, "", f"epcc: error: --copy-inputs: {bad!r} is not a program (dispatch, combine)\n")
