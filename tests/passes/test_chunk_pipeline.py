@@ -61,6 +61,10 @@ def test_the_ir_says_which_chunks_the_cost_model_chose():
 # ---- ramps: an SM role's first chunks finer where others follow it, its last where it follows
 
 KEEP_FAR = "permute rdma_recv into output over hbm sms 8\n      chunk 64 tokens depth 8\n"
+# the shipped schedule's keep_far (16 SMs, `ramp 3`), and the same schedule with keep_far as above:
+# 8 SMs and the default ramps, which the tests below edit
+KEEP_FAR_SHIPPED = "permute rdma_recv into output over hbm sms 16\n      chunk 64 tokens depth 8 ramp 3\n"
+DEFAULT_RAMPS = _edit(SCHED, KEEP_FAR_SHIPPED, KEEP_FAR)
 
 
 def _ramps(tmp_path: Path, text: str, name: str = "h200x2_2vnode.sched") -> dict[tuple[str, str], tuple[int, int]]:
@@ -71,7 +75,7 @@ def _ramps(tmp_path: Path, text: str, name: str = "h200x2_2vnode.sched") -> dict
 
 
 def test_a_followed_role_ramps_its_head_and_a_following_one_its_tail(tmp_path):
-    assert _ramps(tmp_path, SCHED) == {
+    assert _ramps(tmp_path, DEFAULT_RAMPS) == {
         ("dispatch", "rdma"): (0, 0),          # RDMA chunks stay whole (the credit window counts chunks)
         ("dispatch", "keep"): (0, 0),          # neither followed nor following
         ("dispatch", "keep_far"): (0, 3),      # follows the RDMA: its last chunks spread over its SMs
@@ -79,19 +83,19 @@ def test_a_followed_role_ramps_its_head_and_a_following_one_its_tail(tmp_path):
         ("combine", "keep"): (0, 0),
         ("combine", "rdma"): (0, 0),
     }
-    three = _ramps(tmp_path, _edit(SCHED, KEEP_FAR, KEEP_FAR[:-1] + " ramp 3\n"))
+    three = _ramps(tmp_path, _edit(DEFAULT_RAMPS, KEEP_FAR, KEEP_FAR[:-1] + " ramp 3\n"))
     assert three[("combine", "keep_far")] == (3, 0)  # asked for: its first chunks hand over sooner
 
 
 def test_the_file_sets_or_turns_off_the_ramp(tmp_path):
-    off = _ramps(tmp_path, _edit(SCHED, KEEP_FAR, KEEP_FAR[:-1] + " ramp 0\n"))
+    off = _ramps(tmp_path, _edit(DEFAULT_RAMPS, KEEP_FAR, KEEP_FAR[:-1] + " ramp 0\n"))
     assert off[("dispatch", "keep_far")] == off[("combine", "keep_far")] == (0, 0)  # the combine's reverse too
-    five = _ramps(tmp_path, _edit(SCHED, KEEP_FAR, KEEP_FAR[:-1] + " ramp 5\n"))
+    five = _ramps(tmp_path, _edit(DEFAULT_RAMPS, KEEP_FAR, KEEP_FAR[:-1] + " ramp 5\n"))
     assert five[("dispatch", "keep_far")] == (0, 5)  # 2-token chunks: below RAMP_MIN_BYTES, but asked for
     # the default stops above RAMP_MIN_BYTES: 8 tokens x 14.4 KB halve once to 57.6 KB < 64 KiB
-    small = _ramps(tmp_path, _edit(SCHED, KEEP_FAR, KEEP_FAR.replace("chunk 64", "chunk 8")))
+    small = _ramps(tmp_path, _edit(DEFAULT_RAMPS, KEEP_FAR, KEEP_FAR.replace("chunk 64", "chunk 8")))
     assert small[("dispatch", "keep_far")] == (0, 0)
-    assert _ramps(tmp_path, _edit(SCHED, KEEP_FAR, KEEP_FAR.replace("chunk 64", "chunk 16")))[
+    assert _ramps(tmp_path, _edit(DEFAULT_RAMPS, KEEP_FAR, KEEP_FAR.replace("chunk 64", "chunk 16")))[
         ("dispatch", "keep_far")] == (0, 1)
 
 
@@ -102,11 +106,13 @@ def test_copy_engine_steps_are_not_ramped(tmp_path):
 
 
 def test_the_ramp_is_in_the_ir_and_the_simulation(tmp_path):
+    # the shipped schedule asks for both ends: the dispatch's keep_far's tail, its combine reverse's head
     text = str(pipeline.run(str(REPO / "schedules" / "h200x2_2vnode.sched"), "chunk-pipeline").module)
-    assert text.count("ramp = array<i64: 0, 3>") == 1 and "ramp = array<i64: 3, 0>" not in text
+    assert text.count("ramp = array<i64: 0, 3>") == 1 and text.count("ramp = array<i64: 3, 0>") == 1
     ms = {}
-    for label, t in (("ramped", SCHED), ("whole", _edit(SCHED, KEEP_FAR, KEEP_FAR[:-1] + " ramp 0\n")),
-                     ("both", _edit(SCHED, KEEP_FAR, KEEP_FAR[:-1] + " ramp 3\n"))):
+    for label, t in (("ramped", DEFAULT_RAMPS),
+                     ("whole", _edit(DEFAULT_RAMPS, KEEP_FAR, KEEP_FAR[:-1] + " ramp 0\n")),
+                     ("both", _edit(DEFAULT_RAMPS, KEEP_FAR, KEEP_FAR[:-1] + " ramp 3\n"))):
         path = tmp_path / f"{label}.sched"
         path.write_text(t, encoding="utf-8")
         res = simulate(build_plan(str(path)).plan, SimOptions(rdma_proxy=True))
