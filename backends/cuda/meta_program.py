@@ -276,7 +276,9 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
         program = "dispatch" if cid < len(prog.dispatch) else "combine"
         front, back = ramp_lists(c.tpc, c.ramp_head, c.ramp_tail)
         if len(front) > MAX_RAMP or len(back) > MAX_RAMP:
-            raise MetaProgramError(f"copy {cid}: ramps of {len(front)} + {len(back)} chunks")
+            raise MetaProgramError(f"{program} step '{c.step}': its ramped ends are {len(front)} and {len(back)} "
+                                   f"chunks, the metadata kernels take at most {MAX_RAMP} at each end (give it a "
+                                   f"smaller `ramp`)")
         rec = dict(program=PROGRAMS.index(program), tpc=c.tpc or 0, head=c.ramp_head, tail=c.ramp_tail,
                    first_part=len(parts), num_parts=0, dst=c.dst, ramp_front=len(ramp), ramp_front_n=len(front),
                    ramp_back=len(ramp) + len(front), ramp_back_n=len(back), ramp_front_sum=sum(front),

@@ -52,6 +52,12 @@ def _generator(backend) -> Callable[[Plan, str, object], Generated]:
                 how = f"lowering: direct kernels ({cm['direct']['source']}; the Buffer API runs them)"
             else:
                 how = f"lowering: table-driven kernels (no direct lowering: {cm.get('direct_not_used', '?')})"
+            meta = cm.get("metadata") or {}
+            if cm.get("lowering") != "direct" and meta.get("lowering") == "host" and args.proxy_tables != "host":
+                # not asked for (--proxy-tables host): a fresh routing pays a host layout on every dispatch
+                say(f"{file}: warning: the host lays out the tables on every dispatch, not the GPU's metadata "
+                    f"kernels ({meta.get('why', '?')}): a fresh routing costs milliseconds per call, and the "
+                    f"low-latency mode is not available", err=True)
             return [f"{file}: {backend.language} sources in {out}/{backend.name}/ ({names})", f"{file}: {how}"]
 
         return Generated(gen.write, report)

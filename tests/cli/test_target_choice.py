@@ -114,3 +114,25 @@ def test_plan_json_records_the_vendor(tmp_path, capsys, monkeypatch):
             with pytest.raises(PlanJsonError, match=f"^{re.escape(text)}$"):
                 check_plan_json({**d, field: bad})
     capsys.readouterr()
+
+
+def test_a_plan_the_metadata_kernels_do_not_cover_is_said_at_compile_time(capsys, tmp_path):
+    """A keep_far ramped 6 halvings cuts 126 chunks at its end, beyond the metadata kernels' 64: the
+    bundle falls back to tables the host lays out per dispatch, which `epcc compile` says on stderr
+    (with the step, the numbers and the fix); asked for (--proxy-tables host), it says nothing."""
+    text = (REPO / "schedules" / "h200x2_2vnode.sched").read_text(encoding="utf-8")
+    assert text.count("depth 8 ramp 3") == 1
+    src = tmp_path / "ramp6.sched"
+    src.write_text(text.replace("depth 8 ramp 3", "depth 8 ramp 6"), encoding="utf-8")
+    code, out, err = run(["compile", str(src), "--target", "cuda", "--rdma", "emulate", "-o", str(tmp_path / "b")],
+                         capsys)
+    why = ("dispatch step 'keep_far': its ramped ends are 0 and 126 chunks, the metadata kernels take at most 64 at "
+           "each end (give it a smaller `ramp`)")
+    assert code == 0 and err == (f"{src}: warning: the host lays out the tables on every dispatch, not the GPU's "
+                                 f"metadata kernels ({why}): a fresh routing costs milliseconds per call, and the "
+                                 f"low-latency mode is not available\n"), err
+    manifest = json.loads((tmp_path / "b" / "cuda" / "manifest.json").read_text(encoding="utf-8"))
+    assert manifest["metadata"] == {"lowering": "host", "why": why}
+    code, out, err = run(["compile", str(REPO / "schedules" / "h200x2_2vnode.sched"), "--target", "cuda", "--rdma",
+                          "proxy", "--proxy-tables", "host", "-o", str(tmp_path / "h")], capsys)
+    assert code == 0 and "warning" not in err, err
