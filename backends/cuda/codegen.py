@@ -790,10 +790,8 @@ def device_metadata(plan: Plan, manifest: dict, target: Target = CUDA) -> dict:
             pls = {p: placement(manifest, prog, p, rank, plan.workload.tokens) for p in abi.PROGRAMS
                    if any(k["program"] == p and k["kind"] == "main" for k in manifest["kernels"])}
             mp = encode(manifest, plan.workload.placement, prog, pls, rank, plan.workload.tokens)
-            g = mp.grids()
-            for kernel, n in (("meta_count", g["count"]), ("meta_scan", g["scan"]),
-                              ("meta_rows", g["rows"] + g["count"]), ("meta_items", g["items"])):
-                blocks[kernel] = max(blocks[kernel], n)
+            for phase, n in mp.phase_blocks().items():
+                blocks[f"meta_{phase}"] = max(blocks[f"meta_{phase}"], n)
             need = mp.capacity()
             # each field the most any rank needs; home/sets: the rank with the most sets (the error's)
             cap = need if cap is None else replace(

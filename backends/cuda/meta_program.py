@@ -159,6 +159,12 @@ class MetaProgram:
         return {"count": h["num_ranks"] * h["token_blocks"], "rows": h["num_work"], "items": h["num_tcopies"],
                 "scan": OFFSET_BLOCKS + -(-series // SCAN_SERIES)}
 
+    def phase_blocks(self) -> dict[str, int]:
+        """Blocks of each phase as meta.cuh phase_blocks counts them, what meta_fused's blocks loop
+        over: grids()'s, the rows phase with count's blocks again (the received rows)."""
+        g = self.grids()
+        return {"count": g["count"], "scan": g["scan"], "rows": g["rows"] + g["count"], "items": g["items"]}
+
 
 def _put(rows: list[list[int]], fields: list[str], rec: dict) -> int:
     missing = set(fields) - set(rec)

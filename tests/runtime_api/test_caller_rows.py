@@ -60,7 +60,7 @@ def _engine(manifest: dict, library_can: bool = True, row_bytes: int = 2 * HIDDE
     eng.recv_view = torch.zeros((ROWS, 2 * HIDDEN), dtype=torch.uint8)  # the receive buffer's rows
     eng.own_combine = torch.zeros(2, dtype=torch.int64)
     eng.partials_clean = False  # no dispatch cleared the partials beside its kernel
-    eng.own_spans = {}  # this rank's buffers: none of the callers' tensors lies in them
+    eng.own, eng.own_bytes = {}, {}  # this rank's buffers: none of the callers' tensors lies in them
     eng.caller_rows = reads_caller_rows(manifest, dict.fromkeys(PROGRAMS, library_can), PROGRAMS)
     eng.input_view = torch.zeros((TOKENS + 1, row_bytes), dtype=torch.uint8)  # the dispatch's input buffer
     eng._stream = lambda: 0
@@ -154,8 +154,8 @@ def test_rows_in_the_buffers_own_memory_are_copied():
     the rows are copied before the launch, not read in place."""
     eng = _engine(BOTH)
     own = torch.zeros((TOKENS + 4, 2 * HIDDEN), dtype=torch.uint8)
-    eng.own_spans = {"dispatch": [(own.data_ptr(), own.numel())],
-                     "combine": [(own.data_ptr(), own.numel())]}
+    eng.own = {p: [own.data_ptr()] for p in PROGRAMS}
+    eng.own_bytes = {p: [own.numel()] for p in PROGRAMS}
     assert eng._dispatch_input(own[1:TOKENS + 1], TOKENS) == 0
     ys = own.view(torch.bfloat16)[:ROWS]
     assert eng._combine_input(ys, _low_latency_handle(), 0) == 0

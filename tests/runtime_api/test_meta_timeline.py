@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from epcc.backends.cuda.meta_program import MetaProgram
 from epcc.runtime.engines.base import EngineError
 from epcc.runtime.engines.cuda_table.meta import (STAGES, STEPS, TIMELINE_WORDS, DeviceMeta, timeline_medians,
                                                   timeline_summary)
@@ -142,4 +143,5 @@ def test_no_timeline_without_a_cooperative_launch():
 
 def test_the_blocks_with_work_per_phase_are_the_kernels():
     mp = SimpleNamespace(grids=lambda: {"count": 64, "scan": 12, "rows": 192, "items": 6})
+    mp.phase_blocks = lambda: MetaProgram.phase_blocks(mp)  # the rows phase: count's blocks again
     assert DeviceMeta.busy_blocks(SimpleNamespace(mp=mp)) == {"count": 64, "scan": 12, "rows": 256, "items": 6}

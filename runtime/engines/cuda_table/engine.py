@@ -165,7 +165,7 @@ class CudaTableEngine:
         self.rdma: list[GpuRdma] = []
         self._done = None  # the event the proxy path's watched wait polls
         self.own: dict[str, list[int]] = {}
-        self.own_spans: dict[str, list[tuple[int, int]]] = {}  # per program, this rank's buffers: (address, bytes)
+        self.own_bytes: dict[str, list[int]] = {}  # per program, the size of each of `own`'s buffers
         self.opened: list[int] = []  # every CUDA IPC mapping this rank opened (closed by close())
         self.ipc_peers: frozenset[int] = frozenset()  # the ranks whose memory it maps (ipc_domain.py)
         # what the launcher allocated and mapped, released last acquired first (lifetime.py); the
@@ -222,9 +222,8 @@ class CudaTableEngine:
         self.held.push("the launcher's context", self.ctx.close)
         handles = {"flags": self.lib.ipc_handle(self.ctx.flag_area)}
         for p in self.programs:
-            sizes = [max(n, 1) for n in self._sizes(p, cap)]
-            self.own[p] = [self._malloc(dev, n, f"a {p} buffer") for n in sizes]
-            self.own_spans[p] = list(zip(self.own[p], sizes))
+            self.own_bytes[p] = [max(n, 1) for n in self._sizes(p, cap)]
+            self.own[p] = [self._malloc(dev, n, f"a {p} buffer") for n in self.own_bytes[p]]
             handles[p] = [self.lib.ipc_handle(q) for q in self.own[p]]
         self.meta = None
         # the combine's partials were cleared, outside a CUDA graph's capture, since the last combine (_zero_beside)
@@ -243,7 +242,7 @@ class CudaTableEngine:
                         and isinstance(k["grid"], int)), default=0)
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self.zero_blocks = min(ZERO_BESIDE_BLOCKS, ZERO_BLOCKS, sms - grid)
-            if self.zero_blocks >= ZERO_BESIDE_MIN_BLOCKS:  # else the combine clears them, on every SM
+            if self.zero_blocks >= ZERO_BESIDE_MIN_BLOCKS and "combine" in self.programs:  # else the combine does
                 self.zero_stream = torch.cuda.Stream(self.device)
             if not self.meta.collective:  # the peers write their routing into it over CUDA IPC
                 self.area = self._malloc(dev, self.meta.area_bytes, "the metadata's gather area")
@@ -525,9 +524,10 @@ class CudaTableEngine:
         try:
             cur = torch.cuda.current_stream(self.device)
             self.meta.run(T, topk_idx, topk_weights, cur)
-            tables = cur.record_event()  # this dispatch's tables written: the combine's zero list among them
+            # this dispatch's tables written: the combine's zero list among them
+            tables = cur.record_event() if self.zero_stream is not None else None
             self.ctx.launch_dispatch(stream, self._dispatch_input(rows, T))
-            if "combine" in self.programs and self.zero_stream is not None:
+            if tables is not None:
                 self._zero_beside(tables, cur)
         except (CudaError, KernelTimeout, EngineError) as e:  # the exchange's own timeout too (ExchangeTimeout)
             self._fail_launch(e)
@@ -666,7 +666,7 @@ class CudaTableEngine:
         """Whether `t`'s bytes overlap one of this rank's buffers of `program`, which its kernels write."""
         lo = t.data_ptr()
         hi = lo + t.numel() * t.element_size()
-        return any(lo < p + n and p < hi for p, n in self.own_spans.get(program, ()))
+        return any(lo < p + n and p < hi for p, n in zip(self.own.get(program, ()), self.own_bytes.get(program, ())))
 
     def _combine_input(self, y: torch.Tensor, handle: TableHandle, stream: int) -> int:
         """Where the combine kernel reads this rank's expert rows: `y` itself (its address, returned:

@@ -182,8 +182,7 @@ class DeviceMeta:
         most = int(lib.epcc_table_meta_max_grid(index))
         if most < 0:
             raise EngineError(f"metadata kernels: {lib.epcc_table_meta_error().decode(errors='replace')}")
-        g = self.mp.grids()
-        self.fused_grid = min(most, max(g["count"], g["scan"], g["rows"] + g["count"], g["items"]))
+        self.fused_grid = min(most, max(self.mp.phase_blocks().values()))
         self.grid = self.fused_grid  # what the launches get (set_grid)
         # the exchange's error words: pinned host memory the kernel writes, or device memory where
         # kernels may not write host memory (SUPA on BR1xx), read back after the stream
@@ -315,9 +314,8 @@ class DeviceMeta:
 
     def busy_blocks(self) -> dict[str, int]:
         """Per phase, meta_fused's blocks with work in it: block b works in a phase iff b is below
-        its blocks (meta.cuh phase_blocks; the rows phase has count's more, for the received rows)."""
-        g = self.mp.grids()
-        return {"count": g["count"], "scan": g["scan"], "rows": g["rows"] + g["count"], "items": g["items"]}
+        its blocks (MetaProgram.phase_blocks)."""
+        return self.mp.phase_blocks()
 
     def zero_partials(self, own_buffers_dev: int, stream: int, blocks: int = ZERO_BLOCKS) -> None:
         """The combine's partial buffers of this rank, cleared (before the combine kernel: beside the
