@@ -4,7 +4,7 @@
 
 writes `build/h200x4/cuda/`: `epcc_cuda_device.cuh` (table structs, waits, row operations),
 `<schedule>_dispatch.cu` and `<schedule>_combine.cu` (one persistent kernel per program, plus
-the combine's bf16 conversion kernel), `<schedule>_launcher.cu` (the host API, extern "C") and
+the combine's count kernel, or its bf16 conversion kernel: manifest `combine_output`), `<schedule>_launcher.cu` (the host API, extern "C") and
 `manifest.json` (kernels, grid and block sizes, blocks per role, buffers, the table layout
 version, the nvcc command); for a one-hop plan also the direct kernels the Buffer API runs
 (direct.py): `<schedule>_direct.cu` and `epcc_direct_config.cuh` (generated) and the static
@@ -35,7 +35,10 @@ Design
   release add on the copy's counter.
 * Combine: weighted steps add `w * bf16 -> fp32` into the fp32 partials, the others partial into
   partial, with `red.add.v4.f32` (system scope); the host clears this rank's partial buffers
-  before each launch (cudaMemsetAsync on the stream), a finish kernel converts `result` to bf16.
+  before each launch (cudaMemsetAsync on the stream); the warp adding a row's last contributions
+  writes its bf16 token (a count kernel counts each row's contributions first), or, where a proxy
+  outside the kernels or another GPU writes `result` (manifest `combine_output`), a finish kernel
+  converts `result` to bf16 after the kernel.
 * Every launch starts with an entry barrier (each rank bumps every rank's barrier counter once;
   all wait for `num_ranks x (epoch + 1)`) and ends with a drain (block 0 waits until every
   counter on its rank is final: the rank's buffers are complete when the kernel is).  Counters

@@ -26,8 +26,11 @@ manifest are decided from one walk of the plan, and the manifest must say what t
   IPC inside one box, by the process group's all-gather across boxes) and each rank writes its
   tables on its GPU per dispatch; where they do not cover the plan the host computes the layout
   (runtime/layout) and uploads the tables, and the manifest says why.
-* Combine ends with a small conversion kernel (`..._combine_finish_kernel`): the home partials
-  (`result`, fp32) to bf16, launched on the same stream after the main kernel.
+* The combine's home partials (`result`, fp32) become the caller's bf16 tokens in the kernel: the
+  warp that adds a row's last contribution converts it, counting down per-row counts that a small
+  kernel (`..._combine_count_kernel`) writes from the combine's tables before the launch
+  (combine_output says where this holds); elsewhere a conversion kernel
+  (`..._combine_finish_kernel`) runs on the same stream after the main kernel.
 
 Combine partials that cross an RDMA-class link travel as bf16 (`accum_bf16_wire`, BF16_WIRE):
 the receiver adds bf16(partial), as DeepEP's internode combine does, so the NIC carries half
@@ -54,7 +57,7 @@ import jinja2
 from epcc import __version__ as EPCC_VERSION
 from epcc.plan import WARPS_PER_SM, KernelPlan, Plan, PlanStep, RolePlan
 from epcc.plan.cuda_manifest import CALLER_INPUTS
-from epcc.plan.peers import foreign_reads, publishes_in_order
+from epcc.plan.peers import foreign_reads, foreign_writes, publishes_in_order
 from epcc.plan.rdma import rdma_steps
 from epcc.plan.segments import SegmentProgramError, segment_program
 from epcc.plan.schema import CUDA_FORMAT, SUPA_FORMAT
@@ -162,6 +165,9 @@ class RoleSpec:
     # writes (its chunks' waits read "counter >= v" as chunks 0..v-1 written); else a block publishes
     # its chunk as soon as it is written (only the drain, which waits for the total, reads the counter)
     ordered: bool = True
+    # combine with the conversion in the kernel (FinishSpec.in_kernel): the role adds into `result`
+    # and writes the caller's bf16 token of each row whose last contributions it adds (run_role's kFinish)
+    finishes: bool = False
     comment: list[str] = field(default_factory=list)
     summary: str = ""
 
@@ -179,10 +185,18 @@ class RoleSpec:
 
 @dataclass
 class FinishSpec:
+    """How the combine's fp32 home partials (`result`) become the caller's bf16 tokens.
+    in_kernel: the combine kernel converts each row once its last contribution is added (the role
+    that adds it: run_role's kFinish), from per-row counts of the contributions still to come that
+    the count kernel (`name`) writes from the combine's tables before each launch (the launcher's
+    combine_prepare); else the finish kernel (`name`) converts every row after the kernel.  `why`:
+    the reason (combine_output)."""
     name: str
     launch_fn: str
     load_fn: str  # loads the kernel into the context (epcc_cuda_create calls it: see the launcher)
     block: int
+    in_kernel: bool = False
+    why: str = ""
 
 
 @dataclass
@@ -463,6 +477,14 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
                                    f"[{rs.block_begin}, {rs.block_end}))")
     if roles[0].block_begin != 0:
         raise CudaCodegenError(f"{program}: the first role starts at SM {roles[0].block_begin}, not 0")
+    finish = None
+    if program == "combine":
+        in_kernel, why = combine_output(plan, roles, not_lowered, target)
+        what = "count" if in_kernel else "finish"
+        finish = FinishSpec(f"epcc_{sched}_combine_{what}_kernel", f"epcc_{sched}_combine_{what}_launch",
+                            f"epcc_{sched}_combine_{what}_load", FINISH_BLOCK, in_kernel, why)
+        for rs in roles:
+            rs.finishes = in_kernel and rs.dst_buffer == "result" and rs.lowered != "rdma-pack"
     for rs in roles:
         title = f" ({rs.title})" if rs.title else ""
         sized = {"rdma-pack": "the plan's pack_sms", "rdma-unpack": "the plan's unpack_sms"}.get(
@@ -488,6 +510,9 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
             f"  {rs.verb} over link '{rs.link or '?'}' ({rs.link_kind or '?'}): {moves}",
             f"  {_op_words(plan, rs.op, rs.access_bytes, rs.unroll)}",
         ]
+        if rs.finishes:
+            rs.comment.append("  converts each row of result whose last contribution it adds into the caller's "
+                              "bf16 tokens")
         if not rs.ordered and rs.lowered not in ("rdma-pack", "rdma-unpack", "dma-engine"):
             rs.comment.append("  publishes each chunk once written, in any order: no step of the program reads what "
                               "it writes")
@@ -497,10 +522,6 @@ def _kernel(plan: Plan, program: str, source: str, opts: CudaOptions, target: Ta
         raise CudaCodegenError(f"{program}: a role of {block // target.warp_size} warps needs {block} threads a block; "
                                f"{target.name} blocks have at most {target.max_block_threads}")
     name = f"epcc_{sched}_{program}_kernel"
-    finish = None
-    if program == "combine":
-        finish = FinishSpec(f"epcc_{sched}_combine_finish_kernel", f"epcc_{sched}_combine_finish_launch",
-                            f"epcc_{sched}_combine_finish_load", FINISH_BLOCK)
     gate = None
     if any(rs.lowered == "dma-engine" for rs in roles):
         gate = GateSpec(f"epcc_{sched}_{program}_dma_gate", f"epcc_{sched}_{program}_dma_gate_launch",
@@ -601,7 +622,8 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         })
     files[launcher_file] = _ENV.get_template("launcher.cu.j2").render(
         **common, sched=sched, num_ranks=plan.num_ranks, programs=progs, table_version=abi.TABLE_VERSION,
-        step_name_bytes=STEP_NAME_BYTES, launch_why=_launch_why(plan), **_twins(plan.num_ranks, _duplicate_pairs(plan, target)))
+        step_name_bytes=STEP_NAME_BYTES, launch_why=_launch_why(plan), result_rows=plan.workload.tokens,
+        **_twins(plan.num_ranks, _duplicate_pairs(plan, target)))
     sources = [k.file for k in kernels] + [launcher_file]
     static_headers = [target.prelude] + ([] if cuda else [h for h in supa_build.HEADERS if h != target.prelude])
     fmt = CUDA_FORMAT if cuda else SUPA_FORMAT
@@ -663,10 +685,13 @@ def generate(plan: Plan, source: str | None = None, options: CudaOptions | None 
         })
         if k.finish:
             manifest["kernels"].append({
-                "name": k.finish.name, "kind": "finish", "program": k.program, "file": k.file, "launch": "plain",
-                "launch_fn": k.finish.launch_fn, "grid": "2 x SMs", "block": k.finish.block, "shared_bytes": 0,
+                "name": k.finish.name, "kind": "count" if k.finish.in_kernel else "finish", "program": k.program,
+                "file": k.file, "launch": "plain", "launch_fn": k.finish.launch_fn,
+                "grid": "2 x SMs" if not k.finish.in_kernel else "SMs", "block": k.finish.block, "shared_bytes": 0,
                 "roles": [],
             })
+            manifest["combine_output"] = {"convert": "in-kernel" if k.finish.in_kernel else "finish-kernel",
+                                          "why": k.finish.why}
     manifest["rdma"] = _rdma_sources(plan)
     static = {n: target.include_dir / n for n in static_headers}
     if manifest["lowering"] == "direct":
@@ -730,6 +755,34 @@ META_HEADER = "epcc/table/meta.cuh"  # static (cuda/include/), target-neutral th
 
 
 CAPACITY_FIELDS = ("set_words", "out_sets", "experts", "topk", "home", "sets")
+
+
+def combine_output(plan: Plan, roles: list[RoleSpec], not_lowered: list[dict], target: Target) -> tuple[bool, str]:
+    """Whether the combine kernel converts its fp32 home partials (`result`) into the caller's bf16
+    tokens itself, each row by the warp that adds its last contribution (FinishSpec.in_kernel),
+    and why (not).  It needs every contribution into a rank's `result` to come from that rank's own
+    kernel, where one count per row tells the last one: no copy writes it from another rank
+    (plan/peers.py foreign_writes; the GPU proxy path's unpack role writes its own rank's), and no
+    proxy outside the kernels writes it.  Else, and on targets without warp votes, a finish kernel
+    converts every row after the combine kernel (one more pass over T x hidden x 6 bytes, and a
+    launch).  Measured, 2 H100s, 2026-11-27, one device call (h200x2_2vnode_50, 4096 tokens): the
+    combine call ended 78 us after its kernel with the finish kernel, 10 us converting in the kernel
+    (1.352 -> 1.284 ms)."""
+    if target.name != CUDA.name:
+        return False, (f"a finish kernel converts the rows after the combine kernel: the {target.language} target's "
+                       f"warps have no votes and shuffles the conversion in the kernel uses")
+    if not any(rs.dst_buffer == "result" for rs in roles):
+        return False, "no combine step of the kernel writes result"
+    outside = [n["step"] for n in not_lowered if n["program"] == "combine" and n.get("kind") == "rdma"
+               and plan.step(n["step"], "combine").dst_buffer == "result"]
+    if outside:
+        return False, (f"combine step '{outside[0]}' is left to a proxy outside the kernels, which writes result "
+                       f"itself: the kernel cannot count its rows")
+    proxied = {("combine", r.step) for r in roles if r.lowered in ("rdma-pack", "rdma-unpack")}
+    why = foreign_writes(plan, "combine", "result", proxied)
+    if why is not None:
+        return False, f"{why}: the last contribution of a row may come from another GPU"
+    return True, "every contribution into a rank's result is added on its own GPU: the last one converts the row"
 
 
 def caller_input(plan: Plan, program: str, kernel, not_lowered: list[dict]) -> dict:

@@ -37,7 +37,7 @@ ROLE = Obj({
 })
 
 KERNEL = Obj({
-    "name": Str(), "kind": Str(choices=("main", "finish")), "program": Str(choices=PROGRAMS), "file": Name,
+    "name": Str(), "kind": Str(choices=("main", "finish", "count")), "program": Str(choices=PROGRAMS), "file": Name,
     "launch": Str(choices=("cooperative", "plain")), "launch_fn": Str(),
     "grid": OneOf((Int(1, MAX_SMS), Str()), "a number of blocks, or a rule"), "block": Int(1, MAX_THREADS),
     "shared_bytes": Int(0, MAX_SHARED), "roles": List(ROLE, 0, MAX_LIST),
@@ -87,8 +87,13 @@ _FIELDS = {
     # combine's expert rows) where the caller has them (absent in bundles of an older epcc: the
     # runtime copies them into `buffer`)
     **{f"{p}_input": Obj({"buffer": Str(), "caller_rows": Bool(), "why": Str()}) for p in PROGRAMS},
+    # where the combine's fp32 home partials become the caller's bf16 tokens: in the combine kernel
+    # (the warp adding a row's last contribution converts it; a `count` kernel counts each row's
+    # contributions before the launch) or by a `finish` kernel after it (absent in bundles of an
+    # older epcc: the finish kernel)
+    "combine_output": Obj({"convert": Str(choices=("in-kernel", "finish-kernel")), "why": Str()}),
 }
-_OPTIONAL = frozenset({"direct", "direct_not_used", *(f"{p}_input" for p in PROGRAMS)})
+_OPTIONAL = frozenset({"direct", "direct_not_used", "combine_output", *(f"{p}_input" for p in PROGRAMS)})
 SCHEMA = Obj(_FIELDS, optional=_OPTIONAL)
 
 _STEPS = List(_COMMAND, 1, MAX_LIST)
@@ -156,6 +161,14 @@ def _check_references(d: dict) -> None:
 
 
 __all__ = ["check_cuda_manifest", "check_supa_manifest"]
+
+
+def converts_in_kernel(manifest: dict | None) -> bool:
+    """Whether a bundle's combine kernel converts its fp32 home partials into the caller's bf16
+    tokens itself (its `combine_output`: in-kernel) rather than a finish kernel after it; False for
+    a bundle of an older epcc, which has no such field.  Read by `epcc simulate`'s calls."""
+    co = (manifest or {}).get("combine_output") or {}
+    return co.get("convert") == "in-kernel"
 
 
 def reads_caller_rows(manifest: dict | None, program: str) -> bool:

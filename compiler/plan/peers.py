@@ -72,6 +72,23 @@ def foreign_reads(plan: Plan, program: str, buffer: str, proxied: set[tuple[str,
     return None
 
 
+def foreign_writes(plan: Plan, program: str, buffer: str, proxied: set[tuple[str, str]]) -> str | None:
+    """Why a copy of `program` may write `buffer` of a rank from another rank (the first step
+    that does, and how), or None where every copy that writes it runs on the rank whose buffer it
+    is.  Then every write into a rank's `buffer` comes from its own GPU, and its kernel can tell
+    when a row has all of them (the combine's conversion in the kernel: backends/cuda/codegen.py
+    `combine_output`).  A step in `proxied` (the GPU proxy path's) is written by its unpack role on
+    the `dst` rank itself."""
+    for s in plan.steps:
+        if s.program != program or s.verb == "exchange" or s.dst_buffer != buffer or (s.program, s.name) in proxied:
+            continue
+        for f in s.flows:
+            if f.dst != f.rank:
+                return (f"{program} step '{s.name}' (line {s.line}) writes {buffer} of rank {f.dst} from rank {f.rank} "
+                        f"(over {s.link_kind or 'a link'})")
+    return None
+
+
 def publishes_in_order(steps, name: str) -> bool:
     """Whether the role of step `name` must publish its chunks in chunk order: where a step of its
     program (`steps`, the program's) depends on it, whose chunks wait on its counters and read
@@ -81,4 +98,4 @@ def publishes_in_order(steps, name: str) -> bool:
     return any(name in s.deps for s in steps)
 
 
-__all__ = ["foreign_reads", "peer_sets", "publishes_in_order", "step_peers"]
+__all__ = ["foreign_reads", "foreign_writes", "peer_sets", "publishes_in_order", "step_peers"]

@@ -45,16 +45,20 @@ class _Meta:
 
 
 class _Ctx:
-    def __init__(self):
-        self.launches = []
+    def __init__(self, log: list):
+        self.launches, self.log = [], log
 
     def launch_combine_tokens(self, out, tokens, stream=0, rows=0):
         self.launches.append((tokens, rows))
 
+    def combine_prepare(self, stream=0):  # each row's contributions counted (a combine converting in the kernel)
+        self.log.append(("combine_prepare", stream))
+
 
 def _engine(manifest: dict, library_can: bool = True, row_bytes: int = 2 * HIDDEN) -> CudaTableEngine:
     eng = CudaTableEngine.__new__(CudaTableEngine)
-    eng.agree, eng.meta, eng.ctx, eng.rdma = _Agree(), _Meta(), _Ctx(), []
+    eng.agree, eng.meta, eng.rdma = _Agree(), _Meta(), []
+    eng.ctx = _Ctx(eng.meta.calls)  # one log: the clearing, then the count ahead of the combine
     eng.device, eng.hidden, eng.dispatches, eng.programs = torch.device("cpu"), HIDDEN, 1, ["dispatch", "combine"]
     eng.y_ptr = 0x1000  # the combine's input buffer (never dereferenced: the copy is the fake's)
     eng.recv_view = torch.zeros((ROWS, 2 * HIDDEN), dtype=torch.uint8)  # the receive buffer's rows
@@ -77,7 +81,7 @@ def test_allowed_the_kernel_reads_the_callers_rows_and_nothing_is_copied():
     out = eng.combine(y, _low_latency_handle())
     assert out.shape == (TOKENS, HIDDEN)
     assert eng.ctx.launches == [(TOKENS, y.data_ptr())]
-    assert eng.meta.calls == [("zero_partials",)]
+    assert eng.meta.calls == [("zero_partials",), ("combine_prepare", 0)]
 
 
 @pytest.mark.parametrize("manifest,library_can", [(REFUSED, True), ({}, True), (ALLOWED, False)])
@@ -86,7 +90,8 @@ def test_elsewhere_the_rows_are_copied_first(manifest, library_can):
     y = torch.ones((ROWS, HIDDEN), dtype=torch.bfloat16)
     eng.combine(y, _low_latency_handle())
     assert eng.ctx.launches == [(TOKENS, 0)]
-    assert eng.meta.calls == [("copy_rows", eng.y_ptr, y.data_ptr(), 2 * HIDDEN), ("zero_partials",)]
+    assert eng.meta.calls == [("copy_rows", eng.y_ptr, y.data_ptr(), 2 * HIDDEN), ("zero_partials",),
+                              ("combine_prepare", 0)]
 
 
 def test_rows_the_kernel_cannot_read_in_place_are_copied():
@@ -114,11 +119,12 @@ def test_partials_a_dispatch_cleared_are_not_cleared_again(monkeypatch):
     eng.combine(y, _low_latency_handle())
     assert eng.meta.calls == [] and eng.partials_clean is False
     eng.combine(y, _low_latency_handle())
-    assert eng.meta.calls == [("zero_partials",)] and eng.partials_clean is False
+    assert eng.meta.calls == [("zero_partials",), ("combine_prepare", 0)] and eng.partials_clean is False
     monkeypatch.setattr(table_engine, "capturing", lambda: True)
-    eng.partials_clean, eng.meta.calls = True, []
+    eng.partials_clean = True
+    eng.meta.calls.clear()
     eng.combine(y, _low_latency_handle())
-    assert eng.meta.calls == [("zero_partials",)]
+    assert eng.meta.calls == [("zero_partials",), ("combine_prepare", 0)]
 
 
 class _Stream:
@@ -137,14 +143,16 @@ class _Stream:
 @pytest.mark.parametrize("graph", [False, True])
 def test_the_partials_are_cleared_beside_the_dispatch_after_its_tables_then_joined(monkeypatch, graph):
     """_zero_beside: the zero stream waits for the tables' event, clears with zero_blocks blocks,
-    and the caller's stream joins it; the flag says so only outside a graph's capture."""
+    counts each row's contributions for the combine (combine_prepare, on the zero stream too), and
+    the caller's stream joins it; the flag says so only outside a graph's capture."""
     log: list = []
     eng = _engine(ALLOWED)
     eng.zero_stream, eng.zero_blocks = _Stream("zero", log), 24
     eng.meta.zero_partials = lambda ptr, stream, blocks: log.append(("zero", "zero_partials", stream, blocks))
+    eng.ctx.log = log
     monkeypatch.setattr(table_engine, "capturing", lambda: graph)
     eng._zero_beside("tables", _Stream("caller", log))
-    assert log == [("zero", "wait_event", "tables"), ("zero", "zero_partials", "zero", 24),
+    assert log == [("zero", "wait_event", "tables"), ("zero", "zero_partials", "zero", 24), ("combine_prepare", "zero"),
                    ("caller", "wait_stream", "zero")]
     assert eng.partials_clean is (not graph)
 

@@ -51,7 +51,11 @@ torch.distributed.all_gather_object; bench/ep_bench.py does exactly this)
     #    the kernel may read the rows where they lie instead (16-byte aligned), their address a
     #    launch argument (no copy): ctx.launch_dispatch(stream, rows=x_rows_ptr)
     # 4. combine: the expert outputs (bf16 [rows of output, hidden], same row order) into the
-    #    combine `output`, then launch with a bf16 [tokens, hidden] destination (device pointer).
+    #    combine `output`, then launch with a bf16 [tokens, hidden] destination (device pointer,
+    #    16-byte aligned).  Where manifest["combine_output"]["convert"] is "in-kernel" the kernel
+    #    writes it (each row's contributions counted from the tables first, here or ahead with
+    #    ctx.combine_prepare(stream) after the previous combine), and `result` then lacks each
+    #    row's last contributions; else a finish kernel converts `result` after the kernel.
     lib.copy_to_device(ptrs["combine"][0][rank], y_bf16)
     ctx.launch_combine(out_ptr, stream)
     #    Where manifest["combine_input"]["caller_rows"] (no copy reads another rank's `output`),

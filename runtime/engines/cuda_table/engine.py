@@ -65,7 +65,11 @@ aligned; else, or with a library of an older epcc, it copies them into the progr
 first (the dispatch's copy of x: 0.03-0.04 ms of 4096 x 7168 bf16 tokens on H100; 2 x H100,
 2026-11-27, h200x2_2vnode at 50 GB/s, 4096 tokens: ~0.5 ms of a 2.03 ms combine was the copy of y,
 the partials' clearing and the bf16 conversion outside the kernel).  With tables from the GPU the
-combine's partials are cleared beside the dispatch kernel (_zero_beside), not in the combine call.
+combine's partials are cleared beside the dispatch kernel (_zero_beside), not in the combine call,
+and where the combine kernel writes the bf16 tokens itself (manifest `combine_output`: each row
+converted by the warp adding its last contribution) each row's contributions are counted there
+too (the launcher's combine_prepare); no conversion runs after the kernel.  2 x H100, 2026-11-27,
+h200x2_2vnode_50, one device call: the combine 1.352 -> 1.284 ms.
 
 Failures (agree.py): every host-side exchange is a round of the Buffer's agreement; an argument a
 rank refuses, a kernel or proxy that gave up, or a rank that stopped answering raises the same
@@ -92,6 +96,7 @@ import torch
 import torch.distributed as dist
 
 from ....plan.bundle import Bundle, cuda_manifest
+from ....plan.cuda_manifest import converts_in_kernel
 from ....plan.cuda_manifest import reads_caller_rows as manifest_reads_caller_rows
 from ....plan.rdma import rdma_steps
 from ....plan.segments import segment_program
@@ -271,6 +276,8 @@ class CudaTableEngine:
         self.output_ptr = self.own["dispatch"][names["dispatch"].index("output")]
         self.y_ptr = self.own["combine"][names["combine"].index("output")] if "combine" in self.programs else 0
         self.caller_rows = reads_caller_rows(manifest, self.lib.has_caller_rows, self.programs)
+        # the combine kernel writes the bf16 tokens itself (manifest combine_output): no finish kernel
+        self.convert_in_kernel = converts_in_kernel(manifest) and self.lib.has_combine_prepare
         if self.meta is not None:
             if not self.meta.collective:
                 self.meta.set_areas([peer(e["area"], r, self.area) for r, e in enumerate(everyone)], self.rank)
@@ -617,6 +624,7 @@ class CudaTableEngine:
                     if not self.partials_clean or capturing():
                         # no dispatch cleared them since the last combine, or a graph's replays need their own
                         self.meta.zero_partials(self.own_combine.data_ptr(), stream)
+                        self.ctx.combine_prepare(stream)
                     self.partials_clean = False
                     self.ctx.launch_combine_tokens(out_ptr, handle.tokens, stream, rows)
                     if self.rdma and handle.sync and not torch.cuda.is_current_stream_capturing():
@@ -635,8 +643,9 @@ class CudaTableEngine:
         """The combine's partial buffers cleared beside the dispatch kernel just launched: on the
         engine's zero stream once `tables` (the metadata of this dispatch: the combine's zero list)
         are written, with zero_blocks blocks, then joined back into `cur`, so that whatever the caller
-        runs next there (a CUDA graph's capture too) comes after it.  The next combine then clears
-        nothing itself (partials_clean) -- where neither it nor this dispatch is captured into a CUDA
+        runs next there (a CUDA graph's capture too) comes after it; there too each row's
+        contributions are counted for a combine that writes the bf16 tokens in its kernel
+        (combine_prepare).  The next combine then clears nothing itself (partials_clean) -- where neither it nor this dispatch is captured into a CUDA
         graph: a captured combine records its own clearing, since its replays need not follow a
         dispatch that cleared.  No peer touches this rank's partials by then: `tables` comes after
         this dispatch's metadata exchange, which every peer joins only after its previous combine
@@ -646,6 +655,7 @@ class CudaTableEngine:
         z = self.zero_stream
         z.wait_event(tables)
         self.meta.zero_partials(self.own_combine.data_ptr(), z.cuda_stream, self.zero_blocks)
+        self.ctx.combine_prepare(z.cuda_stream)  # each row's contributions, where the kernel converts rows itself
         cur.wait_stream(z)
         self.partials_clean = not capturing()
 

@@ -205,6 +205,12 @@ class Library:
             if f is not None:
                 f.argtypes, f.restype = args, i32
             self.has_caller_rows[program] = f is not None
+        # the combine kernel converting its rows itself (manifest combine_output "in-kernel") counts
+        # each row's contributions first; a library of another target or an older epcc has no entry
+        f = getattr(lib, "epcc_cuda_combine_prepare", None)
+        if f is not None:
+            f.argtypes, f.restype = [vp, u64], i32
+        self.has_combine_prepare = f is not None
 
     # ------------------------------------------------------------------ about the build
     @property
@@ -337,13 +343,21 @@ class Context:
         self._check(self.lib.epcc_cuda_use_tables(self.handle, _program(program), tables, header, nbytes))
 
     def launch_combine_tokens(self, out: int, tokens: int, stream: int = 0, rows: int = 0) -> None:
-        """launch_combine, converting the first `tokens` partials (tables the GPU wrote); `rows`: the
+        """launch_combine, into the first `tokens` rows of `out` (tables the GPU wrote); `rows`: the
         caller's expert rows, which the kernel reads in place of the combine's input buffer (0: that
         buffer; only where the manifest's combine_input allows it: Library.has_caller_rows)."""
         if rows:
             self._check(self.lib.epcc_cuda_launch_combine_rows(self.handle, out, tokens, rows, stream))
         else:
             self._check(self.lib.epcc_cuda_launch_combine_tokens(self.handle, out, tokens, stream))
+
+    def combine_prepare(self, stream: int = 0) -> None:
+        """What the next combine launch needs from the tables as they are when `stream` gets here,
+        counted ahead of it (beside a dispatch kernel; stream order must bring the combine after
+        it): each row's contributions, where the combine kernel converts its rows itself.  Nothing
+        elsewhere.  A combine launch with nothing prepared since the last one counts them itself."""
+        if self.library.has_combine_prepare:
+            self._check(self.lib.epcc_cuda_combine_prepare(self.handle, stream))
 
     def launch_combine(self, out: int = 0, stream: int = 0) -> None:
         self._check(self.lib.epcc_cuda_launch_combine(self.handle, out, stream))

@@ -249,6 +249,12 @@ struct KernelArgs {
                                 // place of this rank's buffer caller_buf (manifest dispatch_input,
                                 // combine_input); nullptr: the buffer itself
   uint32_t caller_buf;
+  bf16* finish_out;             // combine, conversion in the kernel (manifest combine_output): the caller's
+                                // tokens, bf16 [finish_tokens, hidden]; nullptr: the fp32 sums stay in `result`
+  int32_t* finish_left;         // [tokens]: contributions still to come into each row of `result`
+                                // (the count kernel wrote them: epcc_cuda_combine_prepare)
+  uint32_t finish_buf;          // id of `result`
+  uint32_t finish_tokens;       // this rank's tokens (rows of finish_out)
   uint32_t rank;
   uint32_t num_ranks;
   uint32_t region;              // word offset of this program's region in a flag area (its barrier word)
@@ -447,6 +453,31 @@ __device__ __forceinline__ void for_row_vectors(const T* __restrict__ s, uint32_
   }
 }
 
+// As for_row_vectors, each vector's `load(i)` issued beside its load: apply(i, vector, loaded).
+template <class T, int kUnroll, class Load, class Apply>
+__device__ __forceinline__ void for_row_vectors_pre(const T* __restrict__ s, uint32_t n, uint32_t lane, const Load& load,
+                                                    const Apply& apply) {
+  using P = decltype(load(0u));
+  for (uint32_t i0 = lane; i0 < n; i0 += kWarpSize * kUnroll) {
+    T v[kUnroll];
+    P p[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t i = i0 + kWarpSize * u;
+      if (i < n) {
+        v[u] = ld_cg(s + i);
+        p[u] = load(i);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t i = i0 + kWarpSize * u;
+      if (i >= n) break;
+      apply(i, v[u], p[u]);
+    }
+  }
+}
+
 template <int kVec, int kUnroll>
 struct CopyRows {
   static constexpr bool kWeighted = false;
@@ -476,11 +507,69 @@ __device__ __forceinline__ void red_add_n(float* dst, const float* x) {
   }
 }
 
+// Where an accumulating operation's values go (its `each`, `run_each`): added into an fp32 partial
+// (RedSink, every contribution but a row's last), or, for a row's last contribution in a combine
+// that converts in the kernel, added to the row of `result` the others made and written to the
+// caller's bf16 tokens (LastSink: `result` is not written).
+// A sink's load<kElems>(i) is issued beside the source's load of vector i (what it needs of the
+// destination), its call gets it back.
+struct RedSink {
+  float* d;
+  struct Nothing {};
+  template <int kElems>
+  using Pre = Nothing;
+  template <int kElems>
+  __device__ __forceinline__ Nothing load(uint32_t) const { return {}; }
+  template <int kElems>
+  __device__ __forceinline__ void operator()(uint32_t i, const float (&x)[kElems], const Nothing&) const {
+    red_add_n<kElems>(d + static_cast<size_t>(i) * kElems, x);
+  }
+};
+
 template <int kElems> struct Bf16Vec;  // kElems bf16 values in one access
 template <> struct Bf16Vec<8> { using T = V16; };
 template <> struct Bf16Vec<4> { using T = V8; };
 template <> struct Bf16Vec<2> { using T = int; };
 template <> struct Bf16Vec<1> { using T = unsigned short; };
+
+// LastSink loads the row of `result` at the source's unroll: a paced RDMA role reading its peer's
+// rows needs every load in flight (2 x H100, 2026-11-27, h200x2_2vnode_50's combine: 1.285 ms at the
+// full unroll, 1.58 at half, 4.3 with the source's unroll halved too).
+struct LastSink {
+  const float* __restrict__ result;
+  bf16* __restrict__ out;
+  template <int kElems>
+  struct Pre {
+    float v[kElems];
+  };
+  template <int kElems>
+  __device__ __forceinline__ Pre<kElems> load(uint32_t i) const {
+    const float* r = result + static_cast<size_t>(i) * kElems;
+    Pre<kElems> p;
+    if constexpr (kElems % 4 == 0) {
+#pragma unroll
+      for (int j = 0; j < kElems; j += 4) {
+        const F4 v = ld_cg(reinterpret_cast<const F4*>(r + j));
+        p.v[j] = v.x;
+        p.v[j + 1] = v.y;
+        p.v[j + 2] = v.z;
+        p.v[j + 3] = v.w;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) p.v[j] = ld_cg(r + j);
+    }
+    return p;
+  }
+  template <int kElems>
+  __device__ __forceinline__ void operator()(uint32_t i, const float (&x)[kElems], const Pre<kElems>& p) const {
+    alignas(16) bf16 o[kElems];
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) o[j] = f32_to_bf16(p.v[j] + x[j]);
+    using B = typename Bf16Vec<kElems>::T;
+    reinterpret_cast<B*>(out)[i] = *reinterpret_cast<const B*>(o);
+  }
+};
 
 // Combine, weighted: dst (fp32 partial) += w * src (bf16 expert output), kElems channels per access.
 template <int kElems, int kUnroll>
@@ -490,17 +579,24 @@ struct AccumWeightedBf16 {
   __device__ static uint32_t dst_pitch(const TableHeader& h) { return 4u * h.hidden; }
   __device__ static uint32_t wire_pitch(const TableHeader& h) { return 2u * h.hidden; }
   __device__ static uint32_t row_len(const TableHeader& h) { return h.hidden; }
+  template <class Sink>
+  __device__ __forceinline__ static void each(const uint8_t* __restrict__ src, float w, uint32_t hidden, uint32_t lane,
+                                              const Sink& sink) {
+    using T = typename Bf16Vec<kElems>::T;
+    using P = typename Sink::template Pre<kElems>;
+    for_row_vectors_pre<T, kUnroll>(
+        reinterpret_cast<const T*>(src), hidden / kElems, lane, [&](uint32_t i) { return sink.template load<kElems>(i); },
+        [&](uint32_t i, const T& v, const P& p) {
+          const bf16* b = reinterpret_cast<const bf16*>(&v);
+          float x[kElems];
+#pragma unroll
+          for (int j = 0; j < kElems; ++j) x[j] = w * bf16_to_f32(b[j]);
+          sink(i, x, p);
+        });
+  }
   __device__ __forceinline__ static void row(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, float w,
                                              uint32_t hidden, uint32_t lane) {
-    using T = typename Bf16Vec<kElems>::T;
-    float* d = reinterpret_cast<float*>(dst);
-    for_row_vectors<T, kUnroll>(reinterpret_cast<const T*>(src), hidden / kElems, lane, [&](uint32_t i, const T& v) {
-      const bf16* b = reinterpret_cast<const bf16*>(&v);
-      float x[kElems];
-#pragma unroll
-      for (int j = 0; j < kElems; ++j) x[j] = w * bf16_to_f32(b[j]);
-      red_add_n<kElems>(d + static_cast<size_t>(i) * kElems, x);
-    });
+    each(src, w, hidden, lane, RedSink{reinterpret_cast<float*>(dst)});
   }
 
   // A run of n <= kRun rows with one destination (a token's expert rows lie next to each other in
@@ -509,13 +605,19 @@ struct AccumWeightedBf16 {
   // SM whatever the loads in flight; reading the rows and writing once moves ~46.
   static constexpr uint32_t kRun = 4;
   static constexpr int kRunUnroll = 2;  // vectors per row in flight: kRun x 2 loads per lane
-  __device__ __forceinline__ static void run(const uint8_t* const (&src)[kRun], const float (&w)[kRun], uint32_t n,
-                                             uint8_t* __restrict__ dst, uint32_t hidden, uint32_t lane) {
+  template <class Sink>
+  __device__ __forceinline__ static void run_each(const uint8_t* const (&src)[kRun], const float (&w)[kRun], uint32_t n,
+                                                  uint32_t hidden, uint32_t lane, const Sink& sink) {
     using T = typename Bf16Vec<kElems>::T;
-    float* d = reinterpret_cast<float*>(dst);
     const uint32_t nv = hidden / kElems;
+    using P = typename Sink::template Pre<kElems>;
     for (uint32_t i0 = lane; i0 < nv; i0 += kWarpSize * kRunUnroll) {
       T v[kRun][kRunUnroll];
+      P p[kRunUnroll];
+#pragma unroll
+      for (int u = 0; u < kRunUnroll; ++u) {
+        if (i0 + kWarpSize * u < nv) p[u] = sink.template load<kElems>(i0 + kWarpSize * u);
+      }
 #pragma unroll
       for (uint32_t j = 0; j < kRun; ++j) {
 #pragma unroll
@@ -539,9 +641,13 @@ struct AccumWeightedBf16 {
             for (int e = 0; e < kElems; ++e) x[e] += w[j] * bf16_to_f32(b[e]);
           }
         }
-        red_add_n<kElems>(d + static_cast<size_t>(i) * kElems, x);
+        sink(i, x, p[u]);
       }
     }
+  }
+  __device__ __forceinline__ static void run(const uint8_t* const (&src)[kRun], const float (&w)[kRun], uint32_t n,
+                                             uint8_t* __restrict__ dst, uint32_t hidden, uint32_t lane) {
+    run_each(src, w, n, hidden, lane, RedSink{reinterpret_cast<float*>(dst)});
   }
 };
 
@@ -562,21 +668,24 @@ struct AccumF32Rows {
   __device__ static uint32_t dst_pitch(const TableHeader& h) { return 4u * h.hidden; }
   __device__ static uint32_t wire_pitch(const TableHeader& h) { return (kBf16Wire ? 2u : 4u) * h.hidden; }
   __device__ static uint32_t row_len(const TableHeader& h) { return h.hidden; }
-  __device__ __forceinline__ static void row(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, float,
-                                             uint32_t hidden, uint32_t lane) {
+  template <class Sink>
+  __device__ __forceinline__ static void each(const uint8_t* __restrict__ src, float, uint32_t hidden, uint32_t lane,
+                                              const Sink& sink) {
     using T = typename Vec<4 * kElems>::T;
-    float* d = reinterpret_cast<float*>(dst);
-    for_row_vectors<T, kUnroll>(reinterpret_cast<const T*>(src), hidden / kElems, lane, [&](uint32_t i, const T& v) {
-      const float* x = reinterpret_cast<const float*>(&v);
-      if constexpr (kBf16Wire) {
-        float r[kElems];
+    using P = typename Sink::template Pre<kElems>;
+    for_row_vectors_pre<T, kUnroll>(
+        reinterpret_cast<const T*>(src), hidden / kElems, lane, [&](uint32_t i) { return sink.template load<kElems>(i); },
+        [&](uint32_t i, const T& v, const P& p) {
+          const float* x = reinterpret_cast<const float*>(&v);
+          float r[kElems];
 #pragma unroll
-        for (int j = 0; j < kElems; ++j) r[j] = bf16_to_f32(f32_to_bf16(x[j]));
-        red_add_n<kElems>(d + static_cast<size_t>(i) * kElems, r);
-      } else {
-        red_add_n<kElems>(d + static_cast<size_t>(i) * kElems, x);
-      }
-    });
+          for (int j = 0; j < kElems; ++j) r[j] = kBf16Wire ? bf16_to_f32(f32_to_bf16(x[j])) : x[j];
+          sink(i, r, p);
+        });
+  }
+  __device__ __forceinline__ static void row(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, float w,
+                                             uint32_t hidden, uint32_t lane) {
+    each(src, w, hidden, lane, RedSink{reinterpret_cast<float*>(dst)});
   }
 };
 
@@ -712,6 +821,159 @@ struct RoleEnv {
   }
 };
 
+// ---------------------------------------------------------------------------- combine conversion
+// Conversion in the kernel (manifest combine_output "in-kernel"): every contribution into a row of
+// this rank's `result` is added on this GPU, by the roles whose template says kFinish, and before
+// the launch the count kernel (count_contributions) wrote how many each row gets (`finish_left`).
+// A warp about to add contributions into a row first reads its count (acquire): where the count is
+// its own number of contributions, every other one is in `result` already, and the warp adds its
+// own to that row in registers and writes the caller's bf16 token (LastSink), without writing
+// `result` or the count.  Otherwise it adds into `result` (RedSink), then, after a fence, counts
+// its contributions down, and the warp whose decrement leaves 0 converts the row from `result`
+// (convert_row: contributions that raced each other).  Release: a lane's adds, its fence, the
+// warp's sync, the decrement; acquire: the load or decrement that saw the count, a fence, the
+// warp's sync, then L2 loads of the row.  Rows nobody adds to (every slot masked) the count kernel
+// marks -1 (kEmptyRow: no count down ever makes it), and the launch zeroes them at its start
+// (finish_empty_rows).  Only rows below finish_tokens convert (the caller's tokens); rows beyond
+// are added into `result` as without the conversion.
+
+__device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+constexpr int32_t kEmptyRow = -1;  // finish_left of a row no contribution reaches (count_contributions)
+
+__device__ __forceinline__ bool converts(const KernelArgs& a, const CopyDesc& c) {
+  return a.finish_out != nullptr && c.dst_buf == a.finish_buf && c.dst_rank == a.rank;
+}
+
+// fp32 row `src` of `result` -> bf16 row `dr` of finish_out, by one warp.
+__device__ __forceinline__ void convert_row(const KernelArgs& a, const float* __restrict__ src, int64_t dr,
+                                            uint32_t hidden, uint32_t lane) {
+  bf16* __restrict__ out = a.finish_out + static_cast<uint64_t>(dr) * hidden;
+  if (hidden % 8 == 0 && ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(out)) & 15u) == 0) {
+    const F4* s4 = reinterpret_cast<const F4*>(src);
+    V16* o = reinterpret_cast<V16*>(out);
+#pragma unroll 4
+    for (uint32_t i = lane; i < hidden / 8; i += kWarpSize) {
+      const F4 lo = ld_cg(s4 + 2 * i);
+      const F4 hi = ld_cg(s4 + 2 * i + 1);
+      alignas(16) bf16x2 v[4] = {f32x2_to_bf16x2(lo.x, lo.y), f32x2_to_bf16x2(lo.z, lo.w),
+                                 f32x2_to_bf16x2(hi.x, hi.y), f32x2_to_bf16x2(hi.z, hi.w)};
+      o[i] = *reinterpret_cast<const V16*>(v);
+    }
+  } else {
+    for (uint32_t i = lane; i < hidden; i += kWarpSize) out[i] = f32_to_bf16(ld_cg(src + i));
+  }
+}
+
+// After a fence, the warp's contributions counted down: lane l's row `dr` by `n` where `mine`;
+// the rows whose count that left at 0 converted.
+__device__ __forceinline__ void count_down(const KernelArgs& a, bool mine, int64_t dr, int32_t n,
+                                           const uint8_t* dst_base, uint32_t dst_pitch, uint32_t hidden,
+                                           uint32_t lane) {
+  __threadfence();
+  __syncwarp();
+  uint32_t done = __ballot_sync(0xffffffffu, mine && atomicSub(a.finish_left + dr, n) == n);
+  if (done == 0) return;
+  __threadfence();
+  __syncwarp();
+  while (done != 0) {
+    const int j = __ffs(done) - 1;
+    done &= done - 1;
+    const int64_t d = __shfl_sync(0xffffffffu, dr, j);
+    convert_row(a, reinterpret_cast<const float*>(dst_base + static_cast<uint64_t>(d) * dst_pitch), d, hidden, lane);
+  }
+}
+
+// One warp's rows first, first + stride, ... < end of an item of copy `c` (one contribution each):
+// Op::row each (src_of(r): its source row, weight_of(r): its weight), and where `c` adds into this
+// rank's `result` of a combine converting in the kernel, the conversion, 32 rows at a time.
+template <class Op, class Src, class Weight>
+__device__ __forceinline__ void rows_converting(const KernelArgs& a, const CopyDesc& c, const int64_t* dst_rows,
+                                                uint8_t* dst_base, uint32_t dst_pitch, uint32_t len, uint32_t first,
+                                                uint32_t end, uint32_t stride, uint32_t lane, const Src& src_of,
+                                                const Weight& weight_of) {
+  if (!converts(a, c)) {
+    for (uint32_t r = first; r < end; r += stride) {
+      Op::row(src_of(r), dst_base + static_cast<uint64_t>(ld_ro(dst_rows + r)) * dst_pitch, weight_of(r), len, lane);
+    }
+    return;
+  }
+  const uint32_t hidden = header(a).hidden;
+  for (uint32_t g = first; g < end; g += kWarpSize * stride) {
+    const uint32_t r = g + lane * stride;
+    const bool live = r < end;
+    const int64_t dr = live ? ld_ro(dst_rows + r) : 0;
+    const bool mine = live && dr < a.finish_tokens;  // a row of the caller's tokens: counted, converted
+    const uint32_t last = __ballot_sync(0xffffffffu, mine && ld_acquire_gpu(a.finish_left + dr) == 1);
+    const uint32_t lives = __ballot_sync(0xffffffffu, live);
+    if (last != 0) __threadfence();
+    __syncwarp();
+    for (uint32_t j = 0; j < kWarpSize && (lives >> j & 1u); ++j) {
+      const uint32_t rj = g + j * stride;
+      const int64_t d = __shfl_sync(0xffffffffu, dr, static_cast<int>(j));
+      uint8_t* dst = dst_base + static_cast<uint64_t>(d) * dst_pitch;
+      if (last >> j & 1u) {
+        Op::each(src_of(rj), weight_of(rj), hidden, lane,
+                 LastSink{reinterpret_cast<const float*>(dst), a.finish_out + static_cast<uint64_t>(d) * hidden});
+      } else {
+        Op::row(src_of(rj), dst, weight_of(rj), len, lane);
+      }
+    }
+    if (lives & ~last) count_down(a, mine && !(last >> lane & 1u), dr, 1, dst_base, dst_pitch, hidden, lane);
+  }
+}
+
+// Rows of finish_out no copy adds to (kEmptyRow): zero, by every warp of the grid.
+__device__ __forceinline__ void finish_empty_rows(const KernelArgs& a) {
+  if (a.finish_out == nullptr) return;
+  const uint32_t hidden = header(a).hidden;
+  const uint32_t lane = EPCC_TID % kWarpSize;
+  const uint32_t warps = EPCC_BDIM / kWarpSize;
+  const uint32_t step = EPCC_GDIM * warps * kWarpSize;
+  for (uint32_t r0 = (EPCC_BID * warps + EPCC_TID / kWarpSize) * kWarpSize; r0 < a.finish_tokens; r0 += step) {
+    const uint32_t r = r0 + lane;
+    uint32_t empty = __ballot_sync(0xffffffffu, r < a.finish_tokens && ld_cg(a.finish_left + r) == kEmptyRow);
+    while (empty != 0) {
+      const int j = __ffs(empty) - 1;
+      empty &= empty - 1;
+      bf16* out = a.finish_out + static_cast<uint64_t>(r0 + j) * hidden;
+      for (uint32_t i = lane; i < hidden; i += kWarpSize) out[i] = f32_to_bf16(0.f);
+    }
+  }
+}
+
+// The count kernel's body.  Pass 0: left[row] += 1 for every row (below `rows`) of every item of
+// this rank's combine tables that adds into this rank's `result` (buffer `buf`); left is zero
+// before; a warp an item.  Pass 1, a launch after: rows still at 0 become kEmptyRow.
+__device__ __forceinline__ void count_contributions(const uint8_t* tables, int32_t* left, uint32_t rank, uint32_t buf,
+                                                    uint32_t rows, uint32_t pass) {
+  if (pass == 1) {
+    for (uint32_t r = EPCC_BID * EPCC_BDIM + EPCC_TID; r < rows; r += EPCC_GDIM * EPCC_BDIM) {
+      if (left[r] == 0) left[r] = kEmptyRow;
+    }
+    return;
+  }
+  const TableHeader& h = *reinterpret_cast<const TableHeader*>(tables);
+  const CopyDesc* copies = reinterpret_cast<const CopyDesc*>(tables + h.off_copies);
+  const ItemDesc* items = reinterpret_cast<const ItemDesc*>(tables + h.off_items);
+  const uint32_t lane = EPCC_TID % kWarpSize;
+  const uint32_t warps = EPCC_BDIM / kWarpSize;
+  for (uint32_t i = EPCC_BID * warps + EPCC_TID / kWarpSize; i < h.num_items; i += EPCC_GDIM * warps) {
+    const ItemDesc it = items[i];
+    const CopyDesc c = copies[it.copy];
+    if (c.dst_buf != buf || c.dst_rank != rank) continue;
+    const int64_t* dst_rows = reinterpret_cast<const int64_t*>(tables + c.dst_rows);
+    for (uint32_t r = it.row_begin + lane; r < it.row_end; r += kWarpSize) {
+      const int64_t d = dst_rows[r];
+      if (d >= 0 && d < static_cast<int64_t>(rows)) atomicAdd(left + d, 1);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------- roles
 // A role's items (one chunk of one copy each, in the order the host chose) go round-robin to
 // its blocks; a block waits for the chunk's producers (thread 0), its first kWarps warps copy
@@ -730,7 +992,9 @@ struct RoleEnv {
 // the drain, which waits for the total, reads its counters): a block publishes its chunk as soon
 // as it is written, not after the copy's earlier chunks -- the in-order chain cost ~2.6 us per
 // chunk of a role's ramped tail, a block waiting on another's publication (2 x H100, 2026-11-27).
-template <class Op, uint32_t kWarps>
+// kFinish: the role adds into `result` of a combine that converts in the kernel (rows_converting,
+// and a gathering role's runs alike).
+template <class Op, uint32_t kWarps, bool kFinish = false>
 __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, const char* step, uint32_t block,
                                          uint32_t blocks, float bytes_per_ns, uint32_t latency_ns,
                                          bool ordered = true) {
@@ -799,7 +1063,20 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
           const int64_t dr = ld_ro(dst_rows + r);
           if (r > it.row_begin && ld_ro(dst_rows + r - 1) == dr) continue;
           uint8_t* dst = dst_base + static_cast<uint64_t>(dr) * dst_pitch;
-          for (uint32_t e = r; e < it.row_end && ld_ro(dst_rows + e) == dr;) {
+          // converting in the kernel: whether this run holds the row's last contributions (its count)
+          bool conv = false, last = false;
+          uint32_t run_end = r;
+          if constexpr (kFinish) conv = converts(a, c) && dr < a.finish_tokens;
+          if (conv) {
+            while (run_end < it.row_end && ld_ro(dst_rows + run_end) == dr) ++run_end;
+            uint32_t l = 0;
+            if (lane == 0) l = ld_acquire_gpu(a.finish_left + dr) == static_cast<int32_t>(run_end - r);
+            last = lane0_broadcast(l) != 0;
+            if (last) __threadfence();
+            __syncwarp();
+          }
+          uint32_t e = r;
+          while (e < it.row_end && ld_ro(dst_rows + e) == dr) {
             const uint8_t* srcs[Op::kRun];
             float ws[Op::kRun];
             uint32_t n = 0;
@@ -811,11 +1088,26 @@ __device__ __forceinline__ void run_role(const KernelArgs& a, uint32_t role, con
               ws[j] = live ? ld_ro(weights + e + j) : 0.f;
               n += live ? 1u : 0u;
             }
-            Op::run(srcs, ws, n, dst, len, lane);
+            if (last && e + n >= run_end) {  // the row's last contributions: added to `result` in registers
+              if (e > r) {  // this warp's earlier pieces of the run went into `result`
+                __threadfence();
+                __syncwarp();
+              }
+              Op::run_each(srcs, ws, n, len, lane,
+                           LastSink{reinterpret_cast<const float*>(dst), a.finish_out + static_cast<uint64_t>(dr) * len});
+            } else {
+              Op::run(srcs, ws, n, dst, len, lane);
+            }
             e += n;
           }
+          if (conv && !last) count_down(a, lane == 0, dr, static_cast<int32_t>(e - r), dst_base, dst_pitch, len, lane);
         }
       } else {
+        if constexpr (kFinish) {
+          rows_converting<Op>(a, c, dst_rows, dst_base, dst_pitch, len, it.row_begin + warp - first_warp, it.row_end,
+                              copy_warps, lane, source,
+                              [&](uint32_t r) { return Op::kWeighted ? ld_ro(weights + r) : 1.f; });
+        } else
         for (uint32_t r = it.row_begin + warp - first_warp; r < it.row_end; r += copy_warps) {
           uint8_t* dst = dst_base + static_cast<uint64_t>(ld_ro(dst_rows + r)) * dst_pitch;
           Op::row(source(r), dst, Op::kWeighted ? ld_ro(weights + r) : 1.f, len, lane);
@@ -957,7 +1249,7 @@ __device__ __forceinline__ void run_pack(const KernelArgs& a, uint32_t role, con
   }
 }
 
-template <class Op, uint32_t kWarps, bool kWeighted>
+template <class Op, uint32_t kWarps, bool kWeighted, bool kFinish = false>
 __device__ __forceinline__ void run_unpack(const KernelArgs& a, uint32_t role, const char* step, uint32_t block,
                                            uint32_t blocks) {
   const TableHeader& h = header(a);
@@ -988,6 +1280,11 @@ __device__ __forceinline__ void run_unpack(const KernelArgs& a, uint32_t role, c
       const int64_t* dst_rows = reinterpret_cast<const int64_t*>(a.tables + c.dst_rows);
       const float* weights = kWeighted ? reinterpret_cast<const float*>(a.tables + c.weights) : nullptr;
       uint8_t* dst_base = reinterpret_cast<uint8_t*>(a.buffers[static_cast<size_t>(c.dst_buf) * R + c.dst_rank]);
+      if constexpr (kFinish) {
+        rows_converting<Op>(a, c, dst_rows, dst_base, dst_pitch, len, it.row_begin + warp, it.row_end, kWarps, lane,
+                            [&](uint32_t r) { return slot + static_cast<uint64_t>(r - it.row_begin) * wire; },
+                            [&](uint32_t r) { return kWeighted ? ld_ro(weights + r) : 1.f; });
+      } else
       for (uint32_t r = it.row_begin + warp; r < it.row_end; r += kWarps) {
         uint8_t* dst = dst_base + static_cast<uint64_t>(ld_ro(dst_rows + r)) * dst_pitch;
         Op::row(slot + static_cast<uint64_t>(r - it.row_begin) * wire, dst, kWeighted ? ld_ro(weights + r) : 1.f, len,

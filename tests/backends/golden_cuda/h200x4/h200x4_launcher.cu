@@ -24,9 +24,9 @@ extern "C" cudaError_t epcc_h200x4_dispatch_launch(const epcc::KernelArgs* args,
 extern "C" cudaError_t epcc_h200x4_dispatch_occupancy(int* blocks_per_sm);
 extern "C" cudaError_t epcc_h200x4_combine_launch(const epcc::KernelArgs* args, cudaStream_t stream);
 extern "C" cudaError_t epcc_h200x4_combine_occupancy(int* blocks_per_sm);
-extern "C" cudaError_t epcc_h200x4_combine_finish_launch(const float* result, void* out, uint64_t n, uint32_t grid,
-                                          cudaStream_t stream);
-extern "C" cudaError_t epcc_h200x4_combine_finish_load(void);
+extern "C" cudaError_t epcc_h200x4_combine_count_launch(const uint8_t* tables, int32_t* left, uint32_t rank, uint32_t buf,
+                                          uint32_t rows, uint32_t grid, cudaStream_t stream);
+extern "C" cudaError_t epcc_h200x4_combine_count_load(void);
 
 namespace {
 
@@ -60,10 +60,16 @@ const ProgramInfo kPrograms[kNumPrograms] = {
      25u, 512u, epcc_h200x4_combine_launch, epcc_h200x4_combine_occupancy, false},
 };
 
-cudaError_t (*const kFinishLaunch)(const float*, void*, uint64_t, uint32_t, cudaStream_t) = epcc_h200x4_combine_finish_launch;
-cudaError_t (*const kFinishLoad)(void) = epcc_h200x4_combine_finish_load;
-constexpr bool kHasFinish = true;
+// The combine kernel converts its rows itself (manifest combine_output): every contribution into a rank's result is added on its own GPU: the last one converts the row.
+// Before each launch the count kernel writes each row's contributions (epcc_cuda_combine_prepare).
+cudaError_t (*const kCountLaunch)(const uint8_t*, int32_t*, uint32_t, uint32_t, uint32_t, uint32_t, cudaStream_t) = epcc_h200x4_combine_count_launch;
+cudaError_t (*const kFinishLaunch)(const float*, void*, uint64_t, uint32_t, cudaStream_t) = nullptr;
+cudaError_t (*const kFinishLoad)(void) = epcc_h200x4_combine_count_load;  // the count kernel's
+constexpr bool kHasFinish = false;
+constexpr bool kConvertInKernel = true;
 constexpr uint32_t kFinishBlock = 256;
+constexpr uint32_t kResultRows = 4096u;  // tokens per rank: rows of `result`
+constexpr uint32_t kCountBlocks = 32;  // the count kernel's grid: beside the dispatch kernel, few SMs
 // Per program, the buffer a launch may read from the caller's memory instead (epcc_cuda_launch_dispatch_rows,
 // epcc_cuda_launch_combine_rows; the manifest's dispatch_input and combine_input): -1 where some copy
 // reads it on another rank than its own.
@@ -102,6 +108,9 @@ struct Context {
   epcc::ErrorRecord* error_host = nullptr;  // host-mapped
   epcc::ErrorRecord* error_dev = nullptr;
   uint32_t* error_claim = nullptr;
+  int32_t* finish_left = nullptr;    // kConvertInKernel: [kResultRows] contributions to come per row of `result`
+  bool combine_prepared = false;     // epcc_cuda_combine_prepare ran since the last combine launch and the
+                                     // combine's tables were last set, outside a CUDA graph's capture
   Program programs[kNumPrograms];
   std::string last_error;
 };
@@ -159,7 +168,10 @@ uint32_t bank_words(const Context* c) { return (c->flag_capacity - 1) / 2; }
 
 // `caller_rows` (0: none): the caller's rows (the dispatch's tokens, the combine's expert rows), read
 // in place of this rank's buffer kCallerBuffer[program].
-int launch_main(Context* c, int program, cudaStream_t stream, uint64_t caller_rows = 0) {
+// `out`, `tokens` (combine, kConvertInKernel): the caller's bf16 tokens the kernel converts its rows
+// into, and how many (0: none, the fp32 sums stay in `result`).
+int launch_main(Context* c, int program, cudaStream_t stream, uint64_t caller_rows = 0, uint64_t out = 0,
+                uint64_t tokens = 0) {
   const ProgramInfo& info = kPrograms[program];
   Program& p = c->programs[program];
   if (!c->flags_ok) return fail(c, EPCC_RC_USAGE, "%s: call epcc_cuda_set_flag_areas first", info.name);
@@ -205,6 +217,12 @@ int launch_main(Context* c, int program, cudaStream_t stream, uint64_t caller_ro
   a.rdma_seq = p.rdma_seq;
   a.caller_rows = reinterpret_cast<const uint8_t*>(caller_rows);
   a.caller_buf = caller_rows != 0 ? static_cast<uint32_t>(kCallerBuffer[program]) : 0u;
+  if (out != 0) {
+    a.finish_out = reinterpret_cast<epcc::bf16*>(out);
+    a.finish_left = c->finish_left;
+    a.finish_buf = static_cast<uint32_t>(info.result_buffer);
+    a.finish_tokens = static_cast<uint32_t>(tokens);
+  }
   a.rank = c->rank;
   a.num_ranks = kNumRanks;
   a.barrier_ranks = c->barrier_ranks;
@@ -213,6 +231,24 @@ int launch_main(Context* c, int program, cudaStream_t stream, uint64_t caller_ro
   a.program = static_cast<uint32_t>(program);
   EPCC_TRY(c, info.launch(&a, stream));
   ++p.epoch;
+  return EPCC_RC_OK;
+}
+
+// Where the combine kernel converts its rows itself (kConvertInKernel): each row's contributions,
+// counted on `s` from the combine's tables as they are when `s` reaches the count.
+// A prepare recorded into a CUDA graph's capture runs at each replay, not now: the flag stays down
+// and the next combine counts them itself.
+int combine_prepare(Context* c, cudaStream_t s) {
+  Program& p = c->programs[1];
+  if (!p.tables_ok) return fail(c, EPCC_RC_USAGE, "combine_prepare: upload the combine's tables first");
+  EPCC_TRY(c, cudaSetDevice(c->device));
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  EPCC_TRY(c, cudaStreamIsCapturing(s, &capture));
+  EPCC_TRY(c, cudaMemsetAsync(c->finish_left, 0, sizeof(int32_t) * kResultRows, s));
+  const uint32_t grid = std::min<uint32_t>(kCountBlocks, static_cast<uint32_t>(std::max(1, c->num_sms)));
+  EPCC_TRY(c, kCountLaunch(p.tables, c->finish_left, c->rank, static_cast<uint32_t>(kPrograms[1].result_buffer),
+                           kResultRows, grid, s));
+  c->combine_prepared = capture == cudaStreamCaptureStatusNone;
   return EPCC_RC_OK;
 }
 
@@ -318,6 +354,7 @@ int epcc_cuda_create(int device, int rank, uint32_t flag_capacity, double timeou
   EPCC_TRY(c, cudaHostGetDevicePointer(reinterpret_cast<void**>(&c->error_dev), c->error_host, 0));
   EPCC_TRY(c, cudaMalloc(&c->error_claim, sizeof(uint32_t)));
   EPCC_TRY(c, cudaMemset(c->error_claim, 0, sizeof(uint32_t)));
+  if (kConvertInKernel) EPCC_TRY(c, cudaMalloc(&c->finish_left, sizeof(int32_t) * std::max<uint32_t>(kResultRows, 1)));
   for (int p = 0; p < kNumPrograms; ++p) {
     if (kPrograms[p].present) {
       EPCC_TRY(c, cudaMalloc(&c->programs[p].buffers_dev, sizeof(uint64_t) * kPrograms[p].num_buffers * kNumRanks));
@@ -349,6 +386,7 @@ void epcc_cuda_destroy(void* ctx) {
   cudaFree(c->flag_areas_dev);
   for (Program& p : c->programs) cudaFree(p.timeline);
   cudaFree(c->error_claim);
+  cudaFree(c->finish_left);
   if (c->error_host != nullptr) cudaFreeHost(c->error_host);
   delete c;
 }
@@ -521,6 +559,7 @@ int epcc_cuda_upload_tables(void* ctx, int program, const void* blob, uint64_t b
     if (seen[i]) p.used.push_back(i);
   }
   p.tables_ok = true;
+  if (program == 1) c->combine_prepared = false;  // counted from tables since replaced
   return EPCC_RC_OK;
 }
 
@@ -557,6 +596,7 @@ int epcc_cuda_use_tables(void* ctx, int program, uint64_t tables, const void* he
   p.used.clear();
   for (uint64_t i = 0; i < static_cast<uint64_t>(info.num_buffers) * kNumRanks; ++i) p.used.push_back(i);
   p.tables_ok = true;
+  if (program == 1) c->combine_prepared = false;
   return EPCC_RC_OK;
 }
 
@@ -581,9 +621,26 @@ int epcc_cuda_launch_dispatch_rows(void* ctx, uint64_t rows, uint64_t stream) {
   return launch_main(c, 0, reinterpret_cast<cudaStream_t>(stream), rows);
 }
 
-// Combine on `stream`: clears this rank's partial buffers, runs the kernel, then converts the
-// home partials into `out` (bf16 [tokens, hidden], device memory; 0: skip the conversion and
-// leave the fp32 sums in the `result` buffer).
+// Ahead of the next combine launch, on `stream` (beside a dispatch kernel: stream order must bring
+// it after the previous combine and after the tables it counts, and the next combine after it):
+// what the combine kernel needs to convert its rows itself -- each row's count of contributions,
+// in the context's one count buffer.  Nothing where a finish kernel converts them after the
+// kernel.  The next combine launch counts them itself where this did not run since the last one
+// or since the combine's tables were set, or where it was captured into a CUDA graph, or where
+// that combine is.
+int epcc_cuda_combine_prepare(void* ctx, uint64_t stream) {
+  Context* c = static_cast<Context*>(ctx);
+  if (c == nullptr) return fail(nullptr, EPCC_RC_USAGE, "epcc_cuda_combine_prepare: NULL context");
+  if (int rc = check_program(c, 1)) return rc;
+  if (!kConvertInKernel) return EPCC_RC_OK;
+  return combine_prepare(c, reinterpret_cast<cudaStream_t>(stream));
+}
+
+// Combine on `stream`: clears this rank's partial buffers, runs the kernel, and the home partials
+// become `out` (bf16 [tokens, hidden], device memory, 16-byte aligned; 0: no conversion, the fp32
+// sums stay in the `result` buffer) -- in the kernel where kConvertInKernel (each row's
+// contributions counted first, unless epcc_cuda_combine_prepare did since the last combine), else
+// by the finish kernel after it.
 int epcc_cuda_launch_combine_tokens(void* ctx, uint64_t out, uint64_t tokens, uint64_t stream);
 int epcc_cuda_launch_combine_rows(void* ctx, uint64_t out, uint64_t tokens, uint64_t rows, uint64_t stream);
 
@@ -592,7 +649,7 @@ int epcc_cuda_launch_combine(void* ctx, uint64_t out, uint64_t stream) {
   return epcc_cuda_launch_combine_tokens(ctx, out, c == nullptr ? 0 : c->programs[1].header.tokens, stream);
 }
 
-// As epcc_cuda_launch_combine, converting the first `tokens` home partials (tables the GPU wrote
+// As epcc_cuda_launch_combine, into the first `tokens` rows of `out` (tables the GPU wrote
 // carry this rank's token count on the GPU only).
 int epcc_cuda_launch_combine_tokens(void* ctx, uint64_t out, uint64_t tokens, uint64_t stream) {
   return epcc_cuda_launch_combine_rows(ctx, out, tokens, 0, stream);
@@ -609,12 +666,29 @@ int epcc_cuda_launch_combine_rows(void* ctx, uint64_t out, uint64_t tokens, uint
   Program& p = c->programs[1];
   if (!p.tables_ok || !p.buffers_ok) return fail(c, EPCC_RC_USAGE, "combine: upload tables and set buffers first");
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (out != 0 && tokens > kResultRows) {
+    return fail(c, EPCC_RC_USAGE, "combine: %llu tokens, these kernels were compiled for %u per rank",
+                static_cast<unsigned long long>(tokens), kResultRows);
+  }
+  if (out != 0 && kConvertInKernel && out % 16 != 0) {
+    return fail(c, EPCC_RC_USAGE, "combine: out must be 16-byte aligned (the combine kernel writes its rows)");
+  }
   EPCC_TRY(c, cudaSetDevice(c->device));
   for (const epcc::ZeroDesc& z : p.zero) {
     const uint64_t base = p.buffers[static_cast<size_t>(z.buf) * kNumRanks + c->rank];
     if (base == 0) return fail(c, EPCC_RC_USAGE, "combine: buffer %u of this rank is NULL", z.buf);
     EPCC_TRY(c, cudaMemsetAsync(reinterpret_cast<void*>(base), 0, z.bytes, s));
   }
+  if (out != 0 && kConvertInKernel) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    EPCC_TRY(c, cudaStreamIsCapturing(s, &capture));
+    if (!c->combine_prepared || capture != cudaStreamCaptureStatusNone) {  // a replay counts them itself
+      if (int rc = combine_prepare(c, s)) return rc;
+    }
+    c->combine_prepared = false;
+    return launch_main(c, 1, s, rows, out, tokens);
+  }
+  c->combine_prepared = false;
   if (int rc = launch_main(c, 1, s, rows)) return rc;
   if (out != 0) {
     if (!kHasFinish || kPrograms[1].result_buffer < 0) return fail(c, EPCC_RC_USAGE, "combine: no finish kernel");

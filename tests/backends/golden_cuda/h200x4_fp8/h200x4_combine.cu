@@ -8,16 +8,19 @@
 // Every launch: entry barrier (clear this rank's counters, meet every rank), the roles, then
 // block 0 drains (waits until every counter on this rank is final).  With a timeline enabled,
 // each block stamps the prelude's timer at those points (epcc::kTimelineWords).
-// epcc_h200x4_combine_finish_kernel: after it, converts the home partials (`result`, fp32) to bf16.
+// The home partials (`result`, fp32) become the caller's bf16 tokens in the kernel: the warp that adds
+// a row's last contributions writes its token; epcc_h200x4_combine_count_kernel counts each row's contributions
+// from the tables before each launch.
 #include "epcc_cuda_device.cuh"
 
 // step 'keep' (own tokens to local experts), schedules/h200x4.sched:52
 //   reducer on blocks [0, 1) = plan SMs [0, 1), 16 warps, engine sm
 //   reduce over link 'hbm' (local): output -> result
 //   fp32 partial += weight * bf16 expert output (7168 channels), 16-byte loads, atomic fp32 adds
+//   converts each row of result whose last contribution it adds into the caller's bf16 tokens
 //   publishes each chunk once written, in any order: no step of the program reads what it writes
 static __device__ __noinline__ void epcc_h200x4_combine_keep(const epcc::KernelArgs& a, uint32_t block) {
-  epcc::run_role<epcc::AccumWeightedBf16<8, 8>, 16u>(a, 0u, "keep", block, 1u, 0.f, 0u,
+  epcc::run_role<epcc::AccumWeightedBf16<8, 8>, 16u, true>(a, 0u, "keep", block, 1u, 0.f, 0u,
                                                  /*ordered=*/false);
 }
 
@@ -25,15 +28,17 @@ static __device__ __noinline__ void epcc_h200x4_combine_keep(const epcc::KernelA
 //   sender on blocks [1, 25) = plan SMs [1, 25), 16 warps, engine sm
 //   pull over link 'nvlink' (p2p): output -> result
 //   fp32 partial += weight * bf16 expert output (7168 channels), 16-byte loads, atomic fp32 adds
+//   converts each row of result whose last contribution it adds into the caller's bf16 tokens
 //   publishes each chunk once written, in any order: no step of the program reads what it writes
 static __device__ __noinline__ void epcc_h200x4_combine_push(const epcc::KernelArgs& a, uint32_t block) {
-  epcc::run_role<epcc::AccumWeightedBf16<8, 8>, 16u>(a, 1u, "push", block, 24u, 0.f, 0u,
+  epcc::run_role<epcc::AccumWeightedBf16<8, 8>, 16u, true>(a, 1u, "push", block, 24u, 0.f, 0u,
                                                  /*ordered=*/false);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 1) epcc_h200x4_combine_kernel(const EPCC_GRID_CONSTANT epcc::KernelArgs given) {
   __shared__ epcc::KernelArgs mine;
   const epcc::KernelArgs& a = epcc::launch_args(given, mine);
+  epcc::finish_empty_rows(a);  // rows no contribution reaches; the others the role adding their last
   epcc::entry_barrier(a, "combine entry barrier");
   if (a.timeline != nullptr && EPCC_TID == 0) a.timeline[EPCC_BID * epcc::kTimelineWords + 1] = 0;
   epcc::stamp(a, 0);
@@ -61,19 +66,25 @@ extern "C" cudaError_t epcc_h200x4_combine_occupancy(int* blocks_per_sm) {
   return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, epcc_h200x4_combine_kernel, 512, 0);
 }
 
-// Combine finish: this rank's home partials (`result`, fp32 [tokens, hidden]) -> bf16 combined_x.
+// Combine, before each launch: each row of this rank's `result` (below `rows`) gets its count of
+// contributions (left, zero before) from the combine's tables (pass 0), then the rows none reaches
+// their mark (pass 1, a launch of its own).
 extern "C" __global__ void __launch_bounds__(256)
-epcc_h200x4_combine_finish_kernel(const float* __restrict__ result, epcc::bf16* __restrict__ out, uint64_t n) {
-  epcc::finish_bf16(result, out, n);
+epcc_h200x4_combine_count_kernel(const uint8_t* __restrict__ tables, int32_t* __restrict__ left, uint32_t rank, uint32_t buf,
+                    uint32_t rows, uint32_t pass) {
+  epcc::count_contributions(tables, left, rank, buf, rows, pass);
 }
 
-extern "C" cudaError_t epcc_h200x4_combine_finish_launch(const float* result, void* out, uint64_t n, uint32_t grid,
-                                          cudaStream_t stream) {
-  epcc_h200x4_combine_finish_kernel<<<grid, 256, 0, stream>>>(result, static_cast<epcc::bf16*>(out), n);
-  return cudaGetLastError();
+extern "C" cudaError_t epcc_h200x4_combine_count_launch(const uint8_t* tables, int32_t* left, uint32_t rank, uint32_t buf,
+                                          uint32_t rows, uint32_t grid, cudaStream_t stream) {
+  for (uint32_t pass = 0; pass < 2; ++pass) {
+    epcc_h200x4_combine_count_kernel<<<grid, 256, 0, stream>>>(tables, left, rank, buf, rows, pass);
+    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
-extern "C" cudaError_t epcc_h200x4_combine_finish_load(void) {
+extern "C" cudaError_t epcc_h200x4_combine_count_load(void) {
   cudaFuncAttributes attr;
-  return cudaFuncGetAttributes(&attr, epcc_h200x4_combine_finish_kernel);
+  return cudaFuncGetAttributes(&attr, epcc_h200x4_combine_count_kernel);
 }
