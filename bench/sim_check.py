@@ -297,12 +297,14 @@ def host_tables(name: str, out_dir: Path) -> bool:
 
 
 def simulate_bundle(name: str, tokens: int | None, out_dir: Path, sms: int | None = None, cached: bool = False,
-                    copied: frozenset[str] = frozenset(), zero_beside: bool = True) -> dict:
+                    copied: frozenset[str] = frozenset(), zero_beside: bool = True,
+                    convert_in_kernel: bool = True) -> dict:
     """`epcc simulate --json` of bundle `name` (at `tokens` per rank where given; its direct kernels
     on `sms` SMs where given, as ep_bench --epcc-sms runs them; their cached-handle dispatch with
     `cached`; the Buffer copying the rows of the programs in `copied` into their input buffers,
     --copy-inputs; the combine's partials cleared in the combine call unless `zero_beside`,
-    --clear-partials)."""
+    --clear-partials; the bf16 tokens written by a finish kernel unless `convert_in_kernel`,
+    --combine-output)."""
     src, opts = bundle_source(name, out_dir)
     argv = ["simulate", str(src), "--json", *opts]
     if tokens is not None and "--tokens" not in opts:
@@ -315,6 +317,8 @@ def simulate_bundle(name: str, tokens: int | None, out_dir: Path, sms: int | Non
         argv += ["--copy-inputs", ",".join(sorted(copied))]
     if not zero_beside:
         argv += ["--clear-partials", "in-combine"]
+    if not convert_in_kernel:
+        argv += ["--combine-output", "finish-kernel"]
     args = epcc_parser().parse_args(argv)
     args.sources = SourceMap()
     try:
@@ -367,12 +371,12 @@ def _records(report: str, device: str, b: dict, rows: list, sms: int | None, out
     bundle's own, or the configuration the row recorded); `skipped` gets the records not compared."""
     name, wl = b["name"], b.get("workload") or {}
     tokens = wl.get("tokens")
-    copied, beside = copied_inputs(rows), zero_beside(rows)
+    copied, beside, converted = copied_inputs(rows), zero_beside(rows), convert_in_kernel(rows)
 
     def simulated(cached: bool, n: int | None = sms) -> dict:
-        key = (name, tokens, n, cached, copied, beside)
+        key = (name, tokens, n, cached, copied, beside, converted)
         if key not in cache:
-            cache[key] = simulate_bundle(name, tokens, out_dir, n, cached, copied, beside)
+            cache[key] = simulate_bundle(name, tokens, out_dir, n, cached, copied, beside, converted)
         return cache[key]
 
     fresh = simulated(False)
@@ -432,6 +436,13 @@ def zero_beside(rows: list) -> bool:
     kernel: as ep_bench recorded it (`zero_beside`, since that change); in the combine call for the
     reports before that field."""
     return any(r.get("zero_beside") for _, m in rows for r in m.get("per_rank", []))
+
+
+def convert_in_kernel(rows: list) -> bool:
+    """Whether a bundle's epcc rows ran with the combine kernel writing the bf16 tokens itself: as
+    ep_bench recorded it (`convert_in_kernel`, since that change); a finish kernel after the combine
+    kernel for the reports before that field."""
+    return any(r.get("convert_in_kernel") for _, m in rows for r in m.get("per_rank", []))
 
 
 def collect(paths: list[Path], skipped: list | None = None) -> list[Record]:

@@ -135,6 +135,8 @@ class EpccRows:
                 self.common["caller_rows"] = sorted(p for p, ok in reads.items() if ok)
                 # and whether the combine's partials are cleared beside the dispatch kernel
                 self.common["zero_beside"] = getattr(buf.engine, "zero_stream", None) is not None
+                # and whether the combine kernel writes the bf16 tokens itself (no finish kernel)
+                self.common["convert_in_kernel"] = bool(getattr(buf.engine, "convert_in_kernel", False))
         self.comm.barrier()
 
     def _capacity(self) -> int:

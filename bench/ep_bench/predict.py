@@ -10,6 +10,7 @@ from pathlib import Path
 
 from epcc.plan import Plan
 from epcc.plan.rdma import rdma_bytes_per_token, with_overrides
+from epcc.plan.cuda_manifest import converts_in_kernel
 from epcc.sim.calls import reads_caller_rows
 from epcc.sim.meta import from_manifest
 from epcc.sim.report import to_dict
@@ -42,7 +43,8 @@ def predict(plan: Plan, T: int, manifest: dict | None = None) -> dict | None:
     try:
         meta = from_manifest((manifest or {}).get("metadata"))
         table = bool(manifest) and "direct" not in manifest
-        opts = SimOptions(rdma_proxy=True, metadata=meta, calls=table, caller_rows=reads_caller_rows(manifest))
+        opts = SimOptions(rdma_proxy=True, metadata=meta, calls=table, caller_rows=reads_caller_rows(manifest),
+                          convert_in_kernel=converts_in_kernel(manifest))
         return prediction(to_dict(simulate(plan, opts), tokens=T))
     except Exception as e:  # noqa: BLE001
         sys.stderr.write(f"ep_bench: cannot simulate the re-chunked plan: {type(e).__name__}: {e}\n")

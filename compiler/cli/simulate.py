@@ -15,6 +15,7 @@ from ..plan.rdma import rdma_steps
 from ..sim import SimOptions, SimulationError, simulate
 from ..sim.base import DeviceMetadata
 from ..sim.build import build_plan
+from ..plan.cuda_manifest import converts_in_kernel
 from ..sim.calls import reads_caller_rows
 from ..sim.gantt import write_svg
 from ..sim.meta import from_manifest
@@ -58,6 +59,10 @@ def add_parser(sub) -> None:
                         "beside the dispatch kernel (the default: on a stream of its own, under the dispatch) or "
                         "in the combine call (a combine with no dispatch since the last combine, or an earlier "
                         "epcc's runtime); host-built tables clear them in the combine call")
+    c.add_argument("--combine-output", choices=("auto", "in-kernel", "finish-kernel"), default="auto",
+                   help="where the combine's fp32 sums become bf16 tokens, for the table-driven kernels: auto (the "
+                        "default: as `epcc compile --target cuda` lowers the plan, manifest combine_output), in the "
+                        "combine kernel, or a finish kernel after it (a bundle of an older epcc)")
     kernel_options(c)
     c.set_defaults(func=cmd_simulate)
 
@@ -94,6 +99,7 @@ def simulation(args, options):
     rdma = getattr(args, "rdma", "proxy")
     copied = copy_inputs(getattr(args, "copy_inputs", None))
     beside = getattr(args, "clear_partials", "beside-dispatch") == "beside-dispatch"
+    output = getattr(args, "combine_output", "auto")
     tables = getattr(args, "proxy_tables", None)
     if tables is not None and rdma != "proxy":
         raise user_error(f"--proxy-tables {tables} is for the GPU proxy path: use it with --rdma proxy")
@@ -121,7 +127,7 @@ def simulation(args, options):
     try:
         exchange = getattr(args, "metadata_exchange", "auto")
         res = simulate(built.plan, sim_options(built.plan, direct, rdma, tables, exchange, options.routing, dealing,
-                                               copied, beside))
+                                               copied, beside, output))
     except SimulationError as e:
         raise user_error(f"{args.file}: cannot simulate the plan: {e}") from None
     return built, res
@@ -130,13 +136,15 @@ def simulation(args, options):
 def sim_options(plan: Plan, direct, rdma: str = "proxy", proxy_tables: str | None = None,
                 metadata_exchange: str = "auto", routing: str | None = None,
                 dealing: str | None = None, copied: frozenset[str] = frozenset(),
-                zero_beside: bool = True) -> SimOptions:
+                zero_beside: bool = True, combine_output: str = "auto") -> SimOptions:
     """What `epcc simulate` runs the model with: the direct kernels' (`direct`: plan.direct or a
     variant of it), else the table-driven kernels' -- their metadata kernels where the bundle has
     them, the Buffer's calls where the CUDA target lowers the plan (host-built tables too), the
     roles' blocks dealt from a routing drawn from `routing`; `copied`: the programs whose rows the
     Buffer copies in although the kernels could read them in place (--copy-inputs); `zero_beside`:
-    with tables the GPU writes, the combine's partials cleared beside the dispatch (--clear-partials)."""
+    with tables the GPU writes, the combine's partials cleared beside the dispatch (--clear-partials);
+    `combine_output`: where the combine's sums become bf16 (--combine-output; auto: as the manifest
+    says)."""
     layout = block_layout(plan, routing) if direct is None and plan.sm_rates else None
     manifest = table_manifest(plan, rdma, proxy_tables != "host", metadata_exchange) if direct is None else None
     metadata = from_manifest(manifest.get("metadata")) if manifest is not None else None
@@ -145,6 +153,8 @@ def sim_options(plan: Plan, direct, rdma: str = "proxy", proxy_tables: str | Non
     # not where the combine reads the caller's in place; the dispatch's x likewise)
     return SimOptions(rdma_proxy=rdma == "proxy", direct=direct, metadata=metadata, calls=manifest is not None,
                       caller_rows=reads_caller_rows(manifest) - copied,
+                      convert_in_kernel=(converts_in_kernel(manifest) if combine_output == "auto"
+                                         else combine_output == "in-kernel"),
                       zero_beside=zero_beside and metadata is not None, layout=layout, dealing=dealing or "round-robin")
 
 

@@ -63,6 +63,10 @@ class SimOptions:
     # stream of its own, hidden under it), not in the combine call: device-built tables
     # (runtime/engines/cuda_table _zero_beside).  `epcc simulate` sets it (--clear-partials).
     zero_beside: bool = False
+    # The combine kernel converts its fp32 sums into the caller's bf16 tokens itself (the bundle's
+    # combine_output: in-kernel), so the call runs no conversion after it (sim/calls.py).  `epcc
+    # simulate` sets it (--combine-output).
+    convert_in_kernel: bool = False
     # The table-driven kernels' blocks (sim/blocks.py): a layout of the plan (runtime/layout's
     # Layout, or anything with its `copies`) whose chunks the roles' blocks take one by one, dealt
     # as `dealing` says (round-robin: as the kernels deal them; free: to the block free first);

@@ -82,12 +82,13 @@ def reads_caller_rows(manifest: dict | None) -> frozenset[str]:
     return frozenset(p for p in PROGRAMS if manifest_reads_caller_rows(manifest, p))
 
 
-def call_bytes(plan: Plan, caller_rows: frozenset[str] = frozenset(),
-               zero_beside: bool = False) -> dict[str, dict[str, float]]:
+def call_bytes(plan: Plan, caller_rows: frozenset[str] = frozenset(), zero_beside: bool = False,
+               convert_in_kernel: bool = False) -> dict[str, dict[str, float]]:
     """Per program, the bytes (read + written) of each copy a Buffer call runs beside the kernel;
     `caller_rows`: the programs whose kernel reads the caller's rows in place (the dispatch: no
     `input`; the combine: no `rows`); `zero_beside`: the partials cleared beside the dispatch (no
-    `zero` in the combine)."""
+    `zero` in the combine); `convert_in_kernel`: the combine kernel writes the bf16 tokens itself
+    (no `convert`; a `count` of each row's contributions where the combine clears the partials)."""
     wl = plan.workload
     if wl is None:
         return {}
@@ -97,23 +98,27 @@ def call_bytes(plan: Plan, caller_rows: frozenset[str] = frozenset(),
     if any(s.program == "combine" for s in plan.steps):
         rows = {} if "combine" in caller_rows else {"rows": 2.0 * T * wl.topk * 2 * H}
         zero = {} if zero_beside else {"zero": 4.0 * H * (T + staged_tokens(plan))}
-        out["combine"] = {**rows, **zero, "convert": 6.0 * T * H}
+        # the kernel writes the bf16 tokens: each row's contributions counted first, beside the dispatch
+        # with the clearing, else in the combine call (a memset and two small launches: one gap here)
+        convert = ({} if zero_beside else {"count": 4.0 * T}) if convert_in_kernel else {"convert": 6.0 * T * H}
+        out["combine"] = {**rows, **zero, **convert}
     return out
 
 
 def call_terms(plan: Plan, gap_s: float, caller_rows: frozenset[str] = frozenset(),
-               zero_beside: bool = False) -> dict[str, dict[str, float]]:
+               zero_beside: bool = False, convert_in_kernel: bool = False) -> dict[str, dict[str, float]]:
     """Seconds of each part of the call's stream work beside the kernels, per program (module
     docstring); {} where the topology gives no local link to price them.  `caller_rows`: the
     programs whose kernel reads the caller's rows in place (no copy; the combine's copy has a
     launch of its own); `zero_beside`: the partials cleared beside the dispatch (the combine's
-    clearing and its launch gone)."""
+    clearing and its launch gone); `convert_in_kernel`: no conversion after the combine kernel (nor
+    its launch)."""
     rate = COPY_EFFICIENCY * local_rate(plan)
     if rate <= 0:
         return {}
     # a launch gap for each copy (its own launch)
     return {p: {**{k: b / rate for k, b in parts.items()}, "gaps": len(parts) * gap_s}
-            for p, parts in call_bytes(plan, caller_rows, zero_beside).items()}
+            for p, parts in call_bytes(plan, caller_rows, zero_beside, convert_in_kernel).items()}
 
 
 __all__ = ["COPY_EFFICIENCY", "call_bytes", "call_terms", "local_rate", "reads_caller_rows", "staged_tokens"]

@@ -110,6 +110,8 @@ def table(res: SimResult, passes_run: list[str] | None = None) -> str:
                              + " read where the caller has them, not copied")
             if name == "combine" and res.options.zero_beside:
                 notes.append("the partials cleared beside the dispatch kernel")
+            if name == "combine" and res.options.convert_in_kernel:
+                notes.append("the bf16 tokens written by the combine kernel")
             if any(k != "gaps" for k in p.calls):
                 parts = ", ".join(f"{k} {v * 1e6:.1f}" for k, v in p.calls.items())
                 said = f"{sum(p.calls.values()) * 1e6:.1f} us ({'; '.join([parts + ' us', *notes])})"

@@ -261,7 +261,8 @@ def simulate(plan: Plan, opts: SimOptions | None = None) -> SimResult:
                                          "meta_rows": m.rows_blocks, "meta_items": m.items_blocks},
                               "exchange": m.exchange,
                               "fused": m.fused, "steps": [f"{p}.{s}" for p, s in m.steps]}}
-    calls = call_terms(plan, GAP_S, opts.caller_rows, opts.zero_beside) if opts.calls and opts.direct is None else {}
+    calls = (call_terms(plan, GAP_S, opts.caller_rows, opts.zero_beside, opts.convert_in_kernel)
+             if opts.calls and opts.direct is None else {})
     roles = block_roles(plan, opts.rdma_proxy) if opts.direct is None and opts.layout is not None else {}
     if roles:
         model = {**model, "text": model["text"] + f"; each role's chunks dealt {opts.dealing} to its blocks "

@@ -126,13 +126,36 @@ def _calls(capsys, *extra) -> dict:
 
 def test_copy_inputs_and_clear_partials_charge_what_the_buffer_would_copy(capsys):
     """--copy-inputs charges the copy of a program's rows the kernels could read in place;
-    --clear-partials in-combine the partials' clearing in the combine call."""
+    --clear-partials in-combine the partials' clearing in the combine call; --combine-output
+    finish-kernel the conversion after the combine kernel, which the bundle's (combine_output
+    in-kernel) writes itself."""
     plain = _calls(capsys)
-    assert plain["dispatch"] == {"gaps": 0.0} and "rows" not in plain["combine"] and "zero" not in plain["combine"]
+    assert plain["dispatch"] == {"gaps": 0.0} and plain["combine"] == {"gaps": 0.0}
     copied = _calls(capsys, "--copy-inputs", "dispatch,combine")
     assert list(copied["dispatch"]) == ["input", "gaps"] and "rows" in copied["combine"]
     assert copied["dispatch"]["input"] > 0 and copied["dispatch"]["gaps"] > 0
-    assert list(_calls(capsys, "--clear-partials", "in-combine")["combine"]) == ["zero", "convert", "gaps"]
+    # the partials cleared in the combine call: each row's contributions counted there too
+    assert list(_calls(capsys, "--clear-partials", "in-combine")["combine"]) == ["zero", "count", "gaps"]
+    older = _calls(capsys, "--combine-output", "finish-kernel")["combine"]
+    assert list(older) == ["convert", "gaps"]
+    assert older["convert"] == pytest.approx(6.0 * 4096 * 7168 / (0.87 * 3000e9) * 1e6)  # T x hidden x (4 + 2) B
+    assert _calls(capsys, "--combine-output", "in-kernel") == plain
+
+
+def test_the_report_says_where_the_combine_converts(capsys):
+    code, out, err = run(["simulate", TWO_VNODE, "--rdma", "emulate"], capsys)
+    assert code == 0, err
+    assert ("combine Buffer call's copies beside the kernels: none (the expert outputs read where the caller has "
+            "them, not copied; the partials cleared beside the dispatch kernel; the bf16 tokens written by the "
+            "combine kernel)\n") in out
+    code, out, err = run(["simulate", TWO_VNODE, "--rdma", "emulate", "--combine-output", "finish-kernel"], capsys)
+    assert "combine Buffer call's copies beside the kernels: 70.0 us (convert 67.5, gaps 2.5 us; " in out
+
+
+def test_combine_output_takes_its_three_values(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", TWO_VNODE, "--combine-output", "sometimes"])
+    assert e.value.code == 2
 
 
 @pytest.mark.parametrize("value", ["x", "dispatch,", "DISPATCH"])
