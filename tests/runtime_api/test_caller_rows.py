@@ -124,7 +124,7 @@ def test_partials_a_dispatch_cleared_are_not_cleared_again(monkeypatch):
     eng.partials_clean = True
     eng.meta.calls.clear()
     eng.combine(y, _low_latency_handle())
-    assert eng.meta.calls == [("zero_partials",), ("combine_prepare", 0)]
+    assert eng.meta.calls == [("zero_partials",)]  # captured: the launch counts the rows itself, at each replay
 
 
 class _Stream:
