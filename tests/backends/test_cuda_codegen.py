@@ -652,8 +652,11 @@ def test_launcher_library_loads_and_fails_cleanly_without_a_gpu(built):
         assert meta_lib.epcc_table_meta_zero(0, 0, 0, blocks) == 1
         assert meta_lib.epcc_table_meta_error().decode() == f"zero_partials: {blocks} blocks (1 to 264)"
     # the timeline calls refuse a missing context with their own message (no GPU needed)
+    # the combine writes the bf16 tokens in its kernel (combine_output): the count ahead of it has its entry
+    assert m["combine_output"]["convert"] == "in-kernel" and lib.has_combine_prepare
     for call, args, text in (("epcc_cuda_enable_timeline", (None, 0), "epcc_cuda_enable_timeline: NULL context"),
-                             ("epcc_cuda_read_timeline", (None, 0, None, 0), "epcc_cuda_read_timeline: NULL argument")):
+                             ("epcc_cuda_read_timeline", (None, 0, None, 0), "epcc_cuda_read_timeline: NULL argument"),
+                             ("epcc_cuda_combine_prepare", (None, 0), "epcc_cuda_combine_prepare: NULL context")):
         assert getattr(lib.lib, call)(*args) != 0
         assert lib.lib.epcc_cuda_last_error(None).decode() == f"epcc cuda (h200x4): {text}"
     try:
@@ -665,6 +668,9 @@ def test_launcher_library_loads_and_fails_cleanly_without_a_gpu(built):
             with pytest.raises(launcher.CudaError, match="upload_tables first"):
                 ctx.set_flag_areas([ctx.flag_area] * 4)
                 ctx.launch_dispatch()
+            with pytest.raises(launcher.CudaError, match=r"\(h200x4\): combine_prepare: upload the combine's tables "
+                                                         r"first$"):
+                ctx.combine_prepare()
 
 
 # --------------------------------------------------------------------------------------------

@@ -623,9 +623,8 @@ class CudaTableEngine:
                 if self.meta is not None:
                     if not self.partials_clean or capturing():
                         # no dispatch cleared them since the last combine, or a graph's replays need their own
+                        # (the launch counts the rows' contributions itself: nothing prepared since the last)
                         self.meta.zero_partials(self.own_combine.data_ptr(), stream)
-                        if not capturing():  # captured, the launch counts the rows' contributions itself
-                            self.ctx.combine_prepare(stream)
                     self.partials_clean = False
                     self.ctx.launch_combine_tokens(out_ptr, handle.tokens, stream, rows)
                     if self.rdma and handle.sync and not torch.cuda.is_current_stream_capturing():
@@ -648,8 +647,8 @@ class CudaTableEngine:
         contributions are counted for a combine that writes the bf16 tokens in its kernel
         (combine_prepare).  The next combine then clears nothing itself (partials_clean) -- where
         neither it nor this dispatch is captured into a CUDA graph: a captured combine records its
-        own clearing (and the launcher its own count), since its replays need not follow a dispatch
-        that cleared.  No peer touches this rank's partials by then: `tables` comes after
+        own clearing (and the launcher its own count, as in any combine nothing was prepared for),
+        since its replays need not follow a dispatch that cleared.  No peer touches this rank's partials by then: `tables` comes after
         this dispatch's metadata exchange, which every peer joins only after its previous combine
         kernel ended (stream order on its side), and this rank's previous combine is before it on
         `cur`; the peers' next writes come after the next combine's entry barrier, after the join.

@@ -434,26 +434,9 @@ template <> struct Vec<1> { using T = char; };
 // not a serial tail (a 7168-channel bf16 row is 3.5 rounds of 8 x 16 B per lane: a tail of one
 // access at a time cost 4 more memory latencies per row than the half round it replaces).
 // The skeleton of every row operation: a lane's vectors i = lane, lane + 32, ... of a row of n,
-// kUnroll loads (L2, never a stale L1 line) in flight before the first is used by apply(i, v).
-template <class T, int kUnroll, class Apply>
-__device__ __forceinline__ void for_row_vectors(const T* __restrict__ s, uint32_t n, uint32_t lane, Apply&& apply) {
-  for (uint32_t i0 = lane; i0 < n; i0 += kWarpSize * kUnroll) {
-    T v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const uint32_t i = i0 + kWarpSize * u;
-      if (i < n) v[u] = ld_cg(s + i);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const uint32_t i = i0 + kWarpSize * u;
-      if (i >= n) break;
-      apply(i, v[u]);
-    }
-  }
-}
-
-// As for_row_vectors, each vector's `load(i)` issued beside its load: apply(i, vector, loaded).
+// kUnroll loads (L2, never a stale L1 line) in flight before the first is used by
+// apply(i, vector, loaded), each vector's `load(i)` (what the operation needs of its destination,
+// e.g. LastSink's row of `result`) issued beside it.
 template <class T, int kUnroll, class Load, class Apply>
 __device__ __forceinline__ void for_row_vectors_pre(const T* __restrict__ s, uint32_t n, uint32_t lane, const Load& load,
                                                     const Apply& apply) {
@@ -476,6 +459,15 @@ __device__ __forceinline__ void for_row_vectors_pre(const T* __restrict__ s, uin
       apply(i, v[u], p[u]);
     }
   }
+}
+
+struct NoLoad {};  // what an operation that needs nothing of its destination loads
+
+// for_row_vectors_pre with nothing loaded beside: apply(i, vector).
+template <class T, int kUnroll, class Apply>
+__device__ __forceinline__ void for_row_vectors(const T* __restrict__ s, uint32_t n, uint32_t lane, Apply&& apply) {
+  for_row_vectors_pre<T, kUnroll>(s, n, lane, [](uint32_t) { return NoLoad{}; },
+                                  [&](uint32_t i, const T& v, const NoLoad&) { apply(i, v); });
 }
 
 template <int kVec, int kUnroll>
@@ -515,16 +507,22 @@ __device__ __forceinline__ void red_add_n(float* dst, const float* x) {
 // destination), its call gets it back.
 struct RedSink {
   float* d;
-  struct Nothing {};
   template <int kElems>
-  using Pre = Nothing;
+  using Pre = NoLoad;
   template <int kElems>
-  __device__ __forceinline__ Nothing load(uint32_t) const { return {}; }
+  __device__ __forceinline__ NoLoad load(uint32_t) const { return {}; }
   template <int kElems>
-  __device__ __forceinline__ void operator()(uint32_t i, const float (&x)[kElems], const Nothing&) const {
+  __device__ __forceinline__ void operator()(uint32_t i, const float (&x)[kElems], const NoLoad&) const {
     red_add_n<kElems>(d + static_cast<size_t>(i) * kElems, x);
   }
 };
+
+// 8 fp32 values -> 8 bf16 in one 16-byte vector, round to nearest even (the conversions of `result`).
+__device__ __forceinline__ V16 bf16x8(const F4& lo, const F4& hi) {
+  alignas(16) bf16x2 o[4] = {f32x2_to_bf16x2(lo.x, lo.y), f32x2_to_bf16x2(lo.z, lo.w), f32x2_to_bf16x2(hi.x, hi.y),
+                             f32x2_to_bf16x2(hi.z, hi.w)};
+  return *reinterpret_cast<const V16*>(o);
+}
 
 template <int kElems> struct Bf16Vec;  // kElems bf16 values in one access
 template <> struct Bf16Vec<8> { using T = V16; };
@@ -858,11 +856,7 @@ __device__ __forceinline__ void convert_row(const KernelArgs& a, const float* __
     V16* o = reinterpret_cast<V16*>(out);
 #pragma unroll 4
     for (uint32_t i = lane; i < hidden / 8; i += kWarpSize) {
-      const F4 lo = ld_cg(s4 + 2 * i);
-      const F4 hi = ld_cg(s4 + 2 * i + 1);
-      alignas(16) bf16x2 v[4] = {f32x2_to_bf16x2(lo.x, lo.y), f32x2_to_bf16x2(lo.z, lo.w),
-                                 f32x2_to_bf16x2(hi.x, hi.y), f32x2_to_bf16x2(hi.z, hi.w)};
-      o[i] = *reinterpret_cast<const V16*>(v);
+      o[i] = bf16x8(ld_cg(s4 + 2 * i), ld_cg(s4 + 2 * i + 1));
     }
   } else {
     for (uint32_t i = lane; i < hidden; i += kWarpSize) out[i] = f32_to_bf16(ld_cg(src + i));
@@ -1320,11 +1314,8 @@ __device__ __forceinline__ void finish_bf16(const float* __restrict__ result, bf
   const bool aligned = ((reinterpret_cast<uintptr_t>(result) | reinterpret_cast<uintptr_t>(out)) & 15u) == 0;
   const uint64_t vec = aligned ? n / 8 : 0;
   for (uint64_t i = tid; i < vec; i += stride) {
-    const F4 lo = ld_cs(reinterpret_cast<const F4*>(result) + 2 * i);
-    const F4 hi = ld_cs(reinterpret_cast<const F4*>(result) + 2 * i + 1);
-    alignas(16) bf16x2 o[4] = {f32x2_to_bf16x2(lo.x, lo.y), f32x2_to_bf16x2(lo.z, lo.w),
-                                         f32x2_to_bf16x2(hi.x, hi.y), f32x2_to_bf16x2(hi.z, hi.w)};
-    reinterpret_cast<V16*>(out)[i] = *reinterpret_cast<const V16*>(o);
+    reinterpret_cast<V16*>(out)[i] = bf16x8(ld_cs(reinterpret_cast<const F4*>(result) + 2 * i),
+                                            ld_cs(reinterpret_cast<const F4*>(result) + 2 * i + 1));
   }
   for (uint64_t i = vec * 8 + tid; i < n; i += stride) out[i] = f32_to_bf16(result[i]);
 }
