@@ -273,6 +273,16 @@ def test_hidden_routings_every_plan(host_kernels, case, seed, zero, masked, hot,
                       key=(name, tokens, chunk), grid=grid)
 
 
+def test_the_kernels_divisions_without_a_divide_are_exact(host_kernels):
+    """An expert's rank and local index are a multiply (Div16), token counts divide in 32 bits
+    where they fit: every divisor up to 4096 against every 16-bit numerator, the larger divisors at
+    their multiples, and the 64-bit fallback around 2^32 (meta_host.cpp says which)."""
+    lib = host_kernels()
+    lib.epcc_meta_check_division.argtypes = [ctypes.c_uint]
+    lib.epcc_meta_check_division.restype = ctypes.c_longlong
+    assert lib.epcc_meta_check_division(4096) == 0
+
+
 def test_a_bad_routing_row_is_marked_and_ignored(host_kernels):
     """A repeated expert or one out of range: the first bad token of this rank is reported, the
     entry dropped (as -1), and the tables are those of the routing without it."""

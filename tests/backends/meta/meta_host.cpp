@@ -4,6 +4,7 @@
 #define EPCC_META_HOST 1
 #include <climits>
 #include <cstring>
+#include <initializer_list>
 
 #include "epcc/table/meta.cuh"
 
@@ -19,6 +20,30 @@ extern "C" long long epcc_meta_phase_blocks(const long long* prog, int phase) { 
 // b, b + G, ... of each phase, the first count block's sets read ahead), blocks in turn.
 static int g_grid = 0;
 extern "C" void epcc_meta_set_grid(int blocks) { g_grid = blocks; }
+
+// The kernels' divisions without a divide against the divide: Div16 for every divisor 1..dmax and
+// every n < 2^16, then for every larger divisor below 2^16 the n at each multiple and just below it
+// and n = 2^16 - 1; quot and quot32 on values around 2^32.  0: every one exact; else the first
+// failing divisor.
+extern "C" long long epcc_meta_check_division(unsigned dmax) {
+  for (unsigned d = 1; d < 65536u; ++d) {
+    const Div16 v = div16(d);
+    if (d <= dmax) {
+      for (unsigned n = 0; n < 65536u; ++n)
+        if (quot16(v, n) != n / d || rem16(v, n) != n % d) return d;
+    } else {
+      for (unsigned q = 1; q * d < 65536u; ++q)
+        for (unsigned n : {q * d - 1, q * d})
+          if (quot16(v, n) != n / d || rem16(v, n) != n % d) return d;
+      if (quot16(v, 65535u) != 65535u / d) return d;
+    }
+  }
+  const long long big[] = {0, 1, 7, 4095, 65536, 0xffffffffll, 0x100000000ll, 0x100000001ll, 0x7fffffffffffll};
+  for (long long a : big)
+    for (long long b : {1ll, 3ll, 128ll, 4097ll, 0xfffffffell})
+      if (quot(a, b) != a / b || (a < 0x100000000ll && (quot32(a, b) != a / b || rem32(a, b) != a % b))) return b;
+  return 0;
+}
 
 // sizeof(Shared) at this build's capacity (meta_program.py shared_bytes computes the same).
 extern "C" long long epcc_meta_shared_bytes(void) { return static_cast<long long>(sizeof(Shared)); }

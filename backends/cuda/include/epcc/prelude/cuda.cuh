@@ -11,6 +11,7 @@
 //   epcc::ld_acquire_sys, st_release_sys, red_release_sys_add   counters and flags, system scope
 //   epcc::red_add_f32, _f32x2, _f32x4            fp32 accumulate, relaxed, system scope
 //   epcc::backoff(ns), trap(), lane0_broadcast(v), popc(v)
+//   epcc::ballot(p), EPCC_HAS_BALLOT              the full warp's predicates as a 32-bit word (SUPA: none)
 //   epcc::prefetch_l1(p)                         a line of read-only data on its way into the SM's L1
 #pragma once
 
@@ -87,6 +88,10 @@ __device__ __forceinline__ void trap() { __trap(); }
 __device__ __forceinline__ uint32_t lane0_broadcast(uint32_t v) { return __shfl_sync(0xffffffffu, v, 0); }
 
 __device__ __forceinline__ int popc(unsigned v) { return __popc(v); }
+
+// Lane i's predicate as bit i, every lane of the (full) warp taking part.
+#define EPCC_HAS_BALLOT 1
+__device__ __forceinline__ uint32_t ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
 
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" : : "l"(p)); }
 

@@ -56,6 +56,7 @@ typedef long long i64;
 #if !defined(EPCC_META_HOST)
 #define EM_FN __device__ __forceinline__
 #define EM_HD __host__ __device__ inline
+#define EM_METHOD __host__ __device__ __forceinline__
 #define EM_KERNEL __global__ void __launch_bounds__(kBlock)
 #define EM_SHARED __shared__
 #define EM_THREADS(t) { const int t = static_cast<int>(EPCC_TID);
@@ -67,11 +68,27 @@ typedef long long i64;
 #define EM_MIN(p, v) atomicMin((p), (v))
 #define EM_ADD(p, v) atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v))
 #define EM_UNROLL _Pragma("unroll")
+#if defined(EPCC_HAS_BALLOT)
+// Thread t's predicate as bit t % 32 of `word` (zero before), every thread of the block voting: the
+// word is its warp's alone, so lane 0 stores the warp's ballot -- where the threads' atomicOr into one
+// shared word ran one lane after the other.
+#define EM_VOTE(word, t, pred) \
+  do { \
+    const unsigned em_v = epcc::ballot(pred); \
+    if ((t) % 32 == 0) *(word) = em_v; \
+  } while (0)
+#else
+#define EM_VOTE(word, t, pred) \
+  do { \
+    if (pred) atomicOr((word), 1u << ((t) % 32)); \
+  } while (0)
+#endif
 EM_FN int em_popc(unsigned v) { return epcc::popc(v); }
 EM_FN void em_prefetch(const void* at) { epcc::prefetch_l1(at); }
 #else
 #define EM_FN static inline
 #define EM_HD static inline
+#define EM_METHOD inline
 #define EM_KERNEL static inline void
 #define EM_SHARED static
 #define EM_THREADS(t) for (int t = 0; t < kBlock; ++t) {
@@ -83,6 +100,10 @@ EM_FN void em_prefetch(const void* at) { epcc::prefetch_l1(at); }
 #define EM_MIN(p, v) (*(p) = *(p) < (v) ? *(p) : (v))
 #define EM_ADD(p, v) (*(p) += (v))
 #define EM_UNROLL
+#define EM_VOTE(word, t, pred) \
+  do { \
+    if (pred) *(word) |= 1u << ((t) % 32); \
+  } while (0)
 EM_FN int em_popc(unsigned v) { return __builtin_popcount(v); }
 EM_FN void em_prefetch(const void*) {}
 #endif
@@ -274,6 +295,13 @@ struct Chunking {
   bool ramps;
 };
 
+// a / b and a % b for 0 <= a < 2^32 and 0 < b < 2^32 (token counts): 32-bit, a 64-bit division is
+// a call of ~70 instructions on the GPU
+EM_HD i64 quot32(i64 a, i64 b) { return static_cast<i64>(static_cast<unsigned>(a) / static_cast<unsigned>(b)); }
+EM_HD i64 rem32(i64 a, i64 b) { return static_cast<i64>(static_cast<unsigned>(a) % static_cast<unsigned>(b)); }
+// a / b for 0 <= a and 0 < b < 2^32, 32-bit where a is too
+EM_HD i64 quot(i64 a, i64 b) { return static_cast<unsigned long long>(a) >> 32 ? a / b : quot32(a, b); }
+
 EM_FN Chunking chunking(const i64* p, i64 copy, i64 n) {
   const i64* c = copy_rec(p, copy);
   Chunking k;
@@ -287,8 +315,8 @@ EM_FN Chunking chunking(const i64* p, i64 copy, i64 n) {
   k.front_sum = k.ramps ? c[C_ramp_front_sum] : 0;
   k.back_sum = k.ramps ? c[C_ramp_back_sum] : 0;
   const i64 middle = n - k.front_sum - k.back_sum;
-  k.whole = k.tpc > 0 ? middle / k.tpc : 0;
-  k.rest = k.tpc > 0 ? middle % k.tpc : 0;
+  k.whole = k.tpc > 0 ? quot32(middle, k.tpc) : 0;
+  k.rest = k.tpc > 0 ? rem32(middle, k.tpc) : 0;
   return k;
 }
 
@@ -363,7 +391,7 @@ EM_FN i64 chunk_of(const Chunking& k, i64 tok) {
     if (i >= 0) return i;
   }
   const i64 mid_end = k.front_sum + k.whole * k.tpc + k.rest;
-  if (tok < mid_end) return k.front_n + (tok - k.front_sum) / k.tpc;
+  if (tok < mid_end) return k.front_n + quot32(tok - k.front_sum, k.tpc);
   const i64 first_back = k.front_n + k.whole + (k.rest ? 1 : 0);
   const i64 i = ramp_find(k.back, k.back_n, mid_end, tok);
   return first_back + (i >= 0 ? i : k.back_n - 1);
@@ -413,24 +441,44 @@ struct Shared {
   unsigned long long dmask[kBlock];
 };
 
-EM_FN int rank_of_expert(const i64* p, int e) {
-  return p[H_strided] ? e % static_cast<int>(p[H_num_ranks]) : e / static_cast<int>(p[H_epr]);
+// n / d for n < 2^16 (an expert, a token of a block) and 1 <= d < 2^16, without a division: the
+// high word of n * m, m = ceil(2^32 / d) -- exact, since n * (m d - 2^32) < 2^16 * d <= 2^32 --
+// and d = 1 (m = 0) n itself.  The kernels are latency-bound: a division is a call of ~20 dependent
+// instructions, this one multiply (tests/backends/test_meta_kernels.py checks every n and d).
+struct Div16 {
+  unsigned d, m;
+};
+EM_HD Div16 div16(unsigned d) {
+  Div16 v;
+  v.d = d;
+  v.m = d > 1 ? 0xffffffffu / d + 1u : 0u;  // ceil(2^32 / d), in 32 bits
+  return v;
 }
-EM_FN int local_of_expert(const i64* p, int e) {
-  return p[H_strided] ? e / static_cast<int>(p[H_num_ranks]) : e % static_cast<int>(p[H_epr]);
+EM_HD unsigned quot16(const Div16& v, unsigned n) {
+  return v.m ? static_cast<unsigned>((static_cast<unsigned long long>(n) * v.m) >> 32) : n;
+}
+EM_HD unsigned rem16(const Div16& v, unsigned n) { return n - quot16(v, n) * v.d; }
+
+// The ranks' experts (contiguous: rank e / epr holds e as local e % epr; strided: rank e % R as
+// local e / R), read from the program once into registers (a lookup per slot re-read the header).
+struct Experts {
+  Div16 by;     // epr, or R where strided
+  int strided;
+  EM_METHOD int rank(int e) const {
+    return static_cast<int>(strided ? rem16(by, static_cast<unsigned>(e)) : quot16(by, static_cast<unsigned>(e)));
+  }
+  EM_METHOD int local(int e) const {
+    return static_cast<int>(strided ? quot16(by, static_cast<unsigned>(e)) : rem16(by, static_cast<unsigned>(e)));
+  }
+};
+EM_HD Experts experts_of(const i64* p) {
+  Experts x;
+  x.strided = static_cast<int>(p[H_strided]);
+  x.by = div16(static_cast<unsigned>(x.strided ? p[H_num_ranks] : p[H_epr]));
+  return x;
 }
 EM_FN int expert_of(const i64* p, int rank, int local) {
   return p[H_strided] ? local * static_cast<int>(p[H_num_ranks]) + rank : rank * static_cast<int>(p[H_epr]) + local;
-}
-
-// Rows of a token on rank d (its experts there).
-EM_FN int rows_on(const Shared& sh, int t, int K, const i64* p, int d) {
-  int n = 0;
-  for (int j = 0; j < K; ++j) {
-    const int e = sh.experts[t][j];
-    if (e >= 0 && rank_of_expert(p, e) == d) ++n;
-  }
-  return n;
 }
 
 // The first half of filling `sh` for a token block of home rank h, which needs no routing: the
@@ -482,6 +530,7 @@ EM_FN void load_tokens(const Args& a, int h, int block, Shared& sh) {
   const int T = a.tokens[h];
   const int nsets = static_cast<int>(p[H_sets_max]);
   const i64 max_tokens = p[H_max_tokens];
+  const Experts xp = experts_of(p);
   EM_THREADS(t)
     const int tok = block * kBlock + t;
     // the token's slots loaded together, whatever its rank's count (the area holds max_tokens)
@@ -489,18 +538,23 @@ EM_FN void load_tokens(const Args& a, int h, int block, Shared& sh) {
     int slot[kMaxTopk];
     EM_UNROLL
     for (int j = 0; j < kMaxTopk; ++j) slot[j] = j < K && tok < max_tokens ? row[j] : -1;
+    // per slot its expert (-1: none, bad or repeated) and the expert's rank, in registers: the
+    // repeats and each OUT set's rows below compare these, not shared memory
+    int ex[kMaxTopk], rk[kMaxTopk];
     unsigned long long d = 0;
     bool bad = false;
     EM_UNROLL
     for (int j = 0; j < kMaxTopk; ++j) {
-      if (j >= K) break;
-      int e = tok < T ? slot[j] : -1;
+      int e = j < K && tok < T ? slot[j] : -1;
       if (e < -1 || e >= E) { bad = true; e = -1; }
-      for (int i = 0; i < j && e >= 0; ++i)
-        if (sh.experts[t][i] == e) { bad = true; e = -1; }
+      EM_UNROLL
+      for (int i = 0; i < j; ++i)
+        if (e >= 0 && ex[i] == e) { bad = true; e = -1; }
+      ex[j] = e;
+      rk[j] = e >= 0 ? xp.rank(e) : -1;
       sh.experts[t][j] = static_cast<short>(e);
       if (e >= 0) {
-        d |= 1ull << rank_of_expert(p, e);
+        d |= 1ull << rk[j];
         EM_OR(&sh.exp_words[e][t / 32], 1u << (t % 32));
       }
     }
@@ -517,17 +571,15 @@ EM_FN void load_tokens(const Args& a, int h, int block, Shared& sh) {
         in = base && (s.all || (d & s.mask) != 0);
       } else if (s.kind == SET_OUT) {
         in = set_has(bits, s.parent_bit) && ((d >> s.dst) & 1ull);
-        if (in) {
-          const int n = rows_on(sh, t, K, p, s.dst);
-          for (int m = 0; m < n; ++m) EM_OR(&sh.row_words[s.out][m][t / 32], 1u << (t % 32));
-        }
+        int n = 0;  // its rows on the set's rank
+        EM_UNROLL
+        for (int j = 0; j < kMaxTopk; ++j) n += in && rk[j] == s.dst ? 1 : 0;
+        for (int m = 0; m < K; ++m) EM_VOTE(&sh.row_words[s.out][m][t / 32], t, m < n);
       } else {
         in = sets_meet(bits, s.or_bits);
       }
-      if (in) {
-        set_add(bits, b);
-        EM_OR(&sh.set_words[b][t / 32], 1u << (t % 32));
-      }
+      if (in) set_add(bits, b);
+      EM_VOTE(&sh.set_words[b][t / 32], t, in);
     }
     sh.bits[t] = bits;
   EM_SYNC
@@ -662,7 +714,9 @@ EM_FN void count_block(const Args& a, i64 hb, Shared& sh) {
   const i64* index = p + p[H_off_set_index] + static_cast<i64>(h) * nsets;
   const int E = static_cast<int>(p[H_experts]), K = static_cast<int>(p[H_topk]);
   EM_THREADS(t)
-    for (int b = t; b < nsets; b += kBlock) {
+    // the sets one to a warp in turn (an OUT set's row masks are the longest work here: the other
+    // warps would wait for warp 0 at the barrier)
+    for (int b = (t % 32) * (kBlock / 32) + t / 32; b < nsets; b += kBlock) {
       const i64 si = index[b];
       if (si < 0) continue;
       const int n = count(sh.set_words[b]);
@@ -733,7 +787,7 @@ EM_FN Series series(const Scratch& x, i64 u, i64 S, i64 TB, i64 E) {
     r.base = ((u & 1) ? x.set_rbase : x.set_base) + s * TB;
     r.stride = 1;
   } else {
-    const i64 he = u - 2 * S, h = he / E, e = he % E;
+    const i64 he = u - 2 * S, h = quot32(he, E), e = he - h * E;
     r.cnt = x.ecnt + h * TB * E + e;
     r.base = x.ebase + h * TB * E + e;
     r.stride = E;
@@ -798,7 +852,7 @@ EM_FN void expert_offsets(const Args& a, ScanShared& ss) {
   EM_SYNC
   EM_THREADS(t)
     for (i64 i = t; i < R * nseg; i += kBlock) {
-      const int d = static_cast<int>(i / nseg), l0 = static_cast<int>(i % nseg) * kSeg;
+      const int d = static_cast<int>(quot32(i, nseg)), l0 = static_cast<int>(i - d * nseg) * kSeg;
       i64 v[kSeg];
       for (int j = 0; j < kSeg; ++j) v[j] = l0 + j < EPR ? x.e_total[expert_of(p, d, l0 + j)] : 0;
       i64 sum = 0;
@@ -818,7 +872,7 @@ EM_FN void expert_offsets(const Args& a, ScanShared& ss) {
   EM_SYNC
   EM_THREADS(t)
     for (i64 i = t; i < R * nseg; i += kBlock) {
-      const int d = static_cast<int>(i / nseg), l0 = static_cast<int>(i % nseg) * kSeg;
+      const int d = static_cast<int>(quot32(i, nseg)), l0 = static_cast<int>(i - d * nseg) * kSeg;
       i64 v[kSeg];
       for (int j = 0; j < kSeg; ++j) v[j] = l0 + j < EPR ? x.e_total[expert_of(p, d, l0 + j)] : 0;
       i64 n = ss.seg_sum[i];
@@ -947,10 +1001,19 @@ EM_FN void scan_block(const Args& a, i64 vb, ScanShared& ss) {
 // routing: no shared memory, no barrier, and a thread's loads go out together -- the part's
 // records, then its token's record and the masks of the part's sets, then the expert rows' bases.
 
-// Where home h's expert e rows start in the output (its rows of lower home ranks and blocks included).
-EM_FN i64 expert_base(const Scratch& x, const i64* p, int h, int block, int e) {
+// Where home h's rows of each expert start in the output (its rows of lower home ranks and blocks
+// included): the three scratch arrays that add up to it, at (h, block) once per block.
+struct ExpertBase {
+  const i64 *first, *home, *block;
+  EM_METHOD i64 at(int e) const { return first[e] + home[e] + block[e]; }
+};
+EM_FN ExpertBase expert_base(const Scratch& x, const i64* p, int h, int block) {
   const i64 E = p[H_experts], TB = p[H_token_blocks];
-  return x.e_first[e] + x.home_before[h * E + e] + x.ebase[(h * TB + block) * E + e];
+  ExpertBase b;
+  b.first = x.e_first;
+  b.home = x.home_before + h * E;
+  b.block = x.ebase + (h * TB + block) * E;
+  return b;
 }
 
 // The token of a part's set within its copy: the part's first token plus the token's rank in the set.
@@ -996,8 +1059,8 @@ EM_FN void rows_block(const Args& a, i64 wi) {
   const int kind = static_cast<int>(pr[P_kind]);
   const int K = static_cast<int>(p[H_topk]), TB = static_cast<int>(p[H_token_blocks]);
   const i64 max_tokens = p[H_max_tokens];
-  const int strided = static_cast<int>(p[H_strided]), R = static_cast<int>(p[H_num_ranks]);
-  const int epr = static_cast<int>(p[H_epr]);
+  const Experts xp = experts_of(p);
+  const ExpertBase eb = expert_base(x, p, h, block);
   const i64 tok_set = pr[P_tok_set];
   const i64* tok_set_rec = set_rec(p, tok_set);
   const int tok_bit = static_cast<int>(tok_set_rec[S_bit]);
@@ -1057,8 +1120,8 @@ EM_FN void rows_block(const Args& a, i64 wi) {
         EM_UNROLL
         for (int j = 0; j < kMaxTopk; ++j) {
           const int e = k.expert[j];
-          on[j] = e >= 0 && (strided ? e % R : e / epr) == d;
-          local[j] = e < 0 ? 0 : strided ? e / R : e % epr;
+          on[j] = e >= 0 && xp.rank(e) == d;
+          local[j] = e < 0 ? 0 : xp.local(e);
         }
         EM_UNROLL
         for (int j = 0; j < kMaxTopk; ++j) {
@@ -1070,7 +1133,7 @@ EM_FN void rows_block(const Args& a, i64 wi) {
         float wt[kMaxTopk];
         EM_UNROLL
         for (int j = 0; j < kMaxTopk; ++j) {
-          out[j] = on[j] ? expert_base(x, p, h, block, k.expert[j]) + k.place[j] : 0;
+          out[j] = on[j] ? eb.at(k.expert[j]) + k.place[j] : 0;
           wt[j] = on[j] && kind == PART_C_OUT && weights
                       ? a.weights[(static_cast<i64>(h) * max_tokens + block * kBlock + t) * K + j]
                       : 0.f;
@@ -1118,8 +1181,8 @@ EM_FN void recv_block(const Args& a, int hb) {
   const int h = hb / TB, block = hb % TB;
   const Scratch x = scratch_of(a);
   const int K = static_cast<int>(p[H_topk]), me = static_cast<int>(p[H_rank]);
-  const int strided = static_cast<int>(p[H_strided]), R = static_cast<int>(p[H_num_ranks]);
-  const int epr = static_cast<int>(p[H_epr]);
+  const Experts xp = experts_of(p);
+  const ExpertBase eb = expert_base(x, p, h, block);
   const i64 max_tokens = p[H_max_tokens];
   EM_THREADS(t)
     Token k;
@@ -1129,8 +1192,8 @@ EM_FN void recv_block(const Args& a, int hb) {
     EM_UNROLL
     for (int j = 0; j < kMaxTopk; ++j) {
       const int e = k.expert[j];
-      const bool mine = e >= 0 && (strided ? e % R : e / epr) == me;
-      row[j] = mine ? expert_base(x, p, h, block, e) + k.place[j] : -1;
+      const bool mine = e >= 0 && xp.rank(e) == me;
+      row[j] = mine ? eb.at(e) + k.place[j] : -1;
       wt[j] = mine ? a.weights[(static_cast<i64>(h) * max_tokens + block * kBlock + t) * K + j] : 0.f;
     }
     EM_UNROLL
@@ -1165,7 +1228,7 @@ EM_FN i64 item_position(const Scratch& x, const i64* p, const i64* ro, i64 i, i6
     const i64 nj = x.copy_chunks[tj[T_copy]];
     if (nj == 0) continue;
     const i64 X = (2 * c + 1) * nj;  // chunk c' of j comes first iff (2c' + 1) ni < X (or <= X for j < i)
-    i64 lim = j < i ? X / ni : (X + ni - 1) / ni - 1;  // the largest odd value (2c' + 1) allowed
+    i64 lim = j < i ? quot(X, ni) : quot(X + ni - 1, ni) - 1;  // the largest odd value (2c' + 1) allowed
     i64 n = lim >= 1 ? (lim - 1) / 2 + 1 : 0;
     pos += n < nj ? n : nj;
   }
