@@ -313,6 +313,32 @@ def test_one_launch_metadata_is_what_the_call_holds_beyond_its_kernel(records):
             assert 12 < model - got < 16, (key, model, got)
 
 
+def test_metadata_kernels_shorter_chains_are_what_the_call_lost(records):
+    """2 x H100, 2026-11-27, one device call: h200x2_2vnode_50 and _13 before and after the metadata
+    kernels' shorter dependent chains (an expert's rank by a multiply, the masks by warp ballot, the
+    grid barrier without SC fences: meta_fused's phases 51.9 -> 41.3 us on rank 0).  The dispatch's
+    call beyond its kernel's end went 84-86 -> 70 us, the kernels' ends did not move; the model
+    (sim/meta.py, fitted before the change) is within 3 us of the new call at 50 GB/s, and at 13 GB/s
+    charges the routing's bytes to the plan's RDMA-class link, 18 us more than NVLink takes."""
+    def beyond(report: str) -> dict:
+        return {(r.bundle, r.row): r for r in records if r.report == report and r.program == "dispatch"}
+
+    after = beyond("2026-11-27_2xH100_ep_bench_metadata_votes.json")
+    before = beyond("2026-11-27_2xH100_ep_bench_metadata_votes_before.json")
+    assert set(after) == set(before) == {(b, row) for b in ("h200x2_2vnode_50", "h200x2_2vnode_13")
+                                         for row in ("epcc", "epcc_cached")}
+    for key, a in after.items():
+        b = before[key]
+        got, was = (a.measured_ms - a.kernel_ms) * 1e3, (b.measured_ms - b.kernel_ms) * 1e3
+        model = (a.predicted_ms - a.sim_kernel_ms) * 1e3
+        assert 68 < got < 72 and 12 < was - got < 18 and abs(a.kernel_ms - b.kernel_ms) < 0.003, (key, got, was)
+        assert not a.superseded and not b.superseded, key
+        if key[0] == "h200x2_2vnode_50":
+            assert 0 < model - got < 4, (key, model, got)
+        else:
+            assert 16 < model - got < 20, (key, model, got)
+
+
 def test_superseded_records_are_in_the_reports(sim_check, records):
     """Every SUPERSEDED key names a report here, and a one-record key a record of it."""
     names = {p.name for p in RAW}

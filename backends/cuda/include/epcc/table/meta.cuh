@@ -32,7 +32,10 @@
 // records into shared memory once, the scratch layout is computed once on the host (Args.lay),
 // the prefix sums load a run of counts before they add them, the totals come from count's atomics
 // (so the scan's offsets need no pass over the token blocks), and rows reads one record per
-// token where it recomputed the token's sets.
+// token where it recomputed the token's sets.  Each warp runs a chain of dependent instructions with
+// few warps per SM to hide it (ncu, 2 x H100, 2026-11-27): no division on it (an expert's rank by
+// Div16, token counts in 32 bits), the program's header read once per thread, and a warp's bits of a
+// block mask stored as its ballot, not OR-ed into one shared word lane after lane.
 //
 // Written once for both sides: compiled as device code (nvcc, or brcc for SUPA, after the
 // target's device prelude epcc/prelude/*, whose names it uses) these are kernels (a block's
