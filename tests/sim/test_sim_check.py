@@ -283,6 +283,22 @@ def test_fresh_minus_cached_dispatch_is_the_metadata_with_its_peers(records):
     assert 0.0 <= (mean[128, 4] - mean[128, 2]) / 2 <= 0.5, mean  # ~flat: 0.35 us per peer, measured and modelled
 
 
+def _beyond_the_kernel(records, run: str):
+    """The dispatches of the 2-rank vnode bundles in `run`.json (after a change) and `run`_before.json
+    (the same device call, before it): per (bundle, row) the two records, the call beyond its
+    kernel's end after and before (us), and the model's after."""
+    def dispatches(report: str) -> dict:
+        return {(r.bundle, r.row): r for r in records if r.report == report and r.program == "dispatch"}
+
+    after, before = dispatches(f"{run}.json"), dispatches(f"{run}_before.json")
+    assert set(after) == set(before) == {(b, row) for b in ("h200x2_2vnode_50", "h200x2_2vnode_13")
+                                         for row in ("epcc", "epcc_cached")}
+    for key, a in after.items():
+        b = before[key]
+        yield (key, a, b, (a.measured_ms - a.kernel_ms) * 1e3, (b.measured_ms - b.kernel_ms) * 1e3,
+               (a.predicted_ms - a.sim_kernel_ms) * 1e3)
+
+
 def test_one_launch_metadata_is_what_the_call_holds_beyond_its_kernel(records):
     """2 x H100, 2026-11-27, one device call: h200x2_2vnode_50 and _13 before and after the metadata ran
     as one cooperative launch (meta_fused).  The dispatch's call less its kernel's end (the metadata and
@@ -292,17 +308,7 @@ def test_one_launch_metadata_is_what_the_call_holds_beyond_its_kernel(records):
     within 2 us at 50 GB/s; at 13 GB/s it charges the routing's bytes to the plan's RDMA-class link,
     15 us more than NVLink takes.  Both runs' dispatches are SUPERSEDED: their paced SM roles kept a
     share of the link per block (PER_BLOCK_PACING)."""
-    def outside(report: str) -> dict:
-        return {(r.bundle, r.row): r for r in records if r.report == report and r.program == "dispatch"}
-
-    after = outside("2026-11-27_2xH100_ep_bench_multihop_metafused.json")
-    before = outside("2026-11-27_2xH100_ep_bench_multihop_metafused_before.json")
-    assert set(after) == set(before) == {(b, row) for b in ("h200x2_2vnode_50", "h200x2_2vnode_13")
-                                         for row in ("epcc", "epcc_cached")}
-    for key, a in after.items():
-        b = before[key]
-        got, was = (a.measured_ms - a.kernel_ms) * 1e3, (b.measured_ms - b.kernel_ms) * 1e3
-        model = (a.predicted_ms - a.sim_kernel_ms) * 1e3
+    for key, a, b, got, was, model in _beyond_the_kernel(records, "2026-11-27_2xH100_ep_bench_multihop_metafused"):
         assert 119 < got < 123 and 8 < was - got < 15 and abs(a.kernel_ms - b.kernel_ms) < 0.003, (key, got, was)
         # both runs' dispatches were timed before the paced SM roles replayed one serial link, which
         # supersedes them whatever the metadata did (sim_check PER_BLOCK_PACING)
@@ -320,17 +326,7 @@ def test_metadata_kernels_shorter_chains_are_what_the_call_lost(records):
     call beyond its kernel's end went 84-86 -> 70 us, the kernels' ends did not move; the model
     (sim/meta.py, fitted before the change) is within 3 us of the new call at 50 GB/s, and at 13 GB/s
     charges the routing's bytes to the plan's RDMA-class link, 18 us more than NVLink takes."""
-    def beyond(report: str) -> dict:
-        return {(r.bundle, r.row): r for r in records if r.report == report and r.program == "dispatch"}
-
-    after = beyond("2026-11-27_2xH100_ep_bench_metadata_votes.json")
-    before = beyond("2026-11-27_2xH100_ep_bench_metadata_votes_before.json")
-    assert set(after) == set(before) == {(b, row) for b in ("h200x2_2vnode_50", "h200x2_2vnode_13")
-                                         for row in ("epcc", "epcc_cached")}
-    for key, a in after.items():
-        b = before[key]
-        got, was = (a.measured_ms - a.kernel_ms) * 1e3, (b.measured_ms - b.kernel_ms) * 1e3
-        model = (a.predicted_ms - a.sim_kernel_ms) * 1e3
+    for key, a, b, got, was, model in _beyond_the_kernel(records, "2026-11-27_2xH100_ep_bench_metadata_votes"):
         assert 68 < got < 72 and 12 < was - got < 18 and abs(a.kernel_ms - b.kernel_ms) < 0.003, (key, got, was)
         assert not a.superseded and not b.superseded, key
         if key[0] == "h200x2_2vnode_50":
