@@ -26,7 +26,8 @@ stage's median over the blocks ("median", over the blocks with work in the phase
 row, their number in "blocks"; "-" where none had any) and of its max over the blocks ("max");
 beside it the step that led to it (start, send, prepare, wait, count, barrier 1, scan, ...): the
 median of how much later the grid's last block passed the stage than the last passed the one
-before (the launch's critical path), and the total, the last stamp after the first entry.  With
+before (the launch's critical path), the total, the last stamp after the first entry, and the own
+time, the total less the wait (the ranks enter apart: the wait is the peers' lateness).  With
 the collective exchange (the routing gathered before the launch) send and wait are 0.
 """
 
@@ -62,6 +63,8 @@ def timeline_lines(summary: dict, rank: int) -> list[str]:
         lines.append(f"  {stage['stage']:<10} {stage['blocks']:>6} {us(stage['median_us'])} {us(stage['max_us'])}   "
                      f"{step:<10} {us(took)}")
     lines.append(f"  {'total':<10} {'':>6} {'':>8} {'':>8}   {'':<10} {us(summary['total_us'])}")
+    lines.append(f"  {'own':<10} {'':>6} {'':>8} {'':>8}   {'':<10} {us(summary['own_us'])}"
+                 f"   (the total less the wait for the peers' routing)")
     return lines
 
 

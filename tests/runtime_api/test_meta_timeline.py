@@ -48,6 +48,7 @@ def test_each_stage_over_its_blocks_with_work_and_the_steps_of_the_last_block():
     assert list(steps) == list(STEPS)
     assert [steps[k] for k in STEPS] == pytest.approx([1.0, 1.5, 1.5, 7.0, 1.0, 1.2, 1.8, 1.1, 3.9, 1.1, 0.0])
     assert s["total_us"] == pytest.approx(21.1) and sum(steps.values()) == pytest.approx(s["total_us"])
+    assert s["own_us"] == pytest.approx(21.1 - 7.0)  # the total less the wait for the peers
     assert s["blocks"] == 3
 
 
@@ -105,6 +106,7 @@ def test_several_launches_are_their_medians():
     assert (rows["median_us"], rows["max_us"]) == pytest.approx((38.0, 40.0))  # b's: 2 x (19, 20)
     assert m["stages"][STAGES.index("items")]["median_us"] is None
     assert dict(m["steps"])["wait"] == pytest.approx(14.0) and m["total_us"] == pytest.approx(42.2)
+    assert m["own_us"] == pytest.approx(42.2 - 14.0)  # b's: each launch's own time, then their median
     with pytest.raises(ValueError, match="^timeline_medians: no launches$"):
         timeline_medians([])
 

@@ -351,7 +351,9 @@ def timeline_summary(stamps, busy: dict[str, int] | None = None) -> dict:
     * "steps": (name, us) per step (STEPS): how much later the last block of the grid passed the
       stage than the last passed the one before (start: the last entry after the first), every
       block counted -- the launch's critical path, which adds up to "total_us", the last stamp
-      after the first entry.
+      after the first entry;
+    * "own_us": the total less the wait step -- the launch's own time, without the peers' lateness
+      (the ranks enter the launch apart: the wait is theirs, not the kernel's).
 
     ValueError where the stamps are not one launch's (a block's stamps out of order, or none)."""
     t = np.asarray(stamps, dtype=np.int64)
@@ -375,13 +377,15 @@ def timeline_summary(stamps, busy: dict[str, int] | None = None) -> dict:
         stages.append({"stage": name, "blocks": n, **dict(zip(("min_us", "median_us", "max_us"), stats))})
     last = us.max(axis=0)
     steps = [(STEPS[0], float(last[0]))] + [(STEPS[i], float(last[i] - last[i - 1])) for i in range(1, len(STEPS))]
-    return {"blocks": G, "stages": stages, "steps": steps, "total_us": float(last[-1])}
+    wait = dict(steps)["wait"]
+    return {"blocks": G, "stages": stages, "steps": steps, "total_us": float(last[-1]),
+            "own_us": float(last[-1]) - wait}
 
 
 def timeline_medians(rounds: list[dict]) -> dict:
     """Several launches' timeline_summary as one: per stage the median over the launches of its
     median and of its max over blocks ("median_us", "max_us"), per step and of the total the
-    median (so the steps' medians need not add up to the total's)."""
+    median (so the steps' medians need not add up to the total's), and of the own time."""
     if not rounds:
         raise ValueError("timeline_medians: no launches")
 
@@ -394,7 +398,8 @@ def timeline_medians(rounds: list[dict]) -> dict:
                "max_us": med([r["stages"][i]["max_us"] for r in rounds])} for i, s in enumerate(rounds[0]["stages"])]
     steps = [(name, med([r["steps"][i][1] for r in rounds])) for i, (name, _) in enumerate(rounds[0]["steps"])]
     return {"blocks": rounds[0]["blocks"], "stages": stages, "steps": steps,
-            "total_us": med([r["total_us"] for r in rounds]), "launches": len(rounds)}
+            "total_us": med([r["total_us"] for r in rounds]), "own_us": med([r["own_us"] for r in rounds]),
+            "launches": len(rounds)}
 
 
 def routing_error(bad: int, topk_idx, experts: int) -> str | None:
