@@ -65,10 +65,10 @@ def foreign_reads(plan: Plan, program: str, buffer: str, proxied: set[tuple[str,
             return f"{program} step '{s.name}' (line {s.line}) writes {buffer}"
         if buffer not in s.src_buffers or (s.program, s.name) in proxied:
             continue
-        for f in s.flows:
-            if f.src != f.rank:
-                return (f"{program} step '{s.name}' (line {s.line}) reads {buffer} of rank {f.src} on rank {f.rank} "
-                        f"(over {s.link_kind or 'a link'})")
+        f = _remote_flow(s, "src")
+        if f is not None:
+            return (f"{program} step '{s.name}' (line {s.line}) reads {buffer} of rank {f.src} on rank {f.rank} "
+                    f"(over {s.link_kind or 'a link'})")
     return None
 
 
@@ -82,11 +82,17 @@ def foreign_writes(plan: Plan, program: str, buffer: str, proxied: set[tuple[str
     for s in plan.steps:
         if s.program != program or s.verb == "exchange" or s.dst_buffer != buffer or (s.program, s.name) in proxied:
             continue
-        for f in s.flows:
-            if f.dst != f.rank:
-                return (f"{program} step '{s.name}' (line {s.line}) writes {buffer} of rank {f.dst} from rank {f.rank} "
-                        f"(over {s.link_kind or 'a link'})")
+        f = _remote_flow(s, "dst")
+        if f is not None:
+            return (f"{program} step '{s.name}' (line {s.line}) writes {buffer} of rank {f.dst} from rank {f.rank} "
+                    f"(over {s.link_kind or 'a link'})")
     return None
+
+
+def _remote_flow(step, end: str):
+    """The first flow of `step` whose `end` ("src": the rank it reads, "dst": the rank it writes) is
+    not the rank that runs it, or None."""
+    return next((f for f in step.flows if getattr(f, end) != f.rank), None)
 
 
 def publishes_in_order(steps, name: str) -> bool:
