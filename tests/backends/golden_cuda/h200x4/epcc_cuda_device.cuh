@@ -835,12 +835,6 @@ struct RoleEnv {
 // (finish_empty_rows).  Only rows below finish_tokens convert (the caller's tokens); rows beyond
 // are added into `result` as without the conversion.
 
-__device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* p) {
-  int32_t v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 constexpr int32_t kEmptyRow = -1;  // finish_left of a row no contribution reaches (count_contributions)
 
 __device__ __forceinline__ bool converts(const KernelArgs& a, const CopyDesc& c) {

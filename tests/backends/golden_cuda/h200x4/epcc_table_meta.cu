@@ -195,11 +195,7 @@ __global__ void gather_signal_wait(Exchange x) {
   if (EPCC_TID == 0) *x.epoch = e;
 }
 
-__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
+using epcc::ld_acquire_gpu;
 
 // Stamp `word` of this block's timeline: the time now (nothing without a timeline).
 __device__ __forceinline__ void stamp(const EpccTableMeta& m, int word) {

@@ -9,6 +9,7 @@
 //   epcc::ld_ro / ld_cg / ld_cs                  read-only (__ldg), L2-only (__ldcg), streaming (__ldcs) loads
 //   epcc::globaltimer()                          nanoseconds (%globaltimer)
 //   epcc::ld_acquire_sys, st_release_sys, red_release_sys_add   counters and flags, system scope
+//   epcc::ld_acquire_gpu (u64, s32)               counters read by this GPU's own blocks, GPU scope (CUDA only)
 //   epcc::red_add_f32, _f32x2, _f32x4            fp32 accumulate, relaxed, system scope
 //   epcc::backoff(ns), trap(), lane0_broadcast(v), popc(v)
 //   epcc::ballot(p), EPCC_HAS_BALLOT              the full warp's predicates as a 32-bit word (SUPA: none)
@@ -56,6 +57,18 @@ __device__ __forceinline__ uint64_t globaltimer() {
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
