@@ -119,6 +119,17 @@ def round_trip(buf: Buffer, case: Case, sync: bool) -> list[str]:
 def run_proxy(path: Path, dev, checks: Checks, transport: str) -> None:
     buf = Buffer(dist.group.WORLD, path, backend="cuda", timeout_s=KERNEL_TIMEOUT_S,
                  config={"rdma_transport": transport})
+    try:
+        _proxy_checks(buf, path, dev, checks, transport)
+    except Exception:
+        # every rank's proxies as they stand (the error names one rank's wait): which FIFO still
+        # owed chunks (head past retired), what each transport posted and completed
+        for e in buf.engine.rdma:
+            print(f"rank {buf.rank} after dispatch #{buf.engine.dispatches}: {e.state()}", file=sys.stderr, flush=True)
+        raise
+
+
+def _proxy_checks(buf: Buffer, path: Path, dev, checks: Checks, transport: str) -> None:
     name = f"{path.name}/{transport}"
 
     def report(what: str, errs: list[str]) -> None:

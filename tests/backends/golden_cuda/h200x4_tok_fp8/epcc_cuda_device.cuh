@@ -216,13 +216,14 @@ struct RdmaChan {
 };
 
 // flag ids of the GPU proxy path's waits in an ErrorRecord (not layout counters)
-enum : int32_t { kWaitCredit = -2, kWaitFifoSlot = -3, kWaitLanded = -4, kWaitConsumed = -5 };
+enum : int32_t { kWaitCredit = -2, kWaitFifoSlot = -3, kWaitLanded = -4, kWaitConsumed = -5, kWaitWritten = -6 };
 
 // What such a wait was for, in the messages of the kernel (printf) and of the launcher.
 __host__ __device__ inline const char* rdma_wait_name(int32_t flag_id) {
   return flag_id == kWaitCredit     ? "rdma credit of the receiver"
          : flag_id == kWaitFifoSlot ? "rdma FIFO slot (proxy retired)"
          : flag_id == kWaitLanded   ? "rdma landing signal from the sender"
+         : flag_id == kWaitWritten  ? "rdma chunks handed to the proxy, written (proxy retired)"
                                     : "rdma consumed count (earlier chunk)";
 }
 
@@ -1170,6 +1171,19 @@ struct PackF32Bf16 {  // combine: an fp32 partial travels as bf16 (nearest even)
   }
 };
 
+// Until the proxy has written every chunk up to FIFO entry `idx` (it retires entries in order, each
+// once its write and signal are done): the pack role's blocks end only then, so the launch's end
+// means its chunks landed.  Without it a dispatch could end with chunks still owed, and the next
+// launch on the stream (meta_fused, which spins for the peers' routing on every SM it can hold)
+// could keep the proxy's own GPU work -- a copy, an NVSHMEM put -- from running, while the peer
+// waits for those chunks before it sends the routing: neither moves (4 ranks on 2 GPUs, where
+// the peer's GPU is this one, 2026-11-27).
+__device__ __forceinline__ void wait_written(const KernelArgs& a, const uint64_t* retired, uint64_t idx,
+                                             const char* step, uint32_t role, uint32_t chunk) {
+  wait_ge(a, retired, idx + 1, step, static_cast<int32_t>(role), static_cast<int32_t>(chunk), kWaitWritten,
+          static_cast<int32_t>(a.rank));
+}
+
 template <class Op, uint32_t kWarps>
 __device__ __forceinline__ void run_pack(const KernelArgs& a, uint32_t role, const char* step, uint32_t block,
                                          uint32_t blocks) {
@@ -1184,6 +1198,11 @@ __device__ __forceinline__ void run_pack(const KernelArgs& a, uint32_t role, con
   const uint32_t wire = Op::wire_pitch(h);
   const uint32_t len = Op::row_len(h);
   __shared__ uint64_t claimed;
+  // thread 0: the last entry this block handed to each FIFO, waited for when the block moves to
+  // another FIFO and at its end (wait_written)
+  const uint64_t* fifo = nullptr;
+  uint64_t last = 0;
+  uint32_t last_chunk = 0;
   for (uint32_t k = block; k < rd.item_count; k += blocks) {
     const uint32_t item = rd.item_begin + k;
     const ItemDesc it = items[item];
@@ -1191,6 +1210,7 @@ __device__ __forceinline__ void run_pack(const KernelArgs& a, uint32_t role, con
     const RdmaChan& q = a.rdma[it.copy];
     const uint64_t seq = a.rdma_seq[item];
     if (EPCC_TID == 0) {
+      if (fifo != nullptr && fifo != q.retired) wait_written(a, fifo, last, step, role, last_chunk);
       for (uint32_t j = 0; j < it.wait_count; ++j) {
         const WaitDesc wd = waits[it.wait_begin + j];
         wait_ge(a, flag_ptr(a, wd.flag_rank, wd.flag_id), wd.value, step, static_cast<int32_t>(role),
@@ -1233,8 +1253,12 @@ __device__ __forceinline__ void run_pack(const KernelArgs& a, uint32_t role, con
       e->value = (a.epoch << 32) | (seq + 1);
       __threadfence_system();
       st_release_sys(const_cast<uint64_t*>(&e->word), (idx << 1) | 1u);
+      fifo = q.retired;
+      last = idx;
+      last_chunk = it.chunk;
     }
   }
+  if (EPCC_TID == 0 && fifo != nullptr) wait_written(a, fifo, last, step, role, last_chunk);
 }
 
 template <class Op, uint32_t kWarps, bool kWeighted, bool kFinish = false>
