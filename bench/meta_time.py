@@ -4,7 +4,7 @@ rank's tables of both programs (runtime/engines/cuda_table/meta.py), per dispatc
 routing pays them.
 
     torchrun --standalone --nproc-per-node 2 bench/meta_time.py .gpu/bundles/h200x2_2vnode_50 [--iters 200]
-        [--grid 0,default] [--profile] [--timeline [N]]
+        [--grid 0,default] [--profile] [--timeline [N]] [--raw DIR]
 
 Each iteration: a barrier, CUDA events around `meta.run` on the current stream, the time the
 maximum over ranks (the exchange waits for the slowest rank's routing); prints the median, the
@@ -19,8 +19,8 @@ kernels and copies with their mean device time, to find what bounds the metadata
 `--timeline [N]` (N: 50 where not given), after the above: N more dispatches at the runtime's grid
 with meta_fused's per-block %globaltimer stamps on (DeviceMeta.timeline; untimed), and per rank a
 table of where its time went.  Each row a stage of the kernel (meta.py STAGES: entry, sent -- the
-block's share of the routing written and its arrival counted --, prepared -- its first count
-block's sets read --, peers -- every rank's flag seen --, each phase's work done, each grid barrier
+block's share of the routing written and its arrival added to this rank's flags --, prepared --
+its first count block's sets read --, peers -- every rank's flag seen --, each phase's work done, each grid barrier
 passed), in us after the launch's first block entered: the median over the dispatches of the
 stage's median over the blocks ("median", over the blocks with work in the phase for a phase's
 row, their number in "blocks"; "-" where none had any) and of its max over the blocks ("max");
@@ -28,7 +28,9 @@ beside it the step that led to it (start, send, prepare, wait, count, barrier 1,
 median of how much later the grid's last block passed the stage than the last passed the one
 before (the launch's critical path), the total, the last stamp after the first entry, and the own
 time, the total less the wait (the ranks enter apart: the wait is the peers' lateness).  With
-the collective exchange (the routing gathered before the launch) send and wait are 0.
+the collective exchange (the routing gathered before the launch) send and wait are 0.  `--raw DIR`
+also writes each rank's stamps of those dispatches, DIR/timeline_rank{r}.npy ([N][blocks][stage]
+ns, STAGES' order), to follow single blocks (which scan block is the phase's last, say).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -87,7 +90,11 @@ def main(argv=None) -> int:
     ap.add_argument("--timeline", type=positive, nargs="?", const=50, default=0, metavar="N",
                     help="then N (50) dispatches with meta_fused's per-block timeline, a table per rank of where its "
                          "time goes")
+    ap.add_argument("--raw", type=Path, metavar="DIR",
+                    help="with --timeline: each rank's stamps into DIR/timeline_rank{r}.npy, [N][blocks][stage] ns")
     args = ap.parse_args(argv)
+    if args.raw and not args.timeline:
+        ap.error("--raw: the stamps are --timeline's")
     try:
         grids = [None if g.strip() == "default" else int(g) for g in args.grid.split(",")]
     except ValueError:
@@ -171,14 +178,18 @@ def main(argv=None) -> int:
         torch.cuda.synchronize(dev)
         meta.set_grid(default)
         meta.timeline(True)
-        rounds = []
+        rounds, raw = [], []
         for _ in range(args.timeline):
             dist.barrier()
             torch.cuda.synchronize(dev)
             meta.run(T, topk, weights, stream)
             stream.synchronize()
-            rounds.append(timeline_summary(meta.read_timeline(), meta.busy_blocks()))
+            raw.append(meta.read_timeline())
+            rounds.append(timeline_summary(raw[-1], meta.busy_blocks()))
         meta.timeline(False)
+        if args.raw:
+            args.raw.mkdir(parents=True, exist_ok=True)
+            np.save(args.raw / f"timeline_rank{rank}.npy", np.stack([np.asarray(t) for t in raw]))
         every = [None] * world
         dist.all_gather_object(every, timeline_medians(rounds))
         if rank == 0:

@@ -896,9 +896,9 @@ def exchange_entry(plan: Plan, how: str) -> dict:
     """The manifest's words on the routing's exchange (`how`: "ipc" or "collective", resolved)."""
     if how == "ipc":
         text = ("every rank writes its token count, top-k experts (int32) and weights (fp32) into its slot of "
-                "every peer's gather area over CUDA IPC, then raises its flag there; the table kernels wait for "
-                "every peer's flag (meta_fused's blocks, or gather_signal_wait where the steps are launches of "
-                "their own)")
+                "every peer's gather area over CUDA IPC, then adds its arrival to its flag there (each block of "
+                "meta_fused its share, or gather_signal_wait the whole where the steps are launches of their "
+                "own); the table kernels wait for every peer's flag")
     else:
         why = (f"its {plan.num_ranks} ranks span more than one CUDA IPC domain (at most {ONE_IPC_DOMAIN_RANKS})"
                if plan.num_ranks > ONE_IPC_DOMAIN_RANKS else "asked for (`--metadata-exchange collective`)")

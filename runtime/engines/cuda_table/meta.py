@@ -42,8 +42,8 @@ META_ABI = 8  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
 LAYOUT_WORDS = 21  # meta.cuh kLayout: the scratch's regions
 PHASES = ("count", "scan", "rows")  # meta.cuh Phase: what meta_fused's barrier timeouts name
 # meta_fused's timeline (epcc_table_meta.cu MetaStamp, kMetaTimelineWords): what each block's
-# thread 0 stamps, in order.  sent: its share of the routing written and its arrival counted (the
-# last block's after it raised this rank's flags); prepared: its first count block's sets read;
+# thread 0 stamps, in order.  sent: its share of the routing written and its arrival added to this
+# rank's flags; prepared: its first count block's sets (and first rows item's records) read;
 # peers: every rank's flag seen; a phase's name: its work done; "barrier n": past the grid barrier
 # after the n-th phase.  Without the exchange (collective) sent is entry's stamp and peers
 # prepared's.

@@ -18,9 +18,12 @@
 // weights, and r's flag; each region is rank-major (slot r of every region is r's).  Two ways to
 // fill it (the manifest's metadata "exchange"):
 // * ipc (epcc_table_meta: one box): the areas are peer memory, mapped by every rank.  A rank
-//   writes its own into every area (its slot), fences, raises its flag in every area to the
-//   exchange's epoch (release, system scope), then waits until every rank's flag in its own area
-//   reached the epoch (acquire, bounded: past the timeout it writes the error word and traps).
+//   writes its own into every area (its slot); each writer (a block of meta_fused, or
+//   gather_signal_wait after gather_copy) then adds its share of kArrival to the rank's flag in
+//   every area (a release reduction at system scope: it orders the writer's stores before it), the
+//   shares of one exchange summing to kArrival whatever the grid, so epoch e is complete when the
+//   flag reaches e * kArrival; a rank waits until every rank's flag in its own area has
+//   (acquire, bounded: past the timeout it writes the error word and traps).
 //   The epoch lives in device memory (a graph of the launches replays them unchanged).  The next
 //   exchange cannot overwrite an area a peer still reads: a rank only starts it after its
 //   previous dispatch kernel, which meets every peer at its entry barrier after their metadata
@@ -59,8 +62,8 @@ constexpr int kMetaAbi = 8;
 
 // meta_fused's timeline (EpccTableMeta.timeline, DeviceMeta.timeline in meta.py): thread 0 of each
 // block writes kMetaTimelineWords %globaltimer stamps (ns) per launch, at [block][MetaStamp]:
-// entry; sent (its share of the routing written and its arrival counted: the last block's after
-// it raised this rank's flags); prepared (its first count block's sets read); peers (every rank's
+// entry; sent (its share of the routing written and its arrival added to this rank's flags);
+// prepared (its first count block's sets read); peers (every rank's
 // flag seen); then per phase its work done (thread 0's: the block's other threads' tail lands in
 // the next stage) and, but after the last, the grid barrier after it passed.  Every block stamps
 // every word, work or none.  Without the exchange (collective: the gather area was filled before
@@ -81,6 +84,15 @@ struct Exchange {
   int collective;             // 1: gather_copy writes this rank's slot of its own area only
 };
 
+// What one exchange adds to a rank's flag in every area, in shares (arrival_share): the flag of a
+// rank whose exchange of epoch e has landed everywhere is e * kArrival (2^24 exchanges... 2^40).
+constexpr uint64_t kArrival = 1ull << 24;
+
+// Writer `i` of `n`'s share of kArrival (the n shares sum to it exactly).
+__host__ __device__ inline uint64_t arrival_share(uint64_t i, uint64_t n) {
+  return (i + 1) * kArrival / n - i * kArrival / n;
+}
+
 // Offsets inside a gather area: flags [R] u64, tokens [R] int (16-byte padded), topk [R][T][K] int,
 // weights [R][T][K] float.
 __host__ __device__ inline uint64_t area_tokens(const Exchange& x) { return 8ull * x.num_ranks; }
@@ -93,7 +105,7 @@ __host__ __device__ inline uint64_t area_weights(const Exchange& x) {
 
 using epcc::globaltimer;
 using epcc::ld_acquire_sys;
-using epcc::st_release_sys;
+using epcc::red_release_sys_add;
 
 }  // namespace
 
@@ -155,11 +167,12 @@ __global__ void gather_copy(EpccTableMeta m) {
   __threadfence_system();
 }
 
-// This rank's flag raised in every area to epoch e (thread r: rank r's area; the routing's stores
-// ordered before by the caller).
-__device__ __forceinline__ void raise_flags(const Exchange& x, uint64_t e) {
+// `share` of this rank's arrival added to its flag in every area (thread r: rank r's area), after a
+// barrier of the block: the release orders the block's stores of the routing (its threads',
+// ordered by that barrier) before the flag moves.
+__device__ __forceinline__ void arrive(const Exchange& x, uint64_t share) {
   const int r = static_cast<int>(EPCC_TID);
-  if (r < x.num_ranks) st_release_sys(reinterpret_cast<uint64_t*>(x.areas[r]) + x.rank, e);
+  if (r < x.num_ranks) red_release_sys_add(reinterpret_cast<uint64_t*>(x.areas[r]) + x.rank, share);
 }
 
 // Every rank's flag here at epoch e (thread r waits for rank r's; bounded: past the timeout the
@@ -170,7 +183,7 @@ __device__ __forceinline__ void wait_flags(const Exchange& x, uint64_t e) {
   if (r < x.num_ranks) {
     const uint64_t* flag = reinterpret_cast<const uint64_t*>(x.own) + r;
     const uint64_t t0 = globaltimer();
-    while (ld_acquire_sys(flag) < e) {
+    while (ld_acquire_sys(flag) < e * kArrival) {
       if (globaltimer() - t0 > x.timeout_ns) {
         if (atomicCAS(x.error, 0, 1) == 0) {
           x.error[1] = r;
@@ -186,11 +199,11 @@ __device__ __forceinline__ void wait_flags(const Exchange& x, uint64_t e) {
   __syncthreads();
 }
 
-// One block: raise this rank's flag in every area, then wait for every rank's flag here.
+// One block, after gather_copy: this rank's whole arrival added to its flag in every area, then
+// wait for every rank's flag here.
 __global__ void gather_signal_wait(Exchange x) {
   const uint64_t e = *x.epoch + 1;
-  __threadfence_system();
-  raise_flags(x, e);
+  arrive(x, kArrival);
   wait_flags(x, e);
   if (EPCC_TID == 0) *x.epoch = e;
 }
@@ -247,14 +260,13 @@ __device__ __noinline__ void grid_barrier(const EpccTableMeta& m, int phase) {
 
 // The metadata of one dispatch in one launch (cooperative: every block resident).  With `exchange`
 // (ipc): every block copies its share of the routing and clears its share of the scratch, arrives
-// (the last to arrive raises this rank's flags), reads its first count block's sets, then waits
+// (adds its share to this rank's flag in every area), reads its first count block's sets, then waits
 // for every rank's flag itself; then the phases, a grid barrier between two.  Without
 // (collective): the gather area was filled before, by the routing copy and the all-gathers.  With
 // m.timeline, thread 0 of each block stamps its way through (MetaStamp), nothing else changed.
 __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ EpccTableMeta m, int exchange) {
   namespace k = epcc::meta;
   __shared__ k::PhaseShared sm;
-  __shared__ int last;
   const k::Args& a = m.args;
   const k::i64* p = a.prog;
   const Exchange& x = m.exchange;
@@ -265,19 +277,20 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
   if (exchange) {
     e = *x.epoch + 1;  // block 0 advances it after the first barrier, when every block has read it
     gather_part(m, static_cast<uint64_t>(bid) * kBlock + EPCC_TID, static_cast<uint64_t>(G) * kBlock);
+    // each block releases its share of the routing to every peer itself: no block waits for the
+    // last to arrive before the flags move
     __syncthreads();
-    if (EPCC_TID == 0) {
-      __threadfence_system();  // the block's share of the routing before its arrival
-      last = atomicAdd(reinterpret_cast<unsigned long long*>(m.sync), 1ull) % G == static_cast<uint64_t>(G - 1);
-      if (last) __threadfence_system();  // every block's share before the flags
-    }
-    __syncthreads();
-    if (last) raise_flags(x, e);
+    arrive(x, arrival_share(static_cast<uint64_t>(bid), static_cast<uint64_t>(G)));
     stamp(m, kStampSent);
   } else {
     stamp_as(m, kStampSent, kStampEntry);
   }
-  // the first count block's sets read while the peers' routing comes
+  // while the peers' routing comes: the first count block's sets read (the first warps), and what
+  // the program says of the first rows item (the last thread: the rows phase then starts at the
+  // loads that need the scan; read in shared memory after the barriers between)
+  __shared__ k::RowsItem ri;
+  const bool rows_early = bid < p[k::H_num_work];
+  if (rows_early && EPCC_TID == kBlock - 1) k::rows_item(p, bid, ri);
   if (prepared) k::count_prepare(a, static_cast<int>(bid / p[k::H_token_blocks]), sm.count);
   stamp(m, kStampPrepared);
   if (exchange) {
@@ -293,7 +306,12 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
     }
     if (exchange && phase == k::PHASE_SCAN && bid == 0 && EPCC_TID == 0) *x.epoch = e;
     const k::i64 n = k::phase_blocks(p, phase);
-    for (k::i64 vb = bid; vb < n; vb += G) k::phase_block(a, phase, vb, sm, phase == k::PHASE_COUNT && vb == bid);
+    for (k::i64 vb = bid; vb < n; vb += G) {
+      if (phase == k::PHASE_ROWS && vb == bid && rows_early)
+        k::rows_run(a, ri);
+      else
+        k::phase_block(a, phase, vb, sm, phase == k::PHASE_COUNT && vb == bid);
+    }
     stamp(m, kStampPhases + 2 * phase);
   }
 }

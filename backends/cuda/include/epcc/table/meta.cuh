@@ -305,23 +305,43 @@ EM_HD i64 rem32(i64 a, i64 b) { return static_cast<i64>(static_cast<unsigned>(a)
 // a / b for 0 <= a and 0 < b < 2^32, 32-bit where a is too
 EM_HD i64 quot(i64 a, i64 b) { return static_cast<unsigned long long>(a) >> 32 ? a / b : quot32(a, b); }
 
-EM_FN Chunking chunking(const i64* p, i64 copy, i64 n) {
+// A copy's chunking as far as the program says (its chunk size and ramps), before its tokens are known.
+struct ChunkSpec {
+  i64 tpc, front_n, back_n, front_sum, back_sum;
+  const i64* front;
+  const i64* back;
+};
+EM_FN ChunkSpec chunk_spec(const i64* p, i64 copy) {
   const i64* c = copy_rec(p, copy);
+  ChunkSpec s;
+  s.tpc = c[C_tpc];
+  s.front = p + p[H_off_ramp] + c[C_ramp_front];
+  s.back = p + p[H_off_ramp] + c[C_ramp_back];
+  s.front_n = c[C_ramp_front_n];
+  s.back_n = c[C_ramp_back_n];
+  s.front_sum = c[C_ramp_front_sum];
+  s.back_sum = c[C_ramp_back_sum];
+  return s;
+}
+
+// ... and with its n tokens: no load.
+EM_FN Chunking chunking(const ChunkSpec& s, i64 n) {
   Chunking k;
   k.n = n;
-  k.tpc = c[C_tpc];
-  k.front = p + p[H_off_ramp] + c[C_ramp_front];
-  k.back = p + p[H_off_ramp] + c[C_ramp_back];
-  k.ramps = k.tpc > 0 && c[C_ramp_front_sum] + c[C_ramp_back_sum] + k.tpc <= n;
-  k.front_n = k.ramps ? c[C_ramp_front_n] : 0;
-  k.back_n = k.ramps ? c[C_ramp_back_n] : 0;
-  k.front_sum = k.ramps ? c[C_ramp_front_sum] : 0;
-  k.back_sum = k.ramps ? c[C_ramp_back_sum] : 0;
+  k.tpc = s.tpc;
+  k.front = s.front;
+  k.back = s.back;
+  k.ramps = k.tpc > 0 && s.front_sum + s.back_sum + k.tpc <= n;
+  k.front_n = k.ramps ? s.front_n : 0;
+  k.back_n = k.ramps ? s.back_n : 0;
+  k.front_sum = k.ramps ? s.front_sum : 0;
+  k.back_sum = k.ramps ? s.back_sum : 0;
   const i64 middle = n - k.front_sum - k.back_sum;
   k.whole = k.tpc > 0 ? quot32(middle, k.tpc) : 0;
   k.rest = k.tpc > 0 ? rem32(middle, k.tpc) : 0;
   return k;
 }
+EM_FN Chunking chunking(const i64* p, i64 copy, i64 n) { return chunking(chunk_spec(p, copy), n); }
 
 EM_FN i64 num_chunks(const Chunking& k) {
   if (k.n <= 0) return 0;
@@ -1028,73 +1048,111 @@ EM_FN i64 part_token(const Scratch& x, const i64* p, i64 part, int block, int t)
 }
 
 // Where a set's slots of this block start in their buffer (its offset plus its tokens of the
-// blocks before), its bit and its block mask: a token's slot is that plus its rank among the set's
-// tokens here.
+// blocks before) and its block mask: a token's slot is that plus its rank among the set's tokens
+// here (set -1: none, zero).
 struct SlotBase {
   i64 at;
-  int bit;
   Mask m;
 };
 EM_FN SlotBase slot_base(const Scratch& x, const i64* p, i64 s, int block) {
-  SlotBase b{0, -1, {{0u, 0u, 0u, 0u}}};
+  SlotBase b{0, {{0u, 0u, 0u, 0u}}};
   if (s < 0) return b;
   const i64 TB = p[H_token_blocks];
-  b.bit = static_cast<int>(set_rec(p, s)[S_bit]);
   b.at = x.set_off[s] + x.set_base[s * TB + block];
   b.m = get_mask(x.set_mask + (s * TB + block) * 2);
   return b;
 }
 EM_FN i64 slot_of(const SlotBase& b, int t) { return b.at + before(b.m.w, t); }
 
-// Work item `wi` (a part of this rank's copies x a token block): its rows.  What is the same for
-// every token of the item (where the part's tokens, rows and slots of this block start, the sets'
-// masks, the producer's chunks) is loaded once, before the tokens' loop, and each token loads its
-// expert rows' bases before it stores any row.
-EM_FN void rows_block(const Args& a, i64 wi) {
-  const i64* p = a.prog;
+// A rows work item as far as the program says (what every token of it shares, before the
+// routing): read by rows_item, which meta_fused runs for its first item while the peers' routing
+// comes, so the rows phase starts at the loads that need the scan's results.
+struct RowsItem {
+  i64 part, copy, tok_set, src_set, dst_set, srcbuf, out_rank;
+  i64 src_rows, dst_rows, weights;     // byte offsets into the program's blob (weights: -1, none)
+  i64 waits, starts, nprod;            // the copy's waits and chunk starts in the scratch's per_tcopy
+  i64 prod, prod_part, prod_slot;      // the producer copy, its part of this one's source (-1: no producer waits)
+  i64 contrib_begin, contrib_count;
+  int block, h, kind, program, tok_bit;
+  ChunkSpec ck, pck;                   // the copy's and the producer's
+};
+
+EM_FN void rows_item(const i64* p, i64 wi, RowsItem& r) {
   const i64* w = rec(p, H_off_work, wi, W_COUNT);
   const i64 part = w[W_part];
-  const int block = static_cast<int>(w[W_block]);
   const i64* pr = part_rec(p, part);
-  const int h = static_cast<int>(pr[P_origin]);
-  const Scratch x = scratch_of(a);
   const i64* tc = tcopy_rec(p, pr[P_tcopy]);
-  const i64 copy = pr[P_copy];
   const int kind = static_cast<int>(pr[P_kind]);
+  r.part = part;
+  r.block = static_cast<int>(w[W_block]);
+  r.h = static_cast<int>(pr[P_origin]);
+  r.copy = pr[P_copy];
+  r.kind = kind;
+  r.tok_set = pr[P_tok_set];
+  r.tok_bit = static_cast<int>(set_rec(p, r.tok_set)[S_bit]);
+  // the slots a row reads or writes: staging, both; into `output`, the source's (dispatch) or the
+  // destination's (combine); a dispatch's waits, the source's
+  r.src_set = kind == PART_C_OUT ? -1 : pr[P_src_set];
+  r.dst_set = kind == PART_D_OUT ? -1 : pr[P_dst_set];
+  r.srcbuf = pr[P_srcbuf];
+  r.out_rank = pr[P_out_rank];
+  r.program = static_cast<int>(tc[T_program]);
+  r.src_rows = tc[T_src_rows];
+  r.dst_rows = tc[T_dst_rows];
+  r.weights = tc[T_weighted] ? tc[T_weights] : -1;
+  r.waits = tc[T_scratch_waits];
+  r.starts = tc[T_scratch_starts];
+  r.nprod = tc[T_prod_count];
+  r.contrib_begin = pr[P_contrib_begin];
+  r.contrib_count = pr[P_contrib_count];
+  r.ck = chunk_spec(p, r.copy);
+  const bool prod_waits = (kind == PART_D_STAGE || kind == PART_D_OUT) && pr[P_producer] >= 0 && pr[P_prod_slot] >= 0;
+  r.prod = pr[P_producer];
+  r.prod_part = prod_waits ? copy_rec(p, r.prod)[C_first_part] + pr[P_prod_part] : -1;
+  r.prod_slot = pr[P_prod_slot];
+  r.pck = prod_waits ? chunk_spec(p, pr[P_producer]) : r.ck;
+}
+
+// Work item r (a part of this rank's copies x a token block): its rows.  What is the same for every
+// token of the item (where the part's tokens, rows and slots of this block start, the sets'
+// masks, the producer's chunks) is loaded once, before the tokens' loop, and each token loads its
+// expert rows' bases before it stores any row.
+EM_FN void rows_run(const Args& a, const RowsItem& r) {
+  const i64* p = a.prog;
+  const i64 part = r.part;
+  const int block = r.block, h = r.h, kind = r.kind;
+  const Scratch x = scratch_of(a);
+  const i64 copy = r.copy;
   const int K = static_cast<int>(p[H_topk]), TB = static_cast<int>(p[H_token_blocks]);
   const i64 max_tokens = p[H_max_tokens];
   const Experts xp = experts_of(p);
   const ExpertBase eb = expert_base(x, p, h, block);
-  const i64 tok_set = pr[P_tok_set];
-  const i64* tok_set_rec = set_rec(p, tok_set);
-  const int tok_bit = static_cast<int>(tok_set_rec[S_bit]);
+  const i64 tok_set = r.tok_set;
+  const int tok_bit = r.tok_bit;
   const i64* tok_mask = x.set_mask + (tok_set * TB + block) * 2;
-  uint8_t* blob = a.blob[tc[T_program]];
-  int64_t* src_rows = reinterpret_cast<int64_t*>(blob + tc[T_src_rows]);
-  int64_t* dst_rows = reinterpret_cast<int64_t*>(blob + tc[T_dst_rows]);
-  float* weights = tc[T_weighted] ? reinterpret_cast<float*>(blob + tc[T_weights]) : nullptr;
-  const i64 srcbuf = pr[P_srcbuf];
-  const Chunking ck = chunking(p, copy, x.copy_tok[copy]);
-  i64* waits = x.per_tcopy + tc[T_scratch_waits];
-  i64* starts = x.per_tcopy + tc[T_scratch_starts];
-  const i64 nprod = tc[T_prod_count];
+  uint8_t* blob = a.blob[r.program];
+  int64_t* src_rows = reinterpret_cast<int64_t*>(blob + r.src_rows);
+  int64_t* dst_rows = reinterpret_cast<int64_t*>(blob + r.dst_rows);
+  float* weights = r.weights >= 0 ? reinterpret_cast<float*>(blob + r.weights) : nullptr;
+  const i64 srcbuf = r.srcbuf;
+  const Chunking ck = chunking(r.ck, x.copy_tok[copy]);
+  i64* waits = x.per_tcopy + r.waits;
+  i64* starts = x.per_tcopy + r.starts;
+  const i64 nprod = r.nprod;
   const bool stage = kind == PART_D_STAGE || kind == PART_C_STAGE;
   const i64 tok0 = x.part_tok_base[part];
   const i64 tok_at = tok0 + x.set_base[tok_set * TB + block];  // the part's first token of this block
   const i64 row_at = x.part_row_base[part] + (stage ? 0 : x.set_rbase[tok_set * TB + block]);
-  // the slots a row reads or writes: staging, both; into `output`, the source's (dispatch) or the
-  // destination's (combine); a dispatch's waits, the source's
-  const SlotBase src = slot_base(x, p, kind == PART_C_OUT ? -1 : pr[P_src_set], block);
-  const SlotBase dst = slot_base(x, p, kind == PART_D_OUT ? -1 : pr[P_dst_set], block);
+  const SlotBase src = slot_base(x, p, r.src_set, block);
+  const SlotBase dst = slot_base(x, p, r.dst_set, block);
   // an OUT part: its set's row masks (tokens with at least m + 1 rows on the part's rank)
   const i64* rows_mask = x.row_mask + (tok_set * TB + block) * K * 2;
-  const bool prod_waits = (kind == PART_D_STAGE || kind == PART_D_OUT) && pr[P_producer] >= 0 && pr[P_prod_slot] >= 0;
+  const bool prod_waits = r.prod_part >= 0;
   i64 ptok_at = 0;  // the producer's token of this block's first slot of the source set
   Chunking pck = ck;
   if (prod_waits) {
-    const i64 prod = pr[P_producer];
-    ptok_at = x.part_tok_base[copy_rec(p, prod)[C_first_part] + pr[P_prod_part]] + (src.at - x.set_off[pr[P_src_set]]);
-    pck = chunking(p, prod, x.copy_tok[prod]);
+    ptok_at = x.part_tok_base[r.prod_part] + (src.at - x.set_off[r.src_set]);
+    pck = chunking(r.pck, x.copy_tok[r.prod]);
   }
   EM_THREADS(t)
     // from the masks, whatever the token: its place in the part's set, its slots, its rows before it
@@ -1116,7 +1174,7 @@ EM_FN void rows_block(const Args& a, i64 wi) {
       } else {
         // expert rows: in local-expert order, after the rows of the set's tokens before it in the block
         row = row_at + rb;
-        const int d = static_cast<int>(pr[P_out_rank]);
+        const int d = static_cast<int>(r.out_rank);
         const i64 slot = kind == PART_D_OUT ? src_slot : dst_slot;
         // the slots on rank d, each one's place among them (by local expert: a token's experts differ)
         bool on[kMaxTopk];
@@ -1160,11 +1218,11 @@ EM_FN void rows_block(const Args& a, i64 wi) {
       if (prod_waits) {
         const i64 ptok = ptok_at + (src_slot - src.at);
         const i64 v = chunk_of(pck, ptok) + 1;
-        EM_MAX(reinterpret_cast<unsigned long long*>(waits + chunk * nprod + pr[P_prod_slot]),
+        EM_MAX(reinterpret_cast<unsigned long long*>(waits + chunk * nprod + r.prod_slot),
                static_cast<unsigned long long>(v));
       } else if (kind == PART_C_STAGE) {
-        const i64* ks = p + p[H_off_contrib] + pr[P_contrib_begin] * K_COUNT;
-        for (i64 i = 0; i < pr[P_contrib_count]; ++i, ks += K_COUNT) {
+        const i64* ks = p + p[H_off_contrib] + r.contrib_begin * K_COUNT;
+        for (i64 i = 0; i < r.contrib_count; ++i, ks += K_COUNT) {
           const i64 q = ks[K_part];
           const int qb = static_cast<int>(set_rec(p, part_rec(p, q)[P_tok_set])[S_bit]);
           if (!tok_has(k, qb)) continue;
@@ -1176,6 +1234,12 @@ EM_FN void rows_block(const Args& a, i64 wi) {
       }
     }
   EM_DONE  // no barrier: nothing follows
+}
+
+EM_FN void rows_block(const Args& a, i64 wi) {
+  RowsItem r;
+  rows_item(a.prog, wi, r);
+  rows_run(a, r);
 }
 
 // Block `hb` (home rank x token block): this rank's received rows, each one's weight and expert.
