@@ -85,7 +85,8 @@ struct Exchange {
 };
 
 // What one exchange adds to a rank's flag in every area, in shares (arrival_share): the flag of a
-// rank whose exchange of epoch e has landed everywhere is e * kArrival (2^24 exchanges... 2^40).
+// rank whose exchange of epoch e has landed everywhere is e * kArrival (a 64-bit flag holds 2^40
+// exchanges).
 constexpr uint64_t kArrival = 1ull << 24;
 
 // Writer `i` of `n`'s share of kArrival (the n shares sum to it exactly).
