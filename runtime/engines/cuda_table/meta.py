@@ -38,8 +38,8 @@ from .tables import PROGRAMS
 
 MAX_RANKS = 64
 ZERO_BLOCKS = 264  # zero_partials' grid at most (epcc_table_meta_zero), and alone on the device
-META_ABI = 8  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
-LAYOUT_WORDS = 21  # meta.cuh kLayout: the scratch's regions
+META_ABI = 9  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
+LAYOUT_WORDS = 20  # meta.cuh kLayout: the scratch's regions
 PHASES = ("count", "scan", "rows")  # meta.cuh Phase: what meta_fused's barrier timeouts name
 # meta_fused's timeline (epcc_table_meta.cu MetaStamp, kMetaTimelineWords): what each block's
 # thread 0 stamps, in order.  sent: its share of the routing written and its arrival added to this
