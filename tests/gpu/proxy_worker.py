@@ -124,7 +124,7 @@ def run_proxy(path: Path, dev, checks: Checks, transport: str) -> None:
     except Exception:
         # every rank's proxies as they stand (the error names one rank's wait): which FIFO still
         # owed chunks (head past retired), what each transport posted and completed
-        for e in buf.engine.rdma:
+        for e in getattr(buf.engine, "rdma", None) or []:
             print(f"rank {buf.rank} after dispatch #{buf.engine.dispatches}: {e.state()}", file=sys.stderr, flush=True)
         raise
 
