@@ -189,7 +189,7 @@ def main(argv=None) -> int:
         meta.timeline(False)
         if args.raw:
             args.raw.mkdir(parents=True, exist_ok=True)
-            np.save(args.raw / f"timeline_rank{rank}.npy", np.stack([np.asarray(t) for t in raw]))
+            np.save(args.raw / f"timeline_rank{rank}.npy", np.stack(raw))
         every = [None] * world
         dist.all_gather_object(every, timeline_medians(rounds))
         if rank == 0:

@@ -50,3 +50,10 @@ def test_the_timelines_dispatches_are_a_positive_number(meta_time, capsys):
         meta_time.main(["bundle", "--timeline", "0"])
     assert e.value.code == 2
     assert "argument --timeline: a number of dispatches, at least 1, not 0" in capsys.readouterr().err
+
+
+def test_raw_stamps_need_the_timeline(meta_time, capsys):
+    with pytest.raises(SystemExit) as e:
+        meta_time.main(["bundle", "--raw", "stamps"])
+    assert e.value.code == 2
+    assert "error: --raw: the stamps are --timeline's\n" in capsys.readouterr().err

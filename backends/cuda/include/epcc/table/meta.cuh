@@ -1113,11 +1113,11 @@ EM_FN void rows_item(const i64* p, i64 wi, RowsItem& r) {
   r.contrib_begin = pr[P_contrib_begin];
   r.contrib_count = pr[P_contrib_count];
   r.ck = chunk_spec(p, r.copy);
-  const bool prod_waits = (kind == PART_D_STAGE || kind == PART_D_OUT) && pr[P_producer] >= 0 && pr[P_prod_slot] >= 0;
   r.prod = pr[P_producer];
-  r.prod_part = prod_waits ? copy_rec(p, r.prod)[C_first_part] + pr[P_prod_part] : -1;
   r.prod_slot = pr[P_prod_slot];
-  r.pck = prod_waits ? chunk_spec(p, pr[P_producer]) : r.ck;
+  const bool prod_waits = (kind == PART_D_STAGE || kind == PART_D_OUT) && r.prod >= 0 && r.prod_slot >= 0;
+  r.prod_part = prod_waits ? copy_rec(p, r.prod)[C_first_part] + pr[P_prod_part] : -1;
+  r.pck = prod_waits ? chunk_spec(p, r.prod) : r.ck;
 }
 
 // Work item r (a part of this rank's copies x a token block): its rows.  What is the same for every
