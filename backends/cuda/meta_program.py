@@ -18,7 +18,8 @@ is the same arithmetic in NumPy) as one int64 array, uploaded once per Buffer:
   tokens, where their source and destination slots come from (`srcbuf`: the buffer its source
   rows are in, the role's source buffer resolved here), and what a chunk waits for;
 * tables: the copies of this rank's two blobs, with their descriptors' static fields, where their
-  rows go, their producers; the roles (item and wait room); the drain and zero lists;
+  rows go, their producers, how many work items (below) write their rows; the roles (item and
+  wait room); the drain and zero lists;
 * work: the (part, token block) pairs whose rows this rank writes.
 
 Every record is a fixed number of int64 fields, named below (the header declares the same
@@ -45,7 +46,7 @@ from epcc.plan.segments import SegmentProgram
 from .placement import Placement, PlacementError
 
 MAGIC = 0x4D455043  # "CPEM"
-VERSION = 2
+VERSION = 3
 TOKEN_BLOCK = 128  # tokens per block of the kernels: 4 x 32-bit membership words
 SCAN_SERIES = 4  # sums over the token blocks a scan block does (meta.cuh kSeries: kBlock / kLanes threads)
 OFFSET_BLOCKS = 3  # the scan's blocks of what needs the totals only (meta.cuh kOffsetBlocks)
@@ -73,7 +74,7 @@ PART = ["copy", "origin", "kind", "tok_set", "src_set", "dst_set", "out_rank", "
 CONTRIB = ["copy", "part", "slot"]  # combine: a part of an earlier copy that adds into the slots a part reads
 TCOPY = ["program", "copy", "role", "side", "weighted", "src_rows", "dst_rows", "weights", "rows_cap", "chunks_cap",
          "prod_begin", "prod_count", "desc_off", "dst_buf", "flag_id", "flag_rank", "step_index", "flow_index",
-         "src_rank", "dst_rank", "role_rec", "desc_index", "scratch_waits", "scratch_starts"]
+         "src_rank", "dst_rank", "role_rec", "desc_index", "scratch_waits", "scratch_starts", "work_items"]
 ROLE = ["program", "item_begin", "item_cap", "wait_begin", "wait_stride", "first_tcopy", "num_tcopies", "desc_off",
         "step_crc"]
 DRAIN = ["program", "copy", "desc_off"]
@@ -107,12 +108,12 @@ class Capacity:
 
 def shared_bytes(cap: Capacity) -> int:
     """sizeof(meta.cuh's Shared) at `cap` (tests/backends/test_meta_kernels.py checks it against
-    the host compiler's): per set its SetInfo (a rank mask, `set_words` words of LIVE bits, five
+    the host compiler's): per set its SetInfo (a rank mask, `set_words` words of LIVE bits, six
     ints) and its block mask; per token its set bits, top-k experts (short) and rank mask; per
     expert a block mask; per OUT set top-k block masks."""
     words = TOKEN_BLOCK // 32
     sets = SET_WORD * cap.set_words
-    info = 8 + 8 * cap.set_words + 5 * 4
+    info = 8 + 8 * cap.set_words + 6 * 4
     info += -info % 8
     total = (sets * info + TOKEN_BLOCK * 8 * cap.set_words + sets * words * 4 + cap.experts * words * 4
              + cap.out_sets * cap.topk * words * 4 + TOKEN_BLOCK * cap.topk * 2)
@@ -367,7 +368,8 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
                          dst_buf=bufs[program][c.dst_buffer], flag_id=NO_FLAG if no_flag else pc.copy,
                          flag_rank=0 if no_flag else c.dst, step_index=c.step_index, flow_index=c.flow_index,
                          src_rank=c.src, dst_rank=c.dst, role_rec=len(roles), desc_index=pc.index,
-                         scratch_waits=scratch, scratch_starts=scratch + pc.chunks_cap * max(len(pc.producers), 1))
+                         scratch_waits=scratch, scratch_starts=scratch + pc.chunks_cap * max(len(pc.producers), 1),
+                         work_items=0)
                 scratch += pc.chunks_cap * max(len(pc.producers), 1) + pc.chunks_cap + 1
                 prods.extend(pc.producers)
                 ti = _put(tcopies, TCOPY, t)
@@ -395,6 +397,8 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
     token_blocks = -(-max_tokens // TOKEN_BLOCK)
     work = [[pid, b] for pid, row in enumerate(parts) if row[PART.index("tcopy")] >= 0
             for b in range(token_blocks)]
+    for pid, _ in work:  # each table copy's rows work items (meta_fused's items block waits for them)
+        tcopies[parts[pid][PART.index("tcopy")]][TCOPY.index("work_items")] += 1
     sections = [("sets", sets, len(SET)), ("set_index", set_index.tolist(), sets_max), ("or", [[x] for x in or_list], 1),
                 ("groups", groups, len(GROUP)), ("group_sets", [[x] for x in group_sets], 1),
                 ("copies", copies, len(COPY)), ("parts", parts, len(PART)), ("contrib", contrib, len(CONTRIB)),

@@ -6,8 +6,9 @@ GPU"; the manifest's "metadata" says lowering "device"), the metadata's work run
 before every dispatch kernel, and the dispatch's first steps become ready after it (as the direct
 kernels' launches, sim/direct.py).  The manifest's metadata "launches" says how: on CUDA one
 cooperative kernel, `meta_fused` (after `gather_copy` with the collective exchange), the phases
-with a grid barrier between two; elsewhere (SUPA; a bundle compiled before the launches were
-recorded) the steps as launches of their own, `gather_copy`, `gather_signal_wait`, `meta_count`,
+with a grid barrier after count and after scan and the items' waits for their copies' rows;
+elsewhere (SUPA; a bundle compiled before the launches were recorded) the steps as launches of
+their own, `gather_copy`, `gather_signal_wait`, `meta_count`,
 `meta_scan`, `meta_rows`, `meta_items`.  `SimOptions.metadata` (a DeviceMetadata: the phases'
 blocks and the launches, from the manifest) turns the term on; the plan's metadata steps
 (`exchange`), whose work the kernels do, then cost nothing of their own.  The combine has no
@@ -36,8 +37,9 @@ metadata: the dispatch's kernels wrote both programs' tables.  Per dispatch, in 
 * `rows`, one block per (part, 128-token block) and per (home rank, 128-token block):
   PASS_S + waves x ROWS_WAVE_S;
 * `items`, one block per copy (at most a wave): PASS_S, where the plan has copies;
-* `meta_fused` only: `barriers`, BARRIER_S for each of its three grid barriers (before scan, rows
-  and items);
+* `meta_fused` only: `barriers`, BARRIER_S for each of its two grid barriers (before scan and rows)
+  and for the items blocks' wait for their own copies' rows (a grid barrier before items when the
+  constants were measured);
 * `gaps`: GAP_S per launch (meta_fused: one, two with the collective's gather_copy; the steps:
   six over CUDA IPC, five with the collective, one fewer without copies; the all-gathers'
   launches are in their latency).
@@ -92,7 +94,7 @@ H100_MEASURED_US = {"gather_copy": 8.3, "gather_signal_wait": 8.5, "meta_count":
                     "meta_rows": 32.2, "meta_items": 3.7}
 H100_WHOLE_US = 100.0
 LAUNCHES = 6  # the steps over CUDA IPC: gather_copy, gather_signal_wait, meta_count, meta_scan, meta_rows, meta_items
-BARRIERS = 3  # meta_fused's grid barriers: before scan, rows and items (the count needs none after the exchange)
+BARRIERS = 3  # meta_fused's grid barriers before scan and rows, and the items' waits for their copies' rows (the count needs none after the exchange)
 META_SMS = 132  # the calibration GPU's SMs (H100 SXM; H200 SXM has as many)
 _CAL_BYTES, _CAL_BPS = 4096 * 8 * 8, 450e9  # the gather's bytes to the one peer, over NVLink
 _CAL_COUNT_BLOCKS, _CAL_SCAN_BLOCKS, _CAL_ROWS_BLOCKS = 64, 137, 256

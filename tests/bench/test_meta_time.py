@@ -38,7 +38,7 @@ def test_the_timeline_table_of_a_rank(meta_time):
         "  scan            2     14.1     15.0   scan            1.8",
         "  barrier 2       2     16.1     16.1   barrier 2       1.1",
         "  rows            2     19.5     20.0   rows            3.9",
-        "  barrier 3       2     21.1     21.1   barrier 3       1.1",
+        "  rows seen       2     21.1     21.1   rows wait       1.1",
         "  items           1     23.5     23.5   items           2.4",  # the launch with items: the other has none
         "  total                                                23.5",
         "  own                                                  15.5   (the total less the wait for the peers' routing)",

@@ -32,7 +32,7 @@ def _stamps(ns=NS) -> np.ndarray:
 def test_the_stages_are_the_kernels_words():
     assert TIMELINE_WORDS == 11 == len(STEPS)
     assert STAGES == ("entry", "sent", "prepared", "peers", "count", "barrier 1", "scan", "barrier 2", "rows",
-                      "barrier 3", "items")
+                      "rows seen", "items")
 
 
 def test_each_stage_over_its_blocks_with_work_and_the_steps_of_the_last_block():

@@ -3,7 +3,8 @@ rank's routing exchanged (over peer memory inside one box, "ipc"; by the process
 across boxes, "collective": exchange.py) and this rank's table blobs of both programs written by
 the metadata kernels (epcc/table/meta.cuh), stream-ordered, no host round trip (CUDA-graph
 capturable): on the CUDA target one cooperative launch per dispatch (meta_fused: the routing's copy,
-the peers' flags and the kernels' four phases, a grid barrier between two; collective: the routing
+the peers' flags and the kernels' four phases, a grid barrier after count and after scan, each items
+block's wait for its own copy's rows before it; collective: the routing
 copy, the all-gathers, then meta_fused), else a launch per step.  The blobs are placed (placement.py) and stay where they are: the launcher is told
 once where they lie (Context.use_tables).
 
@@ -30,7 +31,7 @@ import torch
 
 from epcc.plan.segments import SegmentProgram
 from ..base import EngineError
-from epcc.backends.cuda.meta_program import MetaProgram, encode
+from epcc.backends.cuda.meta_program import HEADER, MetaProgram, encode
 from epcc.backends.cuda.placement import Placement, placement, template
 
 from .exchange import Exchange, area_regions
@@ -38,21 +39,23 @@ from .tables import PROGRAMS
 
 MAX_RANKS = 64
 ZERO_BLOCKS = 264  # zero_partials' grid at most (epcc_table_meta_zero), and alone on the device
-META_ABI = 9  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
-LAYOUT_WORDS = 20  # meta.cuh kLayout: the scratch's regions
-PHASES = ("count", "scan", "rows")  # meta.cuh Phase: what meta_fused's barrier timeouts name
+META_ABI = 10  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
+LAYOUT_WORDS = 21  # meta.cuh kLayout: the scratch's regions
+HEADER_WORDS = len(HEADER)  # meta.cuh H_COUNT: the program's header, a copy of which the kernels' arguments hold
+PHASES = ("count", "scan")  # meta.cuh Phase: what meta_fused's grid barrier timeouts name (after count, scan)
 # meta_fused's timeline (epcc_table_meta.cu MetaStamp, kMetaTimelineWords): what each block's
 # thread 0 stamps, in order.  sent: its share of the routing written and its arrival added to this
 # rank's flags; prepared: its first count block's sets (and first rows item's records) read;
 # peers: every rank's flag seen; a phase's name: its work done; "barrier n": past the grid barrier
-# after the n-th phase.  Without the exchange (collective) sent is entry's stamp and peers
-# prepared's.
-STAGES = ("entry", "sent", "prepared", "peers", "count", "barrier 1", "scan", "barrier 2", "rows", "barrier 3",
+# after the n-th phase; "rows seen": its first items block's wait for the rows of that block's copy
+# over (no grid barrier after rows; a block without items: its rows done).  Without the exchange
+# (collective) sent is entry's stamp and peers prepared's.
+STAGES = ("entry", "sent", "prepared", "peers", "count", "barrier 1", "scan", "barrier 2", "rows", "rows seen",
           "items")
 TIMELINE_WORDS = len(STAGES)
 # what the step up to each stage is called in timeline_summary: start is the spread of the blocks'
 # entries, wait the wait for the peers' routing
-STEPS = ("start", "send", "prepare", "wait", "count", "barrier 1", "scan", "barrier 2", "rows", "barrier 3",
+STEPS = ("start", "send", "prepare", "wait", "count", "barrier 1", "scan", "barrier 2", "rows", "rows wait",
          "items")
 # the phase whose blocks with work a stage's statistics are over (timeline_summary's busy; None: every block)
 _STAGE_PHASE = (None, None, "count", None, "count", None, "scan", None, "rows", None, "items")
@@ -72,7 +75,7 @@ class _Args(ctypes.Structure):  # epcc::meta::Args
                 ("topk", ctypes.c_uint64), ("weights", ctypes.c_uint64), ("blob", ctypes.c_uint64 * 2),
                 ("bad", ctypes.c_uint64), ("recv_w", ctypes.c_uint64), ("recv_idx", ctypes.c_uint64),
                 ("recv_count", ctypes.c_uint64), ("recv_offset", ctypes.c_uint64), ("seq", ctypes.c_uint64 * 2),
-                ("lay", ctypes.c_int64 * LAYOUT_WORDS)]
+                ("lay", ctypes.c_int64 * LAYOUT_WORDS), ("head", ctypes.c_int64 * HEADER_WORDS)]
 
 
 class _Meta(ctypes.Structure):  # EpccTableMeta
@@ -271,6 +274,7 @@ class DeviceMeta:
         for i, p in enumerate(PROGRAMS):
             a.seq[i] = self.seq[p].data_ptr() if p in self.seq else 0
         a.lay[:] = list(self.layout)
+        a.head[:] = [int(v) for v in self.mp.array[:HEADER_WORDS]]
         g = self.mp.grids()
         m.grid_count, m.grid_rows, m.grid_items, m.grid_scan = g["count"], g["rows"], g["items"], g["scan"]
         m.grid_copy = max(1, min(264, -(-self.R * self.T * self.K // 256)))
@@ -336,6 +340,9 @@ class DeviceMeta:
         if code == 2:
             after = PHASES[rank] if 0 <= rank < len(PHASES) else f"phase {rank}"
             return f"the metadata kernels' grid barrier after {after} timed out on rank {self.rank}"
+        if code == 3:
+            return (f"the metadata kernels' items of table copy {rank} timed out on rank {self.rank} waiting for "
+                    f"that copy's rows")
         return None
 
 

@@ -10,10 +10,10 @@
 
 using namespace epcc::meta;
 
-extern "C" long long epcc_meta_scratch_words(const long long* prog) { return scratch_words(prog); }
+extern "C" long long epcc_meta_scratch_words(const long long* prog) { return scratch_words(prog_of(prog)); }
 
 // The blocks of a phase (meta_program.py grids() must say the same).
-extern "C" long long epcc_meta_phase_blocks(const long long* prog, int phase) { return phase_blocks(prog, phase); }
+extern "C" long long epcc_meta_phase_blocks(const long long* prog, int phase) { return phase_blocks(prog_of(prog), phase); }
 
 // The grid the next runs emulate: 0, each phase a launch of its own (the four kernels, a block per
 // phase block, in order); G > 0, the cooperative kernel of G blocks (block b runs the phase blocks
@@ -53,15 +53,17 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
                              const float* weights, unsigned char* blob_d, unsigned char* blob_c, int* bad,
                              float* recv_w, long long* recv_idx, int* recv_count, int* recv_offset,
                              unsigned* seq_d, unsigned* seq_c) {
-  if (!fits(prog)) return 1;
+  const Prog p = prog_of(prog);
+  if (!fits(p)) return 1;
   Args a;
   // what the routing copy leaves: the regions before kZeroed zero, the rest what an earlier
   // dispatch wrote (here a pattern no table holds: what the phases do not write shows)
-  const long long words = scratch_words(prog, a.lay);
+  const long long words = scratch_words(p, a.lay);
   std::memset(scratch, 0, sizeof(long long) * a.lay[kZeroed]);
   std::memset(scratch + a.lay[kZeroed], 0x5a, sizeof(long long) * (words - a.lay[kZeroed]));
   *bad = INT_MAX;
   a.prog = prog;
+  std::memcpy(a.head, prog, sizeof a.head);
   a.prog_words = 0;  // prefetch only
   a.scratch = scratch;
   a.tokens = tokens;
@@ -77,22 +79,33 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
   a.seq[0] = seq_d;
   a.seq[1] = seq_c;
   if (g_grid <= 0) {
-    for (int b = 0; b < phase_blocks(prog, PHASE_COUNT); ++b) meta_count(a, b);
-    for (int b = 0; b < phase_blocks(prog, PHASE_SCAN); ++b) meta_scan(a, b);
-    for (int b = 0; b < phase_blocks(prog, PHASE_ROWS); ++b) meta_rows(a, b);
-    for (int b = 0; b < phase_blocks(prog, PHASE_ITEMS); ++b) meta_items(a, b);
+    for (int b = 0; b < phase_blocks(p, PHASE_COUNT); ++b) meta_count(a, b);
+    for (int b = 0; b < phase_blocks(p, PHASE_SCAN); ++b) meta_scan(a, b);
+    for (int b = 0; b < phase_blocks(p, PHASE_ROWS); ++b) meta_rows(a, b);
+    for (int b = 0; b < phase_blocks(p, PHASE_ITEMS); ++b) meta_items(a, b);
     return 0;
   }
   // meta_fused's order (its block b reads its first count block's sets while it waits for the
-  // exchange: here right before that block, the blocks running one after the other)
+  // exchange: here right before that block, the blocks running one after the other).  Its items
+  // block of table copy ti waits for that copy's rows work items (rows_done per work_tcopy, up to
+  // the program's T_work_items): here the rows phase ran whole before, and each copy's count of them
+  // must be what the wait waits for (2: it is not; the GPU would hang there, or go on too early).
   static PhaseShared sm;
-  const long long G = g_grid, TB = prog[H_token_blocks];
-  for (int phase = 0; phase < PHASES; ++phase)
+  const long long G = g_grid, TB = p[H_token_blocks];
+  for (int phase = 0; phase < PHASES; ++phase) {
+    if (phase == PHASE_ITEMS) {
+      for (long long ti = 0; ti < p[H_num_tcopies]; ++ti) {
+        long long done = 0;
+        for (long long wi = 0; wi < p[H_num_work]; ++wi) done += work_tcopy(p, wi) == ti;
+        if (done != tcopy_rec(p, ti)[T_work_items]) return 2;
+      }
+    }
     for (long long b = 0; b < G; ++b)
-      for (long long vb = b; vb < phase_blocks(prog, phase); vb += G) {
+      for (long long vb = b; vb < phase_blocks(p, phase); vb += G) {
         const bool first = phase == PHASE_COUNT && vb == b;
         if (first) count_prepare(a, static_cast<int>(vb / TB), sm.count);
         phase_block(a, phase, vb, sm, first);
       }
+  }
   return 0;
 }

@@ -8,7 +8,8 @@
 // One dispatch's metadata, on the CUDA target: one cooperative launch, meta_fused (every block
 // resident: its grid is capped by the kernel's occupancy, epcc_table_meta_max_grid), which copies
 // the routing, meets the peers' and runs the metadata kernels' four phases with a grid-wide barrier
-// between them (each block looping over its share of a phase's blocks) -- or, collective, the
+// after count and after scan and, before each items block, a wait for its own copy's rows (each
+// block looping over its share of a phase's blocks) -- or, collective, the
 // routing copy, the runtime's all-gathers, then meta_fused without the exchange.  Where there is
 // no cooperative launch (the SUPA target, or a grid of 0 from the runtime) the same phases are
 // launches of their own: gather_copy, gather_signal_wait, meta_count, meta_scan, meta_rows,
@@ -58,15 +59,16 @@ using epcc::meta::kMaxRanks;
 
 // The layout of EpccTableMeta and Args that runtime/engines/cuda_table/meta.py writes with ctypes:
 // changed whenever they change, checked by the runtime at load (epcc_table_meta_abi).
-constexpr int kMetaAbi = 9;
+constexpr int kMetaAbi = 10;
 
 // meta_fused's timeline (EpccTableMeta.timeline, DeviceMeta.timeline in meta.py): thread 0 of each
 // block writes kMetaTimelineWords %globaltimer stamps (ns) per launch, at [block][MetaStamp]:
 // entry; sent (its share of the routing written and its arrival added to this rank's flags);
 // prepared (its first count block's sets read); peers (every rank's
 // flag seen); then per phase its work done (thread 0's: the block's other threads' tail lands in
-// the next stage) and, but after the last, the grid barrier after it passed.  Every block stamps
-// every word, work or none.  Without the exchange (collective: the gather area was filled before
+// the next stage) and, after count and scan, the grid barrier after it passed; after rows, the wait
+// of the block's first items block for its copy's rows (a block without: its rows done).  Every
+// block stamps every word, work or none.  Without the exchange (collective: the gather area was filled before
 // the launch) sent is entry's stamp and peers prepared's, the same values: those stages take 0.
 enum MetaStamp : int { kStampEntry, kStampSent, kStampPrepared, kStampPeers, kStampPhases };
 constexpr int kMetaTimelineWords = kStampPhases + 2 * epcc::meta::PHASES - 1;
@@ -78,7 +80,8 @@ struct Exchange {
   const float* weights;       // [tokens][topk] or null (weight 1)
   uint64_t* epoch;            // device counter
   int* error;                 // host-mapped: {code, what}; code 1: the exchange timed out waiting for rank
-                              // `what`; code 2: meta_fused's grid barrier after phase `what` timed out
+                              // `what`; code 2: meta_fused's grid barrier after phase `what` timed out;
+                              // code 3: meta_fused's items of table copy `what` timed out waiting for its rows
   uint64_t timeout_ns;
   int rank, num_ranks, max_tokens, k, tokens, topk_int32;
   int collective;             // 1: gather_copy writes this rank's slot of its own area only
@@ -259,17 +262,57 @@ __device__ __noinline__ void grid_barrier(const EpccTableMeta& m, int phase) {
   __syncthreads();
 }
 
+// A rows work item of table copy `tcopy` done: every thread's rows of it stored (the barrier), one
+// more of the copy's work items counted (a release at GPU scope: the items block that waits for
+// them sees the rows).  Instead of a grid barrier between rows and items (rows_wait).
+__device__ __forceinline__ void rows_done(const EpccTableMeta& m, epcc::meta::i64 tcopy) {
+  __syncthreads();
+  if (EPCC_TID == 0 && tcopy >= 0) {
+    uint64_t* done = reinterpret_cast<uint64_t*>(epcc::meta::scratch_of(m.args).rows_done + tcopy);
+    asm volatile("red.release.gpu.global.add.u64 [%0], 1;" : : "l"(done) : "memory");
+  }
+}
+
+// Before the items of table copy `ti`: every rows work item of that copy done (rows_done), not every
+// block's rows -- a copy's items go while other copies' rows are still being written.  Bounded as
+// the grid barrier is: past the timeout the first to give up writes the error word {3, ti} and
+// says so, and every waiter traps.
+__device__ __noinline__ void rows_wait(const EpccTableMeta& m, epcc::meta::Prog p, epcc::meta::i64 ti) {
+  namespace k = epcc::meta;
+  if (EPCC_TID == 0) {
+    const uint64_t* done = reinterpret_cast<const uint64_t*>(k::scratch_of(m.args).rows_done + ti);
+    const uint64_t need = static_cast<uint64_t>(k::tcopy_rec(p, ti)[k::T_work_items]);
+    const uint64_t t0 = globaltimer();
+    uint64_t now;
+    while ((now = ld_acquire_gpu(done)) < need) {
+      if (globaltimer() - t0 > m.exchange.timeout_ns) {
+        if (atomicCAS(m.exchange.error, 0, 3) == 0) {
+          m.exchange.error[1] = static_cast<int>(ti);
+          __threadfence_system();
+          printf("epcc: metadata kernels: rank %d, block %d: the items of table copy %lld timed out after %.3f s "
+                 "waiting for its rows, %llu of %llu work items done\n",
+                 m.exchange.rank, static_cast<int>(EPCC_BID), static_cast<long long>(ti), m.exchange.timeout_ns * 1e-9,
+                 static_cast<unsigned long long>(now), static_cast<unsigned long long>(need));
+        }
+        epcc::trap();
+      }
+    }
+  }
+  __syncthreads();
+}
+
 // The metadata of one dispatch in one launch (cooperative: every block resident).  With `exchange`
 // (ipc): every block copies its share of the routing and clears its share of the scratch, arrives
 // (adds its share to this rank's flag in every area), reads its first count block's sets, then waits
-// for every rank's flag itself; then the phases, a grid barrier between two.  Without
+// for every rank's flag itself; then the phases, a grid barrier after count and after scan, and
+// before each items block a wait for its own copy's rows (rows_wait).  Without
 // (collective): the gather area was filled before, by the routing copy and the all-gathers.  With
 // m.timeline, thread 0 of each block stamps its way through (MetaStamp), nothing else changed.
 __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ EpccTableMeta m, int exchange) {
   namespace k = epcc::meta;
   __shared__ k::PhaseShared sm;
   const k::Args& a = m.args;
-  const k::i64* p = a.prog;
+  const k::Prog p = k::prog_of(a);
   const Exchange& x = m.exchange;
   const k::i64 G = EPCC_GDIM, bid = EPCC_BID;
   const bool prepared = bid < k::phase_blocks(p, k::PHASE_COUNT);
@@ -277,22 +320,26 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
   stamp(m, kStampEntry);
   if (exchange) {
     e = *x.epoch + 1;  // block 0 advances it after the first barrier, when every block has read it
+    const uint64_t share = arrival_share(static_cast<uint64_t>(bid), static_cast<uint64_t>(G));  // its divisions while the loads below fly
     gather_part(m, static_cast<uint64_t>(bid) * kBlock + EPCC_TID, static_cast<uint64_t>(G) * kBlock);
     // each block releases its share of the routing to every peer itself: no block waits for the
     // last to arrive before the flags move
     __syncthreads();
-    arrive(x, arrival_share(static_cast<uint64_t>(bid), static_cast<uint64_t>(G)));
+    arrive(x, share);
     stamp(m, kStampSent);
   } else {
     stamp_as(m, kStampSent, kStampEntry);
   }
-  // while the peers' routing comes: the first count block's sets read (the first warps), and what
-  // the program says of the first rows item (the last thread: the rows phase then starts at the
-  // loads that need the scan; read in shared memory after the barriers between)
+  // while the peers' routing comes, what needs none: the first count block's sets read, and what
+  // the program says of the first rows item (the rows phase then starts at the loads that need the
+  // scan; read in shared memory after the barriers between).  Both on the threads that do not
+  // arrive (thread kRowsItemThread; count_prepare reads set b on thread kBlock - 1 - b): an
+  // arriving thread's release at system scope waits until the block's stores to the peers are
+  // acknowledged, ~4 us of the send (2 x H100, 2026-11-28), and its warp with it.
   __shared__ k::RowsItem ri;
   const bool rows_early = bid < p[k::H_num_work];
-  if (rows_early && EPCC_TID == kBlock - 1) k::rows_item(p, bid, ri);
-  if (prepared) k::count_prepare(a, static_cast<int>(bid / p[k::H_token_blocks]), sm.count);
+  if (rows_early && EPCC_TID == k::kRowsItemThread) k::rows_item(p, bid, ri);
+  if (prepared) k::count_prepare(a, static_cast<int>(k::quot32(bid, p[k::H_token_blocks])), sm.count);
   stamp(m, kStampPrepared);
   if (exchange) {
     wait_flags(x, e);
@@ -300,18 +347,24 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
   } else {
     stamp_as(m, kStampPeers, kStampPrepared);
   }
+  const k::i64 work = p[k::H_num_work];
   for (int phase = k::PHASE_COUNT; phase < k::PHASES; ++phase) {
-    if (phase != k::PHASE_COUNT) {
+    const k::i64 n = k::phase_blocks(p, phase);
+    if (phase == k::PHASE_SCAN || phase == k::PHASE_ROWS) {
       grid_barrier(m, phase - 1);
+      stamp(m, kStampPhases + 2 * phase - 1);
+    } else if (phase == k::PHASE_ITEMS) {  // no grid barrier: each items block waits for its copy's rows
+      if (bid < n) rows_wait(m, p, bid);
       stamp(m, kStampPhases + 2 * phase - 1);
     }
     if (exchange && phase == k::PHASE_SCAN && bid == 0 && EPCC_TID == 0) *x.epoch = e;
-    const k::i64 n = k::phase_blocks(p, phase);
     for (k::i64 vb = bid; vb < n; vb += G) {
+      if (phase == k::PHASE_ITEMS && vb != bid) rows_wait(m, p, vb);
       if (phase == k::PHASE_ROWS && vb == bid && rows_early)
         k::rows_run(a, ri);
       else
         k::phase_block(a, phase, vb, sm, phase == k::PHASE_COUNT && vb == bid);
+      if (phase == k::PHASE_ROWS && vb < work) rows_done(m, vb == bid && rows_early ? ri.tcopy : k::work_tcopy(p, vb));
     }
     stamp(m, kStampPhases + 2 * phase);
   }
@@ -463,7 +516,7 @@ void epcc_table_meta_area(int num_ranks, int max_tokens, int topk, uint64_t* out
 // -1: the program is not one this build's kernels hold (another version, or more sets, OUT sets,
 // experts or top-k than the capacity above).
 int64_t epcc_table_meta_scratch_words(const int64_t* prog_host, int64_t* layout) {
-  const long long* p = reinterpret_cast<const long long*>(prog_host);
+  const epcc::meta::Prog p = epcc::meta::prog_of(reinterpret_cast<const long long*>(prog_host));
   if (!epcc::meta::fits(p)) return -1;
   return epcc::meta::scratch_words(p, reinterpret_cast<long long*>(layout));
 }

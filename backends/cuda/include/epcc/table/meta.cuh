@@ -23,8 +23,9 @@
 //          memory, no barrier);
 //   items  (copy): each chunk's item at its place in the role's item order, its waits compacted
 //          in flag order.
-// The CUDA target runs them as one cooperative kernel, a grid-wide barrier between phases and
-// each block looping over its share of a phase's blocks (epcc_table_meta.cu meta_fused); where
+// The CUDA target runs them as one cooperative kernel, a grid-wide barrier after count and after
+// scan, each items block waiting for its own copy's rows work items (T_work_items, Scratch
+// rows_done), each block looping over its share of a phase's blocks (epcc_table_meta.cu meta_fused); where
 // there is no cooperative launch (the SUPA target) they are four launches (meta_count,
 // meta_scan, meta_rows, meta_items), one block per phase block.
 // What bounds them (2 x H100 and 2 x H200, 2026-11-26/27, bench/meta_time.py --profile): latency,
@@ -61,6 +62,13 @@ typedef long long i64;
 #define EM_HD __host__ __device__ inline
 #define EM_METHOD __host__ __device__ __forceinline__
 #define EM_KERNEL __global__ void __launch_bounds__(kBlock)
+// a kernel's Args: read where they are, in constant memory (a copy, by value, would be a local
+// array: prog_of takes the header's address)
+#if defined(__CUDACC__)
+#define EM_ARGS const __grid_constant__ Args
+#else
+#define EM_ARGS const Args
+#endif
 #define EM_SHARED __shared__
 #define EM_THREADS(t) { const int t = static_cast<int>(EPCC_TID);
 #define EM_SYNC } __syncthreads();
@@ -137,8 +145,8 @@ constexpr int kSeries = kBlock / kLanes;  // sums over the token blocks one scan
 constexpr int kOffsetBlocks = 3;          // the scan's blocks of what needs the totals only (offsets_block)
 constexpr int kRun = 8;                   // counts a thread loads before it adds them
 constexpr int kSeg = 16;                  // local experts per segment of the output-row scan
-constexpr int kLayout = 20;               // regions of the scratch (scratch_words)
-constexpr int kZeroed = 5;                // the regions before this one start at zero; the rest are written whole
+constexpr int kLayout = 21;               // regions of the scratch (scratch_words)
+constexpr int kZeroed = 6;                // the regions before this one start at zero; the rest are written whole
 constexpr int kWords = kBlock / 32;       // 32-bit words of a per-block token mask
 constexpr int kSetWords = EPCC_META_SET_WORDS;  // 64-bit words of a token's set memberships
 constexpr int kMaxSets = 64 * kSetWords;  // sets per home rank (meta_program.py SET_WORD x set_words)
@@ -146,8 +154,13 @@ constexpr int kMaxOutSets = EPCC_META_OUT_SETS;  // OUT sets per home rank
 constexpr int kMaxTopk = EPCC_META_TOPK;
 constexpr int kMaxExperts = EPCC_META_EXPERTS;
 constexpr int kMaxRanks = 64;             // ranks of a plan the kernels cover (the exchange's too)
+// The thread that reads the first rows item while meta_fused waits for the peers (rows_item): not
+// one of the threads that release the routing to the peers (the first, one per rank: their warps
+// wait for the peers' acknowledgements) nor of those that read the count block's sets (the last,
+// count_prepare).
+constexpr int kRowsItemThread = kBlock / 2 - 1;
 constexpr i64 kMagic = 0x4D455043;
-constexpr i64 kVersion = 2;
+constexpr i64 kVersion = 3;
 
 // Field indices of the program's records: meta_program.py's lists, in order
 // (tests/backends/test_meta_kernels.py checks they agree).
@@ -173,7 +186,7 @@ enum Contrib { K_copy, K_part, K_slot, K_COUNT };
 enum TCopy {
   T_program, T_copy, T_role, T_side, T_weighted, T_src_rows, T_dst_rows, T_weights, T_rows_cap, T_chunks_cap,
   T_prod_begin, T_prod_count, T_desc_off, T_dst_buf, T_flag_id, T_flag_rank, T_step_index, T_flow_index,
-  T_src_rank, T_dst_rank, T_role_rec, T_desc_index, T_scratch_waits, T_scratch_starts, T_COUNT
+  T_src_rank, T_dst_rank, T_role_rec, T_desc_index, T_scratch_waits, T_scratch_starts, T_work_items, T_COUNT
 };
 enum Role {
   R_program, R_item_begin, R_item_cap, R_wait_begin, R_wait_stride, R_first_tcopy, R_num_tcopies, R_desc_off,
@@ -215,21 +228,39 @@ struct Args {
   // roles read as KernelArgs.rdma_seq; [the blob's num_items], written for RDMA items only
   uint32_t* seq[2];
   i64 lay[kLayout];      // where each scratch region starts (scratch_words(prog, lay), on the host)
+  // the program's header (its first H_COUNT words), here too: the kernels' arguments are constant
+  // memory, which a store to global memory cannot alias, so a loop that stores keeps what it read
+  // of the header in registers instead of loading it again from the program every iteration
+  i64 head[H_COUNT];
 };
 
-EM_HD const i64* rec(const i64* p, int off_field, i64 index, int width) { return p + p[off_field] + index * width; }
-EM_FN const i64* set_rec(const i64* p, i64 i) { return rec(p, H_off_sets, i, S_COUNT); }
-EM_FN const i64* part_rec(const i64* p, i64 i) { return rec(p, H_off_parts, i, P_COUNT); }
-EM_FN const i64* copy_rec(const i64* p, i64 i) { return rec(p, H_off_copies, i, C_COUNT); }
-EM_HD const i64* tcopy_rec(const i64* p, i64 i) { return rec(p, H_off_tcopies, i, T_COUNT); }
+// The program as the kernels read it: its header from the arguments (Args::head; on the host, or
+// from a bare program, the program's own first words), its records from the program.  p[H_x] is a
+// header field, p + offset a record's address.
+struct Prog {
+  const i64* at;    // the program
+  const i64* head;  // its header
+  EM_METHOD i64 operator[](int field) const { return head[field]; }
+  EM_METHOD const i64* operator+(i64 offset) const { return at + offset; }
+};
+EM_HD Prog prog_of(const i64* program) { return Prog{program, program}; }
+EM_HD Prog prog_of(const Args& a) { return Prog{a.prog, a.head}; }
+
+EM_HD const i64* rec(Prog p, int off_field, i64 index, int width) { return p + p[off_field] + index * width; }
+EM_FN const i64* set_rec(Prog p, i64 i) { return rec(p, H_off_sets, i, S_COUNT); }
+EM_FN const i64* part_rec(Prog p, i64 i) { return rec(p, H_off_parts, i, P_COUNT); }
+EM_FN const i64* copy_rec(Prog p, i64 i) { return rec(p, H_off_copies, i, C_COUNT); }
+EM_HD const i64* tcopy_rec(Prog p, i64 i) { return rec(p, H_off_tcopies, i, T_COUNT); }
 
 // Scratch (int64 words), in the regions scratch_words lays out: first those that start at zero
-// (count adds into the totals, rows raises the waits), then those a dispatch writes whole.
+// (count adds into the totals, rows raises the waits and counts its work items done), then those
+// a dispatch writes whole.
 struct Scratch {
   i64 *set_total, *set_rtotal;  // [S]: each set's tokens and (OUT sets) rows, added up by count
   i64* set_off;                 // [S]: where a SEG set's slots start in its buffer
   i64* home_before;             // [R][E]: rows of expert e of home h (count); then of the lower home ranks
   i64* per_tcopy;               // the per-copy regions meta_program.py laid out (waits, chunk starts)
+  i64* rows_done;               // [num_tcopies]: the copy's rows work items done (meta_fused: its items wait)
   i64 *set_cnt, *set_rcnt, *set_base, *set_rbase;  // [S][TB]: per token block; exclusive over the blocks
   i64 *ecnt, *ebase;            // [R][TB][E] per block, exclusive over blocks
   i64* e_first;                 // [E]: expert e's first output row on its rank
@@ -243,9 +274,9 @@ struct Scratch {
 // A token's record: its set bits (kSetWords words, this build's), then its top-k slots two to a
 // word, each its expert in the low 16 bits (0xffff: none) and its place among the block's tokens of
 // that expert in the high 16.  The rows phase reads it instead of recomputing the token's sets.
-EM_HD i64 tok_words(const i64* p) { return kSetWords + (p[H_topk] + 1) / 2; }
+EM_HD i64 tok_words(Prog p) { return kSetWords + (p[H_topk] + 1) / 2; }
 
-EM_HD i64 scratch_words(const i64* p, i64* layout_out = nullptr) {
+EM_HD i64 scratch_words(Prog p, i64* layout_out = nullptr) {
   const i64 S = p[H_num_sets], TB = p[H_token_blocks], R = p[H_num_ranks], E = p[H_experts];
   const i64 parts = p[H_num_parts], copies = p[H_num_copies];
   i64 tc = 0;  // the per-copy regions
@@ -255,7 +286,7 @@ EM_HD i64 scratch_words(const i64* p, i64* layout_out = nullptr) {
     const i64 end = t[T_scratch_waits] + t[T_chunks_cap] * prods + t[T_chunks_cap] + 1;
     if (end > tc) tc = end;
   }
-  const i64 sizes[kLayout] = {S, S, S, R * E, tc,  // zeroed (kZeroed)
+  const i64 sizes[kLayout] = {S, S, S, R * E, tc, p[H_num_tcopies],  // zeroed (kZeroed)
                               S * TB, S * TB, S * TB, S * TB, R * TB * E, R * TB * E, E, parts, parts,
                               copies, copies, copies, R * TB * kBlock * tok_words(p), S * TB * 2,
                               S * TB * p[H_topk] * 2};
@@ -269,7 +300,7 @@ EM_HD i64 scratch_words(const i64* p, i64* layout_out = nullptr) {
 
 // Whether the blocks' shared memory holds the program's sets, OUT sets, experts and top-k (the
 // bundle's capacity, EPCC_META_*): the host checks it before the first launch.
-EM_HD bool fits(const i64* p) {
+EM_HD bool fits(Prog p) {
   if (p[H_magic] != kMagic || p[H_version] != kVersion) return false;
   if (p[H_sets_max] > kMaxSets || p[H_experts] > kMaxExperts || p[H_topk] > kMaxTopk) return false;
   for (i64 i = 0; i < p[H_num_sets]; ++i)
@@ -282,12 +313,12 @@ EM_FN Scratch scratch_of(const Args& a) {
   i64* s = a.scratch;
   Scratch x;
   x.set_total = s + at[0]; x.set_rtotal = s + at[1]; x.set_off = s + at[2]; x.home_before = s + at[3];
-  x.per_tcopy = s + at[4];
-  x.set_cnt = s + at[5]; x.set_rcnt = s + at[6]; x.set_base = s + at[7]; x.set_rbase = s + at[8];
-  x.ecnt = s + at[9]; x.ebase = s + at[10]; x.e_first = s + at[11];
-  x.part_tok_base = s + at[12]; x.part_row_base = s + at[13];
-  x.copy_tok = s + at[14]; x.copy_rows = s + at[15]; x.copy_chunks = s + at[16];
-  x.tok_rec = s + at[17]; x.set_mask = s + at[18]; x.row_mask = s + at[19];
+  x.per_tcopy = s + at[4]; x.rows_done = s + at[5];
+  x.set_cnt = s + at[6]; x.set_rcnt = s + at[7]; x.set_base = s + at[8]; x.set_rbase = s + at[9];
+  x.ecnt = s + at[10]; x.ebase = s + at[11]; x.e_first = s + at[12];
+  x.part_tok_base = s + at[13]; x.part_row_base = s + at[14];
+  x.copy_tok = s + at[15]; x.copy_rows = s + at[16]; x.copy_chunks = s + at[17];
+  x.tok_rec = s + at[18]; x.set_mask = s + at[19]; x.row_mask = s + at[20];
   return x;
 }
 
@@ -314,7 +345,7 @@ struct ChunkSpec {
   const i64* front;
   const i64* back;
 };
-EM_FN ChunkSpec chunk_spec(const i64* p, i64 copy) {
+EM_FN ChunkSpec chunk_spec(Prog p, i64 copy) {
   const i64* c = copy_rec(p, copy);
   ChunkSpec s;
   s.tpc = c[C_tpc];
@@ -344,7 +375,7 @@ EM_FN Chunking chunking(const ChunkSpec& s, i64 n) {
   k.rest = k.tpc > 0 ? rem32(middle, k.tpc) : 0;
   return k;
 }
-EM_FN Chunking chunking(const i64* p, i64 copy, i64 n) { return chunking(chunk_spec(p, copy), n); }
+EM_FN Chunking chunking(Prog p, i64 copy, i64 n) { return chunking(chunk_spec(p, copy), n); }
 
 EM_FN i64 num_chunks(const Chunking& k) {
   if (k.n <= 0) return 0;
@@ -453,6 +484,7 @@ struct SetInfo {
   int all;                     // SEG: selects every token of its parent
   int dst;                     // OUT: its destination rank
   int out;                     // OUT: its place among the home's OUT sets (its row masks)
+  int si;                      // its index among the program's sets (-1: past the home's last set)
 };
 
 // One block's tokens of one home rank: which sets each is in and, per set, expert and row masks
@@ -498,13 +530,13 @@ struct Experts {
     return static_cast<int>(strided ? quot16(by, static_cast<unsigned>(e)) : rem16(by, static_cast<unsigned>(e)));
   }
 };
-EM_HD Experts experts_of(const i64* p) {
+EM_HD Experts experts_of(Prog p) {
   Experts x;
   x.strided = static_cast<int>(p[H_strided]);
   x.by = div16(static_cast<unsigned>(x.strided ? p[H_num_ranks] : p[H_epr]));
   return x;
 }
-EM_FN int expert_of(const i64* p, int rank, int local) {
+EM_FN int expert_of(Prog p, int rank, int local) {
   return p[H_strided] ? local * static_cast<int>(p[H_num_ranks]) + rank : rank * static_cast<int>(p[H_epr]) + local;
 }
 
@@ -512,7 +544,7 @@ EM_FN int expert_of(const i64* p, int rank, int local) {
 // masks zero, the home's set records read (every thread of the block; meta_fused runs it while it
 // waits for the peers' routing).
 EM_FN void count_prepare(const Args& a, int h, Shared& sh) {
-  const i64* p = a.prog;
+  const Prog p = prog_of(a);
   const int E = static_cast<int>(p[H_experts]);
   const int nsets = static_cast<int>(p[H_sets_max]);
   const i64* index = p + p[H_off_set_index] + static_cast<i64>(h) * nsets;
@@ -520,10 +552,11 @@ EM_FN void count_prepare(const Args& a, int h, Shared& sh) {
     for (int s = t; s < kMaxSets * kWords; s += kBlock) (&sh.set_words[0][0])[s] = 0u;
     for (int s = t; s < E * kWords; s += kBlock) (&sh.exp_words[0][0])[s] = 0u;
     for (int s = t; s < kMaxOutSets * kMaxTopk * kWords; s += kBlock) (&sh.row_words[0][0][0])[s] = 0u;
-    for (int b = t; b < kMaxSets; b += kBlock) {
+    for (int b = kBlock - 1 - t; b < kMaxSets; b += kBlock) {  // the block's last threads (meta_fused)
       SetInfo& in = sh.sets[b];
       const i64 si = b < nsets ? index[b] : -1;
       in.kind = -1;
+      in.si = static_cast<int>(si);
       if (si < 0) continue;
       const i64* s = set_rec(p, si);
       in.kind = static_cast<int>(s[S_kind]);
@@ -552,7 +585,7 @@ EM_FN void count_prepare(const Args& a, int h, Shared& sh) {
 // each one's sets and experts into `sh` (every thread of the block).  Marks the first bad token
 // of this rank's own routing.
 EM_FN void load_tokens(const Args& a, int h, int block, Shared& sh) {
-  const i64* p = a.prog;
+  const Prog p = prog_of(a);
   const int K = static_cast<int>(p[H_topk]), E = static_cast<int>(p[H_experts]);
   const int T = a.tokens[h];
   const int nsets = static_cast<int>(p[H_sets_max]);
@@ -590,7 +623,7 @@ EM_FN void load_tokens(const Args& a, int h, int block, Shared& sh) {
     SetBits bits;
     set_clear(bits);
     for (int b = 0; b < nsets; ++b) {
-      const SetInfo& s = sh.sets[b];
+      const SetInfo s = sh.sets[b];  // in registers: the stores below would have it read again per use
       if (s.kind < 0) break;
       bool in;
       if (s.kind == SET_SEG) {
@@ -647,7 +680,7 @@ EM_FN Mask get_mask(const i64* at) {
   m.w[3] = static_cast<unsigned>(b >> 32);
   return m;
 }
-EM_FN i64* tok_at(const Scratch& x, const i64* p, int h, int block, int t) {
+EM_FN i64* tok_at(const Scratch& x, Prog p, int h, int block, int t) {
   return x.tok_rec + ((static_cast<i64>(h) * p[H_token_blocks] + block) * kBlock + t) * tok_words(p);
 }
 
@@ -659,7 +692,7 @@ struct Token {
   int expert[kMaxTopk];
   int place[kMaxTopk];
 };
-EM_FN void get_token(const Scratch& x, const i64* p, int h, int block, int t, Token& k) {
+EM_FN void get_token(const Scratch& x, Prog p, int h, int block, int t, Token& k) {
   const i64* r = tok_at(x, p, h, block, t);
   const int K = static_cast<int>(p[H_topk]);
   k.rec = r;
@@ -681,7 +714,7 @@ EM_FN bool tok_has(const Token& k, int b) {
 }
 
 // A token's record, written by count (after load_tokens) for the rows phase.
-EM_FN void put_token(const Scratch& x, const i64* p, const Shared& sh, int h, int block, int t) {
+EM_FN void put_token(const Scratch& x, Prog p, const Shared& sh, int h, int block, int t) {
   i64* r = tok_at(x, p, h, block, t);
   const int K = static_cast<int>(p[H_topk]);
   for (int i = 0; i < kSetWords; ++i) r[i] = static_cast<i64>(sh.bits[t].w[i]);
@@ -714,10 +747,10 @@ static_assert(sizeof(ScanShared) <= sizeof(Shared), "the scan's shared memory fi
 
 // The sums over the token blocks the scan's blocks do, kSeries each: 2s and 2s + 1 set s's tokens
 // and rows, 2S + h E + e home rank h's rows of expert e.
-EM_HD i64 num_series(const i64* p) { return 2 * p[H_num_sets] + p[H_num_ranks] * p[H_experts]; }
+EM_HD i64 num_series(Prog p) { return 2 * p[H_num_sets] + p[H_num_ranks] * p[H_experts]; }
 
 // Blocks of each phase (meta_program.py grids() says the same: count, scan, rows less count's, items).
-EM_HD i64 phase_blocks(const i64* p, int phase) {
+EM_HD i64 phase_blocks(Prog p, int phase) {
   const i64 homes = p[H_num_ranks] * p[H_token_blocks];
   switch (phase) {
     case PHASE_COUNT: return homes;
@@ -733,29 +766,34 @@ EM_HD i64 phase_blocks(const i64* p, int phase) {
 // (the scan's offsets need nothing else); what rows reads: each token's record, each set's block
 // mask and each OUT set's row masks.
 EM_FN void count_block(const Args& a, i64 hb, Shared& sh) {
-  const i64* p = a.prog;
+  const Prog p = prog_of(a);
   const int TB = static_cast<int>(p[H_token_blocks]);
-  const int h = static_cast<int>(hb / TB), block = static_cast<int>(hb % TB);
+  const int h = static_cast<int>(quot32(hb, TB)), block = static_cast<int>(rem32(hb, TB));  // 32-bit: not a call
   load_tokens(a, h, block, sh);
   const Scratch x = scratch_of(a);
   const int nsets = static_cast<int>(p[H_sets_max]);
-  const i64* index = p + p[H_off_set_index] + static_cast<i64>(h) * nsets;
   const int E = static_cast<int>(p[H_experts]), K = static_cast<int>(p[H_topk]);
   EM_THREADS(t)
     // the sets one to a warp in turn (an OUT set's row masks are the longest work here: the other
     // warps would wait for warp 0 at the barrier)
     for (int b = (t % 32) * (kBlock / 32) + t / 32; b < nsets; b += kBlock) {
-      const i64 si = index[b];
+      // what the set holds here, in registers before the stores (which, for all the compiler
+      // knows, could be into shared memory: each use would read it again)
+      const i64 si = sh.sets[b].si;  // read by count_prepare (meta_fused: before the routing came)
+      const int kind = sh.sets[b].kind, out = sh.sets[b].out;
       if (si < 0) continue;
-      const int n = count(sh.set_words[b]);
+      Mask w;
+      for (int i = 0; i < kWords; ++i) w.w[i] = sh.set_words[b][i];
+      const int n = count(w.w);
       x.set_cnt[si * TB + block] = n;
       if (n) EM_ADD(x.set_total + si, n);
-      put_mask(x.set_mask + (si * TB + block) * 2, sh.set_words[b]);
+      put_mask(x.set_mask + (si * TB + block) * 2, w.w);
       int rows = 0;
-      if (sh.sets[b].kind == SET_OUT)
+      if (kind == SET_OUT)
         for (int m = 0; m < K; ++m) {
-          rows += count(sh.row_words[sh.sets[b].out][m]);
-          put_mask(x.row_mask + ((si * TB + block) * K + m) * 2, sh.row_words[sh.sets[b].out][m]);
+          for (int i = 0; i < kWords; ++i) w.w[i] = sh.row_words[out][m][i];
+          rows += count(w.w);
+          put_mask(x.row_mask + ((si * TB + block) * K + m) * 2, w.w);
         }
       x.set_rcnt[si * TB + block] = rows;
       if (rows) EM_ADD(x.set_rtotal + si, rows);
@@ -827,7 +865,7 @@ EM_FN Series series(const Scratch& x, i64 u, i64 S, i64 TB, i64 E) {
 // lane sums its run of ceil(TB / kLanes) blocks, then adds the runs of the lanes before it to walk
 // its own (two memory latencies a sum).
 EM_FN void sums_block(const Args& a, i64 j, ScanShared& ss) {
-  const i64* p = a.prog;
+  const Prog p = prog_of(a);
   const Scratch x = scratch_of(a);
   const i64 TB = p[H_token_blocks], E = p[H_experts], S = p[H_num_sets];
   const i64 NS = num_series(p), L = (TB + kLanes - 1) / kLanes;
@@ -873,7 +911,7 @@ EM_FN void prefetch_program(const Args& a) {
 // steps and the segments' loops stay rolled (16-way unrolled, each slot's expert_of inlined, they
 // were ~900 instructions of fetch; the scan 7.2 -> 6.1 us, 2 x H100, 2026-11-27).
 EM_FN void expert_offsets(const Args& a, ScanShared& ss) {
-  const i64* p = a.prog;
+  const Prog p = prog_of(a);
   const Scratch x = scratch_of(a);
   const i64 R = p[H_num_ranks], E = p[H_experts], EPR = p[H_epr];
   const i64 nseg = (EPR + kSeg - 1) / kSeg;  // segments of a rank's local experts
@@ -923,7 +961,7 @@ EM_FN void expert_offsets(const Args& a, ScanShared& ss) {
 // Offsets block 1: where each SEG set's slots start in its buffer (its group's sets before it),
 // the combine's zero list's bytes, the blobs' token counts.
 EM_FN void set_offsets(const Args& a) {
-  const i64* p = a.prog;
+  const Prog p = prog_of(a);
   const Scratch x = scratch_of(a);
   EM_THREADS(t)
     for (i64 g = t; g < p[H_num_groups]; g += kBlock) {
@@ -954,7 +992,7 @@ EM_FN void set_offsets(const Args& a) {
 // tokens, rows and chunks; then the descriptors' counts (CopyDesc rows, RoleDesc items, DrainDesc)
 // and each copy's first and end chunk starts.
 EM_FN void copy_offsets(const Args& a) {
-  const i64* p = a.prog;
+  const Prog p = prog_of(a);
   const Scratch x = scratch_of(a);
   EM_THREADS(t)
     for (i64 c = t; c < p[H_num_copies]; c += kBlock) {
@@ -985,31 +1023,35 @@ EM_FN void copy_offsets(const Args& a) {
       x.copy_chunks[c] = num_chunks(chunking(p, c, tok));
     }
   EM_SYNC
+  // the copies' descriptors, the roles' item counts and the drains' values side by side, each on
+  // threads of its own (one index space over all three): each is a chain of dependent loads, which
+  // in turn on one thread took ~3 us of the scan's long pole (2 x H100, 2026-11-28)
   EM_THREADS(t)
-    for (i64 i = t; i < p[H_num_tcopies]; i += kBlock) {
-      const i64* tc = tcopy_rec(p, i);
-      uint8_t* blob = a.blob[tc[T_program]];
-      const uint32_t rows = static_cast<uint32_t>(x.copy_rows[tc[T_copy]]);
-      memcpy(blob + tc[T_desc_off] + kCopyNRows, &rows, 4);
-      i64* starts = x.per_tcopy + tc[T_scratch_starts];
-      starts[0] = 0;
-      starts[x.copy_chunks[tc[T_copy]]] = x.copy_rows[tc[T_copy]];
-    }
-    for (i64 i = t; i < p[H_num_roles]; i += kBlock) {
-      const i64* ro = rec(p, H_off_roles, i, R_COUNT);
-      i64 items = 0;
-      for (i64 j0 = 0; j0 < ro[R_num_tcopies]; j0 += kRun) {  // the copies' indices, then their chunks
-        i64 c[kRun];
-        for (int j = 0; j < kRun; ++j) c[j] = j0 + j < ro[R_num_tcopies] ? tcopy_rec(p, ro[R_first_tcopy] + j0 + j)[T_copy] : -1;
-        for (int j = 0; j < kRun; ++j) items += c[j] >= 0 ? x.copy_chunks[c[j]] : 0;
+    const i64 NT = p[H_num_tcopies], NR = p[H_num_roles], ND = p[H_num_drain];
+    for (i64 q = t; q < NT + NR + ND; q += kBlock) {
+      if (q < NT) {
+        const i64* tc = tcopy_rec(p, q);
+        uint8_t* blob = a.blob[tc[T_program]];
+        const uint32_t rows = static_cast<uint32_t>(x.copy_rows[tc[T_copy]]);
+        memcpy(blob + tc[T_desc_off] + kCopyNRows, &rows, 4);
+        i64* starts = x.per_tcopy + tc[T_scratch_starts];
+        starts[0] = 0;
+        starts[x.copy_chunks[tc[T_copy]]] = x.copy_rows[tc[T_copy]];
+      } else if (q < NT + NR) {
+        const i64* ro = rec(p, H_off_roles, q - NT, R_COUNT);
+        i64 items = 0;
+        for (i64 j0 = 0; j0 < ro[R_num_tcopies]; j0 += kRun) {  // the copies' indices, then their chunks
+          i64 c[kRun];
+          for (int j = 0; j < kRun; ++j) c[j] = j0 + j < ro[R_num_tcopies] ? tcopy_rec(p, ro[R_first_tcopy] + j0 + j)[T_copy] : -1;
+          for (int j = 0; j < kRun; ++j) items += c[j] >= 0 ? x.copy_chunks[c[j]] : 0;
+        }
+        const uint32_t v = static_cast<uint32_t>(items);
+        memcpy(a.blob[ro[R_program]] + ro[R_desc_off] + kRoleItemCount, &v, 4);
+      } else {
+        const i64* dr = rec(p, H_off_drain, q - NT - NR, D_COUNT);
+        const uint64_t v = static_cast<uint64_t>(x.copy_chunks[dr[D_copy]]);
+        memcpy(a.blob[dr[D_program]] + dr[D_desc_off] + kDrainValue, &v, 8);
       }
-      const uint32_t v = static_cast<uint32_t>(items);
-      memcpy(a.blob[ro[R_program]] + ro[R_desc_off] + kRoleItemCount, &v, 4);
-    }
-    for (i64 i = t; i < p[H_num_drain]; i += kBlock) {
-      const i64* dr = rec(p, H_off_drain, i, D_COUNT);
-      const uint64_t v = static_cast<uint64_t>(x.copy_chunks[dr[D_copy]]);
-      memcpy(a.blob[dr[D_program]] + dr[D_desc_off] + kDrainValue, &v, 8);
     }
   EM_SYNC
 }
@@ -1038,7 +1080,7 @@ struct ExpertBase {
   const i64 *first, *home, *block;
   EM_METHOD i64 at(int e) const { return first[e] + home[e] + block[e]; }
 };
-EM_FN ExpertBase expert_base(const Scratch& x, const i64* p, int h, int block) {
+EM_FN ExpertBase expert_base(const Scratch& x, Prog p, int h, int block) {
   const i64 E = p[H_experts], TB = p[H_token_blocks];
   ExpertBase b;
   b.first = x.e_first;
@@ -1048,7 +1090,7 @@ EM_FN ExpertBase expert_base(const Scratch& x, const i64* p, int h, int block) {
 }
 
 // The token of a part's set within its copy: the part's first token plus the token's rank in the set.
-EM_FN i64 part_token(const Scratch& x, const i64* p, i64 part, int block, int t) {
+EM_FN i64 part_token(const Scratch& x, Prog p, i64 part, int block, int t) {
   const i64 s = part_rec(p, part)[P_tok_set];
   const Mask m = get_mask(x.set_mask + (s * p[H_token_blocks] + block) * 2);
   return x.part_tok_base[part] + x.set_base[s * p[H_token_blocks] + block] + before(m.w, t);
@@ -1061,7 +1103,7 @@ struct SlotBase {
   i64 at;
   Mask m;
 };
-EM_FN SlotBase slot_base(const Scratch& x, const i64* p, i64 s, int block) {
+EM_FN SlotBase slot_base(const Scratch& x, Prog p, i64 s, int block) {
   SlotBase b{0, {{0u, 0u, 0u, 0u}}};
   if (s < 0) return b;
   const i64 TB = p[H_token_blocks];
@@ -1075,7 +1117,7 @@ EM_FN i64 slot_of(const SlotBase& b, int t) { return b.at + before(b.m.w, t); }
 // routing): read by rows_item, which meta_fused runs for its first item while the peers' routing
 // comes, so the rows phase starts at the loads that need the scan's results.
 struct RowsItem {
-  i64 part, copy, tok_set, src_set, dst_set, srcbuf, out_rank;
+  i64 part, tcopy, copy, tok_set, src_set, dst_set, srcbuf, out_rank;
   i64 src_rows, dst_rows, weights;     // byte offsets into the program's blob (weights: -1, none)
   i64 waits, starts, nprod;            // the copy's waits and chunk starts in the scratch's per_tcopy
   i64 prod, prod_part, prod_slot;      // the producer copy, its part of this one's source (-1: no producer waits)
@@ -1084,13 +1126,14 @@ struct RowsItem {
   ChunkSpec ck, pck;                   // the copy's and the producer's
 };
 
-EM_FN void rows_item(const i64* p, i64 wi, RowsItem& r) {
+EM_FN void rows_item(Prog p, i64 wi, RowsItem& r) {
   const i64* w = rec(p, H_off_work, wi, W_COUNT);
   const i64 part = w[W_part];
   const i64* pr = part_rec(p, part);
   const i64* tc = tcopy_rec(p, pr[P_tcopy]);
   const int kind = static_cast<int>(pr[P_kind]);
   r.part = part;
+  r.tcopy = pr[P_tcopy];
   r.block = static_cast<int>(w[W_block]);
   r.h = static_cast<int>(pr[P_origin]);
   r.copy = pr[P_copy];
@@ -1125,7 +1168,7 @@ EM_FN void rows_item(const i64* p, i64 wi, RowsItem& r) {
 // masks, the producer's chunks) is loaded once, before the tokens' loop, and each token loads its
 // expert rows' bases before it stores any row.
 EM_FN void rows_run(const Args& a, const RowsItem& r) {
-  const i64* p = a.prog;
+  const Prog p = prog_of(a);
   const i64 part = r.part;
   const int block = r.block, h = r.h, kind = r.kind;
   const Scratch x = scratch_of(a);
@@ -1243,15 +1286,18 @@ EM_FN void rows_run(const Args& a, const RowsItem& r) {
   EM_DONE  // no barrier: nothing follows
 }
 
+// The table copy whose rows work item wi writes.
+EM_FN i64 work_tcopy(Prog p, i64 wi) { return part_rec(p, rec(p, H_off_work, wi, W_COUNT)[W_part])[P_tcopy]; }
+
 EM_FN void rows_block(const Args& a, i64 wi) {
   RowsItem r;
-  rows_item(a.prog, wi, r);
+  rows_item(prog_of(a), wi, r);
   rows_run(a, r);
 }
 
 // Block `hb` (home rank x token block): this rank's received rows, each one's weight and expert.
 EM_FN void recv_block(const Args& a, int hb) {
-  const i64* p = a.prog;
+  const Prog p = prog_of(a);
   const int TB = static_cast<int>(p[H_token_blocks]);
   const int h = hb / TB, block = hb % TB;
   const Scratch x = scratch_of(a);
@@ -1283,7 +1329,7 @@ EM_FN void recv_block(const Args& a, int hb) {
 // Rows block vb: num_work (part x token block, parts of this rank's copies only), then num_ranks x
 // token_blocks (the received rows).
 EM_FN void rows_phase_block(const Args& a, i64 vb) {
-  const i64 work = a.prog[H_num_work];
+  const i64 work = a.head[H_num_work];
   if (vb < work) rows_block(a, vb);
   else recv_block(a, static_cast<int>(vb - work));
 }
@@ -1292,7 +1338,7 @@ EM_FN void rows_phase_block(const Args& a, i64 vb) {
 // (2c + 1) / (2 n_i), ties by copy (tables.item_order).  With `channel`, its place among the
 // items of the role's copies between the same two ranks only: the chunk's sequence number on its
 // GPU proxy channel (runtime/engines/gpu_proxy/channels.py item_sequences).
-EM_FN i64 item_position(const Scratch& x, const i64* p, const i64* ro, i64 i, i64 c, bool channel = false) {
+EM_FN i64 item_position(const Scratch& x, Prog p, const i64* ro, i64 i, i64 c, bool channel = false) {
   const i64* ti = tcopy_rec(p, ro[R_first_tcopy] + i);
   const i64 ni = x.copy_chunks[ti[T_copy]];
   i64 pos = c;
@@ -1312,7 +1358,7 @@ EM_FN i64 item_position(const Scratch& x, const i64* p, const i64* ro, i64 i, i6
 
 // Items block ti: copy ti of this rank's tables.
 EM_FN void items_block(const Args& a, i64 ti) {
-  const i64* p = a.prog;
+  const Prog p = prog_of(a);
   const Scratch x = scratch_of(a);
   const i64* tc = tcopy_rec(p, ti);
   const i64* ro = rec(p, H_off_roles, tc[T_role_rec], R_COUNT);
@@ -1356,7 +1402,7 @@ EM_FN void items_block(const Args& a, i64 ti) {
 EM_FN void phase_block(const Args& a, int phase, i64 vb, PhaseShared& sm, bool prepared = false) {
   switch (phase) {
     case PHASE_COUNT:
-      if (!prepared) count_prepare(a, static_cast<int>(vb / a.prog[H_token_blocks]), sm.count);
+      if (!prepared) count_prepare(a, static_cast<int>(quot32(vb, a.head[H_token_blocks])), sm.count);
       count_block(a, vb, sm.count);
       break;
     case PHASE_SCAN: scan_block(a, vb, sm.scan); break;
@@ -1376,7 +1422,7 @@ EM_FN void phase_block(const Args& a, int phase, i64 vb, PhaseShared& sm, bool p
   }
 #else
 #define EM_PHASE_KERNEL(name, phase) \
-  EM_KERNEL name(Args a) { \
+  EM_KERNEL name(EM_ARGS a) { \
     EM_SHARED PhaseShared sm; \
     phase_block(a, phase, EM_BLOCK, sm); \
   }
