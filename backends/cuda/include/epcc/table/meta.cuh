@@ -62,13 +62,9 @@ typedef long long i64;
 #define EM_HD __host__ __device__ inline
 #define EM_METHOD __host__ __device__ __forceinline__
 #define EM_KERNEL __global__ void __launch_bounds__(kBlock)
-// a kernel's Args: read where they are, in constant memory (a copy, by value, would be a local
-// array: prog_of takes the header's address)
-#if defined(__CUDACC__)
-#define EM_ARGS const __grid_constant__ Args
-#else
-#define EM_ARGS const Args
-#endif
+// a kernel's Args: read where they are, in constant memory, where the target has it (a copy, by
+// value, would be a local array: prog_of takes the header's address)
+#define EM_ARGS const EPCC_GRID_CONSTANT Args
 #define EM_SHARED __shared__
 #define EM_THREADS(t) { const int t = static_cast<int>(EPCC_TID);
 #define EM_SYNC } __syncthreads();
