@@ -274,7 +274,7 @@ class DeviceMeta:
         for i, p in enumerate(PROGRAMS):
             a.seq[i] = self.seq[p].data_ptr() if p in self.seq else 0
         a.lay[:] = list(self.layout)
-        a.head[:] = [int(v) for v in self.mp.array[:HEADER_WORDS]]
+        a.head[:] = self.mp.array[:HEADER_WORDS].tolist()
         g = self.mp.grids()
         m.grid_count, m.grid_rows, m.grid_items, m.grid_scan = g["count"], g["rows"], g["items"], g["scan"]
         m.grid_copy = max(1, min(264, -(-self.R * self.T * self.K // 256)))

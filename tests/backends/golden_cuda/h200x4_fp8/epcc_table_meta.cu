@@ -228,6 +228,28 @@ __device__ __forceinline__ void stamp_as(const EpccTableMeta& m, int word, int f
   }
 }
 
+// Thread 0's wait, at GPU scope, for `*counter` to reach `target` (acquire loads: what the arrivals
+// released is seen after).  Bounded as the exchange is: past the timeout the first to give up
+// writes the error word {code, what} and says so -- `waiting` `what`, how many of `target - base`
+// `unit` -- and every waiter traps.  The grid barrier's (code 2) and the items' (code 3).
+__device__ __noinline__ void await_gpu(const EpccTableMeta& m, const uint64_t* counter, uint64_t base, uint64_t target,
+                                       int code, int what, const char* waiting, const char* unit) {
+  const uint64_t t0 = globaltimer();
+  uint64_t now;
+  while ((now = ld_acquire_gpu(counter)) < target) {
+    if (globaltimer() - t0 > m.exchange.timeout_ns) {
+      if (atomicCAS(m.exchange.error, 0, code) == 0) {
+        m.exchange.error[1] = what;
+        __threadfence_system();
+        printf("epcc: metadata kernels: rank %d, block %d: %s %d timed out after %.3f s with %llu of %llu %s\n",
+               m.exchange.rank, static_cast<int>(EPCC_BID), waiting, what, m.exchange.timeout_ns * 1e-9,
+               static_cast<unsigned long long>(now - base), static_cast<unsigned long long>(target - base), unit);
+      }
+      epcc::trap();
+    }
+  }
+}
+
 // Every block of the grid here before any goes on.  m.sync counts the blocks' arrivals and only
 // grows: every block arrives once per barrier, so a barrier's arrivals take it to the next
 // multiple of the grid, the same size launch after launch (DeviceMeta.set_grid clears it where the
@@ -243,21 +265,8 @@ __device__ __noinline__ void grid_barrier(const EpccTableMeta& m, int phase) {
     uint64_t arrived;
     asm volatile("atom.add.release.gpu.global.u64 %0, [%1], 1;" : "=l"(arrived) : "l"(m.sync) : "memory");
     const uint64_t target = (arrived / G + 1) * G;
-    const uint64_t t0 = globaltimer();
-    uint64_t now;
-    while ((now = ld_acquire_gpu(m.sync)) < target) {
-      if (globaltimer() - t0 > m.exchange.timeout_ns) {
-        if (atomicCAS(m.exchange.error, 0, 2) == 0) {
-          m.exchange.error[1] = phase;
-          __threadfence_system();
-          printf("epcc: metadata kernels: rank %d, block %d: the grid barrier after phase %d (count, scan, rows) "
-                 "timed out after %.3f s with %llu of %llu blocks there\n",
-                 m.exchange.rank, static_cast<int>(EPCC_BID), phase, m.exchange.timeout_ns * 1e-9,
-                 static_cast<unsigned long long>(now - (target - G)), static_cast<unsigned long long>(G));
-        }
-        epcc::trap();
-      }
-    }
+    await_gpu(m, m.sync, target - G, target, 2, phase, "the grid barrier after phase",
+              "blocks there (phase 0: count, 1: scan)");
   }
   __syncthreads();
 }
@@ -274,30 +283,14 @@ __device__ __forceinline__ void rows_done(const EpccTableMeta& m, epcc::meta::i6
 }
 
 // Before the items of table copy `ti`: every rows work item of that copy done (rows_done), not every
-// block's rows -- a copy's items go while other copies' rows are still being written.  Bounded as
-// the grid barrier is: past the timeout the first to give up writes the error word {3, ti} and
-// says so, and every waiter traps.
-__device__ __noinline__ void rows_wait(const EpccTableMeta& m, epcc::meta::Prog p, epcc::meta::i64 ti) {
+// block's rows -- a copy's items go while other copies' rows are still being written (await_gpu:
+// error word {3, ti}).
+__device__ __forceinline__ void rows_wait(const EpccTableMeta& m, epcc::meta::Prog p, epcc::meta::i64 ti) {
   namespace k = epcc::meta;
-  if (EPCC_TID == 0) {
-    const uint64_t* done = reinterpret_cast<const uint64_t*>(k::scratch_of(m.args).rows_done + ti);
-    const uint64_t need = static_cast<uint64_t>(k::tcopy_rec(p, ti)[k::T_work_items]);
-    const uint64_t t0 = globaltimer();
-    uint64_t now;
-    while ((now = ld_acquire_gpu(done)) < need) {
-      if (globaltimer() - t0 > m.exchange.timeout_ns) {
-        if (atomicCAS(m.exchange.error, 0, 3) == 0) {
-          m.exchange.error[1] = static_cast<int>(ti);
-          __threadfence_system();
-          printf("epcc: metadata kernels: rank %d, block %d: the items of table copy %lld timed out after %.3f s "
-                 "waiting for its rows, %llu of %llu work items done\n",
-                 m.exchange.rank, static_cast<int>(EPCC_BID), static_cast<long long>(ti), m.exchange.timeout_ns * 1e-9,
-                 static_cast<unsigned long long>(now), static_cast<unsigned long long>(need));
-        }
-        epcc::trap();
-      }
-    }
-  }
+  if (EPCC_TID == 0)
+    await_gpu(m, reinterpret_cast<const uint64_t*>(k::scratch_of(m.args).rows_done + ti), 0,
+              static_cast<uint64_t>(k::tcopy_rec(p, ti)[k::T_work_items]), 3, static_cast<int>(ti),
+              "the items' wait for the rows of table copy", "work items done");
   __syncthreads();
 }
 
