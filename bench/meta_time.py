@@ -19,16 +19,19 @@ kernels and copies with their mean device time, to find what bounds the metadata
 `--timeline [N]` (N: 50 where not given), after the above: N more dispatches at the runtime's grid
 with meta_fused's per-block %globaltimer stamps on (DeviceMeta.timeline; untimed), and per rank a
 table of where its time went.  Each row a stage of the kernel (meta.py STAGES: entry, sent -- the
-block's share of the routing written and its arrival added to this rank's flags --, prepared --
-its first count block's sets read --, peers -- every rank's flag seen --, each phase's work done, each grid barrier
-passed), in us after the launch's first block entered: the median over the dispatches of the
+block's share of the scratch cleared, of the templates copied and of the routing stored into every
+rank's area --, prepared -- its first count block's sets read --, peers -- that count block's
+tokens' slot words landed --, each phase's work done, each grid barrier passed), in us after the launch's first block entered: the median over the dispatches of the
 stage's median over the blocks ("median", over the blocks with work in the phase for a phase's
 row, their number in "blocks"; "-" where none had any) and of its max over the blocks ("max");
 beside it the step that led to it (start, send, prepare, wait, count, barrier 1, scan, ...): the
 median of how much later the grid's last block passed the stage than the last passed the one
 before (the launch's critical path), the total, the last stamp after the first entry, and the own
 time, the total less the wait (the ranks enter apart: the wait is the peers' lateness).  With
-the collective exchange (the routing gathered before the launch) send and wait are 0.  `--raw DIR`
+the collective exchange (the routing gathered before the launch) send is 0 and wait a look at
+slot words already there.  Over CUDA IPC the wait holds the routing's flight as well as the peers'
+lateness: compare the totals of the rank that came last (its peers' routing was there), not the
+own times, across builds.  `--raw DIR`
 also writes each rank's stamps of those dispatches, DIR/timeline_rank{r}.npy ([N][blocks][stage]
 ns, STAGES' order), to follow single blocks (which scan block is the phase's last, say).
 """
@@ -67,7 +70,7 @@ def timeline_lines(summary: dict, rank: int) -> list[str]:
                      f"{step:<10} {us(took)}")
     lines.append(f"  {'total':<10} {'':>6} {'':>8} {'':>8}   {'':<10} {us(summary['total_us'])}")
     lines.append(f"  {'own':<10} {'':>6} {'':>8} {'':>8}   {'':<10} {us(summary['own_us'])}"
-                 f"   (the total less the wait for the peers' routing)")
+                 f"   (the total less the wait for the blocks' arrivals and the peers' routing)")
     return lines
 
 

@@ -859,12 +859,11 @@ def device_metadata(plan: Plan, manifest: dict, target: Target = CUDA) -> dict:
     # (CUDA: the cooperative meta_fused runs the phases; its steps' kernels stay, its fallback)
     exchange = exchange_entry(plan, manifest["options"]["metadata_exchange"])
     ipc = exchange["exchange"] == "ipc"
-    signal = ["gather_signal_wait"] if ipc else []
     steps = ["meta_count", "meta_scan", "meta_rows", "meta_items"]
     fused = target.residency == "cooperative"  # one launch needs every block resident at once
-    launches = (["meta_fused"] if ipc else ["gather_copy", "meta_fused"]) if fused else ["gather_copy", *signal, *steps]
+    launches = (["meta_fused"] if ipc else ["gather_copy", "meta_fused"]) if fused else ["gather_copy", *steps]
     return {"lowering": "device", **exchange,
-            "kernels": [*(["meta_fused"] if fused else []), "gather_copy", *signal, *steps, "zero_partials"],
+            "kernels": [*(["meta_fused"] if fused else []), "gather_copy", *steps, "zero_partials"],
             "launches": launches, "blocks": blocks,
             "capacity": {**{f: getattr(cap, f) for f in CAPACITY_FIELDS}, "shared_bytes": shared_bytes(cap)}}
 
@@ -885,9 +884,9 @@ def metadata_exchange(plan: Plan, how: str) -> str:
 
 def exchange_bytes(plan: Plan) -> int:
     """What each rank receives of the routing per dispatch, either exchange: every other rank's
-    slot of the gather area, its token count (int32) and `tokens` x `topk` entries of an int32
-    expert and an fp32 weight (padded to the bundle's tokens: the slot's size does not follow
-    the routing, so the exchange needs no count before it)."""
+    slot of the gather area, its token count (int32) and `tokens` x `topk` slot words of 8 bytes (an
+    expert, the exchange's tag, an fp32 weight; padded to the bundle's tokens: the slot's size does
+    not follow the routing, so the exchange needs no count before it)."""
     wl = plan.workload
     return (plan.num_ranks - 1) * (4 + wl.tokens * wl.topk * 8)
 
@@ -895,15 +894,16 @@ def exchange_bytes(plan: Plan) -> int:
 def exchange_entry(plan: Plan, how: str) -> dict:
     """The manifest's words on the routing's exchange (`how`: "ipc" or "collective", resolved)."""
     if how == "ipc":
-        text = ("every rank writes its token count, top-k experts (int32) and weights (fp32) into its slot of "
-                "every peer's gather area over CUDA IPC, then adds its arrival to its flag there (each block of "
-                "meta_fused its share, or gather_signal_wait the whole where the steps are launches of their "
-                "own); the table kernels wait for every peer's flag")
+        text = ("every rank writes its routing as 8-byte slot words (expert, fp32 weight and the exchange's tag, "
+                "one store each; no flag, no fence) into its slot of every peer's gather area over CUDA IPC; each "
+                "count block of the table kernels polls its own tokens' words until they carry the exchange's "
+                "tag")
     else:
         why = (f"its {plan.num_ranks} ranks span more than one CUDA IPC domain (at most {ONE_IPC_DOMAIN_RANKS})"
                if plan.num_ranks > ONE_IPC_DOMAIN_RANKS else "asked for (`--metadata-exchange collective`)")
-        text = ("every rank writes its token count, top-k experts (int32) and weights (fp32) into its slot of its "
-                "own gather area (gather_copy); three in-place all-gathers of the Buffer's process group "
+        text = ("every rank writes its token count and its routing as 8-byte slot words (expert, fp32 weight and "
+                "the exchange's tag) into its slot of its own gather area (gather_copy); two in-place all-gathers "
+                "of the Buffer's process group "
                 "(torch.distributed.all_gather_into_tensor, on the dispatch's stream: NCCL over NVLink and the "
                 f"NIC) fill every rank's slot, before the table kernels: {why}")
     return {"exchange": how, "exchange_how": text, "exchange_bytes_per_rank": exchange_bytes(plan)}

@@ -110,7 +110,8 @@ def shared_bytes(cap: Capacity) -> int:
     """sizeof(meta.cuh's Shared) at `cap` (tests/backends/test_meta_kernels.py checks it against
     the host compiler's): per set its SetInfo (a rank mask, `set_words` words of LIVE bits, six
     ints) and its block mask; per token its set bits, top-k experts (short) and rank mask; per
-    expert a block mask; per OUT set top-k block masks."""
+    expert a block mask; per OUT set top-k block masks; the block's first bad token (an int, padded
+    to 8 bytes)."""
     words = TOKEN_BLOCK // 32
     sets = SET_WORD * cap.set_words
     info = 8 + 8 * cap.set_words + 6 * 4
@@ -118,7 +119,7 @@ def shared_bytes(cap: Capacity) -> int:
     total = (sets * info + TOKEN_BLOCK * 8 * cap.set_words + sets * words * 4 + cap.experts * words * 4
              + cap.out_sets * cap.topk * words * 4 + TOKEN_BLOCK * cap.topk * 2)
     total += -total % 8
-    return total + TOKEN_BLOCK * 8
+    return total + TOKEN_BLOCK * 8 + 8
 
 
 def check_shared(cap: Capacity, limit: int, target: str) -> None:

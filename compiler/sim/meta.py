@@ -8,24 +8,24 @@ kernels' launches, sim/direct.py).  The manifest's metadata "launches" says how:
 cooperative kernel, `meta_fused` (after `gather_copy` with the collective exchange), the phases
 with a grid barrier after count and after scan and the items' waits for their copies' rows;
 elsewhere (SUPA; a bundle compiled before the launches were recorded) the steps as launches of
-their own, `gather_copy`, `gather_signal_wait`, `meta_count`,
-`meta_scan`, `meta_rows`, `meta_items`.  `SimOptions.metadata` (a DeviceMetadata: the phases'
+their own, `gather_copy`, `meta_count`, `meta_scan`, `meta_rows`, `meta_items`.  `SimOptions.metadata` (a DeviceMetadata: the phases'
 blocks and the launches, from the manifest) turns the term on; the plan's metadata steps
 (`exchange`), whose work the kernels do, then cost nothing of their own.  The combine has no
 metadata: the dispatch's kernels wrote both programs' tables.  Per dispatch, in seconds:
 
 * exchange over CUDA IPC (the manifest's metadata "exchange": "ipc", one box): the routing copy
-  writes the rank's top-k (T x K x 8 bytes: int32 expert, fp32 weight) into every peer's gather
-  area, zeroes a scratch and restores the tables' static fields, GATHER_S plus the bytes over the
+  writes the rank's top-k (T x K slot words of 8 bytes: expert, fp32 weight, the exchange's tag)
+  into every peer's gather area, zeroes a scratch and restores the tables' static fields, GATHER_S plus the bytes over the
   plan's link between ranks (the fastest `p2p` link, else the fastest other link between ranks:
   the 2-vnode plans declare only their RDMA-class link, which bounds it from above); a link of
   per-GPU ports carries the rank's copies to all R - 1 peers, a link of GPU pairs one copy per
-  pair; the flag wait for every peer, SIGNAL_S (a round trip and the two ranks' arrival apart as
-  the calibration's timed dispatches had it; the model does not know how far apart other ranks
+  pair; the wait for every peer's routing, SIGNAL_S (count polls its tokens' slot words; fitted
+  when a flag followed the routing: a round trip and the two ranks' arrival apart as the
+  calibration's timed dispatches had it; the model does not know how far apart other ranks
   arrive);
 * exchange by the process group's all-gather ("collective": ranks in several boxes):
-  `gather_copy` writes the rank's own slot only, GATHER_S; then three ring all-gathers (counts,
-  experts, weights) in which every rank receives the R - 1 other slots (4 + T x K x 8 bytes
+  `gather_copy` writes the rank's own slot only, GATHER_S; then two ring all-gathers (counts, slot
+  words) in which every rank receives the R - 1 other slots (4 + T x K x 8 bytes
   each): the B - 1 of its own box over the plan's link inside a box (as above), the R - B of the
   other boxes over the slowest link between boxes (its slowest `rdma` link; a plan without one,
   its slowest link between ranks), B the ranks of the largest box (`boxes`: the ranks the plan's
@@ -41,8 +41,8 @@ metadata: the dispatch's kernels wrote both programs' tables.  Per dispatch, in 
   and for the items blocks' wait for their own copies' rows (a grid barrier before items when the
   constants were measured);
 * `gaps`: GAP_S per launch (meta_fused: one, two with the collective's gather_copy; the steps:
-  six over CUDA IPC, five with the collective, one fewer without copies; the all-gathers'
-  launches are in their latency).
+  five, gather_copy and the four phases, one fewer without copies; the all-gathers' launches are
+  in their latency).
 
 waves = ceil(blocks / META_SMS): where a phase has more blocks than the calibration's, each wave
 beyond costs what it costs as a launch of its own (in meta_fused the grid's blocks loop over the
@@ -93,7 +93,8 @@ FUSED_DEVICE_US = 56.4
 H100_MEASURED_US = {"gather_copy": 8.3, "gather_signal_wait": 8.5, "meta_count": 12.4, "meta_scan": 20.1,
                     "meta_rows": 32.2, "meta_items": 3.7}
 H100_WHOLE_US = 100.0
-LAUNCHES = 6  # the steps over CUDA IPC: gather_copy, gather_signal_wait, meta_count, meta_scan, meta_rows, meta_items
+LAUNCHES = 6  # the calibration's steps over CUDA IPC: gather_copy, gather_signal_wait (a flag wait since gone), meta_count, meta_scan, meta_rows, meta_items
+STEP_LAUNCHES = 5  # the steps now, either exchange: gather_copy, meta_count, meta_scan, meta_rows, meta_items
 BARRIERS = 3  # meta_fused's grid barriers before scan and rows, and the items' waits for their copies' rows (the count needs none after the exchange)
 META_SMS = 132  # the calibration GPU's SMs (H100 SXM; H200 SXM has as many)
 _CAL_BYTES, _CAL_BPS = 4096 * 8 * 8, 450e9  # the gather's bytes to the one peer, over NVLink
@@ -118,8 +119,7 @@ BARRIER_S = (FUSED_WHOLE_US * 1e-6 - (STEP_WHOLE_US * 1e-6 - (LAUNCHES - 1) * GA
 
 # NCCL's cost model of a ring all-gather (src/graph/tuning.cc, ncclTopoTuneModel: the latency of
 # R - 1 steps, nodes - 1 of them over the network), in us: (base, per step inside a node, per step
-# between nodes) for the LL protocol (small messages: the counts) and Simple (the top-k, the
-# weights).  Not measured here: the one-box 2-GPU runs of tests/gpu are the first check.
+# between nodes) for the LL protocol (small messages: the counts) and Simple (the slot words).  Not measured here: the one-box 2-GPU runs of tests/gpu are the first check.
 NCCL_RING_US = {"LL": (3.6, 0.47, 2.7), "Simple": (8.4, 3.4, 9.6)}
 NCCL_LL_NODES_FACTOR = 1.8  # LL's per-step latency inside a node where there are several nodes
 
@@ -226,7 +226,7 @@ def collective_terms(plan: Plan) -> tuple[float, float]:
     _, inter_bps = between_boxes_link(plan)
     transfer = ((in_box - 1) * slot / intra_bps if intra_bps > 0 else 0.0) + \
         ((R - in_box) * slot / inter_bps if inter_bps > 0 else 0.0)
-    latency = ring_latency(R, len(groups), "LL") + 2 * ring_latency(R, len(groups), "Simple")
+    latency = ring_latency(R, len(groups), "LL") + ring_latency(R, len(groups), "Simple")
     return transfer, latency
 
 
@@ -240,13 +240,13 @@ def metadata_terms(plan: Plan, meta: DeviceMetadata) -> dict[str, float]:
     if meta.exchange == "collective":
         transfer, wait = collective_terms(plan)
         exchange = {"gather": GATHER_S, "transfer": transfer, "collective": wait}
-        launches = 2 if meta.fused else LAUNCHES - 2 + (1 if meta.items_blocks else 0)
+        launches = 2 if meta.fused else STEP_LAUNCHES - 1 + (1 if meta.items_blocks else 0)
     else:
         _, bps, ports = exchange_link(plan)
         per_peer = wl.tokens * wl.topk * 8
         moved = per_peer * (plan.num_ranks - 1 if ports else 1) if plan.num_ranks > 1 else 0
         exchange = {"gather": GATHER_S, "transfer": moved / bps if bps > 0 else 0.0, "signal": SIGNAL_S}
-        launches = 1 if meta.fused else LAUNCHES - 1 + (1 if meta.items_blocks else 0)
+        launches = 1 if meta.fused else STEP_LAUNCHES - 1 + (1 if meta.items_blocks else 0)
     return {
         **exchange,
         "count": PASS_S + waves(meta.count_blocks) * COUNT_WAVE_S,

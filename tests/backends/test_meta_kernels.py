@@ -184,6 +184,12 @@ def _check_every_rank(kernels, name, plan, m, tokens, idx, w, counts, key=None, 
 _PROGRAMS: dict[tuple, tuple] = {}
 
 
+def _run_capacity(plan, m, prog, rank: int, tokens: int) -> meta_program.Capacity:
+    """The capacity `rank`'s program needs (the build _run uses for it)."""
+    pls = {p: placement(m, prog, p, rank, tokens) for p in ("dispatch", "combine")}
+    return meta_program.encode(m, plan.workload.placement, prog, pls, rank, tokens).capacity()
+
+
 def _run(kernels, plan, m, prog, rank, tokens, idx, w, counts, seqs=None, blobs=None, key=None, grid=0):
     """The host-compiled kernels' blobs and received rows of `rank`, built at the capacity its
     program needs, as the bundle's driver is (into `blobs` where given,
@@ -281,6 +287,54 @@ def test_the_kernels_divisions_without_a_divide_are_exact(host_kernels):
     lib.epcc_meta_check_division.argtypes = [ctypes.c_uint]
     lib.epcc_meta_check_division.restype = ctypes.c_longlong
     assert lib.epcc_meta_check_division(4096) == 0
+
+
+def test_a_slot_word_carries_the_expert_the_weight_and_the_exchanges_tag(host_kernels):
+    """What the exchange writes per top-k slot (meta.cuh slot_word): the expert's code in the low 16
+    bits, the tag in the next 16, the weight's bits in the high 32 -- one 8-byte store.  An expert the
+    kernels cannot hold (negative, 0x7ff0 and up, int64 values past int32) is the bad code, never an
+    expert it aliases; a token past its rank's count is absent (weight 0); the tag is never the zeroed
+    area's 0 (its high bit is set) and comes back after 32768 exchanges."""
+    lib = host_kernels()
+    lib.epcc_meta_slot_word.argtypes = [ctypes.c_longlong, ctypes.c_float, ctypes.c_int, ctypes.c_uint]
+    lib.epcc_meta_slot_word.restype = ctypes.c_ulonglong
+    lib.epcc_meta_slot_expert.argtypes = [ctypes.c_ulonglong]
+    lib.epcc_meta_tag_of.argtypes = [ctypes.c_ulonglong]
+    lib.epcc_meta_tag_of.restype = ctypes.c_uint
+    bits = int(np.float32(0.25).view(np.uint32))
+    assert lib.epcc_meta_slot_word(3, 0.25, 1, 7) == bits << 32 | 7 << 16 | 3
+    assert lib.epcc_meta_slot_word(0x7FEF, 0.25, 1, 7) & 0xFFFF == 0x7FEF
+    assert lib.epcc_meta_slot_word(-1, 0.25, 1, 9) == bits << 32 | 9 << 16 | 0xFFFF
+    assert lib.epcc_meta_slot_word(5, 0.25, 0, 9) == 9 << 16 | 0xFFFE  # absent: no weight
+    for e in (-2, -5, 0x7FF0, 0xFFFF, 2**32 + 3, -(2**40), 2**63 - 1):
+        word = lib.epcc_meta_slot_word(e, 0.25, 1, 1)
+        assert word & 0xFFFF == 0xFFFD and lib.epcc_meta_slot_expert(word) == -3, e  # bad: count drops it
+    assert [lib.epcc_meta_slot_expert(lib.epcc_meta_slot_word(e, 1.0, p, 1)) for e, p in
+            ((0, 1), (255, 1), (-1, 1), (4, 0))] == [0, 255, -1, -2]
+    tags = [lib.epcc_meta_tag_of(e) for e in (0, 1, 0x7FFF, 0x8000, 0x8001, 2**40 + 5)]
+    assert tags == [0x8000, 0x8001, 0xFFFF, 0x8000, 0x8001, 0x8005]
+
+
+@pytest.mark.parametrize("grid", [0, 5])
+def test_a_rank_whose_routing_never_came_is_named(host_kernels, grid):
+    """A rank's slot words with the tag of the exchange before (its routing never came): count's wait
+    gives up on that rank -- the error word {1, rank} the runtime turns into "the metadata exchange
+    timed out: rank R received no routing from rank N" (on the GPU after the timeout; here at once,
+    every word being in place before the kernels run) -- and a whole routing runs clean after."""
+    name, tokens, chunk = "h200x4_2vnode", 16, 3
+    plan, idx, w, counts = _routing(name, tokens, chunk, 3)
+    m = codegen.generate(plan, source_of(name)).manifest
+    prog = segment_program(plan)
+    lib = host_kernels(_run_capacity(plan, m, prog, 1, tokens))
+    lib.epcc_meta_error_rank.restype = ctypes.c_int
+    lib.epcc_meta_set_stale.argtypes = [ctypes.c_int]
+    for stale in (2, 0):
+        lib.epcc_meta_set_stale(stale)
+        with pytest.raises(AssertionError):
+            _run(host_kernels, plan, m, prog, 1, tokens, idx, w, counts, grid=grid)
+        assert lib.epcc_meta_error_rank() == stale
+    _run(host_kernels, plan, m, prog, 1, tokens, idx, w, counts, grid=grid)
+    assert lib.epcc_meta_error_rank() == -1
 
 
 def test_a_bad_routing_row_is_marked_and_ignored(host_kernels):
@@ -526,8 +580,9 @@ def test_which_bundles_get_their_tables_from_the_gpu():
         assert m["metadata"]["exchange"] == how and m["options"]["metadata_exchange"] == how, name
         assert "metadata" not in {n["kind"] for n in m["not_lowered"]}, name
         assert "epcc_table_meta.cu" in m["build"]["sources"] and "epcc/table/meta.cuh" in m["build"]["headers"]
-        # the signal kernel waits for the peers' flags over CUDA IPC; the all-gather needs none
-        assert ("gather_signal_wait" in m["metadata"]["kernels"]) == (how == "ipc"), name
+        # no flag after the routing, either way: the count blocks poll its slot words' tags
+        assert m["metadata"]["kernels"] == ["meta_fused", "gather_copy", "meta_count", "meta_scan", "meta_rows",
+                                            "meta_items", "zero_partials"], name
     for name in ("h200x2_2vnode", "h200x4_2vnode"):
         m = _proxy_manifest(codegen_plan(name), name)
         assert m["metadata"]["lowering"] == "device", (name, m["metadata"])
@@ -547,7 +602,7 @@ def test_which_bundles_get_their_tables_from_the_gpu():
         "lowering": "device", "exchange": "collective", "exchange_bytes_per_rank": 15 * (4 + wl.tokens * wl.topk * 8)}
     assert m["metadata"]["exchange_how"].endswith("before the table kernels: its 16 ranks span more than one CUDA "
                                                   "IPC domain (at most 8)")
-    assert m["metadata"]["capacity"]["sets"] == 20 and m["metadata"]["capacity"]["shared_bytes"] == 13824
+    assert m["metadata"]["capacity"]["sets"] == 20 and m["metadata"]["capacity"]["shared_bytes"] == 13832
     # whatever the RDMA option: an external proxy carries no routing, and needs none
     for rdma in ("emulate", "external"):
         m = codegen.generate(codegen_plan("ubbv2_ep16"), source_of("ubbv2_ep16"), codegen.CudaOptions(rdma=rdma)).manifest

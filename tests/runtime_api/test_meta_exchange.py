@@ -2,8 +2,8 @@
 exchange.py): the process group's in-place all-gather of each rank-major region of a gather area.
 Driven here with gloo and CPU tensors, one process per rank (the collective is the group's: NCCL
 on the GPU machine runs the same calls): after every rank wrote only its own slot, every rank's
-three regions hold every rank's slot, with uneven token counts, a rank with none, and the bytes
-outside the regions (the flags, the padding) untouched.
+two regions (token counts, slot words) hold every rank's slot, with uneven token counts, a rank
+with none, and the bytes outside the regions (the padding) untouched.
 
 A rank that does not come to an exchange: its peers give up at the Buffer's timeout, not torch's,
 and every rank names it, the bundle and the step (gloo: the exchange's own group's timeout; the
@@ -35,19 +35,27 @@ T, K, E = 24, 4, 32
 GARBAGE = 0x5A  # what the other ranks' slots and the bytes outside the regions start as
 
 
-def area_offsets(num_ranks: int) -> tuple[int, int, int, int]:
-    """(bytes, tokens, top-k, weights offsets) of a gather area: epcc_table_meta_area's layout
-    (templates/table_meta.cu.j2: flags [R] u64, counts [R] int padded to 16 bytes, then the top-k
-    and the weights)."""
-    tokens = 8 * num_ranks
-    topk = tokens + (4 * num_ranks + 15) // 16 * 16
-    weights = topk + 4 * num_ranks * T * K
-    return weights + 4 * num_ranks * T * K, tokens, topk, weights
+def area_offsets(num_ranks: int) -> tuple[int, int, int]:
+    """(bytes, tokens, slot words offsets) of a gather area: epcc_table_meta_area's layout
+    (templates/table_meta.cu.j2: counts [R] int padded to 16 bytes, then the slot words [R][T][K]
+    u64)."""
+    routing = (4 * num_ranks + 15) // 16 * 16
+    return routing + 8 * num_ranks * T * K, 0, routing
+
+
+def slot_words(n: int, idx: np.ndarray, w: np.ndarray, tag: int) -> np.ndarray:
+    """What gather_copy writes of a routing (epcc/table/meta.cuh slot_word): per slot the expert's
+    code (0xffff none, 0xfffe past the rank's tokens), the tag, the weight's bits."""
+    code = np.where(idx < 0, 0xFFFF, idx).astype(np.uint64)
+    code[n:] = 0xFFFE
+    bits = w.view(np.uint32).astype(np.uint64)
+    bits[n:] = 0
+    return ((bits << np.uint64(32)) | np.uint64(tag << 16) | code).view(np.int64)
 
 
 def routing(rank: int, num_ranks: int) -> tuple[int, np.ndarray, np.ndarray]:
-    """A rank's slot as gather_copy writes it: its token count (uneven, rank 1 none) and its top-k
-    experts and weights padded to T with -1 and 0."""
+    """A rank's slot as gather_copy writes it: its token count (uneven, rank 1 none) and its slot
+    words (its top-k experts and weights, padded to T with absent tokens), of tag 1."""
     n = 0 if rank == 1 else T - 5 * rank
     rng = np.random.default_rng(100 + rank)
     idx = np.full((T, K), -1, dtype=np.int32)
@@ -56,36 +64,34 @@ def routing(rank: int, num_ranks: int) -> tuple[int, np.ndarray, np.ndarray]:
         idx[t] = rng.choice(E, size=K, replace=False)
         idx[t, rng.integers(K)] = -1  # a masked slot
         w[t] = rng.random(K, dtype=np.float32)
-    return n, idx, w
+    return n, slot_words(n, idx, w, 1)
 
 
 def _worker(rank: int, num_ranks: int, store: str, results: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=num_ranks)
     try:
-        size, off_tokens, off_topk, off_weights = area_offsets(num_ranks)
+        size, off_tokens, off_routing = area_offsets(num_ranks)
         area = torch.full((size,), GARBAGE, dtype=torch.uint8)
-        regions = area_regions(area, num_ranks, T, K, off_tokens, off_topk, off_weights)
-        n, idx, w = routing(rank, num_ranks)
+        regions = area_regions(area, num_ranks, T, K, off_tokens, off_routing)
+        n, words = routing(rank, num_ranks)
         regions[0][rank] = n
-        regions[1][rank] = torch.from_numpy(idx)
-        regions[2][rank] = torch.from_numpy(w)
+        regions[1][rank] = torch.from_numpy(words)
         outside = area.clone()
         all_gather_slots(regions, rank, dist.group.WORLD)
         want = [routing(r, num_ranks) for r in range(num_ranks)]
         assert regions[0].tolist() == [x[0] for x in want]
         assert np.array_equal(regions[1].numpy(), np.stack([x[1] for x in want]))
-        assert np.array_equal(regions[2].numpy(), np.stack([x[2] for x in want]))
-        # the same bytes through the area itself, and nothing outside the three regions written
-        ends = [(off_tokens, off_tokens + 4 * num_ranks), (off_topk, off_weights), (off_weights, size)]
+        # the same bytes through the area itself, and nothing outside the two regions written
+        ends = [(off_tokens, off_tokens + 4 * num_ranks), (off_routing, size)]
         mask = torch.ones(size, dtype=torch.bool)
         for a, b in ends:
             mask[a:b] = False
         assert torch.equal(area[mask], outside[mask])
-        assert np.array_equal(area[off_topk:off_weights].numpy().view(np.int32).reshape(num_ranks, T, K),
+        assert np.array_equal(area[off_routing:].numpy().view(np.int64).reshape(num_ranks, T, K),
                               regions[1].numpy())
         # a second exchange with other routings overwrites every slot (a fresh routing per dispatch)
         regions[0][rank] = T - rank
-        regions[1][rank] = torch.from_numpy(np.roll(idx, 1, axis=0))
+        regions[1][rank] = torch.from_numpy(np.roll(words, 1, axis=0))
         all_gather_slots(regions, rank, dist.group.WORLD)
         assert regions[0].tolist() == [T - r for r in range(num_ranks)]
         assert np.array_equal(regions[1].numpy(),
@@ -106,16 +112,16 @@ def test_every_rank_gets_every_slot_in_place(tmp_path, num_ranks):
 def test_the_regions_are_views_of_the_area():
     """What the collective writes is the area the metadata kernels read: the regions share its
     storage at the offsets epcc_table_meta_area gives, rank-major."""
-    size, off_tokens, off_topk, off_weights = area_offsets(3)
+    size, off_tokens, off_routing = area_offsets(3)
     area = torch.zeros(size, dtype=torch.uint8)
-    counts, topk, weights = area_regions(area, 3, T, K, off_tokens, off_topk, off_weights)
-    assert (counts.shape, topk.shape, weights.shape) == ((3,), (3, T, K), (3, T, K))
-    topk[2, 1, 3] = -7
-    weights[1, 0, 0] = 0.5
+    counts, words = area_regions(area, 3, T, K, off_tokens, off_routing)
+    assert (counts.shape, words.shape) == ((3,), (3, T, K))
+    words[2, 1, 3] = -7
+    words[1, 0, 0] = 1 << 40
     counts[2] = 9
-    assert area[off_topk:off_weights].numpy().view(np.int32)[(2 * T + 1) * K + 3] == -7
-    assert area[off_weights:].numpy().view(np.float32)[T * K] == 0.5
-    assert area[off_tokens:off_topk].numpy().view(np.int32)[2] == 9
+    assert area[off_routing:].numpy().view(np.int64)[(2 * T + 1) * K + 3] == -7
+    assert area[off_routing:].numpy().view(np.int64)[T * K] == 1 << 40
+    assert area[off_tokens:off_routing].numpy().view(np.int32)[2] == 9
 
 
 # ---------------------------------------------------------------- a rank that does not come
@@ -141,9 +147,8 @@ def _skipper(rank: int, num_ranks: int, members: list[int], store: str, results:
         me = dist.get_rank(group)
         a = agree.Agreement.for_group(group, BOUND_S)
         x = Exchange(group, BOUND_S, BUNDLE, torch.device("cpu"))
-        size, off_tokens, off_topk, off_weights = area_offsets(len(members))
-        regions = area_regions(torch.zeros(size, dtype=torch.uint8), len(members), T, K, off_tokens, off_topk,
-                               off_weights)
+        size, off_tokens, off_routing = area_offsets(len(members))
+        regions = area_regions(torch.zeros(size, dtype=torch.uint8), len(members), T, K, off_tokens, off_routing)
         regions[0][me] = me + 1
         x.all_gather(regions)
         out["first"] = regions[0].tolist()

@@ -2,8 +2,9 @@
 metadata "exchange": "collective"): what carries every rank's routing where the ranks span several
 CUDA IPC domains, so no rank can map another's gather area.
 
-A gather area (epcc_table_meta.cu) holds three rank-major regions, each rank's slot contiguous:
-token counts [R] int32, top-k experts [R][T][K] int32 and weights [R][T][K] fp32.  Once this rank
+A gather area (epcc_table_meta.cu) holds two rank-major regions, each rank's slot contiguous:
+token counts [R] int32 and slot words [R][T][K] int64 (each a top-k slot's expert, weight and the
+exchange's tag: epcc/table/meta.cuh slot_word).  Once this rank
 wrote its own slot of each (gather_copy, collective mode), one in-place
 `all_gather_into_tensor` per region (the output the region, the input this rank's slot of it)
 fills every other rank's slot.  The collective runs on the current stream of the calling
@@ -73,14 +74,13 @@ class ExchangeTimeout(WatchFailed):
                          f"all-gather of every rank's routing: it skipped the dispatch, stalled, or its process died")
 
 
-def area_regions(area: torch.Tensor, num_ranks: int, tokens: int, topk: int, off_tokens: int, off_topk: int,
-                 off_weights: int) -> list[torch.Tensor]:
-    """The three regions of a gather area (a uint8 tensor; offsets from epcc_table_meta_area) as
-    rank-major views: counts [R] int32, experts [R, T, K] int32, weights [R, T, K] fp32."""
+def area_regions(area: torch.Tensor, num_ranks: int, tokens: int, topk: int, off_tokens: int,
+                 off_routing: int) -> list[torch.Tensor]:
+    """The two regions of a gather area (a uint8 tensor; offsets from epcc_table_meta_area) as
+    rank-major views: counts [R] int32, slot words [R, T, K] int64."""
     n = num_ranks * tokens * topk
     return [area[off_tokens:off_tokens + 4 * num_ranks].view(torch.int32),
-            area[off_topk:off_topk + 4 * n].view(torch.int32).view(num_ranks, tokens, topk),
-            area[off_weights:off_weights + 4 * n].view(torch.float32).view(num_ranks, tokens, topk)]
+            area[off_routing:off_routing + 8 * n].view(torch.int64).view(num_ranks, tokens, topk)]
 
 
 def all_gather_slots(regions: list[torch.Tensor], rank: int, group) -> None:

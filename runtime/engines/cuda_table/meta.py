@@ -39,22 +39,26 @@ from .tables import PROGRAMS
 
 MAX_RANKS = 64
 ZERO_BLOCKS = 264  # zero_partials' grid at most (epcc_table_meta_zero), and alone on the device
-META_ABI = 10  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
+META_ABI = 11  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
 LAYOUT_WORDS = 21  # meta.cuh kLayout: the scratch's regions
 HEADER_WORDS = len(HEADER)  # meta.cuh H_COUNT: the program's header, a copy of which the kernels' arguments hold
-PHASES = ("count", "scan")  # meta.cuh Phase: what meta_fused's grid barrier timeouts name (after count, scan)
+# what meta_fused's grid barrier timeouts name (error word {2, n}): after count, scan (meta.cuh Phase),
+# and the first half-barrier, after the routing copy (the scratch the count blocks add into cleared)
+PHASES = ("count", "scan", "the routing copy")
 # meta_fused's timeline (epcc_table_meta.cu MetaStamp, kMetaTimelineWords): what each block's
-# thread 0 stamps, in order.  sent: its share of the routing written and its arrival added to this
-# rank's flags; prepared: its first count block's sets (and first rows item's records) read;
-# peers: every rank's flag seen; a phase's name: its work done; "barrier n": past the grid barrier
+# thread 0 stamps, in order.  sent: its share of the scratch cleared and of the templates copied, its
+# arrival counted, its share of the routing stored into every rank's area; prepared: its first count
+# block's sets (and first rows item's records) read; peers: that count block's tokens' slot words
+# landed (thread 0's token; a block without count work: prepared's stamp); a phase's name: its work
+# done; "barrier n": past the grid barrier
 # after the n-th phase; "rows seen": its first items block's wait for the rows of that block's copy
 # over (no grid barrier after rows; a block without items: its rows done).  Without the exchange
-# (collective) sent is entry's stamp and peers prepared's.
+# (collective) sent is entry's stamp.
 STAGES = ("entry", "sent", "prepared", "peers", "count", "barrier 1", "scan", "barrier 2", "rows", "rows seen",
           "items")
 TIMELINE_WORDS = len(STAGES)
 # what the step up to each stage is called in timeline_summary: start is the spread of the blocks'
-# entries, wait the wait for the peers' routing
+# entries, wait the wait for every block's arrival and then for the block's tokens' routing
 STEPS = ("start", "send", "prepare", "wait", "count", "barrier 1", "scan", "barrier 2", "rows", "rows wait",
          "items")
 # the phase whose blocks with work a stage's statistics are over (timeline_summary's busy; None: every block)
@@ -71,8 +75,8 @@ class _Exchange(ctypes.Structure):
 
 class _Args(ctypes.Structure):  # epcc::meta::Args
     _fields_ = [("prog", ctypes.c_uint64), ("prog_words", ctypes.c_int64), ("scratch", ctypes.c_uint64),
-                ("tokens", ctypes.c_uint64),
-                ("topk", ctypes.c_uint64), ("weights", ctypes.c_uint64), ("blob", ctypes.c_uint64 * 2),
+                ("tokens", ctypes.c_uint64), ("routing", ctypes.c_uint64), ("epoch", ctypes.c_uint64),
+                ("error", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64), ("blob", ctypes.c_uint64 * 2),
                 ("bad", ctypes.c_uint64), ("recv_w", ctypes.c_uint64), ("recv_idx", ctypes.c_uint64),
                 ("recv_count", ctypes.c_uint64), ("recv_offset", ctypes.c_uint64), ("seq", ctypes.c_uint64 * 2),
                 ("lay", ctypes.c_int64 * LAYOUT_WORDS), ("head", ctypes.c_int64 * HEADER_WORDS)]
@@ -118,11 +122,11 @@ def bind(lib: ctypes.CDLL) -> None:
     lib.epcc_table_meta_max_grid.restype = ctypes.c_int
 
 
-def area_layout(lib, num_ranks: int, max_tokens: int, topk: int) -> tuple[int, int, int, int]:
-    """(bytes, tokens offset, top-k offset, weights offset) of a gather area."""
-    out = (ctypes.c_uint64 * 4)()
+def area_layout(lib, num_ranks: int, max_tokens: int, topk: int) -> tuple[int, int, int]:
+    """(bytes, token counts' offset, slot words' offset) of a gather area."""
+    out = (ctypes.c_uint64 * 3)()
     lib.epcc_table_meta_area(num_ranks, max_tokens, topk, out)
-    return int(out[0]), int(out[1]), int(out[2]), int(out[3])
+    return int(out[0]), int(out[1]), int(out[2])
 
 
 def program_of(manifest: dict, plan, prog: SegmentProgram, rank: int) -> tuple[MetaProgram, dict[str, Placement]]:
@@ -191,7 +195,7 @@ class DeviceMeta:
         # kernels may not write host memory (SUPA on BR1xx), read back after the stream
         self.error = (torch.zeros(2, dtype=torch.int32, device=device) if error_on_device
                       else torch.zeros(2, dtype=torch.int32, pin_memory=True))
-        self.area_bytes, self.off_tokens, self.off_topk, self.off_weights = area_layout(lib, R, wl.tokens, wl.topk)
+        self.area_bytes, self.off_tokens, self.off_routing = area_layout(lib, R, wl.tokens, wl.topk)
         self.timeout_ns = int(timeout_s * 1e9)
         self.areas: list[int] = []
         self.own_area = 0
@@ -202,8 +206,7 @@ class DeviceMeta:
                 raise EngineError("the bundle's metadata exchange is the process group's collective: DeviceMeta "
                                   "needs the Buffer's Exchange")
             self.area = torch.zeros(self.area_bytes, dtype=torch.uint8, device=device)
-            self.regions = area_regions(self.area, R, wl.tokens, wl.topk, self.off_tokens, self.off_topk,
-                                        self.off_weights)
+            self.regions = area_regions(self.area, R, wl.tokens, wl.topk, self.off_tokens, self.off_routing)
             # one exchange of the zeroed area now (every rank makes its Buffer at the same time): the
             # group's communicator is set up here, not by a first dispatch inside a CUDA-graph capture
             exchange.all_gather(self.regions)
@@ -261,8 +264,8 @@ class DeviceMeta:
         a.prog, a.prog_words = self.prog.data_ptr(), len(self.mp.array)
         a.scratch = self.scratch.data_ptr()
         a.tokens = self.own_area + self.off_tokens
-        a.topk = self.own_area + self.off_topk
-        a.weights = self.own_area + self.off_weights
+        a.routing = self.own_area + self.off_routing
+        a.epoch, a.error, a.timeout_ns = x.epoch, x.error, x.timeout_ns
         for i, p in enumerate(PROGRAMS):
             if p in self.blobs:
                 a.blob[i] = self.blobs[p].data_ptr()
@@ -360,7 +363,8 @@ def timeline_summary(stamps, busy: dict[str, int] | None = None) -> dict:
       block counted -- the launch's critical path, which adds up to "total_us", the last stamp
       after the first entry;
     * "own_us": the total less the wait step -- the launch's own time, without the peers' lateness
-      (the ranks enter the launch apart: the wait is theirs, not the kernel's).
+      (the ranks enter the launch apart: the wait is theirs, not the kernel's) and, over CUDA IPC,
+      without the routing's flight (the count blocks wait for their tokens' slot words there).
 
     ValueError where the stamps are not one launch's (a block's stamps out of order, or none)."""
     t = np.asarray(stamps, dtype=np.int64)

@@ -5,6 +5,7 @@
 #include <climits>
 #include <cstring>
 #include <initializer_list>
+#include <vector>
 
 #include "epcc/table/meta.cuh"
 
@@ -45,9 +46,33 @@ extern "C" long long epcc_meta_check_division(unsigned dmax) {
   return 0;
 }
 
+// The slot words as the exchange writes them (slot_word) and as count reads them back.
+extern "C" unsigned long long epcc_meta_slot_word(long long e, float w, int present, unsigned tag) {
+  return slot_word(e, w, present != 0, tag);
+}
+extern "C" int epcc_meta_slot_expert(unsigned long long v) { return slot_expert(v); }
+extern "C" unsigned epcc_meta_tag_of(unsigned long long epoch) { return tag_of(epoch); }
+
+// The next run writes rank `rank`'s slot words with the tag of the exchange before (-1: none), as a
+// gather area holds them where that rank's routing never came: the run then returns 3 and
+// epcc_meta_error_rank names the rank the kernels found missing.
+static int g_stale = -1, g_error_rank = -1;
+extern "C" void epcc_meta_set_stale(int rank) { g_stale = rank; }
+extern "C" int epcc_meta_error_rank(void) { return g_error_rank; }
+
 // sizeof(Shared) at this build's capacity (meta_program.py shared_bytes computes the same).
 extern "C" long long epcc_meta_shared_bytes(void) { return static_cast<long long>(sizeof(Shared)); }
 
+
+// A run's end: 3 where the kernels found a rank's routing missing (the exchange's error word {1, rank}),
+// 4 where the epoch did not advance by exactly one, else 0.
+static int finish(const int (&error)[2], unsigned long long epoch) {
+  if (error[0]) {
+    g_error_rank = error[1];
+    return 3;
+  }
+  return epoch == 2 ? 0 : 4;
+}
 
 extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const int* tokens, const int* topk,
                              const float* weights, unsigned char* blob_d, unsigned char* blob_c, int* bad,
@@ -66,9 +91,25 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
   std::memcpy(a.head, prog, sizeof a.head);
   a.prog_words = 0;  // prefetch only
   a.scratch = scratch;
+  // every rank's routing as the exchange leaves it in a gather area: slot words of this exchange's
+  // tag (the second: the area's words of the first, and a rank's set stale, show), tokens past a
+  // rank's count absent
+  const long long R = p[H_num_ranks], T = p[H_max_tokens], K = p[H_topk];
+  unsigned long long epoch = 1;
+  std::vector<unsigned long long> slots(static_cast<size_t>(R * T * K));
+  for (long long r = 0; r < R; ++r)
+    for (long long i = 0; i < T * K; ++i) {
+      const long long at = r * T * K + i;
+      slots[at] = slot_word(topk[at], weights[at], i / K < tokens[r], tag_of(r == g_stale ? epoch : epoch + 1));
+    }
+  g_stale = -1;
+  int error[2] = {0, 0};
+  g_error_rank = -1;
   a.tokens = tokens;
-  a.topk = topk;
-  a.weights = weights;
+  a.routing = slots.data();
+  a.epoch = &epoch;
+  a.error = error;
+  a.timeout_ns = 0;
   a.blob[0] = blob_d;
   a.blob[1] = blob_c;
   a.bad = bad;
@@ -83,7 +124,7 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
     for (int b = 0; b < phase_blocks(p, PHASE_SCAN); ++b) meta_scan(a, b);
     for (int b = 0; b < phase_blocks(p, PHASE_ROWS); ++b) meta_rows(a, b);
     for (int b = 0; b < phase_blocks(p, PHASE_ITEMS); ++b) meta_items(a, b);
-    return 0;
+    return finish(error, epoch);
   }
   // meta_fused's order (its block b reads its first count block's sets while it waits for the
   // exchange: here right before that block, the blocks running one after the other).  Its items
@@ -107,5 +148,5 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
         phase_block(a, phase, vb, sm, first);
       }
   }
-  return 0;
+  return finish(error, epoch);
 }

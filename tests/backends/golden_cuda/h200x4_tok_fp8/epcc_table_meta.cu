@@ -7,32 +7,31 @@
 //
 // One dispatch's metadata, on the CUDA target: one cooperative launch, meta_fused (every block
 // resident: its grid is capped by the kernel's occupancy, epcc_table_meta_max_grid), which copies
-// the routing, meets the peers' and runs the metadata kernels' four phases with a grid-wide barrier
-// after count and after scan and, before each items block, a wait for its own copy's rows (each
-// block looping over its share of a phase's blocks) -- or, collective, the
-// routing copy, the runtime's all-gathers, then meta_fused without the exchange.  Where there is
-// no cooperative launch (the SUPA target, or a grid of 0 from the runtime) the same phases are
-// launches of their own: gather_copy, gather_signal_wait, meta_count, meta_scan, meta_rows,
-// meta_items.
+// the routing and runs the metadata kernels' four phases with a grid-wide barrier after count and
+// after scan and, before each items block, a wait for its own copy's rows (each block looping over
+// its share of a phase's blocks) -- or, collective, the routing copy, the runtime's all-gathers,
+// then meta_fused without the copy.  Where there is no cooperative launch (the SUPA target, or a
+// grid of 0 from the runtime) the same phases are launches of their own: gather_copy, meta_count,
+// meta_scan, meta_rows, meta_items.
 //
-// The exchange: every rank's gather area holds, per rank r, r's token count, top-k indices and
-// weights, and r's flag; each region is rank-major (slot r of every region is r's).  Two ways to
-// fill it (the manifest's metadata "exchange"):
+// The exchange: every rank's gather area holds, per rank r, r's token count and r's routing as
+// slot words (epcc/table/meta.cuh slot_word: expert, weight and the exchange's tag in one 64-bit
+// word); each region is rank-major (slot r of every region is r's).  Two ways to fill it (the
+// manifest's metadata "exchange"):
 // * ipc (epcc_table_meta: one box): the areas are peer memory, mapped by every rank.  A rank
-//   writes its own into every area (its slot); each writer (a block of meta_fused, or
-//   gather_signal_wait after gather_copy) then adds its share of kArrival to the rank's flag in
-//   every area (a release reduction at system scope: it orders the writer's stores before it), the
-//   shares of one exchange summing to kArrival whatever the grid, so epoch e is complete when the
-//   flag reaches e * kArrival; a rank waits until every rank's flag in its own area has
-//   (acquire, bounded: past the timeout it writes the error word and traps).
-//   The epoch lives in device memory (a graph of the launches replays them unchanged).  The next
-//   exchange cannot overwrite an area a peer still reads: a rank only starts it after its
-//   previous dispatch kernel, which meets every peer at its entry barrier after their metadata
-//   kernels.
+//   writes its slot words into every area (its slot), one store a word, and nothing after them: no
+//   flag, no fence, so no writer waits for the peers to acknowledge its stores.  A reader's count
+//   block polls its own tokens' words until they carry this exchange's tag (tag_of the epoch,
+//   which every rank advances once per exchange), bounded: past the timeout it writes the error
+//   word and traps.  The epoch lives in device memory (a graph of the launches replays them
+//   unchanged).  The next exchange cannot overwrite an area a peer still reads: a rank only
+//   starts it after its previous dispatch kernel, which meets every peer at its entry barrier
+//   after their metadata kernels.
 // * collective (epcc_table_meta_gather, then the runtime's all-gathers, then
 //   epcc_table_meta_tables: ranks in several boxes): the area is this rank's own memory; a rank
 //   writes its slot only, and the process group's collective (runtime/engines/cuda_table/meta.py,
-//   stream-ordered) fills the others' slots of each region in place; no flag, no epoch.
+//   stream-ordered) fills the others' slots of each region in place; the tags are there before
+//   the kernels look.
 #include <climits>
 #include <cstdint>
 #include <cstdio>
@@ -41,7 +40,7 @@
 
 #include "epcc/prelude/cuda.cuh"
 // What the metadata kernels' shared memory is sized for, from the plan (meta_program.py Capacity):
-// 6 token sets of home rank 0 (the most of any), 12288 bytes per block.
+// 6 token sets of home rank 0 (the most of any), 12296 bytes per block.
 #define EPCC_META_SET_WORDS 1
 #define EPCC_META_OUT_SETS 4
 #define EPCC_META_EXPERTS 256
@@ -59,17 +58,18 @@ using epcc::meta::kMaxRanks;
 
 // The layout of EpccTableMeta and Args that runtime/engines/cuda_table/meta.py writes with ctypes:
 // changed whenever they change, checked by the runtime at load (epcc_table_meta_abi).
-constexpr int kMetaAbi = 10;
+constexpr int kMetaAbi = 11;
 
 // meta_fused's timeline (EpccTableMeta.timeline, DeviceMeta.timeline in meta.py): thread 0 of each
 // block writes kMetaTimelineWords %globaltimer stamps (ns) per launch, at [block][MetaStamp]:
-// entry; sent (its share of the routing written and its arrival added to this rank's flags);
-// prepared (its first count block's sets read); peers (every rank's
-// flag seen); then per phase its work done (thread 0's: the block's other threads' tail lands in
-// the next stage) and, after count and scan, the grid barrier after it passed; after rows, the wait
-// of the block's first items block for its copy's rows (a block without: its rows done).  Every
-// block stamps every word, work or none.  Without the exchange (collective: the gather area was filled before
-// the launch) sent is entry's stamp and peers prepared's, the same values: those stages take 0.
+// entry; sent (its share of the scratch cleared and of the blobs' templates copied, its arrival
+// counted, its share of the routing stored into every area); prepared (its first count block's
+// sets read); peers (that count block's tokens' slot words all landed, thread 0's token's; a block
+// without count work: prepared's); then per phase its work done (thread 0's: the block's other
+// threads' tail lands in the next stage) and, after count and scan, the grid barrier after it
+// passed; after rows, the wait of the block's first items block for its copy's rows (a block
+// without: its rows done).  Every block stamps every word, work or none.  Without the exchange
+// (collective: the gather area was filled before the launch) sent is entry's stamp.
 enum MetaStamp : int { kStampEntry, kStampSent, kStampPrepared, kStampPeers, kStampPhases };
 constexpr int kMetaTimelineWords = kStampPhases + 2 * epcc::meta::PHASES - 1;
 
@@ -78,38 +78,21 @@ struct Exchange {
   uint64_t own;               // this rank's gather area
   const int64_t* routing;     // this rank's top-k indices [tokens][k], int64 or int32 (topk_int32)
   const float* weights;       // [tokens][topk] or null (weight 1)
-  uint64_t* epoch;            // device counter
+  uint64_t* epoch;            // device counter: exchanges so far (the metadata kernels' rows phase advances it)
   int* error;                 // host-mapped: {code, what}; code 1: the exchange timed out waiting for rank
-                              // `what`; code 2: meta_fused's grid barrier after phase `what` timed out;
-                              // code 3: meta_fused's items of table copy `what` timed out waiting for its rows
+                              // `what`'s routing; code 2: meta_fused's grid barrier after phase `what`
+                              // timed out (2: after the routing copy); code 3: meta_fused's items of
+                              // table copy `what` timed out waiting for its rows
   uint64_t timeout_ns;
   int rank, num_ranks, max_tokens, k, tokens, topk_int32;
   int collective;             // 1: gather_copy writes this rank's slot of its own area only
 };
 
-// What one exchange adds to a rank's flag in every area, in shares (arrival_share): the flag of a
-// rank whose exchange of epoch e has landed everywhere is e * kArrival (a 64-bit flag holds 2^40
-// exchanges).
-constexpr uint64_t kArrival = 1ull << 24;
-
-// Writer `i` of `n`'s share of kArrival (the n shares sum to it exactly).
-__host__ __device__ inline uint64_t arrival_share(uint64_t i, uint64_t n) {
-  return (i + 1) * kArrival / n - i * kArrival / n;
-}
-
-// Offsets inside a gather area: flags [R] u64, tokens [R] int (16-byte padded), topk [R][T][K] int,
-// weights [R][T][K] float.
-__host__ __device__ inline uint64_t area_tokens(const Exchange& x) { return 8ull * x.num_ranks; }
-__host__ __device__ inline uint64_t area_topk(const Exchange& x) {
-  return area_tokens(x) + ((4ull * x.num_ranks + 15) / 16) * 16;
-}
-__host__ __device__ inline uint64_t area_weights(const Exchange& x) {
-  return area_topk(x) + 4ull * x.num_ranks * x.max_tokens * x.k;
-}
+// Offsets inside a gather area: tokens [R] int (16-byte padded), slot words [R][T][K] u64.
+__host__ __device__ inline uint64_t area_tokens(const Exchange&) { return 0; }
+__host__ __device__ inline uint64_t area_routing(const Exchange& x) { return ((4ull * x.num_ranks + 15) / 16) * 16; }
 
 using epcc::globaltimer;
-using epcc::ld_acquire_sys;
-using epcc::red_release_sys_add;
 
 }  // namespace
 
@@ -129,11 +112,11 @@ struct EpccTableMeta {
 
 namespace {
 
-// This rank's routing into its slot of every rank's area (of its own area only, collective),
-// padded with -1 / 0 to max_tokens; on the side, what the metadata kernels start from: the scratch's
-// zeroed regions zero, the blobs' static fields in place, no bad token yet.  Thread `first` of
-// `step`.
-__device__ __forceinline__ void gather_part(const EpccTableMeta& m, uint64_t first, uint64_t step) {
+// What the metadata kernels start from, thread `first` of `step`: the scratch's zeroed regions
+// zero, the blobs' static fields in place, no bad token yet, this rank's token count in its own
+// area (the scan reads it).  All of it local memory: meta_fused's blocks count their arrival after
+// it (a release at GPU scope), and its count blocks wait for every block's before they add.
+__device__ __forceinline__ void gather_local(const EpccTableMeta& m, uint64_t first, uint64_t step) {
   const Exchange& x = m.exchange;
   // the scratch's regions that start at zero (meta.cuh kZeroed: the rest the phases write whole)
   const uint64_t zeroed = static_cast<uint64_t>(m.args.lay[epcc::meta::kZeroed]);
@@ -143,73 +126,42 @@ __device__ __forceinline__ void gather_part(const EpccTableMeta& m, uint64_t fir
     for (uint64_t i = first; i < n16; i += step)
       reinterpret_cast<epcc::V16*>(m.args.blob[p])[i] = reinterpret_cast<const epcc::V16*>(m.templ[p])[i];
   }
-  if (first == 0) *m.args.bad = INT_MAX;
-  // each entry loaded once and stored into every area (no division: the kernels are latency-bound)
+  if (first == 0) {
+    *m.args.bad = INT_MAX;
+    reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(x.own) + area_tokens(x))[x.rank] = x.tokens;
+  }
+}
+
+// This rank's routing as slot words of exchange tag `tag` into its slot of every rank's area (of
+// its own area only, collective), padded to max_tokens with absent tokens' words; thread `first`
+// of `step`.  Each entry loaded once and stored into every area, one 8-byte store a word.
+__device__ __forceinline__ void gather_routing(const EpccTableMeta& m, uint64_t first, uint64_t step, unsigned tag) {
+  const Exchange& x = m.exchange;
   const uint64_t n = static_cast<uint64_t>(x.max_tokens) * x.k;
   const uint64_t have = static_cast<uint64_t>(x.tokens) * x.k;
   const int areas = x.collective ? 1 : x.num_ranks;
-  const uint64_t topk_at = area_topk(x) + 4ull * x.rank * n, weights_at = area_weights(x) + 4ull * x.rank * n;
+  const uint64_t at = area_routing(x) + 8ull * x.rank * n;
   for (uint64_t k = first; k < n; k += step) {
-    int e = -1;
+    long long e = -1;
     float w = 0.f;
     if (k < have) {
-      e = x.topk_int32 ? reinterpret_cast<const int32_t*>(x.routing)[k] : static_cast<int>(x.routing[k]);
+      e = x.topk_int32 ? reinterpret_cast<const int32_t*>(x.routing)[k] : x.routing[k];
       w = x.weights ? x.weights[k] : 1.f;
     }
-    for (int r = 0; r < areas; ++r) {
-      uint8_t* area = reinterpret_cast<uint8_t*>(x.collective ? x.own : x.areas[r]);
-      reinterpret_cast<int*>(area + topk_at)[k] = e;
-      reinterpret_cast<float*>(area + weights_at)[k] = w;
-    }
+    const unsigned long long v = epcc::meta::slot_word(e, w, k < have, tag);
+    for (int r = 0; r < areas; ++r)
+      reinterpret_cast<unsigned long long*>(reinterpret_cast<uint8_t*>(x.collective ? x.own : x.areas[r]) + at)[k] = v;
   }
-  for (uint64_t r = first; r < static_cast<uint64_t>(areas); r += step)
-    reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(x.collective ? x.own : x.areas[r]) + area_tokens(x))[x.rank] = x.tokens;
 }
 
+// The routing copy where the phases are launches of their own (and, collective, before the
+// all-gathers): what the metadata kernels start from, and this rank's slot words of the next
+// exchange (its tag from the epoch, which the rows phase advances after every count block read it).
 __global__ void gather_copy(EpccTableMeta m) {
-  gather_part(m, EPCC_BID * static_cast<uint64_t>(EPCC_BDIM) + EPCC_TID, static_cast<uint64_t>(EPCC_GDIM) * EPCC_BDIM);
-  __threadfence_system();
-}
-
-// `share` of this rank's arrival added to its flag in every area (thread r: rank r's area), after a
-// barrier of the block: the release orders the block's stores of the routing (its threads',
-// ordered by that barrier) before the flag moves.
-__device__ __forceinline__ void arrive(const Exchange& x, uint64_t share) {
-  const int r = static_cast<int>(EPCC_TID);
-  if (r < x.num_ranks) red_release_sys_add(reinterpret_cast<uint64_t*>(x.areas[r]) + x.rank, share);
-}
-
-// Every rank's flag here at epoch e (thread r waits for rank r's; bounded: past the timeout the
-// first to give up writes the error word and says so, and every waiter traps), then the block's
-// barrier: its threads read the routing after.
-__device__ __forceinline__ void wait_flags(const Exchange& x, uint64_t e) {
-  const int r = static_cast<int>(EPCC_TID);
-  if (r < x.num_ranks) {
-    const uint64_t* flag = reinterpret_cast<const uint64_t*>(x.own) + r;
-    const uint64_t t0 = globaltimer();
-    while (ld_acquire_sys(flag) < e * kArrival) {
-      if (globaltimer() - t0 > x.timeout_ns) {
-        if (atomicCAS(x.error, 0, 1) == 0) {
-          x.error[1] = r;
-          __threadfence_system();
-          printf("epcc: metadata exchange timed out after %.3f s: rank %d has no routing from rank %d (epoch %llu)\n",
-                 x.timeout_ns * 1e-9, x.rank, r, static_cast<unsigned long long>(e));
-        }
-        epcc::trap();
-      }
-      epcc::backoff(32);
-    }
-  }
-  __syncthreads();
-}
-
-// One block, after gather_copy: this rank's whole arrival added to its flag in every area, then
-// wait for every rank's flag here.
-__global__ void gather_signal_wait(Exchange x) {
-  const uint64_t e = *x.epoch + 1;
-  arrive(x, kArrival);
-  wait_flags(x, e);
-  if (EPCC_TID == 0) *x.epoch = e;
+  const uint64_t first = EPCC_BID * static_cast<uint64_t>(EPCC_BDIM) + EPCC_TID;
+  const uint64_t step = static_cast<uint64_t>(EPCC_GDIM) * EPCC_BDIM;
+  gather_local(m, first, step);
+  gather_routing(m, first, step, epcc::meta::tag_of(*m.exchange.epoch + 1));
 }
 
 using epcc::ld_acquire_gpu;
@@ -250,26 +202,35 @@ __device__ __noinline__ void await_gpu(const EpccTableMeta& m, const uint64_t* c
   }
 }
 
-// Every block of the grid here before any goes on.  m.sync counts the blocks' arrivals and only
-// grows: every block arrives once per barrier, so a barrier's arrivals take it to the next
-// multiple of the grid, the same size launch after launch (DeviceMeta.set_grid clears it where the
-// size changes).  Bounded as the exchange is: past the timeout the first to give up writes the
-// error word {2, phase} and says so, and every waiter traps.
-__device__ __noinline__ void grid_barrier(const EpccTableMeta& m, int phase) {
+// The grid barrier in two halves.  m.sync counts the blocks' arrivals and only grows: every block
+// arrives once per barrier, so a barrier's arrivals take it to the next multiple of the grid, the
+// same size launch after launch (DeviceMeta.set_grid clears it where the size changes).
+// grid_arrive: the block's stores (its threads', ordered by the block's barrier) released, one
+// arrival counted; thread 0 gets the count the barrier waits for.  grid_await: thread 0 waits for
+// it (acquire: it sees every arrived block's stores), then the block's barrier.  Release and acquire
+// at GPU scope, no fence (two SC fences per barrier cost ~0.6 us of its ~1.9: 2 x H100, 2026-11-27).
+// Bounded as every wait is: past the timeout the first to give up writes the error word
+// {2, after} and says so, and every waiter traps.
+__device__ __forceinline__ uint64_t grid_arrive(const EpccTableMeta& m) {
   __syncthreads();
+  uint64_t target = 0;
   if (EPCC_TID == 0) {
-    const uint64_t G = EPCC_GDIM;
-    // the arrival releases the block's stores (its threads', ordered by the barrier above); the
-    // acquire loads below see every block's that arrived before -- release and acquire at GPU
-    // scope, no fence (two SC fences per barrier cost ~0.6 us of its ~1.9: 2 x H100, 2026-11-27)
     uint64_t arrived;
     asm volatile("atom.add.release.gpu.global.u64 %0, [%1], 1;" : "=l"(arrived) : "l"(m.sync) : "memory");
-    const uint64_t target = (arrived / G + 1) * G;
-    await_gpu(m, m.sync, target - G, target, 2, phase, "the grid barrier after phase",
-              "blocks there (phase 0: count, 1: scan)");
+    target = (arrived / EPCC_GDIM + 1) * EPCC_GDIM;
   }
+  return target;
+}
+
+__device__ __forceinline__ void grid_await(const EpccTableMeta& m, uint64_t target, int after) {
+  if (EPCC_TID == 0)
+    await_gpu(m, m.sync, target - EPCC_GDIM, target, 2, after, "the grid barrier after phase",
+              "blocks there (phase 0: count, 1: scan, 2: the routing copy)");
   __syncthreads();
 }
+
+// Every block of the grid here before any goes on (after phase `phase`).
+__device__ __noinline__ void grid_barrier(const EpccTableMeta& m, int phase) { grid_await(m, grid_arrive(m), phase); }
 
 // A rows work item of table copy `tcopy` done: every thread's rows of it stored (the barrier), one
 // more of the copy's work items counted (a release at GPU scope: the items block that waits for
@@ -294,52 +255,65 @@ __device__ __forceinline__ void rows_wait(const EpccTableMeta& m, epcc::meta::Pr
   __syncthreads();
 }
 
+// The threads of a block of meta_fused that copy the routing (its first two warps); the other two
+// read, meanwhile, what needs no routing: the last warp its first count block's sets (count_prepare
+// reads set b on thread kBlock - 1 - b), the first thread of the third the first rows item's
+// records.  Each is a chain of dependent loads (~1.5 us): behind the copy it would hold the count
+// back, in front of it the peers; in one warp, one after the other.
+constexpr int kSenders = 64;
+constexpr int kRowsItemThread = kSenders;
+
 // The metadata of one dispatch in one launch (cooperative: every block resident).  With `exchange`
-// (ipc): every block copies its share of the routing and clears its share of the scratch, arrives
-// (adds its share to this rank's flag in every area), reads its first count block's sets, then waits
-// for every rank's flag itself; then the phases, a grid barrier after count and after scan, and
-// before each items block a wait for its own copy's rows (rows_wait).  Without
-// (collective): the gather area was filled before, by the routing copy and the all-gathers.  With
-// m.timeline, thread 0 of each block stamps its way through (MetaStamp), nothing else changed.
+// (ipc): every block's senders clear its share of the scratch and copy its share of the templates,
+// count the block's arrival (the first half of a grid barrier) and store its share of the routing
+// into every area, while its other warps read the first count block's sets and rows item; its
+// count blocks wait for their own tokens' slot words (load_tokens), then for every block's arrival
+// before they add (the scratch is zero).  Then the phases, a grid barrier after count and after
+// scan, and before each items block a wait for its own copy's rows (rows_wait).  Without (collective): the gather
+// area was filled before, by the routing copy and the all-gathers.  With m.timeline, thread 0 of
+// each block stamps its way through (MetaStamp), nothing else changed.
 __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ EpccTableMeta m, int exchange) {
   namespace k = epcc::meta;
   __shared__ k::PhaseShared sm;
+  __shared__ k::RowsItem ri;
   const k::Args& a = m.args;
   const k::Prog p = k::prog_of(a);
   const Exchange& x = m.exchange;
   const k::i64 G = EPCC_GDIM, bid = EPCC_BID;
+  const int tid = static_cast<int>(EPCC_TID);
   const bool prepared = bid < k::phase_blocks(p, k::PHASE_COUNT);
-  uint64_t e = 0;
+  const bool rows_early = bid < p[k::H_num_work];
   stamp(m, kStampEntry);
-  if (exchange) {
-    e = *x.epoch + 1;  // block 0 advances it after the first barrier, when every block has read it
-    const uint64_t share = arrival_share(static_cast<uint64_t>(bid), static_cast<uint64_t>(G));  // its divisions while the loads below fly
-    gather_part(m, static_cast<uint64_t>(bid) * kBlock + EPCC_TID, static_cast<uint64_t>(G) * kBlock);
-    // each block releases its share of the routing to every peer itself: no block waits for the
-    // last to arrive before the flags move
-    __syncthreads();
-    arrive(x, share);
+  // this exchange's tag: the rows phase advances the epoch, after every block read it
+  const unsigned tag = k::tag_of(*x.epoch + 1);
+  uint64_t copied = 0;  // thread 0's: the arrivals the count blocks wait for before they add
+  if (exchange && tid < kSenders) {
+    const uint64_t first = static_cast<uint64_t>(bid) * kSenders + tid, step = static_cast<uint64_t>(G) * kSenders;
+    gather_local(m, first, step);
+    asm volatile("bar.sync 1, %0;" : : "n"(kSenders) : "memory");  // the senders' stores, before the arrival
+    if (tid == 0)
+      asm volatile("atom.add.release.gpu.global.u64 %0, [%1], 1;" : "=l"(copied) : "l"(m.sync) : "memory");
+    gather_routing(m, first, step, tag);
     stamp(m, kStampSent);
-  } else {
+  } else if (!exchange) {
     stamp_as(m, kStampSent, kStampEntry);
   }
-  // while the peers' routing comes, what needs none: the first count block's sets read, and what
-  // the program says of the first rows item (the rows phase then starts at the loads that need the
-  // scan; read in shared memory after the barriers between).  Both on the threads that do not
-  // arrive (thread kRowsItemThread; count_prepare reads set b on thread kBlock - 1 - b): an
-  // arriving thread's release at system scope waits until the block's stores to the peers are
-  // acknowledged, ~4 us of the send (2 x H100, 2026-11-28), and its warp with it.
-  __shared__ k::RowsItem ri;
-  const bool rows_early = bid < p[k::H_num_work];
-  if (rows_early && EPCC_TID == k::kRowsItemThread) k::rows_item(p, bid, ri);
+  if (rows_early && tid == kRowsItemThread) k::rows_item(p, bid, ri);
   if (prepared) k::count_prepare(a, static_cast<int>(k::quot32(bid, p[k::H_token_blocks])), sm.count);
   stamp(m, kStampPrepared);
-  if (exchange) {
-    wait_flags(x, e);
-    stamp(m, kStampPeers);
-  } else {
-    stamp_as(m, kStampPeers, kStampPrepared);
+  copied = (copied / G + 1) * G;  // thread 0's: the arrivals' next multiple of the grid
+  unsigned long long* seen = nullptr;  // the stamp of the first count block's tokens landed
+  if (m.timeline != nullptr) {
+    if (prepared)
+      seen = reinterpret_cast<unsigned long long*>(m.timeline + bid * static_cast<uint64_t>(kMetaTimelineWords) +
+                                                   kStampPeers);
+    else
+      stamp_as(m, kStampPeers, kStampPrepared);
   }
+  const auto cleared = [&]() {  // every block's share of the scratch cleared (each arrived after its own)
+    if (exchange) grid_await(m, copied, 2);
+  };
+  if (exchange && !prepared) cleared();  // arrive and wait once per barrier, count work or none
   const k::i64 work = p[k::H_num_work];
   for (int phase = k::PHASE_COUNT; phase < k::PHASES; ++phase) {
     const k::i64 n = k::phase_blocks(p, phase);
@@ -350,13 +324,14 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
       if (bid < n) rows_wait(m, p, bid);
       stamp(m, kStampPhases + 2 * phase - 1);
     }
-    if (exchange && phase == k::PHASE_SCAN && bid == 0 && EPCC_TID == 0) *x.epoch = e;
     for (k::i64 vb = bid; vb < n; vb += G) {
       if (phase == k::PHASE_ITEMS && vb != bid) rows_wait(m, p, vb);
       if (phase == k::PHASE_ROWS && vb == bid && rows_early)
         k::rows_run(a, ri);
+      else if (phase == k::PHASE_COUNT && vb == bid)
+        k::count_block(a, vb, sm.count, tag, seen, cleared);
       else
-        k::phase_block(a, phase, vb, sm, phase == k::PHASE_COUNT && vb == bid);
+        k::phase_block(a, phase, vb, sm);
       if (phase == k::PHASE_ROWS && vb < work) rows_done(m, vb == bid && rows_early ? ri.tcopy : k::work_tcopy(p, vb));
     }
     stamp(m, kStampPhases + 2 * phase);
@@ -463,7 +438,6 @@ int epcc_table_meta_load(void) {
   cudaFuncAttributes attr;
   cudaError_t e;
   if ((e = cudaFuncGetAttributes(&attr, gather_copy)) != cudaSuccess ||
-      (e = cudaFuncGetAttributes(&attr, gather_signal_wait)) != cudaSuccess ||
       (e = cudaFuncGetAttributes(&attr, zero_partials)) != cudaSuccess ||
       (e = cudaFuncGetAttributes(&attr, copy_rows)) != cudaSuccess ||
       (e = cudaFuncGetAttributes(&attr, epcc::meta::meta_count)) != cudaSuccess ||
@@ -492,17 +466,16 @@ int epcc_table_meta_max_grid(int device) {
   return coop ? per_sm * sms : 0;
 }
 
-// The layout of a gather area: out[0] its bytes, out[1..3] the offsets of the token counts, the
-// top-k indices and the weights (the flags are at 0).
+// The layout of a gather area: out[0] its bytes, out[1..2] the offsets of the token counts and
+// the slot words.
 void epcc_table_meta_area(int num_ranks, int max_tokens, int topk, uint64_t* out) {
   Exchange x{};
   x.num_ranks = num_ranks;
   x.max_tokens = max_tokens;
   x.k = topk;
-  out[0] = area_weights(x) + 4ull * num_ranks * max_tokens * topk;
+  out[0] = area_routing(x) + 8ull * num_ranks * max_tokens * topk;
   out[1] = area_tokens(x);
-  out[2] = area_topk(x);
-  out[3] = area_weights(x);
+  out[2] = area_routing(x);
 }
 
 // The scratch's words; `layout` (epcc::meta::kLayout words, may be null) where its regions start.
@@ -517,10 +490,7 @@ int64_t epcc_table_meta_scratch_words(const int64_t* prog_host, int64_t* layout)
 // The exchange over CUDA IPC and the metadata kernels of one dispatch, on `stream` (ipc).
 int epcc_table_meta(const EpccTableMeta* m, uint64_t stream) {
   if (m->grid_fused > 0) return fused(m, 1, stream);
-  if (gather(m, stream) ||
-      launch(gather_signal_wait, "gather_signal_wait", dim3(1), dim3(64), stream, m->exchange))
-    return 1;
-  return tables(m, stream);
+  return gather(m, stream) || tables(m, stream);
 }
 
 // This rank's slot of its own gather area (m->exchange.collective), on `stream`: the runtime's

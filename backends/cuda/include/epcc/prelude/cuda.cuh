@@ -9,6 +9,7 @@
 //   epcc::ld_ro / ld_cg / ld_cs                  read-only (__ldg), L2-only (__ldcg), streaming (__ldcs) loads
 //   epcc::globaltimer()                          nanoseconds (%globaltimer)
 //   epcc::ld_acquire_sys, st_release_sys, red_release_sys_add   counters and flags, system scope
+//   epcc::ld_relaxed_sys                          a word a peer stores whole (data with its own tag), system scope
 //   epcc::ld_acquire_gpu (u64, s32)               counters read by this GPU's own blocks, GPU scope (CUDA only)
 //   epcc::red_add_f32, _f32x2, _f32x4            fp32 accumulate, relaxed, system scope
 //   epcc::backoff(ns), trap(), lane0_broadcast(v), popc(v)
@@ -57,6 +58,12 @@ __device__ __forceinline__ uint64_t globaltimer() {
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
 

@@ -6,8 +6,9 @@
 // Four phases, in order, after the blobs' static fields (their template up to the row arrays)
 // are in place and the scratch's regions before kZeroed are zero; each phase is a number of
 // blocks of kBlock threads (phase_blocks) that depend on the phases before only:
-//   count  (home rank x token block): each token's sets, per block the tokens of each set (and
-//          the expert rows of each OUT set) and of each expert, added into each set's and each
+//   count  (home rank x token block): once its tokens' slot words carry this exchange's tag (no
+//          flag: a block waits for its own tokens only), each token's sets, per block the tokens
+//          of each set (and the expert rows of each OUT set) and of each expert, added into each set's and each
 //          (home rank, expert)'s totals; for rows, each token's record (its sets, its experts and
 //          its place among each one's tokens of the block) and the sets' block masks;
 //   scan   kOffsetBlocks blocks of what needs the totals only -- output rows per expert (and
@@ -94,6 +95,11 @@ typedef long long i64;
 #endif
 EM_FN int em_popc(unsigned v) { return epcc::popc(v); }
 EM_FN void em_prefetch(const void* at) { epcc::prefetch_l1(at); }
+// a routing slot word as a peer's store leaves it (a strong load: it does not stop at a stale L1 line)
+EM_FN unsigned long long em_poll(const unsigned long long* at) {
+  return epcc::ld_relaxed_sys(reinterpret_cast<const uint64_t*>(at));
+}
+EM_FN unsigned long long em_now() { return epcc::globaltimer(); }
 #else
 #define EM_FN static inline
 #define EM_HD static inline
@@ -116,6 +122,8 @@ EM_FN void em_prefetch(const void* at) { epcc::prefetch_l1(at); }
   } while (0)
 EM_FN int em_popc(unsigned v) { return __builtin_popcount(v); }
 EM_FN void em_prefetch(const void*) {}
+EM_FN unsigned long long em_poll(const unsigned long long* at) { return *at; }
+EM_FN unsigned long long em_now() { return 0; }
 #endif
 
 // What the blocks' shared memory is sized for: per bundle, defined by the generated driver before
@@ -150,11 +158,6 @@ constexpr int kMaxOutSets = EPCC_META_OUT_SETS;  // OUT sets per home rank
 constexpr int kMaxTopk = EPCC_META_TOPK;
 constexpr int kMaxExperts = EPCC_META_EXPERTS;
 constexpr int kMaxRanks = 64;             // ranks of a plan the kernels cover (the exchange's too)
-// The thread that reads the first rows item while meta_fused waits for the peers (rows_item): not
-// one of the threads that release the routing to the peers (the first, one per rank: their warps
-// wait for the peers' acknowledgements) nor of those that read the count block's sets (the last,
-// count_prepare).
-constexpr int kRowsItemThread = kBlock / 2 - 1;
 constexpr i64 kMagic = 0x4D455043;
 constexpr i64 kVersion = 3;
 
@@ -195,6 +198,38 @@ enum SetKind { SET_SEG = 0, SET_OUT = 1, SET_LIVE = 2 };
 enum PartKind { PART_D_STAGE = 0, PART_D_OUT = 1, PART_C_STAGE = 2, PART_C_OUT = 3 };
 enum Side { SIDE_SM = 0, SIDE_PACK = 1, SIDE_UNPACK = 2 };
 
+// ---------------------------------------------------------------------------------- slot words
+// The routing as the exchange carries it: one 64-bit word per (rank, token, top-k slot), written by
+// one store, so a reader that sees the word sees all of it -- the slot's code in the low 16 bits
+// (its expert, or kSlotNone, kSlotAbsent: the rank has fewer tokens, kSlotBad: an expert the
+// kernels cannot hold), the exchange's tag in the next 16, the weight's bits in the high 32.  A
+// rank's words reach the peers' gather areas with no flag after them and no fence: count polls
+// each token's words until they carry this exchange's tag (tag_of: its high bit set, so never the
+// zeroed area's 0; no division).  A tag comes back after 32768 exchanges, and every exchange
+// rewrites every word of its slot.
+constexpr unsigned kSlotNone = 0xffffu, kSlotAbsent = 0xfffeu, kSlotBad = 0xfffdu;
+constexpr long long kSlotExperts = 0x7ff0;  // experts a code holds (as a 16-bit signed value: >= 0)
+EM_HD unsigned tag_of(unsigned long long epoch) { return 0x8000u | (static_cast<unsigned>(epoch) & 0x7fffu); }
+EM_HD unsigned long long slot_word(long long e, float w, bool present, unsigned tag) {
+  const unsigned code = !present ? kSlotAbsent
+                        : e == -1 ? kSlotNone
+                        : e >= 0 && e < kSlotExperts ? static_cast<unsigned>(e)
+                                                     : kSlotBad;
+  unsigned bits;
+  memcpy(&bits, &w, 4);
+  return static_cast<unsigned long long>(present ? bits : 0u) << 32 | static_cast<unsigned long long>(tag) << 16 |
+         code;
+}
+// The slot's expert: >= 0, or -1 none, -2 absent (no token), -3 bad.
+EM_HD int slot_expert(unsigned long long v) { return static_cast<int>(static_cast<short>(v & 0xffffu)); }
+EM_HD unsigned slot_tag(unsigned long long v) { return static_cast<unsigned>(v >> 16) & 0xffffu; }
+EM_HD float slot_weight(unsigned long long v) {
+  const unsigned bits = static_cast<unsigned>(v >> 32);
+  float w;
+  memcpy(&w, &bits, 4);
+  return w;
+}
+
 // Byte offsets of the descriptor fields the kernels write (backends/cuda/abi.py STRUCTS).
 constexpr int kRoleItemCount = 4, kCopyNRows = 24, kDrainValue = 8, kZeroBytes = 8;
 constexpr int kHeaderTokens = 60;
@@ -207,9 +242,13 @@ struct Args {
   i64* scratch;          // scratch_words(prog) words, its regions before kZeroed zero before count
   // every rank's routing, gathered: the kernels read it from here only, whatever moved it here and
   // however many peer-memory domains the ranks span (the driver's exchange fills it)
-  const int* tokens;     // [R] tokens of every rank
-  const int* topk;       // [R][max_tokens][topk] every rank's routing (-1: an empty slot)
-  const float* weights;  // [R][max_tokens][topk]
+  const int* tokens;     // [R] tokens of every rank (this rank's is read)
+  // [R][max_tokens][topk] every rank's routing, a slot word each (slot_word: expert, weight and the
+  // exchange's tag): count waits until each of its tokens' words carries this exchange's tag
+  const unsigned long long* routing;
+  unsigned long long* epoch;  // exchanges so far (the tag: tag_of(*epoch + 1)); the rows phase adds this one
+  int* error;                 // {1, rank}: the routing of `rank` never came (the wait's timeout)
+  unsigned long long timeout_ns;
   uint8_t* blob[2];      // the placed blobs (dispatch, combine), holding their template
   int* bad;              // the first bad token of this rank's routing (INT_MAX: none), lowered by count
   // what recv_block (and expert_offsets) write for this rank's received rows (expert-major): the
@@ -493,7 +532,9 @@ struct Shared {
   unsigned row_words[kMaxOutSets][kMaxTopk][kWords];  // per OUT set: tokens with at least m + 1 rows
   short experts[kBlock][kMaxTopk];        // per token and slot: the expert (-1: none, bad or repeated)
   unsigned long long dmask[kBlock];
+  int bad;                                // the block's first bad token of this rank's routing (kNoBad: none)
 };
+constexpr int kNoBad = 0x7fffffff;        // INT_MAX: Args::bad's "none"
 
 // n / d for n < 2^16 (an expert, a token of a block) and 1 <= d < 2^16, without a division: the
 // high word of n * m, m = ceil(2^32 / d) -- exact, since n * (m d - 2^32) < 2^16 * d <= 2^32 --
@@ -545,10 +586,11 @@ EM_FN void count_prepare(const Args& a, int h, Shared& sh) {
   const int nsets = static_cast<int>(p[H_sets_max]);
   const i64* index = p + p[H_off_set_index] + static_cast<i64>(h) * nsets;
   EM_THREADS(t)
+    if (t == 0) sh.bad = kNoBad;
     for (int s = t; s < kMaxSets * kWords; s += kBlock) (&sh.set_words[0][0])[s] = 0u;
     for (int s = t; s < E * kWords; s += kBlock) (&sh.exp_words[0][0])[s] = 0u;
     for (int s = t; s < kMaxOutSets * kMaxTopk * kWords; s += kBlock) (&sh.row_words[0][0][0])[s] = 0u;
-    for (int b = kBlock - 1 - t; b < kMaxSets; b += kBlock) {  // the block's last threads (meta_fused)
+    for (int b = kBlock - 1 - t; b < kMaxSets; b += kBlock) {  // the block's last threads (meta_fused: not senders)
       SetInfo& in = sh.sets[b];
       const i64 si = b < nsets ? index[b] : -1;
       in.kind = -1;
@@ -577,23 +619,71 @@ EM_FN void count_prepare(const Args& a, int h, Shared& sh) {
   EM_SYNC
 }
 
+#if !defined(EPCC_META_HOST)
+// The wait for home rank h's routing given up: the first to give up writes the error word {1, h}
+// and says so; every waiter traps.  Out of line: the wait's loop keeps no room for printf.
+__device__ __noinline__ void routing_timeout(const Args& a, int h, unsigned tag) {
+  if (atomicCAS(a.error, 0, 1) == 0) {
+    a.error[1] = h;
+    __threadfence_system();
+    printf("epcc: metadata exchange timed out after %.3f s: rank %d has no routing from rank %d (tag %u)\n",
+           a.timeout_ns * 1e-9, static_cast<int>(a.head[H_rank]), h, tag);
+  }
+  epcc::trap();
+}
+#endif
+
+// Thread t's token of home rank h's token block `block`: its slot words, each once it carries this
+// exchange's tag (the peer's store landed; bounded: past a.timeout_ns the first to give up writes
+// the error word {1, h} and says so, and every waiter traps -- on the host, where every word is in
+// place before the kernels run, a word without the tag is that error at once).  `seen` (may be
+// null): the time the wait ended, thread 0's.
+EM_FN void await_slots(const Args& a, int h, int tok, int K, unsigned tag, unsigned long long (&v)[kMaxTopk],
+                       unsigned long long* seen) {
+  const Prog p = prog_of(a);
+  const unsigned long long* row = a.routing + (static_cast<i64>(h) * p[H_max_tokens] + tok) * K;
+  const bool have = tok < p[H_max_tokens];
+#if !defined(EPCC_META_HOST)
+  unsigned long long t0 = 0;
+#endif
+  for (bool first = true;; first = false) {
+    bool all = true;
+    EM_UNROLL
+    for (int j = 0; j < kMaxTopk; ++j) {
+      if (j < K && have && (first || slot_tag(v[j]) != tag)) v[j] = em_poll(row + j);
+      all = all && (j >= K || !have || slot_tag(v[j]) == tag);
+    }
+    if (all) break;
+#if defined(EPCC_META_HOST)
+    a.error[0] = 1;
+    a.error[1] = h;
+    break;
+#else
+    if (first) t0 = em_now();
+    else if (em_now() - t0 > a.timeout_ns) routing_timeout(a, h, tag);
+#endif
+  }
+  if (seen && tok % kBlock == 0) *seen = em_now();
+}
+
 // The rest, after count_prepare for the same home: the tokens [block * kBlock, ...) of home rank h,
-// each one's sets and experts into `sh` (every thread of the block).  Marks the first bad token
-// of this rank's own routing.
-EM_FN void load_tokens(const Args& a, int h, int block, Shared& sh) {
+// each one's sets and experts into `sh` (every thread of the block), once their slot words came
+// (await_slots: `tag` this exchange's, `seen` its stamp).  Marks the first bad token of this rank's
+// own routing.
+EM_FN void load_tokens(const Args& a, int h, int block, Shared& sh, unsigned tag, unsigned long long* seen) {
   const Prog p = prog_of(a);
   const int K = static_cast<int>(p[H_topk]), E = static_cast<int>(p[H_experts]);
-  const int T = a.tokens[h];
   const int nsets = static_cast<int>(p[H_sets_max]);
-  const i64 max_tokens = p[H_max_tokens];
   const Experts xp = experts_of(p);
   EM_THREADS(t)
     const int tok = block * kBlock + t;
-    // the token's slots loaded together, whatever its rank's count (the area holds max_tokens)
-    const int* row = a.topk + (static_cast<i64>(h) * max_tokens + tok) * K;
+    // the token's slot words loaded together, whatever its rank's count (the area holds max_tokens)
+    unsigned long long word[kMaxTopk] = {};
+    await_slots(a, h, tok, K, tag, word, seen);
     int slot[kMaxTopk];
     EM_UNROLL
-    for (int j = 0; j < kMaxTopk; ++j) slot[j] = j < K && tok < max_tokens ? row[j] : -1;
+    for (int j = 0; j < kMaxTopk; ++j) slot[j] = j < K && tok < p[H_max_tokens] ? slot_expert(word[j]) : -2;
+    const bool present = slot[0] != -2;  // its rank has the token
     // per slot its expert (-1: none, bad or repeated) and the expert's rank, in registers: the
     // repeats and each OUT set's rows below compare these, not shared memory
     int ex[kMaxTopk], rk[kMaxTopk];
@@ -601,7 +691,7 @@ EM_FN void load_tokens(const Args& a, int h, int block, Shared& sh) {
     bool bad = false;
     EM_UNROLL
     for (int j = 0; j < kMaxTopk; ++j) {
-      int e = j < K && tok < T ? slot[j] : -1;
+      int e = j < K && present ? slot[j] : -1;
       if (e < -1 || e >= E) { bad = true; e = -1; }
       EM_UNROLL
       for (int i = 0; i < j; ++i)
@@ -614,7 +704,7 @@ EM_FN void load_tokens(const Args& a, int h, int block, Shared& sh) {
         EM_OR(&sh.exp_words[e][t / 32], 1u << (t % 32));
       }
     }
-    if (bad && h == static_cast<int>(p[H_rank])) EM_MIN(a.bad, tok);
+    if (bad && h == static_cast<int>(p[H_rank])) EM_MIN(&sh.bad, tok);
     sh.dmask[t] = d;
     SetBits bits;
     set_clear(bits);
@@ -623,7 +713,7 @@ EM_FN void load_tokens(const Args& a, int h, int block, Shared& sh) {
       if (s.kind < 0) break;
       bool in;
       if (s.kind == SET_SEG) {
-        const bool base = s.parent_bit < 0 ? tok < T : set_has(bits, s.parent_bit);
+        const bool base = s.parent_bit < 0 ? present : set_has(bits, s.parent_bit);
         in = base && (s.all || (d & s.mask) != 0);
       } else if (s.kind == SET_OUT) {
         in = set_has(bits, s.parent_bit) && ((d >> s.dst) & 1ull);
@@ -660,6 +750,7 @@ EM_FN int count(const unsigned (&w)[kWords]) {
 // A block mask in the scratch: two int64 words, the mask's 32-bit words low half first.
 static_assert(kWords == 4, "a block mask is two int64 words");
 static_assert(kMaxExperts < 0xffff && kBlock <= 0xffff, "a token's slot holds its expert and place in 16 bits each");
+static_assert(kMaxExperts <= kSlotExperts, "a routing slot word's code holds every expert");
 struct Mask {
   unsigned w[kWords];
 };
@@ -757,15 +848,20 @@ EM_HD i64 phase_blocks(Prog p, int phase) {
 }
 
 // ---------------------------------------------------------------------------------- count
-// Block hb (home rank x token block, home rank major), after count_prepare for its home: the
-// tokens' sets and experts; per set and per expert its tokens of the block, added into the totals
-// (the scan's offsets need nothing else); what rows reads: each token's record, each set's block
-// mask and each OUT set's row masks.
-EM_FN void count_block(const Args& a, i64 hb, Shared& sh) {
+// Block hb (home rank x token block, home rank major), after count_prepare for its home, once the
+// tokens' slot words of exchange tag `tag` came (load_tokens; `seen`: when, thread 0's; may be
+// null): the tokens' sets and experts; then, once `ready()` returned (every thread calls it:
+// meta_fused waits there for the scratch's clear and the first bad token's reset), per set and
+// per expert its tokens of the block, added into the totals (the scan's offsets need nothing
+// else), the block's first bad token into Args::bad; what rows reads: each token's record, each
+// set's block mask and each OUT set's row masks.
+template <class Ready>
+EM_FN void count_block(const Args& a, i64 hb, Shared& sh, unsigned tag, unsigned long long* seen, Ready ready) {
   const Prog p = prog_of(a);
   const int TB = static_cast<int>(p[H_token_blocks]);
   const int h = static_cast<int>(quot32(hb, TB)), block = static_cast<int>(rem32(hb, TB));  // 32-bit: not a call
-  load_tokens(a, h, block, sh);
+  load_tokens(a, h, block, sh, tag, seen);
+  ready();
   const Scratch x = scratch_of(a);
   const int nsets = static_cast<int>(p[H_sets_max]);
   const int E = static_cast<int>(p[H_experts]), K = static_cast<int>(p[H_topk]);
@@ -799,8 +895,17 @@ EM_FN void count_block(const Args& a, i64 hb, Shared& sh) {
       x.ecnt[(static_cast<i64>(h) * TB + block) * E + e] = n;
       if (n) EM_ADD(x.home_before + static_cast<i64>(h) * E + e, n);
     }
+    if (t == 0 && sh.bad != kNoBad) EM_MIN(a.bad, sh.bad);
     put_token(x, p, sh, h, block, t);
   EM_SYNC
+}
+
+// Nothing to wait for before count's adds (the scratch was cleared before the launch).
+struct NoWait {
+  EM_METHOD void operator()() const {}
+};
+EM_FN void count_block(const Args& a, i64 hb, Shared& sh) {
+  count_block(a, hb, sh, tag_of(*a.epoch + 1), nullptr, NoWait{});
 }
 
 // ---------------------------------------------------------------------------------- scan
@@ -1243,7 +1348,7 @@ EM_FN void rows_run(const Args& a, const RowsItem& r) {
         for (int j = 0; j < kMaxTopk; ++j) {
           out[j] = on[j] ? eb.at(k.expert[j]) + k.place[j] : 0;
           wt[j] = on[j] && kind == PART_C_OUT && weights
-                      ? a.weights[(static_cast<i64>(h) * max_tokens + block * kBlock + t) * K + j]
+                      ? slot_weight(a.routing[(static_cast<i64>(h) * max_tokens + block * kBlock + t) * K + j])
                       : 0.f;
         }
         EM_UNROLL
@@ -1291,7 +1396,9 @@ EM_FN void rows_block(const Args& a, i64 wi) {
   rows_run(a, r);
 }
 
-// Block `hb` (home rank x token block): this rank's received rows, each one's weight and expert.
+// Block `hb` (home rank x token block): this rank's received rows, each one's weight and expert;
+// block 0 advances the exchange's epoch (every count block read it: the rows phase runs after them
+// all; the next exchange's routing copy reads it after this launch), off the scan's chains.
 EM_FN void recv_block(const Args& a, int hb) {
   const Prog p = prog_of(a);
   const int TB = static_cast<int>(p[H_token_blocks]);
@@ -1301,6 +1408,7 @@ EM_FN void recv_block(const Args& a, int hb) {
   const Experts xp = experts_of(p);
   const ExpertBase eb = expert_base(x, p, h, block);
   const i64 max_tokens = p[H_max_tokens];
+  const unsigned long long epoch = hb == 0 ? *a.epoch : 0;  // loaded before the stores, which might alias it
   EM_THREADS(t)
     Token k;
     get_token(x, p, h, block, t, k);
@@ -1311,7 +1419,7 @@ EM_FN void recv_block(const Args& a, int hb) {
       const int e = k.expert[j];
       const bool mine = e >= 0 && xp.rank(e) == me;
       row[j] = mine ? eb.at(e) + k.place[j] : -1;
-      wt[j] = mine ? a.weights[(static_cast<i64>(h) * max_tokens + block * kBlock + t) * K + j] : 0.f;
+      wt[j] = mine ? slot_weight(a.routing[(static_cast<i64>(h) * max_tokens + block * kBlock + t) * K + j]) : 0.f;
     }
     EM_UNROLL
     for (int j = 0; j < kMaxTopk; ++j) {
@@ -1319,6 +1427,7 @@ EM_FN void recv_block(const Args& a, int hb) {
       a.recv_w[row[j]] = wt[j];
       a.recv_idx[row[j]] = k.expert[j];
     }
+    if (hb == 0 && t == 0) *a.epoch = epoch + 1;
   EM_DONE  // no barrier: nothing follows
 }
 
