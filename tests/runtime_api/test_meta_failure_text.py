@@ -22,7 +22,9 @@ def _failure(code: int, what: int, rank: int = 3) -> str | None:
            "failed)"),
     (2, 0, "the metadata kernels' grid barrier after count timed out on rank 3"),
     (2, 1, "the metadata kernels' grid barrier after scan timed out on rank 3"),
-    (2, 2, "the metadata kernels' grid barrier after phase 2 timed out on rank 3"),  # none after rows
+    # the half-barrier before count's adds: every block's share of the scratch cleared
+    (2, 2, "the metadata kernels' grid barrier after the routing copy timed out on rank 3"),
+    (2, 3, "the metadata kernels' grid barrier after phase 3 timed out on rank 3"),  # none after rows
     (3, 4, "the metadata kernels' items of table copy 4 timed out on rank 3 waiting for that copy's rows"),
     (2, 7, "the metadata kernels' grid barrier after phase 7 timed out on rank 3"),
     (9, 1, None),
