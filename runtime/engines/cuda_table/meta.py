@@ -2,11 +2,12 @@
 rank's routing exchanged (over peer memory inside one box, "ipc"; by the process group's all-gather
 across boxes, "collective": exchange.py) and this rank's table blobs of both programs written by
 the metadata kernels (epcc/table/meta.cuh), stream-ordered, no host round trip (CUDA-graph
-capturable): on the CUDA target one cooperative launch per dispatch (meta_fused: the routing's copy,
-the peers' flags and the kernels' four phases, a grid barrier after count and after scan, each items
-block's wait for its own copy's rows before it; collective: the routing
-copy, the all-gathers, then meta_fused), else a launch per step.  The blobs are placed (placement.py) and stay where they are: the launcher is told
-once where they lie (Context.use_tables).
+capturable): on the CUDA target one cooperative launch per dispatch (meta_fused: the routing's copy
+as slot words into every rank's area, the count blocks' polls of their tokens' words, the kernels'
+four phases, a grid barrier after count and after scan, each items block's wait for its own copy's
+rows before it; collective: the routing copy, the all-gathers, then meta_fused), else a launch per
+step.  The blobs are placed (placement.py) and stay where they are: the launcher is told once where
+they lie (Context.use_tables).
 
 `DeviceMeta` holds what one rank needs: the encoded metadata program (meta_program.py), the
 blobs' templates and the blobs (and, for the GPU proxy path, each RDMA item's sequence number on
