@@ -41,7 +41,8 @@ def test_the_timeline_table_of_a_rank(meta_time):
         "  rows seen       2     21.1     21.1   rows wait       1.1",
         "  items           1     23.5     23.5   items           2.4",  # the launch with items: the other has none
         "  total                                                23.5",
-        "  own                                                  15.5   (the total less the wait for the peers' routing)",
+        "  own                                                  15.5   (the total less the wait for the blocks' arrivals and "
+        "the peers' routing)",
     ]
 
 
