@@ -8,16 +8,18 @@ kernels' launches, sim/direct.py).  The manifest's metadata "launches" says how:
 cooperative kernel, `meta_fused` (after `gather_copy` with the collective exchange), the phases
 with a grid barrier after count and after scan and the items' waits for their copies' rows;
 elsewhere (SUPA; a bundle compiled before the launches were recorded) the steps as launches of
-their own, `gather_copy`, `meta_count`, `meta_scan`, `meta_rows`, `meta_items`.  `SimOptions.metadata` (a DeviceMetadata: the phases'
-blocks and the launches, from the manifest) turns the term on; the plan's metadata steps
-(`exchange`), whose work the kernels do, then cost nothing of their own.  The combine has no
+their own, `gather_copy`, `meta_count`, `meta_scan`, `meta_rows`, `meta_items`.
+`SimOptions.metadata` (a DeviceMetadata: the phases' blocks and the launches, from the manifest)
+turns the term on; the plan's metadata steps (`exchange`), whose work the kernels do, then cost
+nothing of their own.  The combine has no
 metadata: the dispatch's kernels wrote both programs' tables.  Per dispatch, in seconds:
 
 * exchange over CUDA IPC (the manifest's metadata "exchange": "ipc", one box): the routing copy
   writes the rank's top-k (T x K slot words of 8 bytes: expert, fp32 weight, the exchange's tag)
-  into every peer's gather area, zeroes a scratch and restores the tables' static fields, GATHER_S plus the bytes over the
-  plan's link between ranks (the fastest `p2p` link, else the fastest other link between ranks:
-  the 2-vnode plans declare only their RDMA-class link, which bounds it from above); a link of
+  into every peer's gather area, zeroes a scratch and restores the tables' static fields,
+  GATHER_S plus the bytes over the plan's link between ranks (the fastest `p2p` link, else the
+  fastest other link between ranks: the 2-vnode plans declare only their RDMA-class link, which
+  bounds it from above); a link of
   per-GPU ports carries the rank's copies to all R - 1 peers, a link of GPU pairs one copy per
   pair; the wait for every peer's routing, SIGNAL_S (count polls its tokens' slot words; fitted
   when a flag followed the routing: a round trip and the two ranks' arrival apart as the
@@ -93,7 +95,9 @@ FUSED_DEVICE_US = 56.4
 H100_MEASURED_US = {"gather_copy": 8.3, "gather_signal_wait": 8.5, "meta_count": 12.4, "meta_scan": 20.1,
                     "meta_rows": 32.2, "meta_items": 3.7}
 H100_WHOLE_US = 100.0
-LAUNCHES = 6  # the calibration's steps over CUDA IPC: gather_copy, gather_signal_wait (a flag wait since gone), meta_count, meta_scan, meta_rows, meta_items
+# the calibration's steps over CUDA IPC: gather_copy, gather_signal_wait (a flag wait, since gone),
+# meta_count, meta_scan, meta_rows, meta_items
+LAUNCHES = 6
 STEP_LAUNCHES = 5  # the steps now, either exchange: gather_copy, meta_count, meta_scan, meta_rows, meta_items
 BARRIERS = 3  # meta_fused's grid barriers before scan and rows, and the items' waits for their copies' rows (the count needs none after the exchange)
 META_SMS = 132  # the calibration GPU's SMs (H100 SXM; H200 SXM has as many)
@@ -119,7 +123,8 @@ BARRIER_S = (FUSED_WHOLE_US * 1e-6 - (STEP_WHOLE_US * 1e-6 - (LAUNCHES - 1) * GA
 
 # NCCL's cost model of a ring all-gather (src/graph/tuning.cc, ncclTopoTuneModel: the latency of
 # R - 1 steps, nodes - 1 of them over the network), in us: (base, per step inside a node, per step
-# between nodes) for the LL protocol (small messages: the counts) and Simple (the slot words).  Not measured here: the one-box 2-GPU runs of tests/gpu are the first check.
+# between nodes) for the LL protocol (small messages: the counts) and Simple (the slot words).  Not
+# measured here: the one-box 2-GPU runs of tests/gpu are the first check.
 NCCL_RING_US = {"LL": (3.6, 0.47, 2.7), "Simple": (8.4, 3.4, 9.6)}
 NCCL_LL_NODES_FACTOR = 1.8  # LL's per-step latency inside a node where there are several nodes
 
