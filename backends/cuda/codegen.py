@@ -884,11 +884,11 @@ def metadata_exchange(plan: Plan, how: str) -> str:
 
 def exchange_bytes(plan: Plan) -> int:
     """What each rank receives of the routing per dispatch, either exchange: every other rank's
-    slot of the gather area, its token count (int32) and `tokens` x `topk` slot words of 8 bytes (an
-    expert, the exchange's tag, an fp32 weight; padded to the bundle's tokens: the slot's size does
-    not follow the routing, so the exchange needs no count before it)."""
+    slot words in the gather area, `tokens` x `topk` of 8 bytes (an expert, the exchange's tag, an
+    fp32 weight; padded to the bundle's tokens, a token past the rank's count a word of its own: the
+    slot's size does not follow the routing, so no count travels)."""
     wl = plan.workload
-    return (plan.num_ranks - 1) * (4 + wl.tokens * wl.topk * 8)
+    return (plan.num_ranks - 1) * wl.tokens * wl.topk * 8
 
 
 def exchange_entry(plan: Plan, how: str) -> dict:
@@ -901,11 +901,10 @@ def exchange_entry(plan: Plan, how: str) -> dict:
     else:
         why = (f"its {plan.num_ranks} ranks span more than one CUDA IPC domain (at most {ONE_IPC_DOMAIN_RANKS})"
                if plan.num_ranks > ONE_IPC_DOMAIN_RANKS else "asked for (`--metadata-exchange collective`)")
-        text = ("every rank writes its token count and its routing as 8-byte slot words (expert, fp32 weight and "
-                "the exchange's tag) into its slot of its own gather area (gather_copy); two in-place all-gathers "
-                "of the Buffer's process group "
-                "(torch.distributed.all_gather_into_tensor, on the dispatch's stream: NCCL over NVLink and the "
-                f"NIC) fill every rank's slot, before the table kernels: {why}")
+        text = ("every rank writes its routing as 8-byte slot words (expert, fp32 weight and the exchange's tag) "
+                "into its slot of its own gather area (gather_copy); one in-place all-gather of the Buffer's "
+                "process group (torch.distributed.all_gather_into_tensor, on the dispatch's stream: NCCL over "
+                f"NVLink and the NIC) fills every rank's slot, before the table kernels: {why}")
     return {"exchange": how, "exchange_how": text, "exchange_bytes_per_rank": exchange_bytes(plan)}
 
 

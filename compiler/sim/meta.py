@@ -26,13 +26,12 @@ metadata: the dispatch's kernels wrote both programs' tables.  Per dispatch, in 
   calibration's timed dispatches had it; the model does not know how far apart other ranks
   arrive);
 * exchange by the process group's all-gather ("collective": ranks in several boxes):
-  `gather_copy` writes the rank's own slot only, GATHER_S; then two ring all-gathers (counts, slot
-  words) in which every rank receives the R - 1 other slots (4 + T x K x 8 bytes
-  each): the B - 1 of its own box over the plan's link inside a box (as above), the R - B of the
-  other boxes over the slowest link between boxes (its slowest `rdma` link; a plan without one,
-  its slowest link between ranks), B the ranks of the largest box (`boxes`: the ranks the plan's
-  `p2p` and `d2d` flows join); plus each all-gather's latency in NCCL's own cost model
-  (ring_latency);
+  `gather_copy` writes the rank's own slot only, GATHER_S; then one ring all-gather of the slot
+  words in which every rank receives the R - 1 other slots (T x K x 8 bytes each): the B - 1 of
+  its own box over the plan's link inside a box (as above), the R - B of the other boxes over the
+  slowest link between boxes (its slowest `rdma` link; a plan without one, its slowest link
+  between ranks), B the ranks of the largest box (`boxes`: the ranks the plan's `p2p` and `d2d`
+  flows join); plus the all-gather's latency in NCCL's own cost model (ring_latency, Simple);
 * `count`, one block per (home rank, 128-token block): PASS_S + waves x COUNT_WAVE_S;
 * `scan`, three blocks of offsets and one per 4 of its sums over token blocks (two per token set,
   one per (home rank, expert); not more with the tokens): PASS_S + waves x SCAN_WAVE_S;
@@ -123,7 +122,7 @@ BARRIER_S = (FUSED_WHOLE_US * 1e-6 - (STEP_WHOLE_US * 1e-6 - (LAUNCHES - 1) * GA
 
 # NCCL's cost model of a ring all-gather (src/graph/tuning.cc, ncclTopoTuneModel: the latency of
 # R - 1 steps, nodes - 1 of them over the network), in us: (base, per step inside a node, per step
-# between nodes) for the LL protocol (small messages: the counts) and Simple (the slot words).  Not
+# between nodes) for the LL protocol (small messages) and Simple (the slot words).  Not
 # measured here: the one-box 2-GPU runs of tests/gpu are the first check.
 NCCL_RING_US = {"LL": (3.6, 0.47, 2.7), "Simple": (8.4, 3.4, 9.6)}
 NCCL_LL_NODES_FACTOR = 1.8  # LL's per-step latency inside a node where there are several nodes
@@ -224,14 +223,14 @@ def collective_terms(plan: Plan) -> tuple[float, float]:
     R = plan.num_ranks
     if R < 2:
         return 0.0, 0.0
-    slot = 4 + wl.tokens * wl.topk * 8
+    slot = wl.tokens * wl.topk * 8
     groups = boxes(plan)
     in_box = len(groups[0])
     _, intra_bps, _ = exchange_link(plan)
     _, inter_bps = between_boxes_link(plan)
     transfer = ((in_box - 1) * slot / intra_bps if intra_bps > 0 else 0.0) + \
         ((R - in_box) * slot / inter_bps if inter_bps > 0 else 0.0)
-    latency = ring_latency(R, len(groups), "LL") + ring_latency(R, len(groups), "Simple")
+    latency = ring_latency(R, len(groups), "Simple")
     return transfer, latency
 
 

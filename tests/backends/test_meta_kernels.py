@@ -599,7 +599,7 @@ def test_which_bundles_get_their_tables_from_the_gpu():
     m = _proxy_manifest(codegen_plan("dgx_h800_2node"), "dgx_h800_2node")
     wl = codegen_plan("dgx_h800_2node").workload
     assert {k: m["metadata"][k] for k in ("lowering", "exchange", "exchange_bytes_per_rank")} == {
-        "lowering": "device", "exchange": "collective", "exchange_bytes_per_rank": 15 * (4 + wl.tokens * wl.topk * 8)}
+        "lowering": "device", "exchange": "collective", "exchange_bytes_per_rank": 15 * wl.tokens * wl.topk * 8}
     assert m["metadata"]["exchange_how"].endswith("before the table kernels: its 16 ranks span more than one CUDA "
                                                   "IPC domain (at most 8)")
     assert m["metadata"]["capacity"]["sets"] == 20 and m["metadata"]["capacity"]["shared_bytes"] == 13832
@@ -616,7 +616,7 @@ def test_which_bundles_get_their_tables_from_the_gpu():
     # a one-box plan may ask for the collective (the path the GPU tests run on 2 GPUs); ipc beyond a box is refused
     m = codegen.generate(codegen_plan("h200x2_2vnode"), source_of("h200x2_2vnode"),
                          codegen.CudaOptions(metadata_exchange="collective")).manifest
-    assert (m["metadata"]["exchange"], m["metadata"]["exchange_bytes_per_rank"]) == ("collective", 4 + 4096 * 8 * 8)
+    assert (m["metadata"]["exchange"], m["metadata"]["exchange_bytes_per_rank"]) == ("collective", 4096 * 8 * 8)
     assert m["metadata"]["exchange_how"].endswith("asked for (`--metadata-exchange collective`)")
     with pytest.raises(codegen.CudaCodegenError, match=r"metadata exchange 'ipc' maps every rank's gather area over "
                                                        r"CUDA IPC, but the plan's 16 ranks span more than one CUDA "

@@ -4,7 +4,9 @@ CUDA IPC domains, so no rank can map another's gather area.
 
 A gather area (epcc_table_meta.cu) holds two rank-major regions, each rank's slot contiguous:
 token counts [R] int32 and slot words [R][T][K] int64 (each a top-k slot's expert, weight and the
-exchange's tag: epcc/table/meta.cuh slot_word).  Once this rank
+exchange's tag: epcc/table/meta.cuh slot_word).  The kernels read the peers' slot words only (a
+token past a rank's count is a word of its own), so the metadata's exchange gathers that region
+alone; the counts region's own slot is this rank's.  Once this rank
 wrote its own slot of each (gather_copy, collective mode), one in-place
 `all_gather_into_tensor` per region (the output the region, the input this rank's slot of it)
 fills every other rank's slot.  The collective runs on the current stream of the calling

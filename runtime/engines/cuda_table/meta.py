@@ -207,7 +207,8 @@ class DeviceMeta:
                 raise EngineError("the bundle's metadata exchange is the process group's collective: DeviceMeta "
                                   "needs the Buffer's Exchange")
             self.area = torch.zeros(self.area_bytes, dtype=torch.uint8, device=device)
-            self.regions = area_regions(self.area, R, wl.tokens, wl.topk, self.off_tokens, self.off_routing)
+            # what the peers' kernels read of this rank: its slot words (its token count only it reads)
+            self.regions = area_regions(self.area, R, wl.tokens, wl.topk, self.off_tokens, self.off_routing)[1:]
             # one exchange of the zeroed area now (every rank makes its Buffer at the same time): the
             # group's communicator is set up here, not by a first dispatch inside a CUDA-graph capture
             exchange.all_gather(self.regions)
