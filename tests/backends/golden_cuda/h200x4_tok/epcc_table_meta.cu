@@ -232,9 +232,10 @@ __device__ __forceinline__ void grid_await(const EpccTableMeta& m, uint64_t targ
 // Every block of the grid here before any goes on (after phase `phase`).
 __device__ __noinline__ void grid_barrier(const EpccTableMeta& m, int phase) { grid_await(m, grid_arrive(m), phase); }
 
-// A rows work item of table copy `tcopy` done: every thread's rows of it stored (the barrier), one
-// more of the copy's work items counted (a release at GPU scope: the items block that waits for
-// them sees the rows).  Instead of a grid barrier between rows and items (rows_wait).
+// A rows work item of table copy `tcopy` done: every thread's chunk starts and waits of it stored
+// (the barrier: rows_run calls this from every thread before its rows' own stores, which the items
+// do not read), one more of the copy's work items counted (a release at GPU scope: the items block
+// that waits for them sees those words).  Instead of a grid barrier between rows and items (rows_wait).
 __device__ __forceinline__ void rows_done(const EpccTableMeta& m, epcc::meta::i64 tcopy) {
   __syncthreads();
   if (EPCC_TID == 0 && tcopy >= 0) {
@@ -276,6 +277,7 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
   namespace k = epcc::meta;
   __shared__ k::PhaseShared sm;
   __shared__ k::RowsItem ri;
+  __shared__ k::i64 ramps[4][k::kMaxRamp];  // ri's ramp sizes (rows_ramps_copy)
   const k::Args& a = m.args;
   const k::Prog p = k::prog_of(a);
   const Exchange& x = m.exchange;
@@ -298,7 +300,13 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
   } else if (!exchange) {
     stamp_as(m, kStampSent, kStampEntry);
   }
-  if (rows_early && tid == kRowsItemThread) k::rows_item(p, bid, ri);
+  if (rows_early && tid >= kRowsItemThread && tid < kRowsItemThread + 32) {  // the third warp
+    if (tid == kRowsItemThread) k::rows_item(p, bid, ri);
+    __syncwarp();
+    k::rows_ramps_copy(ri, ramps, tid - kRowsItemThread, 32);
+    __syncwarp();
+    if (tid == kRowsItemThread) k::rows_ramps_point(ri, ramps);
+  }
   if (prepared) k::count_prepare(a, static_cast<int>(k::quot32(bid, p[k::H_token_blocks])), sm.count);
   stamp(m, kStampPrepared);
   copied = (copied / G + 1) * G;  // thread 0's: the arrivals' next multiple of the grid
@@ -326,13 +334,13 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
     }
     for (k::i64 vb = bid; vb < n; vb += G) {
       if (phase == k::PHASE_ITEMS && vb != bid) rows_wait(m, p, vb);
-      if (phase == k::PHASE_ROWS && vb == bid && rows_early)
-        k::rows_run(a, ri);
+      if (phase == k::PHASE_ROWS && vb == bid && rows_early)  // counted done before its rows' stores
+        k::rows_run(a, ri, [&]() { rows_done(m, ri.tcopy); });
       else if (phase == k::PHASE_COUNT && vb == bid)
         k::count_block(a, vb, sm.count, tag, seen, cleared);
       else
         k::phase_block(a, phase, vb, sm);
-      if (phase == k::PHASE_ROWS && vb < work) rows_done(m, vb == bid && rows_early ? ri.tcopy : k::work_tcopy(p, vb));
+      if (phase == k::PHASE_ROWS && vb < work && !(vb == bid && rows_early)) rows_done(m, k::work_tcopy(p, vb));
     }
     stamp(m, kStampPhases + 2 * phase);
   }

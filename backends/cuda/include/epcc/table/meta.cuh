@@ -158,6 +158,7 @@ constexpr int kMaxOutSets = EPCC_META_OUT_SETS;  // OUT sets per home rank
 constexpr int kMaxTopk = EPCC_META_TOPK;
 constexpr int kMaxExperts = EPCC_META_EXPERTS;
 constexpr int kMaxRanks = 64;             // ranks of a plan the kernels cover (the exchange's too)
+constexpr int kMaxRamp = 64;             // chunk sizes of one ramp end, at most (meta_program.py MAX_RAMP)
 constexpr i64 kMagic = 0x4D455043;
 constexpr i64 kVersion = 3;
 
@@ -556,15 +557,13 @@ EM_HD unsigned quot16(const Div16& v, unsigned n) {
 EM_HD unsigned rem16(const Div16& v, unsigned n) { return n - quot16(v, n) * v.d; }
 
 // The ranks' experts (contiguous: rank e / epr holds e as local e % epr; strided: rank e % R as
-// local e / R), read from the program once into registers (a lookup per slot re-read the header).
+// local e / R; on one rank either way the local order is the experts' order), read from the
+// program once into registers (a lookup per slot re-read the header).
 struct Experts {
   Div16 by;     // epr, or R where strided
   int strided;
   EM_METHOD int rank(int e) const {
     return static_cast<int>(strided ? rem16(by, static_cast<unsigned>(e)) : quot16(by, static_cast<unsigned>(e)));
-  }
-  EM_METHOD int local(int e) const {
-    return static_cast<int>(strided ? quot16(by, static_cast<unsigned>(e)) : rem16(by, static_cast<unsigned>(e)));
   }
 };
 EM_HD Experts experts_of(Prog p) {
@@ -1172,8 +1171,9 @@ EM_FN void scan_block(const Args& a, i64 vb, ScanShared& ss) {
 
 // ---------------------------------------------------------------------------------- rows
 // The rows phase reads what count left (each token's record, the sets' block masks), not the
-// routing: no shared memory, no barrier, and a thread's loads go out together -- the part's
-// records, then its token's record and the masks of the part's sets, then the expert rows' bases.
+// routing: no shared memory, one barrier (done(): what the items read is written), and a thread's
+// loads go out together -- the part's records, then its token's record and the masks of the part's
+// sets, then the expert rows' bases.
 
 // Where home h's rows of each expert start in the output (its rows of lower home ranks and blocks
 // included): the three scratch arrays that add up to it, at (h, block) once per block.
@@ -1264,14 +1264,42 @@ EM_FN void rows_item(Prog p, i64 wi, RowsItem& r) {
   r.pck = prod_waits ? chunk_spec(p, r.prod) : r.ck;
 }
 
-// Work item r (a part of this rank's copies x a token block): its rows.  What is the same for every
-// token of the item (where the part's tokens, rows and slots of this block start, the sets'
-// masks, the producer's chunks) is loaded once, before the tokens' loop, and each token loads its
-// expert rows' bases before it stores any row.
-EM_FN void rows_run(const Args& a, const RowsItem& r) {
+// The ramp sizes r's chunk_of / chunk_start read (its copy's and its producer's, both ends), copied
+// by the threads `lane` of `lanes` into `to` ([4][kMaxRamp], the block's shared memory), r's specs
+// then pointing there: meta_fused does it for its first rows item while the peers' routing comes,
+// so the item's chunks are found without a load from the program (two dependent ones a ramped token).
+// After every lane's copy (the caller's barrier), lane 0 points the specs there (rows_ramps_point).
+EM_FN void rows_ramps_copy(const RowsItem& r, i64 (*to)[kMaxRamp], int lane, int lanes) {
+  const i64* from[4] = {r.ck.front, r.ck.back, r.pck.front, r.pck.back};
+  const i64 n[4] = {r.ck.front_n, r.ck.back_n, r.pck.front_n, r.pck.back_n};
+  for (int q = 0; q < 4; ++q)
+    for (i64 i = lane; i < n[q]; i += lanes) to[q][i] = from[q][i];
+}
+EM_FN void rows_ramps_point(RowsItem& r, i64 (*to)[kMaxRamp]) {
+  r.ck.front = to[0];
+  r.ck.back = to[1];
+  r.pck.front = to[2];
+  r.pck.back = to[3];
+}
+
+// Work item r (a part of this rank's copies x a token block) of part kind KIND (r.kind): its rows.
+// What is the same for every token of the item (where the part's tokens, rows and slots of this
+// block start, the sets' masks, the producer's chunks) is loaded once, before the tokens' loop, and
+// each token loads its expert rows' bases before it stores anything.  Each thread first writes
+// what the items phase reads (its chunk's first row, the chunks' waits), then calls done() --
+// every thread, once: meta_fused counts the item done there (rows_done), so its copy's items wait
+// for those few words, not for the rows -- then stores its rows, which only the dispatch reads.  A
+// chunk's wait for a producer is a maximum over its tokens, the producer's token growing with the
+// copy's: only the chunk's last token of the block raises it (one atomic a chunk, not a token).
+// One instance per kind (rows_run below picks it): a block runs its kind's code alone, not the
+// other kinds' beside it (the kernels run each instruction cold, once per block: fetching them is
+// much of their time, ncu, 2 x H200, 2026-11-28).
+template <int KIND, class Done>
+EM_FN void rows_run_kind(const Args& a, const RowsItem& r, Done done) {
   const Prog p = prog_of(a);
   const i64 part = r.part;
-  const int block = r.block, h = r.h, kind = r.kind;
+  const int block = r.block, h = r.h;
+  constexpr int kind = KIND;
   const Scratch x = scratch_of(a);
   const i64 copy = r.copy;
   const int K = static_cast<int>(p[H_topk]), TB = static_cast<int>(p[H_token_blocks]);
@@ -1290,7 +1318,7 @@ EM_FN void rows_run(const Args& a, const RowsItem& r) {
   i64* waits = x.per_tcopy + r.waits;
   i64* starts = x.per_tcopy + r.starts;
   const i64 nprod = r.nprod;
-  const bool stage = kind == PART_D_STAGE || kind == PART_C_STAGE;
+  constexpr bool stage = kind == PART_D_STAGE || kind == PART_C_STAGE;
   const i64 tok0 = x.part_tok_base[part];
   const i64 tok_at = tok0 + x.set_base[tok_set * TB + block];  // the part's first token of this block
   const i64 row_at = x.part_row_base[part] + (stage ? 0 : x.set_rbase[tok_set * TB + block]);
@@ -1307,70 +1335,63 @@ EM_FN void rows_run(const Args& a, const RowsItem& r) {
   }
   EM_THREADS(t)
     // from the masks, whatever the token: its place in the part's set, its slots, its rows before it
-    const i64 tok = tok_at + before(get_mask(tok_mask).w, t);  // the token within the copy
+    const Mask tm = get_mask(tok_mask);
+    const i64 tok = tok_at + before(tm.w, t);  // the token within the copy
     const i64 src_slot = slot_of(src, t), dst_slot = slot_of(dst, t);
     int rb = 0;
     EM_UNROLL
     for (int m = 0; m < kMaxTopk; ++m) rb += !stage && m < K ? before(get_mask(rows_mask + m * 2).w, t) : 0;
     Token k;
     get_token(x, p, h, block, t, k);
-    if (tok_has(k, tok_bit)) {
+    const bool mine = tok_has(k, tok_bit);
+    // its first row in the copy: staging, its place among the part's tokens; expert rows, after the
+    // rows of the set's tokens before it in the block
+    const i64 row = stage ? row_at + (tok - tok0) : row_at + rb;
+    // an OUT part's expert rows (a staging part has none), their bases and weights loaded before any
+    // store: the token's slots on rank d, each one's place among them by local expert, which on one
+    // rank is the experts' own order under either placement (blocked: rank * epr + local; strided:
+    // local * R + rank), so the experts compare as they are (a token's experts differ; a slot
+    // elsewhere, or none, is kOff: never before one on d)
+    constexpr int kOff = 0x7fffffff;
+    int key[kMaxTopk], at[kMaxTopk];
+    const int d = static_cast<int>(r.out_rank);
+    EM_UNROLL
+    for (int j = 0; j < kMaxTopk; ++j) {
+      const int e = k.expert[j];
+      key[j] = !stage && mine && e >= 0 && xp.rank(e) == d ? e : kOff;
+    }
+    EM_UNROLL
+    for (int j = 0; j < kMaxTopk; ++j) {
+      at[j] = 0;
+      EM_UNROLL
+      for (int i = 0; i < kMaxTopk; ++i) at[j] += i != j && key[i] < key[j] ? 1 : 0;
+    }
+    bool on[kMaxTopk];
+    EM_UNROLL
+    for (int j = 0; j < kMaxTopk; ++j) on[j] = key[j] != kOff;
+    i64 out[kMaxTopk];
+    float wt[kMaxTopk];
+    EM_UNROLL
+    for (int j = 0; j < kMaxTopk; ++j) {
+      out[j] = on[j] ? eb.at(k.expert[j]) + k.place[j] : 0;
+      wt[j] = on[j] && kind == PART_C_OUT && weights
+                  ? slot_weight(a.routing[(static_cast<i64>(h) * max_tokens + block * kBlock + t) * K + j])
+                  : 0.f;
+    }
+    // what the items read first (each chunk's first row, its waits), then done(), then the rows
+    if (mine) {
       const i64 chunk = chunk_of(ck, tok);
-      const bool first_of_chunk = chunk_start(ck, chunk) == tok;
-      i64 row = 0;  // its first row in the copy
-      if (stage) {
-        row = row_at + (tok - tok0);
-        src_rows[row] = (srcbuf << kRowBufShift) | src_slot;
-        dst_rows[row] = dst_slot;
-      } else {
-        // expert rows: in local-expert order, after the rows of the set's tokens before it in the block
-        row = row_at + rb;
-        const int d = static_cast<int>(r.out_rank);
-        const i64 slot = kind == PART_D_OUT ? src_slot : dst_slot;
-        // the slots on rank d, each one's place among them (by local expert: a token's experts differ)
-        bool on[kMaxTopk];
-        int local[kMaxTopk], at[kMaxTopk];
-        EM_UNROLL
-        for (int j = 0; j < kMaxTopk; ++j) {
-          const int e = k.expert[j];
-          on[j] = e >= 0 && xp.rank(e) == d;
-          local[j] = e < 0 ? 0 : xp.local(e);
-        }
-        EM_UNROLL
-        for (int j = 0; j < kMaxTopk; ++j) {
-          at[j] = 0;
-          EM_UNROLL
-          for (int i = 0; i < kMaxTopk; ++i) at[j] += on[i] && local[i] < local[j] ? 1 : 0;
-        }
-        i64 out[kMaxTopk];
-        float wt[kMaxTopk];
-        EM_UNROLL
-        for (int j = 0; j < kMaxTopk; ++j) {
-          out[j] = on[j] ? eb.at(k.expert[j]) + k.place[j] : 0;
-          wt[j] = on[j] && kind == PART_C_OUT && weights
-                      ? slot_weight(a.routing[(static_cast<i64>(h) * max_tokens + block * kBlock + t) * K + j])
-                      : 0.f;
-        }
-        EM_UNROLL
-        for (int j = 0; j < kMaxTopk; ++j) {
-          if (!on[j]) continue;
-          if (kind == PART_D_OUT) {
-            src_rows[row + at[j]] = (srcbuf << kRowBufShift) | slot;
-            dst_rows[row + at[j]] = out[j];
-          } else {
-            src_rows[row + at[j]] = (srcbuf << kRowBufShift) | out[j];
-            dst_rows[row + at[j]] = slot;
-            if (weights) weights[row + at[j]] = wt[j];
-          }
-        }
-      }
-      if (first_of_chunk) starts[chunk] = row;
+      if (chunk_start(ck, chunk) == tok) starts[chunk] = row;
       // waits: per producer, its chunk holding this token
       if (prod_waits) {
-        const i64 ptok = ptok_at + (src_slot - src.at);
-        const i64 v = chunk_of(pck, ptok) + 1;
-        EM_MAX(reinterpret_cast<unsigned long long*>(waits + chunk * nprod + r.prod_slot),
-               static_cast<unsigned long long>(v));
+        // the largest over the chunk's tokens, the producer's token growing with this one's: its last
+        // token's of the block (the chunk's last, or the part's last here) alone raises it
+        if (tok + 1 == chunk_start(ck, chunk + 1) || before(tm.w, t) + 1 == count(tm.w)) {
+          const i64 ptok = ptok_at + (src_slot - src.at);
+          const i64 v = chunk_of(pck, ptok) + 1;
+          EM_MAX(reinterpret_cast<unsigned long long*>(waits + chunk * nprod + r.prod_slot),
+                 static_cast<unsigned long long>(v));
+        }
       } else if (kind == PART_C_STAGE) {
         const i64* ks = p + p[H_off_contrib] + r.contrib_begin * K_COUNT;
         for (i64 i = 0; i < r.contrib_count; ++i, ks += K_COUNT) {
@@ -1384,7 +1405,38 @@ EM_FN void rows_run(const Args& a, const RowsItem& r) {
         }
       }
     }
+    done();  // every thread
+    if (mine) {
+      if (stage) {
+        src_rows[row] = (srcbuf << kRowBufShift) | src_slot;
+        dst_rows[row] = dst_slot;
+      } else {
+        const i64 slot = kind == PART_D_OUT ? src_slot : dst_slot;
+        EM_UNROLL
+        for (int j = 0; j < kMaxTopk; ++j) {
+          if (!on[j]) continue;
+          if (kind == PART_D_OUT) {
+            src_rows[row + at[j]] = (srcbuf << kRowBufShift) | slot;
+            dst_rows[row + at[j]] = out[j];
+          } else {
+            src_rows[row + at[j]] = (srcbuf << kRowBufShift) | out[j];
+            dst_rows[row + at[j]] = slot;
+            if (weights) weights[row + at[j]] = wt[j];
+          }
+        }
+      }
+    }
   EM_DONE  // no barrier: nothing follows
+}
+
+template <class Done>
+EM_FN void rows_run(const Args& a, const RowsItem& r, Done done) {
+  switch (r.kind) {
+    case PART_D_STAGE: rows_run_kind<PART_D_STAGE>(a, r, done); break;
+    case PART_D_OUT: rows_run_kind<PART_D_OUT>(a, r, done); break;
+    case PART_C_STAGE: rows_run_kind<PART_C_STAGE>(a, r, done); break;
+    default: rows_run_kind<PART_C_OUT>(a, r, done); break;
+  }
 }
 
 // The table copy whose rows work item wi writes.
@@ -1393,7 +1445,7 @@ EM_FN i64 work_tcopy(Prog p, i64 wi) { return part_rec(p, rec(p, H_off_work, wi,
 EM_FN void rows_block(const Args& a, i64 wi) {
   RowsItem r;
   rows_item(prog_of(a), wi, r);
-  rows_run(a, r);
+  rows_run(a, r, NoWait{});
 }
 
 // Block `hb` (home rank x token block): this rank's received rows, each one's weight and expert;
