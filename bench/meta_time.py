@@ -21,7 +21,8 @@ with meta_fused's per-block %globaltimer stamps on (DeviceMeta.timeline; untimed
 table of where its time went.  Each row a stage of the kernel (meta.py STAGES: entry, sent -- the
 block's share of the scratch cleared, of the templates copied and of the routing stored into every
 rank's area --, prepared -- its first count block's sets read --, peers -- that count block's
-tokens' slot words landed --, each phase's work done, each grid barrier passed), in us after the
+tokens' slot words landed --, each phase's work done (count's: its arrival at the barrier after it,
+what the scan reads stored), each grid barrier passed), in us after the
 launch's first block entered: the median over the dispatches of the stage's median over the
 blocks ("median", over the blocks with work in the phase for a phase's row, their number in
 "blocks"; "-" where none had any) and of its max over the blocks ("max");

@@ -146,4 +146,20 @@ def test_no_timeline_without_a_cooperative_launch():
 def test_the_blocks_with_work_per_phase_are_the_kernels():
     mp = SimpleNamespace(grids=lambda: {"count": 64, "scan": 12, "rows": 192, "items": 6})
     mp.phase_blocks = lambda: MetaProgram.phase_blocks(mp)  # the rows phase: count's blocks again
-    assert DeviceMeta.busy_blocks(SimpleNamespace(mp=mp)) == {"count": 64, "scan": 12, "rows": 256, "items": 6}
+    # the scan's blocks start after the count blocks where the grid has room beyond them (meta.cuh phase_first)
+    assert DeviceMeta.busy_blocks(SimpleNamespace(mp=mp, grid=256, fused_grid=256)) == {
+        "count": (0, 64), "scan": (64, 12), "rows": (0, 256), "items": (0, 6)}
+    assert DeviceMeta.busy_blocks(SimpleNamespace(mp=mp, grid=64, fused_grid=256)) == {
+        "count": (0, 64), "scan": (0, 12), "rows": (0, 256), "items": (0, 6)}
+
+
+def test_a_phase_whose_blocks_start_past_the_first_is_summed_over_those():
+    """timeline_summary takes a phase's statistics over its busy blocks, (first, n) modulo the grid."""
+    G = 8
+    t = np.tile(np.arange(1, TIMELINE_WORDS + 1, dtype=np.int64) * 1000, (G, 1))
+    scan = STAGES.index("scan")
+    t[5:, scan:] += 4000  # blocks 5..7, the scan's three (from block 5), finish it 4 us later
+    s = timeline_summary(t, {"count": (0, 2), "scan": (5, 3), "rows": (0, 8), "items": (0, 1)})
+    row = s["stages"][scan]
+    assert row["blocks"] == 3 and row["min_us"] == row["max_us"] == (scan * 1000 + 4000) / 1e3
+    assert timeline_summary(t, {"count": 2, "scan": 3, "rows": 8, "items": 1})["stages"][scan]["max_us"] == scan

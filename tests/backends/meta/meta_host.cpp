@@ -143,7 +143,7 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
       }
     }
     for (long long b = 0; b < G; ++b)
-      for (long long vb = b; vb < phase_blocks(p, phase); vb += G) {
+      for (long long vb = phase_first(p, phase, b, G); vb < phase_blocks(p, phase); vb += G) {
         const bool first = phase == PHASE_COUNT && vb == b;
         if (first) count_prepare(a, static_cast<int>(vb / TB), sm.count);
         if (phase == PHASE_ROWS && vb == b && vb < p[H_num_work]) {

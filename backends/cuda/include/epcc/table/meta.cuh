@@ -846,16 +846,30 @@ EM_HD i64 phase_blocks(Prog p, int phase) {
   }
 }
 
+// The first of `phase`'s blocks that block `bid` of a grid of G runs (then every G-th): its own
+// index, but for the scan, whose blocks start after the count blocks (those finish their own
+// stores after counting: meta_fused), so a grid with room beyond the count blocks runs the scan's
+// first blocks, the offsets (its longest chains), on blocks that did no count work.
+EM_HD i64 phase_first(Prog p, int phase, i64 bid, i64 G) {
+  if (phase != PHASE_SCAN) return bid;
+  const i64 c = phase_blocks(p, PHASE_COUNT);
+  const i64 shift = c < G ? c : 0;
+  return bid >= shift ? bid - shift : bid - shift + G;
+}
+
 // ---------------------------------------------------------------------------------- count
 // Block hb (home rank x token block, home rank major), after count_prepare for its home, once the
 // tokens' slot words of exchange tag `tag` came (load_tokens; `seen`: when, thread 0's; may be
 // null): the tokens' sets and experts; then, once `ready()` returned (every thread calls it:
-// meta_fused waits there for the scratch's clear and the first bad token's reset), per set and
-// per expert its tokens of the block, added into the totals (the scan's offsets need nothing
-// else), the block's first bad token into Args::bad; what rows reads: each token's record, each
-// set's block mask and each OUT set's row masks.
-template <class Ready>
-EM_FN void count_block(const Args& a, i64 hb, Shared& sh, unsigned tag, unsigned long long* seen, Ready ready) {
+// meta_fused waits there for the scratch's clear and the first bad token's reset), what the scan
+// reads -- per set and per expert its tokens (and rows) of the block, added into the totals (the
+// scan's offsets need nothing else), the block's first bad token into Args::bad --, then
+// `counted()` (every thread: meta_fused's block arrives at the grid barrier after count there),
+// then what only the rows phase reads, after the scan: each set's block mask, each OUT set's row
+// masks, each token's record -- stored while the scan runs, not before the barrier lets it.
+template <class Ready, class Counted>
+EM_FN void count_block(const Args& a, i64 hb, Shared& sh, unsigned tag, unsigned long long* seen, Ready ready,
+                       Counted counted) {
   const Prog p = prog_of(a);
   const int TB = static_cast<int>(p[H_token_blocks]);
   const int h = static_cast<int>(quot32(hb, TB)), block = static_cast<int>(rem32(hb, TB));  // 32-bit: not a call
@@ -878,13 +892,11 @@ EM_FN void count_block(const Args& a, i64 hb, Shared& sh, unsigned tag, unsigned
       const int n = count(w.w);
       x.set_cnt[si * TB + block] = n;
       if (n) EM_ADD(x.set_total + si, n);
-      put_mask(x.set_mask + (si * TB + block) * 2, w.w);
       int rows = 0;
       if (kind == SET_OUT)
         for (int m = 0; m < K; ++m) {
           for (int i = 0; i < kWords; ++i) w.w[i] = sh.row_words[out][m][i];
           rows += count(w.w);
-          put_mask(x.row_mask + ((si * TB + block) * K + m) * 2, w.w);
         }
       x.set_rcnt[si * TB + block] = rows;
       if (rows) EM_ADD(x.set_rtotal + si, rows);
@@ -895,16 +907,30 @@ EM_FN void count_block(const Args& a, i64 hb, Shared& sh, unsigned tag, unsigned
       if (n) EM_ADD(x.home_before + static_cast<i64>(h) * E + e, n);
     }
     if (t == 0 && sh.bad != kNoBad) EM_MIN(a.bad, sh.bad);
+    counted();
+    for (int b = (t % 32) * (kBlock / 32) + t / 32; b < nsets; b += kBlock) {
+      const i64 si = sh.sets[b].si;
+      const int kind = sh.sets[b].kind, out = sh.sets[b].out;
+      if (si < 0) continue;
+      Mask w;
+      for (int i = 0; i < kWords; ++i) w.w[i] = sh.set_words[b][i];
+      put_mask(x.set_mask + (si * TB + block) * 2, w.w);
+      if (kind == SET_OUT)
+        for (int m = 0; m < K; ++m) {
+          for (int i = 0; i < kWords; ++i) w.w[i] = sh.row_words[out][m][i];
+          put_mask(x.row_mask + ((si * TB + block) * K + m) * 2, w.w);
+        }
+    }
     put_token(x, p, sh, h, block, t);
   EM_SYNC
 }
 
-// Nothing to wait for before count's adds (the scratch was cleared before the launch).
+// Nothing to wait for before count's adds (the scratch was cleared before the launch), nor after them.
 struct NoWait {
   EM_METHOD void operator()() const {}
 };
 EM_FN void count_block(const Args& a, i64 hb, Shared& sh) {
-  count_block(a, hb, sh, tag_of(*a.epoch + 1), nullptr, NoWait{});
+  count_block(a, hb, sh, tag_of(*a.epoch + 1), nullptr, NoWait{}, NoWait{});
 }
 
 // ---------------------------------------------------------------------------------- scan
