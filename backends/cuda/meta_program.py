@@ -167,6 +167,15 @@ class MetaProgram:
         g = self.grids()
         return {"count": g["count"], "scan": g["scan"], "rows": g["rows"] + g["count"], "items": g["items"]}
 
+    def busy_blocks(self, grid: int) -> dict[str, tuple[int, int]]:
+        """Per phase, the blocks of meta_fused's `grid` with work in it, (first, n): blocks first ..
+        first + n - 1, modulo the grid (all of them where n >= grid).  Each phase starts at block 0
+        but the scan, which starts after the count blocks where the grid has room beyond them
+        (meta.cuh phase_first says the same)."""
+        blocks = self.phase_blocks()
+        shift = blocks["count"] if blocks["count"] < grid else 0
+        return {phase: (shift if phase == "scan" else 0, n) for phase, n in blocks.items()}
+
 
 def _put(rows: list[list[int]], fields: list[str], rec: dict) -> int:
     missing = set(fields) - set(rec)

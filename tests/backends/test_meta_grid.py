@@ -52,6 +52,30 @@ def test_the_runtimes_grids_are_the_headers(host_kernels, name, tokens, chunk): 
 
 
 @pytest.mark.parametrize("name,tokens,chunk", CASES)
+def test_the_runtimes_busy_blocks_are_the_ones_the_kernel_gives_work(host_kernels, name, tokens, chunk):  # noqa: F811
+    """MetaProgram.busy_blocks (the timeline's per-phase blocks) names exactly the blocks of each grid
+    whose first phase block (meta.cuh phase_first) exists: the scan's from after the count blocks."""
+    plan, _, _, _ = _routing(name, tokens, chunk, 1)
+    m = _manifest(plan, name, tokens, chunk)
+    prog = segment_program(plan)
+    rank = plan.num_ranks - 1
+    pls = {p: placement(m, prog, p, rank, tokens) for p in ("dispatch", "combine")}
+    mp = meta_program.encode(m, plan.workload.placement, prog, pls, rank, tokens)
+    lib = host_kernels(mp.capacity())
+    lib.epcc_meta_phase_first.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    lib.epcc_meta_phase_first.restype = ctypes.c_longlong
+    arr = np.ascontiguousarray(mp.array)
+    blocks = mp.phase_blocks()
+    for grid in (1, 7, blocks["count"], blocks["count"] + 1, blocks["count"] + blocks["scan"] + 3, 500):
+        busy = mp.busy_blocks(grid)
+        for phase, name_ in enumerate(("count", "scan", "rows", "items")):
+            first, n = busy[name_]
+            want = {(first + i) % grid for i in range(min(n, grid))}
+            got = {b for b in range(grid) if lib.epcc_meta_phase_first(arr.ctypes.data, phase, b, grid) < blocks[name_]}
+            assert got == want, (grid, name_)
+
+
+@pytest.mark.parametrize("name,tokens,chunk", CASES)
 @pytest.mark.parametrize("blocks", [1, 2, 7, 500])
 def test_any_grid_writes_the_same_tables(host_kernels, name, tokens, chunk, blocks):  # noqa: F811
     plan, idx, w, counts = _routing(name, tokens, chunk, 3)

@@ -417,7 +417,6 @@ def test_the_headers_field_indices_are_the_programs():
         names = [n.strip() for n in body.replace("\n", " ").split(",") if n.strip()]
         assert names == [f"{prefix}_{f}" for f in fields] + [f"{prefix}_COUNT"], enum
     assert f"kBlock = {meta_program.TOKEN_BLOCK}" in text and f"kMaxSets = {meta_program.SET_WORD} * kSetWords" in text
-    assert f"kMaxRamp = {meta_program.MAX_RAMP};" in text
 
 
 def test_max_chunks_is_the_most_any_shorter_copy_has():

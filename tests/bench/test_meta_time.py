@@ -24,8 +24,8 @@ def meta_time(bench_script):
 
 def test_the_timeline_table_of_a_rank(meta_time):
     stamps = 10**18 + np.array(NS, dtype=np.int64)
-    busy = {"count": 1, "scan": 2, "rows": 2, "items": 1}
-    summary = timeline_medians([timeline_summary(stamps, busy), timeline_summary(stamps, {**busy, "items": 0})])
+    busy = {"count": (0, 1), "scan": (0, 2), "rows": (0, 2), "items": (0, 1)}
+    summary = timeline_medians([timeline_summary(stamps, busy), timeline_summary(stamps, {**busy, "items": (0, 0)})])
     assert meta_time.timeline_lines(summary, 1) == [
         "rank 1: meta_fused timeline, 2 blocks, medians over 2 dispatches (us after the first block's entry)",
         "  stage      blocks   median      max   step             us",

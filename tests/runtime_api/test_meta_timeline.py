@@ -22,7 +22,7 @@ BASE = 1_700_000_000_000_000_000  # %globaltimer is ns since an epoch: the summa
 NS = [[0, 2000, 3000, 10000, 12000, 13000, 15000, 16000, 20000, 21000, 21000],
       [500, 2500, 4000, 11000, 11500, 13200, 13200, 16100, 19000, 21100, 21100],
       [1000, 2200, 2200, 10500, 10500, 13100, 13100, 16050, 18000, 21050, 21050]]
-BUSY = {"count": 2, "scan": 1, "rows": 3, "items": 0}
+BUSY = {"count": (0, 2), "scan": (0, 1), "rows": (0, 3), "items": (0, 0)}
 
 
 def _stamps(ns=NS) -> np.ndarray:
@@ -61,7 +61,7 @@ def test_without_busy_every_block_counts_and_the_steps_are_the_same():
 
 
 def test_busy_beyond_the_grid_is_the_grid():
-    s = timeline_summary(_stamps(), {"count": 300, "scan": 300, "rows": 300, "items": 300})
+    s = timeline_summary(_stamps(), {"count": (0, 300), "scan": (0, 300), "rows": (0, 300), "items": (0, 300)})
     assert [x["blocks"] for x in s["stages"]] == [3] * TIMELINE_WORDS
 
 
@@ -146,6 +146,7 @@ def test_no_timeline_without_a_cooperative_launch():
 def test_the_blocks_with_work_per_phase_are_the_kernels():
     mp = SimpleNamespace(grids=lambda: {"count": 64, "scan": 12, "rows": 192, "items": 6})
     mp.phase_blocks = lambda: MetaProgram.phase_blocks(mp)  # the rows phase: count's blocks again
+    mp.busy_blocks = lambda grid: MetaProgram.busy_blocks(mp, grid)
     # the scan's blocks start after the count blocks where the grid has room beyond them (meta.cuh phase_first)
     assert DeviceMeta.busy_blocks(SimpleNamespace(mp=mp, grid=256, fused_grid=256)) == {
         "count": (0, 64), "scan": (64, 12), "rows": (0, 256), "items": (0, 6)}
@@ -162,4 +163,5 @@ def test_a_phase_whose_blocks_start_past_the_first_is_summed_over_those():
     s = timeline_summary(t, {"count": (0, 2), "scan": (5, 3), "rows": (0, 8), "items": (0, 1)})
     row = s["stages"][scan]
     assert row["blocks"] == 3 and row["min_us"] == row["max_us"] == (scan * 1000 + 4000) / 1e3
-    assert timeline_summary(t, {"count": 2, "scan": 3, "rows": 8, "items": 1})["stages"][scan]["max_us"] == scan
+    assert timeline_summary(t, {"count": (0, 2), "scan": (0, 3), "rows": (0, 8), "items": (0, 1)})["stages"][scan][
+        "max_us"] == scan

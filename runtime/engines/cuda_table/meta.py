@@ -322,13 +322,9 @@ class DeviceMeta:
         return self.stamps.view(self.fused_grid, TIMELINE_WORDS)[:self.grid].cpu().numpy()
 
     def busy_blocks(self) -> dict[str, tuple[int, int]]:
-        """Per phase, meta_fused's blocks with work in it at the current grid, (first, n): blocks
-        first .. first + n - 1, modulo the grid (MetaProgram.phase_blocks; the scan's start after
-        the count blocks where the grid has room beyond them, meta.cuh phase_first)."""
-        blocks = self.mp.phase_blocks()
-        g = self.grid or self.fused_grid
-        shift = blocks["count"] if blocks["count"] < g else 0
-        return {phase: (shift if phase == "scan" else 0, n) for phase, n in blocks.items()}
+        """Per phase, meta_fused's blocks with work in it at the current grid, (first, n)
+        (MetaProgram.busy_blocks)."""
+        return self.mp.busy_blocks(self.grid or self.fused_grid)
 
     def zero_partials(self, own_buffers_dev: int, stream: int, blocks: int = ZERO_BLOCKS) -> None:
         """The combine's partial buffers of this rank, cleared (before the combine kernel: beside the
@@ -355,18 +351,13 @@ class DeviceMeta:
         return None
 
 
-def _busy(v) -> tuple[int, int]:
-    """A phase's busy blocks as (first, n): busy_blocks' pair, or n alone (the first n)."""
-    return (int(v[0]), int(v[1])) if isinstance(v, (tuple, list)) else (0, int(v))
-
-
-def timeline_summary(stamps, busy: dict[str, int] | None = None) -> dict:
+def timeline_summary(stamps, busy: dict[str, tuple[int, int]] | None = None) -> dict:
     """One meta_fused launch's timeline (`stamps`: DeviceMeta.read_timeline's [blocks][TIMELINE_WORDS]
     ns) in microseconds from the earliest block's entry:
 
     * "stages": per stage (STAGES), over blocks, its blocks and min / median / max.  Every block
       stamps every stage, work or none; with `busy` (DeviceMeta.busy_blocks: per phase, the blocks
-      with work in it, (first, n) modulo the grid, or n: the first n) a phase's "done" stage and
+      with work in it, (first, n): blocks first .. first + n - 1 modulo the grid) a phase's "done" stage and
       count's "prepared" are over those blocks only (the others stamp right after the stage before:
       no work), their statistics None where none had any;
     * "steps": (name, us) per step (STEPS): how much later the last block of the grid passed the
@@ -393,8 +384,8 @@ def timeline_summary(stamps, busy: dict[str, int] | None = None) -> dict:
     stages = []
     for i, name in enumerate(STAGES):
         phase = _STAGE_PHASE[i]
-        first, n = (0, G) if busy is None or phase is None else _busy(busy[phase])
-        n = max(0, min(G, n))
+        first, n = (0, G) if busy is None or phase is None else busy[phase]
+        n = max(0, min(G, int(n)))
         col = us[(first + np.arange(n)) % G, i]
         stats = (float(col.min()), float(np.median(col)), float(col.max())) if n else (None, None, None)
         stages.append({"stage": name, "blocks": n, **dict(zip(("min_us", "median_us", "max_us"), stats))})

@@ -15,6 +15,10 @@ extern "C" long long epcc_meta_scratch_words(const long long* prog) { return scr
 
 // The blocks of a phase (meta_program.py grids() must say the same).
 extern "C" long long epcc_meta_phase_blocks(const long long* prog, int phase) { return phase_blocks(prog_of(prog), phase); }
+// The first of `phase`'s blocks that block b of a grid of G runs (meta_fused's order).
+extern "C" long long epcc_meta_phase_first(const long long* prog, int phase, long long b, long long G) {
+  return phase_first(prog_of(prog), phase, b, G);
+}
 
 // The grid the next runs emulate: 0, each phase a launch of its own (the four kernels, a block per
 // phase block, in order); G > 0, the cooperative kernel of G blocks (block b runs the phase blocks
@@ -126,9 +130,9 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
     for (int b = 0; b < phase_blocks(p, PHASE_ITEMS); ++b) meta_items(a, b);
     return finish(error, epoch);
   }
-  // meta_fused's order (its block b reads its first count block's sets and its first rows item,
-  // that item's ramps copied into the block's memory, while it waits for the exchange: here right
-  // before that block, the blocks running one after the other).  Its items
+  // meta_fused's order (its block b reads its first count block's sets and its first rows item
+  // while it waits for the exchange: here right before that block, the blocks running one after
+  // the other).  Its items
   // block of table copy ti waits for that copy's rows work items (rows_done per work_tcopy, up to
   // the program's T_work_items): here the rows phase ran whole before, and each copy's count of them
   // must be what the wait waits for (2: it is not; the GPU would hang there, or go on too early).
@@ -147,12 +151,9 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
         const bool first = phase == PHASE_COUNT && vb == b;
         if (first) count_prepare(a, static_cast<int>(vb / TB), sm.count);
         if (phase == PHASE_ROWS && vb == b && vb < p[H_num_work]) {
-          // the block's first rows item as meta_fused runs it: read early, its ramps in the block's memory
+          // the block's first rows item as meta_fused runs it: its records read early
           static RowsItem ri;
-          static long long ramps[4][kMaxRamp];
           rows_item(p, vb, ri);
-          rows_ramps_copy(ri, ramps, 0, 1);
-          rows_ramps_point(ri, ramps);
           rows_run(a, ri, NoWait{});
           continue;
         }

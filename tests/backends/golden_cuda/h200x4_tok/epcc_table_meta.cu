@@ -212,15 +212,17 @@ __device__ __noinline__ void await_gpu(const EpccTableMeta& m, const uint64_t* c
 // at GPU scope, no fence (two SC fences per barrier cost ~0.6 us of its ~1.9: 2 x H100, 2026-11-27).
 // Bounded as every wait is: past the timeout the first to give up writes the error word
 // {2, after} and says so, and every waiter traps.
+// count_arrival: the calling thread's arrival (a release of the stores its barrier ordered before
+// it), and the count this barrier waits for: the arrivals' next multiple of the grid.
+__device__ __forceinline__ uint64_t count_arrival(const EpccTableMeta& m) {
+  uint64_t arrived;
+  asm volatile("atom.add.release.gpu.global.u64 %0, [%1], 1;" : "=l"(arrived) : "l"(m.sync) : "memory");
+  return (arrived / EPCC_GDIM + 1) * EPCC_GDIM;
+}
+
 __device__ __forceinline__ uint64_t grid_arrive(const EpccTableMeta& m) {
   __syncthreads();
-  uint64_t target = 0;
-  if (EPCC_TID == 0) {
-    uint64_t arrived;
-    asm volatile("atom.add.release.gpu.global.u64 %0, [%1], 1;" : "=l"(arrived) : "l"(m.sync) : "memory");
-    target = (arrived / EPCC_GDIM + 1) * EPCC_GDIM;
-  }
-  return target;
+  return EPCC_TID == 0 ? count_arrival(m) : 0;
 }
 
 __device__ __forceinline__ void grid_await(const EpccTableMeta& m, uint64_t target, int after) {
@@ -281,7 +283,6 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
   namespace k = epcc::meta;
   __shared__ k::PhaseShared sm;
   __shared__ k::RowsItem ri;
-  __shared__ k::i64 ramps[4][k::kMaxRamp];  // ri's ramp sizes (rows_ramps_copy)
   const k::Args& a = m.args;
   const k::Prog p = k::prog_of(a);
   const Exchange& x = m.exchange;
@@ -292,28 +293,20 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
   stamp(m, kStampEntry);
   // this exchange's tag: the rows phase advances the epoch, after every block read it
   const unsigned tag = k::tag_of(*x.epoch + 1);
-  uint64_t copied = 0;  // thread 0's: the arrivals the count blocks wait for before they add
+  uint64_t copied = 0;  // thread 0's: the count of arrivals the count blocks wait for before they add
   if (exchange && tid < kSenders) {
     const uint64_t first = static_cast<uint64_t>(bid) * kSenders + tid, step = static_cast<uint64_t>(G) * kSenders;
     gather_local(m, first, step);
     asm volatile("bar.sync 1, %0;" : : "n"(kSenders) : "memory");  // the senders' stores, before the arrival
-    if (tid == 0)
-      asm volatile("atom.add.release.gpu.global.u64 %0, [%1], 1;" : "=l"(copied) : "l"(m.sync) : "memory");
+    if (tid == 0) copied = count_arrival(m);
     gather_routing(m, first, step, tag);
     stamp(m, kStampSent);
   } else if (!exchange) {
     stamp_as(m, kStampSent, kStampEntry);
   }
-  if (rows_early && tid >= kRowsItemThread && tid < kRowsItemThread + 32) {  // the third warp
-    if (tid == kRowsItemThread) k::rows_item(p, bid, ri);
-    __syncwarp();
-    k::rows_ramps_copy(ri, ramps, tid - kRowsItemThread, 32);
-    __syncwarp();
-    if (tid == kRowsItemThread) k::rows_ramps_point(ri, ramps);
-  }
+  if (rows_early && tid == kRowsItemThread) k::rows_item(p, bid, ri);
   if (prepared) k::count_prepare(a, static_cast<int>(k::quot32(bid, p[k::H_token_blocks])), sm.count);
   stamp(m, kStampPrepared);
-  copied = (copied / G + 1) * G;  // thread 0's: the arrivals' next multiple of the grid
   unsigned long long* seen = nullptr;  // the stamp of the first count block's tokens landed
   if (m.timeline != nullptr) {
     if (prepared)

@@ -158,7 +158,6 @@ constexpr int kMaxOutSets = EPCC_META_OUT_SETS;  // OUT sets per home rank
 constexpr int kMaxTopk = EPCC_META_TOPK;
 constexpr int kMaxExperts = EPCC_META_EXPERTS;
 constexpr int kMaxRanks = 64;             // ranks of a plan the kernels cover (the exchange's too)
-constexpr int kMaxRamp = 64;             // chunk sizes of one ramp end, at most (meta_program.py MAX_RAMP)
 constexpr i64 kMagic = 0x4D455043;
 constexpr i64 kVersion = 3;
 
@@ -880,8 +879,9 @@ EM_FN void count_block(const Args& a, i64 hb, Shared& sh, unsigned tag, unsigned
   const int E = static_cast<int>(p[H_experts]), K = static_cast<int>(p[H_topk]);
   EM_THREADS(t)
     // the sets one to a warp in turn (an OUT set's row masks are the longest work here: the other
-    // warps would wait for warp 0 at the barrier)
-    for (int b = (t % 32) * (kBlock / 32) + t / 32; b < nsets; b += kBlock) {
+    // warps would wait for warp 0 at the barrier), in both loops below
+    const int first_set = (t % 32) * (kBlock / 32) + t / 32;
+    for (int b = first_set; b < nsets; b += kBlock) {
       // what the set holds here, in registers before the stores (which, for all the compiler
       // knows, could be into shared memory: each use would read it again)
       const i64 si = sh.sets[b].si;  // read by count_prepare (meta_fused: before the routing came)
@@ -908,7 +908,7 @@ EM_FN void count_block(const Args& a, i64 hb, Shared& sh, unsigned tag, unsigned
     }
     if (t == 0 && sh.bad != kNoBad) EM_MIN(a.bad, sh.bad);
     counted();
-    for (int b = (t % 32) * (kBlock / 32) + t / 32; b < nsets; b += kBlock) {
+    for (int b = first_set; b < nsets; b += kBlock) {
       const i64 si = sh.sets[b].si;
       const int kind = sh.sets[b].kind, out = sh.sets[b].out;
       if (si < 0) continue;
@@ -1288,24 +1288,6 @@ EM_FN void rows_item(Prog p, i64 wi, RowsItem& r) {
   const bool prod_waits = (kind == PART_D_STAGE || kind == PART_D_OUT) && r.prod >= 0 && r.prod_slot >= 0;
   r.prod_part = prod_waits ? copy_rec(p, r.prod)[C_first_part] + pr[P_prod_part] : -1;
   r.pck = prod_waits ? chunk_spec(p, r.prod) : r.ck;
-}
-
-// The ramp sizes r's chunk_of / chunk_start read (its copy's and its producer's, both ends), copied
-// by the threads `lane` of `lanes` into `to` ([4][kMaxRamp], the block's shared memory), r's specs
-// then pointing there: meta_fused does it for its first rows item while the peers' routing comes,
-// so the item's chunks are found without a load from the program (two dependent ones a ramped token).
-// After every lane's copy (the caller's barrier), lane 0 points the specs there (rows_ramps_point).
-EM_FN void rows_ramps_copy(const RowsItem& r, i64 (*to)[kMaxRamp], int lane, int lanes) {
-  const i64* from[4] = {r.ck.front, r.ck.back, r.pck.front, r.pck.back};
-  const i64 n[4] = {r.ck.front_n, r.ck.back_n, r.pck.front_n, r.pck.back_n};
-  for (int q = 0; q < 4; ++q)
-    for (i64 i = lane; i < n[q]; i += lanes) to[q][i] = from[q][i];
-}
-EM_FN void rows_ramps_point(RowsItem& r, i64 (*to)[kMaxRamp]) {
-  r.ck.front = to[0];
-  r.ck.back = to[1];
-  r.pck.front = to[2];
-  r.pck.back = to[3];
 }
 
 // Work item r (a part of this rank's copies x a token block) of part kind KIND (r.kind): its rows.
