@@ -13,6 +13,9 @@ launches (where it exceeds the GPU's, the events time the host).  Uniform routin
 bundle's tokens.  `--grid`: the grids of the cooperative kernel meta_fused to time one after the
 other in the same processes (`default`: the runtime's, its largest phase's blocks at most what the
 device holds; 0: the steps as launches of their own, as on a target without cooperative launch).
+With more ranks than GPUs (torchrun's 2 ranks on a machine of 1 GPU) the ranks share the GPUs over
+gloo, their kernels time-sliced: the medians then hold the GPU's time slices, and only the
+timeline's own times (the kernels' work after the peers' routing landed) compare across builds.
 `--profile` then records 20 more iterations of each under torch.profiler and prints rank 0's
 kernels and copies with their mean device time, to find what bounds the metadata.
 
@@ -106,10 +109,22 @@ def main(argv=None) -> int:
         ap.error(f"--grid: blocks, `default` or 0, comma-separated, not {args.grid!r}")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = torch.device("cuda", local)
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        print("meta_time: no CUDA device visible (run it under torchrun on the GPU machine)", file=sys.stderr)
+        return 1
+    # more ranks than GPUs: ranks share them (rank r on GPU r mod gpus, their kernels time-sliced), over gloo
+    shared = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))) > gpus
+    dev = torch.device("cuda", local % gpus)
     torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", device_id=dev)
+    if shared:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl", device_id=dev)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if shared and rank == 0:
+        print(f"{world} ranks on {gpus} GPU(s), time-sliced: a rank's wait holds the GPU's time slices; its own "
+              f"time (the timeline's `own`, the rank that came last) is what compares across builds", flush=True)
     buf = Buffer(dist.group.WORLD, args.bundle, backend="cuda")
     meta = getattr(buf.engine, "meta", None)
     if meta is None:
@@ -155,7 +170,7 @@ def main(argv=None) -> int:
         host.clear()
         for i in range(args.warmup + args.iters):
             once(i)
-        t = torch.tensor(times, device=dev)
+        t = torch.tensor(times, device=torch.device("cpu") if shared else dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         us = sorted(t.tolist())
         how = f"meta_fused, {g} blocks" if g else "a launch per step"
