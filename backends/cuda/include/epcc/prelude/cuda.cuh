@@ -14,7 +14,6 @@
 //   epcc::red_add_f32, _f32x2, _f32x4            fp32 accumulate, relaxed, system scope
 //   epcc::backoff(ns), trap(), lane0_broadcast(v), popc(v)
 //   epcc::ballot(p), EPCC_HAS_BALLOT              the full warp's predicates as a 32-bit word (SUPA: none)
-//   epcc::prefetch_l1(p)                         a line of read-only data on its way into the SM's L1
 #pragma once
 
 #include <cstddef>
@@ -112,7 +111,5 @@ __device__ __forceinline__ int popc(unsigned v) { return __popc(v); }
 // Lane i's predicate as bit i, every lane of the (full) warp taking part.
 #define EPCC_HAS_BALLOT 1
 __device__ __forceinline__ uint32_t ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
-
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" : : "l"(p)); }
 
 }  // namespace epcc

@@ -94,7 +94,6 @@ typedef long long i64;
   } while (0)
 #endif
 EM_FN int em_popc(unsigned v) { return epcc::popc(v); }
-EM_FN void em_prefetch(const void* at) { epcc::prefetch_l1(at); }
 // a routing slot word as a peer's store leaves it (a strong load: it does not stop at a stale L1 line)
 EM_FN unsigned long long em_poll(const unsigned long long* at) {
   return epcc::ld_relaxed_sys(reinterpret_cast<const uint64_t*>(at));
@@ -121,7 +120,6 @@ EM_FN unsigned long long em_now() { return epcc::globaltimer(); }
     if (pred) *(word) |= 1u << ((t) % 32); \
   } while (0)
 EM_FN int em_popc(unsigned v) { return __builtin_popcount(v); }
-EM_FN void em_prefetch(const void*) {}
 EM_FN unsigned long long em_poll(const unsigned long long* at) { return *at; }
 EM_FN unsigned long long em_now() { return 0; }
 #endif
@@ -148,7 +146,6 @@ constexpr int kLanes = 32;                // threads of one sum over the token b
 constexpr int kSeries = kBlock / kLanes;  // sums over the token blocks one scan block does (meta_program.py SCAN_SERIES)
 constexpr int kOffsetBlocks = 3;          // the scan's blocks of what needs the totals only (offsets_block)
 constexpr int kRun = 8;                   // counts a thread loads before it adds them
-constexpr int kSeg = 16;                  // local experts per segment of the output-row scan
 constexpr int kLayout = 21;               // regions of the scratch (scratch_words)
 constexpr int kZeroed = 6;                // the regions before this one start at zero; the rest are written whole
 constexpr int kWords = kBlock / 32;       // 32-bit words of a per-block token mask
@@ -819,9 +816,9 @@ enum Phase { PHASE_COUNT, PHASE_SCAN, PHASE_ROWS, PHASE_ITEMS, PHASES };
 // What the scan's blocks hold in shared memory (in place of count's Shared: a block runs one phase
 // at a time).
 struct ScanShared {
-  i64 lane_sum[kBlock];                           // per thread: its run's sum (sums_block)
-  i64 seg_sum[kMaxExperts / kSeg + kMaxRanks];    // per (rank, segment of its local experts)
-  i64 e_total[kMaxExperts];                       // per expert its rows (expert_offsets)
+  i64 lane_sum[kBlock];                           // per thread: its run's sum (sums_block, expert_offsets)
+  i64 lane_tmp[kBlock];                           // the other half of expert_offsets' scan over the runs
+  i64 e_total[kMaxExperts];  // per expert its rows (expert_offsets); the copies' rows, chunks (copy_offsets)
 };
 union PhaseShared {
   Shared count;
@@ -1019,67 +1016,66 @@ EM_FN void sums_block(const Args& a, i64 j, ScanShared& ss) {
   EM_SYNC
 }
 
-// The program's records on their way into this SM's L1 (an offsets block walks most of them, one
-// dependent load after another).
-EM_FN void prefetch_program(const Args& a) {
-  EM_THREADS(t)
-    const char* at = reinterpret_cast<const char*>(a.prog);
-    for (i64 i = static_cast<i64>(t) * 128; i < a.prog_words * 8; i += static_cast<i64>(kBlock) * 128)
-      em_prefetch(at + i);
-  EM_DONE
-}
-
 // Offsets block 0: each rank's output rows, expert-major -- home_before[h][e] from home h's rows of
-// e to the rows of the lower home ranks, e_first[e] the rows of its rank's lower local experts (in
-// three steps over segments of kSeg local experts: their sums, their prefix per rank, the prefix
-// within each) -- and this rank's received rows per expert.  One block runs it once per dispatch,
-// so its instructions come cold from L2: each expert's rows stay in shared memory between the
-// steps and the segments' loops stay rolled (16-way unrolled, each slot's expert_of inlined, they
-// were ~900 instructions of fetch; the scan 7.2 -> 6.1 us, 2 x H100, 2026-11-27).
+// e to the rows of the lower home ranks, e_first[e] the rows of its rank's lower local experts --
+// and this rank's received rows per expert.  kBlock / R threads a rank, each a run of its local
+// experts: the runs' sums, their prefix within the rank (a scan over the block's runs, log2(kBlock)
+// short steps of one loop), then each run walked from it.  One block runs it once per dispatch, so
+// its instructions come cold from L2: every loop is short or rolled (four steps over segments of
+// 16 experts, each a rolled loop one expert after the other, took 4.4 us of the scan's long pole:
+// 1 x H200, 2 ranks time-sliced, 2026-11-28).
+static_assert(kMaxRanks <= kBlock, "expert_offsets gives every rank a thread at least");
 EM_FN void expert_offsets(const Args& a, ScanShared& ss) {
   const Prog p = prog_of(a);
   const Scratch x = scratch_of(a);
-  const i64 R = p[H_num_ranks], E = p[H_experts], EPR = p[H_epr];
-  const i64 nseg = (EPR + kSeg - 1) / kSeg;  // segments of a rank's local experts
+  const int R = static_cast<int>(p[H_num_ranks]), E = static_cast<int>(p[H_experts]), EPR = static_cast<int>(p[H_epr]);
   const int me = static_cast<int>(p[H_rank]);
+  const Div16 by_rank = div16(static_cast<unsigned>(kBlock / R));  // threads per rank
+  const int per = (EPR + kBlock / R - 1) / (kBlock / R);          // local experts per thread
   EM_THREADS(t)
-    for (i64 e = t; e < E; e += kBlock) ss.e_total[e] = prefix_run(x.home_before + e, x.home_before + e, R, E);
+    for (int e = t; e < E; e += kBlock) ss.e_total[e] = prefix_run(x.home_before + e, x.home_before + e, R, E);
   EM_SYNC
   EM_THREADS(t)
-    for (i64 i = t; i < R * nseg; i += kBlock) {
-      const int d = static_cast<int>(quot32(i, nseg)), l0 = static_cast<int>(i - d * nseg) * kSeg;
-      i64 sum = 0;
+    const int d = static_cast<int>(quot16(by_rank, static_cast<unsigned>(t)));
+    const int l0 = (t - d * (kBlock / R)) * per;
+    i64 sum = 0;
+    EM_ROLLED
+    for (int l = l0; d < R && l < l0 + per && l < EPR; ++l) sum += ss.e_total[expert_of(p, d, l)];
+    ss.lane_sum[t] = sum;
+  EM_SYNC
+  // inclusive prefix over the block's runs (Hillis-Steele, the two arrays in turn): each run's
+  // prefix within its rank is that less the prefix up to the rank's first run
+  i64* from = ss.lane_sum;
+  i64* to = ss.lane_tmp;
+  EM_ROLLED
+  for (int step = 1; step < kBlock; step *= 2) {
+    EM_THREADS(t)
+      to[t] = from[t] + (t >= step ? from[t - step] : 0);
+    EM_SYNC
+    i64* was = from;
+    from = to;
+    to = was;
+  }
+  EM_THREADS(t)
+    const int d = static_cast<int>(quot16(by_rank, static_cast<unsigned>(t))), first = d * (kBlock / R);
+    const int l0 = (t - first) * per;
+    if (d < R && l0 < EPR) {
+      // the runs before this one of its rank: the prefix up to the run before less the prefix up
+      // to the rank's first run's
+      i64 n = (t > 0 ? from[t - 1] : 0) - (first > 0 ? from[first - 1] : 0);
+      const int end = l0 + per < EPR ? l0 + per : EPR;
       EM_ROLLED
-      for (int j = 0; j < kSeg && l0 + j < EPR; ++j) sum += ss.e_total[expert_of(p, d, l0 + j)];
-      ss.seg_sum[i] = sum;
-    }
-  EM_SYNC
-  EM_THREADS(t)
-    for (i64 d = t; d < R; d += kBlock) {
-      i64 n = 0;
-      for (i64 g = 0; g < nseg; ++g) {
-        const i64 c = ss.seg_sum[d * nseg + g];
-        ss.seg_sum[d * nseg + g] = n;
-        n += c;
-      }
-    }
-  EM_SYNC
-  EM_THREADS(t)
-    for (i64 i = t; i < R * nseg; i += kBlock) {
-      const int d = static_cast<int>(quot32(i, nseg)), l0 = static_cast<int>(i - d * nseg) * kSeg;
-      i64 n = ss.seg_sum[i];
-      EM_ROLLED
-      for (int j = 0; j < kSeg && l0 + j < EPR; ++j) {
-        const int e = expert_of(p, d, l0 + j);
+      for (int l = l0; l < end; ++l) {
+        const int e = expert_of(p, d, l);
         const i64 v = ss.e_total[e];
         x.e_first[e] = n;
         if (d == me) {
-          a.recv_offset[l0 + j] = static_cast<int>(n);
-          a.recv_count[l0 + j] = static_cast<int>(v);
+          a.recv_offset[l] = static_cast<int>(n);
+          a.recv_count[l] = static_cast<int>(v);
         }
         n += v;
       }
-      if (d == me && l0 + kSeg >= EPR) a.recv_offset[EPR] = static_cast<int>(n);
+      if (d == me && end == EPR) a.recv_offset[EPR] = static_cast<int>(n);
     }
   EM_SYNC
 }
@@ -1116,14 +1112,18 @@ EM_FN void set_offsets(const Args& a) {
 
 // Offsets block 2: each copy's parts' first token and row in it (from their sets' totals), its
 // tokens, rows and chunks; then the descriptors' counts (CopyDesc rows, RoleDesc items, DrainDesc)
-// and each copy's first and end chunk starts.
-EM_FN void copy_offsets(const Args& a) {
+// and each copy's first and end chunk starts.  The second step reads each copy's rows and chunks
+// from shared memory where they fit (ScanShared::e_total, free here), not back from global memory.
+EM_FN void copy_offsets(const Args& a, ScanShared& ss) {
   const Prog p = prog_of(a);
   const Scratch x = scratch_of(a);
+  const bool staged = 2 * p[H_num_copies] <= kMaxExperts;
+  i64* st = ss.e_total;  // staged: copy c's rows at 2c, its chunks at 2c + 1
   EM_THREADS(t)
     for (i64 c = t; c < p[H_num_copies]; c += kBlock) {
       const i64* cr = copy_rec(p, c);
       const i64 first = cr[C_first_part], np = cr[C_num_parts];
+      const ChunkSpec cs = chunk_spec(p, c);  // read before the stores below (which might alias it)
       i64 tok = 0, rows = 0;
       for (i64 q0 = 0; q0 < np; q0 += kRun) {  // the parts' sets, then their totals, kRun at a time
         i64 s[kRun], v[kRun], r[kRun];
@@ -1144,38 +1144,55 @@ EM_FN void copy_offsets(const Args& a) {
           rows += r[j];
         }
       }
+      const i64 chunks = num_chunks(chunking(cs, tok));
       x.copy_tok[c] = tok;
       x.copy_rows[c] = rows;
-      x.copy_chunks[c] = num_chunks(chunking(p, c, tok));
+      x.copy_chunks[c] = chunks;
+      if (staged) {
+        st[2 * c] = rows;
+        st[2 * c + 1] = chunks;
+      }
     }
   EM_SYNC
   // the copies' descriptors, the roles' item counts and the drains' values side by side, each on
-  // threads of its own (one index space over all three): each is a chain of dependent loads, which
-  // in turn on one thread took ~3 us of the scan's long pole (2 x H100, 2026-11-28)
+  // threads of its own and each kind from a warp of its own (one index space over all three, each
+  // kind's part of it rounded up to whole warps): each is a chain of dependent loads, which in turn
+  // on one thread took ~3 us of the scan's long pole (2 x H100, 2026-11-28), and a warp that holds
+  // two kinds runs their chains one after the other (~2 us of it, 1 x H200, 2026-11-28)
   EM_THREADS(t)
     const i64 NT = p[H_num_tcopies], NR = p[H_num_roles], ND = p[H_num_drain];
-    for (i64 q = t; q < NT + NR + ND; q += kBlock) {
+    const i64 at_roles = (NT + 31) / 32 * 32, at_drains = at_roles + (NR + 31) / 32 * 32;
+    for (i64 q0 = t; q0 < at_drains + ND; q0 += kBlock) {
+      // the tcopies at 0, the roles at at_roles, the drains at at_drains; q: the index of this one
+      // in that space without the gaps (the past-the-end of its kind, NT + NR + ND, in a gap)
+      const i64 q = q0 < at_roles ? (q0 < NT ? q0 : NT + NR + ND)
+                  : q0 < at_drains ? (q0 - at_roles < NR ? NT + q0 - at_roles : NT + NR + ND)
+                                   : NT + NR + q0 - at_drains;
+      if (q >= NT + NR + ND) continue;
       if (q < NT) {
         const i64* tc = tcopy_rec(p, q);
         uint8_t* blob = a.blob[tc[T_program]];
-        const uint32_t rows = static_cast<uint32_t>(x.copy_rows[tc[T_copy]]);
-        memcpy(blob + tc[T_desc_off] + kCopyNRows, &rows, 4);
+        const i64 c = tc[T_copy];
+        const i64 rows = staged ? st[2 * c] : x.copy_rows[c], chunks = staged ? st[2 * c + 1] : x.copy_chunks[c];
+        const uint32_t nrows = static_cast<uint32_t>(rows);
+        memcpy(blob + tc[T_desc_off] + kCopyNRows, &nrows, 4);
         i64* starts = x.per_tcopy + tc[T_scratch_starts];
         starts[0] = 0;
-        starts[x.copy_chunks[tc[T_copy]]] = x.copy_rows[tc[T_copy]];
+        starts[chunks] = rows;
       } else if (q < NT + NR) {
         const i64* ro = rec(p, H_off_roles, q - NT, R_COUNT);
         i64 items = 0;
         for (i64 j0 = 0; j0 < ro[R_num_tcopies]; j0 += kRun) {  // the copies' indices, then their chunks
           i64 c[kRun];
           for (int j = 0; j < kRun; ++j) c[j] = j0 + j < ro[R_num_tcopies] ? tcopy_rec(p, ro[R_first_tcopy] + j0 + j)[T_copy] : -1;
-          for (int j = 0; j < kRun; ++j) items += c[j] >= 0 ? x.copy_chunks[c[j]] : 0;
+          for (int j = 0; j < kRun; ++j) items += c[j] >= 0 ? (staged ? st[2 * c[j] + 1] : x.copy_chunks[c[j]]) : 0;
         }
         const uint32_t v = static_cast<uint32_t>(items);
         memcpy(a.blob[ro[R_program]] + ro[R_desc_off] + kRoleItemCount, &v, 4);
       } else {
         const i64* dr = rec(p, H_off_drain, q - NT - NR, D_COUNT);
-        const uint64_t v = static_cast<uint64_t>(x.copy_chunks[dr[D_copy]]);
+        const i64 c = dr[D_copy];
+        const uint64_t v = static_cast<uint64_t>(staged ? st[2 * c + 1] : x.copy_chunks[c]);
         memcpy(a.blob[dr[D_program]] + dr[D_desc_off] + kDrainValue, &v, 8);
       }
     }
@@ -1189,10 +1206,9 @@ EM_FN void scan_block(const Args& a, i64 vb, ScanShared& ss) {
     sums_block(a, vb - kOffsetBlocks, ss);
     return;
   }
-  prefetch_program(a);
   if (vb == 0) expert_offsets(a, ss);
   else if (vb == 1) set_offsets(a);
-  else copy_offsets(a);
+  else copy_offsets(a, ss);
 }
 
 // ---------------------------------------------------------------------------------- rows
