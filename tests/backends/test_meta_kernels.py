@@ -279,6 +279,44 @@ def test_hidden_routings_every_plan(host_kernels, case, seed, zero, masked, hot,
                       key=(name, tokens, chunk), grid=grid)
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ranks=st.integers(1, 64), epr=st.integers(1, 40), strided=st.booleans(), seed=st.integers(0, 2**32 - 1),
+       empty=st.sampled_from([0.0, 0.5, 1.0]))
+def test_expert_offsets_for_any_ranks_and_experts(host_kernels, ranks, epr, strided, seed, empty):
+    """Property: the scan's expert offsets (expert_offsets: kBlock / R threads a rank, a run of local
+    experts each, a log-step scan over the runs) are the prefix sums they stand for, for any number
+    of ranks (dividing the block's threads or not), experts per rank (fewer or more than a rank's
+    threads), placement and rank, experts with no rows included: each home's rows of an expert from
+    the lower home ranks, each expert's first row on its rank (the rows of its lower local
+    experts), this rank's received rows per local expert and where each starts."""
+    E = ranks * epr
+    if E > 1024:  # the default build's capacity
+        epr = 1024 // ranks
+        E = ranks * epr
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, 60, (ranks, E)).astype(np.int64)
+    rows[rng.random(rows.shape) < empty] = 0
+    rank = int(rng.integers(0, ranks))
+    lib = host_kernels()
+    lib.epcc_meta_expert_offsets.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 5
+    home = np.zeros((ranks, E), np.int64)
+    first = np.zeros(E, np.int64)
+    recv_count = np.zeros(epr, np.int32)
+    recv_offset = np.zeros(epr + 1, np.int32)
+    assert lib.epcc_meta_expert_offsets(ranks, E, int(strided), rank, rows.ctypes.data, home.ctypes.data,
+                                        first.ctypes.data, recv_count.ctypes.data, recv_offset.ctypes.data) == 0
+    assert np.array_equal(home, np.cumsum(rows, axis=0) - rows)
+    total = rows.sum(axis=0)
+    want = np.zeros(E, np.int64)
+    for d in range(ranks):
+        experts = [(l * ranks + d) if strided else (d * epr + l) for l in range(epr)]
+        want[experts] = np.cumsum(total[experts]) - total[experts]
+        if d == rank:
+            assert recv_count.tolist() == total[experts].tolist()
+            assert recv_offset.tolist() == [*want[experts].tolist(), int(total[experts].sum())]
+    assert np.array_equal(first, want)
+
+
 def test_the_kernels_divisions_without_a_divide_are_exact(host_kernels):
     """An expert's rank and local index are a multiply (Div16), token counts divide in 32 bits
     where they fit: every divisor up to 4096 against every 16-bit numerator, the larger divisors at

@@ -67,6 +67,38 @@ extern "C" int epcc_meta_error_rank(void) { return g_error_rank; }
 // sizeof(Shared) at this build's capacity (meta_program.py shared_bytes computes the same).
 extern "C" long long epcc_meta_shared_bytes(void) { return static_cast<long long>(sizeof(Shared)); }
 
+// expert_offsets alone, on R ranks' rows of E experts (`rows` [R][E], placement blocked or strided,
+// rank `rank`'s received rows): home_before [R][E] (each home's rows of the expert from the lower
+// home ranks), e_first [E], recv_count [E / R], recv_offset [E / R + 1].  1: R or E out of range.
+extern "C" int epcc_meta_expert_offsets(int R, int E, int strided, int rank, const long long* rows,
+                                        long long* home_before, long long* e_first, int* recv_count,
+                                        int* recv_offset) {
+  if (R < 1 || R > kMaxRanks || E < R || E > kMaxExperts || E % R != 0 || rank < 0 || rank >= R) return 1;
+  std::vector<long long> prog(H_COUNT, 0);
+  prog[H_num_ranks] = R;
+  prog[H_experts] = E;
+  prog[H_epr] = E / R;
+  prog[H_strided] = strided;
+  prog[H_rank] = rank;
+  Args a{};
+  a.prog = prog.data();
+  std::memcpy(a.head, prog.data(), sizeof a.head);
+  // the scratch: home_before at 0 (count's totals, R x E), e_first after it (scratch_of's regions 3 and
+  // 12; the others unused)
+  std::vector<long long> scratch(static_cast<size_t>(R + 1) * E, 0x5a5a5a5a);
+  std::memcpy(scratch.data(), rows, sizeof(long long) * R * E);
+  a.scratch = scratch.data();
+  a.lay[3] = 0;
+  a.lay[12] = static_cast<long long>(R) * E;
+  a.recv_count = recv_count;
+  a.recv_offset = recv_offset;
+  static ScanShared ss;
+  expert_offsets(a, ss);
+  std::memcpy(home_before, scratch.data(), sizeof(long long) * R * E);
+  std::memcpy(e_first, scratch.data() + static_cast<size_t>(R) * E, sizeof(long long) * E);
+  return 0;
+}
+
 
 // A run's end: 3 where the kernels found a rank's routing missing (the exchange's error word {1, rank}),
 // 4 where the epoch did not advance by exactly one, else 0.

@@ -1172,8 +1172,8 @@ EM_FN void copy_offsets(const Args& a, ScanShared& ss) {
     const i64 NT = p[H_num_tcopies], NR = p[H_num_roles], ND = p[H_num_drain];
     const i64 at_roles = (NT + 31) / 32 * 32, at_drains = at_roles + (NR + 31) / 32 * 32;
     for (i64 q0 = t; q0 < at_drains + ND; q0 += kBlock) {
-      // the tcopies at 0, the roles at at_roles, the drains at at_drains; q: the index of this one
-      // in that space without the gaps (the past-the-end of its kind, NT + NR + ND, in a gap)
+      // the tcopies at 0, the roles at at_roles, the drains at at_drains; q: this one's index in
+      // the space without the gaps (NT + NR + ND: a gap, nothing to do)
       const i64 q = q0 < at_roles ? (q0 < NT ? q0 : NT + NR + ND)
                   : q0 < at_drains ? (q0 - at_roles < NR ? NT + q0 - at_roles : NT + NR + ND)
                                    : NT + NR + q0 - at_drains;
