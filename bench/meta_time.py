@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's e
 from epcc.runtime.buffer import Buffer  # noqa: E402
 from epcc.runtime.engines.cuda_table.meta import timeline_medians, timeline_summary  # noqa: E402
 from epcc.runtime.testing.inputs import make_topk, make_weights  # noqa: E402
+from epcc.runtime.testing.ranks import join_group  # noqa: E402
 
 
 def timeline_lines(summary: dict, rank: int) -> list[str]:
@@ -108,23 +109,16 @@ def main(argv=None) -> int:
     except ValueError:
         ap.error(f"--grid: blocks, `default` or 0, comma-separated, not {args.grid!r}")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    gpus = torch.cuda.device_count()
-    if gpus == 0:
+    joined = join_group()  # more ranks than GPUs: they share them, time-sliced, over gloo
+    if joined is None:
         print("meta_time: no CUDA device visible (run it under torchrun on the GPU machine)", file=sys.stderr)
         return 1
-    # more ranks than GPUs: ranks share them (rank r on GPU r mod gpus, their kernels time-sliced), over gloo
-    shared = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))) > gpus
-    dev = torch.device("cuda", local % gpus)
-    torch.cuda.set_device(dev)
-    if shared:
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("nccl", device_id=dev)
+    dev, shared = joined
     rank, world = dist.get_rank(), dist.get_world_size()
     if shared and rank == 0:
-        print(f"{world} ranks on {gpus} GPU(s), time-sliced: a rank's wait holds the GPU's time slices; its own "
-              f"time (the timeline's `own`, the rank that came last) is what compares across builds", flush=True)
+        print(f"{world} ranks on {torch.cuda.device_count()} GPU(s), time-sliced: a rank's wait holds the GPU's "
+              "time slices; its own time (the timeline's `own`, the rank that came last) is what compares across "
+              "builds", flush=True)
     buf = Buffer(dist.group.WORLD, args.bundle, backend="cuda")
     meta = getattr(buf.engine, "meta", None)
     if meta is None:

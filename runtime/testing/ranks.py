@@ -35,6 +35,27 @@ class RankResult:
         return f"exited {self.returncode}"
 
 
+def join_group():
+    """This torchrun worker's GPU and process group: GPU LOCAL_RANK modulo the host's GPUs, and NCCL;
+    where the host runs more ranks (LOCAL_WORLD_SIZE, else WORLD_SIZE) than it has GPUs, the ranks
+    share them, their kernels time-sliced, over gloo (NCCL wants a GPU per rank).  (device,
+    shared), or None where no CUDA device is visible (nothing joined)."""
+    import torch  # the runtime extra: only the GPU workers call this
+    import torch.distributed as dist
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        return None
+    shared = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))) > gpus
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % gpus)
+    torch.cuda.set_device(dev)
+    if shared:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl", device_id=dev)
+    return dev, shared
+
+
 def run_ranks(cmd: list[str], ranks: int, *, env: dict[str, str] | None = None, cwd: str | Path | None = None,
               timeout_s: float = 600.0) -> list[RankResult]:
     """Run `cmd` as `ranks` processes of one group (env:// rendezvous on a store hosted here);

@@ -58,3 +58,11 @@ def test_raw_stamps_need_the_timeline(meta_time, capsys):
         meta_time.main(["bundle", "--raw", "stamps"])
     assert e.value.code == 2
     assert "error: --raw: the stamps are --timeline's\n" in capsys.readouterr().err
+
+
+def test_without_a_gpu_it_says_so(meta_time, capsys, monkeypatch):
+    import torch  # meta_time's own import: there, without it the fixture skips
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert meta_time.main(["bundle"]) == 1
+    assert capsys.readouterr().err == "meta_time: no CUDA device visible (run it under torchrun on the GPU machine)\n"

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from epcc.runtime.testing import compare_torch, inputs, oracle
+from epcc.runtime.testing.ranks import join_group
 from epcc.plan.direct import META_CHUNK
 from epcc.runtime.buffer import Buffer
 from epcc.runtime.engines.cuda_table.placed import build_placed, placed_differences
@@ -632,20 +633,13 @@ def run_config(path: Path, dev, checks: Checks, config: dict, label: str) -> Non
 def main(argv: list[str], run=run_bundle) -> int:
     """Every bundle of `argv` through `run(path, device, checks)` on this rank; 0 when every check
     passed on every rank."""
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    world, gpus = int(os.environ.get("WORLD_SIZE", "1")), torch.cuda.device_count()
-    if gpus == 0:
+    joined = join_group()  # ranks that share this host's GPUs (time-sliced) over gloo
+    if joined is None:
         print("ep_worker: no CUDA device visible (the GPU checks need GPUs; run it under torchrun there)",
               file=sys.stderr)
         return 1
-    # ranks share this host's GPUs (time-sliced): gloo, since NCCL wants a GPU per rank
-    shared = int(os.environ.get("LOCAL_WORLD_SIZE", str(world))) > gpus
-    dev = torch.device("cuda", local % gpus)
-    torch.cuda.set_device(dev)
-    if shared:
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("nccl", device_id=dev)
+    dev, shared = joined
+    gpus = torch.cuda.device_count()
     rank = dist.get_rank()
     flag_dev = torch.device("cpu") if shared else dev
 
@@ -654,8 +648,8 @@ def main(argv: list[str], run=run_bundle) -> int:
             print(msg, flush=True)
 
     if shared:
-        log(f"{world} ranks on {gpus} GPU(s): rank r on GPU r mod {gpus}, kernels of one GPU's ranks time-sliced "
-            "(a correctness run, not a timing)")
+        log(f"{dist.get_world_size()} ranks on {gpus} GPU(s): rank r on GPU r mod {gpus}, kernels of one GPU's "
+            "ranks time-sliced (a correctness run, not a timing)")
     checks = Checks(flag_dev, log)
     crashed = 0
     for p in argv:
