@@ -40,7 +40,7 @@ from .tables import PROGRAMS
 
 MAX_RANKS = 64
 ZERO_BLOCKS = 264  # zero_partials' grid at most (epcc_table_meta_zero), and alone on the device
-META_ABI = 11  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
+META_ABI = 12  # epcc_table_meta.cu kMetaAbi: the layout of _Meta and _Args below
 LAYOUT_WORDS = 21  # meta.cuh kLayout: the scratch's regions
 HEADER_WORDS = len(HEADER)  # meta.cuh H_COUNT: the program's header, a copy of which the kernels' arguments hold
 # what meta_fused's grid barrier timeouts name (error word {2, n}): after count, scan (meta.cuh Phase),
@@ -75,7 +75,7 @@ class _Exchange(ctypes.Structure):
 
 
 class _Args(ctypes.Structure):  # epcc::meta::Args
-    _fields_ = [("prog", ctypes.c_uint64), ("prog_words", ctypes.c_int64), ("scratch", ctypes.c_uint64),
+    _fields_ = [("prog", ctypes.c_uint64), ("scratch", ctypes.c_uint64),
                 ("tokens", ctypes.c_uint64), ("routing", ctypes.c_uint64), ("epoch", ctypes.c_uint64),
                 ("error", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64), ("blob", ctypes.c_uint64 * 2),
                 ("bad", ctypes.c_uint64), ("recv_w", ctypes.c_uint64), ("recv_idx", ctypes.c_uint64),
@@ -263,7 +263,7 @@ class DeviceMeta:
         x.rank, x.num_ranks, x.max_tokens, x.k = self.rank, self.R, self.T, self.K
         x.collective = int(self.collective)
         a = m.args
-        a.prog, a.prog_words = self.prog.data_ptr(), len(self.mp.array)
+        a.prog = self.prog.data_ptr()
         a.scratch = self.scratch.data_ptr()
         a.tokens = self.own_area + self.off_tokens
         a.routing = self.own_area + self.off_routing

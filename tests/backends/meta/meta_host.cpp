@@ -125,7 +125,6 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
   *bad = INT_MAX;
   a.prog = prog;
   std::memcpy(a.head, prog, sizeof a.head);
-  a.prog_words = 0;  // the kernels do not read it
   a.scratch = scratch;
   // every rank's routing as the exchange leaves it in a gather area: slot words of this exchange's
   // tag (the second: the area's words of the first, and a rank's set stale, show), tokens past a

@@ -58,7 +58,7 @@ using epcc::meta::kMaxRanks;
 
 // The layout of EpccTableMeta and Args that runtime/engines/cuda_table/meta.py writes with ctypes:
 // changed whenever they change, checked by the runtime at load (epcc_table_meta_abi).
-constexpr int kMetaAbi = 11;
+constexpr int kMetaAbi = 12;
 
 // meta_fused's timeline (EpccTableMeta.timeline, DeviceMeta.timeline in meta.py): thread 0 of each
 // block writes kMetaTimelineWords %globaltimer stamps (ns) per launch, at [block][MetaStamp]:

@@ -235,7 +235,6 @@ constexpr i64 kRowBufShift = 40;
 
 struct Args {
   const i64* prog;       // the metadata program (int64)
-  i64 prog_words;        // its length
   i64* scratch;          // scratch_words(prog) words, its regions before kZeroed zero before count
   // every rank's routing, gathered: the kernels read it from here only, whatever moved it here and
   // however many peer-memory domains the ranks span (the driver's exchange fills it)
@@ -1126,10 +1125,14 @@ EM_FN void set_offsets(const Args& a) {
 EM_FN void copy_offsets(const Args& a, ScanShared& ss) {
   const Prog p = prog_of(a);
   const Scratch x = scratch_of(a);
-  const bool staged = 2 * p[H_num_copies] <= kMaxExperts;
-  i64* st = ss.e_total;  // staged: copy c's rows at 2c, its chunks at 2c + 1
+  const i64 NC = p[H_num_copies];
+  const bool staged = 2 * NC <= kMaxExperts;
+  // where the second step reads each copy's rows and chunks: staged, ScanShared::e_total (the rows,
+  // then the chunks); else the scratch the first step writes them to anyway
+  const i64* rows_of = staged ? ss.e_total : x.copy_rows;
+  const i64* chunks_of = staged ? ss.e_total + NC : x.copy_chunks;
   EM_THREADS(t)
-    for (i64 c = t; c < p[H_num_copies]; c += kBlock) {
+    for (i64 c = t; c < NC; c += kBlock) {
       const i64* cr = copy_rec(p, c);
       const i64 first = cr[C_first_part], np = cr[C_num_parts];
       const ChunkSpec cs = chunk_spec(p, c);  // read before the stores below (which might alias it)
@@ -1158,8 +1161,8 @@ EM_FN void copy_offsets(const Args& a, ScanShared& ss) {
       x.copy_rows[c] = rows;
       x.copy_chunks[c] = chunks;
       if (staged) {
-        st[2 * c] = rows;
-        st[2 * c + 1] = chunks;
+        ss.e_total[c] = rows;
+        ss.e_total[NC + c] = chunks;
       }
     }
   EM_SYNC
@@ -1182,7 +1185,7 @@ EM_FN void copy_offsets(const Args& a, ScanShared& ss) {
         const i64* tc = tcopy_rec(p, q);
         uint8_t* blob = a.blob[tc[T_program]];
         const i64 c = tc[T_copy];
-        const i64 rows = staged ? st[2 * c] : x.copy_rows[c], chunks = staged ? st[2 * c + 1] : x.copy_chunks[c];
+        const i64 rows = rows_of[c], chunks = chunks_of[c];
         const uint32_t nrows = static_cast<uint32_t>(rows);
         memcpy(blob + tc[T_desc_off] + kCopyNRows, &nrows, 4);
         i64* starts = x.per_tcopy + tc[T_scratch_starts];
@@ -1194,14 +1197,13 @@ EM_FN void copy_offsets(const Args& a, ScanShared& ss) {
         for (i64 j0 = 0; j0 < ro[R_num_tcopies]; j0 += kRun) {  // the copies' indices, then their chunks
           i64 c[kRun];
           for (int j = 0; j < kRun; ++j) c[j] = j0 + j < ro[R_num_tcopies] ? tcopy_rec(p, ro[R_first_tcopy] + j0 + j)[T_copy] : -1;
-          for (int j = 0; j < kRun; ++j) items += c[j] >= 0 ? (staged ? st[2 * c[j] + 1] : x.copy_chunks[c[j]]) : 0;
+          for (int j = 0; j < kRun; ++j) items += c[j] >= 0 ? chunks_of[c[j]] : 0;
         }
         const uint32_t v = static_cast<uint32_t>(items);
         memcpy(a.blob[ro[R_program]] + ro[R_desc_off] + kRoleItemCount, &v, 4);
       } else {
         const i64* dr = rec(p, H_off_drain, q - NT - NR, D_COUNT);
-        const i64 c = dr[D_copy];
-        const uint64_t v = static_cast<uint64_t>(staged ? st[2 * c + 1] : x.copy_chunks[c]);
+        const uint64_t v = static_cast<uint64_t>(chunks_of[dr[D_copy]]);
         memcpy(a.blob[dr[D_program]] + dr[D_desc_off] + kDrainValue, &v, 8);
       }
     }
