@@ -40,8 +40,8 @@ def join_group():
     where the host runs more ranks (LOCAL_WORLD_SIZE, else WORLD_SIZE) than it has GPUs, the ranks
     share them, their kernels time-sliced, over gloo (NCCL wants a GPU per rank).  (device,
     shared), or None where no CUDA device is visible (nothing joined)."""
-    import torch  # the runtime extra: only the GPU workers call this
-    import torch.distributed as dist
+    import torch  # reason: the runtime extra; only the GPU workers call this
+    import torch.distributed as dist  # reason: the same
 
     gpus = torch.cuda.device_count()
     if gpus == 0:
