@@ -247,6 +247,20 @@ def test_host_compiled_kernels_write_the_host_layouts_blobs(host_kernels, name, 
                       key=(name, tokens, chunk), grid=grid)
 
 
+@pytest.mark.parametrize("name", ["h200x2_2vnode", "h200x2_2vnode_relay"])
+def test_copies_of_more_chunks_than_a_block_has_threads(host_kernels, name):
+    """An items block's thread reads its first chunk's place before the wait for the copy's rows, and
+    every further chunk's (a copy of more than kBlock chunks: ubbv2_ep16 and ubbv2_ep32 at 4096 tokens)
+    after it: one-token chunks of 300 tokens give copies of up to 300, both ways."""
+    tokens, chunk = 300, 1
+    plan, layout, _, _, _ = small_case(name, tokens, chunk)
+    assert max(len(c.chunk_starts) - 1 for c in layout.copies) > meta_program.TOKEN_BLOCK
+    plan, idx, w, counts = _routing(name, tokens, chunk, 3)
+    for grid in (0, 7):
+        _check_every_rank(host_kernels, name, plan, _manifest(plan, name, tokens, chunk), tokens, idx, w, counts,
+                          key=(name, tokens, chunk), grid=grid)
+
+
 def _hidden_routing(plan, tokens: int, rng, zero: int, masked: float, hot: int):
     """A routing no test fixes: per rank a token count (rank `zero` none), per token top-k distinct
     experts drawn from `hot` experts favoured 8 : 1 over the rest (0: all alike), a share

@@ -331,13 +331,17 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
     } else if (phase == k::PHASE_ROWS) {
       grid_barrier(m, phase - 1);
       stamp(m, kStampPhases + 2 * phase - 1);
-    } else if (phase == k::PHASE_ITEMS) {  // no grid barrier: each items block waits for its copy's rows
-      if (bid < n) rows_wait(m, p, bid);
+    } else if (phase == k::PHASE_ITEMS && bid >= n) {  // no items: nothing to wait for
       stamp(m, kStampPhases + 2 * phase - 1);
     }
     for (k::i64 vb = k::phase_first(p, phase, bid, G); vb < n; vb += G) {
-      if (phase == k::PHASE_ITEMS && vb != bid) rows_wait(m, p, vb);
-      if (phase == k::PHASE_ROWS && vb == bid && rows_early) {  // counted done before its rows' stores
+      if (phase == k::PHASE_ITEMS) {  // no grid barrier: each items block waits for its copy's rows, once it
+                                      // read what needs none (items_block)
+        k::items_block(a, vb, [&]() {
+          rows_wait(m, p, vb);
+          if (vb == bid) stamp(m, kStampPhases + 2 * phase - 1);
+        });
+      } else if (phase == k::PHASE_ROWS && vb == bid && rows_early) {  // counted done before its rows' stores
         k::rows_run(a, ri, [&]() { rows_done(m, ri.tcopy); });
       } else if (phase == k::PHASE_COUNT) {
         // the block's last count block arrives at the barrier once the scan's counts are stored, and
