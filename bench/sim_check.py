@@ -42,6 +42,7 @@ from epcc.cli.options import pass_options  # noqa: E402
 from epcc.cli.simulate import simulation  # noqa: E402
 from epcc.diagnostics import CompileError, SourceMap  # noqa: E402
 from epcc.plan.direct import MAX_WARPS  # noqa: E402
+from epcc.runtime.engines.cuda_table.launcher import role_step  # noqa: E402
 from epcc.sim.report import to_dict  # noqa: E402
 
 PROGRAMS = ("dispatch", "combine")
@@ -331,7 +332,9 @@ def simulate_bundle(name: str, tokens: int | None, out_dir: Path, sms: int | Non
 
 
 def _timeline(per_rank: list[dict], program: str) -> tuple[float | None, dict[str, float]]:
-    """(the kernel's end, each role's end), ms, the maximum over ranks."""
+    """(the kernel's end, each step's end), ms, the maximum over ranks: a role of several steps
+    ("a+b") ends each of them; a proxy-path step's two roles ("rdma (pack)", "rdma (unpack)") end
+    their step where the later one ends."""
     ends, roles = [], {}
     for r in per_rank:
         t = (r.get("timeline") or {}).get(program)
@@ -339,7 +342,7 @@ def _timeline(per_rank: list[dict], program: str) -> tuple[float | None, dict[st
             continue
         ends.append(float(t["end_ms"]))
         for role in t.get("roles", []):
-            for step in str(role["step"]).split("+"):
+            for step in role_step(str(role["step"])).split("+"):
                 roles[step] = max(roles.get(step, 0.0), float(role["end_ms"]))
     return (max(ends) if ends else None), roles
 

@@ -15,6 +15,7 @@ import pytest
 from epcc.cli.simulate import sim_options
 from epcc.costmodel.rates import FP32_ADD_PER_FLOW_BYTE, GATHER_ROWS, RED_BPS, red_bytes_per_flow_byte
 from epcc.plan import Flow, Plan, PlanStep
+from epcc.runtime.engines.cuda_table.launcher import ROLE_SIDES, role_step
 from epcc.runtime.layout import compute_layout
 from epcc.sim import SimOptions, simulate
 from epcc.sim.blocks import block_roles, schedule_roles
@@ -387,6 +388,29 @@ def test_cli_exit_status(sim_check, tmp_path, capsys):
     bad.write_text("{}", encoding="utf-8")
     assert sim_check.main([str(bad)]) == 1
     assert "not an ep_bench report" in capsys.readouterr().err
+
+
+def test_a_proxy_steps_two_roles_end_its_step(records):
+    """A proxy-path bundle's RDMA-class step runs as two roles, its timeline naming them "rdma (pack)"
+    and "rdma (unpack)" (launcher.role_timeline): the step's measured end is the later of the two, so
+    `--steps` compares it with the simulated step (it was never compared while the names did not match)."""
+    report, bundle = "2026-11-28_2xH200_ep_bench_multihop.json", "h200x2_2vnode_50_proxy_dev"
+    got = {(r.report, r.bundle, r.row, r.program): r for r in records}
+    measured, simulated = got[(report, bundle, "epcc", "dispatch")].steps["rdma"]
+    b = next(b for b in json.loads((REPO / "results" / "raw" / report).read_text())["bundles"] if b["name"] == bundle)
+    ends = {role["step"]: [] for role in b["methods"]["epcc_cached"]["per_rank"][0]["timeline"]["dispatch"]["roles"]}
+    for r in b["methods"]["epcc_cached"]["per_rank"]:
+        for role in r["timeline"]["dispatch"]["roles"]:
+            ends[role["step"]].append(role["end_ms"])
+    assert measured == max(ends["rdma (pack)"] + ends["rdma (unpack)"])
+    assert simulated > 0
+    assert not any("(" in step for rec in records for step in rec.steps)
+
+
+def test_role_step_names_the_plan_step():
+    assert role_step("rdma (pack)") == role_step("rdma (unpack)") == role_step("rdma") == "rdma"
+    assert role_step("final.from_twin") == "final.from_twin"
+    assert set(ROLE_SIDES) == {"rdma-pack", "rdma-unpack"}
 
 
 # ----------------------------------------------------------------------------- the red.add term

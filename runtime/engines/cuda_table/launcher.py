@@ -31,6 +31,19 @@ ERROR_MESSAGE_BYTES = 512
 TIMELINE_WORDS = 4  # epcc::kTimelineWords: entry barrier passed, first item started, role done, drain done
 
 
+# A proxy-path step's two roles in a timeline: its step's name with the side (the manifest role's
+# `lowered`) after it; role_step gives the step back.
+ROLE_SIDES = {"rdma-pack": " (pack)", "rdma-unpack": " (unpack)"}
+
+
+def role_step(name: str) -> str:
+    """The plan step of a timeline role's name (role_timeline's `step`): the name less its side."""
+    for side in ROLE_SIDES.values():
+        if name.endswith(side):
+            return name[:-len(side)]
+    return name
+
+
 def role_timeline(manifest: dict, program: str, stamps: np.ndarray) -> dict:
     """Per role of `program`'s kernel, from one launch's stamps (Context.read_timeline): when its
     first block started moving rows and when its last block finished, in ms after the entry
@@ -46,8 +59,7 @@ def role_timeline(manifest: dict, program: str, stamps: np.ndarray) -> dict:
     for r in kernel["roles"]:
         b0, b1 = r["blocks"]
         started = [v for v in stamps[b0:b1, 1] if v]
-        side = {"rdma-pack": " (pack)", "rdma-unpack": " (unpack)"}.get(r.get("lowered"), "")
-        roles.append({"step": r["step"] + side, "blocks": b1 - b0,
+        roles.append({"step": r["step"] + ROLE_SIDES.get(r.get("lowered"), ""), "blocks": b1 - b0,
                       "start_ms": ms(min(started)) if started else None,
                       "end_ms": ms(stamps[b0:b1, 2].max()) if started else None})
     return {"roles": roles, "end_ms": ms(stamps[0, 3])}
