@@ -51,11 +51,10 @@ PHASES = ("count", "scan", "the routing copy")
 # arrival counted, its share of the routing stored into every rank's area; prepared: its first count
 # block's sets (and first rows item's records) read; peers: that count block's tokens' slot words
 # landed (thread 0's token; a block without count work: prepared's stamp); a phase's name: its work
-# done; "barrier n": past the grid barrier
-# after the n-th phase; "rows seen": its first items block's wait for the rows of that block's copy
-# over, after the block read what needs no rows (no grid barrier after rows; a block without items:
-# its rows done).  Without the exchange
-# (collective) sent is entry's stamp.
+# done; "barrier n": past the grid barrier after the n-th phase; "rows seen": its first items block's
+# wait for the rows of that block's copy over, after the block read what needs no rows (no grid
+# barrier after rows; a block without items: its rows done).  Without the exchange (collective)
+# sent is entry's stamp.
 STAGES = ("entry", "sent", "prepared", "peers", "count", "barrier 1", "scan", "barrier 2", "rows", "rows seen",
           "items")
 TIMELINE_WORDS = len(STAGES)

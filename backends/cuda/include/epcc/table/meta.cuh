@@ -1620,7 +1620,8 @@ EM_FN void items_block(const Args& a, i64 ti, Ready ready) {
         EM_UNROLL
         for (int k = 0; k < kItemsEarlyProducers; ++k)
           if (k < nprod) wait_on(k, pdst[k]);
-        for (i64 k = kItemsEarlyProducers; k < nprod; ++k) wait_on(k, static_cast<uint32_t>(copy_rec(p, prods[k])[C_dst]));
+        for (i64 k = kItemsEarlyProducers; k < nprod; ++k)
+          wait_on(k, static_cast<uint32_t>(copy_rec(p, prods[k])[C_dst]));
       }
       const uint32_t item[6] = {static_cast<uint32_t>(tc[T_desc_index]), static_cast<uint32_t>(c),
                                 static_cast<uint32_t>(starts[c]), static_cast<uint32_t>(starts[c + 1]),
