@@ -1596,15 +1596,11 @@ EM_FN void items_block(const Args& a, i64 ti, Ready ready) {
     EM_UNROLL
     for (int k = 0; k < kItemsEarlyProducers; ++k)
       pdst[k] = waited && k < nprod ? static_cast<uint32_t>(copy_rec(p, prods[k])[C_dst]) : 0;
-    bool rows_seen = false;
-    for (i64 c = t;; c += kBlock) {  // ready() once, every thread, after its first chunk's places
+    for (i64 c = t;; c += kBlock) {
       const bool has = c < n;
       const i64 pos = has ? item_position(x, p, ro, i, c) : 0;
       const i64 chan = has && seq ? item_position(x, p, ro, i, c, true) : 0;
-      if (!rows_seen) {
-        ready();
-        rows_seen = true;
-      }
+      if (c == t) ready();  // once, every thread, after its first chunk's places
       if (!has) break;
       const i64 w0 = ro[R_wait_begin] + pos * ro[R_wait_stride];
       uint32_t nw = 0;
