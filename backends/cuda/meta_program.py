@@ -46,7 +46,7 @@ from epcc.plan.segments import SegmentProgram
 from .placement import Placement, PlacementError
 
 MAGIC = 0x4D455043  # "CPEM"
-VERSION = 3
+VERSION = 4
 TOKEN_BLOCK = 128  # tokens per block of the kernels: 4 x 32-bit membership words
 SCAN_SERIES = 4  # sums over the token blocks a scan block does (meta.cuh kSeries: kBlock / kLanes threads)
 OFFSET_BLOCKS = 3  # the scan's blocks of what needs the totals only (meta.cuh kOffsetBlocks)
@@ -61,11 +61,16 @@ PART_D_STAGE, PART_D_OUT, PART_C_STAGE, PART_C_OUT = 0, 1, 2, 3
 HEADER = ["magic", "version", "num_ranks", "experts", "topk", "epr", "strided", "max_tokens", "token_blocks",
           "hidden", "row_bytes", "rank", "num_sets", "num_groups", "num_copies", "num_parts", "num_contrib",
           "num_tcopies", "num_roles", "num_drain", "num_zero", "num_work", "num_prods", "num_ramp",
-          "off_sets", "off_set_index", "off_or", "off_groups", "off_group_sets", "off_copies", "off_parts",
+          "off_sets", "off_groups", "off_group_sets", "off_copies", "off_parts",
           "off_contrib", "off_tcopies", "off_roles", "off_drain", "off_zero", "off_work", "off_prods", "off_ramp",
-          "blob_bytes_d", "blob_bytes_c", "num_or", "num_group_sets", "sets_max",
-          "items_off_d", "waits_off_d", "items_off_c", "waits_off_c"]
-SET = ["origin", "kind", "parent", "mask", "all", "dst", "or_begin", "or_count", "group", "bit", "out"]
+          "blob_bytes_d", "blob_bytes_c", "num_group_sets", "sets_max",
+          "items_off_d", "waits_off_d", "items_off_c", "waits_off_c", "off_set_info", "set_info_words"]
+SET = ["origin", "kind", "parent", "mask", "all", "dst", "group", "bit", "out"]
+# Per (home rank, bit) the set as count reads it into shared memory before the routing comes
+# (meta.cuh count_prepare, SetInfo), then set_info_words words of the bits of the sets a LIVE set
+# unites: one record a set, each field in place, where the set records, their parents' and the
+# united sets' bits were four dependent loads (kind -1, set -1: past the home's last set).
+SET_INFO = ["set", "kind", "parent_bit", "all", "mask", "dst", "out"]
 GROUP = ["first", "count"]  # into group_sets
 COPY = ["program", "tpc", "head", "tail", "first_part", "num_parts", "dst", "ramp_front", "ramp_front_n",
         "ramp_back", "ramp_back_n", "ramp_front_sum", "ramp_back_sum"]
@@ -202,7 +207,7 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
     sets: list[list[int]] = []
     per_origin: dict[int, int] = {h: 0 for h in range(R)}
     outs_of: dict[int, int] = {h: 0 for h in range(R)}
-    or_list: list[int] = []
+    unites: dict[int, list[int]] = {}  # a LIVE set: the sets it unites
 
     def new_set(origin: int, kind: int, parent: int = -1, mask: int = 0, every: int = 0, dst: int = -1,
                 group: int = -1) -> int:
@@ -213,7 +218,7 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
             out = outs_of[origin]
             outs_of[origin] += 1
         return _put(sets, SET, dict(origin=origin, kind=kind, parent=parent, mask=_s64(mask), all=every, dst=dst,
-                                    or_begin=0, or_count=0, group=group, bit=bit, out=out))
+                                    group=group, bit=bit, out=out))
 
     groups: list[list[int]] = []
     group_sets: list[int] = []
@@ -251,15 +256,31 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
         for c, p in readers.get(s.id, []):
             members.append(live_set[p.dst] if p.dst >= 0 else out_set[(p.src, c.dst)])
         i = new_set(s.origin, SET_LIVE, seg_set[s.id])
-        sets[i][SET.index("or_begin")] = len(or_list)
-        sets[i][SET.index("or_count")] = len(members)
-        or_list.extend(members)
+        unites[i] = members
         live_set[s.id] = i
     sets_max = max(per_origin.values(), default=0)
     set_index = np.zeros((R, sets_max), dtype=np.int64) - 1  # (origin, bit) -> set, in evaluation order
     order = sorted(range(len(sets)), key=lambda i: (sets[i][0], sets[i][SET.index("bit")]))
     for i in order:
         set_index[sets[i][0], sets[i][SET.index("bit")]] = i
+    set_info_words = max(1, -(-sets_max // SET_WORD))
+    set_info = []
+    for h in range(R):
+        for b in range(sets_max):
+            si = int(set_index[h, b])
+            rec = [-1, -1, -1, 0, 0, -1, -1] + [0] * set_info_words
+            if si >= 0:
+                st = dict(zip(SET, sets[si]))
+                parent = st["parent"]
+                rec[:len(SET_INFO)] = [si, st["kind"], sets[parent][SET.index("bit")] if parent >= 0 else -1,
+                                       st["all"], st["mask"], st["dst"], st["out"]]
+                if st["kind"] not in (SET_SEG, SET_OUT):
+                    words = [0] * set_info_words
+                    for m in unites[si]:
+                        bit = sets[m][SET.index("bit")]
+                        words[bit // SET_WORD] |= 1 << (bit % SET_WORD)
+                    rec[len(SET_INFO):] = [_s64(w) for w in words]
+            set_info.append(rec)
 
     # copies and parts
     copies: list[list[int]] = []
@@ -409,12 +430,12 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
             for b in range(token_blocks)]
     for pid, _ in work:  # each table copy's rows work items (meta_fused's items block waits for them)
         tcopies[parts[pid][PART.index("tcopy")]][TCOPY.index("work_items")] += 1
-    sections = [("sets", sets, len(SET)), ("set_index", set_index.tolist(), sets_max), ("or", [[x] for x in or_list], 1),
+    sections = [("sets", sets, len(SET)),
                 ("groups", groups, len(GROUP)), ("group_sets", [[x] for x in group_sets], 1),
                 ("copies", copies, len(COPY)), ("parts", parts, len(PART)), ("contrib", contrib, len(CONTRIB)),
                 ("tcopies", tcopies, len(TCOPY)), ("roles", roles, len(ROLE)), ("drain", drain, len(DRAIN)),
                 ("zero", zero, len(ZERO)), ("work", work, len(WORK)), ("prods", [[x] for x in prods], 1),
-                ("ramp", [[x] for x in ramp], 1)]
+                ("ramp", [[x] for x in ramp], 1), ("set_info", set_info, len(SET_INFO) + set_info_words)]
     head = dict(magic=MAGIC, version=VERSION,
                 items_off_d=placements["dispatch"].offsets["items"] if "dispatch" in placements else 0,
                 waits_off_d=placements["dispatch"].offsets["waits"] if "dispatch" in placements else 0,
@@ -429,7 +450,8 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
                 num_prods=len(prods), num_ramp=len(ramp),
                 blob_bytes_d=placements["dispatch"].total_bytes if "dispatch" in placements else 0,
                 blob_bytes_c=placements["combine"].total_bytes if "combine" in placements else 0,
-                num_or=len(or_list), num_group_sets=len(group_sets), sets_max=sets_max)
+                num_group_sets=len(group_sets), sets_max=sets_max,
+                set_info_words=set_info_words)
     off = len(HEADER)
     body: list[int] = []
     for name, rows, width in sections:

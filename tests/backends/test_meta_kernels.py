@@ -460,6 +460,7 @@ def test_the_headers_field_indices_are_the_programs():
     """meta.cuh's enums name meta_program.py's record fields, in order."""
     text = HEADER.read_text(encoding="utf-8")
     for prefix, enum, fields in [("H", "Header", meta_program.HEADER), ("S", "Set", meta_program.SET),
+                                 ("SI", "SetInfoField", meta_program.SET_INFO),
                                  ("G", "Group", meta_program.GROUP), ("C", "Copy", meta_program.COPY),
                                  ("P", "Part", meta_program.PART), ("K", "Contrib", meta_program.CONTRIB),
                                  ("T", "TCopy", meta_program.TCOPY), ("R", "Role", meta_program.ROLE),

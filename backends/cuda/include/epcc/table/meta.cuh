@@ -156,19 +156,22 @@ constexpr int kMaxTopk = EPCC_META_TOPK;
 constexpr int kMaxExperts = EPCC_META_EXPERTS;
 constexpr int kMaxRanks = 64;             // ranks of a plan the kernels cover (the exchange's too)
 constexpr i64 kMagic = 0x4D455043;
-constexpr i64 kVersion = 3;
+constexpr i64 kVersion = 4;
 
 // Field indices of the program's records: meta_program.py's lists, in order
 // (tests/backends/test_meta_kernels.py checks they agree).
 enum Header {
   H_magic, H_version, H_num_ranks, H_experts, H_topk, H_epr, H_strided, H_max_tokens, H_token_blocks, H_hidden,
   H_row_bytes, H_rank, H_num_sets, H_num_groups, H_num_copies, H_num_parts, H_num_contrib, H_num_tcopies,
-  H_num_roles, H_num_drain, H_num_zero, H_num_work, H_num_prods, H_num_ramp, H_off_sets, H_off_set_index,
-  H_off_or, H_off_groups, H_off_group_sets, H_off_copies, H_off_parts, H_off_contrib, H_off_tcopies,
+  H_num_roles, H_num_drain, H_num_zero, H_num_work, H_num_prods, H_num_ramp, H_off_sets,
+  H_off_groups, H_off_group_sets, H_off_copies, H_off_parts, H_off_contrib, H_off_tcopies,
   H_off_roles, H_off_drain, H_off_zero, H_off_work, H_off_prods, H_off_ramp, H_blob_bytes_d, H_blob_bytes_c,
-  H_num_or, H_num_group_sets, H_sets_max, H_items_off_d, H_waits_off_d, H_items_off_c, H_waits_off_c, H_COUNT
+  H_num_group_sets, H_sets_max, H_items_off_d, H_waits_off_d, H_items_off_c, H_waits_off_c,
+  H_off_set_info, H_set_info_words, H_COUNT
 };
-enum Set { S_origin, S_kind, S_parent, S_mask, S_all, S_dst, S_or_begin, S_or_count, S_group, S_bit, S_out, S_COUNT };
+enum Set { S_origin, S_kind, S_parent, S_mask, S_all, S_dst, S_group, S_bit, S_out, S_COUNT };
+// a set_info record, per (home rank, bit); then H_set_info_words words of the bits its sets unite
+enum SetInfoField { SI_set, SI_kind, SI_parent_bit, SI_all, SI_mask, SI_dst, SI_out, SI_COUNT };
 enum Group { G_first, G_count, G_COUNT };
 enum Copy {
   C_program, C_tpc, C_head, C_tail, C_first_part, C_num_parts, C_dst, C_ramp_front, C_ramp_front_n, C_ramp_back,
@@ -578,37 +581,33 @@ EM_FN void count_prepare(const Args& a, int h, Shared& sh) {
   const Prog p = prog_of(a);
   const int E = static_cast<int>(p[H_experts]);
   const int nsets = static_cast<int>(p[H_sets_max]);
-  const i64* index = p + p[H_off_set_index] + static_cast<i64>(h) * nsets;
+  const i64 or_words = p[H_set_info_words], width = SI_COUNT + or_words;
+  const i64* info = p + p[H_off_set_info] + static_cast<i64>(h) * nsets * width;
   EM_THREADS(t)
     if (t == 0) sh.bad = kNoBad;
     for (int s = t; s < kMaxSets * kWords; s += kBlock) (&sh.set_words[0][0])[s] = 0u;
     for (int s = t; s < E * kWords; s += kBlock) (&sh.exp_words[0][0])[s] = 0u;
     for (int s = t; s < kMaxOutSets * kMaxTopk * kWords; s += kBlock) (&sh.row_words[0][0][0])[s] = 0u;
     for (int b = kBlock - 1 - t; b < kMaxSets; b += kBlock) {  // the block's last threads (meta_fused: not senders)
+      // the set's record as the program lays it out for this (home, bit), every field loaded at
+      // once: one memory latency (the set records, then their parents' and the united sets'
+      // bits were four)
       SetInfo& in = sh.sets[b];
-      const i64 si = b < nsets ? index[b] : -1;
-      in.kind = -1;
+      const i64* r = info + b * width;
+      const bool have = b < nsets;
+      const i64 si = have ? r[SI_set] : -1, kind = have ? r[SI_kind] : -1, parent_bit = have ? r[SI_parent_bit] : -1;
+      const i64 all = have ? r[SI_all] : 0, mask = have ? r[SI_mask] : 0;
+      const i64 dst = have ? r[SI_dst] : -1, out = have ? r[SI_out] : -1;
+      i64 words[kSetWords];
+      for (int i = 0; i < kSetWords; ++i) words[i] = have && i < or_words ? r[SI_COUNT + i] : 0;
       in.si = static_cast<int>(si);
-      if (si < 0) continue;
-      const i64* s = set_rec(p, si);
-      in.kind = static_cast<int>(s[S_kind]);
-      in.parent_bit = s[S_parent] < 0 ? -1 : static_cast<int>(set_rec(p, s[S_parent])[S_bit]);
-      in.all = static_cast<int>(s[S_all]);
-      in.mask = static_cast<unsigned long long>(s[S_mask]);
-      in.dst = static_cast<int>(s[S_dst]);
-      in.out = static_cast<int>(s[S_out]);
-      set_clear(in.or_bits);
-      if (in.kind != SET_SEG && in.kind != SET_OUT) {  // the sets' indices, then their bits, kRun at a time
-        const i64* ors = p + p[H_off_or] + s[S_or_begin];
-        const i64 n = s[S_or_count];
-        for (i64 i0 = 0; i0 < n; i0 += kRun) {
-          i64 at[kRun];
-          for (int j = 0; j < kRun; ++j) at[j] = i0 + j < n ? ors[i0 + j] : -1;
-          for (int j = 0; j < kRun; ++j) at[j] = at[j] >= 0 ? set_rec(p, at[j])[S_bit] : -1;
-          for (int j = 0; j < kRun; ++j)
-            if (at[j] >= 0) set_add(in.or_bits, static_cast<int>(at[j]));
-        }
-      }
+      in.kind = si < 0 ? -1 : static_cast<int>(kind);
+      in.parent_bit = static_cast<int>(parent_bit);
+      in.all = static_cast<int>(all);
+      in.mask = static_cast<unsigned long long>(mask);
+      in.dst = static_cast<int>(dst);
+      in.out = static_cast<int>(out);
+      for (int i = 0; i < kSetWords; ++i) in.or_bits.w[i] = static_cast<unsigned long long>(words[i]);
     }
   EM_SYNC
 }
