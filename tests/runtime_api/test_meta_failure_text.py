@@ -26,6 +26,8 @@ def _failure(code: int, what: int, rank: int = 3) -> str | None:
     (2, 2, "the metadata kernels' grid barrier after the routing copy timed out on rank 3"),
     (2, 3, "the metadata kernels' grid barrier after phase 3 timed out on rank 3"),  # none after rows
     (3, 4, "the metadata kernels' items of table copy 4 timed out on rank 3 waiting for that copy's rows"),
+    (4, 0, "the metadata kernels' rows timed out on rank 3 waiting for count's token records (a count block did "
+           "not finish)"),
     (2, 7, "the metadata kernels' grid barrier after phase 7 timed out on rank 3"),
     (9, 1, None),
 ])

@@ -348,6 +348,9 @@ class DeviceMeta:
         if code == 3:
             return (f"the metadata kernels' items of table copy {rank} timed out on rank {self.rank} waiting for "
                     f"that copy's rows")
+        if code == 4:
+            return (f"the metadata kernels' rows timed out on rank {self.rank} waiting for count's token records "
+                    f"(a count block did not finish)")
         return None
 
 

@@ -185,7 +185,7 @@ extern "C" int epcc_meta_run(const long long* prog, long long* scratch, const in
           // the block's first rows item as meta_fused runs it: its records read early
           static RowsItem ri;
           rows_item(p, vb, ri);
-          rows_run(a, ri, NoWait{});
+          rows_run(a, ri, NoWait{}, NoWait{}, NoWait{});
           continue;
         }
         phase_block(a, phase, vb, sm, first);

@@ -83,7 +83,8 @@ struct Exchange {
   int* error;                 // host-mapped: {code, what}; code 1: the exchange timed out waiting for rank
                               // `what`'s routing; code 2: meta_fused's grid barrier after phase `what`
                               // timed out (2: after the routing copy); code 3: meta_fused's items of
-                              // table copy `what` timed out waiting for its rows
+                              // table copy `what` timed out waiting for its rows; code 4: its rows
+                              // timed out waiting for count's records
   uint64_t timeout_ns;
   int rank, num_ranks, max_tokens, k, tokens, topk_int32;
   int collective;             // 1: gather_copy writes this rank's slot of its own area only
@@ -135,23 +136,39 @@ __device__ __forceinline__ void gather_local(const EpccTableMeta& m, uint64_t fi
 
 // This rank's routing as slot words of exchange tag `tag` into its slot of every rank's area (of
 // its own area only, collective), padded to max_tokens with absent tokens' words; thread `first`
-// of `step`.  Each entry loaded once and stored into every area, one 8-byte store a word.
+// of `step`.  Each entry loaded once and stored into every area, one 8-byte store a word; a
+// thread's entries, kAhead at a time, all loaded before the first is stored (the stores could be
+// to the routing, for all the compiler knows: a load after one would wait for it, a round more).
+constexpr int kAhead = 4;
 __device__ __forceinline__ void gather_routing(const EpccTableMeta& m, uint64_t first, uint64_t step, unsigned tag) {
   const Exchange& x = m.exchange;
   const uint64_t n = static_cast<uint64_t>(x.max_tokens) * x.k;
   const uint64_t have = static_cast<uint64_t>(x.tokens) * x.k;
   const int areas = x.collective ? 1 : x.num_ranks;
   const uint64_t at = area_routing(x) + 8ull * x.rank * n;
-  for (uint64_t k = first; k < n; k += step) {
-    long long e = -1;
-    float w = 0.f;
-    if (k < have) {
-      e = x.topk_int32 ? reinterpret_cast<const int32_t*>(x.routing)[k] : x.routing[k];
-      w = x.weights ? x.weights[k] : 1.f;
+  for (uint64_t k0 = first; k0 < n; k0 += kAhead * step) {
+    long long e[kAhead];
+    float w[kAhead];
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j) {
+      const uint64_t k = k0 + j * step;
+      e[j] = -1;
+      w[j] = 0.f;
+      if (k < have) {
+        e[j] = x.topk_int32 ? reinterpret_cast<const int32_t*>(x.routing)[k] : x.routing[k];
+        w[j] = x.weights ? x.weights[k] : 1.f;
+      }
     }
-    const unsigned long long v = epcc::meta::slot_word(e, w, k < have, tag);
-    for (int r = 0; r < areas; ++r)
-      reinterpret_cast<unsigned long long*>(reinterpret_cast<uint8_t*>(x.collective ? x.own : x.areas[r]) + at)[k] = v;
+#pragma unroll
+    for (int j = 0; j < kAhead; ++j) {
+      const uint64_t k = k0 + j * step;
+      if (k >= n) break;
+      const unsigned long long v = epcc::meta::slot_word(e[j], w[j], k < have, tag);
+      for (int r = 0; r < areas; ++r) {
+        uint8_t* area = reinterpret_cast<uint8_t*>(x.collective ? x.own : x.areas[r]);
+        reinterpret_cast<unsigned long long*>(area + at)[k] = v;
+      }
+    }
   }
 }
 
@@ -247,6 +264,28 @@ __device__ __forceinline__ void rows_done(const EpccTableMeta& m, epcc::meta::i6
   }
 }
 
+// A count block's masks and token records stored, which the rows read (its threads' stores, ordered
+// by the block's barrier at count_block's end, released at GPU scope): one more counted, after the
+// copies' rows_done words.
+__device__ __forceinline__ void records_done(const EpccTableMeta& m, epcc::meta::Prog p) {
+  namespace k = epcc::meta;
+  if (EPCC_TID == 0) {
+    uint64_t* done = reinterpret_cast<uint64_t*>(k::scratch_of(m.args).rows_done + p[k::H_num_tcopies]);
+    asm volatile("red.release.gpu.global.add.u64 [%0], 1;" : : "l"(done) : "memory");
+  }
+}
+
+// Before the rows read count's masks and records: every count block's stored (records_done;
+// await_gpu: error word {4, 0}).
+__device__ __forceinline__ void records_wait(const EpccTableMeta& m, epcc::meta::Prog p) {
+  namespace k = epcc::meta;
+  if (EPCC_TID == 0)
+    await_gpu(m, reinterpret_cast<const uint64_t*>(k::scratch_of(m.args).rows_done + p[k::H_num_tcopies]), 0,
+              static_cast<uint64_t>(k::phase_blocks(p, k::PHASE_COUNT)), 4, 0, "the rows' wait for count's records",
+              "count blocks done");
+  __syncthreads();
+}
+
 // Before the items of table copy `ti`: every rows work item of that copy done (rows_done), not every
 // block's rows -- a copy's items go while other copies' rows are still being written (await_gpu:
 // error word {3, ti}).
@@ -259,23 +298,31 @@ __device__ __forceinline__ void rows_wait(const EpccTableMeta& m, epcc::meta::Pr
   __syncthreads();
 }
 
-// The threads of a block of meta_fused that copy the routing (its first two warps); the other two
-// read, meanwhile, what needs no routing: the last warp its first count block's sets (count_prepare
-// reads set b on thread kBlock - 1 - b), the first thread of the third the first rows item's
-// records.  Each is a chain of dependent loads (~1.5 us): behind the copy it would hold the count
-// back, in front of it the peers; in one warp, one after the other.
+// The threads of a block of meta_fused that copy the routing (its first two warps); the other two,
+// meanwhile, count the block's arrival once the senders cleared their share of the scratch (the
+// last warp's first thread), read what needs no routing -- the last warp its first count block's
+// sets (count_prepare reads set b on thread kBlock - 1 - b), the first thread of the third the
+// first rows item's records -- and look whether every block arrived (the third).  Each is a chain
+// of dependent loads or a round trip to the barrier's counter: behind the copy it would hold the
+// count back, in front of it the peers; in one warp, one after the other (the arrival and the look
+// on the third warp behind its rows item held the count blocks' start back 0.3 us, 2 x H200,
+// 2026-11-28).
 constexpr int kSenders = 64;
 constexpr int kRowsItemThread = kSenders;
+constexpr int kCounter = kSenders + 32;  // the last warp's first thread: counts the block's arrival
 
 // The metadata of one dispatch in one launch (cooperative: every block resident).  With `exchange`
 // (ipc): every block's senders clear its share of the scratch and copy its share of the templates,
-// count the block's arrival (the first half of a grid barrier) and store its share of the routing
-// into every area, while its other warps read the first count block's sets and rows item; its
-// count blocks wait for their own tokens' slot words (load_tokens), then for every block's arrival
-// before they add (the scratch is zero).  Then the phases, a grid barrier after count and after
-// scan -- a count block arrives once what the scan reads is stored, then stores what only the rows
-// read; the scan's blocks start after the count blocks (phase_first), so they do not wait behind
-// those stores (24.6 against 26.4 us of its own, 2 x H200, 2026-11-28) -- and before each items
+// then store its share of the routing into every area, while its last warp counts the block's
+// arrival (the first half of a grid barrier) after those clears and reads the first count block's
+// sets, and its third the rows item; its count blocks wait for their own tokens' slot words
+// (load_tokens), then for every block's arrival before they add (the scratch is zero: most often
+// the third warp's look saw them all already).  Then the phases, a grid barrier after count and
+// after scan -- a count block arrives once what the scan reads is stored, then stores what only the
+// rows read and counts its records stored (records_done); the scan's blocks start after the count
+// blocks (phase_first), so they do not wait behind those stores (24.6 against 26.4 us of its own,
+// 2 x H200, 2026-11-28); a rows item arrives at the barrier after the scan, reads count's records
+// once every count block stored them, then waits for the scan (rows_run) -- and before each items
 // block a wait for its own copy's rows (rows_wait).  Without (collective): the gather area was
 // filled before, by the routing copy and the all-gathers.  With m.timeline, thread 0 of
 // each block stamps its way through (MetaStamp), nothing else changed.
@@ -293,18 +340,32 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
   stamp(m, kStampEntry);
   // this exchange's tag: the rows phase advances the epoch, after every block read it
   const unsigned tag = k::tag_of(*x.epoch + 1);
-  uint64_t copied = 0;  // thread 0's: the count of arrivals the count blocks wait for before they add
+  __shared__ uint64_t copied;  // the count of arrivals the count blocks wait for before they add
+  __shared__ int all_copied;   // every block had arrived by the time the rows item was read
   if (exchange && tid < kSenders) {
     const uint64_t first = static_cast<uint64_t>(bid) * kSenders + tid, step = static_cast<uint64_t>(G) * kSenders;
     gather_local(m, first, step);
-    asm volatile("bar.sync 1, %0;" : : "n"(kSenders) : "memory");  // the senders' stores, before the arrival
-    if (tid == 0) copied = count_arrival(m);
+    // the senders' stores, before the arrival, which the last warp counts: the senders go on to
+    // the routing at once (an arrival of theirs, a release, waited for those stores to land and
+    // held their warp's share of the routing back behind it)
+    asm volatile("bar.arrive 1, %0;" : : "n"(kSenders + 32) : "memory");
     gather_routing(m, first, step, tag);
     stamp(m, kStampSent);
+  } else if (exchange && tid >= kCounter) {
+    asm volatile("bar.sync 1, %0;" : : "n"(kSenders + 32) : "memory");
+    if (tid == kCounter) copied = count_arrival(m);
+    asm volatile("bar.arrive 2, 64;" : : : "memory");  // `copied`, for the third warp's look below
   } else if (!exchange) {
     stamp_as(m, kStampSent, kStampEntry);
   }
   if (rows_early && tid == kRowsItemThread) k::rows_item(p, bid, ri);
+  if (exchange && tid >= kSenders && tid < kCounter) {
+    // one look, no wait: most often every block arrived by now, and the count blocks add without a
+    // round trip to the barrier's counter (an acquire: the block's barrier before its adds passes
+    // on what it saw)
+    asm volatile("bar.sync 2, 64;" : : : "memory");
+    if (tid == kSenders) all_copied = ld_acquire_gpu(m.sync) >= copied;
+  }
   if (prepared) k::count_prepare(a, static_cast<int>(k::quot32(bid, p[k::H_token_blocks])), sm.count);
   stamp(m, kStampPrepared);
   unsigned long long* seen = nullptr;  // the stamp of the first count block's tokens landed
@@ -316,18 +377,23 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
       stamp_as(m, kStampPeers, kStampPrepared);
   }
   const auto cleared = [&]() {  // every block's share of the scratch cleared (each arrived after its own)
-    if (exchange) grid_await(m, copied, 2);
+    if (!exchange) return;
+    __syncthreads();  // `copied` and `all_copied` written
+    if (!all_copied) grid_await(m, copied, 2);
   };
   if (exchange && !prepared) cleared();  // arrive and wait once per barrier, count work or none
   const k::i64 work = p[k::H_num_work];
   const k::i64 TB = p[k::H_token_blocks];
   uint64_t counted = 0;  // thread 0's: the grid barrier after count, where this block arrived early
   bool arrived = false;
+  uint64_t scanned = 0;  // thread 0's: the grid barrier after the scan, where a rows item waits for it
   for (int phase = k::PHASE_COUNT; phase < k::PHASES; ++phase) {
     const k::i64 n = k::phase_blocks(p, phase);
     if (phase == k::PHASE_SCAN) {  // arrived already where the block had count work (its last count block)
       grid_await(m, arrived ? counted : grid_arrive(m), 0);
       stamp(m, kStampPhases + 2 * phase - 1);
+    } else if (phase == k::PHASE_ROWS && rows_early) {  // it waits in its rows item, once it read count's records
+      scanned = grid_arrive(m);
     } else if (phase == k::PHASE_ROWS) {
       grid_barrier(m, phase - 1);
       stamp(m, kStampPhases + 2 * phase - 1);
@@ -341,8 +407,16 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
           rows_wait(m, p, vb);
           if (vb == bid) stamp(m, kStampPhases + 2 * phase - 1);
         });
-      } else if (phase == k::PHASE_ROWS && vb == bid && rows_early) {  // counted done before its rows' stores
-        k::rows_run(a, ri, [&]() { rows_done(m, ri.tcopy); });
+      } else if (phase == k::PHASE_ROWS && vb == bid && rows_early) {
+        // count's part of its work once count's records are stored, the scan's once the scan is done
+        // (the grid barrier after it), counted done before its rows' stores
+        k::rows_run(
+            a, ri, [&]() { records_wait(m, p); },
+            [&]() {
+              grid_await(m, scanned, phase - 1);
+              stamp(m, kStampPhases + 2 * phase - 1);
+            },
+            [&]() { rows_done(m, ri.tcopy); });
       } else if (phase == k::PHASE_COUNT) {
         // the block's last count block arrives at the barrier once the scan's counts are stored, and
         // stores what only the rows read (masks, token records) while the others come
@@ -355,6 +429,7 @@ __global__ void __launch_bounds__(kBlock) meta_fused(const __grid_constant__ Epc
                          arrived = true;
                          stamp(m, kStampPhases);
                        });
+        records_done(m, p);
       } else {
         k::phase_block(a, phase, vb, sm);
       }

@@ -25,8 +25,9 @@
 //   items  (copy): each chunk's item at its place in the role's item order, its waits compacted
 //          in flag order.
 // The CUDA target runs them as one cooperative kernel, a grid-wide barrier after count and after
-// scan, each items block waiting for its own copy's rows work items (T_work_items, Scratch
-// rows_done), each block looping over its share of a phase's blocks (epcc_table_meta.cu meta_fused); where
+// scan (a rows item reads count's records once every count block stored them, then waits for the
+// scan: rows_run_kind), each items block waiting for its own copy's rows work items (T_work_items,
+// Scratch rows_done), each block looping over its share of a phase's blocks (epcc_table_meta.cu meta_fused); where
 // there is no cooperative launch (the SUPA target) they are four launches (meta_count,
 // meta_scan, meta_rows, meta_items), one block per phase block.
 // What bounds them (2 x H100 and 2 x H200, 2026-11-26/27, bench/meta_time.py --profile): latency,
@@ -294,7 +295,8 @@ struct Scratch {
   i64* set_off;                 // [S]: where a SEG set's slots start in its buffer
   i64* home_before;             // [R][E]: rows of expert e of home h (count); then of the lower home ranks
   i64* per_tcopy;               // the per-copy regions meta_program.py laid out (waits, chunk starts)
-  i64* rows_done;               // [num_tcopies]: the copy's rows work items done (meta_fused: its items wait)
+  i64* rows_done;               // [num_tcopies]: the copy's rows work items done (meta_fused: its items wait);
+                                // then count's blocks whose masks and records are stored (its rows wait)
   i64 *set_cnt, *set_rcnt, *set_base, *set_rbase;  // [S][TB]: per token block; exclusive over the blocks
   i64 *ecnt, *ebase;            // [R][TB][E] per block, exclusive over blocks
   i64* e_first;                 // [E]: expert e's first output row on its rank
@@ -320,7 +322,7 @@ EM_HD i64 scratch_words(Prog p, i64* layout_out = nullptr) {
     const i64 end = t[T_scratch_waits] + t[T_chunks_cap] * prods + t[T_chunks_cap] + 1;
     if (end > tc) tc = end;
   }
-  const i64 sizes[kLayout] = {S, S, S, R * E, tc, p[H_num_tcopies],  // zeroed (kZeroed)
+  const i64 sizes[kLayout] = {S, S, S, R * E, tc, p[H_num_tcopies] + 1,  // zeroed (kZeroed)
                               S * TB, S * TB, S * TB, S * TB, R * TB * E, R * TB * E, E, parts, parts,
                               copies, copies, copies, R * TB * kBlock * tok_words(p), S * TB * 2,
                               S * TB * p[H_topk] * 2};
@@ -1308,23 +1310,25 @@ EM_FN void rows_item(Prog p, i64 wi, RowsItem& r) {
   r.pck = prod_waits ? chunk_spec(p, r.prod) : r.ck;
 }
 
-// Work item r (a part of this rank's copies x a token block) of part kind KIND (r.kind): its rows.
-// A thread loads in one round what its token needs but the expert rows' bases -- what is the same
-// for every token of the item (where the part's tokens, rows and slots of this block start, the
-// sets' masks, the producer's token counts) beside its token's record -- and uses none of it before
-// the last is issued (the scan's results used at once, then the token's loads, took two rounds; in
-// one the kernels' own time went 24.2-24.8 -> 23.8-24.5 us, 1 x H200, 2026-11-28); then its expert
-// rows' bases, before it stores anything.  Each thread first writes what the items phase reads (its
-// chunk's first row, the chunks' waits), then calls done() --
-// every thread, once: meta_fused counts the item done there (rows_done), so its copy's items wait
-// for those few words, not for the rows -- then stores its rows, which only the dispatch reads.  A
-// chunk's wait for a producer is a maximum over its tokens, the producer's token growing with the
-// copy's: only the chunk's last token of the block raises it (one atomic a chunk, not a token).
-// One instance per kind (rows_run below picks it): a block runs its kind's code alone, not the
-// other kinds' beside it (the kernels run each instruction cold, once per block: fetching them is
-// much of their time, ncu, 2 x H200, 2026-11-28).
-template <int KIND, class Done>
-EM_FN void rows_run_kind(const Args& a, const RowsItem& r, Done done) {
+// Work item r (a part of this rank's copies x a token block) of part kind KIND (r.kind): its rows,
+// in two parts.  First what count left, once records() returned (every thread calls it: meta_fused
+// waits there for every count block's masks and token records): in one round the masks of the
+// part's sets at this block, the token's record and, a combine's expert rows, its slots' weights;
+// then from them the token's place in its sets, its rows before it in the block and its slots'
+// order on the part's rank.  Then, once scanned() returned (every thread: meta_fused's grid barrier
+// after the scan, which the block arrived at before records()), what the scan wrote, in one round:
+// the item's counts and offsets and the expert rows' bases.  meta_fused runs the first part while
+// the scan runs: the scan's results and its last barrier were the rows phase's first round, and its
+// code, fetched cold, half of its time (ncu: 59 % of rows_run's stall samples waited for
+// instructions, 2 x H200, 2026-11-28).  Each thread then writes what the items phase reads (its
+// chunk's first row, the chunks' waits), calls done() -- every thread, once: meta_fused counts the
+// item done there (rows_done), so its copy's items wait for those few words, not for the rows --
+// then stores its rows, which only the dispatch reads.  A chunk's wait for a producer is a maximum
+// over its tokens, the producer's token growing with the copy's: only the chunk's last token of
+// the block raises it (one atomic a chunk, not a token).  One instance per kind (rows_run below
+// picks it): a block runs its kind's code alone, not the other kinds' beside it.
+template <int KIND, class Records, class Scanned, class Done>
+EM_FN void rows_run_kind(const Args& a, const RowsItem& r, Records records, Scanned scanned, Done done) {
   const Prog p = prog_of(a);
   const i64 part = r.part;
   const int block = r.block, h = r.h;
@@ -1354,18 +1358,14 @@ EM_FN void rows_run_kind(const Args& a, const RowsItem& r, Done done) {
   const i64 sb = src_set * TB + block, db = dst_set * TB + block;
   const i64* recs = tok_at(x, p, h, block, 0);  // the block's token records
   const i64 rec_words = tok_words(p);
+  const unsigned long long* slots = a.routing + (static_cast<i64>(h) * max_tokens + block * kBlock) * K;
+  const bool weighted = kind == PART_C_OUT && weights != nullptr;
   EM_THREADS(t)
-    // Round one, every load the thread's token needs but its expert rows' bases, issued before any
-    // is used (the warp issues in order, and a use waits for its load: a load after a use would
-    // wait a round more): the item's counts and offsets from the scan, the masks of its sets, the
-    // token's record
-    const i64 copy_tok = x.copy_tok[copy], tok0 = x.part_tok_base[part], tok_before = x.set_base[tb];
-    const i64 row0 = x.part_row_base[part], row_before = stage ? 0 : x.set_rbase[tb];
-    const i64 src_off = src_set >= 0 ? x.set_off[src_set] : 0, src_before = src_set >= 0 ? x.set_base[sb] : 0;
+    records();
+    // Part one, from count's masks and records, every load issued before any is used (the warp
+    // issues in order, and a use waits for its load: a load after a use would wait a round more)
     const i64 src_m0 = src_set >= 0 ? x.set_mask[sb * 2] : 0, src_m1 = src_set >= 0 ? x.set_mask[sb * 2 + 1] : 0;
-    const i64 dst_off = dst_set >= 0 ? x.set_off[dst_set] : 0, dst_before = dst_set >= 0 ? x.set_base[db] : 0;
     const i64 dst_m0 = dst_set >= 0 ? x.set_mask[db * 2] : 0, dst_m1 = dst_set >= 0 ? x.set_mask[db * 2 + 1] : 0;
-    const i64 ptok0 = prod_waits ? x.part_tok_base[r.prod_part] : 0, pcopy_tok = prod_waits ? x.copy_tok[r.prod] : 0;
     const i64 tok_m0 = x.set_mask[tb * 2], tok_m1 = x.set_mask[tb * 2 + 1];
     i64 row_m[kMaxTopk][2];
     EM_UNROLL
@@ -1377,32 +1377,27 @@ EM_FN void rows_run_kind(const Args& a, const RowsItem& r, Done done) {
     const unsigned long long set_word = static_cast<unsigned long long>(tr[tok_bit >> 6]);
     unsigned long long words[kSlotWords];
     load_token(tr, K, words);
-    // then what they give: the copy's chunking (and the producer's); the token's place in the part's
-    // set, its slots, its rows before it, whether it is in the part's set
-    const Chunking ck = chunking(r.ck, copy_tok);
-    const Chunking pck = prod_waits ? chunking(r.pck, pcopy_tok) : ck;
-    const i64 tok_at = tok0 + tok_before;  // the part's first token of this block
-    const i64 row_at = row0 + row_before;
-    const SlotBase src{src_off + src_before, mask_of(src_m0, src_m1)};
-    const SlotBase dst{dst_off + dst_before, mask_of(dst_m0, dst_m1)};
-    const i64 ptok_at = ptok0 + src_before;  // the producer's token of this block's first slot of the source set
+    unsigned long long slot_w[kMaxTopk];  // a combine's expert rows: the routing's slot words (their weights)
+    EM_UNROLL
+    for (int j = 0; j < kMaxTopk; ++j)
+      slot_w[j] = weighted && j < K && block * kBlock + t < max_tokens ? slots[t * K + j] : 0ull;
+    // then what they give: the token's place among the part's set's tokens of the block and its
+    // slots' there, its rows before it, whether it is in the part's set
     const Mask tm = mask_of(tok_m0, tok_m1);
-    const i64 tok = tok_at + before(tm.w, t);  // the token within the copy
-    const i64 src_slot = slot_of(src, t), dst_slot = slot_of(dst, t);
+    const Mask src_m = mask_of(src_m0, src_m1), dst_m = mask_of(dst_m0, dst_m1);
+    const int tok_in = before(tm.w, t);  // the part's tokens of the block before it
+    const bool block_last = tok_in + 1 == count(tm.w);
+    const int src_in = before(src_m.w, t), dst_in = before(dst_m.w, t);
     int rb = 0;
     EM_UNROLL
     for (int m = 0; m < kMaxTopk; ++m) rb += before(mask_of(row_m[m][0], row_m[m][1]).w, t);
     Token k;
     unpack_token(tr, K, words, k);
     const bool mine = ((set_word >> (tok_bit & 63)) & 1ull) != 0;
-    // its first row in the copy: staging, its place among the part's tokens; expert rows, after the
-    // rows of the set's tokens before it in the block
-    const i64 row = stage ? row_at + (tok - tok0) : row_at + rb;
-    // an OUT part's expert rows (a staging part has none), their bases and weights loaded before any
-    // store: the token's slots on rank d, each one's place among them by local expert, which on one
-    // rank is the experts' own order under either placement (blocked: rank * epr + local; strided:
-    // local * R + rank), so the experts compare as they are (a token's experts differ; a slot
-    // elsewhere, or none, is kOff: never before one on d)
+    // an OUT part's expert rows (a staging part has none): the token's slots on rank d, each one's
+    // place among them by local expert, which on one rank is the experts' own order under either
+    // placement (blocked: rank * epr + local; strided: local * R + rank), so the experts compare as
+    // they are (a token's experts differ; a slot elsewhere, or none, is kOff: never before one on d)
     constexpr int kOff = 0x7fffffff;
     int key[kMaxTopk], at[kMaxTopk];
     const int d = static_cast<int>(r.out_rank);
@@ -1420,15 +1415,27 @@ EM_FN void rows_run_kind(const Args& a, const RowsItem& r, Done done) {
     bool on[kMaxTopk];
     EM_UNROLL
     for (int j = 0; j < kMaxTopk; ++j) on[j] = key[j] != kOff;
+    scanned();
+    // Part two, from the scan: the item's counts and offsets, the expert rows' bases, in one round
+    const i64 copy_tok = x.copy_tok[copy], tok0 = x.part_tok_base[part], tok_before = x.set_base[tb];
+    const i64 row0 = x.part_row_base[part], row_before = stage ? 0 : x.set_rbase[tb];
+    const i64 src_off = src_set >= 0 ? x.set_off[src_set] : 0, src_before = src_set >= 0 ? x.set_base[sb] : 0;
+    const i64 dst_off = dst_set >= 0 ? x.set_off[dst_set] : 0, dst_before = dst_set >= 0 ? x.set_base[db] : 0;
+    const i64 ptok0 = prod_waits ? x.part_tok_base[r.prod_part] : 0, pcopy_tok = prod_waits ? x.copy_tok[r.prod] : 0;
     i64 out[kMaxTopk];
-    float wt[kMaxTopk];
     EM_UNROLL
-    for (int j = 0; j < kMaxTopk; ++j) {
-      out[j] = on[j] ? eb.at(k.expert[j]) + k.place[j] : 0;
-      wt[j] = on[j] && kind == PART_C_OUT && weights
-                  ? slot_weight(a.routing[(static_cast<i64>(h) * max_tokens + block * kBlock + t) * K + j])
-                  : 0.f;
-    }
+    for (int j = 0; j < kMaxTopk; ++j) out[j] = on[j] ? eb.at(k.expert[j]) + k.place[j] : 0;
+    // then what they give: the copy's chunking (and the producer's), the token within the copy, its
+    // slots in the part's source and destination sets, its first row in the copy (staging: its
+    // place among the part's tokens; expert rows: after the rows of the set's tokens before it)
+    const Chunking ck = chunking(r.ck, copy_tok);
+    const Chunking pck = prod_waits ? chunking(r.pck, pcopy_tok) : ck;
+    const i64 tok_at = tok0 + tok_before;  // the part's first token of this block
+    const i64 tok = tok_at + tok_in;       // the token within the copy
+    const i64 src_at = src_off + src_before;
+    const i64 src_slot = src_at + src_in, dst_slot = dst_off + dst_before + dst_in;
+    const i64 ptok_at = ptok0 + src_before;  // the producer's token of this block's first slot of the source set
+    const i64 row = stage ? row0 + tok_in + tok_before : row0 + row_before + rb;
     // what the items read first (each chunk's first row, its waits), then done(), then the rows
     if (mine) {
       const i64 chunk = chunk_of(ck, tok);
@@ -1437,8 +1444,8 @@ EM_FN void rows_run_kind(const Args& a, const RowsItem& r, Done done) {
       if (prod_waits) {
         // the largest over the chunk's tokens, the producer's token growing with this one's: its last
         // token's of the block (the chunk's last, or the part's last here) alone raises it
-        if (tok + 1 == chunk_start(ck, chunk + 1) || before(tm.w, t) + 1 == count(tm.w)) {
-          const i64 ptok = ptok_at + (src_slot - src.at);
+        if (tok + 1 == chunk_start(ck, chunk + 1) || block_last) {
+          const i64 ptok = ptok_at + (src_slot - src_at);
           const i64 v = chunk_of(pck, ptok) + 1;
           EM_MAX(reinterpret_cast<unsigned long long*>(waits + chunk * nprod + r.prod_slot),
                  static_cast<unsigned long long>(v));
@@ -1472,7 +1479,7 @@ EM_FN void rows_run_kind(const Args& a, const RowsItem& r, Done done) {
           } else {
             src_rows[row + at[j]] = (srcbuf << kRowBufShift) | out[j];
             dst_rows[row + at[j]] = slot;
-            if (weights) weights[row + at[j]] = wt[j];
+            if (weights) weights[row + at[j]] = slot_weight(slot_w[j]);
           }
         }
       }
@@ -1480,13 +1487,13 @@ EM_FN void rows_run_kind(const Args& a, const RowsItem& r, Done done) {
   EM_DONE  // no barrier: nothing follows
 }
 
-template <class Done>
-EM_FN void rows_run(const Args& a, const RowsItem& r, Done done) {
+template <class Records, class Scanned, class Done>
+EM_FN void rows_run(const Args& a, const RowsItem& r, Records records, Scanned scanned, Done done) {
   switch (r.kind) {
-    case PART_D_STAGE: rows_run_kind<PART_D_STAGE>(a, r, done); break;
-    case PART_D_OUT: rows_run_kind<PART_D_OUT>(a, r, done); break;
-    case PART_C_STAGE: rows_run_kind<PART_C_STAGE>(a, r, done); break;
-    default: rows_run_kind<PART_C_OUT>(a, r, done); break;
+    case PART_D_STAGE: rows_run_kind<PART_D_STAGE>(a, r, records, scanned, done); break;
+    case PART_D_OUT: rows_run_kind<PART_D_OUT>(a, r, records, scanned, done); break;
+    case PART_C_STAGE: rows_run_kind<PART_C_STAGE>(a, r, records, scanned, done); break;
+    default: rows_run_kind<PART_C_OUT>(a, r, records, scanned, done); break;
   }
 }
 
@@ -1496,7 +1503,7 @@ EM_FN i64 work_tcopy(Prog p, i64 wi) { return part_rec(p, rec(p, H_off_work, wi,
 EM_FN void rows_block(const Args& a, i64 wi) {
   RowsItem r;
   rows_item(prog_of(a), wi, r);
-  rows_run(a, r, NoWait{});
+  rows_run(a, r, NoWait{}, NoWait{}, NoWait{});
 }
 
 // Block `hb` (home rank x token block): this rank's received rows, each one's weight and expert;
