@@ -33,6 +33,7 @@ import torch
 from epcc.plan.segments import SegmentProgram
 from ..base import EngineError
 from epcc.backends.cuda.meta_program import HEADER, MetaProgram, encode
+from epcc.backends.cuda.meta_program import VERSION as PROGRAM_VERSION
 from epcc.backends.cuda.placement import Placement, placement, template
 
 from .exchange import Exchange, area_regions
@@ -159,10 +160,13 @@ class DeviceMeta:
         self.prog = torch.from_numpy(self.mp.array).to(device)
         self.layout = (ctypes.c_int64 * LAYOUT_WORDS)()
         words = int(lib.epcc_table_meta_scratch_words(self.mp.array.ctypes.data, self.layout))
-        if words < 0:
+        if words == -2:
+            raise EngineError(f"the bundle's metadata kernels read another version of the metadata program than "
+                              f"this epcc writes (version {PROGRAM_VERSION}): recompile the bundle with this epcc")
+        if words < 0:  # a bundle compiled before -2 existed says -1 for another version too
             raise EngineError(f"the bundle's metadata kernels do not hold rank {rank}'s program (built for "
-                              f"{manifest['metadata'].get('capacity')}, it needs {self.mp.capacity()}): recompile "
-                              f"the bundle with this epcc")
+                              f"{manifest['metadata'].get('capacity')}, it needs {self.mp.capacity()}, or compiled "
+                              f"by another epcc, whose metadata program differs): recompile the bundle with this epcc")
         self.scratch = torch.zeros(max(words, 1), dtype=torch.int64, device=device)
         self.templates = {p: torch.from_numpy(template(manifest, pl, R)).to(device) for p, pl in self.placements.items()}
         self.blobs = {p: t.clone() for p, t in self.templates.items()}

@@ -580,10 +580,12 @@ void epcc_table_meta_area(int num_ranks, int max_tokens, int topk, uint64_t* out
 }
 
 // The scratch's words; `layout` (epcc::meta::kLayout words, may be null) where its regions start.
-// -1: the program is not one this build's kernels hold (another version, or more sets, OUT sets,
-// experts or top-k than the capacity above).
+// -2: the program is of another version than these kernels read (another epcc wrote it); -1: the
+// program is not one this build's kernels hold (more sets, OUT sets, experts or top-k than the
+// capacity above).
 int64_t epcc_table_meta_scratch_words(const int64_t* prog_host, int64_t* layout) {
   const epcc::meta::Prog p = epcc::meta::prog_of(reinterpret_cast<const long long*>(prog_host));
+  if (p[epcc::meta::H_magic] != epcc::meta::kMagic || p[epcc::meta::H_version] != epcc::meta::kVersion) return -2;
   if (!epcc::meta::fits(p)) return -1;
   return epcc::meta::scratch_words(p, reinterpret_cast<long long*>(layout));
 }
