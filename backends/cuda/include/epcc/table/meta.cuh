@@ -1251,15 +1251,6 @@ EM_FN i64 part_token(const Scratch& x, Prog p, i64 part, int block, int t) {
   return x.part_tok_base[part] + x.set_base[s * p[H_token_blocks] + block] + before(m.w, t);
 }
 
-// Where a set's slots of this block start in their buffer (its offset plus its tokens of the
-// blocks before) and its block mask: a token's slot is that plus its rank among the set's tokens
-// here (set -1: none, zero; the rows load its words with their first round).
-struct SlotBase {
-  i64 at;
-  Mask m;
-};
-EM_FN i64 slot_of(const SlotBase& b, int t) { return b.at + before(b.m.w, t); }
-
 // A rows work item as far as the program says (what every token of it shares, before the
 // routing): read by rows_item, which meta_fused runs for its first item while the peers' routing
 // comes, so the rows phase starts at the loads that need the scan's results.
