@@ -259,28 +259,18 @@ def encode(manifest: dict, placement: str, prog: SegmentProgram, placements: dic
         unites[i] = members
         live_set[s.id] = i
     sets_max = max(per_origin.values(), default=0)
-    set_index = np.zeros((R, sets_max), dtype=np.int64) - 1  # (origin, bit) -> set, in evaluation order
-    order = sorted(range(len(sets)), key=lambda i: (sets[i][0], sets[i][SET.index("bit")]))
-    for i in order:
-        set_index[sets[i][0], sets[i][SET.index("bit")]] = i
     set_info_words = max(1, -(-sets_max // SET_WORD))
-    set_info = []
-    for h in range(R):
-        for b in range(sets_max):
-            si = int(set_index[h, b])
-            rec = [-1, -1, -1, 0, 0, -1, -1] + [0] * set_info_words
-            if si >= 0:
-                st = dict(zip(SET, sets[si]))
-                parent = st["parent"]
-                rec[:len(SET_INFO)] = [si, st["kind"], sets[parent][SET.index("bit")] if parent >= 0 else -1,
-                                       st["all"], st["mask"], st["dst"], st["out"]]
-                if st["kind"] not in (SET_SEG, SET_OUT):
-                    words = [0] * set_info_words
-                    for m in unites[si]:
-                        bit = sets[m][SET.index("bit")]
-                        words[bit // SET_WORD] |= 1 << (bit % SET_WORD)
-                    rec[len(SET_INFO):] = [_s64(w) for w in words]
-            set_info.append(rec)
+    past_last = dict(set=-1, kind=-1, parent_bit=-1, all=0, mask=0, dst=-1, out=-1)  # a home's bits past its sets
+    set_info = [[past_last[f] for f in SET_INFO] + [0] * set_info_words for _ in range(R * sets_max)]
+    for si, row in enumerate(sets):  # each set at (its home rank, its bit)
+        st = dict(zip(SET, row))
+        words = [0] * set_info_words
+        for m in unites.get(si, []):  # a LIVE set's
+            bit = sets[m][SET.index("bit")]
+            words[bit // SET_WORD] |= 1 << (bit % SET_WORD)
+        parent_bit = sets[st["parent"]][SET.index("bit")] if st["parent"] >= 0 else -1
+        info = dict(st, set=si, parent_bit=parent_bit)
+        set_info[st["origin"] * sets_max + st["bit"]] = [info[f] for f in SET_INFO] + [_s64(w) for w in words]
 
     # copies and parts
     copies: list[list[int]] = []

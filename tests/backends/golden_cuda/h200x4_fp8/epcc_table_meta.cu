@@ -264,15 +264,16 @@ __device__ __forceinline__ void rows_done(const EpccTableMeta& m, epcc::meta::i6
   }
 }
 
+// The count blocks whose masks and token records are stored: the scratch word after the copies'
+// rows_done words.
+__device__ __forceinline__ uint64_t* records_counter(const EpccTableMeta& m, epcc::meta::Prog p) {
+  return reinterpret_cast<uint64_t*>(epcc::meta::scratch_of(m.args).rows_done + p[epcc::meta::H_num_tcopies]);
+}
+
 // A count block's masks and token records stored, which the rows read (its threads' stores, ordered
-// by the block's barrier at count_block's end, released at GPU scope): one more counted, after the
-// copies' rows_done words.
+// by the block's barrier at count_block's end, released at GPU scope): one more counted.
 __device__ __forceinline__ void records_done(const EpccTableMeta& m, epcc::meta::Prog p) {
-  namespace k = epcc::meta;
-  if (EPCC_TID == 0) {
-    uint64_t* done = reinterpret_cast<uint64_t*>(k::scratch_of(m.args).rows_done + p[k::H_num_tcopies]);
-    asm volatile("red.release.gpu.global.add.u64 [%0], 1;" : : "l"(done) : "memory");
-  }
+  if (EPCC_TID == 0) asm volatile("red.release.gpu.global.add.u64 [%0], 1;" : : "l"(records_counter(m, p)) : "memory");
 }
 
 // Before the rows read count's masks and records: every count block's stored (records_done;
@@ -280,9 +281,8 @@ __device__ __forceinline__ void records_done(const EpccTableMeta& m, epcc::meta:
 __device__ __forceinline__ void records_wait(const EpccTableMeta& m, epcc::meta::Prog p) {
   namespace k = epcc::meta;
   if (EPCC_TID == 0)
-    await_gpu(m, reinterpret_cast<const uint64_t*>(k::scratch_of(m.args).rows_done + p[k::H_num_tcopies]), 0,
-              static_cast<uint64_t>(k::phase_blocks(p, k::PHASE_COUNT)), 4, 0, "the rows' wait for count's records",
-              "count blocks done");
+    await_gpu(m, records_counter(m, p), 0, static_cast<uint64_t>(k::phase_blocks(p, k::PHASE_COUNT)), 4, 0,
+              "the rows' wait for count's records", "count blocks done");
   __syncthreads();
 }
 
